@@ -1,0 +1,225 @@
+"""Plain data the engine works on: devices, requests, leases, decisions.
+
+No Jupyter, no I/O. Times are POSIX seconds passed in explicitly by the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Device:
+    """One poolable GPU (or MIG instance) as a backend reports it."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    memory_free: int | None = None  # what the driver says is free right now (None: unknown)
+    healthy: bool = True
+    health_reason: str = ""
+    is_mig: bool = False
+    parent_uuid: str | None = None  # the physical GPU of a MIG instance
+    mig_mode: bool = False  # the physical GPU has MIG enabled
+    nvlink_peers: frozenset[str] = frozenset()  # uuids this device has NVLink to
+    overcommit: float = 1.0  # leasable = memory_total * overcommit
+
+    @property
+    def model(self) -> str:
+        """A short, comparable model name (``A100-80GB``, ``T4``) for model constraints."""
+        return normalize_model(self.name)
+
+    @property
+    def leasable(self) -> int:
+        return int(self.memory_total * self.overcommit)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["nvlink_peers"] = sorted(self.nvlink_peers)
+        data["model"] = self.model
+        return data
+
+
+def normalize_model(name: str) -> str:
+    """``NVIDIA A100-SXM4-80GB`` → ``A100-SXM4-80GB``; used for case-insensitive matching."""
+    text = name.strip()
+    for prefix in ("NVIDIA ", "Tesla ", "GeForce ", "Quadro "):
+        if text.upper().startswith(prefix.upper()):
+            text = text[len(prefix) :]
+    return text.replace(" ", "-").upper()
+
+
+def model_matches(wanted: str, device: Device) -> bool:
+    """A constraint ``A100`` matches ``A100-SXM4-80GB``; ``RTX3090`` matches ``RTX-3090``."""
+    want = normalize_model(wanted).replace("-", "")
+    have = device.model.replace("-", "")
+    return have == want or have.startswith(want) or want in have
+
+
+class LeaseState(str, enum.Enum):
+    QUEUED = "queued"
+    GRANTED = "granted"
+    SUSPENDED = "suspended"
+    RELEASED = "released"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PriorityClass(str, enum.Enum):
+    """Higher ``rank`` is served first and may preempt lower ranks."""
+
+    BATCH = "batch"  # autograding, nbconvert runs
+    NORMAL = "normal"  # live notebook users
+    HIGH = "high"  # instructors, staff
+
+    @property
+    def rank(self) -> int:
+        return {"batch": 0, "normal": 1, "high": 2}[self.value]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    """What a kernel (or any client) asks the pool for."""
+
+    owner: str
+    memory: int  # bytes per GPU
+    groups: tuple[str, ...] = ()
+    kernel_id: str | None = None
+    num_gpus: int = 1
+    compute_share: int | None = None  # percent of SMs, for MPS/HAMi
+    model: str | None = None  # GPU model constraint, e.g. "A100"
+    priority: PriorityClass = PriorityClass.NORMAL
+    duration: float | None = None  # seconds the holder expects to need it
+    holder_pid: int | None = None  # process that holds the lease (reconciled if it dies)
+    holder_host: str | None = None
+    label: str = ""  # free text: notebook path, "nbconvert", ...
+
+
+@dataclass
+class Lease:
+    """A request as the pool tracks it, through its whole life."""
+
+    id: str
+    owner: str
+    memory: int
+    state: LeaseState
+    created_at: float
+    groups: tuple[str, ...] = ()
+    kernel_id: str | None = None
+    num_gpus: int = 1
+    compute_share: int | None = None
+    model: str | None = None
+    priority: PriorityClass = PriorityClass.NORMAL
+    duration: float | None = None
+    holder_pid: int | None = None
+    holder_host: str | None = None
+    label: str = ""
+    devices: tuple[str, ...] = ()  # uuids, when granted
+    granted_at: float | None = None
+    released_at: float | None = None
+    release_reason: str = ""
+    heartbeat_at: float | None = None
+    busy: bool = False
+    last_activity: float | None = None
+    connections: int = 0
+    active_seconds: float = 0.0
+    keep_until: float | None = None  # held through idle until then (``%gpupool keep``)
+    warned_at: float | None = None  # idle/preemption warning given
+    reclaim_at: float | None = None  # when the warned lease will be reclaimed
+    reclaim_reason: str = ""
+    used_memory: int | None = None  # from the watchdog, bytes (sum over GPUs)
+    peak_memory: int | None = None
+    over_limit_since: float | None = None
+    flagged: str = ""  # e.g. "GPU lost": the device went unhealthy under the lease
+
+    @property
+    def expected_end(self) -> float | None:
+        if self.duration is None or self.granted_at is None:
+            return None
+        return self.granted_at + self.duration
+
+    @property
+    def live(self) -> bool:
+        return self.state is not LeaseState.RELEASED
+
+    def idle_seconds(self, now: float) -> float:
+        if self.busy or self.state is not LeaseState.GRANTED:
+            return 0.0
+        since = self.last_activity or self.granted_at or self.created_at
+        return max(0.0, now - since)
+
+    def copy(self, **changes: Any) -> Lease:
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = self.state.value
+        data["priority"] = self.priority.value
+        data["groups"] = list(self.groups)
+        data["devices"] = list(self.devices)
+        return data
+
+
+@dataclass(frozen=True)
+class Activity:
+    """A kernel's activity as the server sees it."""
+
+    busy: bool
+    last_activity: float | None = None
+    connections: int = 0
+
+
+class DecisionKind(str, enum.Enum):
+    GRANT = "grant"
+    WARN_IDLE = "warn_idle"  # reclaim coming at lease.reclaim_at unless the user keeps it
+    RECLAIM_IDLE = "reclaim_idle"  # adapters cull (or later suspend) the kernel
+    PREEMPT_WARN = "preempt_warn"  # eviction decided, grace period running
+    PREEMPT = "preempt"  # grace over: adapters stop the kernel now
+    RELEASE = "release"  # released by the engine (expired holder, duration over, GPU lost)
+    OVER_LIMIT = "over_limit"  # watchdog saw usage above the slice
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Something the engine decided that an adapter may need to act on or tell the user."""
+
+    kind: DecisionKind
+    lease_id: str
+    kernel_id: str | None
+    owner: str
+    reason: str
+    at: float
+    deadline: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["kind"] = self.kind.value
+        return data
+
+
+@dataclass
+class QueueInfo:
+    """Where a queued lease stands."""
+
+    position: int  # 1-based
+    length: int
+    estimated_wait: float | None  # seconds, None when unknown
+    reason: str = ""  # why it waits: "pool full", "over your quota of 16 GiB", ...
+
+
+@dataclass
+class PoolSnapshot:
+    """Everything a status view shows, already filtered for the viewer."""
+
+    devices: list[dict[str, Any]]
+    leases: list[dict[str, Any]]
+    queue: list[dict[str, Any]]
+    now: float
+    quota: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,59 @@
+"""Device backends: where the pool learns which GPUs exist and how much memory processes use.
+
+Two backends share one interface: ``nvml`` (real GPUs through nvidia-ml-py) and
+``simulated`` (from a spec such as ``2xA100-80GB``), chosen by :func:`make_backend`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from ..core.models import Device
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    """GPU memory one OS process holds on one device."""
+
+    pid: int
+    device_uuid: str
+    used_memory: int  # bytes
+
+
+class DeviceBackend(abc.ABC):
+    """What the pool needs from the hardware layer."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def devices(self) -> list[Device]:
+        """Poolable devices (GPUs, or MIG instances of GPUs in MIG mode), with health."""
+
+    @abc.abstractmethod
+    def process_usage(self) -> list[ProcessUsage]:
+        """GPU memory per process on every device (for the watchdog)."""
+
+    def describe(self) -> str:
+        """One line for status output, e.g. ``simulated 2xA100-80GB``."""
+        return self.name
+
+    def close(self) -> None:
+        """Release driver handles (NVML shutdown)."""
+
+
+def make_backend(spec: str | None) -> DeviceBackend:
+    """``None``/``""``/``"nvml"`` → NVML; anything else is a simulated inventory spec.
+
+    Raises :class:`~jupyter_gpupool.errors.PoolUnavailable` when NVML is asked for but absent.
+    """
+    from .simulated import SimulatedBackend
+
+    if spec and spec.strip().lower() not in {"nvml", "auto"}:
+        return SimulatedBackend.from_spec(spec)
+    from .nvml import NvmlBackend
+
+    return NvmlBackend()
+
+
+__all__ = ["DeviceBackend", "ProcessUsage", "make_backend", "Device"]

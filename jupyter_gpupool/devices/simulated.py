@@ -1,0 +1,119 @@
+"""A simulated inventory for demos, Binder, CI and benchmarks, with scripted process usage."""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid as uuid_module
+
+from ..core.models import Device
+from ..errors import InvalidInput
+from ..units import GIB, parse_size
+from . import DeviceBackend, ProcessUsage
+
+SPEC_FORMS = "a spec like 1x16GiB, 2xA100-80GB or 4xRTX3090-24GB,1xT4-16GB"
+
+# Models named without a size get their usual memory.
+KNOWN_MODELS: dict[str, int] = {
+    "A100": 80 * GIB,
+    "A100-40GB": 40 * GIB,
+    "A100-80GB": 80 * GIB,
+    "H100": 80 * GIB,
+    "H200": 141 * GIB,
+    "V100": 32 * GIB,
+    "T4": 16 * GIB,
+    "L4": 24 * GIB,
+    "A10": 24 * GIB,
+    "RTX3090": 24 * GIB,
+    "RTX4090": 24 * GIB,
+    "RTX2080TI": 11 * GIB,
+}
+
+_ITEM = re.compile(r"^\s*(?:(?P<count>\d+)\s*[xX]\s*)?(?P<what>[A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
+_SIZE_SUFFIX = re.compile(r"^(?P<model>.*?)-?(?P<size>\d+(?:\.\d+)?\s*(?:GiB|GB|G|MiB|MB|M|TiB|TB))$", re.IGNORECASE)
+
+
+def parse_inventory(spec: str) -> list[tuple[str, int]]:
+    """``"2xA100-80GB,1x16GiB"`` → ``[("A100-80GB", 80 GiB), ("A100-80GB", ...), ("GPU-16GiB", 16 GiB)]``."""
+    if not spec or not spec.strip():
+        raise InvalidInput(f"empty simulated inventory: expected {SPEC_FORMS}")
+    gpus: list[tuple[str, int]] = []
+    for item in spec.split(","):
+        match = _ITEM.match(item)
+        if not match:
+            raise InvalidInput(f"invalid inventory item {item.strip()!r}: expected {SPEC_FORMS}")
+        count = int(match.group("count") or 1)
+        if not 1 <= count <= 1024:
+            raise InvalidInput(f"invalid GPU count {count} in {item.strip()!r}: expected 1 to 1024")
+        what = match.group("what")
+        sized = _SIZE_SUFFIX.match(what)
+        if sized:
+            memory = parse_size(sized.group("size"))
+            model = sized.group("model") or "GPU"
+            name = f"{model}-{sized.group('size')}" if sized.group("model") else f"Simulated GPU {sized.group('size')}"
+        elif what.upper() in KNOWN_MODELS:
+            memory = KNOWN_MODELS[what.upper()]
+            name = what
+        else:
+            raise InvalidInput(
+                f"unknown GPU {what!r} in {item.strip()!r}: give its memory (e.g. {what}-24GB); expected {SPEC_FORMS}"
+            )
+        gpus.extend((name, memory) for _ in range(count))
+    return gpus
+
+
+class SimulatedBackend(DeviceBackend):
+    """GPUs that exist only in memory; usage is scripted with :meth:`set_usage`."""
+
+    name = "simulated"
+
+    def __init__(self, gpus: list[tuple[str, int]], spec: str = "", nvlink: bool = True) -> None:
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._devices: list[Device] = []
+        namespace = uuid_module.UUID("6f1c1f9e-5f0b-4d0e-9d7e-3b8f0c2a9a10")
+        uuids = [f"GPU-{uuid_module.uuid5(namespace, f'{spec}/{i}')}" for i in range(len(gpus))]
+        for index, (name, memory) in enumerate(gpus):
+            # GPUs of the same model in one spec item are NVLink peers, as in a DGX box.
+            peers = frozenset(u for j, u in enumerate(uuids) if j != index and gpus[j][0] == name) if nvlink else frozenset()
+            self._devices.append(
+                Device(index=index, uuid=uuids[index], name=name, memory_total=memory, memory_free=memory, nvlink_peers=peers)
+            )
+        self._usage: dict[tuple[int, str], int] = {}
+
+    @classmethod
+    def from_spec(cls, spec: str) -> SimulatedBackend:
+        return cls(parse_inventory(spec), spec=spec.strip())
+
+    def devices(self) -> list[Device]:
+        with self._lock:
+            used: dict[str, int] = {}
+            for (_, dev), amount in self._usage.items():
+                used[dev] = used.get(dev, 0) + amount
+            return [
+                Device(**{**d.__dict__, "memory_free": max(0, d.memory_total - used.get(d.uuid, 0))}) for d in self._devices
+            ]
+
+    def process_usage(self) -> list[ProcessUsage]:
+        with self._lock:
+            return [ProcessUsage(pid=pid, device_uuid=dev, used_memory=amount) for (pid, dev), amount in self._usage.items()]
+
+    # --- scripting, for tests and demos -------------------------------------------------------
+    def set_usage(self, pid: int, device_uuid: str, used_memory: int) -> None:
+        """Pretend process ``pid`` holds ``used_memory`` bytes on a device (0 removes it)."""
+        with self._lock:
+            if used_memory <= 0:
+                self._usage.pop((pid, device_uuid), None)
+            else:
+                self._usage[(pid, device_uuid)] = used_memory
+
+    def set_health(self, device_uuid: str, healthy: bool, reason: str = "") -> None:
+        """Mark a simulated GPU lost (``healthy=False``) or back."""
+        with self._lock:
+            self._devices = [
+                Device(**{**d.__dict__, "healthy": healthy, "health_reason": reason}) if d.uuid == device_uuid else d
+                for d in self._devices
+            ]
+
+    def describe(self) -> str:
+        return f"simulated {self.spec}"

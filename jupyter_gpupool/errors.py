@@ -1,0 +1,48 @@
+"""Domain errors. Adapters map them to exit codes (CLI) and HTTP statuses (REST)."""
+
+from __future__ import annotations
+
+
+class GpuPoolError(Exception):
+    """Base class: the message is meant for the user, one line, saying what to do."""
+
+    http_status = 500
+    exit_code = 1
+
+
+class InvalidInput(GpuPoolError, ValueError):
+    """A size, duration or other value the user typed cannot be understood."""
+
+    http_status = 400
+    exit_code = 2
+
+
+class RequestRefused(GpuPoolError):
+    """A request that can never be granted (too big, over a hard quota, unknown GPU model)."""
+
+    http_status = 409
+    exit_code = 3
+
+
+class LeaseNotFound(GpuPoolError, KeyError):
+    """No lease (or kernel) with that id."""
+
+    http_status = 404
+    exit_code = 4
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "lease not found"
+
+
+class NotAuthorized(GpuPoolError):
+    """The caller may not see or act on that lease."""
+
+    http_status = 403
+    exit_code = 5
+
+
+class PoolUnavailable(GpuPoolError):
+    """The pool (store or broker) cannot be reached."""
+
+    http_status = 503
+    exit_code = 6

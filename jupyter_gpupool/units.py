@@ -1,0 +1,131 @@
+"""Parse and format memory sizes and durations as users type them.
+
+Every parser raises :class:`InvalidInput` with a one-line message that names the accepted
+forms, so adapters (CLI, REST, magics) can show it as is.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import InvalidInput
+
+KIB = 1024
+MIB = 1024**2
+GIB = 1024**3
+TIB = 1024**4
+
+SIZE_FORMS = "a size like 8GiB, 8G, 8GB, 512MiB, 1073741824 (bytes) or 25% (of a GPU)"
+DURATION_FORMS = "a duration like 90s, 30m, 2h, 1h30m, 1d or 3600 (seconds)"
+
+# Binary units on purpose: GPU memory is sold in GiB even when labelled "GB".
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KIB,
+    "kb": KIB,
+    "kib": KIB,
+    "m": MIB,
+    "mb": MIB,
+    "mib": MIB,
+    "g": GIB,
+    "gb": GIB,
+    "gib": GIB,
+    "t": TIB,
+    "tb": TIB,
+    "tib": TIB,
+}
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+_PERCENT_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*%\s*$")
+# Largest size we accept: no GPU has more than 1 PiB, and bigger numbers are typos.
+MAX_SIZE = 1024 * TIB
+
+
+def parse_size(text: str | int | float, *, gpu_memory: int | None = None) -> int:
+    """Return a positive number of bytes from ``text``.
+
+    ``25%`` is a share of ``gpu_memory`` (the GPU the request is for, or the largest GPU).
+    """
+    if isinstance(text, bool):
+        raise InvalidInput(f"invalid size {text!r}: expected {SIZE_FORMS}")
+    if isinstance(text, (int, float)):
+        value = float(text)
+        if not math.isfinite(value) or value <= 0 or value > MAX_SIZE:
+            raise InvalidInput(f"invalid size {text!r}: expected {SIZE_FORMS}")
+        return int(value)
+    raw = str(text)
+    percent = _PERCENT_RE.match(raw)
+    if percent:
+        share = float(percent.group("num"))
+        if not 0 < share <= 100:
+            raise InvalidInput(f"invalid size {raw!r}: a percentage must be above 0% and at most 100%")
+        if gpu_memory is None:
+            raise InvalidInput(f"invalid size {raw!r}: a percentage needs a GPU to take it of")
+        return max(1, int(gpu_memory * share / 100))
+    match = _SIZE_RE.match(raw)
+    if not match:
+        raise InvalidInput(f"invalid size {raw!r}: expected {SIZE_FORMS}")
+    unit = match.group("unit").lower()
+    if unit not in _SIZE_UNITS:
+        raise InvalidInput(f"invalid size {raw!r}: unknown unit {match.group('unit')!r}; expected {SIZE_FORMS}")
+    value = float(match.group("num")) * _SIZE_UNITS[unit]
+    if value < 1 or value > MAX_SIZE:
+        raise InvalidInput(f"invalid size {raw!r}: must be between 1 byte and 1 PiB; expected {SIZE_FORMS}")
+    return int(value)
+
+
+_DURATION_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|min|m|sec|s)", re.IGNORECASE)
+MAX_DURATION = 366 * 86400
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Return a positive number of seconds from ``text`` (``2h``, ``1h30m``, ``90``)."""
+    if isinstance(text, bool):
+        raise InvalidInput(f"invalid duration {text!r}: expected {DURATION_FORMS}")
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        raw = str(text).strip()
+        if re.fullmatch(r"\d+(?:\.\d+)?", raw):
+            seconds = float(raw)
+        else:
+            compact = raw.replace(" ", "")
+            parts = _DURATION_PART.findall(compact)
+            if not parts or "".join(n + u for n, u in parts).lower() != compact.lower():
+                raise InvalidInput(f"invalid duration {text!r}: expected {DURATION_FORMS}")
+            seconds = sum(float(n) * _DURATION_UNITS[u.lower()] for n, u in parts)
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_DURATION:
+        raise InvalidInput(f"invalid duration {text!r}: must be above 0 and at most 366 days; expected {DURATION_FORMS}")
+    return seconds
+
+
+def format_size(num_bytes: int | float | None) -> str:
+    """``8589934592`` → ``8 GiB``; ``3.1 GiB`` keeps one decimal when it matters."""
+    if num_bytes is None:
+        return "unknown"
+    value = float(num_bytes)
+    for unit, factor in (("TiB", TIB), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if abs(value) >= factor:
+            scaled = value / factor
+            text = f"{scaled:.1f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}"
+    return f"{int(value)} B"
+
+
+def format_duration(seconds: float | None) -> str:
+    """``270`` → ``4 min 30 s``; ``None`` → ``unknown``."""
+    if seconds is None:
+        return "unknown"
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, sec = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min" + (f" {sec} s" if sec and minutes < 10 else "")
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h" + (f" {minutes} min" if minutes else "")
+    days, hours = divmod(hours, 24)
+    return f"{days} d" + (f" {hours} h" if hours else "")
