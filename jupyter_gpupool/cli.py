@@ -1,0 +1,442 @@
+"""``jupyter gpupool``: look at and manage the pool from a terminal.
+
+Subcommands are traitlets applications; each maps domain errors to a one-line message and an
+exit code (see :mod:`jupyter_gpupool.errors`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import getpass
+import io
+import json
+import sys
+from typing import Any
+
+from jupyter_core.application import JupyterApp, base_aliases, base_flags
+from traitlets import Bool, Enum, Unicode, default
+
+from ._version import __version__
+from .core.models import Lease, LeaseState
+from .core.policy import PoolPolicy
+from .errors import GpuPoolError, InvalidInput
+from .units import format_duration, format_size, parse_duration
+
+EXIT_USAGE = 2
+
+
+def current_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return "user"
+
+
+class GpuPoolBaseApp(JupyterApp):
+    """Shared by every subcommand: builds the pool from config and ``GPUPOOL_*`` variables."""
+
+    version = __version__
+    classes = [PoolPolicy]
+    aliases = {**base_aliases, "db": "GpuPoolBaseApp.db", "simulate": "GpuPoolBaseApp.simulate"}
+    flags = {
+        **base_flags,
+        "json": ({"GpuPoolBaseApp": {"json": True}}, "Print JSON instead of a table."),
+    }
+
+    db = Unicode("", help="Path of the pool's SQLite file (default: $GPUPOOL_DB or a per-user file).").tag(config=True)
+    simulate = Unicode(
+        "", help="Use a simulated inventory such as 1x16GiB or 2xA100-80GB (default: $GPUPOOL_SIMULATE, else NVML)."
+    ).tag(config=True)
+    json = Bool(False, help="Print JSON instead of a table.").tag(config=True)
+
+    @default("config_file_name")
+    def _config_file_name_default(self) -> str:
+        return "jupyter_gpupool_config"
+
+    def make_pool(self) -> Any:
+        import os
+
+        from .pool import Pool
+
+        env = dict(os.environ)
+        if self.simulate:
+            env["GPUPOOL_SIMULATE"] = self.simulate
+        if self.db:
+            env["GPUPOOL_DB"] = self.db
+        return Pool.from_env(config=self.config, environ=env)
+
+    def emit(self, data: Any, text: str) -> None:
+        print(json.dumps(data, indent=2, default=str) if self.json else text)
+
+    def start(self) -> None:
+        try:
+            self.run()
+        except GpuPoolError as err:
+            print(f"jupyter gpupool {self.name.split('-')[-1]}: error: {err}", file=sys.stderr)
+            self.exit(err.exit_code)
+        except TimeoutError as err:
+            print(f"jupyter gpupool: {err}", file=sys.stderr)
+            self.exit(1)
+
+    def run(self) -> None:
+        raise NotImplementedError  # every subcommand overrides run()
+
+    @classmethod
+    def launch_instance(cls, argv: Any = None, **kwargs: Any) -> None:  # type: ignore[override]
+        try:
+            super().launch_instance(argv=argv, **kwargs)
+        except GpuPoolError as err:
+            print(f"jupyter gpupool: error: {err}", file=sys.stderr)
+            sys.exit(err.exit_code)
+        except Exception as err:  # traitlets errors in config or arguments
+            if type(err).__name__ in {"TraitError", "ArgumentError", "ConfigFileNotFound"}:
+                print(f"jupyter gpupool: error: {err}", file=sys.stderr)
+                sys.exit(EXIT_USAGE)
+            raise
+
+
+def device_rows(snapshot: Any) -> list[list[str]]:
+    rows = []
+    for d in snapshot.devices:
+        free = d["memory_leasable"] - d["memory_leased"]
+        rows.append(
+            [
+                str(d["index"]),
+                d["name"],
+                format_size(d["memory_total"]),
+                format_size(d["memory_leased"]),
+                format_size(d["memory_used"]),
+                format_size(free),
+                "ok" if d["healthy"] else f"UNHEALTHY: {d['health_reason']}",
+            ]
+        )
+    return rows
+
+
+def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
+    rows = []
+    for item in leases:
+        since = item.get("granted_at") or item.get("created_at") or now
+        rows.append(
+            [
+                item.get("id") or "-",
+                item.get("owner") or "(another user)",
+                item["state"],
+                format_size(item["memory"]) + (f" x{item['num_gpus']}" if item.get("num_gpus", 1) > 1 else ""),
+                str(item.get("queue_position") or "") if item["state"] == "queued" else ",".join(u[:12] for u in item["devices"]),
+                format_duration(now - since),
+                (item.get("kernel_id") or item.get("label") or "")[:36],
+            ]
+        )
+    return rows
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    if not rows:
+        return "  (none)"
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+class StatusApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-status"
+    description = "Show devices (total, leased, used, free), leases and the queue."
+    flags = {
+        **GpuPoolBaseApp.flags,
+        "all": ({"StatusApp": {"all": True}}, "Show every lease with its user (admins)."),
+    }
+    all = Bool(False, help="Show every lease with its user.").tag(config=True)
+
+    def run(self) -> None:
+        pool = self.make_pool()
+        pool.tick()
+        snapshot = pool.snapshot(viewer=current_user(), admin=self.all)
+        data = {
+            "backend": pool.backend.describe(),
+            "db": pool.db_path,
+            "devices": snapshot.devices,
+            "leases": snapshot.leases,
+            "queue": snapshot.queue,
+            "quota": snapshot.quota,
+        }
+        text = "\n".join(
+            [
+                f"Pool: {pool.backend.describe()}  (db {pool.db_path})",
+                "",
+                table(["GPU", "name", "total", "leased", "used", "free", "health"], device_rows(snapshot)),
+                "",
+                f"Leases ({sum(1 for l in snapshot.leases if l['state'] != 'queued')} held, {len(snapshot.queue)} queued):",
+                table(["lease", "user", "state", "memory", "GPU/pos", "for", "kernel"], lease_rows(snapshot.leases, snapshot.now)),
+            ]
+        )
+        self.emit(data, text)
+
+
+class LeasesApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-leases"
+    description = "List live leases (yours, or everyone's with --all)."
+    flags = {
+        **GpuPoolBaseApp.flags,
+        "all": ({"LeasesApp": {"all": True}}, "Every user's leases."),
+        "released": ({"LeasesApp": {"released": True}}, "Include released leases."),
+    }
+    all = Bool(False, help="Every user's leases.").tag(config=True)
+    released = Bool(False, help="Include released leases.").tag(config=True)
+
+    def run(self) -> None:
+        pool = self.make_pool()
+        pool.tick()
+        owner = None if self.all else current_user()
+        leases = pool.leases(owner=owner, include_released=self.released)
+        now = pool.clock()
+        data = [lease.to_json() for lease in leases]
+        self.emit(data, table(["lease", "user", "state", "memory", "GPU/pos", "for", "kernel"], lease_rows(data, now)))
+
+
+class QueueApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-queue"
+    description = "Show the queue in service order with estimated waits."
+
+    def run(self) -> None:
+        pool = self.make_pool()
+        pool.tick()
+        user = current_user()
+        rows, data = [], []
+        for lease in pool.queue():
+            info = pool.queue_info(lease.id)
+            view = pool.view_lease(lease, user, admin=True)
+            view.update(position=info.position if info else None, estimated_wait=info.estimated_wait if info else None)
+            data.append(view)
+            rows.append(
+                [
+                    str(view["position"]),
+                    lease.id,
+                    lease.owner,
+                    format_size(lease.memory),
+                    lease.priority.value,
+                    format_duration(info.estimated_wait if info else None),
+                    info.reason if info else "",
+                ]
+            )
+        self.emit(data, table(["pos", "lease", "user", "memory", "class", "wait", "why"], rows))
+
+
+class ReleaseApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-release"
+    description = "Release a lease: jupyter gpupool release LEASE_ID"
+
+    def run(self) -> None:
+        if len(self.extra_args) != 1:
+            raise InvalidInput("give exactly one lease id: jupyter gpupool release LEASE_ID (see `jupyter gpupool leases`)")
+        pool = self.make_pool()
+        lease = pool.get(self.extra_args[0])
+        user = current_user()
+        if lease.owner != user and user != "root":
+            from .errors import NotAuthorized
+
+            raise NotAuthorized(f"lease {lease.id} belongs to another user; only its owner or an admin may release it")
+        released = pool.release(lease.id, reason=f"released by {user} from the command line")
+        self.emit(released.to_json(), f"released {released.id} ({format_size(released.memory)})")
+
+
+def parse_day(text: str) -> float:
+    try:
+        return dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise InvalidInput(f"invalid date {text!r}: expected a date like 2026-11-01 or 2026-11-01T09:00") from None
+
+
+class ReportApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-report"
+    description = "GiB·hours held and active per user, group or kernel."
+    aliases = {
+        **GpuPoolBaseApp.aliases,
+        "since": "ReportApp.since",
+        "until": "ReportApp.until",
+        "by": "ReportApp.by",
+        "format": "ReportApp.format",
+    }
+    since = Unicode("", help="Start date (ISO 8601, e.g. 2026-11-01); default: everything.").tag(config=True)
+    until = Unicode("", help="End date (ISO 8601); default: now.").tag(config=True)
+    by = Enum(["user", "group", "kernel"], "user", help="Group rows by user, group or kernel.").tag(config=True)
+    format = Enum(["table", "csv", "json"], "table", help="Output format.").tag(config=True)
+
+    def run(self) -> None:
+        since = parse_day(self.since) if self.since else None
+        until = parse_day(self.until) if self.until else None
+        pool = self.make_pool()
+        rows = pool.report(since=since, until=until, by=self.by)
+        fmt = "json" if self.json else self.format
+        if fmt == "json":
+            print(json.dumps(rows, indent=2))
+        elif fmt == "csv":
+            out = io.StringIO()
+            writer = csv.DictWriter(out, fieldnames=[self.by, "leases", "gib_hours_held", "gib_hours_active"], lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
+            print(out.getvalue(), end="")
+        else:
+            print(
+                table(
+                    [self.by, "leases", "GiB·h held", "GiB·h active"],
+                    [[r[self.by], str(r["leases"]), f"{r['gib_hours_held']:.3f}", f"{r['gib_hours_active']:.3f}"] for r in rows],
+                )
+            )
+
+
+class ReserveApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-reserve"
+    description = (
+        "Book capacity for users or groups: jupyter gpupool reserve NAME --memory 40GiB --groups cs101 "
+        "(--start 2026-12-01T09:00 --for 2h | --weekdays tue --start 09:00 --end 11:00); --cancel NAME; --list."
+    )
+    aliases = {
+        **GpuPoolBaseApp.aliases,
+        "memory": "ReserveApp.memory",
+        "groups": "ReserveApp.groups",
+        "users": "ReserveApp.users",
+        "start": "ReserveApp.start",
+        "end": "ReserveApp.end",
+        "for": "ReserveApp.duration",
+        "weekdays": "ReserveApp.weekdays",
+    }
+    flags = {
+        **GpuPoolBaseApp.flags,
+        "cancel": ({"ReserveApp": {"cancel": True}}, "Cancel the named reservation."),
+        "list": ({"ReserveApp": {"list": True}}, "List reservations."),
+    }
+    memory = Unicode("", help="Memory to hold, e.g. 40GiB.").tag(config=True)
+    groups = Unicode("", help="Comma-separated groups it is for.").tag(config=True)
+    users = Unicode("", help="Comma-separated users it is for.").tag(config=True)
+    start = Unicode("", help="Start: ISO time (one-off, default now) or HH:MM with --weekdays.").tag(config=True)
+    end = Unicode("", help="End: ISO time or HH:MM with --weekdays.").tag(config=True)
+    duration = Unicode("", help="Length of a one-off window, e.g. 2h (instead of --end).").tag(config=True)
+    weekdays = Unicode("", help="Weekly days, e.g. tue,thu.").tag(config=True)
+    cancel = Bool(False, help="Cancel the named reservation.").tag(config=True)
+    list = Bool(False, help="List reservations.").tag(config=True)
+
+    def run(self) -> None:
+        pool = self.make_pool()
+        if self.list:
+            data = [r.to_json() for r in pool.reservations()]
+            self.emit(data, json.dumps(data, indent=2) if data else "  (no reservations)")
+            return
+        if len(self.extra_args) != 1:
+            raise InvalidInput("name the reservation: jupyter gpupool reserve NAME --memory 40GiB --groups cs101 --for 2h")
+        name = self.extra_args[0]
+        if self.cancel:
+            pool.cancel_reservation(name)
+            print(f"cancelled reservation {name}")
+            return
+        spec: dict[str, Any] = {"name": name, "memory": self.memory or None, "groups": self.groups, "users": self.users}
+        if not self.memory:
+            raise InvalidInput("give --memory, e.g. --memory 40GiB")
+        if self.weekdays:
+            spec.update(weekdays=self.weekdays, start=self.start, end=self.end)
+        else:
+            spec["start"] = self.start or None
+            if self.end:
+                spec["end"] = self.end
+            elif self.duration:
+                spec["duration"] = self.duration
+        reservation = pool.book_reservation(spec)
+        self.emit(reservation.to_json(), f"reserved {format_size(reservation.memory)} as {name!r}")
+
+
+class RequestApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-request"
+    description = "Ask for a slice from a shell and wait for it: jupyter gpupool request 8GiB [--for 2h] [--wait]."
+    aliases = {**GpuPoolBaseApp.aliases, "for": "RequestApp.duration", "gpus": "RequestApp.gpus", "model": "RequestApp.model"}
+    flags = {**GpuPoolBaseApp.flags, "wait": ({"RequestApp": {"wait": True}}, "Wait until granted, showing the position.")}
+    duration = Unicode("", help="Expected duration, e.g. 2h.").tag(config=True)
+    gpus = Unicode("1", help="Number of GPUs.").tag(config=True)
+    model = Unicode("", help="GPU model constraint, e.g. A100.").tag(config=True)
+    wait = Bool(False, help="Wait until granted.").tag(config=True)
+
+    def run(self) -> None:
+        from .core.models import LeaseRequest
+
+        if len(self.extra_args) != 1:
+            raise InvalidInput("give the size: jupyter gpupool request 8GiB")
+        pool = self.make_pool()
+        memory = pool.parse_memory(self.extra_args[0])
+        duration = parse_duration(self.duration) if self.duration else None
+        if not self.gpus.isdigit():
+            raise InvalidInput(f"invalid --gpus {self.gpus!r}: expected a whole number like 2")
+        lease = pool.request(
+            LeaseRequest(owner=current_user(), memory=memory, num_gpus=int(self.gpus), model=self.model or None, duration=duration, label="cli")
+        )
+        if self.wait and lease.state is LeaseState.QUEUED:
+
+            def show(current: Lease, info: Any) -> None:
+                if info is not None:
+                    print(f"\rwaiting for a GPU: position {info.position} of {info.length}, about {format_duration(info.estimated_wait)}", end="", file=sys.stderr)
+
+            lease = pool.wait_for_grant(lease.id, on_update=show)
+            print(file=sys.stderr)
+        self.emit(lease.to_json(), f"{lease.id} {lease.state.value} {format_size(lease.memory)}")
+
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "status": ("jupyter_gpupool.cli.StatusApp", StatusApp.description),
+    "leases": ("jupyter_gpupool.cli.LeasesApp", LeasesApp.description),
+    "queue": ("jupyter_gpupool.cli.QueueApp", QueueApp.description),
+    "release": ("jupyter_gpupool.cli.ReleaseApp", ReleaseApp.description),
+    "report": ("jupyter_gpupool.cli.ReportApp", ReportApp.description),
+    "reserve": ("jupyter_gpupool.cli.ReserveApp", ReserveApp.description),
+    "request": ("jupyter_gpupool.cli.RequestApp", RequestApp.description),
+    "kernelspec": ("jupyter_gpupool.kernelspec.KernelSpecApp", "Install kernelspecs with a fixed GPU slice."),
+    "simulate": ("jupyter_gpupool.simulate.SimulateApp", "What-if: how many users can share these GPUs, with what wait?"),
+    "demo": ("jupyter_gpupool.demo.DemoApp", "Start JupyterLab on a simulated pool with a demo notebook."),
+    "broker": ("jupyter_gpupool.broker.BrokerApp", "Serve one pool to every Jupyter server on the host."),
+}
+
+
+class GpuPoolApp(GpuPoolBaseApp):
+    """``jupyter gpupool``: the entry point; dispatches to subcommands."""
+
+    name = "jupyter-gpupool"
+    description = "Pool the GPU memory of this host across Jupyter kernels."
+    subcommands: dict[str, tuple[str, str]] = {}  # filled in initialize(): only the installed ones
+
+    def initialize(self, argv: Any = None) -> None:
+        self.subcommands = {name: (target, text) for name, (target, text) in SUBCOMMANDS.items() if _importable(target)}
+        super().initialize(argv)
+
+    def run(self) -> None:
+        if self.subapp is None:
+            print("usage: jupyter gpupool {" + ",".join(self.subcommands) + "} [options]\n")
+            for name, (_, text) in self.subcommands.items():
+                print(f"  {name:<11} {text}")
+            print("\nRun `jupyter gpupool COMMAND --help` for a command's options.")
+            self.exit(EXIT_USAGE if self.extra_args else 0)
+
+    def start(self) -> None:
+        if self.subapp is not None:
+            self.subapp.start()
+            return
+        if self.extra_args:
+            print(f"jupyter gpupool: error: unknown command {self.extra_args[0]!r}; choose one of {', '.join(self.subcommands)}", file=sys.stderr)
+            self.exit(EXIT_USAGE)
+        super().start()
+
+
+def _importable(target: str) -> bool:
+    import importlib.util
+
+    module = target.rsplit(".", 1)[0]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def main() -> None:
+    GpuPoolApp.launch_instance()
+
+
+if __name__ == "__main__":
+    main()

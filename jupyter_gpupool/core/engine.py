@@ -1,0 +1,605 @@
+"""The pool engine: admission, queue order, placement, quotas, preemption, idle reclaim.
+
+Pure: it works on a :class:`PoolState` held in memory and an explicit ``now``; the store loads
+and saves that state around each call (one SQLite transaction per decision). Nothing here
+touches Jupyter, HTTP, NVML or the clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..errors import InvalidInput, LeaseNotFound, RequestRefused
+from ..units import GIB, format_duration, format_size
+from .models import (
+    Activity,
+    Decision,
+    DecisionKind,
+    Device,
+    Lease,
+    LeaseRequest,
+    LeaseState,
+    PriorityClass,
+    QueueInfo,
+    model_matches,
+)
+from .placement import Demand, GpuSlot, NodeView, PlacementPolicy, make_policy, typical_demands
+from .policy import PoolPolicy, Quota, Reservation
+
+HELD_STATES = (LeaseState.GRANTED,)  # suspended leases hold no GPU memory
+
+
+@dataclass
+class PoolState:
+    """What one decision sees: devices, live leases and usage history."""
+
+    devices: list[Device]
+    leases: dict[str, Lease]
+    usage: dict[str, float] = field(default_factory=dict)  # decayed past GiB·h per owner
+    typical_hold: float | None = None  # median seconds a lease was held, from history
+    reservations: list[Reservation] = field(default_factory=list)
+    recent_requests: list[int] = field(default_factory=list)  # memory of recent requests (FGD's typical pods)
+    now: float = 0.0  # the time this state was loaded for
+    changed: set[str] = field(default_factory=set)
+    released: list[Lease] = field(default_factory=list)
+
+    def touch(self, lease: Lease) -> None:
+        self.changed.add(lease.id)
+
+
+def held_by_device(leases: Iterable[Lease]) -> dict[str, int]:
+    """Bytes leased on each device uuid by leases that hold GPU memory."""
+    held: dict[str, int] = {}
+    for lease in leases:
+        if lease.state in HELD_STATES:
+            for uuid in lease.devices:
+                held[uuid] = held.get(uuid, 0) + lease.memory
+    return held
+
+
+class Engine:
+    """Decides; never does. One instance per policy; state comes in per call."""
+
+    def __init__(self, policy: PoolPolicy) -> None:
+        self.policy = policy
+        self._placement_cache: tuple[str, tuple[int, ...], PlacementPolicy] | None = None
+
+    # --- admission --------------------------------------------------------------------------------
+    def admit(self, state: PoolState, lease_id: str, request: LeaseRequest, now: float) -> Lease:
+        """Validate a request and queue it; raises :class:`RequestRefused` if it can never fit."""
+        if request.memory <= 0:
+            raise InvalidInput("memory must be positive")
+        if not 1 <= request.num_gpus <= self.policy.max_gpus_per_lease:
+            raise InvalidInput(f"number of GPUs must be between 1 and {self.policy.max_gpus_per_lease}, got {request.num_gpus}")
+        if request.compute_share is not None and not 1 <= request.compute_share <= 100:
+            raise InvalidInput(f"compute share must be a percentage between 1 and 100, got {request.compute_share}")
+        if request.duration is not None and request.duration <= 0:
+            raise InvalidInput("duration must be positive")
+        candidates = self._candidate_devices(state.devices, request.model)
+        if request.model and not candidates:
+            models = sorted({d.model for d in state.devices})
+            raise RequestRefused(f"no GPU of model {request.model!r} in this pool; models here: {', '.join(models) or 'none'}")
+        if not candidates:
+            raise RequestRefused("this pool has no GPUs")
+        largest = max(d.leasable for d in candidates)
+        if request.memory > largest:
+            raise RequestRefused(
+                f"requested {format_size(request.memory)} but the largest GPU"
+                f"{' of model ' + request.model if request.model else ''} has {format_size(largest)}; "
+                f"ask for at most {format_size(largest)}"
+            )
+        if request.num_gpus > len(candidates):
+            raise RequestRefused(
+                f"requested {request.num_gpus} GPUs but this pool has {len(candidates)}; ask for at most {len(candidates)}"
+            )
+        fitting = sorted((d.leasable for d in candidates), reverse=True)[request.num_gpus - 1]
+        if request.memory > fitting:
+            raise RequestRefused(
+                f"requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
+                f"{format_size(fitting)} fits on {request.num_gpus} GPUs; ask for at most {format_size(fitting)} each"
+            )
+        total = request.memory * request.num_gpus
+        for who, quota in self._quotas(request.owner, request.groups):
+            if quota.maximum is not None and total > quota.maximum:
+                raise RequestRefused(
+                    f"requested {format_size(total)} but {who} maximum quota is {format_size(quota.maximum)}; "
+                    f"ask for at most {format_size(quota.maximum)}"
+                )
+        priority = self.policy.priority_for(request.owner, request.groups, request.priority)
+        lease = Lease(
+            id=lease_id,
+            owner=request.owner,
+            memory=request.memory,
+            state=LeaseState.QUEUED,
+            created_at=now,
+            groups=tuple(request.groups),
+            kernel_id=request.kernel_id,
+            num_gpus=request.num_gpus,
+            compute_share=request.compute_share,
+            model=request.model,
+            priority=priority,
+            duration=request.duration,
+            holder_pid=request.holder_pid,
+            holder_host=request.holder_host,
+            label=request.label,
+            heartbeat_at=now,
+            last_activity=now,
+        )
+        state.leases[lease.id] = lease
+        state.touch(lease)
+        state.recent_requests.append(request.memory)
+        return lease
+
+    # --- the scheduler ----------------------------------------------------------------------------
+    def schedule(self, state: PoolState, now: float) -> list[Decision]:
+        """One pass: expire, flag lost GPUs, carry out due reclaims, grant, then plan reclaims."""
+        decisions: list[Decision] = []
+        decisions += self._expire_heartbeats(state, now)
+        self._flag_unhealthy(state)
+        decisions += self._carry_out_due_reclaims(state, now)
+
+        queue = self.queue_order(state, now)
+        blocked: Lease | None = None
+        for lease in queue:
+            if self._quota_block_reason(state, lease):
+                continue
+            if blocked is not None and not self._may_backfill(blocked, now):
+                break
+            devices = self._place(state, lease)
+            if devices is None:
+                if blocked is None:
+                    blocked = lease
+                continue
+            self._grant(state, lease, devices, now)
+            decisions.append(self._decision(DecisionKind.GRANT, lease, f"granted {format_size(lease.memory)}", now))
+
+        waiting = [lease for lease in state.leases.values() if lease.state is LeaseState.QUEUED]
+        decisions += self._plan_idle_reclaims(state, now, blocked if waiting else None)
+        if blocked is not None:
+            decisions += self._plan_preemption(state, blocked, now)
+        return decisions
+
+    def queue_order(self, state: PoolState, now: float) -> list[Lease]:
+        """Queued leases in service order: priority class (with aging), fair share, arrival."""
+        queued = [lease for lease in state.leases.values() if lease.state is LeaseState.QUEUED]
+        usage = self.fair_share_usage(state, now)
+        return sorted(queued, key=lambda lease: (-self.effective_rank(lease, now), usage.get(lease.owner, 0.0), lease.created_at, lease.id))
+
+    def effective_rank(self, lease: Lease, now: float) -> float:
+        rank = float(lease.priority.rank)
+        if self.policy.aging_interval > 0:
+            rank += math.floor(max(0.0, now - lease.created_at) / self.policy.aging_interval)
+        return rank
+
+    def fair_share_usage(self, state: PoolState, now: float) -> dict[str, float]:
+        """GiB·hours per owner: decayed history plus what live leases have held so far."""
+        usage = dict(state.usage)
+        for lease in state.leases.values():
+            if lease.state in HELD_STATES and lease.granted_at is not None:
+                held = lease.memory * lease.num_gpus / GIB * max(0.0, now - lease.granted_at) / 3600
+                usage[lease.owner] = usage.get(lease.owner, 0.0) + held
+        return usage
+
+    def _may_backfill(self, head: Lease, now: float) -> bool:
+        return self.policy.backfill and now - head.created_at < self.policy.backfill_max_head_wait
+
+    # --- placement --------------------------------------------------------------------------------
+    def _candidate_devices(self, devices: list[Device], model: str | None) -> list[Device]:
+        return [d for d in devices if d.healthy and (not model or model_matches(model, d))]
+
+    def _placement_policy(self, state: PoolState) -> PlacementPolicy:
+        sizes = tuple(sorted(set(state.recent_requests[-200:])))
+        cached = self._placement_cache
+        if cached is not None and cached[0] == self.policy.placement and cached[1] == sizes:
+            return cached[2]
+        typical = typical_demands([Demand(per_gpu=size) for size in state.recent_requests[-200:]]) if sizes else None
+        policy = make_policy(self.policy.placement, typical=typical)
+        self._placement_cache = (self.policy.placement, sizes, policy)
+        return policy
+
+    def free_by_device(self, state: PoolState, lease: Lease | None = None) -> dict[str, int]:
+        """Leasable bytes left per healthy device, as ``lease``'s owner sees it (reservations held back)."""
+        held = held_by_device(state.leases.values())
+        free = {d.uuid: d.leasable - held.get(d.uuid, 0) for d in state.devices if d.healthy}
+        for reservation in state.reservations:
+            if not reservation.active(state.now):
+                continue
+            if lease is not None and reservation.applies_to(lease.owner, lease.groups):
+                continue
+            members_hold = sum(
+                other.memory * other.num_gpus
+                for other in state.leases.values()
+                if other.state in HELD_STATES and reservation.applies_to(other.owner, other.groups)
+            )
+            unused = max(0, reservation.memory - members_hold)
+            # Hold the unused part back on the emptiest devices first.
+            for uuid in sorted(free, key=lambda u: -free[u]):
+                if unused <= 0:
+                    break
+                take = min(unused, max(0, free[uuid]))
+                free[uuid] -= take
+                unused -= take
+        return free
+
+    def _place(self, state: PoolState, lease: Lease, free: dict[str, int] | None = None) -> tuple[str, ...] | None:
+        free = free if free is not None else self.free_by_device(state, lease)
+        gpus = [
+            GpuSlot(uuid=d.uuid, model=d.model, capacity=d.leasable, free=max(0, free.get(d.uuid, 0)), nvlink_peers=d.nvlink_peers)
+            for d in self._candidate_devices(state.devices, lease.model)
+        ]
+        if len(gpus) < lease.num_gpus:
+            return None
+        node = NodeView(name="host", gpus=gpus)
+        placement = self._placement_policy(state).place([node], Demand(per_gpu=lease.memory, num_gpus=lease.num_gpus))
+        if placement is None:
+            return None
+        return tuple(placement.gpus)
+
+    def _grant(self, state: PoolState, lease: Lease, devices: tuple[str, ...], now: float) -> None:
+        lease.state = LeaseState.GRANTED
+        lease.devices = devices
+        lease.granted_at = now
+        lease.heartbeat_at = now
+        lease.last_activity = now
+        lease.warned_at = lease.reclaim_at = None
+        lease.reclaim_reason = ""
+        state.touch(lease)
+
+    # --- quotas -----------------------------------------------------------------------------------
+    def _quotas(self, owner: str, groups: Iterable[str]) -> list[tuple[str, Quota]]:
+        """(who, quota) pairs that limit this owner: their own, then each group's."""
+        result = [("your", self.policy.quota_for_user(owner))]
+        for group in groups:
+            quota = self.policy.quota_for_group(group)
+            if quota is not None:
+                result.append((f"group {group}'s", quota))
+        return result
+
+    def holdings(self, state: PoolState, owner: str | None = None, group: str | None = None) -> tuple[int, int]:
+        """(bytes held, number of live non-queued leases) for an owner or a group."""
+        memory = count = 0
+        for lease in state.leases.values():
+            if lease.state is LeaseState.QUEUED:
+                continue
+            if (owner is not None and lease.owner == owner) or (group is not None and group in lease.groups):
+                memory += lease.memory * lease.num_gpus if lease.state in HELD_STATES else 0
+                count += 1
+        return memory, count
+
+    def _quota_block_reason(self, state: PoolState, lease: Lease) -> str:
+        """Why quota keeps this queued lease waiting, or ``""``."""
+        total = lease.memory * lease.num_gpus
+        for who, quota in self._quotas(lease.owner, lease.groups):
+            if who == "your":
+                held, count = self.holdings(state, owner=lease.owner)
+            else:
+                held, count = self.holdings(state, group=who.split(" ", 1)[1].rsplit("'", 1)[0])
+            if quota.maximum is not None and held + total > quota.maximum:
+                return f"waits for {who} quota: {format_size(held)} of {format_size(quota.maximum)} in use"
+            if quota.max_leases is not None and count >= quota.max_leases:
+                return f"waits for {who} lease limit: {count} of {quota.max_leases} in use"
+        return ""
+
+    def within_guarantee(self, state: PoolState, lease: Lease) -> bool:
+        held, _ = self.holdings(state, owner=lease.owner)
+        guaranteed = self.policy.quota_for_user(lease.owner).guaranteed
+        return guaranteed > 0 and held + lease.memory * lease.num_gpus <= guaranteed
+
+    def over_guarantee(self, state: PoolState, owner: str) -> bool:
+        held, _ = self.holdings(state, owner=owner)
+        return held > self.policy.quota_for_user(owner).guaranteed
+
+    # --- reclaim: idle and preemption -------------------------------------------------------------
+    def _expire_heartbeats(self, state: PoolState, now: float) -> list[Decision]:
+        decisions = []
+        for lease in list(state.leases.values()):
+            if lease.state is LeaseState.RELEASED or lease.heartbeat_at is None:
+                continue
+            if lease.holder_pid is None and lease.duration is not None:
+                # A booked slice (CLI, API) with no process behind it lasts its duration.
+                if lease.expected_end is not None and lease.expected_end <= now:
+                    reason = f"released: its time ({format_duration(lease.duration)}) is over"
+                    self.release(state, lease.id, reason, now)
+                    decisions.append(self._decision(DecisionKind.RELEASE, lease, reason, now))
+                continue
+            if now - lease.heartbeat_at > self.policy.heartbeat_ttl:
+                reason = f"released: its holder sent no heartbeat for {format_duration(now - lease.heartbeat_at)}"
+                self.release(state, lease.id, reason, now)
+                decisions.append(self._decision(DecisionKind.RELEASE, lease, reason, now))
+        return decisions
+
+    def _flag_unhealthy(self, state: PoolState) -> None:
+        lost = {d.uuid: d.health_reason or "GPU unhealthy" for d in state.devices if not d.healthy}
+        for lease in state.leases.values():
+            if lease.state in HELD_STATES:
+                flag = "; ".join(lost[u] for u in lease.devices if u in lost)
+                if flag != lease.flagged:
+                    lease.flagged = flag
+                    state.touch(lease)
+
+    def _still_idle(self, lease: Lease, now: float) -> bool:
+        if lease.busy:
+            return False
+        if lease.keep_until is not None and lease.keep_until > now:
+            return False
+        if lease.warned_at is not None and lease.last_activity is not None and lease.last_activity > lease.warned_at:
+            return False
+        return True
+
+    def _carry_out_due_reclaims(self, state: PoolState, now: float) -> list[Decision]:
+        decisions = []
+        someone_waits = any(lease.state is LeaseState.QUEUED for lease in state.leases.values())
+        for lease in list(state.leases.values()):
+            if lease.state not in HELD_STATES or lease.reclaim_at is None:
+                continue
+            preempting = lease.reclaim_reason.startswith("preempt")
+            if not preempting:
+                pressure_gone = self.policy.idle_policy == "pressure" and not someone_waits
+                if not self._still_idle(lease, now) or pressure_gone or self.policy.idle_policy == "never":
+                    lease.warned_at = lease.reclaim_at = None
+                    lease.reclaim_reason = ""
+                    state.touch(lease)
+                    continue
+            if lease.reclaim_at > now:
+                continue
+            kind = DecisionKind.PREEMPT if preempting else DecisionKind.RECLAIM_IDLE
+            reason = lease.reclaim_reason
+            self.release(state, lease.id, reason, now)
+            decisions.append(self._decision(kind, lease, reason, now))
+        return decisions
+
+    def _plan_idle_reclaims(self, state: PoolState, now: float, blocked: Lease | None) -> list[Decision]:
+        policy = self.policy.idle_policy
+        if policy == "never":
+            return []
+        idle = [
+            lease
+            for lease in state.leases.values()
+            if lease.state in HELD_STATES
+            and lease.reclaim_at is None
+            and self._still_idle(lease, now)
+            and lease.idle_seconds(now) >= self.policy.idle_timeout
+        ]
+        idle.sort(key=lambda lease: -lease.idle_seconds(now))
+        chosen: list[Lease] = []
+        if policy == "always":
+            chosen = idle
+        elif blocked is not None:
+            # Longest idle first, only as many as make room for the request that cannot fit.
+            free = self.free_by_device(state, blocked)
+            for lease in state.leases.values():
+                if lease.reclaim_at is not None and lease.state in HELD_STATES:
+                    for uuid in lease.devices:
+                        free[uuid] = free.get(uuid, 0) + lease.memory
+            for lease in idle:
+                if self._place(state, blocked, free) is not None:
+                    break
+                chosen.append(lease)
+                for uuid in lease.devices:
+                    free[uuid] = free.get(uuid, 0) + lease.memory
+            if chosen and self._place(state, blocked, free) is None:
+                chosen = []  # reclaiming every idle slice would still not make room: leave them alone
+        decisions = []
+        waiting = sum(1 for lease in state.leases.values() if lease.state is LeaseState.QUEUED)
+        for lease in chosen:
+            lease.warned_at = now
+            lease.reclaim_at = now + self.policy.warning_period
+            idle_for = format_duration(lease.idle_seconds(now))
+            lease.reclaim_reason = (
+                f"reclaimed: idle for {idle_for} while {waiting} request(s) waited for a GPU"
+                if policy == "pressure"
+                else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+            )
+            state.touch(lease)
+            decisions.append(
+                self._decision(DecisionKind.WARN_IDLE, lease, f"idle for {idle_for}; its slice goes back unless kept", now, lease.reclaim_at)
+            )
+        return decisions
+
+    def _plan_preemption(self, state: PoolState, head: Lease, now: float) -> list[Decision]:
+        if not self.policy.preemption:
+            return []
+        entitled = self.within_guarantee(state, head)
+        victims = []
+        for lease in state.leases.values():
+            if lease.state not in HELD_STATES or lease.owner == head.owner or lease.reclaim_at is not None:
+                continue
+            if lease.granted_at is not None and now - lease.granted_at < self.policy.min_runtime:
+                continue
+            lower_class = lease.priority.rank < head.priority.rank
+            if lower_class or (entitled and self.over_guarantee(state, lease.owner)):
+                victims.append(lease)
+        if not victims:
+            return []
+        # Least cost first: idle before busy, over-quota before within, youngest before oldest.
+        victims.sort(key=lambda v: (v.busy, not self.over_guarantee(state, v.owner), -(v.granted_at or 0.0)))
+        free = self.free_by_device(state, head)
+        for lease in state.leases.values():
+            if lease.reclaim_at is not None and lease.state in HELD_STATES:
+                for uuid in lease.devices:
+                    free[uuid] = free.get(uuid, 0) + lease.memory
+        if self._place(state, head, free) is not None:
+            return []  # room is already on its way (warned leases)
+        chosen = []
+        for lease in victims:
+            chosen.append(lease)
+            for uuid in lease.devices:
+                free[uuid] = free.get(uuid, 0) + lease.memory
+            if self._place(state, head, free) is not None:
+                break
+        else:
+            return []  # even evicting every candidate would not make room
+        decisions = []
+        why = "a higher-priority request" if any(v.priority.rank < head.priority.rank for v in chosen) else "a request within its guaranteed quota"
+        for lease in chosen:
+            lease.warned_at = now
+            lease.reclaim_at = now + self.policy.grace_period
+            lease.reclaim_reason = f"preempted for {why} ({format_size(head.memory)} for {head.owner})"
+            state.touch(lease)
+            decisions.append(self._decision(DecisionKind.PREEMPT_WARN, lease, lease.reclaim_reason, now, lease.reclaim_at))
+        return decisions
+
+    # --- lease operations -------------------------------------------------------------------------
+    def get(self, state: PoolState, lease_id: str) -> Lease:
+        lease = state.leases.get(lease_id)
+        if lease is None:
+            raise LeaseNotFound(f"no live lease {lease_id!r}; list them with `jupyter gpupool leases`")
+        return lease
+
+    def release(self, state: PoolState, lease_id: str, reason: str, now: float) -> Lease:
+        lease = self.get(state, lease_id)
+        lease.state = LeaseState.RELEASED
+        lease.released_at = now
+        lease.release_reason = reason
+        lease.warned_at = lease.reclaim_at = None
+        state.touch(lease)
+        state.released.append(lease)
+        return lease
+
+    def resize(self, state: PoolState, lease_id: str, memory: int, now: float) -> Lease:
+        """Shrink at once; grow in place if the same devices have room, else refuse with what fits."""
+        lease = self.get(state, lease_id)
+        if memory <= 0:
+            raise InvalidInput("memory must be positive")
+        if lease.state is LeaseState.QUEUED:
+            probe = LeaseRequest(owner=lease.owner, memory=memory, groups=lease.groups, num_gpus=lease.num_gpus, model=lease.model)
+            self._check_fits_ever(state, probe)
+            lease.memory = memory
+            state.touch(lease)
+            return lease
+        if memory <= lease.memory:
+            lease.memory = memory
+            state.touch(lease)
+            return lease
+        extra = memory - lease.memory
+        total_extra = extra * lease.num_gpus
+        for who, quota in self._quotas(lease.owner, lease.groups):
+            held, _ = self.holdings(state, owner=lease.owner) if who == "your" else self.holdings(state, group=who.split(" ", 1)[1].rsplit("'", 1)[0])
+            if quota.maximum is not None and held + total_extra > quota.maximum:
+                room = max(0, quota.maximum - held) // lease.num_gpus + lease.memory
+                raise RequestRefused(f"{who} maximum quota is {format_size(quota.maximum)}; this lease can grow to at most {format_size(room)}")
+        free = self.free_by_device(state, lease)
+        room = min(free.get(uuid, 0) for uuid in lease.devices) if lease.devices else 0
+        if extra > room:
+            raise RequestRefused(
+                f"cannot grow to {format_size(memory)}: its GPU has {format_size(room)} free; "
+                f"ask for at most {format_size(lease.memory + room)} now, or release and request again to queue"
+            )
+        lease.memory = memory
+        state.touch(lease)
+        return lease
+
+    def _check_fits_ever(self, state: PoolState, request: LeaseRequest) -> None:
+        probe_state = PoolState(devices=state.devices, leases={})
+        self.admit(probe_state, "probe", request, 0.0)
+
+    def keep(self, state: PoolState, lease_id: str, seconds: float, now: float) -> Lease:
+        lease = self.get(state, lease_id)
+        if seconds > self.policy.max_keep:
+            raise InvalidInput(f"can keep a slice through idle for at most {format_duration(self.policy.max_keep)}; asked {format_duration(seconds)}")
+        lease.keep_until = now + seconds
+        if not lease.reclaim_reason.startswith("preempt"):
+            lease.warned_at = lease.reclaim_at = None
+            lease.reclaim_reason = ""
+        lease.last_activity = now
+        state.touch(lease)
+        return lease
+
+    def report_activity(self, state: PoolState, lease_id: str, activity: Activity, now: float) -> Lease:
+        lease = self.get(state, lease_id)
+        previous = lease.heartbeat_at or now
+        if lease.busy and lease.state in HELD_STATES:
+            lease.active_seconds += max(0.0, now - previous)
+        lease.busy = activity.busy
+        if activity.last_activity is not None:
+            lease.last_activity = max(lease.last_activity or 0.0, activity.last_activity)
+        if activity.busy:
+            lease.last_activity = now
+        lease.connections = activity.connections
+        lease.heartbeat_at = now
+        state.touch(lease)
+        return lease
+
+    def report_usage(self, state: PoolState, usage: dict[str, int], now: float) -> list[Decision]:
+        decisions = []
+        for lease_id, used in usage.items():
+            lease = state.leases.get(lease_id)
+            if lease is None or lease.state not in HELD_STATES:
+                continue
+            lease.used_memory = used
+            lease.peak_memory = max(lease.peak_memory or 0, used)
+            limit = lease.memory * lease.num_gpus
+            if used > limit:
+                if lease.over_limit_since is None:
+                    lease.over_limit_since = now
+                decisions.append(
+                    self._decision(
+                        DecisionKind.OVER_LIMIT, lease, f"uses {format_size(used)}, over its slice of {format_size(limit)}", now
+                    )
+                )
+            else:
+                lease.over_limit_since = None
+            state.touch(lease)
+        return decisions
+
+    # --- queue information ------------------------------------------------------------------------
+    def queue_info(self, state: PoolState, lease_id: str, now: float) -> QueueInfo | None:
+        lease = self.get(state, lease_id)
+        if lease.state is not LeaseState.QUEUED:
+            return None
+        order = self.queue_order(state, now)
+        position = next(i for i, item in enumerate(order) if item.id == lease_id) + 1
+        reason = self._quota_block_reason(state, lease) or ("waits for a GPU with enough free memory" if position == 1 else f"{position - 1} request(s) ahead")
+        return QueueInfo(position=position, length=len(order), estimated_wait=self.estimate_wait(state, lease, order, now), reason=reason)
+
+    def estimate_wait(self, state: PoolState, lease: Lease, order: list[Lease], now: float) -> float | None:
+        """Replay expected lease ends (their durations, else the typical hold) until ``lease`` fits."""
+        ends: list[tuple[float, tuple[str, ...], int]] = []
+        for other in state.leases.values():
+            if other.state not in HELD_STATES:
+                continue
+            if other.reclaim_at is not None:
+                end = other.reclaim_at
+            elif other.expected_end is not None:
+                end = other.expected_end
+            elif state.typical_hold is not None and other.granted_at is not None:
+                end = other.granted_at + state.typical_hold
+            else:
+                return None
+            ends.append((max(end, now), other.devices, other.memory))
+        ends.sort(key=lambda item: item[0])
+        free = self.free_by_device(state, lease)
+        pending = order[: order.index(lease) + 1]
+        current = now
+        while True:
+            # Grant, in queue order, whatever fits at `current`; stop when `lease` is granted.
+            while pending:
+                head = pending[0]
+                devices = self._place(state, head, free)
+                if devices is None:
+                    break
+                for uuid in devices:
+                    free[uuid] -= head.memory
+                pending.pop(0)
+                if head.id == lease.id:
+                    return max(0.0, current - now)
+                hold = head.duration or state.typical_hold
+                if hold is None:
+                    return None
+                ends.append((current + hold, devices, head.memory))
+                ends.sort(key=lambda item: item[0])
+            if not ends:
+                return None
+            current, devices, memory = ends.pop(0)
+            for uuid in devices:
+                free[uuid] = free.get(uuid, 0) + memory
+
+    # --- helpers ----------------------------------------------------------------------------------
+    @staticmethod
+    def _decision(kind: DecisionKind, lease: Lease, reason: str, now: float, deadline: float | None = None) -> Decision:
+        return Decision(kind=kind, lease_id=lease.id, kernel_id=lease.kernel_id, owner=lease.owner, reason=reason, at=now, deadline=deadline)
+
+
+__all__ = ["Engine", "PoolState", "held_by_device", "PriorityClass"]

@@ -1,0 +1,404 @@
+"""The pool's policy: every knob an admin can turn, as traitlets with help text.
+
+Set them in ``jupyter_server_config.py`` / ``jupyter_gpupool_config.py`` as
+``c.PoolPolicy.idle_timeout = 600`` or through the ``GPUPOOL_*`` environment variables that
+:meth:`PoolPolicy.from_env` reads. The engine only reads attributes; it never imports Jupyter.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, validate
+from traitlets.config import Configurable
+
+from ..errors import InvalidInput
+from ..units import parse_duration, parse_size
+from .models import PriorityClass
+
+#: Environment variables that override traits (name → (trait, parser)).
+ENV_TRAITS: dict[str, str] = {
+    "GPUPOOL_DEFAULT_MEMORY": "default_memory",
+    "GPUPOOL_IDLE_TIMEOUT": "idle_timeout",
+    "GPUPOOL_IDLE_POLICY": "idle_policy",
+    "GPUPOOL_WARNING_PERIOD": "warning_period",
+    "GPUPOOL_PLACEMENT": "placement",
+    "GPUPOOL_OVERCOMMIT": "overcommit",
+    "GPUPOOL_HEARTBEAT_TTL": "heartbeat_ttl",
+    "GPUPOOL_PREEMPTION": "preemption",
+    "GPUPOOL_GRACE_PERIOD": "grace_period",
+    "GPUPOOL_MAX_KEEP": "max_keep",
+}
+
+_DURATION_TRAITS = {
+    "idle_timeout",
+    "warning_period",
+    "heartbeat_ttl",
+    "grace_period",
+    "max_keep",
+    "min_runtime",
+    "aging_interval",
+    "fair_share_half_life",
+    "backfill_max_head_wait",
+}
+
+WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Limits for one user or group. ``None`` means unlimited."""
+
+    guaranteed: int = 0  # bytes always available to them (preemption makes room)
+    maximum: int | None = None  # bytes they may hold at most (burst into idle capacity)
+    max_leases: int | None = None  # concurrent leases
+
+    def to_json(self) -> dict[str, Any]:
+        return {"guaranteed": self.guaranteed, "maximum": self.maximum, "max_leases": self.max_leases}
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Capacity held for a user or group during a window (one-off or weekly)."""
+
+    name: str
+    memory: int
+    users: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+    start: float | None = None  # one-off window, POSIX seconds
+    end: float | None = None
+    weekdays: tuple[int, ...] = ()  # weekly window: 0 = Monday
+    daily_start: str = ""  # "09:00" local time
+    daily_end: str = ""
+
+    def applies_to(self, owner: str, groups: tuple[str, ...]) -> bool:
+        return owner in self.users or any(g in self.groups for g in groups)
+
+    def active(self, now: float) -> bool:
+        if self.start is not None and self.end is not None:
+            return self.start <= now < self.end
+        if self.weekdays and self.daily_start and self.daily_end:
+            local = dt.datetime.fromtimestamp(now)
+            if local.weekday() not in self.weekdays:
+                return False
+            hhmm = local.strftime("%H:%M")
+            return self.daily_start <= hhmm < self.daily_end
+        return False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "memory": self.memory,
+            "users": list(self.users),
+            "groups": list(self.groups),
+            "start": self.start,
+            "end": self.end,
+            "weekdays": [WEEKDAYS[d] for d in self.weekdays],
+            "daily_start": self.daily_start,
+            "daily_end": self.daily_end,
+        }
+
+
+def parse_quota(spec: dict[str, Any], where: str) -> Quota:
+    """``{"guaranteed": "8GiB", "maximum": "16GiB", "max_leases": 2}`` → :class:`Quota`."""
+    unknown = set(spec) - {"guaranteed", "maximum", "max_leases"}
+    if unknown:
+        raise InvalidInput(f"{where}: unknown quota key(s) {sorted(unknown)}; use guaranteed, maximum, max_leases")
+    guaranteed = parse_size(spec["guaranteed"]) if spec.get("guaranteed") else 0
+    maximum = parse_size(spec["maximum"]) if spec.get("maximum") else None
+    max_leases = spec.get("max_leases")
+    if max_leases is not None and (not isinstance(max_leases, int) or max_leases < 1):
+        raise InvalidInput(f"{where}: max_leases must be a whole number of at least 1, got {max_leases!r}")
+    if maximum is not None and guaranteed > maximum:
+        raise InvalidInput(f"{where}: guaranteed ({spec['guaranteed']}) is above maximum ({spec['maximum']})")
+    return Quota(guaranteed=guaranteed, maximum=maximum, max_leases=max_leases)
+
+
+def parse_reservation(spec: dict[str, Any], now: float | None = None) -> Reservation:
+    """Read one reservation from config; see :attr:`PoolPolicy.reservations` for the forms."""
+    name = str(spec.get("name") or "reservation")
+    if "memory" not in spec:
+        raise InvalidInput(f"reservation {name!r}: needs 'memory', e.g. '40GiB'")
+    memory = parse_size(spec["memory"])
+    users = tuple(_as_list(spec.get("users", spec.get("user", ()))))
+    groups = tuple(_as_list(spec.get("groups", spec.get("group", ()))))
+    if not users and not groups:
+        raise InvalidInput(f"reservation {name!r}: name the 'users' or 'groups' it is for")
+    if "weekdays" in spec or "days" in spec:
+        days = []
+        for day in _as_list(spec.get("weekdays", spec.get("days"))):
+            key = str(day).strip().lower()[:3]
+            if key not in WEEKDAYS:
+                raise InvalidInput(f"reservation {name!r}: unknown weekday {day!r}; use mon, tue, ... sun")
+            days.append(WEEKDAYS.index(key))
+        start_text, end_text = str(spec.get("start", "")), str(spec.get("end", ""))
+        for text in (start_text, end_text):
+            try:
+                dt.datetime.strptime(text, "%H:%M")
+            except ValueError:
+                raise InvalidInput(f"reservation {name!r}: times must look like 09:00, got {text!r}") from None
+        if start_text >= end_text:
+            raise InvalidInput(f"reservation {name!r}: start {start_text} must be before end {end_text}")
+        return Reservation(name, memory, users, groups, weekdays=tuple(sorted(days)), daily_start=start_text, daily_end=end_text)
+    start = _parse_time(spec.get("start"), name, now)
+    if "end" in spec:
+        end = _parse_time(spec["end"], name, now)
+    elif "duration" in spec:
+        end = start + parse_duration(spec["duration"])
+    else:
+        raise InvalidInput(f"reservation {name!r}: needs 'end' or 'duration' (e.g. '2h')")
+    if end <= start:
+        raise InvalidInput(f"reservation {name!r}: end must be after start")
+    return Reservation(name, memory, users, groups, start=start, end=end)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, set)):
+        return list(value)
+    return [v for v in str(value).split(",") if v.strip()]
+
+
+def _parse_time(value: Any, name: str, now: float | None) -> float:
+    if value in (None, "", "now"):
+        import time
+
+        return now if now is not None else time.time()
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return dt.datetime.fromisoformat(str(value)).timestamp()
+    except ValueError:
+        raise InvalidInput(f"reservation {name!r}: times must be ISO 8601 like 2026-12-01T09:00, got {value!r}") from None
+
+
+class PoolPolicy(Configurable):
+    """How the pool sizes, orders, places, limits and reclaims leases."""
+
+    default_memory = Unicode(
+        "25%",
+        help="Slice a kernel gets when neither its kernelspec nor the user asks for a size: "
+        "a size (8GiB, 512MiB) or a share of the largest GPU (25%). Env: GPUPOOL_DEFAULT_MEMORY.",
+    ).tag(config=True)
+
+    placement = Unicode(
+        "best-fit",
+        help="Placement policy: 'best-fit' (tightest GPU that fits) or 'fgd' (fragmentation-aware, "
+        "after the FGD paper); see bench/RESULTS.md for how they compare. Env: GPUPOOL_PLACEMENT.",
+    ).tag(config=True)
+
+    overcommit = Float(
+        1.0,
+        help="Leasable memory per GPU as a multiple of its real memory (1.0 = never overcommit). "
+        "Above 1 only makes sense with suspend or unified memory. Env: GPUPOOL_OVERCOMMIT.",
+    ).tag(config=True)
+
+    device_overcommit = Dict(
+        {},
+        help="Per-device overcommit factors by GPU uuid or index, e.g. {'0': 1.5}; others use `overcommit`.",
+    ).tag(config=True)
+
+    idle_policy = Enum(
+        ["pressure", "always", "never"],
+        "pressure",
+        help="When idle slices go back: 'pressure' (only while someone waits, longest idle first), "
+        "'always' (after idle_timeout), 'never'. Env: GPUPOOL_IDLE_POLICY.",
+    ).tag(config=True)
+
+    idle_timeout = Float(
+        1800.0,
+        help="Seconds a kernel must be idle before its slice may be reclaimed. Env: GPUPOOL_IDLE_TIMEOUT (e.g. 30m).",
+    ).tag(config=True)
+
+    warning_period = Float(
+        120.0,
+        help="Seconds between the idle (or preemption) warning and the reclaim; the user can Keep in between. "
+        "Env: GPUPOOL_WARNING_PERIOD.",
+    ).tag(config=True)
+
+    max_keep = Float(
+        8 * 3600.0,
+        help="Longest a user may hold an idle slice with %gpupool keep / reserve --for. Env: GPUPOOL_MAX_KEEP.",
+    ).tag(config=True)
+
+    heartbeat_ttl = Float(
+        180.0,
+        help="A granted lease whose holder sent no heartbeat for this long is released. Env: GPUPOOL_HEARTBEAT_TTL.",
+    ).tag(config=True)
+
+    fair_share_half_life = Float(
+        24 * 3600.0,
+        help="Half-life in seconds of past usage (GiB·hours) in fair-share ordering.",
+    ).tag(config=True)
+
+    aging_interval = Float(
+        600.0,
+        help="Every this many seconds of waiting lifts a queued request one priority class, so none starves "
+        "(0 turns aging off).",
+    ).tag(config=True)
+
+    backfill = Bool(
+        True,
+        help="Let smaller requests that fit now go ahead of a head-of-queue request that cannot fit yet.",
+    ).tag(config=True)
+
+    backfill_max_head_wait = Float(
+        900.0,
+        help="Stop backfilling once the head of the queue has waited this many seconds, so capacity "
+        "accumulates for it.",
+    ).tag(config=True)
+
+    preemption = Bool(
+        True,
+        help="Let a request within its guaranteed quota, or of a higher class, reclaim leases over their "
+        "guarantee or of a lower class. Env: GPUPOOL_PREEMPTION (true/false).",
+    ).tag(config=True)
+
+    min_runtime = Float(
+        300.0,
+        help="A lease is not preempted before it has run this many seconds.",
+    ).tag(config=True)
+
+    grace_period = Float(
+        60.0,
+        help="Seconds between a preemption decision and the eviction. Env: GPUPOOL_GRACE_PERIOD.",
+    ).tag(config=True)
+
+    default_quota = Dict(
+        {},
+        help="Quota for every user without their own: {'guaranteed': '0', 'maximum': '32GiB', 'max_leases': 4}.",
+    ).tag(config=True)
+
+    user_quotas = Dict(
+        {},
+        help="Quotas per user name: {'alice': {'guaranteed': '8GiB', 'maximum': '24GiB', 'max_leases': 3}}.",
+    ).tag(config=True)
+
+    group_quotas = Dict(
+        {},
+        help="Quotas per group, applied to the group's members together: {'cs101': {'maximum': '40GiB'}}.",
+    ).tag(config=True)
+
+    user_priorities = Dict(
+        {},
+        help="Priority class per user: {'prof': 'high'}. Classes: batch < normal < high.",
+    ).tag(config=True)
+
+    group_priorities = Dict(
+        {},
+        help="Priority class per group: {'staff': 'high', 'graders': 'batch'}; the highest that applies wins.",
+    ).tag(config=True)
+
+    reservations = List(
+        [],
+        help="Capacity held for users or groups: one-off {'name': 'exam', 'groups': ['cs101'], 'memory': '40GiB', "
+        "'start': '2026-12-01T09:00', 'end': '2026-12-01T11:00'} or weekly {'name': 'lab', 'groups': ['cs101'], "
+        "'memory': '40GiB', 'weekdays': ['tue'], 'start': '09:00', 'end': '11:00'} (local time).",
+    ).tag(config=True)
+
+    max_gpus_per_lease = Integer(
+        8,
+        help="Most GPUs one lease may span.",
+    ).tag(config=True)
+
+    @validate("default_memory")
+    def _check_default_memory(self, proposal: Any) -> str:
+        value = str(proposal["value"])
+        parse_size(value, gpu_memory=1 << 40)  # raises InvalidInput on a bad form
+        return value
+
+    @validate("placement")
+    def _check_placement(self, proposal: Any) -> str:
+        from .placement import POLICIES
+
+        value = str(proposal["value"])
+        if value not in POLICIES:
+            raise InvalidInput(f"unknown placement policy {value!r}; choose one of {', '.join(sorted(POLICIES))}")
+        return value
+
+    @validate("overcommit")
+    def _check_overcommit(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not 1.0 <= value <= 4.0:
+            raise InvalidInput(f"overcommit must be between 1.0 and 4.0, got {value}")
+        return value
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **kwargs: Any) -> PoolPolicy:
+        """A policy from config plus the ``GPUPOOL_*`` environment variables (env wins)."""
+        policy = cls(**kwargs)
+        policy.apply_env(environ if environ is not None else dict(os.environ))
+        return policy
+
+    def apply_env(self, environ: dict[str, str]) -> None:
+        for var, trait in ENV_TRAITS.items():
+            raw = environ.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                if trait in _DURATION_TRAITS:
+                    setattr(self, trait, parse_duration(raw))
+                elif trait == "preemption":
+                    setattr(self, trait, raw.strip().lower() in {"1", "true", "yes", "on"})
+                elif trait == "overcommit":
+                    setattr(self, trait, float(raw))
+                else:
+                    setattr(self, trait, raw)
+            except (InvalidInput, ValueError) as err:
+                raise InvalidInput(f"{var}={raw!r}: {err}") from None
+            except Exception as err:  # traitlets TraitError
+                raise InvalidInput(f"{var}={raw!r}: {err}") from None
+
+    # --- derived views the engine uses -----------------------------------------------------------
+    def default_memory_bytes(self, largest_gpu: int) -> int:
+        return parse_size(self.default_memory, gpu_memory=largest_gpu)
+
+    def quota_for_user(self, owner: str) -> Quota:
+        if owner in self.user_quotas:
+            return parse_quota(self.user_quotas[owner], f"user_quotas[{owner!r}]")
+        if self.default_quota:
+            return parse_quota(self.default_quota, "default_quota")
+        return Quota()
+
+    def quota_for_group(self, group: str) -> Quota | None:
+        if group in self.group_quotas:
+            return parse_quota(self.group_quotas[group], f"group_quotas[{group!r}]")
+        return None
+
+    def priority_for(self, owner: str, groups: tuple[str, ...], asked: PriorityClass | None = None) -> PriorityClass:
+        """The class a request runs at: the admin's setting for the user or group, else what was asked
+        (a user may lower their own class, e.g. to ``batch``, but not raise it above ``normal``)."""
+        configured: list[PriorityClass] = []
+        if owner in self.user_priorities:
+            configured.append(PriorityClass(self.user_priorities[owner]))
+        configured += [PriorityClass(self.group_priorities[g]) for g in groups if g in self.group_priorities]
+        ceiling = max(configured, key=lambda c: c.rank) if configured else PriorityClass.NORMAL
+        if asked is None:
+            return ceiling
+        return asked if asked.rank <= ceiling.rank else ceiling
+
+    def overcommit_for(self, uuid: str, index: int) -> float:
+        factor = self.device_overcommit.get(uuid, self.device_overcommit.get(str(index), self.overcommit))
+        return float(factor)
+
+    def parsed_reservations(self) -> list[Reservation]:
+        return [parse_reservation(spec) for spec in self.reservations]
+
+    def validate_all(self) -> None:
+        """Parse every quota and reservation now, so a config typo fails at start-up, not mid-grant."""
+        self.quota_for_user("")
+        for user in self.user_quotas:
+            self.quota_for_user(user)
+        for group in self.group_quotas:
+            self.quota_for_group(group)
+        for mapping in (self.user_priorities, self.group_priorities):
+            for who, cls in mapping.items():
+                try:
+                    PriorityClass(cls)
+                except ValueError:
+                    raise InvalidInput(f"priority for {who!r} must be batch, normal or high, got {cls!r}") from None
+        self.parsed_reservations()

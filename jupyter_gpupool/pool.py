@@ -1,0 +1,506 @@
+"""The pool facade every adapter uses: engine + store + device backend.
+
+Each public method is one SQLite transaction: load the live state, let the pure
+:class:`~jupyter_gpupool.core.engine.Engine` decide, save what changed. Processes sharing a DB
+file (JupyterLab, ``nbconvert --execute``, the CLI, kernels running ``%gpupool``) therefore
+share one pool without a daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psutil
+from traitlets.config import Config
+
+from .core.engine import Engine, PoolState, held_by_device
+from .core.models import Activity, Decision, DecisionKind, Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, QueueInfo
+from .core.policy import PoolPolicy, Reservation, parse_reservation
+from .devices import DeviceBackend, make_backend
+from .errors import InvalidInput, LeaseNotFound
+from .store import Store
+from .units import GIB
+
+HOSTNAME = socket.gethostname()
+
+
+def default_db_path() -> str:
+    """``$GPUPOOL_DB``, else a per-user file in Jupyter's data directory."""
+    if os.environ.get("GPUPOOL_DB"):
+        return os.environ["GPUPOOL_DB"]
+    from jupyter_core.paths import jupyter_data_dir
+
+    return os.path.join(jupyter_data_dir(), "gpupool", "pool.sqlite")
+
+
+class Pool:
+    """Who gets which slice of which GPU, who waits, and what is given back."""
+
+    #: Seconds a backend inventory read is reused (NVML queries cost milliseconds).
+    device_cache_seconds = 2.0
+    #: Seconds history statistics (typical hold, recent sizes, usage) are reused.
+    history_cache_seconds = 5.0
+
+    def __init__(
+        self,
+        backend: DeviceBackend,
+        db_path: str,
+        policy: PoolPolicy | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = backend
+        self.db_path = db_path
+        self.policy = policy or PoolPolicy()
+        self.policy.validate_all()
+        self.clock = clock
+        self.engine = Engine(self.policy)
+        self.store = Store(db_path)
+        self._devices: tuple[float, list[Device]] | None = None
+        self._history: tuple[float, dict[str, Any]] | None = None
+
+    @classmethod
+    def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
+        """A pool from ``GPUPOOL_SIMULATE`` (inventory; empty → NVML), ``GPUPOOL_DB`` and the
+        policy variables (``GPUPOOL_DEFAULT_MEMORY``, ``GPUPOOL_IDLE_TIMEOUT``, ...)."""
+        env = dict(os.environ) if environ is None else environ
+        policy = overrides.pop("policy", None) or PoolPolicy(config=config)
+        policy.apply_env(env)
+        backend = overrides.pop("backend", None) or make_backend(env.get("GPUPOOL_SIMULATE") or None)
+        db_path = overrides.pop("db_path", None) or env.get("GPUPOOL_DB") or default_db_path()
+        return cls(backend=backend, db_path=db_path, policy=policy, **overrides)
+
+    # --- state loading ----------------------------------------------------------------------------
+    def devices(self) -> list[Device]:
+        """Poolable devices with this pool's overcommit factors applied."""
+        now = time.monotonic()
+        if self._devices is None or now - self._devices[0] > self.device_cache_seconds:
+            devices = [
+                Device(**{**d.__dict__, "overcommit": self.policy.overcommit_for(d.uuid, d.index)}) for d in self.backend.devices()
+            ]
+            self._devices = (now, devices)
+        return list(self._devices[1])
+
+    def _history_stats(self, now: float) -> dict[str, Any]:
+        mono = time.monotonic()
+        if self._history is None or mono - self._history[0] > self.history_cache_seconds:
+            stats = {
+                "usage": self.store.usage(now, self.policy.fair_share_half_life),
+                "typical_hold": self.store.typical_hold(),
+                "recent": self.store.recent_request_sizes(),
+                "reservations": [parse_reservation(r) for r in self.store.reservations()],
+            }
+            self._history = (mono, stats)
+        return self._history[1]
+
+    def _load(self, now: float) -> PoolState:
+        stats = self._history_stats(now)
+        return PoolState(
+            devices=self.devices(),
+            leases=self.store.live_leases(),
+            usage=dict(stats["usage"]),
+            typical_hold=stats["typical_hold"],
+            reservations=self.policy.parsed_reservations() + list(stats["reservations"]),
+            recent_requests=list(stats["recent"]),
+            now=now,
+        )
+
+    def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
+        changed = [state.leases[i] for i in state.changed if i in state.leases]
+        self.store.save_leases(changed)
+        for lease in state.released:
+            self.store.record_interval(lease, self.policy.fair_share_half_life)
+        if state.released:
+            self._history = None
+        if decisions:
+            self.store.record_decisions(decisions)
+
+    @contextmanager
+    def _decide(self, now: float) -> Iterator[PoolState]:
+        with self.store.transaction():
+            state = self._load(now)
+            yield state
+            self._save(state)
+
+    def _now(self, now: float | None) -> float:
+        return self.clock() if now is None else now
+
+    # --- requests and leases ----------------------------------------------------------------------
+    def default_memory(self) -> int:
+        """The policy's default slice in bytes (a percentage is of the largest GPU)."""
+        devices = self.devices()
+        largest = max((d.memory_total for d in devices), default=0)
+        return self.policy.default_memory_bytes(largest or 1)
+
+    def parse_memory(self, text: str | int) -> int:
+        """A user's size (``8GiB``, ``25%`` of the largest GPU) in bytes."""
+        from .units import parse_size
+
+        largest = max((d.memory_total for d in self.devices()), default=None)
+        return parse_size(text, gpu_memory=largest)
+
+    def request(self, req: LeaseRequest, now: float | None = None) -> Lease:
+        """Queue a request and grant it at once if it fits; raises RequestRefused if it never can."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            lease = self.engine.admit(state, f"l-{uuid.uuid4().hex[:12]}", req, now)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return state.leases[lease.id].copy()
+
+    def get(self, lease_id: str) -> Lease:
+        lease = self.store.lease(lease_id)
+        if lease is None:
+            raise LeaseNotFound(f"no lease {lease_id!r}; list them with `jupyter gpupool leases`")
+        return lease
+
+    def lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        lease = self.store.latest_for_kernel(kernel_id)
+        return lease if lease is not None and lease.live else None
+
+    def last_lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        """The newest lease of a kernel, released or not (to say why it was reclaimed)."""
+        return self.store.latest_for_kernel(kernel_id)
+
+    def leases(self, owner: str | None = None, include_released: bool = False) -> list[Lease]:
+        return self.store.leases(owner=owner, include_released=include_released)
+
+    def queue(self, now: float | None = None) -> list[Lease]:
+        now = self._now(now)
+        with self.store.transaction():
+            return self.engine.queue_order(self._load(now), now)
+
+    def queue_info(self, lease_id: str, now: float | None = None) -> QueueInfo | None:
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            if lease_id not in state.leases:
+                self.get(lease_id)  # 404 for unknown ids
+                return None
+            return self.engine.queue_info(state, lease_id, now)
+
+    def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            if lease_id not in state.leases:
+                lease = self.get(lease_id)
+                return lease  # already released: releasing twice is harmless
+            lease = self.engine.release(state, lease_id, reason, now)
+            decisions = [Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now)]
+            decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return lease.copy()
+
+    def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None) -> Lease:
+        """Grow or shrink a lease; ``duration`` holds it through idle that long."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            self.engine.get(state, lease_id)
+            if memory is not None:
+                self.engine.resize(state, lease_id, memory, now)
+            if duration is not None:
+                self.engine.keep(state, lease_id, duration, now)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return state.leases[lease_id].copy()
+
+    def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
+        return self.resize(lease_id, None, seconds, now)
+
+    def report_activity(self, lease_id: str, activity: Activity, now: float | None = None) -> None:
+        now = self._now(now)
+        with self._decide(now) as state:
+            if lease_id in state.leases:
+                self.engine.report_activity(state, lease_id, activity, now)
+
+    def report_activities(self, activities: dict[str, Activity], now: float | None = None) -> None:
+        """Many kernels' activity in one transaction (the server's periodic report)."""
+        now = self._now(now)
+        with self._decide(now) as state:
+            for lease_id, activity in activities.items():
+                if lease_id in state.leases:
+                    self.engine.report_activity(state, lease_id, activity, now)
+
+    def heartbeat(self, lease_ids: list[str], now: float | None = None) -> None:
+        now = self._now(now)
+        with self._decide(now) as state:
+            for lease_id in lease_ids:
+                lease = state.leases.get(lease_id)
+                if lease is not None:
+                    lease.heartbeat_at = now
+                    state.touch(lease)
+
+    def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            decisions = self.engine.report_usage(state, usage, now)
+            self._save(state, [d for d in decisions if d.kind is DecisionKind.OVER_LIMIT and self._first_over(state, d)])
+            return decisions
+
+    @staticmethod
+    def _first_over(state: PoolState, decision: Decision) -> bool:
+        lease = state.leases.get(decision.lease_id)
+        return lease is not None and lease.over_limit_since == decision.at
+
+    def tick(self, now: float | None = None) -> list[Decision]:
+        """Run the scheduler once; also release leases whose holder process on this host died."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            decisions: list[Decision] = []
+            for lease in list(state.leases.values()):
+                if lease.holder_pid and lease.holder_host == HOSTNAME and not _pid_alive(lease.holder_pid):
+                    reason = f"released: its holder process {lease.holder_pid} exited"
+                    self.engine.release(state, lease.id, reason, now)
+                    decisions.append(Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now))
+            decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return decisions
+
+    def reconcile_kernels(self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None) -> list[Lease]:
+        """Release live leases of this holder whose kernel no longer exists."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            gone = [
+                lease
+                for lease in state.leases.values()
+                if lease.holder_host == holder_host
+                and lease.holder_pid == holder_pid
+                and lease.kernel_id
+                and lease.kernel_id not in live_kernel_ids
+            ]
+            decisions = []
+            for lease in gone:
+                reason = "released: its kernel is gone"
+                self.engine.release(state, lease.id, reason, now)
+                decisions.append(Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now))
+            if gone:
+                decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return [lease.copy() for lease in gone]
+
+    # --- waiting ----------------------------------------------------------------------------------
+    def wait_for_grant(
+        self,
+        lease_id: str,
+        timeout: float | None = None,
+        poll: float = 0.5,
+        on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
+    ) -> Lease:
+        """Block until the lease is granted; heartbeats while waiting. Raises TimeoutError or
+        :class:`~jupyter_gpupool.errors.RequestRefused` if the lease is released meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            lease, info = self._poll_grant(lease_id)
+            if lease.state is LeaseState.GRANTED:
+                return lease
+            if on_update is not None:
+                on_update(lease, info)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"still queued after {timeout:.0f} s (position {info.position if info else '?'})")
+            time.sleep(poll)
+
+    async def await_grant(
+        self,
+        lease_id: str,
+        timeout: float | None = None,
+        poll: float = 0.5,
+        on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
+    ) -> Lease:
+        """Async twin of :meth:`wait_for_grant`: SQLite work runs in a thread."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            lease, info = await asyncio.to_thread(self._poll_grant, lease_id)
+            if lease.state is LeaseState.GRANTED:
+                return lease
+            if on_update is not None:
+                on_update(lease, info)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"still queued after {timeout:.0f} s (position {info.position if info else '?'})")
+            await asyncio.sleep(poll)
+
+    def _poll_grant(self, lease_id: str) -> tuple[Lease, QueueInfo | None]:
+        from .errors import RequestRefused
+
+        now = self.clock()
+        with self.store.transaction():
+            state = self._load(now)
+            lease = state.leases.get(lease_id)
+            if lease is not None and lease.state is LeaseState.QUEUED:
+                lease.heartbeat_at = now
+                state.touch(lease)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            lease = state.leases.get(lease_id)
+            if lease is None:
+                released = self.get(lease_id)
+                raise RequestRefused(f"the request was {released.release_reason or 'released'} before it was granted")
+            info = self.engine.queue_info(state, lease_id, now) if lease.state is LeaseState.QUEUED else None
+            return lease.copy(), info
+
+    # --- views ------------------------------------------------------------------------------------
+    def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:
+        """Devices, leases and queue as ``viewer`` may see them (others anonymous unless admin)."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            order = self.engine.queue_order(state, now)
+            month_start = dt.datetime.fromtimestamp(now).replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
+            used_gib_hours = self._gib_hours(viewer, month_start, now) if viewer else 0.0
+        held = held_by_device(state.leases.values())
+        used_by_device: dict[str, int] = {}
+        for lease in state.leases.values():
+            if lease.state is LeaseState.GRANTED and lease.used_memory and lease.devices:
+                share = lease.used_memory // len(lease.devices)
+                for uuid_ in lease.devices:
+                    used_by_device[uuid_] = used_by_device.get(uuid_, 0) + share
+        devices = []
+        for d in state.devices:
+            measured = d.memory_total - d.memory_free if d.memory_free is not None else None
+            devices.append(
+                {
+                    "index": d.index,
+                    "uuid": d.uuid,
+                    "name": d.name,
+                    "model": d.model,
+                    "memory_total": d.memory_total,
+                    "memory_leasable": d.leasable,
+                    "memory_leased": held.get(d.uuid, 0),
+                    "memory_used": max(measured or 0, used_by_device.get(d.uuid, 0)),
+                    "healthy": d.healthy,
+                    "health_reason": d.health_reason,
+                    "is_mig": d.is_mig,
+                }
+            )
+        positions = {lease.id: i + 1 for i, lease in enumerate(order)}
+        leases = [self.view_lease(lease, viewer, admin, positions.get(lease.id)) for lease in state.leases.values()]
+        leases.sort(key=lambda item: (item["state"] != "granted", item.get("queue_position") or 0))
+        queue = [self.view_lease(lease, viewer, admin, positions[lease.id]) for lease in order]
+        quota: dict[str, Any] = {}
+        if viewer:
+            own = self.policy.quota_for_user(viewer)
+            held_bytes, count = self.engine.holdings(state, owner=viewer)
+            quota = {**own.to_json(), "held": held_bytes, "leases": count, "gib_hours_this_month": round(used_gib_hours, 3)}
+        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota=quota)
+
+    @staticmethod
+    def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:
+        """A lease as JSON; another user's lease loses everything that identifies them."""
+        data = lease.to_json()
+        data["queue_position"] = position
+        data["mine"] = viewer is not None and lease.owner == viewer
+        if not (admin or data["mine"]):
+            for key in ("id", "owner", "kernel_id", "label", "holder_pid", "holder_host", "groups", "release_reason", "reclaim_reason"):
+                data[key] = None if key not in ("groups",) else []
+        return data
+
+    def _gib_hours(self, owner: str, since: float, now: float) -> float:
+        rows = self.report(since, now, by="user", now=now)
+        return next((row["gib_hours_held"] for row in rows if row["user"] == owner), 0.0)
+
+    # --- metering ---------------------------------------------------------------------------------
+    def report(self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None) -> list[dict[str, Any]]:
+        """GiB·hours held and active per user, group or kernel, closed and still-open intervals."""
+        if by not in ("user", "group", "kernel"):
+            raise InvalidInput(f"cannot group a report by {by!r}; use user, group or kernel")
+        now = self._now(now)
+        until = now if until is None else until
+        intervals = self.store.ledger(since, until)
+        for lease in self.store.leases():
+            if lease.state is LeaseState.GRANTED and lease.granted_at is not None:
+                intervals.append(
+                    {
+                        "lease_id": lease.id,
+                        "owner": lease.owner,
+                        "groups": list(lease.groups),
+                        "kernel_id": lease.kernel_id,
+                        "devices": list(lease.devices),
+                        "memory": lease.memory * lease.num_gpus,
+                        "start": lease.granted_at,
+                        "end": now,
+                        "active_seconds": lease.active_seconds,
+                    }
+                )
+        totals: dict[str, dict[str, Any]] = {}
+        for item in intervals:
+            start = max(item["start"], since if since is not None else item["start"])
+            end = min(item["end"], until)
+            if end <= start:
+                continue
+            length = item["end"] - item["start"]
+            fraction = (end - start) / length if length > 0 else 0.0
+            gib = item["memory"] / GIB
+            if by == "user":
+                keys = [item["owner"]]
+            elif by == "group":
+                keys = item["groups"] or ["(no group)"]
+            else:
+                keys = [item["kernel_id"] or f"(lease {item['lease_id']})"]
+            for key in keys:
+                row = totals.setdefault(key, {by: key, "leases": 0, "gib_hours_held": 0.0, "gib_hours_active": 0.0})
+                row["leases"] += 1
+                row["gib_hours_held"] += gib * (end - start) / 3600
+                row["gib_hours_active"] += gib * min(item["active_seconds"] * fraction, end - start) / 3600
+        rows = sorted(totals.values(), key=lambda r: -r["gib_hours_held"])
+        for row in rows:
+            row["gib_hours_held"] = round(row["gib_hours_held"], 4)
+            row["gib_hours_active"] = round(row["gib_hours_active"], 4)
+        return rows
+
+    # --- reservations and preferences -------------------------------------------------------------
+    def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Reservation:
+        """Hold capacity for users or groups (see :attr:`PoolPolicy.reservations` for the forms)."""
+        reservation = parse_reservation(spec, now=self._now(now))
+        stored = dict(spec)
+        if reservation.start is not None:
+            stored.update(start=reservation.start, end=reservation.end)
+            stored.pop("duration", None)
+        with self.store.transaction():
+            self.store.put_reservation(reservation.name, stored)
+        self._history = None
+        return reservation
+
+    def cancel_reservation(self, name: str) -> None:
+        with self.store.transaction():
+            if not self.store.delete_reservation(name):
+                raise LeaseNotFound(f"no reservation named {name!r}")
+        self._history = None
+
+    def reservations(self) -> list[Reservation]:
+        return self.policy.parsed_reservations() + [parse_reservation(r) for r in self.store.reservations()]
+
+    def preference(self, owner: str) -> dict[str, Any]:
+        return self.store.preference(owner)
+
+    def set_preference(self, owner: str, **values: Any) -> None:
+        with self.store.transaction():
+            current = self.store.preference(owner)
+            current.update(values)
+            self.store.set_preference(owner, current)
+
+    def events(self, after_seq: int = 0) -> list[dict[str, Any]]:
+        return self.store.events(after_seq)
+
+    def close(self) -> None:
+        self.store.close()
+        self.backend.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid)
