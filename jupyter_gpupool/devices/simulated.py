@@ -30,7 +30,7 @@ KNOWN_MODELS: dict[str, int] = {
 }
 
 _ITEM = re.compile(r"^\s*(?:(?P<count>\d+)\s*[xX]\s*)?(?P<what>[A-Za-z0-9][A-Za-z0-9._-]*)\s*$")
-_SIZE_SUFFIX = re.compile(r"^(?P<model>.*?)-?(?P<size>\d+(?:\.\d+)?\s*(?:GiB|GB|G|MiB|MB|M|TiB|TB))$", re.IGNORECASE)
+_SIZE_SUFFIX = re.compile(r"^(?P<model>(?:[A-Za-z].*?)?)-?(?P<size>\d+(?:\.\d+)?\s*(?:GiB|GB|G|MiB|MB|M|TiB|TB))$", re.IGNORECASE)
 
 
 def parse_inventory(spec: str) -> list[tuple[str, int]]:
