@@ -1,0 +1,62 @@
+"""IPython extension loaded in pooled kernels (``--ext=jupyter_gpupool.kernel``).
+
+On load it caps PyTorch / TensorFlow / CuPy at this kernel's slice when they are imported
+(see :mod:`.caps`), adds a hint to out-of-memory errors, and registers the ``%gpupool``
+magic. The pool itself is opened only when a magic or the widget needs it, so the kernel
+starts as fast as without the extension.
+
+Load it by hand in any IPython session with ``%load_ext jupyter_gpupool.kernel``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .caps import FrameworkCaps
+from .client import PoolClient, connect
+
+_state: dict[str, Any] = {}
+
+
+def get_caps() -> FrameworkCaps:
+    """The caps of this process (created from ``GPUPOOL_MEMORY_LIMIT`` on first use)."""
+    caps = _state.get("caps")
+    if caps is None:
+        caps = _state["caps"] = FrameworkCaps.from_env()
+    return caps
+
+
+def get_client() -> PoolClient:
+    """This kernel's pool client, shared by the magics and the widget."""
+    client = _state.get("client")
+    if client is None:
+        client = _state["client"] = connect(caps=get_caps())
+    return client
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Install the framework caps, the out-of-memory hint and the ``%gpupool`` magic."""
+    from .magics import GpuPoolMagics
+
+    if _state.get("shell") is ipython:
+        return
+    caps = get_caps()
+    caps.install(ipython)
+    ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
+    _state["shell"] = ipython
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Remove the import hooks, the OOM hint and the magic; close the pool client."""
+    caps = _state.pop("caps", None)
+    if caps is not None:
+        caps.uninstall()
+    client = _state.pop("client", None)
+    if client is not None:
+        client.close()
+    _state.pop("shell", None)
+    line_magics = ipython.magics_manager.magics.get("line", {})
+    line_magics.pop("gpupool", None)
+
+
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "get_caps", "get_client", "FrameworkCaps"]

@@ -1,0 +1,297 @@
+"""How a kernel reaches the pool about its own lease.
+
+:class:`PoolClient` is the interface the magics and the widget use. Two transports:
+
+- :class:`InProcessPoolClient` (single-user mode, today): the pool engine in this process
+  over the SQLite file ``GPUPOOL_DB``, the same file JupyterLab and nbconvert runs use.
+- a broker client over HTTP (multi-user hosts) when ``GPUPOOL_URL`` is set. It lives in
+  ``jupyter_gpupool.broker.client`` as ``HttpPoolClient`` with a ``from_env(env)``
+  classmethod; :func:`connect` picks it up from there once it exists.
+
+Sizes and durations are passed as the user typed them (``"12GiB"``, ``"25%"``, ``"2h"``),
+so an HTTP client can send them unchanged to ``POST .../reserve``.
+"""
+
+from __future__ import annotations
+
+import abc
+import getpass
+import importlib
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+from ..core.models import Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, QueueInfo
+from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
+from ..units import parse_duration, parse_size
+from .status import KernelStatus
+
+UpdateCallback = Callable[[Lease, "QueueInfo | None"], None]
+NO_LEASE = "this kernel has no GPU slice (it was not started through the GPU pool); ask for one with %gpupool reserve SIZE"
+
+
+class PoolClient(abc.ABC):
+    """This kernel's view of the pool: its own lease, and the queue."""
+
+    @property
+    @abc.abstractmethod
+    def lease_id(self) -> str | None:
+        """The id of this kernel's current lease (None before it has one)."""
+
+    @abc.abstractmethod
+    def status(self) -> KernelStatus:
+        """The lease, its queue position, its devices and the idle policy, fresh from the pool."""
+
+    @abc.abstractmethod
+    def reserve(self, memory: str | None, duration: str | None = None, num_gpus: int | None = None) -> Lease:
+        """Grow, shrink or hold the slice; or ask for a new one if the kernel has none.
+
+        Raises InvalidInput for a bad size or duration, RequestRefused when it cannot be granted.
+        """
+
+    @abc.abstractmethod
+    def release(self) -> Lease:
+        """Give the slice back. Raises LeaseNotFound when there is none."""
+
+    @abc.abstractmethod
+    def keep(self, duration: str | None) -> Lease:
+        """Hold the slice through idle for ``duration`` (None: the default, one hour)."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> PoolSnapshot:
+        """The pool's devices and queue as this user may see them."""
+
+    @abc.abstractmethod
+    def wait_for_grant(self, timeout: float | None = None, on_update: UpdateCallback | None = None) -> Lease:
+        """Block until the lease is granted (or released), calling ``on_update`` as the queue moves."""
+
+    def close(self) -> None:
+        """Release connections and file handles."""
+
+
+DEFAULT_KEEP = "1h"
+
+
+def _owner_from_env(env: Mapping[str, str]) -> str:
+    for name in ("GPUPOOL_USER", "JUPYTERHUB_USER"):
+        if env.get(name):
+            return env[name]
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return str(os.getuid())
+
+
+class InProcessPoolClient(PoolClient):
+    """The pool engine in this process, over the shared SQLite file (single-user mode)."""
+
+    def __init__(
+        self,
+        env: MutableMapping[str, str] | None = None,
+        pool_factory: Callable[[], Any] | None = None,
+        caps: Any = None,
+    ) -> None:
+        self.env: MutableMapping[str, str] = os.environ if env is None else env
+        self._lease_id: str | None = self.env.get("GPUPOOL_LEASE_ID") or None
+        self._kernel_id: str | None = self.env.get("GPUPOOL_KERNEL_ID") or None
+        self._pool_factory = pool_factory
+        self._pool: Any = None
+        self.caps = caps  # FrameworkCaps to re-cap after a resize (None: leave frameworks alone)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    @property
+    def pool(self) -> Any:
+        """The :class:`~jupyter_gpupool.pool.Pool`, opened on first use (kernel start stays fast)."""
+        if self._pool is None:
+            try:
+                if self._pool_factory is not None:
+                    self._pool = self._pool_factory()
+                else:
+                    from ..pool import Pool
+
+                    self._pool = Pool.from_env()
+            except GpuPoolError:
+                raise
+            except Exception as err:
+                where = self.env.get("GPUPOOL_DB") or "the default pool file"
+                raise PoolUnavailable(f"cannot open the GPU pool at {where}: {err}") from err
+        return self._pool
+
+    @property
+    def lease_id(self) -> str | None:
+        return self._lease_id
+
+    def _set_lease(self, lease: Lease) -> None:
+        self._lease_id = lease.id
+        self.env["GPUPOOL_LEASE_ID"] = lease.id
+        if lease.kernel_id:
+            self._kernel_id = lease.kernel_id
+
+    def current(self) -> Lease | None:
+        """This kernel's lease: the one in GPUPOOL_LEASE_ID, or a newer live one of the same kernel."""
+        pool = self.pool
+        lease: Lease | None = None
+        if self._lease_id:
+            try:
+                lease = pool.get(self._lease_id)
+            except LeaseNotFound:
+                lease = None
+        kernel_id = (lease.kernel_id if lease else None) or self._kernel_id
+        if (lease is None or lease.state is LeaseState.RELEASED) and kernel_id:
+            newer = pool.lease_for_kernel(kernel_id)
+            if newer is not None:
+                self._set_lease(newer)
+                lease = newer
+        return lease
+
+    def _live(self) -> Lease:
+        lease = self.current()
+        if lease is None:
+            raise LeaseNotFound(NO_LEASE)
+        if lease.state is LeaseState.RELEASED:
+            reason = f" ({lease.release_reason})" if lease.release_reason else ""
+            raise LeaseNotFound(f"this kernel's GPU slice was released{reason}; ask for one with %gpupool reserve SIZE")
+        return lease
+
+    def _devices(self) -> list[Device]:
+        try:
+            return list(self.pool.devices())
+        except GpuPoolError:
+            return []
+
+    def _largest(self, lease: Lease | None) -> int | None:
+        devices = self._devices()
+        if lease is not None and lease.devices:
+            mine = [d for d in devices if d.uuid in lease.devices]
+            if mine:
+                return min(d.memory_total for d in mine)
+        return max((d.memory_total for d in devices), default=None)
+
+    def _enforcement(self) -> list[str]:
+        lines: list[str] = []
+        level = self.env.get("GPUPOOL_ENFORCEMENT")
+        if level:
+            lines.append(f"level {level} (set when the kernel started)")
+        if self.caps is not None:
+            lines += self.caps.describe()
+        return lines
+
+    def _recap(self, lease: Lease) -> None:
+        if self.caps is not None and lease.state is not LeaseState.RELEASED:
+            self.caps.set_limit(lease.memory)
+        elif lease.state is not LeaseState.RELEASED:
+            self.env["GPUPOOL_MEMORY_LIMIT"] = str(lease.memory)
+
+    # -- the interface -----------------------------------------------------------------------
+    def status(self) -> KernelStatus:
+        lease = self.current()
+        policy = getattr(self.pool, "policy", None)
+        info: QueueInfo | None = None
+        if lease is not None and lease.state is LeaseState.QUEUED:
+            info = self.pool.queue_info(lease.id)
+        devices = [d for d in self._devices() if lease is not None and d.uuid in lease.devices]
+        devices.sort(key=lambda d: lease.devices.index(d.uuid) if lease else 0)
+        return KernelStatus(
+            lease=lease,
+            queue=info,
+            devices=devices,
+            idle_timeout=getattr(policy, "idle_timeout", None),
+            idle_policy=str(getattr(policy, "idle_policy", "") or ""),
+            enforcement=self._enforcement(),
+            local_usage=self.caps.local_usage() if self.caps is not None else None,
+            now=time.time(),
+            note="" if lease else "not started through the GPU pool",
+        )
+
+    def reserve(self, memory: str | None, duration: str | None = None, num_gpus: int | None = None) -> Lease:
+        if memory is None and duration is None and num_gpus is None:
+            raise InvalidInput("nothing to reserve: give a size (e.g. 12GiB), --for DURATION or --gpus N")
+        if num_gpus is not None and not 1 <= num_gpus <= 64:
+            raise InvalidInput(f"invalid GPU count {num_gpus}: expected a whole number from 1 to 64")
+        seconds = parse_duration(duration) if duration is not None else None
+        size: int | None = None
+        if memory is not None and not str(memory).strip().endswith("%"):
+            size = parse_size(memory)  # a bad size is reported before the pool is even opened
+        lease = self.current()
+        if memory is not None and size is None:
+            size = parse_size(memory, gpu_memory=self._largest(lease))
+        if lease is None or lease.state is LeaseState.RELEASED:
+            return self._request_new(lease, size, seconds, num_gpus)
+        if num_gpus is not None and num_gpus != lease.num_gpus:
+            raise RequestRefused(
+                f"this kernel's slice spans {lease.num_gpus} GPU(s) and the pool cannot change that while the kernel runs;"
+                f" %gpupool release, then %gpupool reserve {memory or 'SIZE'} --gpus {num_gpus} and restart the kernel"
+            )
+        updated = self.pool.resize(lease.id, memory=size, duration=seconds)
+        self._set_lease(updated)
+        self._recap(updated)
+        return updated
+
+    def _request_new(self, old: Lease | None, size: int | None, seconds: float | None, num_gpus: int | None) -> Lease:
+        policy = getattr(self.pool, "policy", None)
+        memory = size or (old.memory if old else None) or getattr(policy, "default_memory", None)
+        if not memory:
+            raise InvalidInput("give a size for the new slice, e.g. %gpupool reserve 8GiB")
+        request = LeaseRequest(
+            owner=old.owner if old else _owner_from_env(self.env),
+            memory=int(memory),
+            groups=tuple(old.groups) if old else (),
+            kernel_id=(old.kernel_id if old else None) or self._kernel_id,
+            num_gpus=num_gpus or (old.num_gpus if old else 1),
+            priority=old.priority if old else LeaseRequest.__dataclass_fields__["priority"].default,
+            duration=seconds,
+            holder_pid=os.getpid(),
+            holder_host=socket.gethostname(),
+            label=(old.label if old else "") or "requested from the kernel with %gpupool reserve",
+        )
+        lease = self.pool.request(request)
+        self._set_lease(lease)
+        self._recap(lease)
+        return lease
+
+    def release(self) -> Lease:
+        lease = self._live()
+        released = self.pool.release(lease.id, reason="released from the kernel with %gpupool release")
+        return released
+
+    def keep(self, duration: str | None) -> Lease:
+        seconds = parse_duration(duration if duration is not None else DEFAULT_KEEP)
+        lease = self._live()
+        return self.pool.keep(lease.id, seconds)
+
+    def snapshot(self) -> PoolSnapshot:
+        lease = self.current()
+        return self.pool.snapshot(viewer=lease.owner if lease else _owner_from_env(self.env))
+
+    def wait_for_grant(self, timeout: float | None = None, on_update: UpdateCallback | None = None) -> Lease:
+        lease = self._live()
+        granted = self.pool.wait_for_grant(lease.id, timeout=timeout, on_update=on_update)
+        self._recap(granted)
+        return granted
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        closer = getattr(pool, "close", None)
+        if callable(closer):
+            closer()
+
+
+BROKER_CLIENT = "jupyter_gpupool.broker.client"
+
+
+def connect(env: MutableMapping[str, str] | None = None, caps: Any = None) -> PoolClient:
+    """The client for this kernel: the broker's when ``GPUPOOL_URL`` is set, else in-process."""
+    source: MutableMapping[str, str] = os.environ if env is None else env
+    url = source.get("GPUPOOL_URL", "").strip()
+    if not url:
+        return InProcessPoolClient(env=source, caps=caps)
+    try:
+        module = importlib.import_module(BROKER_CLIENT)
+    except ImportError as err:
+        raise PoolUnavailable(
+            f"GPUPOOL_URL is set ({url}) but this version has no broker client; unset it to use the pool file GPUPOOL_DB"
+        ) from err
+    client: PoolClient = module.HttpPoolClient.from_env(source, caps=caps)
+    return client

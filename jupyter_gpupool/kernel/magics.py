@@ -1,0 +1,253 @@
+"""``%gpupool`` line magic: see, grow, shrink, keep and give back this kernel's GPU slice."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from typing import Any
+
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.display import display
+
+from ..core.models import Lease, LeaseState, QueueInfo
+from ..errors import GpuPoolError
+from ..units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size
+from .client import DEFAULT_KEEP, PoolClient
+from .status import QueueReport, Report, status_report
+
+DESCRIPTION = """\
+See and manage this kernel's slice of the GPU pool.
+
+  %gpupool status                      this kernel's slice, usage, queue position, idle time
+  %gpupool reserve 12GiB [--for 2h] [--gpus 2]
+                                       grow or shrink the slice (or ask for one); --for holds it
+                                       through idle for that long
+  %gpupool release                     give the slice back to the pool
+  %gpupool queue                       the pool's GPUs and who waits
+  %gpupool keep [1h]                   hold the slice through idle (default 1h)
+  %gpupool wait [--timeout 10m]        block until the slice is granted, showing the queue position
+  %gpupool help                        this text
+
+Sizes: """ + SIZE_FORMS + """.
+Durations: """ + DURATION_FORMS + "."
+
+
+class MagicError(Exception):
+    """A one-line error for the user: IPython shows ``_render_traceback_`` instead of a traceback.
+
+    The cell still fails, so "Run all", nbclient and papermill stop there.
+    """
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.cause = cause
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mgpupool: {self.message}\x1b[0m"]
+
+
+class _HelpShown(Exception):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports instead of exiting the kernel."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise MagicError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> Any:  # type: ignore[override]
+        raise _HelpShown(message or "")
+
+    def print_help(self, file: Any = None) -> None:
+        raise _HelpShown(self.format_help())
+
+
+def _gpu_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid GPU count {text!r}: expected a whole number from 1 to 64") from None
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"invalid GPU count {text!r}: expected a whole number from 1 to 64")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="%gpupool",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=True,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.add_parser("status", help="this kernel's slice, usage, queue position and idle time")
+    reserve = sub.add_parser(
+        "reserve",
+        help="grow or shrink the slice, hold it through idle, or ask for one",
+        description=f"Grow or shrink this kernel's slice, or ask for one. SIZE is {SIZE_FORMS}.",
+    )
+    reserve.add_argument("size", nargs="?", help=f"memory per GPU: {SIZE_FORMS}")
+    reserve.add_argument("--for", dest="duration", metavar="DURATION", help=f"hold through idle this long: {DURATION_FORMS}")
+    reserve.add_argument("--gpus", type=_gpu_count, metavar="N", help="number of GPUs (1 to 64)")
+    sub.add_parser("release", help="give the slice back to the pool")
+    sub.add_parser("queue", help="the pool's GPUs and its queue")
+    keep = sub.add_parser("keep", help="hold the slice through idle (default 1h)")
+    keep.add_argument("duration", nargs="?", default=None, help=f"{DURATION_FORMS} (default {DEFAULT_KEEP})")
+    wait = sub.add_parser("wait", help="block until the slice is granted")
+    wait.add_argument("--timeout", metavar="DURATION", help=f"give up after this long: {DURATION_FORMS}")
+    sub.add_parser("help", help="show this help")
+    return parser
+
+
+class WaitProgress:
+    """Shows the queue position while ``%gpupool wait`` blocks: one display, updated in place."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.last: tuple[Any, ...] | None = None
+        self.started = time.time()
+
+    def __call__(self, lease: Lease, info: QueueInfo | None) -> None:
+        key = (lease.state, info.position if info else None, info.length if info else None)
+        if key == self.last:
+            return
+        self.last = key
+        if lease.state is LeaseState.QUEUED and info is not None:
+            wait = f", estimated wait {format_duration(info.estimated_wait)}" if info.estimated_wait else ""
+            reason = f" ({info.reason})" if info.reason else ""
+            text = f"waiting for {format_size(lease.memory)}: position {info.position} of {info.length}{wait}{reason}"
+        elif lease.state is LeaseState.QUEUED:
+            text = f"waiting for {format_size(lease.memory)}"
+        else:
+            text = f"lease {lease.state.value}"
+        report = Report("gpupool: waiting for a GPU slice", [("status", text)])
+        if self.handle is None:
+            self.handle = display(report, display_id=True)
+        else:
+            self.handle.update(report)
+
+
+@magics_class
+class GpuPoolMagics(Magics):
+    """The ``%gpupool`` magic. The client is made on first use, so loading the extension stays cheap."""
+
+    def __init__(self, shell: Any, client_factory: Any) -> None:
+        super().__init__(shell)
+        self._client_factory = client_factory
+        self._client: PoolClient | None = None
+        self.parser = build_parser()
+
+    @property
+    def client(self) -> PoolClient:
+        if self._client is None:
+            self._client = self._client_factory()
+        return self._client
+
+    @line_magic
+    def gpupool(self, line: str) -> None:
+        """See and manage this kernel's GPU slice: %gpupool help."""
+        try:
+            args = self.parser.parse_args(shlex.split(line) or ["status"])
+        except _HelpShown as shown:
+            print(shown.text.rstrip())
+            return None
+        except ValueError as err:  # shlex: unbalanced quotes
+            raise MagicError(f"cannot read the arguments: {err}") from None
+        handler = getattr(self, f"_do_{args.command}")
+        try:
+            return handler(args)
+        except MagicError:
+            raise
+        except GpuPoolError as err:
+            raise MagicError(str(err), err) from None
+
+    # -- subcommands -----------------------------------------------------------------------------
+    def _do_help(self, args: argparse.Namespace) -> None:
+        print(self.parser.format_help().rstrip())
+
+    def _do_status(self, args: argparse.Namespace) -> None:
+        display(status_report(self.client.status()))
+
+    def _do_reserve(self, args: argparse.Namespace) -> None:
+        before = self.client.status().lease
+        lease = self.client.reserve(args.size, duration=args.duration, num_gpus=args.gpus)
+        status = self.client.status()
+        if before is None or before.state is LeaseState.RELEASED:
+            title = "gpupool: new slice requested"
+        elif before.memory != lease.memory:
+            title = f"gpupool: slice changed from {format_size(before.memory)} to {format_size(lease.memory)}"
+        else:
+            title = "gpupool: slice unchanged"
+        footer = ""
+        if lease.keep_until is not None and args.duration:
+            footer = f"held through idle until {time.strftime('%H:%M', time.localtime(lease.keep_until))}"
+        if lease.state is LeaseState.QUEUED:
+            footer = "queued: run %gpupool wait to block until it is granted"
+        elif before is not None and before.devices and lease.devices and tuple(before.devices) != tuple(lease.devices):
+            footer = "the slice moved to other GPUs: restart the kernel to use them"
+        display(Report(title, status.rows(), footer))
+
+    def _do_release(self, args: argparse.Namespace) -> None:
+        lease = self.client.release()
+        _free_framework_caches()
+        display(
+            Report(
+                "gpupool: slice released",
+                [("released", f"{format_size(lease.memory)} on {len(lease.devices) or lease.num_gpus} GPU(s)")],
+                "GPU memory this kernel still holds is not yours anymore; %gpupool reserve SIZE asks for a new slice",
+            )
+        )
+
+    def _do_queue(self, args: argparse.Namespace) -> None:
+        display(QueueReport(self.client.snapshot(), self.client.lease_id))
+
+    def _do_keep(self, args: argparse.Namespace) -> None:
+        lease = self.client.keep(args.duration)
+        until = lease.keep_until
+        text = time.strftime("%H:%M", time.localtime(until)) if until else "unknown"
+        left = format_duration(until - time.time()) if until else "?"
+        display(Report("gpupool: slice kept", [("held through idle until", f"{text} ({left})")]))
+
+    def _do_wait(self, args: argparse.Namespace) -> None:
+        from ..units import parse_duration
+
+        timeout = parse_duration(args.timeout) if args.timeout else None
+        progress = WaitProgress()
+        try:
+            lease = self.client.wait_for_grant(timeout=timeout, on_update=progress)
+        except KeyboardInterrupt:
+            raise MagicError("stopped waiting; the request stays in the queue (%gpupool queue shows it)") from None
+        except TimeoutError:
+            raise MagicError(f"still queued after {format_duration(timeout)}; the request stays in the queue") from None
+        if lease.state is LeaseState.QUEUED:
+            raise MagicError(f"still queued after {format_duration(timeout)}; the request stays in the queue")
+        if lease.state is LeaseState.RELEASED:
+            raise MagicError(f"the request was released while waiting: {lease.release_reason or 'no reason given'}")
+        report = status_report(self.client.status(), "gpupool: slice granted")
+        if progress.handle is not None:
+            progress.handle.update(report)
+        else:
+            display(report)
+
+
+def _free_framework_caches() -> None:
+    """After a release, hand cached blocks back to the driver so the memory really frees."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+    cupy = sys.modules.get("cupy")
+    try:
+        if cupy is not None and cupy.is_available():
+            cupy.get_default_memory_pool().free_all_blocks()
+    except Exception:
+        pass

@@ -1,0 +1,228 @@
+"""What a kernel knows about its GPU slice, and how the magics show it (HTML and plain text)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo
+from ..units import format_duration, format_size
+
+
+@dataclass
+class KernelStatus:
+    """This kernel's lease as the magics and the widget show it."""
+
+    lease: Lease | None
+    queue: QueueInfo | None = None
+    devices: list[Device] = field(default_factory=list)
+    idle_timeout: float | None = None
+    idle_policy: str = ""
+    enforcement: list[str] = field(default_factory=list)
+    local_usage: int | None = None  # bytes PyTorch/CuPy of this process hold (None: unknown)
+    now: float = field(default_factory=time.time)
+    note: str = ""  # e.g. why there is no lease
+
+    # -- derived values, shared by text, HTML and the widget ---------------------------------
+    @property
+    def state(self) -> str:
+        return self.lease.state.value if self.lease else "none"
+
+    @property
+    def used(self) -> int | None:
+        """Bytes in use: the watchdog's number (whole process tree) else what frameworks report."""
+        if self.lease is not None and self.lease.used_memory is not None:
+            return self.lease.used_memory
+        return self.local_usage
+
+    @property
+    def capacity(self) -> int | None:
+        """Bytes the slice spans over all its GPUs."""
+        if self.lease is None or self.lease.state is LeaseState.RELEASED:
+            return None
+        return self.lease.memory * max(1, self.lease.num_gpus)
+
+    def share_text(self) -> str:
+        lease = self.lease
+        if lease is None:
+            return "no GPU slice" + (f": {self.note}" if self.note else "")
+        size = format_size(lease.memory)
+        per = f"{lease.num_gpus} × {size}" if lease.num_gpus > 1 else size
+        if lease.state is LeaseState.GRANTED:
+            return f"{per} on {self.devices_text()}"
+        if lease.state is LeaseState.QUEUED:
+            return f"{per} requested, waiting in the queue"
+        if lease.state is LeaseState.SUSPENDED:
+            return f"{per} suspended (GPU memory parked in host RAM)"
+        reason = f": {lease.release_reason}" if lease.release_reason else ""
+        return f"released{reason}; ask for a slice with %gpupool reserve SIZE"
+
+    def devices_text(self) -> str:
+        if not self.devices:
+            return ", ".join(self.lease.devices) if self.lease and self.lease.devices else "no GPU"
+        return ", ".join(f"GPU {d.index} ({d.name})" for d in self.devices)
+
+    def usage_text(self) -> str:
+        used, capacity = self.used, self.capacity
+        if capacity is None:
+            return "—"
+        if used is None:
+            return f"unknown of {format_size(capacity)} (no usage reported yet)"
+        percent = 100.0 * used / capacity if capacity else 0.0
+        over = "  OVER THE SLICE" if used > capacity else ""
+        return f"{format_size(used)} of {format_size(capacity)} ({percent:.0f}%){over}"
+
+    def usage_fraction(self) -> float | None:
+        used, capacity = self.used, self.capacity
+        if used is None or not capacity:
+            return None
+        return used / capacity
+
+    def queue_text(self) -> str:
+        if self.lease is None or self.lease.state is not LeaseState.QUEUED:
+            return "not queued"
+        if self.queue is None:
+            return "queued"
+        wait = f", estimated wait {format_duration(self.queue.estimated_wait)}" if self.queue.estimated_wait else ""
+        reason = f" ({self.queue.reason})" if self.queue.reason else ""
+        return f"position {self.queue.position} of {self.queue.length}{wait}{reason}"
+
+    def idle_text(self) -> str:
+        lease = self.lease
+        if lease is None or lease.state is not LeaseState.GRANTED:
+            return "—"
+        if lease.reclaim_at is not None:
+            why = f" ({lease.reclaim_reason})" if lease.reclaim_reason else ""
+            left = max(0.0, lease.reclaim_at - self.now)
+            return f"reclaimed in {format_duration(left)}{why} unless you run %gpupool keep"
+        if lease.keep_until is not None and lease.keep_until > self.now:
+            return f"kept through idle until {_clock(lease.keep_until)} ({format_duration(lease.keep_until - self.now)} left)"
+        if lease.busy:
+            return "busy"
+        idle = lease.idle_seconds(self.now)
+        if self.idle_timeout and self.idle_policy != "never":
+            when = "when others wait" if self.idle_policy == "pressure" else "always"
+            left = max(0.0, self.idle_timeout - idle)
+            return f"idle {format_duration(idle)}; reclaimable in {format_duration(left)} ({when})"
+        return f"idle {format_duration(idle)}"
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, value) pairs in display order."""
+        rows = [("GPU slice", self.share_text()), ("state", self.state)]
+        if self.lease is not None and self.lease.state is not LeaseState.RELEASED:
+            rows.append(("usage", self.usage_text()))
+            if self.lease.state is LeaseState.QUEUED:
+                rows.append(("queue", self.queue_text()))
+            rows.append(("idle", self.idle_text()))
+            if self.lease.flagged:
+                rows.append(("flagged", self.lease.flagged))
+        if self.lease is not None:
+            rows.append(("lease", f"{self.lease.id} (owner {self.lease.owner})"))
+        if self.enforcement:
+            rows.append(("enforcement", "; ".join(self.enforcement)))
+        return rows
+
+
+def _clock(when: float) -> str:
+    return dt.datetime.fromtimestamp(when).strftime("%H:%M")
+
+
+def _table_html(title: str, rows: list[tuple[str, str]]) -> str:
+    body = "".join(
+        f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
+        f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+        for k, v in rows
+    )
+    return f"<div class='gpupool-status'><b>{html.escape(title)}</b><table>{body}</table></div>"
+
+
+def _table_text(title: str, rows: list[tuple[str, str]]) -> str:
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join([title] + [f"  {k.ljust(width)}  {v}" for k, v in rows])
+
+
+class Report:
+    """A titled key/value table with an HTML and a plain-text form (``display(Report(...))``)."""
+
+    def __init__(self, title: str, rows: list[tuple[str, str]], footer: str = "") -> None:
+        self.title = title
+        self.rows = rows
+        self.footer = footer
+
+    def _repr_html_(self) -> str:
+        foot = f"<div>{html.escape(self.footer)}</div>" if self.footer else ""
+        return _table_html(self.title, self.rows) + foot
+
+    def __repr__(self) -> str:
+        return _table_text(self.title, self.rows) + (f"\n{self.footer}" if self.footer else "")
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))
+
+
+def status_report(status: KernelStatus, title: str = "gpupool: this kernel's GPU slice") -> Report:
+    return Report(title, status.rows())
+
+
+class QueueReport:
+    """The pool's devices and queue, from a snapshot filtered for this user."""
+
+    def __init__(self, snapshot: PoolSnapshot, own_lease_id: str | None) -> None:
+        self.snapshot = snapshot
+        self.own = own_lease_id
+
+    def device_rows(self) -> list[list[str]]:
+        rows = []
+        for dev in self.snapshot.devices:
+            total = dev.get("memory_total") or 0
+            leased = dev.get("memory_leased") or 0
+            health = "" if dev.get("healthy", True) else " (unhealthy)"
+            rows.append(
+                [f"GPU {dev.get('index')}", str(dev.get("name", "")) + health, f"{format_size(leased)} of {format_size(total)} leased"]
+            )
+        return rows
+
+    def queue_rows(self) -> list[list[str]]:
+        rows = []
+        for position, item in enumerate(self.snapshot.queue, start=1):
+            lease_id = str(item.get("id") or "")
+            mine = " ← this kernel" if lease_id and lease_id == self.own else ""
+            who = str(item.get("owner") or ("you" if item.get("mine") else "another user"))
+            since = item.get("created_at")
+            waited = format_duration(self.snapshot.now - since) if isinstance(since, (int, float)) else "?"
+            gpus = int(item.get("num_gpus") or 1)
+            size = format_size(item.get("memory"))
+            rows.append([str(item.get("queue_position") or position), f"{gpus} × {size}" if gpus > 1 else size, who, waited + mine])
+        return rows
+
+    def _repr_html_(self) -> str:
+        def table(head: list[str], rows: list[list[str]]) -> str:
+            th = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in head)
+            trs = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+            return f"<table><tr>{th}</tr>{trs}</table>"
+
+        queue = (
+            table(["#", "memory", "owner", "waiting"], self.queue_rows()) if self.snapshot.queue else "<div>the queue is empty</div>"
+        )
+        return (
+            "<div class='gpupool-queue'><b>gpupool: GPUs</b>"
+            + table(["GPU", "model", "memory"], self.device_rows())
+            + "<b>queue</b>"
+            + queue
+            + "</div>"
+        )
+
+    def __repr__(self) -> str:
+        lines = ["gpupool: GPUs"] + ["  " + "  ".join(r) for r in self.device_rows()]
+        if self.snapshot.queue:
+            lines.append(f"queue ({len(self.snapshot.queue)} waiting)")
+            lines += ["  " + "  ".join(r) for r in self.queue_rows()]
+        else:
+            lines.append("queue: empty")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))
