@@ -214,21 +214,22 @@ class Watchdog(LoggingConfigurable):
             limit = limits.get(lease_id)
             if not limit:
                 continue
+            configured: Action = self.action  # type: ignore[assignment]  # an Enum trait of Action values
             episode = self._episodes.get(lease_id)
             if used <= self.threshold(limit):
                 if episode is not None:
                     self.forget(lease_id)
                     events.append(
-                        self._event("clear", lease_id, self.action, used, limit, now, None,
+                        self._event("clear", lease_id, configured, used, limit, now, None,
                                     f"GPU memory back within the slice: {format_size(used)} of {format_size(limit)}")
                     )
                 continue
             if episode is None:
                 deadline = None if self.action == "warn" else now + self.grace
                 episode = self._episodes[lease_id] = _Episode(over_since=now, deadline=deadline)
-                events.append(self._event("warn", lease_id, self.action, used, limit, now, deadline, self._warning(used, limit)))
+                events.append(self._event("warn", lease_id, configured, used, limit, now, deadline, self._warning(used, limit)))
             if episode.deadline is not None and now >= episode.deadline:
-                action: Action = self.action
+                action: Action = configured
                 if action == "interrupt" and self.escalate and episode.actions >= 1:
                     action = "stop"
                 episode.actions += 1
@@ -293,4 +294,4 @@ class Watchdog(LoggingConfigurable):
         return WatchdogReport(usage=usage, events=events, decisions=decisions, over=self.over_since())
 
 
-__all__ = ["Watchdog", "WatchdogEvent", "WatchdogReport", "UsageSink", "usage_by_root_pid"]
+__all__ = ["UsageSink", "Watchdog", "WatchdogEvent", "WatchdogReport", "usage_by_root_pid"]

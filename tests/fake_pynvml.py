@@ -20,7 +20,7 @@ import sys
 import types
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 GIB = 1024**3
 MIB = 1024**2
@@ -108,10 +108,10 @@ def _make_error_classes(module: types.ModuleType) -> type[Exception]:
     """``NVMLError`` and one subclass per code, built the way pynvml builds them."""
 
     class NVMLError(Exception):
-        _valClassMapping: dict[int, type] = {}
-        _errcode_to_string = dict(_MESSAGES)
+        _valClassMapping: ClassVar[dict[int, type]] = {}
+        _errcode_to_string: ClassVar[dict[int, str]] = dict(_MESSAGES)
 
-        def __new__(typ, value):  # noqa: N804 - same as pynvml
+        def __new__(typ, value):  # same as pynvml
             if typ == NVMLError:
                 typ = NVMLError._valClassMapping.get(value, typ)
             obj = Exception.__new__(typ)
@@ -119,7 +119,7 @@ def _make_error_classes(module: types.ModuleType) -> type[Exception]:
             return obj
 
         def __str__(self) -> str:
-            return self._errcode_to_string.get(self.value, "NVML Error with code %d" % self.value)
+            return self._errcode_to_string.get(self.value, f"NVML Error with code {self.value}")
 
         def __eq__(self, other: object) -> bool:
             return self.value == getattr(other, "value", None)
@@ -313,19 +313,16 @@ class FakeNvml:
     # --- the pynvml API (names and signatures as in nvidia-ml-py) -------------------------------
     def nvmlInit(self):
         self.nvmlInitWithFlags(0)
-        return None
 
     def nvmlInitWithFlags(self, flags):
         self.calls["nvmlInit"] += 1
         if self.init_error is not None:
             self._raise(self.init_error)
         self.init_count += 1
-        return None
 
     def nvmlShutdown(self):
         self._enter("nvmlShutdown")
         self.init_count -= 1
-        return None
 
     def nvmlErrorString(self, result):
         return _MESSAGES.get(result, "Unknown Error")
@@ -392,7 +389,7 @@ class FakeNvml:
         self._gpu("nvmlDeviceIsMigDeviceHandle", device)
         return 1 if device.slot is not None else 0
 
-    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice):  # noqa: N803 - pynvml's name
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice):  # pynvml's parameter name
         self._gpu("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", migDevice)
         return _Handle(migDevice.gpu)
 

@@ -6,10 +6,10 @@ import importlib
 import inspect
 import sys
 
-import pytest
-
 import fake_pynvml
-from fake_pynvml import C, GIB, MIB, FakeGpu, FakeMig, FakeNvml, FakeProcess
+import pytest
+from fake_pynvml import GIB, MIB, C, FakeGpu, FakeMig, FakeNvml, FakeProcess
+
 from jupyter_gpupool.devices import ProcessUsage, make_backend
 from jupyter_gpupool.devices.nvml import NvmlBackend
 from jupyter_gpupool.errors import PoolUnavailable

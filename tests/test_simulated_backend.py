@@ -111,7 +111,7 @@ def test_scripted_usage_shows_in_processes_and_free_memory():
 
 def test_set_health_marks_a_gpu_lost_and_back():
     backend = SimulatedBackend.from_spec("2xA100-80GB")
-    gpu0, gpu1 = (d.uuid for d in backend.devices())
+    gpu1 = backend.devices()[1].uuid
     backend.set_usage(7, gpu1, GIB)
     backend.set_health(gpu1, False, "GPU is lost (NVML_ERROR_GPU_IS_LOST)")
     devices = backend.devices()

@@ -106,15 +106,15 @@ class NvmlBackend(DeviceBackend):
         self.driver_version = ""
         try:
             self.driver_version = _text(self._nvml.nvmlSystemGetDriverVersion())
-        except Exception:  # noqa: BLE001 - cosmetic only
-            pass
+        except self._nvml.NVMLError as exc:  # cosmetic only
+            log.debug("no driver version: %s", exc)
 
     # --- set-up ---------------------------------------------------------------------------------
     @staticmethod
     def _load() -> ModuleType:
         """Import pynvml and run ``nvmlInit`` once; a missing driver is a one-line PoolUnavailable."""
         try:
-            import pynvml  # noqa: PLC0415 - imported late so tests can substitute a fake module
+            import pynvml  # imported late so tests can substitute a fake module
         except ImportError as exc:
             raise PoolUnavailable(f"no NVIDIA driver found (NVML: nvidia-ml-py is not installed: {exc}); {SIMULATE_HINT}") from None
         try:
@@ -284,7 +284,8 @@ class NvmlBackend(DeviceBackend):
                         break
                     continue  # this one link is not supported; later ones may be
                 any_nvlink = True
-                other = by_pci.get(_pci_key(remote))
+                remote_key = _pci_key(remote)
+                other = by_pci.get(remote_key) if remote_key is not None else None
                 if other is not None and other != gpu.uuid:
                     peers[gpu.uuid].add(other)
                     peers[other].add(gpu.uuid)
@@ -393,4 +394,4 @@ class NvmlBackend(DeviceBackend):
         return [ProcessUsage(pid=pid, device_uuid=uuid, used_memory=used) for pid, used in sorted(per_pid.items())]
 
 
-__all__ = ["NvmlBackend", "SIMULATE_HINT"]
+__all__ = ["SIMULATE_HINT", "NvmlBackend"]
