@@ -1,0 +1,181 @@
+/**
+ * jupyter-gpupool's JupyterLab / Notebook 7 extension: a right-sidebar panel and a
+ * status-bar item showing the current kernel's GPU slice, its use, the queue and the pool.
+ *
+ * Every shell-specific token is optional, so the same plugin runs in JupyterLab and
+ * Notebook 7 (no ILabShell).
+ */
+
+import {
+  ILayoutRestorer,
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import { ICommandPalette } from '@jupyterlab/apputils';
+import { IConsoleTracker } from '@jupyterlab/console';
+import { INotebookTracker } from '@jupyterlab/notebook';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { IStatusBar } from '@jupyterlab/statusbar';
+
+import { GpuPoolClient } from './api';
+import { ISessionTracker, KernelFollower } from './follow';
+import { gpuIcon } from './icon';
+import { GpuPoolModel } from './model';
+import { GpuPoolNotifier } from './notifications';
+import { GpuPoolPanel } from './panel';
+import { GpuPoolStatus } from './statusbar';
+import { IGpuPoolModel } from './tokens';
+import { parseDuration } from './units';
+
+export { GpuPoolModel } from './model';
+export { IGpuPoolModel } from './tokens';
+
+const PLUGIN_ID = 'jupyter-gpupool:plugin';
+
+namespace CommandIDs {
+  export const open = 'gpupool:open-panel';
+  export const keep = 'gpupool:keep';
+  export const release = 'gpupool:release';
+}
+
+interface ISettings {
+  refreshInterval: number;
+  keepDuration: string;
+  showNotifications: boolean;
+}
+
+const DEFAULTS: ISettings = {
+  refreshInterval: 1000,
+  keepDuration: '1h',
+  showNotifications: true
+};
+
+const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
+  id: PLUGIN_ID,
+  description: 'Shows the GPU slice of the current kernel, the queue and the GPU pool.',
+  autoStart: true,
+  provides: IGpuPoolModel,
+  optional: [
+    INotebookTracker,
+    IConsoleTracker,
+    IStatusBar,
+    ILayoutRestorer,
+    ICommandPalette,
+    ISettingRegistry
+  ],
+  activate: (
+    app: JupyterFrontEnd,
+    notebooks: INotebookTracker | null,
+    consoles: IConsoleTracker | null,
+    statusBar: IStatusBar | null,
+    restorer: ILayoutRestorer | null,
+    palette: ICommandPalette | null,
+    settingRegistry: ISettingRegistry | null
+  ): GpuPoolModel => {
+    const settings: ISettings = { ...DEFAULTS };
+    const serverSettings = app.serviceManager.serverSettings;
+    // One websocket for the page, opened by JupyterLab itself (/api/events/subscribe).
+    const events = app.serviceManager.events ?? null;
+    const model = new GpuPoolModel({
+      client: new GpuPoolClient(serverSettings),
+      events,
+      interval: settings.refreshInterval
+    });
+
+    const keepDuration = () => settings.keepDuration;
+    const panel = new GpuPoolPanel(model, { keepDuration });
+    app.shell.add(panel, 'right', { rank: 900, type: 'GPU Pool' });
+    if (restorer) {
+      restorer.add(panel, 'jupyter-gpupool-panel');
+    }
+    const openPanel = () => {
+      app.shell.activateById(panel.id);
+    };
+
+    const trackers = [notebooks, consoles].filter(
+      (t): t is NonNullable<typeof t> => !!t
+    ) as unknown as ISessionTracker[];
+    new KernelFollower(model, trackers);
+    new GpuPoolNotifier(model, {
+      enabled: () => settings.showNotifications,
+      keepDuration,
+      openPanel
+    });
+
+    app.commands.addCommand(CommandIDs.open, {
+      label: 'Show GPU Pool',
+      caption: 'Show the GPU slice of the current kernel, the queue and the pool',
+      icon: gpuIcon,
+      execute: openPanel
+    });
+    app.commands.addCommand(CommandIDs.keep, {
+      label: () => `Keep the Kernel's GPU Slice Through Idle (${settings.keepDuration})`,
+      isEnabled: () => model.view.canKeep,
+      execute: async () => {
+        if (model.kernelId) {
+          await model.keep(model.kernelId, settings.keepDuration);
+        }
+      }
+    });
+    app.commands.addCommand(CommandIDs.release, {
+      label: "Release the Kernel's GPU Slice",
+      isEnabled: () => model.view.canRelease,
+      execute: async () => {
+        if (model.kernelId) {
+          await model.release(model.kernelId);
+        }
+      }
+    });
+    if (palette) {
+      const category = 'GPU Pool';
+      for (const command of [CommandIDs.open, CommandIDs.keep, CommandIDs.release]) {
+        palette.addItem({ command, category });
+      }
+    }
+
+    if (statusBar) {
+      const item = new GpuPoolStatus(model, openPanel);
+      statusBar.registerStatusItem(PLUGIN_ID + ':status', {
+        item,
+        align: 'left',
+        rank: 3,
+        isActive: () => item.hasText,
+        activeStateChanged: model.changed
+      });
+    }
+
+    if (settingRegistry) {
+      const apply = (loaded: ISettingRegistry.ISettings) => {
+        const composite = loaded.composite as Partial<ISettings>;
+        settings.refreshInterval =
+          typeof composite.refreshInterval === 'number'
+            ? composite.refreshInterval
+            : DEFAULTS.refreshInterval;
+        let keep = String(composite.keepDuration ?? DEFAULTS.keepDuration);
+        try {
+          parseDuration(keep);
+        } catch (error) {
+          console.warn(`jupyter-gpupool: keepDuration: ${(error as Error).message}; using 1h`);
+          keep = DEFAULTS.keepDuration;
+        }
+        settings.keepDuration = keep;
+        settings.showNotifications = composite.showNotifications !== false;
+        model.interval = settings.refreshInterval;
+        app.commands.notifyCommandChanged(CommandIDs.keep);
+        void model.refresh();
+      };
+      void Promise.all([settingRegistry.load(PLUGIN_ID), app.restored])
+        .then(([loaded]) => {
+          apply(loaded);
+          loaded.changed.connect(apply);
+        })
+        .catch(reason => {
+          console.warn('jupyter-gpupool: cannot load settings', reason);
+        });
+    }
+
+    return model;
+  }
+};
+
+export default plugin;

@@ -1,0 +1,340 @@
+/**
+ * The one GPU-pool model of a page: it follows one kernel (the current notebook's),
+ * asks the server about it and about the pool with ONE shared `Poll`, and refreshes at
+ * once when the server emits a jupyter_gpupool event. Many open notebooks cost one
+ * request per tick for the current kernel, plus one for the pool while the panel shows.
+ */
+
+import type { Event } from '@jupyterlab/services';
+import { IDisposable } from '@lumino/disposable';
+import { Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import type { GpuPoolClient } from './api';
+import {
+  EVENT_SCHEMA_PREFIX,
+  GpuPoolRequestError,
+  IKernelStatus,
+  IPoolSnapshot
+} from './types';
+import { IKernelView, IPoolView, kernelView, poolView } from './view';
+
+/** What is known about one kernel. */
+interface IKernelRecord {
+  status: IKernelStatus | null;
+  missing: boolean;
+  error: string | null;
+  eventReason: string | null;
+}
+
+/** Options of the model. */
+export interface IGpuPoolModelOptions {
+  client: GpuPoolClient;
+  /** The page's event bus (`app.serviceManager.events`), if any. */
+  events?: Event.IManager | null;
+  /** Poll interval in ms without server events (default 1000). */
+  interval?: number;
+  /** Poll interval in ms once server events are seen to arrive (default 2000). */
+  eventInterval?: number;
+}
+
+const MAX_RECORDS = 64;
+
+/** Shared state of the sidebar, the status bar and the notifications. */
+export class GpuPoolModel implements IDisposable {
+  constructor(options: IGpuPoolModelOptions) {
+    this.client = options.client;
+    this._interval = options.interval ?? 1000;
+    this._eventInterval = options.eventInterval ?? 2000;
+    this._events = options.events ?? null;
+    if (this._events) {
+      this._events.stream.connect(this._onEvent, this);
+    }
+    this._poll = new Poll({
+      auto: false,
+      factory: () => this._tick(),
+      frequency: { interval: this._interval, backoff: true, max: 30 * 1000 },
+      name: 'jupyter-gpupool:model',
+      standby: 'when-hidden'
+    });
+    void this._poll.start();
+  }
+
+  readonly client: GpuPoolClient;
+
+  /** Emitted after every update (poll, event, action, clock tick). */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  /** The kernel followed now, or null. */
+  get kernelId(): string | null {
+    return this._kernelId;
+  }
+
+  /** A name for the followed kernel (its notebook's path). */
+  get kernelLabel(): string {
+    return this._kernelLabel;
+  }
+
+  /** Whether the pool view is wanted (the panel shows): it is fetched only then. */
+  get poolWanted(): boolean {
+    return this._poolWanted;
+  }
+  set poolWanted(value: boolean) {
+    if (value === this._poolWanted) {
+      return;
+    }
+    this._poolWanted = value;
+    if (value) {
+      void this.refresh();
+    }
+  }
+
+  /** Poll interval (ms) without events; the setting `refreshInterval`. */
+  set interval(value: number) {
+    this._interval = Math.max(250, value);
+    this._updateFrequency();
+  }
+
+  /** Whether the server's jupyter_gpupool events were seen on this page. */
+  get eventsSeen(): boolean {
+    return this._eventsSeen;
+  }
+
+  /** Follow `kernelId` (null: none); refreshes at once. */
+  setKernel(kernelId: string | null, label = ''): void {
+    const changed = kernelId !== this._kernelId || label !== this._kernelLabel;
+    this._kernelId = kernelId;
+    this._kernelLabel = label;
+    if (changed) {
+      this._changed.emit();
+      void this.refresh();
+    }
+  }
+
+  /** The server clock (epoch seconds), estimated from the replies. */
+  get serverNow(): number {
+    return Date.now() / 1000 + this._clockOffset;
+  }
+
+  /** The raw reply for the followed kernel. */
+  get status(): IKernelStatus | null {
+    return this._record()?.status ?? null;
+  }
+
+  /** The last pool snapshot. */
+  get pool(): IPoolSnapshot | null {
+    return this._pool;
+  }
+
+  /** Why the last pool request failed, or null. */
+  get poolError(): string | null {
+    return this._poolError;
+  }
+
+  /** The followed kernel's view at the server's now. */
+  get view(): IKernelView {
+    const record = this._record();
+    return kernelView({
+      kernelId: this._kernelId,
+      status: record?.status ?? null,
+      missing: record?.missing ?? false,
+      error: record?.error ?? null,
+      eventReason: record?.eventReason ?? null,
+      now: this.serverNow
+    });
+  }
+
+  /** The pool's view, or null before the first snapshot. */
+  get poolView(): IPoolView | null {
+    return poolView(this._pool, this._kernelId);
+  }
+
+  /** Ask the server now (coalesced with a tick already under way). */
+  refresh(): Promise<void> {
+    if (this._poll.isDisposed) {
+      return Promise.resolve();
+    }
+    return this._poll.refresh();
+  }
+
+  /** `POST .../reserve`: resize and/or hold through idle. Throws GpuPoolRequestError. */
+  async reserve(
+    kernelId: string,
+    body: { memory?: string; duration?: string }
+  ): Promise<void> {
+    this._apply(kernelId, await this.client.reserve(kernelId, body));
+  }
+
+  /** `POST .../release`. Throws GpuPoolRequestError. */
+  async release(kernelId: string): Promise<void> {
+    this._apply(kernelId, await this.client.release(kernelId));
+  }
+
+  /** `POST .../keepalive`. Throws GpuPoolRequestError. */
+  async keep(kernelId: string, duration: string): Promise<void> {
+    this._apply(kernelId, await this.client.keepalive(kernelId, duration));
+  }
+
+  get isDisposed(): boolean {
+    return this._poll.isDisposed;
+  }
+
+  dispose(): void {
+    if (this.isDisposed) {
+      return;
+    }
+    this._poll.dispose();
+    this._stopTicker();
+    if (this._events) {
+      this._events.stream.disconnect(this._onEvent, this);
+    }
+    Signal.clearData(this);
+  }
+
+  private _record(): IKernelRecord | null {
+    return this._kernelId ? (this._records.get(this._kernelId) ?? null) : null;
+  }
+
+  private _store(kernelId: string, record: Partial<IKernelRecord>): void {
+    const previous = this._records.get(kernelId) ?? {
+      status: null,
+      missing: false,
+      error: null,
+      eventReason: null
+    };
+    this._records.delete(kernelId);
+    this._records.set(kernelId, { ...previous, ...record });
+    while (this._records.size > MAX_RECORDS) {
+      const oldest = this._records.keys().next().value as string;
+      this._records.delete(oldest);
+    }
+  }
+
+  private _apply(kernelId: string, reply: IKernelStatus | null): void {
+    if (reply && typeof reply === 'object' && 'state' in reply) {
+      this._store(kernelId, { status: reply, missing: false, error: null });
+      this._changed.emit();
+    }
+    void this.refresh();
+  }
+
+  private _updateClock(serverTime: number | null, precise: boolean): void {
+    if (serverTime === null) {
+      return;
+    }
+    const offset = serverTime - Date.now() / 1000;
+    // The Date header has whole seconds: only trust it when the clocks differ clearly.
+    if (precise || Math.abs(offset - this._clockOffset) > 2) {
+      this._clockOffset = precise ? offset : offset + 0.5;
+    }
+  }
+
+  private async _tick(): Promise<void> {
+    const kernelId = this._kernelId;
+    const jobs: Promise<boolean>[] = [];
+    if (kernelId) {
+      jobs.push(this._fetchKernel(kernelId));
+    }
+    if (this._poolWanted || (!this._pool && !this._poolError)) {
+      jobs.push(this._fetchPool());
+    }
+    const results = await Promise.all(jobs);
+    this._changed.emit();
+    this._updateTicker();
+    if (results.length > 0 && results.every(ok => !ok)) {
+      // Nothing answered: let the poll back off.
+      throw new Error('GPU pool unavailable');
+    }
+  }
+
+  private async _fetchKernel(kernelId: string): Promise<boolean> {
+    try {
+      const reply = await this.client.kernel(kernelId);
+      const precise = typeof reply.data?.now === 'number';
+      this._updateClock(precise ? reply.data.now! : reply.serverTime, precise);
+      this._store(kernelId, { status: reply.data, missing: false, error: null });
+      return true;
+    } catch (error) {
+      if (error instanceof GpuPoolRequestError && error.status === 404) {
+        this._store(kernelId, { missing: true, error: null });
+        return true;
+      }
+      this._store(kernelId, { error: (error as Error).message });
+      return false;
+    }
+  }
+
+  private async _fetchPool(): Promise<boolean> {
+    try {
+      const reply = await this.client.pool();
+      const precise = typeof reply.data?.now === 'number';
+      this._updateClock(precise ? reply.data.now! : reply.serverTime, precise);
+      this._pool = reply.data;
+      this._poolError = null;
+      return true;
+    } catch (error) {
+      this._poolError = (error as Error).message;
+      return false;
+    }
+  }
+
+  private _onEvent(_: unknown, event: Event.Emission): void {
+    const schema = String(event.schema_id ?? '');
+    if (!schema.startsWith(EVENT_SCHEMA_PREFIX)) {
+      return;
+    }
+    if (!this._eventsSeen) {
+      this._eventsSeen = true;
+      this._updateFrequency();
+    }
+    const kernelId = event.kernel_id;
+    const reason = event.reason ?? event.release_reason;
+    if (typeof kernelId === 'string' && typeof reason === 'string' && reason) {
+      this._store(kernelId, { eventReason: reason });
+    }
+    void this.refresh();
+  }
+
+  private _updateFrequency(): void {
+    const interval = this._eventsSeen
+      ? Math.max(this._interval, this._eventInterval)
+      : this._interval;
+    if (interval !== this._poll.frequency.interval) {
+      this._poll.frequency = { ...this._poll.frequency, interval };
+    }
+  }
+
+  /** A local one-second clock while a countdown shows; it sends no requests. */
+  private _updateTicker(): void {
+    const counting = this.view.idle !== null;
+    if (counting && this._ticker === null) {
+      this._ticker = globalThis.setInterval(() => this._changed.emit(), 1000);
+    } else if (!counting) {
+      this._stopTicker();
+    }
+  }
+
+  private _stopTicker(): void {
+    if (this._ticker !== null) {
+      globalThis.clearInterval(this._ticker);
+      this._ticker = null;
+    }
+  }
+
+  private _changed = new Signal<this, void>(this);
+  private _clockOffset = 0;
+  private _eventInterval: number;
+  private _events: Event.IManager | null;
+  private _eventsSeen = false;
+  private _interval: number;
+  private _kernelId: string | null = null;
+  private _kernelLabel = '';
+  private _poll: Poll;
+  private _pool: IPoolSnapshot | null = null;
+  private _poolError: string | null = null;
+  private _poolWanted = false;
+  private _records = new Map<string, IKernelRecord>();
+  private _ticker: ReturnType<typeof setInterval> | null = null;
+}

@@ -1,0 +1,132 @@
+/**
+ * The REST API of the jupyter_gpupool server extension, typed as the front end reads it.
+ *
+ * Every field the server may leave out is optional here, and readers go through the
+ * view-model functions (view.ts), which tolerate missing or null values. No JupyterLab
+ * imports: this module is shared by the pure, jest-tested code.
+ */
+
+/** The jupyter_events schema id of the server's lease events. */
+export const LEASE_EVENT_SCHEMA =
+  'https://events.jupyter.org/jupyter_gpupool/lease/v1';
+
+/** Any event schema of jupyter_gpupool (lease, usage, ... versions to come). */
+export const EVENT_SCHEMA_PREFIX = 'https://events.jupyter.org/jupyter_gpupool/';
+
+export type LeaseState = 'queued' | 'granted' | 'suspended' | 'released';
+
+/** A GPU as `GET /api/gpupool/pool` lists it. */
+export interface IDevice {
+  index: number;
+  uuid: string;
+  name: string;
+  memory_total: number;
+  memory_leased?: number;
+  memory_used?: number | null;
+  healthy?: boolean;
+  health_reason?: string;
+}
+
+/** A lease in the pool view: the viewer's own in full, others' anonymous unless admin. */
+export interface IPoolLease {
+  id: string;
+  owner?: string | null;
+  kernel_id?: string | null;
+  memory: number;
+  devices?: string[];
+  state: LeaseState;
+  mine?: boolean;
+  label?: string;
+  used_memory?: number | null;
+  num_gpus?: number;
+  priority?: string;
+}
+
+/** The viewer's quota and use; every field optional (the server decides which it has). */
+export interface IQuota {
+  [key: string]: unknown;
+  max_memory?: number | null;
+  memory_in_use?: number | null;
+  max_leases?: number | null;
+  gib_hours_used?: number | null;
+  gib_hours_limit?: number | null;
+  period?: string | null;
+}
+
+/** `GET /api/gpupool/pool`. */
+export interface IPoolSnapshot {
+  devices: IDevice[];
+  leases: IPoolLease[];
+  queue: Array<{ [key: string]: unknown }>;
+  quota?: IQuota;
+  user?: { name: string; admin: boolean };
+  /** Server time (epoch seconds) when the snapshot was taken. */
+  now?: number;
+}
+
+/** What enforces a slice and how strongly. */
+export interface IEnforcement {
+  level?: string;
+  mechanisms?: string[];
+  description?: string;
+}
+
+/** `GET /api/gpupool/kernels/{kernel_id}`. */
+export interface IKernelStatus {
+  lease_id: string | null;
+  state: LeaseState;
+  memory: number;
+  devices?: Array<Pick<IDevice, 'index' | 'uuid' | 'name' | 'memory_total'>>;
+  queue_position?: number | null;
+  queue_length?: number | null;
+  estimated_wait?: number | null;
+  /** Why it waits ("pool full", "over your quota"): optional. */
+  queue_reason?: string | null;
+  used_memory?: number | null;
+  peak_memory?: number | null;
+  enforcement?: IEnforcement | null;
+  idle_seconds?: number | null;
+  reclaim_at?: number | null;
+  /** Why a reclaim is coming (idle while others wait, preemption): optional. */
+  reclaim_reason?: string | null;
+  release_reason?: string | null;
+  keep_until?: number | null;
+  /** Watchdog: usage above the slice since (epoch s): optional. */
+  over_limit_since?: number | null;
+  /** Server time (epoch seconds) of the answer: optional, the Date header otherwise. */
+  now?: number | null;
+}
+
+/** An error answer of the API: `message` is the server's one-line text. */
+export class GpuPoolRequestError extends Error {
+  constructor(
+    message: string,
+    readonly status: number
+  ) {
+    super(message);
+    this.name = 'GpuPoolRequestError';
+  }
+}
+
+/** One line for a failed request: the server's message, or what the status means. */
+export function errorMessage(status: number, body: unknown): string {
+  const message =
+    body && typeof body === 'object' && 'message' in body
+      ? String((body as { message: unknown }).message ?? '')
+      : '';
+  if (message) {
+    return message;
+  }
+  switch (status) {
+    case 400:
+      return 'the server refused the request as invalid';
+    case 403:
+      return 'not allowed: this kernel belongs to someone else';
+    case 404:
+      return 'not found';
+    case 409:
+      return 'the request conflicts with the pool state; try again';
+    default:
+      return `the server answered ${status}`;
+  }
+}

@@ -1,0 +1,577 @@
+/**
+ * State → view: turn the server's replies into what the sidebar and the status bar
+ * show. Pure functions of their inputs (the server clock is passed in), tested with jest.
+ */
+
+import { IKernelStatus, IPoolLease, IPoolSnapshot, IQuota } from './types';
+import {
+  formatCountdown,
+  formatDuration,
+  formatGibHours,
+  formatSize,
+  formatSizePair,
+  formatWait,
+  GIB,
+  InvalidInput,
+  parseDuration,
+  parseSize,
+  sizeArgument,
+  sizeUnit
+} from './units';
+
+/** Where the current kernel stands, as far as the front end knows. */
+export type KernelPhase =
+  | 'no-kernel' // no notebook or console with a kernel is current
+  | 'loading' // a kernel, but no answer yet
+  | 'no-lease' // the server knows no lease for this kernel (not a GPU kernel)
+  | 'queued'
+  | 'granted'
+  | 'suspended'
+  | 'released'
+  | 'unavailable'; // the server extension does not answer
+
+/** A horizontal bar: a filled fraction, optional markers (e.g. the peak). */
+export interface IBar {
+  fraction: number;
+  label: string;
+  markers: Array<{ fraction: number; label: string }>;
+  warn: boolean;
+}
+
+/** Everything the panel and the status bar show about one kernel. */
+export interface IKernelView {
+  phase: KernelPhase;
+  /** Status-bar text; empty hides the item. */
+  statusText: string;
+  /** Status-bar tooltip and accessible name. */
+  statusTitle: string;
+  /** One line at the top of the panel. */
+  summary: string;
+  /** `GPU 0 · NVIDIA A100-SXM4-80GB`, null when not placed. */
+  gpu: string | null;
+  slice: IBar | null;
+  usage: IBar | null;
+  hint: { text: string; memory: string; button: string } | null;
+  enforcement: { level: string; text: string } | null;
+  queue: { text: string; reason: string } | null;
+  idle: {
+    text: string;
+    countdown: string;
+    secondsLeft: number;
+    reason: string;
+  } | null;
+  kept: string | null;
+  overLimit: string | null;
+  released: string | null;
+  canKeep: boolean;
+  canRelease: boolean;
+  canReserve: boolean;
+  /** Memory of the kernel's GPU, for `25%` in the reserve form. */
+  gpuMemory: number | null;
+}
+
+/** What the view of a kernel is computed from. */
+export interface IKernelInput {
+  kernelId: string | null;
+  /** The last reply for this kernel, or null. */
+  status: IKernelStatus | null;
+  /** The server answered 404: no lease for this kernel (now). */
+  missing: boolean;
+  /** A request error other than 404, one line. */
+  error: string | null;
+  /** A reason heard from an event for this kernel (e.g. a reclaim), if any. */
+  eventReason?: string | null;
+  /** Server time, epoch seconds. */
+  now: number;
+}
+
+const EMPTY: Omit<IKernelView, 'phase' | 'summary'> = {
+  statusText: '',
+  statusTitle: '',
+  gpu: null,
+  slice: null,
+  usage: null,
+  hint: null,
+  enforcement: null,
+  queue: null,
+  idle: null,
+  kept: null,
+  overLimit: null,
+  released: null,
+  canKeep: false,
+  canRelease: false,
+  canReserve: false,
+  gpuMemory: null
+};
+
+function clamp01(value: number): number {
+  return !isFinite(value) ? 0 : Math.min(1, Math.max(0, value));
+}
+
+function num(value: unknown): number | null {
+  return typeof value === 'number' && isFinite(value) ? value : null;
+}
+
+/**
+ * A right-sizing suggestion when a kernel peaked far below its slice:
+ * `peaked at 2.1 GiB of 8 — shrink to 3 GiB?`. Suggests the peak plus a quarter,
+ * rounded up to whole GiB (at least 1 GiB), and only when that is at most half the slice.
+ */
+export function rightSizeHint(
+  memory: number,
+  peak: number | null | undefined
+): { text: string; memory: string; button: string } | null {
+  if (!peak || peak <= 0 || !memory || memory <= 0) {
+    return null;
+  }
+  const suggested = Math.max(1, Math.ceil((peak * 1.25) / GIB)) * GIB;
+  if (suggested > memory / 2 || memory - suggested < GIB) {
+    return null;
+  }
+  const [unit] = sizeUnit(memory);
+  const [peakUnit] = sizeUnit(peak);
+  const sliceText =
+    unit === peakUnit
+      ? formatSize(memory).replace(` ${unit}`, '')
+      : formatSize(memory);
+  const target = formatSize(suggested);
+  return {
+    text: `peaked at ${formatSize(peak)} of ${sliceText} — shrink to ${target}?`,
+    memory: sizeArgument(suggested),
+    button: `Shrink to ${target}`
+  };
+}
+
+/** The panel's and status bar's view of the current kernel. */
+export function kernelView(input: IKernelInput): IKernelView {
+  const { status, now } = input;
+  if (!input.kernelId) {
+    return {
+      ...EMPTY,
+      phase: 'no-kernel',
+      summary: 'Open a notebook to see the GPU slice of its kernel.'
+    };
+  }
+  if (!status || input.missing) {
+    if (input.error && !status) {
+      return {
+        ...EMPTY,
+        phase: 'unavailable',
+        summary: `GPU pool unavailable: ${input.error}`
+      };
+    }
+    if (input.missing && status && status.state !== 'released') {
+      // We saw a lease, now the server has none: it went back to the pool.
+      const reason = input.eventReason || 'its slice went back to the pool';
+      return {
+        ...EMPTY,
+        phase: 'released',
+        statusText: 'GPU released',
+        statusTitle: `GPU released: ${reason}`,
+        summary: 'This kernel no longer holds a GPU slice.',
+        released: reason
+      };
+    }
+    if (input.missing) {
+      return {
+        ...EMPTY,
+        phase: 'no-lease',
+        summary: 'This kernel holds no GPU slice.'
+      };
+    }
+    return { ...EMPTY, phase: 'loading', summary: 'Asking the GPU pool…' };
+  }
+
+  const memory = num(status.memory) ?? 0;
+  const devices = status.devices ?? [];
+  const gpuMemory =
+    devices.length > 0
+      ? Math.max(...devices.map(d => num(d.memory_total) ?? 0))
+      : null;
+
+  if (status.state === 'queued') {
+    const position = num(status.queue_position);
+    const length = num(status.queue_length);
+    const where =
+      position !== null
+        ? `position ${position}` + (length !== null ? ` of ${length}` : '')
+        : 'in the queue';
+    const wait = num(status.estimated_wait);
+    const text = `waiting for a GPU — ${where}, ${
+      wait === null ? 'wait unknown' : formatWait(wait)
+    }`;
+    return {
+      ...EMPTY,
+      phase: 'queued',
+      statusText: position !== null ? `GPU queued #${position}` : 'GPU queued',
+      statusTitle: `${formatSize(memory)} requested; ${text}`,
+      summary: `${formatSize(memory)} requested; the kernel starts when a GPU is free.`,
+      queue: { text, reason: status.queue_reason ?? '' },
+      canRelease: true,
+      canReserve: true,
+      gpuMemory
+    };
+  }
+
+  if (status.state === 'released') {
+    const reason =
+      status.release_reason || input.eventReason || 'no reason given';
+    return {
+      ...EMPTY,
+      phase: 'released',
+      statusText: 'GPU released',
+      statusTitle: `GPU released: ${reason}`,
+      summary: 'This kernel no longer holds a GPU slice.',
+      released: reason,
+      gpuMemory
+    };
+  }
+
+  // granted or suspended
+  const gpu =
+    devices.length === 0
+      ? null
+      : devices.length === 1
+        ? `GPU ${devices[0].index} · ${devices[0].name}`
+        : `GPUs ${devices.map(d => d.index).join(', ')} · ${devices[0].name}`;
+  const perGpu = devices.length > 1 ? ' on each' : '';
+  const slice: IBar | null =
+    gpuMemory && gpuMemory > 0
+      ? {
+          fraction: clamp01(memory / gpuMemory),
+          label: `slice ${formatSize(memory)}${perGpu} of ${formatSize(gpuMemory)} (${Math.round(
+            (100 * memory) / gpuMemory
+          )}%)`,
+          markers: [],
+          warn: false
+        }
+      : null;
+  const used = num(status.used_memory);
+  const peak = num(status.peak_memory);
+  const over = used !== null && memory > 0 && used > memory;
+  const usage: IBar | null =
+    memory > 0
+      ? {
+          fraction: used === null ? 0 : clamp01(used / memory),
+          label:
+            (used === null
+              ? 'use not measured yet'
+              : `using ${formatSize(used)} of ${formatSize(memory)}`) +
+            (peak !== null ? ` · peak ${formatSize(peak)}` : ''),
+          markers:
+            peak !== null
+              ? [
+                  {
+                    fraction: clamp01(peak / memory),
+                    label: `peak ${formatSize(peak)}`
+                  }
+                ]
+              : [],
+          warn: over
+        }
+      : null;
+
+  const enforcement = status.enforcement
+    ? {
+        level: status.enforcement.level ?? 'unknown',
+        text:
+          status.enforcement.description ||
+          (status.enforcement.mechanisms ?? []).join(', ') ||
+          'no enforcement reported'
+      }
+    : null;
+
+  const reclaimAt = num(status.reclaim_at);
+  const idleSeconds = num(status.idle_seconds);
+  let idle: IKernelView['idle'] = null;
+  if (status.state === 'granted' && reclaimAt !== null) {
+    const secondsLeft = Math.max(0, reclaimAt - now);
+    const countdown = formatCountdown(secondsLeft);
+    idle = {
+      text:
+        (idleSeconds ? `idle for ${formatDuration(idleSeconds)} — ` : '') +
+        `slice goes back to the pool in ${countdown} unless you keep it`,
+      countdown,
+      secondsLeft,
+      reason: status.reclaim_reason || 'others are waiting for a GPU'
+    };
+  }
+  const keepUntil = num(status.keep_until);
+  const kept =
+    keepUntil !== null && keepUntil > now
+      ? `kept through idle for another ${formatDuration(keepUntil - now)}`
+      : null;
+
+  const overSince = num(status.over_limit_since);
+  const overLimit =
+    over || overSince !== null
+      ? `using ${formatSize(used)}, above the ${formatSize(memory)} slice` +
+        (overSince !== null
+          ? ` for ${formatDuration(Math.max(0, now - overSince))}`
+          : '') +
+        ' — free memory or reserve more, or the kernel may be stopped'
+      : null;
+
+  const statusText =
+    status.state === 'suspended'
+      ? 'GPU suspended'
+      : `GPU ${formatSizePair(used ?? (memory > 0 ? null : 0), memory)}` +
+        (idle ? ` · ${idle.countdown}` : '');
+  return {
+    ...EMPTY,
+    phase: status.state === 'suspended' ? 'suspended' : 'granted',
+    statusText,
+    statusTitle:
+      `${formatSize(memory)}${perGpu}` +
+      (gpu ? ` on ${gpu}` : '') +
+      (used !== null ? `, using ${formatSize(used)}` : '') +
+      (idle ? `; ${idle.text}` : ''),
+    summary:
+      status.state === 'suspended'
+        ? `${formatSize(memory)} slice suspended (parked in host memory).`
+        : `${formatSize(memory)}${perGpu} granted` + (gpu ? ` on ${gpu}` : ''),
+    gpu,
+    slice,
+    usage,
+    hint: status.state === 'granted' ? rightSizeHint(memory, peak) : null,
+    enforcement,
+    idle,
+    kept,
+    overLimit,
+    canKeep: status.state === 'granted',
+    canRelease: true,
+    canReserve: true,
+    gpuMemory
+  };
+}
+
+/** One lease on one GPU in the pool bars. */
+export interface ISegment {
+  key: string;
+  fraction: number;
+  mine: boolean;
+  current: boolean;
+  label: string;
+}
+
+/** One GPU in the pool view. */
+export interface IDeviceView {
+  key: string;
+  title: string;
+  segments: ISegment[];
+  /** Memory really in use on the GPU (all processes), as a fraction. */
+  usedFraction: number | null;
+  text: string;
+  ariaLabel: string;
+  healthy: boolean;
+}
+
+/** The pool view. */
+export interface IPoolView {
+  devices: IDeviceView[];
+  queueText: string;
+  quota: Array<{ label: string; value: string }>;
+  user: string;
+  admin: boolean;
+  /** The largest GPU's memory (for `25%` and upper bounds in the form). */
+  largestGpu: number | null;
+}
+
+function segmentLabel(lease: IPoolLease, admin: boolean): string {
+  const size = formatSize(lease.memory);
+  const state = lease.state === 'granted' ? '' : ` (${lease.state})`;
+  if (lease.mine) {
+    return `you: ${size}` + (lease.label ? ` — ${lease.label}` : '') + state;
+  }
+  if (admin && lease.owner) {
+    return `${lease.owner}: ${size}` + state;
+  }
+  return `another user: ${size}` + state;
+}
+
+const QUOTA_LABELS: { [key: string]: string } = {
+  max_memory: 'GPU memory quota',
+  memory_limit: 'GPU memory quota',
+  memory_in_use: 'GPU memory held',
+  memory_used: 'GPU memory held',
+  max_leases: 'Leases at most',
+  max_gpus: 'GPUs at most',
+  gib_hours_used: 'Used',
+  gib_hours: 'Used',
+  gib_hours_limit: 'Budget',
+  gib_hours_quota: 'Budget',
+  period: 'Period',
+  max_duration: 'Longest lease',
+  priority: 'Priority'
+};
+
+function humanize(key: string): string {
+  const text = key.replace(/_/g, ' ');
+  return text.charAt(0).toUpperCase() + text.slice(1);
+}
+
+/** Quota lines from whatever fields the server sends, known ones worded well. */
+export function quotaLines(
+  quota: IQuota | null | undefined
+): Array<{ label: string; value: string }> {
+  if (!quota || typeof quota !== 'object') {
+    return [];
+  }
+  const lines: Array<{ label: string; value: string }> = [];
+  for (const [key, value] of Object.entries(quota)) {
+    if (value === null || value === undefined || typeof value === 'object') {
+      continue;
+    }
+    const label = QUOTA_LABELS[key] ?? humanize(key);
+    let text: string;
+    if (typeof value === 'number') {
+      if (/gib_hours/.test(key)) {
+        text = formatGibHours(value);
+      } else if (/memory|bytes/.test(key)) {
+        text = formatSize(value);
+      } else if (/seconds|duration/.test(key)) {
+        text = formatDuration(value);
+      } else {
+        text = String(value);
+      }
+    } else {
+      text = String(value);
+    }
+    lines.push({ label, value: text });
+  }
+  return lines;
+}
+
+/** The pool view: one bar per GPU with leases stacked, the queue, the quota. */
+export function poolView(
+  snapshot: IPoolSnapshot | null,
+  currentKernelId: string | null
+): IPoolView | null {
+  if (!snapshot) {
+    return null;
+  }
+  const admin = !!snapshot.user?.admin;
+  const leases = (snapshot.leases ?? []).filter(
+    l => l.state === 'granted' || l.state === 'suspended'
+  );
+  const devices = (snapshot.devices ?? []).map(device => {
+    const total = num(device.memory_total) ?? 0;
+    const onDevice = leases.filter(l => (l.devices ?? []).includes(device.uuid));
+    // The user's own leases first, then the others, so "mine" reads at the left.
+    onDevice.sort((a, b) => Number(!!b.mine) - Number(!!a.mine));
+    const segments: ISegment[] = onDevice.map(lease => ({
+      key: `${lease.id}@${device.uuid}`,
+      fraction: total > 0 ? clamp01(lease.memory / total) : 0,
+      mine: !!lease.mine,
+      current:
+        !!currentKernelId && !!lease.mine && lease.kernel_id === currentKernelId,
+      label: segmentLabel(lease, admin)
+    }));
+    const leased =
+      num(device.memory_leased) ?? onDevice.reduce((s, l) => s + l.memory, 0);
+    const used = num(device.memory_used);
+    const free = Math.max(0, total - leased);
+    const text =
+      `${formatSize(leased)} of ${formatSize(total)} leased, ${formatSize(free)} free` +
+      (used !== null ? ` · ${formatSize(used)} in use` : '');
+    const healthy = device.healthy !== false;
+    return {
+      key: device.uuid,
+      title: `GPU ${device.index} · ${device.name}`,
+      segments,
+      usedFraction: used !== null && total > 0 ? clamp01(used / total) : null,
+      text: healthy ? text : `unhealthy: ${device.health_reason || 'unavailable'}`,
+      ariaLabel:
+        `GPU ${device.index}, ${device.name}: ${text}; ` +
+        (segments.length
+          ? segments.map(s => s.label).join('; ')
+          : 'no leases'),
+      healthy
+    };
+  });
+  const queue = snapshot.queue ?? [];
+  const mineQueued = queue.filter(q => (q as { mine?: boolean }).mine).length;
+  const queueText =
+    queue.length === 0
+      ? 'no one waiting'
+      : `${queue.length} waiting` + (mineQueued ? ` (${mineQueued} yours)` : '');
+  const largest = (snapshot.devices ?? []).reduce<number | null>(
+    (max, d) => (max === null || d.memory_total > max ? d.memory_total : max),
+    null
+  );
+  return {
+    devices,
+    queueText,
+    quota: quotaLines(snapshot.quota),
+    user: snapshot.user?.name ?? '',
+    admin,
+    largestGpu: largest
+  };
+}
+
+/** The reserve form, checked before anything is sent. */
+export interface IReserveCheck {
+  ok: boolean;
+  /** The body to POST, when ok. */
+  body: { memory?: string; duration?: string };
+  sizeError: string | null;
+  durationError: string | null;
+  /** Neither field filled in. */
+  formError: string | null;
+}
+
+/**
+ * Check the reserve form with the same forms the server accepts. Either field may be
+ * empty (resize only, or hold through idle only), not both. A size above the largest
+ * GPU is refused here too, saying the most one may ask for.
+ */
+export function checkReserve(
+  size: string,
+  duration: string,
+  gpuMemory: number | null,
+  largestGpu: number | null
+): IReserveCheck {
+  const result: IReserveCheck = {
+    ok: false,
+    body: {},
+    sizeError: null,
+    durationError: null,
+    formError: null
+  };
+  const sizeText = size.trim();
+  const durationText = duration.trim();
+  if (!sizeText && !durationText) {
+    result.formError = 'enter a size, a duration, or both';
+    return result;
+  }
+  if (sizeText) {
+    try {
+      const bytes = parseSize(sizeText, gpuMemory ?? largestGpu);
+      const limit = gpuMemory ?? largestGpu;
+      if (limit !== null && bytes > limit) {
+        result.sizeError = `requested ${formatSize(bytes)} but the largest GPU has ${formatSize(
+          limit
+        )}; ask for at most ${formatSize(limit)}`;
+      } else {
+        result.body.memory = sizeText.replace(/\s+/g, '');
+      }
+    } catch (error) {
+      result.sizeError =
+        error instanceof InvalidInput ? error.message : String(error);
+    }
+  }
+  if (durationText) {
+    try {
+      parseDuration(durationText);
+      result.body.duration = durationText.replace(/\s+/g, '');
+    } catch (error) {
+      result.durationError =
+        error instanceof InvalidInput ? error.message : String(error);
+    }
+  }
+  result.ok = !result.sizeError && !result.durationError;
+  if (!result.ok) {
+    result.body = {};
+  }
+  return result;
+}

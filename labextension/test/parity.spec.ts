@@ -1,0 +1,68 @@
+/**
+ * The form accepts exactly what the server accepts, and formats numbers as the server
+ * does: run the same inputs through jupyter_gpupool/units.py and through units.ts.
+ */
+import { execFileSync } from 'child_process';
+import * as path from 'path';
+
+import { formatDuration, formatSize, parseDuration, parseSize } from '../src/units';
+
+const REPO = path.resolve(__dirname, '..', '..');
+const PYTHON = process.env.PYTHON || 'python3';
+
+const SIZES = ['8GiB', '8G', '8GB', '512MiB', '25%', '1.5g', '12 GiB', '0', '8XB', 'x', '100%', '101%', '1073741824', '1024TiB', '1025TiB', '3.7kb', ' 7 t '];
+const DURATIONS = ['90s', '30m', '2h', '1h30m', '1h 30m', '1d', '3600', '2ms', '1h30', '30min', '90sec', '0', '367d', '1.5h', 'soon', '2H'];
+const NUMBERS = [0, 1, 100, 1023, 1024, 1536, 3.1 * 1024 ** 3, 8 * 1024 ** 3, 80 * 1024 ** 3, 1.05 * 1024 ** 4, 123456789];
+const SECONDS = [0, 1, 59, 60, 61, 270, 599, 600, 630, 3599, 3600, 5400, 86399, 172800, 3 * 86400 + 3600, 2.5];
+
+const SCRIPT = `
+import json, sys
+from jupyter_gpupool.units import parse_size, parse_duration, format_size, format_duration
+from jupyter_gpupool.errors import InvalidInput
+data = json.load(sys.stdin)
+def run(fn, *a, **kw):
+    try:
+        return {"ok": fn(*a, **kw)}
+    except InvalidInput as e:
+        return {"error": str(e)}
+print(json.dumps({
+    "sizes": [run(parse_size, s, gpu_memory=16 * 1024**3) for s in data["sizes"]],
+    "durations": [run(parse_duration, s) for s in data["durations"]],
+    "formatted": [format_size(n) for n in data["numbers"]],
+    "durations_formatted": [format_duration(n) for n in data["seconds"]],
+}))
+`;
+
+function python(): any {
+  const out = execFileSync(PYTHON, ['-c', SCRIPT], {
+    cwd: REPO,
+    env: { ...process.env, PYTHONPATH: REPO },
+    input: JSON.stringify({ sizes: SIZES, durations: DURATIONS, numbers: NUMBERS, seconds: SECONDS })
+  });
+  return JSON.parse(out.toString());
+}
+
+function ts(fn: () => number): { ok?: number; error?: string } {
+  try {
+    return { ok: fn() };
+  } catch (e) {
+    return { error: (e as Error).message };
+  }
+}
+
+describe('parity with jupyter_gpupool/units.py', () => {
+  const expected = python();
+
+  it('accepts and refuses the same sizes, with the same messages', () => {
+    expect(SIZES.map(s => ts(() => parseSize(s, 16 * 1024 ** 3)))).toEqual(expected.sizes);
+  });
+
+  it('accepts and refuses the same durations, with the same messages', () => {
+    expect(DURATIONS.map(s => ts(() => parseDuration(s)))).toEqual(expected.durations);
+  });
+
+  it('formats sizes and durations the same', () => {
+    expect(NUMBERS.map(formatSize)).toEqual(expected.formatted);
+    expect(SECONDS.map(formatDuration)).toEqual(expected.durations_formatted);
+  });
+});
