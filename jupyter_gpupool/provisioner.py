@@ -1,0 +1,398 @@
+"""The ``gpupool-provisioner`` kernel provisioner: every kernel start asks the pool for a slice.
+
+It is a :class:`~jupyter_client.provisioning.LocalProvisioner` that, before launching the kernel,
+
+1. requests a lease (size from the kernelspec's provisioner config, else the user's saved
+   preference, else the policy default) and waits, asynchronously, while it is queued;
+2. launches the kernel with the grant in its environment (see :mod:`jupyter_gpupool.enforcement`),
+   plus ``GPUPOOL_DB``/``GPUPOOL_SIMULATE`` so ``%gpupool`` in the kernel reaches the same pool,
+   and ``--ext=jupyter_gpupool.kernel`` for IPython kernels;
+3. keeps the lease across restarts and releases it when the kernel shuts down.
+
+It works the same inside Jupyter Server (where the ``gpupool`` server extension binds its pool
+and reports activity) and outside it (``jupyter nbconvert --execute``, nbclient, papermill), where
+it opens the pool from the environment and keeps its own lease alive with heartbeats.
+
+Kernelspec example (``kernel.json``)::
+
+    "metadata": {"kernel_provisioner": {"provisioner_name": "gpupool-provisioner",
+                                        "config": {"memory": "8GiB"}}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import getpass
+import importlib.util
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from jupyter_client.provisioning import LocalProvisioner
+from traitlets import Bool, Float, Int, Unicode
+
+from .core.models import Activity, Lease, LeaseRequest, LeaseState, PriorityClass, QueueInfo
+from .enforcement import EnforcementConfig, EnforcementPlan, EnforcementSettings, plan_enforcement
+from .errors import GpuPoolError, InvalidInput, RequestRefused
+from .units import SIZE_FORMS
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+PROVISIONER_NAME = "gpupool-provisioner"
+KERNEL_EXTENSION = "jupyter_gpupool.kernel"
+
+#: Listener signature: (action, lease, queue info or None, message). Actions: "queued", "waiting",
+#: "granted", "released", "failed".
+LeaseListener = Callable[[str, Lease, "QueueInfo | None", str], None]
+
+
+def default_owner() -> str:
+    """The user leases are charged to when nobody says otherwise: $GPUPOOL_USER, the hub user, else the OS user."""
+    return os.environ.get("GPUPOOL_USER") or os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
+
+
+def holder_identity() -> tuple[str, int]:
+    """(host, pid) of this process: the holder of the leases it requests, reconciled if it dies."""
+    return socket.gethostname(), os.getpid()
+
+
+# --- binding to a running server ---------------------------------------------------------------
+
+
+@dataclass
+class ServerBinding:
+    """What the ``gpupool`` server extension shares with the provisioners of its kernels."""
+
+    pool: Pool
+    owner: str
+    enforcement: EnforcementConfig
+    listeners: list[LeaseListener] = field(default_factory=list)
+
+
+_binding: ServerBinding | None = None
+_pools: dict[tuple[str, str], Pool] = {}
+_pools_lock = threading.Lock()
+
+
+def bind_server(binding: ServerBinding | None) -> None:
+    """Called by the server extension on start (and with ``None`` on stop)."""
+    global _binding
+    _binding = binding
+
+
+def current_binding() -> ServerBinding | None:
+    return _binding
+
+
+def pool_from_env(config: Any = None) -> Pool:
+    """One :class:`Pool` per (GPUPOOL_DB, GPUPOOL_SIMULATE) in this process, opened on first use."""
+    from .pool import Pool
+
+    key = (os.environ.get("GPUPOOL_DB", ""), os.environ.get("GPUPOOL_SIMULATE", ""))
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = Pool.from_env(config=config)
+            _pools[key] = pool
+        return pool
+
+
+def pool_env(pool: Pool) -> dict[str, str]:
+    """Variables that let code in the kernel (magics, CLI) open the same pool."""
+    env = {"GPUPOOL_DB": str(pool.db_path)}
+    spec = os.environ.get("GPUPOOL_SIMULATE") or getattr(pool.backend, "spec", "")
+    if getattr(pool.backend, "name", "") == "simulated" and spec:
+        env["GPUPOOL_SIMULATE"] = spec
+    return env
+
+
+class LeaseWaitAborted(GpuPoolError):
+    """The lease was released (kernel shut down, engine decision) while the kernel waited for it."""
+
+    http_status = 409
+    exit_code = 3
+
+
+class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
+    """Launch a local kernel inside a GPU slice leased from the pool."""
+
+    memory = Unicode(
+        "",
+        config=True,
+        help=f"GPU memory per GPU for this kernel, {SIZE_FORMS}. Empty: the user's saved preference, else the policy default.",
+    )
+    num_gpus = Int(0, config=True, help="Number of GPUs. 0: the user's saved preference, else 1.")
+    compute_share = Int(
+        0, config=True, help="Percent of each GPU's SMs (MPS/HAMi only). 0: the saved preference, else no compute cap."
+    )
+    model = Unicode("", config=True, help="GPU model this kernel needs, e.g. A100. Empty: any.")
+    priority = Unicode(
+        "", config=True, help="Priority class: batch, normal or high. Empty: normal (the pool's quotas may lower it)."
+    )
+    label = Unicode("", config=True, help="Free text shown with the lease (e.g. the notebook). Empty: the kernel name.")
+    owner = Unicode(
+        "",
+        config=True,
+        help="User the lease is charged to. Empty: the server's owner, else $JUPYTERHUB_USER, else the OS user.",
+    )
+    wait_timeout = Float(
+        0.0,
+        config=True,
+        help="Seconds a kernel start may wait in the queue before it fails. 0: wait as long as it takes.",
+    )
+    poll_interval = Float(0.5, config=True, help="Seconds between queue checks while waiting for a grant.")
+    load_kernel_extension = Bool(
+        True, config=True, help=f"Add --ext={KERNEL_EXTENSION} to IPython kernels (framework caps and %%gpupool magics)."
+    )
+
+    lease_id: str | None = None
+    plan: EnforcementPlan | None = None
+    phase: str = "new"  # new, waiting, launching, running, restarting, stopped
+    _heartbeat_task: asyncio.Task[None] | None = None
+    _pool: Pool | None = None
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> Pool:
+        """The server's pool when bound to a server, else one opened from the environment."""
+        if self._pool is None:
+            binding = current_binding()
+            self._pool = binding.pool if binding is not None else pool_from_env(self.config)
+        return self._pool
+
+    def _owner(self) -> str:
+        if self.owner:
+            return self.owner
+        binding = current_binding()
+        return binding.owner if binding is not None else default_owner()
+
+    def _enforcement(self) -> EnforcementConfig:
+        binding = current_binding()
+        if binding is not None:
+            return binding.enforcement
+        return EnforcementSettings(config=self.config).to_config()
+
+    def _notify(self, action: str, lease: Lease, info: QueueInfo | None = None, message: str = "") -> None:
+        binding = current_binding()
+        for listener in list(binding.listeners if binding else []):
+            try:
+                listener(action, lease, info, message)
+            except Exception:  # a listener must never break a kernel start
+                self.log.exception("gpupool: lease listener failed")
+
+    def _is_ipython(self) -> bool:
+        argv = list(getattr(self.kernel_spec, "argv", []) or [])
+        return any("ipykernel" in str(arg) for arg in argv)
+
+    def build_request(self) -> LeaseRequest:
+        """The lease request for this kernel: kernelspec config, then saved preference, then policy."""
+        pool = self.pool
+        owner = self._owner()
+        prefs = pool.preference(owner) or {}
+        memory_text: str | int | None = self.memory or prefs.get("memory")
+        if memory_text:
+            try:
+                memory = pool.parse_memory(memory_text)
+            except InvalidInput as err:
+                where = "the kernelspec's provisioner config" if self.memory else f"{owner}'s saved preference"
+                raise InvalidInput(f"{err} (from {where})") from None
+        else:
+            memory = pool.default_memory()
+        num_gpus = self.num_gpus or int(prefs.get("num_gpus") or 1)
+        share = self.compute_share or prefs.get("compute_share") or None
+        priority_text = (self.priority or prefs.get("priority") or "normal").lower()
+        try:
+            priority = PriorityClass(priority_text)
+        except ValueError:
+            raise InvalidInput(f"invalid priority {priority_text!r}: expected batch, normal or high") from None
+        host, pid = holder_identity()
+        kernel_name = getattr(self.kernel_spec, "display_name", "") or "kernel"
+        return LeaseRequest(
+            owner=owner,
+            memory=memory,
+            kernel_id=self.kernel_id,
+            num_gpus=num_gpus,
+            compute_share=int(share) if share else None,
+            model=self.model or prefs.get("model") or None,
+            priority=priority,
+            holder_pid=pid,
+            holder_host=host,
+            label=self.label or kernel_name,
+        )
+
+    async def acquire(self) -> Lease:
+        """Get a granted lease for this kernel: reuse the live one (restart) or request and wait."""
+        pool = self.pool
+        if self.lease_id:
+            with contextlib.suppress(GpuPoolError):
+                lease = pool.get(self.lease_id)
+                if lease.state is LeaseState.GRANTED:
+                    return lease
+                if lease.state is LeaseState.QUEUED:
+                    return await self._wait(lease)
+            self.lease_id = None  # released while the kernel was down: queue again
+        lease = pool.request(self.build_request())
+        self.lease_id = lease.id
+        if lease.state is LeaseState.GRANTED:
+            self._notify("granted", lease)
+            return lease
+        return await self._wait(lease)
+
+    async def _wait(self, lease: Lease) -> Lease:
+        self.phase = "waiting"
+        info = self.pool.queue_info(lease.id)
+        self._notify("queued", lease, info, self._queue_message(info))
+        self.log.info("gpupool: kernel %s waits for a GPU slice: %s", self.kernel_id, self._queue_message(info))
+        last: tuple[Any, ...] = ()
+
+        def on_update(current: Lease, qi: QueueInfo | None) -> None:
+            nonlocal last
+            if current.state is LeaseState.RELEASED:
+                raise LeaseWaitAborted(current.release_reason or "the queued GPU request was cancelled")
+            key = (current.state, qi.position if qi else None, qi.length if qi else None)
+            if key != last and current.state is LeaseState.QUEUED:
+                last = key
+                self._notify("waiting", current, qi, self._queue_message(qi))
+
+        timeout = self.wait_timeout or None
+        try:
+            granted = await self.pool.await_grant(lease.id, timeout=timeout, poll=self.poll_interval, on_update=on_update)
+        except (LeaseWaitAborted, RequestRefused) as err:
+            # Released while queued: the kernel was shut down, or the request withdrawn.
+            raise LeaseWaitAborted(f"kernel start cancelled while waiting for a GPU: {err}") from None
+        except (TimeoutError, asyncio.TimeoutError):
+            self._release(f"gave up after waiting {timeout:g} s in the queue")
+            raise RequestRefused(
+                f"no GPU slice within {timeout:g} s; raise GpuPoolProvisioner.wait_timeout or ask for less memory"
+            ) from None
+        except asyncio.CancelledError:
+            self._release("kernel start cancelled while queued")
+            raise
+        if granted.state is not LeaseState.GRANTED:
+            reason = granted.release_reason or f"lease is {granted.state.value}"
+            raise LeaseWaitAborted(f"kernel start cancelled while waiting for a GPU: {reason}")
+        self._notify("granted", granted)
+        return granted
+
+    @staticmethod
+    def _queue_message(info: QueueInfo | None) -> str:
+        if info is None:
+            return "waiting for a GPU"
+        text = f"waiting for a GPU: position {info.position} of {info.length}"
+        if info.reason:
+            text += f" ({info.reason})"
+        return text
+
+    def _release(self, reason: str) -> None:
+        if not self.lease_id:
+            return
+        try:
+            lease = self.pool.release(self.lease_id, reason=reason)
+            self._notify("released", lease, None, reason)
+        except GpuPoolError as err:
+            self.log.debug("gpupool: release of %s: %s", self.lease_id, err)
+
+    # --- provisioner life cycle ---------------------------------------------------------------
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        """Lease a slice (waiting while queued), then prepare the launch with the grant's env."""
+        restarting = self.phase == "restarting"
+        try:
+            lease = await self.acquire()
+        except GpuPoolError as err:
+            self.phase = "stopped"
+            self.log.warning("gpupool: kernel %s gets no GPU slice: %s", self.kernel_id, err)
+            raise
+        self.phase = "launching"
+        devices = {d.uuid: d for d in self.pool.devices()}
+        self.plan = plan_enforcement(lease, devices, self._enforcement())
+        env = dict(kwargs.get("env") or os.environ)
+        env.update(pool_env(self.pool))
+        env["GPUPOOL_KERNEL_ID"] = str(self.kernel_id or "")
+        env["GPUPOOL_USER"] = lease.owner
+        kwargs["env"] = self.plan.apply(env)
+        if self.load_kernel_extension and self._is_ipython() and importlib.util.find_spec(KERNEL_EXTENSION) is not None:
+            extra = list(kwargs.get("extra_arguments") or [])
+            flag = f"--ext={KERNEL_EXTENSION}"
+            if flag not in extra:
+                extra.append(flag)
+            kwargs["extra_arguments"] = extra
+        self.log.info(
+            "gpupool: kernel %s %s lease %s (%s): %s",
+            self.kernel_id,
+            "keeps" if restarting else "got",
+            lease.id,
+            self.plan.level,
+            self.plan.env.get("CUDA_VISIBLE_DEVICES", ""),
+        )
+        return await super().pre_launch(**kwargs)
+
+    def _finalize_env(self, env: dict[str, str]) -> None:
+        """Re-apply the plan after kernelspec ``env`` substitutions: the grant wins over the spec."""
+        super()._finalize_env(env)
+        if self.plan is not None:
+            env.update(self.plan.apply(env))
+
+    async def post_launch(self, **kwargs: Any) -> None:
+        await super().post_launch(**kwargs)
+        self.phase = "running"
+        if current_binding() is None and self._heartbeat_task is None:
+            # Outside a server nobody reports for us: keep the lease alive while the kernel runs.
+            self._heartbeat_task = asyncio.ensure_future(self._heartbeat_loop())
+
+    async def _heartbeat_loop(self) -> None:
+        interval = max(0.5, float(getattr(self.pool.policy, "heartbeat_ttl", 60.0)) / 4)
+        while True:
+            lease_id = self.lease_id
+            if lease_id:
+                try:
+                    # A batch run (nbconvert, papermill) executes cells back to back: count it as busy.
+                    await asyncio.to_thread(self.pool.report_activity, lease_id, Activity(busy=True, connections=1))
+                except GpuPoolError as err:
+                    self.log.debug("gpupool: heartbeat for %s: %s", lease_id, err)
+                except Exception:
+                    self.log.exception("gpupool: heartbeat failed")
+            await asyncio.sleep(interval)
+
+    async def cleanup(self, restart: bool = False) -> None:
+        """Keep the lease on restart; release it when the kernel is gone for good."""
+        await super().cleanup(restart=restart)
+        if restart:
+            self.phase = "restarting"
+            return
+        self.phase = "stopped"
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._heartbeat_task
+            self._heartbeat_task = None
+        self._release("kernel shut down")
+        self.lease_id = None
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info = await super().get_provisioner_info()
+        info["gpupool_lease_id"] = self.lease_id
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        self.lease_id = provisioner_info.get("gpupool_lease_id")
+
+
+__all__ = [
+    "GpuPoolProvisioner",
+    "LeaseWaitAborted",
+    "PROVISIONER_NAME",
+    "ServerBinding",
+    "bind_server",
+    "current_binding",
+    "default_owner",
+    "holder_identity",
+    "pool_from_env",
+]

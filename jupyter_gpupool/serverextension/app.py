@@ -1,0 +1,488 @@
+"""The ``gpupool`` Jupyter Server extension: the pool's adapter inside a running server.
+
+- makes ``gpupool-provisioner`` the default provisioner and turns on pending kernels, so a kernel
+  start that waits in the queue never blocks the server or times out;
+- feeds the engine each kernel's activity, runs its scheduler and carries out its decisions
+  (idle and preemption reclaims: ``cull`` today, a seam for ``suspend``);
+- reconciles leases against live kernels (a kernel process that died frees its slice);
+- runs the NVML watchdog over each kernel's process tree;
+- serves the REST API (see ``openapi.yaml``) and emits ``lease`` events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from importlib.metadata import EntryPoint
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.provisioning.factory import KernelProvisionerFactory
+from jupyter_server.extension.application import ExtensionApp
+from traitlets import Bool, Enum, Float, List, Unicode, default
+
+from ..core.models import Activity, Decision, DecisionKind, Lease, LeaseState, QueueInfo
+from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
+from ..provisioner import PROVISIONER_NAME, GpuPoolProvisioner, ServerBinding, bind_server, default_owner, holder_identity
+
+LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
+LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
+
+#: Release reasons (set by the engine) after which the kernel must go: its slice was taken back.
+RECLAIM_PREFIXES = ("reclaimed", "preempted")
+
+_DECISION_ACTIONS = {
+    DecisionKind.WARN_IDLE: "warned",
+    DecisionKind.PREEMPT_WARN: "warned",
+    DecisionKind.RECLAIM_IDLE: "reclaimed",
+    DecisionKind.PREEMPT: "preempted",
+    DecisionKind.RELEASE: "released",
+    DecisionKind.GRANT: "granted",
+    DecisionKind.OVER_LIMIT: "over_limit",
+}
+
+
+class GpuPoolExtension(ExtensionApp):
+    """Pool the host's GPU memory across the kernels of this server."""
+
+    name = "gpupool"
+    load_other_extensions = True
+
+    make_default_provisioner = Bool(
+        True,
+        config=True,
+        help=(
+            "Make gpupool-provisioner the default for every kernel whose kernelspec names no provisioner. "
+            "Opt out globally with False, or per kernelspec with metadata.kernel_provisioner.provisioner_name = "
+            "'local-provisioner'. An explicit c.KernelProvisionerFactory.default_provisioner_name or "
+            "$JUPYTER_DEFAULT_PROVISIONER_NAME wins."
+        ),
+    )
+    pending_kernels = Bool(
+        True,
+        config=True,
+        help="Turn on MappingKernelManager.use_pending_kernels so POST /api/kernels returns at once while a kernel waits in the queue.",
+    )
+    owner = Unicode(
+        config=True,
+        help="User the kernels of this server are charged to. Default: $GPUPOOL_USER, else $JUPYTERHUB_USER, else the OS user.",
+    )
+    admin_users = List(
+        Unicode(),
+        config=True,
+        help="User names that see every lease with its owner and may act on any kernel. JupyterHub users with the "
+        "custom:gpupool:admin scope are admins too.",
+    )
+    identity_is_owner = Bool(
+        None,
+        allow_none=True,
+        config=True,
+        help=(
+            "Treat every authenticated user as the server's owner. Default (None): True with jupyter_server's own "
+            "token/password identity (single-user, whose user names are random), False with any other IdentityProvider "
+            "(JupyterHub's, or custom), whose user names are real."
+        ),
+    )
+    tick_interval = Float(
+        5.0,
+        config=True,
+        help="Seconds between two rounds of activity reports, scheduler runs and reclaims.",
+    )
+    reconcile_interval = Float(
+        10.0,
+        config=True,
+        help="Seconds between two reconciliations of leases against live kernels (a dead kernel frees its slice within this).",
+    )
+    watchdog_enabled = Bool(True, config=True, help="Run the NVML watchdog (interval and action: c.Watchdog.*).")
+    reclaim_action = Enum(
+        ["cull"],
+        "cull",
+        config=True,
+        help="What to do with a kernel whose slice the engine reclaimed or preempted: 'cull' shuts it down. "
+        "('suspend', parking GPU memory in host RAM, comes later.)",
+    )
+    keepalive_default = Float(
+        3600.0,
+        config=True,
+        help="Seconds POST .../keepalive holds a slice through idle when the request gives no duration (capped by the policy's max_keep).",
+    )
+
+    @default("owner")
+    def _default_owner(self) -> str:
+        return default_owner()
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    def initialize_settings(self) -> None:
+        """Open the pool, make the provisioner the default, turn on pending kernels, bind."""
+        from ..pool import Pool
+
+        assert self.serverapp is not None
+        self.pool = Pool.from_env(config=self.serverapp.config)
+        self.enforcement = EnforcementSettings(parent=self.serverapp).to_config()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._culled: dict[str, str] = {}
+        self._acting: set[str] = set()
+        self.tick_count = 0
+        self.reconcile_count = 0
+        km = self.serverapp.kernel_manager
+        if self.pending_kernels:
+            km.use_pending_kernels = True
+        self._install_provisioner_default()
+        self._wrap_shutdown(km)
+        self.event_logger = self.serverapp.event_logger
+        with contextlib.suppress(Exception):  # already registered by an earlier server in this process
+            self.event_logger.register_event_schema(LEASE_SCHEMA_PATH)
+        self.binding = ServerBinding(pool=self.pool, owner=self.owner, enforcement=self.enforcement, listeners=[self._on_lease])
+        bind_server(self.binding)
+        self.settings["gpupool"] = self
+        self.log.info("gpupool: %s, pool file %s, owner %s", self.pool.backend.describe(), self.pool.db_path, self.owner)
+
+    def initialize_handlers(self) -> None:
+        from .handlers import default_handlers
+
+        self.handlers.extend(default_handlers)
+
+    def _install_provisioner_default(self) -> None:
+        # A source checkout has no entry point metadata: make the name resolvable in this process.
+        KernelProvisionerFactory.provisioners.setdefault(
+            PROVISIONER_NAME,
+            EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
+        )
+        assert self.serverapp is not None
+        factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
+        self._previous_default = factory.default_provisioner_name
+        explicit = "default_provisioner_name" in self.serverapp.config.get("KernelProvisionerFactory", {})
+        import os
+
+        if self.make_default_provisioner and not explicit and not os.environ.get(factory.default_provisioner_name_env):
+            factory.default_provisioner_name = PROVISIONER_NAME
+
+    def _wrap_shutdown(self, km: Any) -> None:
+        """Shutting down a queued kernel withdraws its request first, so the shutdown returns at once.
+
+        (jupyter_client awaits a pending kernel's start before shutting it down; a start waiting in
+        the queue would otherwise hold the shutdown until a slice frees up.)
+        """
+        original = km.shutdown_kernel
+
+        async def shutdown_kernel(kernel_id: str, now: bool = False, restart: bool = False) -> Any:
+            if not restart:
+                await asyncio.to_thread(self.withdraw_queued, kernel_id, "kernel shut down while queued")
+            return await original(kernel_id, now=now, restart=restart)
+
+        km.shutdown_kernel = shutdown_kernel
+
+    def withdraw_queued(self, kernel_id: str, reason: str) -> Lease | None:
+        """Release the lease of ``kernel_id`` if it is still queued (its start then fails fast)."""
+        lease = self.pool.lease_for_kernel(kernel_id)
+        if lease is None or lease.state is not LeaseState.QUEUED:
+            return None
+        released = self.pool.release(lease.id, reason=reason)
+        self.emit("released", released, message=reason)
+        return released
+
+    async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._every(lambda: self.tick_interval, self.tick_once, "tick")),
+            loop.create_task(self._every(lambda: self.reconcile_interval, self.reconcile_once, "reconcile")),
+        ]
+        if self.watchdog_enabled:
+            from ..watchdog import Watchdog
+
+            self.watchdog = Watchdog(backend=self.pool.backend, pool=self.pool, parent=self)
+            self._tasks.append(loop.create_task(self._every(lambda: self.watchdog.interval, self.watchdog_once, "watchdog")))
+
+    async def stop_extension(self) -> None:
+        """Stop the loops, withdraw queued starts, shut our kernels down (releasing their slices)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        self._tasks = []
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        for kernel_id in list(km.list_kernel_ids()):
+            with contextlib.suppress(Exception):
+                self.withdraw_queued(kernel_id, "server stopped while the kernel was queued")
+        with contextlib.suppress(Exception):
+            await km.shutdown_all()
+        factory = KernelProvisionerFactory.instance()
+        if factory.default_provisioner_name == PROVISIONER_NAME and getattr(self, "_previous_default", None):
+            factory.default_provisioner_name = self._previous_default
+        if getattr(self, "binding", None) is not None:
+            from ..provisioner import current_binding
+
+            if current_binding() is self.binding:
+                bind_server(None)
+
+    async def _every(self, interval: Any, step: Any, name: str) -> None:
+        while True:
+            try:
+                await step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("gpupool: %s step failed", name)
+            await asyncio.sleep(max(0.05, float(interval())))
+
+    # --- kernels and their leases -----------------------------------------------------------------
+
+    def provisioner_of(self, kernel_id: str) -> GpuPoolProvisioner | None:
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        if kernel_id not in km:
+            return None
+        prov = getattr(km.get_kernel(kernel_id), "provisioner", None)
+        return prov if isinstance(prov, GpuPoolProvisioner) else None
+
+    def _kernel_leases(self) -> dict[str, tuple[GpuPoolProvisioner, Lease]]:
+        """Kernel id → (provisioner, current lease) for our kernels that have requested one."""
+        assert self.serverapp is not None
+        result = {}
+        for kernel_id in list(self.serverapp.kernel_manager.list_kernel_ids()):
+            prov = self.provisioner_of(kernel_id)
+            if prov is None or not prov.lease_id:
+                continue
+            try:
+                result[kernel_id] = (prov, self.pool.get(prov.lease_id))
+            except Exception:
+                continue
+        return result
+
+    async def tick_once(self) -> list[Decision]:
+        """Report activity, run the scheduler, carry out reclaims of our kernels."""
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        activities: dict[str, Activity] = {}
+        for kernel_id in list(km.list_kernel_ids()):
+            prov = self.provisioner_of(kernel_id)
+            if prov is None or not prov.lease_id or prov.phase not in ("running", "launching"):
+                continue
+            kernel = km.get_kernel(kernel_id)
+            last = getattr(kernel, "last_activity", None)
+            connections = 0
+            with contextlib.suppress(Exception):
+                connections = int(km._kernel_connections.get(kernel_id, 0))
+            activities[prov.lease_id] = Activity(
+                busy=getattr(kernel, "execution_state", None) == "busy",
+                last_activity=last.timestamp() if last is not None else None,
+                connections=connections,
+            )
+
+        def step() -> tuple[list[Decision], dict[str, tuple[GpuPoolProvisioner, Lease]]]:
+            if activities:
+                self.pool.report_activities(activities)
+            decisions = self.pool.tick()
+            return decisions, self._kernel_leases()
+
+        decisions, leases = await asyncio.to_thread(step)
+        ours = {lease.id for _, lease in leases.values()}
+        for decision in decisions:
+            if decision.lease_id in ours and decision.kind in _DECISION_ACTIONS and decision.kind is not DecisionKind.GRANT:
+                lease = next(lease for _, lease in leases.values() if lease.id == decision.lease_id)
+                self.emit(_DECISION_ACTIONS[decision.kind], lease, message=decision.reason, deadline=decision.deadline)
+        for kernel_id, (prov, lease) in leases.items():
+            if (
+                lease.state is LeaseState.RELEASED
+                and lease.release_reason.startswith(RECLAIM_PREFIXES)
+                and prov.phase == "running"
+                and kernel_id not in self._acting
+            ):
+                await self.reclaim_kernel(kernel_id, lease)
+        self.tick_count += 1
+        return decisions
+
+    async def reclaim_kernel(self, kernel_id: str, lease: Lease) -> None:
+        """Carry out the engine's reclaim of ``kernel_id``'s slice with :attr:`reclaim_action`.
+
+        The seam for ``suspend``: a later action parks the GPU memory instead of shutting down.
+        """
+        handler = getattr(self, f"_reclaim_{self.reclaim_action}")
+        await handler(kernel_id, lease)
+
+    async def _reclaim_cull(self, kernel_id: str, lease: Lease) -> None:
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        reason = lease.release_reason or "GPU slice reclaimed"
+        self._acting.add(kernel_id)
+        self._culled[kernel_id] = reason
+        self.log.warning("gpupool: shutting down kernel %s: %s", kernel_id, reason)
+        kernel = km.get_kernel(kernel_id)
+        with contextlib.suppress(Exception):
+            kernel.reason = f"GPU slice {reason}"
+        self.emit("culled", lease, message=f"kernel shut down: its GPU slice was {reason}")
+        try:
+            await km.shutdown_kernel(kernel_id)
+        except Exception:
+            self.log.exception("gpupool: could not shut down kernel %s", kernel_id)
+        finally:
+            self._acting.discard(kernel_id)
+
+    def live_kernel_ids(self) -> set[str]:
+        """Kernels whose process runs, or that are starting, queued or restarting."""
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        live = set()
+        for kernel_id in list(km.list_kernel_ids()):
+            prov = self.provisioner_of(kernel_id)
+            if prov is None or prov.phase in ("new", "waiting", "launching", "restarting"):
+                live.add(kernel_id)
+                continue
+            process = getattr(prov, "process", None)
+            if process is not None and process.poll() is None:
+                live.add(kernel_id)
+        return live
+
+    async def reconcile_once(self) -> list[Lease]:
+        """Release leases of kernels that are gone or whose process died."""
+        host, pid = holder_identity()
+        live = self.live_kernel_ids()
+        released = await asyncio.to_thread(self.pool.reconcile_kernels, host, pid, live)
+        for lease in released:
+            self.log.warning("gpupool: kernel %s is gone: released its lease %s", lease.kernel_id, lease.id)
+            self.emit("released", lease, message=lease.release_reason or "its kernel is gone")
+        self.reconcile_count += 1
+        return released
+
+    async def watchdog_once(self) -> None:
+        """One watchdog step over the granted leases of our kernels."""
+        leases = await asyncio.to_thread(self._kernel_leases)
+        roots: dict[str, int] = {}
+        limits: dict[str, int | None] = {}
+        kernel_of: dict[str, str] = {}
+        for kernel_id, (prov, lease) in leases.items():
+            if lease.state is LeaseState.GRANTED and prov.pid:
+                roots[lease.id] = int(prov.pid)
+                limits[lease.id] = lease.memory * max(1, lease.num_gpus)
+                kernel_of[lease.id] = kernel_id
+        if not roots:
+            return
+        report = await asyncio.to_thread(self.watchdog.check, roots, limits)
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        for event in report.events:
+            kernel_id = kernel_of.get(event.lease_id)
+            if kernel_id is None:
+                continue
+            lease = leases[kernel_id][1]
+            if event.kind == "warn":
+                self.emit("over_limit", lease, message=event.message, deadline=event.deadline)
+            elif event.kind == "clear":
+                self.emit("within_limit", lease, message=event.message)
+            elif event.kind == "act":
+                self.emit("interrupted" if event.action == "interrupt" else "stopped", lease, message=event.message)
+                if event.action == "interrupt":
+                    await km.interrupt_kernel(kernel_id)
+                elif event.action == "stop":
+                    await km.shutdown_kernel(kernel_id)
+
+    # --- views ----------------------------------------------------------------------------------
+
+    def culled_reason(self, kernel_id: str) -> str | None:
+        return self._culled.get(kernel_id)
+
+    def plan_for(self, lease: Lease) -> EnforcementPlan:
+        return plan_enforcement(lease, self.pool.devices(), self.enforcement)
+
+    def kernel_status(self, kernel_id: str, lease: Lease | None) -> dict[str, Any]:
+        """The ``GET /api/gpupool/kernels/{kernel_id}`` body (see openapi.yaml)."""
+        now = time.time()
+        devices = {d.uuid: d for d in self.pool.devices()}
+        if lease is None:
+            return {
+                "kernel_id": kernel_id,
+                "lease_id": None,
+                "state": "none",
+                "memory": 0,
+                "num_gpus": 0,
+                "devices": [],
+                "queue_position": None,
+                "queue_length": None,
+                "estimated_wait": None,
+                "queue_reason": None,
+                "used_memory": None,
+                "peak_memory": None,
+                "enforcement": {"level": "none", "mechanisms": [], "description": "this kernel runs without a GPU slice"},
+                "idle_seconds": 0.0,
+                "busy": False,
+                "reclaim_at": None,
+                "reclaim_reason": None,
+                "keep_until": None,
+                "granted_at": None,
+                "released_at": None,
+                "release_reason": None,
+                "owner": self.owner,
+                "now": now,
+            }
+        info: QueueInfo | None = self.pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
+        plan = plan_enforcement(lease, devices, self.enforcement)
+        return {
+            "kernel_id": kernel_id,
+            "lease_id": lease.id,
+            "state": lease.state.value,
+            "memory": lease.memory,
+            "num_gpus": lease.num_gpus,
+            "compute_share": lease.compute_share,
+            "priority": lease.priority.value,
+            "devices": [
+                {"uuid": u, "index": devices[u].index, "name": devices[u].name, "memory_total": devices[u].memory_total}
+                if u in devices
+                else {"uuid": u, "index": None, "name": None, "memory_total": None}
+                for u in lease.devices
+            ],
+            "queue_position": info.position if info else None,
+            "queue_length": info.length if info else None,
+            "estimated_wait": info.estimated_wait if info else None,
+            "queue_reason": info.reason if info else None,
+            "used_memory": lease.used_memory,
+            "peak_memory": lease.peak_memory,
+            "over_limit_since": lease.over_limit_since,
+            "enforcement": plan.to_json(),
+            "idle_seconds": lease.idle_seconds(now),
+            "busy": lease.busy,
+            "connections": lease.connections,
+            "reclaim_at": lease.reclaim_at,
+            "reclaim_reason": lease.reclaim_reason or None,
+            "keep_until": lease.keep_until,
+            "granted_at": lease.granted_at,
+            "released_at": lease.released_at,
+            "release_reason": lease.release_reason or None,
+            "flagged": lease.flagged or None,
+            "owner": lease.owner,
+            "now": now,
+        }
+
+    # --- events -----------------------------------------------------------------------------------
+
+    def _on_lease(self, action: str, lease: Lease, info: QueueInfo | None, message: str) -> None:
+        """Listener the provisioners call (queued, waiting, granted, released)."""
+        self.emit(action, lease, info=info, message=message)
+
+    def emit(
+        self,
+        action: str,
+        lease: Lease,
+        info: QueueInfo | None = None,
+        message: str = "",
+        deadline: float | None = None,
+    ) -> None:
+        """Emit one ``lease`` event (never raises)."""
+        data: dict[str, Any] = {
+            "action": action,
+            "lease_id": lease.id,
+            "kernel_id": lease.kernel_id,
+            "state": lease.state.value,
+            "memory": int(lease.memory),
+            "queue_position": info.position if info else None,
+            "queue_length": info.length if info else None,
+            "deadline": deadline,
+            "message": message or lease.release_reason or "",
+        }
+        try:
+            self.event_logger.emit(schema_id=LEASE_SCHEMA_ID, data=data)
+        except Exception:
+            self.log.exception("gpupool: could not emit a lease event")

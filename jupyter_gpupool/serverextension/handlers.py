@@ -1,0 +1,234 @@
+"""REST API of the pool (``/api/gpupool/...``; the spec is ``openapi.yaml`` in the repository).
+
+One base handler turns domain errors (:class:`~jupyter_gpupool.errors.GpuPoolError`) into HTTP
+statuses with a JSON ``{"message": ...}`` body; every route is ``@authenticated`` and
+``@authorized`` on a ``gpupool:`` resource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.extension.handler import ExtensionHandlerMixin
+from tornado import web
+
+from ..core.models import Lease
+from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
+from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
+
+if TYPE_CHECKING:
+    from .app import GpuPoolExtension
+
+ADMIN_SCOPE = "custom:gpupool:admin"
+_KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
+
+
+def _default_identity_classes() -> tuple[type, ...]:
+    from jupyter_server.auth.identity import IdentityProvider, PasswordIdentityProvider
+
+    return (IdentityProvider, PasswordIdentityProvider)
+
+
+class GpuPoolHandler(ExtensionHandlerMixin, APIHandler):  # type: ignore[misc]
+    """Base handler: who is asking, may they, and domain errors as JSON."""
+
+    auth_resource = "gpupool:pool"
+
+    @property
+    def ext(self) -> GpuPoolExtension:
+        return self.settings["gpupool"]
+
+    # --- identity ---------------------------------------------------------------------------------
+    def viewer(self) -> str:
+        """The pool user this request acts as: the lease owner name to compare with."""
+        ext = self.ext
+        identity_is_owner = ext.identity_is_owner
+        if identity_is_owner is None:
+            identity_is_owner = type(self.identity_provider) in _default_identity_classes()
+        if identity_is_owner:
+            return ext.owner
+        user = self.current_user
+        return str(getattr(user, "username", "") or getattr(user, "name", ""))
+
+    def is_admin(self) -> bool:
+        user = self.current_user
+        name = str(getattr(user, "username", "") or "")
+        if name and name in self.ext.admin_users:
+            return True
+        hub_user = getattr(user, "hub_user", None)
+        scopes = (hub_user or {}).get("scopes", []) if isinstance(hub_user, dict) else []
+        return ADMIN_SCOPE in scopes
+
+    # --- errors -----------------------------------------------------------------------------------
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, GpuPoolError):
+            self.set_status(exc.http_status)
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"message": str(exc)}))
+            return
+        super().write_error(status_code, **kwargs)
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        if isinstance(value, GpuPoolError):
+            self.log.info("gpupool: %s %s: %s", self.request.method, self.request.path, value)
+            return
+        super().log_exception(typ, value, tb)
+
+    def write_json(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(data, default=str))
+
+    def json_body(self) -> dict[str, Any]:
+        if not self.request.body:
+            return {}
+        try:
+            data = json.loads(self.request.body)
+        except ValueError:
+            raise InvalidInput("the request body is not JSON; send an object such as {\"memory\": \"12GiB\"}") from None
+        if not isinstance(data, dict):
+            raise InvalidInput("the request body must be a JSON object such as {\"memory\": \"12GiB\"}")
+        return data
+
+
+class PoolHandler(GpuPoolHandler):
+    """``GET /api/gpupool/pool``: devices, leases (others' anonymous unless admin), queue, quota."""
+
+    auth_resource = "gpupool:pool"
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        viewer, admin = self.viewer(), self.is_admin()
+        snapshot = await asyncio.to_thread(self.ext.pool.snapshot, viewer, admin)
+        body = asdict(snapshot)
+        body["viewer"] = {"name": viewer, "admin": admin}
+        body["backend"] = self.ext.pool.backend.describe()
+        policy = self.ext.pool.policy
+        body["policy"] = {
+            "default_memory": self.ext.pool.default_memory(),
+            "idle_timeout": policy.idle_timeout,
+            "idle_policy": policy.idle_policy,
+            "warning_period": policy.warning_period,
+            "max_keep": policy.max_keep,
+        }
+        self.write_json(body)
+
+
+class KernelHandlerBase(GpuPoolHandler):
+    """Resolve ``kernel_id`` to its lease and check the caller may act on it."""
+
+    auth_resource = "gpupool:kernels"
+
+    def kernel_lease(self, kernel_id: str) -> Lease | None:
+        """The kernel's newest lease (live, else the last released one); 404 / 403 as due."""
+        ext = self.ext
+        pool = ext.pool
+        lease = pool.lease_for_kernel(kernel_id) or pool.last_lease_for_kernel(kernel_id)
+        in_server = kernel_id in self.kernel_manager
+        if lease is None and not in_server:
+            raise LeaseNotFound(f"no kernel {kernel_id!r} on this server and no GPU lease for it")
+        owner = lease.owner if lease is not None else ext.owner
+        if owner != self.viewer() and not self.is_admin():
+            raise NotAuthorized(f"kernel {kernel_id} belongs to another user; only its owner or an admin may see or change its GPU slice")
+        return lease
+
+    def live_lease(self, kernel_id: str) -> Lease:
+        lease = self.kernel_lease(kernel_id)
+        if lease is None or not lease.live:
+            why = f" ({lease.release_reason})" if lease is not None and lease.release_reason else ""
+            raise RequestRefused(f"kernel {kernel_id} has no GPU slice{why}; restart the kernel to queue for a new one")
+        return lease
+
+
+class KernelStatusHandler(KernelHandlerBase):
+    """``GET /api/gpupool/kernels/{kernel_id}``."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        def status() -> dict[str, Any]:
+            return self.ext.kernel_status(kernel_id, self.kernel_lease(kernel_id))
+
+        self.write_json(await asyncio.to_thread(status))
+
+
+class ReserveHandler(KernelHandlerBase):
+    """``POST .../reserve`` ``{"memory": "12GiB", "duration": "2h"}``: grow, shrink, hold through idle."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        body = self.json_body()
+        memory, duration = body.get("memory"), body.get("duration")
+        if memory is None and duration is None:
+            raise InvalidInput(f'give "memory" ({SIZE_FORMS}) and/or "duration" ({DURATION_FORMS})')
+        pool = self.ext.pool
+
+        def reserve() -> dict[str, Any]:
+            size = pool.parse_memory(memory) if memory is not None else None
+            seconds = parse_duration(duration) if duration is not None else None
+            lease = self.live_lease(kernel_id)
+            updated = pool.resize(lease.id, memory=size, duration=seconds)
+            return {"lease": updated, "status": self.ext.kernel_status(kernel_id, updated)}
+
+        result = await asyncio.to_thread(reserve)
+        action = "resized" if memory is not None else "kept"
+        self.ext.emit(action, result["lease"], message=f"{action} by the user")
+        self.write_json(result["status"])
+
+
+class ReleaseHandler(KernelHandlerBase):
+    """``POST .../release``: give the slice back; the kernel keeps running without a GPU."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        pool = self.ext.pool
+
+        def release() -> dict[str, Any]:
+            lease = self.live_lease(kernel_id)
+            released = pool.release(lease.id, reason="released by user")
+            return {"lease": released, "status": self.ext.kernel_status(kernel_id, released)}
+
+        result = await asyncio.to_thread(release)
+        self.ext.emit("released", result["lease"], message="released by the user")
+        self.write_json(result["status"])
+
+
+class KeepaliveHandler(KernelHandlerBase):
+    """``POST .../keepalive`` ``{"duration": "1h"}`` (optional): keep the slice through idle."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        body = self.json_body()
+        pool = self.ext.pool
+
+        def keep() -> dict[str, Any]:
+            if body.get("duration") is not None:
+                seconds = parse_duration(body["duration"])
+            else:
+                seconds = min(self.ext.keepalive_default, pool.policy.max_keep)
+            lease = self.live_lease(kernel_id)
+            kept = pool.keep(lease.id, seconds)
+            return {"lease": kept, "status": self.ext.kernel_status(kernel_id, kept)}
+
+        result = await asyncio.to_thread(keep)
+        self.ext.emit("kept", result["lease"], message="kept through idle by the user")
+        self.write_json(result["status"])
+
+
+default_handlers: list[tuple[str, type[GpuPoolHandler]]] = [
+    (r"/api/gpupool/pool", PoolHandler),
+    (rf"/api/gpupool/kernels/{_KERNEL_ID}", KernelStatusHandler),
+    (rf"/api/gpupool/kernels/{_KERNEL_ID}/reserve", ReserveHandler),
+    (rf"/api/gpupool/kernels/{_KERNEL_ID}/release", ReleaseHandler),
+    (rf"/api/gpupool/kernels/{_KERNEL_ID}/keepalive", KeepaliveHandler),
+]
