@@ -283,6 +283,11 @@ class config:
 """
 
 
+def with_path(directory: Path) -> str:
+    """PYTHONPATH with ``directory`` first (the repository may be on it in a source checkout)."""
+    return os.pathsep.join([str(directory), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+
+
 def write_fake_frameworks(root: Path, total: int = 16 * GIB) -> Path:
     """A fake ``torch`` (CUDA available, lazy init) and ``tensorflow`` package under ``root``."""
     (root / "torch" / "cuda").mkdir(parents=True)
@@ -490,7 +495,7 @@ def test_fake_torch_and_tensorflow_are_capped_on_import_and_oom_gets_the_hint(
     pool_env: PoolEnv, kernel_factory: Any, tmp_path: Path
 ) -> None:
     fakes = write_fake_frameworks(tmp_path / "fakes")
-    kernel = kernel_factory(pool_env.kernel_env(PYTHONPATH=str(fakes)))
+    kernel = kernel_factory(pool_env.kernel_env(PYTHONPATH=with_path(fakes)))
     # Imported inside a function in another module: the hook catches imports anywhere.
     (fakes / "user_code.py").write_text("def load():\n    import torch\n    return torch\n")
     result = kernel.run(
@@ -525,7 +530,7 @@ def test_framework_imported_before_the_extension_is_capped_when_it_loads(
     pool_env: PoolEnv, kernel_factory: Any, tmp_path: Path
 ) -> None:
     fakes = write_fake_frameworks(tmp_path / "fakes")
-    kernel = kernel_factory(pool_env.kernel_env(PYTHONPATH=str(fakes)), extension=False)
+    kernel = kernel_factory(pool_env.kernel_env(PYTHONPATH=with_path(fakes)), extension=False)
     kernel.run("import torch; torch.cuda.init()")
     result = kernel.run("%load_ext jupyter_gpupool.kernel\ntorch.cuda.calls")
     assert result.value() == [(0.25, 0)]
@@ -533,7 +538,7 @@ def test_framework_imported_before_the_extension_is_capped_when_it_loads(
 
 def test_unload_removes_magic_hook_and_oom_hint(pool_env: PoolEnv, kernel_factory: Any, tmp_path: Path) -> None:
     fakes = write_fake_frameworks(tmp_path / "fakes")
-    kernel = kernel_factory(pool_env.kernel_env(PYTHONPATH=str(fakes)))
+    kernel = kernel_factory(pool_env.kernel_env(PYTHONPATH=with_path(fakes)))
     kernel.run("import torch")
     kernel.run("%unload_ext jupyter_gpupool.kernel")
     gone = kernel.run("%gpupool status", allow_error=True)

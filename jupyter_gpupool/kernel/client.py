@@ -75,7 +75,7 @@ DEFAULT_KEEP = "1h"
 
 
 def _owner_from_env(env: Mapping[str, str]) -> str:
-    for name in ("GPUPOOL_USER", "JUPYTERHUB_USER"):
+    for name in ("GPUPOOL_OWNER", "JUPYTERHUB_USER"):
         if env.get(name):
             return env[name]
     try:

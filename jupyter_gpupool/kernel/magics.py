@@ -77,6 +77,11 @@ def _gpu_count(text: str) -> int:
     return value
 
 
+def _escape(text: str) -> str:
+    """argparse %-formats help strings: ``25%`` must be written ``25%%``."""
+    return text.replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="%gpupool",
@@ -91,15 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="grow or shrink the slice, hold it through idle, or ask for one",
         description=f"Grow or shrink this kernel's slice, or ask for one. SIZE is {SIZE_FORMS}.",
     )
-    reserve.add_argument("size", nargs="?", help=f"memory per GPU: {SIZE_FORMS}")
-    reserve.add_argument("--for", dest="duration", metavar="DURATION", help=f"hold through idle this long: {DURATION_FORMS}")
+    reserve.add_argument("size", nargs="?", help=_escape(f"memory per GPU: {SIZE_FORMS}"))
+    reserve.add_argument(
+        "--for", dest="duration", metavar="DURATION", help=_escape(f"hold through idle this long: {DURATION_FORMS}")
+    )
     reserve.add_argument("--gpus", type=_gpu_count, metavar="N", help="number of GPUs (1 to 64)")
     sub.add_parser("release", help="give the slice back to the pool")
     sub.add_parser("queue", help="the pool's GPUs and its queue")
     keep = sub.add_parser("keep", help="hold the slice through idle (default 1h)")
-    keep.add_argument("duration", nargs="?", default=None, help=f"{DURATION_FORMS} (default {DEFAULT_KEEP})")
+    keep.add_argument("duration", nargs="?", default=None, help=_escape(f"{DURATION_FORMS} (default {DEFAULT_KEEP})"))
     wait = sub.add_parser("wait", help="block until the slice is granted")
-    wait.add_argument("--timeout", metavar="DURATION", help=f"give up after this long: {DURATION_FORMS}")
+    wait.add_argument("--timeout", metavar="DURATION", help=_escape(f"give up after this long: {DURATION_FORMS}"))
     sub.add_parser("help", help="show this help")
     return parser
 
@@ -152,12 +159,14 @@ class GpuPoolMagics(Magics):
     def gpupool(self, line: str) -> None:
         """See and manage this kernel's GPU slice: %gpupool help."""
         try:
-            args = self.parser.parse_args(shlex.split(line) or ["status"])
+            words = shlex.split(line)
+        except ValueError as err:  # unbalanced quotes
+            raise MagicError(f"cannot read the arguments: {err}") from None
+        try:
+            args = self.parser.parse_args(words or ["status"])
         except _HelpShown as shown:
             print(shown.text.rstrip())
             return None
-        except ValueError as err:  # shlex: unbalanced quotes
-            raise MagicError(f"cannot read the arguments: {err}") from None
         handler = getattr(self, f"_do_{args.command}")
         try:
             return handler(args)
