@@ -1,0 +1,506 @@
+"""``jupyter gpupool broker``: one pool for every Jupyter server on the host.
+
+On a multi-user host (The Littlest JupyterHub, a lab server) each user runs their own Jupyter
+server, so a pool inside one server cannot be shared. The broker owns the pool's store, runs the
+scheduler and the watchdog for the whole host, and serves the pool over HTTP:
+
+- as a JupyterHub managed service (``c.JupyterHub.services``): callers are identified by their
+  hub token, groups come from the hub, ``custom:gpupool:admin`` makes an admin;
+- on a Unix socket (``--socket``, e.g. under systemd): callers are identified by the uid of the
+  connecting process (``SO_PEERCRED``).
+
+Servers and kernels use it when ``GPUPOOL_URL`` points at it (see :mod:`jupyter_gpupool.remote`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import signal
+import stat
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psutil
+from tornado import httpserver, netutil, web
+from traitlets import Bool, Float, Integer, Unicode
+from traitlets.config import LoggingConfigurable
+
+from .._version import __version__
+from ..cli import GpuPoolBaseApp
+from ..core.models import Lease, LeaseRequest, LeaseState
+from ..core.policy import PoolPolicy
+from ..enforcement import EnforcementSettings, plan_enforcement
+from ..errors import InvalidInput, NotAuthorized
+from ..units import parse_duration
+from ..watchdog import Watchdog
+from .auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
+from .handlers import NotFoundHandler, parse_priority, routes
+
+#: Policy traits a client may read (``GET /api/gpupool/info``).
+PUBLIC_POLICY = (
+    "default_memory",
+    "idle_timeout",
+    "idle_policy",
+    "warning_period",
+    "max_keep",
+    "heartbeat_ttl",
+    "placement",
+    "preemption",
+    "grace_period",
+    "min_runtime",
+)
+
+
+class Broker(LoggingConfigurable):
+    """The pool served to many users: identity, authorization helpers, scheduler and watchdog loops."""
+
+    tick_interval = Float(
+        1.0,
+        help="Seconds between two scheduler runs (grants after time passes, idle reclaims, expiry of dead holders).",
+    ).tag(config=True)
+    wait_poll = Float(
+        0.25,
+        help="Seconds between checks while a client long-polls for its grant (GET .../leases/{id}/wait).",
+    ).tag(config=True)
+    run_watchdog = Bool(
+        True,
+        help="Run the GPU memory watchdog over every process on the host (the broker should run as root for it "
+        "to see and signal every user's kernels).",
+    ).tag(config=True)
+    lease_env_var = Unicode(
+        "GPUPOOL_LEASE_ID",
+        help="Environment variable the provisioner sets in each kernel; the watchdog finds a lease's kernel "
+        "(and so its process tree) by reading it from /proc/<pid>/environ of GPU processes' ancestors.",
+    ).tag(config=True)
+    metrics_require_auth = Bool(
+        True,
+        help="Require a hub token with read:metrics (or the admin scope), or an admin on the socket, for /metrics.",
+    ).tag(config=True)
+
+    def __init__(
+        self,
+        pool: Any,
+        hub: HubIdentity | None = None,
+        peer: PeerCredIdentity | None = None,
+        watchdog: Watchdog | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.pool = pool
+        self.hub = hub
+        self.peer = peer
+        self.watchdog = watchdog
+        if self.watchdog is not None and self.watchdog.act is None:
+            self.watchdog.act = self._act
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpupool-broker")
+        self.enforcement = EnforcementSettings(parent=self).to_config()
+        self._roots: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._registry: Any = None
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """Run a (blocking, SQLite) pool call on the broker's one worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args))
+
+    def start(self) -> None:
+        """Start the scheduler and watchdog loops on the running event loop."""
+        self._tasks.append(asyncio.ensure_future(self._loop(self.pool.tick, self.tick_interval, "scheduler")))
+        if self.run_watchdog and self.watchdog is not None:
+            self._tasks.append(asyncio.ensure_future(self._loop(self.watchdog_step, self.watchdog.interval, "watchdog")))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._tasks.clear()
+        self.executor.shutdown(wait=True)
+
+    async def _loop(self, step: Any, interval: float, what: str) -> None:
+        while True:
+            try:
+                await self.run(step)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must survive one bad step
+                self.log.exception("gpupool broker: %s step failed", what)
+            await asyncio.sleep(interval)
+
+    # --- identity -----------------------------------------------------------------------------------
+    async def identify(self, handler: web.RequestHandler) -> Identity:
+        """The caller: the socket peer's uid on a Unix socket, else the hub token's user."""
+        peer = unix_peer(handler)
+        if peer is not None:
+            if self.peer is None:
+                raise Forbidden("this broker does not serve its Unix socket")
+            return self.peer.identify_peer(*peer)
+        if self.hub is None:
+            raise Unauthenticated("this broker takes TCP requests only with JupyterHub tokens; connect over its Unix socket")
+        return await self.hub.identify(handler)
+
+    async def authorize_metrics(self, handler: web.RequestHandler) -> None:
+        peer = unix_peer(handler)
+        if peer is not None:
+            identity = await self.identify(handler)
+            if self.peer is None or not self.peer.may_read_metrics(identity):
+                raise Forbidden("only pool admins and members of PeerCredIdentity.metrics_groups may read /metrics")
+            return
+        if self.hub is None:
+            raise Unauthenticated("/metrics needs a JupyterHub token with read:metrics")
+        if not await self.hub.may_read_metrics(handler):
+            raise Forbidden("this token may not read /metrics: it needs read:metrics or custom:gpupool:admin")
+
+    def check_owned(self, identity: Identity, lease_ids: Iterable[str]) -> None:
+        """403 if any of these live leases belongs to someone else (admins may touch all)."""
+        if identity.admin:
+            return
+        live = {lease.id: lease for lease in self.pool.leases()}
+        for lease_id in lease_ids:
+            lease = live.get(lease_id)
+            if lease is not None and lease.owner != identity.name:
+                raise NotAuthorized(f"lease {lease_id} belongs to another user")
+
+    # --- views ----------------------------------------------------------------------------------------
+    def policy_json(self) -> dict[str, Any]:
+        policy: PoolPolicy = self.pool.policy
+        data = {name: getattr(policy, name) for name in PUBLIC_POLICY}
+        data["default_memory_bytes"] = self.pool.default_memory()
+        return data
+
+    def info(self, identity: Identity) -> dict[str, Any]:
+        backend = self.pool.backend
+        return {
+            "version": __version__,
+            "backend": {"name": backend.name, "spec": getattr(backend, "spec", ""), "describe": backend.describe()},
+            "policy": self.policy_json(),
+            "identity": identity.to_json(),
+            "watchdog": bool(self.run_watchdog and self.watchdog is not None),
+        }
+
+    def lease_request(self, identity: Identity, body: Mapping[str, Any]) -> LeaseRequest:
+        """A request from a JSON body; owner and groups are the caller's, whatever the body says."""
+        pool = self.pool
+        memory_raw = body.get("memory")
+        memory = pool.default_memory() if memory_raw in (None, "") else pool.parse_memory(memory_raw)
+        try:
+            num_gpus = int(body.get("num_gpus") or 1)
+            share = body.get("compute_share")
+            compute_share = int(share) if share not in (None, "", 0) else None
+            holder_pid = int(body["holder_pid"]) if body.get("holder_pid") not in (None, "") else None
+        except (TypeError, ValueError):
+            raise InvalidInput("num_gpus, compute_share and holder_pid must be whole numbers") from None
+        if not 1 <= num_gpus <= pool.policy.max_gpus_per_lease:
+            raise InvalidInput(f"num_gpus must be from 1 to {pool.policy.max_gpus_per_lease}, got {num_gpus}")
+        if compute_share is not None and not 1 <= compute_share <= 100:
+            raise InvalidInput(f"compute_share is a percentage from 1 to 100, got {compute_share}")
+        duration_raw = body.get("duration")
+        if identity.pid is not None and holder_pid is None:
+            holder_pid = identity.pid  # a socket peer without a holder: the connecting process holds it
+        return LeaseRequest(
+            owner=identity.name,
+            memory=memory,
+            groups=tuple(identity.groups),
+            kernel_id=str(body["kernel_id"]) if body.get("kernel_id") else None,
+            num_gpus=num_gpus,
+            compute_share=compute_share,
+            model=str(body["model"]) if body.get("model") else None,
+            priority=parse_priority(body.get("priority")),
+            duration=parse_duration(duration_raw) if duration_raw not in (None, "") else None,
+            holder_pid=holder_pid,
+            holder_host=str(body["holder_host"]) if body.get("holder_host") else None,
+            label=str(body.get("label") or "")[:200],
+        )
+
+    def kernel_status(self, kernel_id: str, lease: Lease) -> dict[str, Any]:
+        """The ``GET /api/gpupool/kernels/{kernel_id}`` body, as the single-user server gives it."""
+        pool = self.pool
+        now = pool.clock()
+        devices = {d.uuid: d for d in pool.devices()}
+        info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
+        plan = plan_enforcement(lease, devices, self.enforcement)
+        return {
+            "kernel_id": kernel_id,
+            "lease_id": lease.id,
+            "state": lease.state.value,
+            "memory": lease.memory,
+            "num_gpus": lease.num_gpus,
+            "compute_share": lease.compute_share,
+            "priority": lease.priority.value,
+            "devices": [
+                {"uuid": u, "index": devices[u].index, "name": devices[u].name, "memory_total": devices[u].memory_total}
+                if u in devices
+                else {"uuid": u, "index": None, "name": None, "memory_total": None}
+                for u in lease.devices
+            ],
+            "queue_position": info.position if info else None,
+            "queue_length": info.length if info else None,
+            "estimated_wait": info.estimated_wait if info else None,
+            "queue_reason": info.reason if info else None,
+            "used_memory": lease.used_memory,
+            "peak_memory": lease.peak_memory,
+            "over_limit_since": lease.over_limit_since,
+            "enforcement": plan.to_json(),
+            "idle_seconds": lease.idle_seconds(now),
+            "busy": lease.busy,
+            "connections": lease.connections,
+            "reclaim_at": lease.reclaim_at,
+            "reclaim_reason": lease.reclaim_reason or None,
+            "keep_until": lease.keep_until,
+            "granted_at": lease.granted_at,
+            "released_at": lease.released_at,
+            "release_reason": lease.release_reason or None,
+            "owner": lease.owner,
+            "now": now,
+        }
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        from ..metrics import make_registry, render
+
+        if self._registry is None:
+            self._registry = make_registry(self.pool)
+        return render(self._registry)
+
+    # --- watchdog -----------------------------------------------------------------------------------
+    def watchdog_step(self) -> Any:
+        """Find each granted lease's kernel among the GPU processes' ancestors, then check usage."""
+        assert self.watchdog is not None
+        pool = self.pool
+        granted = {lease.id: lease for lease in pool.leases() if lease.state is LeaseState.GRANTED}
+        try:
+            processes = pool.backend.process_usage()
+        except Exception as exc:  # noqa: BLE001 - a failing driver must not kill the loop
+            self.log.warning("gpupool broker: cannot read GPU processes: %s", exc)
+            return None
+        self._roots = find_kernel_roots((p.pid for p in processes), granted, self.lease_env_var)
+        limits = {lease_id: lease.memory * lease.num_gpus for lease_id, lease in granted.items()}
+        report = self.watchdog.check(self._roots, limits)
+        idle = {lease_id: 0 for lease_id, lease in granted.items() if lease_id not in report.usage and lease.used_memory}
+        if idle:
+            pool.report_usage(idle)
+        return report
+
+    def _act(self, lease_id: str, action: str) -> None:
+        pid = self._roots.get(lease_id)
+        if pid is None:
+            return
+        if action == "interrupt":
+            os.kill(pid, signal.SIGINT)
+        elif action == "stop":
+            self.pool.release(lease_id, reason="stopped: it kept using more GPU memory than its slice")
+            terminate_tree(pid)
+
+
+def find_kernel_roots(pids: Iterable[int], leases: Mapping[str, Lease], env_var: str = "GPUPOOL_LEASE_ID") -> dict[str, int]:
+    """Lease id → kernel pid, for the leases whose processes (or their descendants) use a GPU.
+
+    For each GPU process we walk up its ancestors; the topmost consecutive ancestor whose
+    environment names a granted lease is that lease's kernel. A child that dropped the variable
+    (``env -i python train.py``) still counts for its kernel. A process counts only if its owner
+    is the lease owner's Unix user (when the owner has one) or root, so nobody can charge their
+    usage to another user's lease by copying the variable.
+    """
+    environ_cache: dict[int, str | None] = {}
+    roots: dict[str, int] = {}
+    uids: dict[str, int | None] = {}
+
+    def lease_of(proc: psutil.Process) -> str | None:
+        if proc.pid not in environ_cache:
+            try:
+                environ_cache[proc.pid] = proc.environ().get(env_var)
+            except (psutil.Error, OSError):
+                environ_cache[proc.pid] = None
+        return environ_cache[proc.pid]
+
+    def owner_uid(owner: str) -> int | None:
+        if owner not in uids:
+            try:
+                uids[owner] = pwd.getpwnam(owner).pw_uid
+            except KeyError:
+                uids[owner] = None
+        return uids[owner]
+
+    for pid in set(pids):
+        try:
+            proc = psutil.Process(pid)
+            chain = [proc, *proc.parents()]
+        except (psutil.Error, ValueError):
+            continue
+        found: tuple[str, int] | None = None
+        for ancestor in chain:
+            lease_id = lease_of(ancestor)
+            lease = leases.get(lease_id) if lease_id else None
+            if lease is not None and (found is None or found[0] == lease_id):
+                expected = owner_uid(lease.owner)
+                try:
+                    uid = ancestor.uids().real
+                except psutil.Error:
+                    uid = None
+                if expected is None or uid in (expected, 0):
+                    found = (lease_id, ancestor.pid)  # type: ignore[assignment]
+                    continue
+            if found is not None:
+                break
+        if found is not None:
+            roots.setdefault(found[0], found[1])
+    return roots
+
+
+def terminate_tree(pid: int, grace: float = 3.0) -> None:
+    """SIGTERM a process and its descendants, SIGKILL what is left after ``grace`` seconds."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def make_app(broker: Broker, base_url: str = "/") -> web.Application:
+    """The tornado application serving ``broker`` under ``base_url``."""
+    prefix = "/" + base_url.strip("/") + "/" if base_url.strip("/") else "/"
+    return web.Application(
+        routes(prefix),
+        gpupool_broker=broker,
+        default_handler_class=NotFoundHandler,
+        xsrf_cookies=False,
+        log_function=_log_request,
+    )
+
+
+def _log_request(handler: web.RequestHandler) -> None:
+    status = handler.get_status()
+    broker: Broker = handler.settings["gpupool_broker"]
+    level = broker.log.info if status < 400 else broker.log.warning
+    if handler.request.path.endswith("/wait") and status < 400:
+        level = broker.log.debug
+    identity = getattr(handler, "identity", None)
+    who = identity.name if identity is not None else "-"
+    level("%d %s %s (%s) %.1fms", status, handler.request.method, handler.request.path, who, 1000 * handler.request.request_time())
+
+
+class BrokerApp(GpuPoolBaseApp):
+    """``jupyter gpupool broker``: serve one pool to every Jupyter server on the host."""
+
+    name = "jupyter-gpupool-broker"
+    description = (
+        "Serve one GPU pool to every Jupyter server on this host: as a JupyterHub service (hub tokens) "
+        "and/or on a Unix socket (peer credentials). Servers and kernels use it when GPUPOOL_URL points at it."
+    )
+    classes = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]
+    aliases = {
+        **GpuPoolBaseApp.aliases,
+        "ip": "BrokerApp.ip",
+        "port": "BrokerApp.port",
+        "socket": "BrokerApp.socket",
+        "socket-mode": "BrokerApp.socket_mode",
+        "base-url": "BrokerApp.base_url",
+        "hub": "BrokerApp.hub",
+    }
+
+    ip = Unicode("", help="Address to listen on for HTTP. Default: the host of $JUPYTERHUB_SERVICE_URL, else 127.0.0.1.").tag(config=True)
+    port = Integer(
+        -1,
+        help="TCP port for HTTP. Default (-1): the port of $JUPYTERHUB_SERVICE_URL; else 10101 when no --socket is given, "
+        "else no TCP listener. 0 turns TCP off.",
+    ).tag(config=True)
+    socket = Unicode("", help="Path of a Unix socket to serve on (callers identified by their uid). Empty: none.").tag(config=True)
+    socket_mode = Unicode(
+        "0666",
+        help="Permissions of the Unix socket, octal. Every user may connect: the broker tells them apart by uid.",
+    ).tag(config=True)
+    base_url = Unicode("", help="URL prefix of every route. Default: $JUPYTERHUB_SERVICE_PREFIX, else /.").tag(config=True)
+    hub = Unicode(
+        "auto",
+        help="Identify TCP callers by JupyterHub token: 'auto' (when $JUPYTERHUB_API_TOKEN is set), 'on', or 'off' "
+        "(TCP callers then get 401; use the socket).",
+    ).tag(config=True)
+
+    def _listen_address(self) -> tuple[str, int]:
+        service_url = urllib.parse.urlsplit(os.environ.get("JUPYTERHUB_SERVICE_URL", ""))
+        ip = self.ip or service_url.hostname or "127.0.0.1"
+        if self.port >= 0:
+            return ip, self.port
+        if service_url.port:
+            return ip, service_url.port
+        return ip, 0 if self.socket else 10101
+
+    def _base_url(self) -> str:
+        return self.base_url or os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "") or "/"
+
+    def build_broker(self) -> Broker:
+        pool = self.make_pool()
+        hub_mode = self.hub.lower()
+        if hub_mode not in ("auto", "on", "off"):
+            raise InvalidInput(f"--hub must be auto, on or off, got {self.hub!r}")
+        hub = None
+        if hub_mode == "on" or (hub_mode == "auto" and os.environ.get("JUPYTERHUB_API_TOKEN")):
+            try:
+                hub = HubIdentity(parent=self)
+            except ValueError as err:
+                raise InvalidInput(str(err)) from None
+        peer = PeerCredIdentity(parent=self) if self.socket else None
+        watchdog = Watchdog(parent=self, backend=pool.backend, pool=pool)
+        return Broker(parent=self, pool=pool, hub=hub, peer=peer, watchdog=watchdog)
+
+    def run(self) -> None:
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            raise InvalidInput(f"--socket-mode must be octal like 0666, got {self.socket_mode!r}") from None
+        broker = self.build_broker()
+        asyncio.run(self._serve(broker, mode))
+
+    async def _serve(self, broker: Broker, socket_mode: int) -> None:
+        app = make_app(broker, self._base_url())
+        server = httpserver.HTTPServer(app, xheaders=False)
+        ip, port = self._listen_address()
+        where = []
+        if port:
+            server.listen(port, address=ip)
+            where.append(f"http://{ip}:{port}{self._base_url()}" + (" (hub tokens)" if broker.hub else " (no hub: 401 for all)"))
+        if self.socket:
+            path = os.path.abspath(self.socket)
+            if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)  # left behind by a killed broker
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            server.add_socket(netutil.bind_unix_socket(path, mode=socket_mode))
+            where.append(f"unix:{path} (peer uid)")
+        if not where:
+            raise InvalidInput("nothing to listen on: give --port or --socket")
+        broker.start()
+        self.log.info("jupyter-gpupool broker %s: %s on %s", __version__, broker.pool.backend.describe(), ", ".join(where))
+        self.log.info("pool database: %s", broker.pool.db_path)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        self.log.info("jupyter-gpupool broker: stopping")
+        server.stop()
+        await broker.stop()
+        if self.socket and os.path.exists(self.socket):
+            os.unlink(self.socket)
+        broker.pool.close()
+
+
+main = BrokerApp.launch_instance
+
+__all__ = ["Broker", "BrokerApp", "find_kernel_roots", "make_app", "terminate_tree"]

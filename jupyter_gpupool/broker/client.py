@@ -1,0 +1,28 @@
+"""The kernel-side client of a broker: what ``%gpupool`` and the widget use when ``GPUPOOL_URL`` is set.
+
+:func:`jupyter_gpupool.kernel.client.connect` imports :class:`HttpPoolClient` from here. It is the
+in-process client's logic over a :class:`~jupyter_gpupool.remote.RemotePool`, so the magics behave
+the same in both modes; identity comes from the kernel's hub token (``JUPYTERHUB_API_TOKEN``,
+which kernels inherit from their single-user server) or its uid on the broker's socket.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+from ..kernel.client import InProcessPoolClient
+from ..remote import RemotePool
+
+
+class HttpPoolClient(InProcessPoolClient):
+    """This kernel's lease, through the broker at ``GPUPOOL_URL``."""
+
+    @classmethod
+    def from_env(cls, env: MutableMapping[str, str] | None = None, caps: Any = None) -> HttpPoolClient:
+        source: MutableMapping[str, str] = os.environ if env is None else env
+        return cls(env=source, pool_factory=lambda: RemotePool.from_env(source), caps=caps)
+
+
+__all__ = ["HttpPoolClient"]

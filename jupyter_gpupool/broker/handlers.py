@@ -1,0 +1,624 @@
+"""The broker's REST API: the single-user API (``/api/gpupool/pool``, ``.../kernels/...``) plus the
+lease-level routes a remote :class:`~jupyter_gpupool.remote.RemotePool` needs.
+
+Every route first identifies the caller (401 without valid credentials, 403 without the
+service's access scope), then checks the lease belongs to them unless they are an admin (403).
+Domain errors become their HTTP status with ``{"error": <class>, "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from tornado import web
+
+from ..core.models import Activity, Lease, LeaseRequest, LeaseState, PriorityClass
+from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
+from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
+from .auth import Forbidden, Identity, Unauthenticated
+
+if TYPE_CHECKING:
+    from .app import Broker
+
+_ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
+_KERNEL = r"(?P<kernel_id>[\w-]+)"
+#: Longest long poll of ``GET .../wait`` in seconds.
+MAX_WAIT = 30.0
+DEFAULT_KEEP = 3600.0
+
+
+def lease_json(lease: Lease, queue: Any = None) -> dict[str, Any]:
+    data = lease.to_json()
+    data["queue"] = None if queue is None else {
+        "position": queue.position,
+        "length": queue.length,
+        "estimated_wait": queue.estimated_wait,
+        "reason": queue.reason,
+    }
+    return data
+
+
+class BrokerHandler(web.RequestHandler):
+    """Base: identity in ``prepare``, JSON errors, pool calls on the broker's worker thread."""
+
+    identity: Identity
+
+    @property
+    def broker(self) -> Broker:
+        return self.settings["gpupool_broker"]
+
+    async def prepare(self) -> None:
+        self.identity = await self.broker.identify(self)
+
+    def check_xsrf_cookie(self) -> None:
+        """Token and socket credentials only, never cookies: nothing for XSRF to forge."""
+
+    # --- helpers --------------------------------------------------------------------------------
+    async def run(self, fn: Any, *args: Any) -> Any:
+        return await self.broker.run(fn, *args)
+
+    def json_body(self) -> dict[str, Any]:
+        if not self.request.body:
+            return {}
+        try:
+            data = json.loads(self.request.body)
+        except ValueError:
+            raise InvalidInput('the request body is not JSON; send an object such as {"memory": "12GiB"}') from None
+        if not isinstance(data, dict):
+            raise InvalidInput('the request body must be a JSON object such as {"memory": "12GiB"}')
+        return data
+
+    def write_json(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(data, default=str))
+
+    def own(self, lease: Lease) -> Lease:
+        """The lease if the caller may see and change it; else 403."""
+        if lease.owner != self.identity.name and not self.identity.admin:
+            raise NotAuthorized(f"lease {lease.id} belongs to another user; only its owner or a pool admin may see or change it")
+        return lease
+
+    def owned(self, lease_id: str) -> Lease:
+        """Worker-thread helper: get (404) and check ownership (403)."""
+        return self.own(self.broker.pool.get(lease_id))
+
+    # --- errors -----------------------------------------------------------------------------------
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, GpuPoolError):
+            status, name, message = exc.http_status, type(exc).__name__, str(exc)
+        elif isinstance(exc, (Unauthenticated, Forbidden)):
+            status, name, message = exc.status_code, "NotAuthorized", exc.message
+        elif isinstance(exc, web.HTTPError):
+            status, name, message = exc.status_code, "HTTPError", exc.log_message or self._reason
+        else:
+            status, name, message = 500, "GpuPoolError", "internal error in the GPU pool broker; see its log"
+        self.set_status(status)
+        if status == 401:
+            self.set_header("WWW-Authenticate", 'token realm="gpupool"')
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps({"error": name, "message": message}))
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        if isinstance(value, (GpuPoolError, Unauthenticated, Forbidden)):
+            self.broker.log.info("%s %s: %s", self.request.method, self.request.path, getattr(value, "message", value))
+            return
+        super().log_exception(typ, value, tb)
+
+
+# --- who, what ----------------------------------------------------------------------------------------
+class WhoAmIHandler(BrokerHandler):
+    """``GET /api/gpupool/whoami``: the caller as the broker identified them."""
+
+    async def get(self) -> None:
+        self.write_json(self.identity.to_json())
+
+
+class InfoHandler(BrokerHandler):
+    """``GET /api/gpupool/info``: version, backend, policy and the caller."""
+
+    async def get(self) -> None:
+        self.write_json(await self.run(self.broker.info, self.identity))
+
+
+class PoolHandler(BrokerHandler):
+    """``GET /api/gpupool/pool``: devices, leases (others' anonymous unless admin), queue, quota."""
+
+    async def get(self) -> None:
+        ident = self.identity
+
+        def snapshot() -> dict[str, Any]:
+            pool = self.broker.pool
+            snap = pool.snapshot(viewer=ident.name, admin=ident.admin)
+            body = {"devices": snap.devices, "leases": snap.leases, "queue": snap.queue, "now": snap.now, "quota": snap.quota}
+            body["viewer"] = ident.to_json()
+            body["backend"] = pool.backend.describe()
+            body["policy"] = self.broker.policy_json()
+            return body
+
+        self.write_json(await self.run(snapshot))
+
+
+class DevicesHandler(BrokerHandler):
+    """``GET /api/gpupool/devices``: every device in full (what a remote provisioner plans with)."""
+
+    async def get(self) -> None:
+        devices = await self.run(self.broker.pool.devices)
+        self.write_json([d.to_json() for d in devices])
+
+
+class QueueHandler(BrokerHandler):
+    """``GET /api/gpupool/queue``: queued leases in service order (others anonymous unless admin)."""
+
+    async def get(self) -> None:
+        ident = self.identity
+
+        def queue() -> list[dict[str, Any]]:
+            pool = self.broker.pool
+            return [pool.view_lease(lease, ident.name, ident.admin, i + 1) for i, lease in enumerate(pool.queue())]
+
+        self.write_json(await self.run(queue))
+
+
+# --- leases ---------------------------------------------------------------------------------------------
+class LeasesHandler(BrokerHandler):
+    """``GET /api/gpupool/leases`` (yours; ``?all=1`` for admins; ``?kernel_id=``; ``?released=1``)
+    and ``POST`` a request (the owner and groups are the caller's, never from the body)."""
+
+    async def get(self) -> None:
+        ident = self.identity
+        everyone = self.get_argument("all", "") in ("1", "true") and ident.admin
+        owner = self.get_argument("owner", None)
+        if owner is not None and owner != ident.name and not ident.admin:
+            raise NotAuthorized("only pool admins may list another user's leases")
+        kernel_id = self.get_argument("kernel_id", None)
+        released = self.get_argument("released", "") in ("1", "true")
+
+        def leases() -> list[dict[str, Any]]:
+            who = None if everyone and owner is None else (owner or ident.name)
+            if kernel_id is not None:
+                pool = self.broker.pool
+                found = [lease for lease in pool.leases(owner=who, include_released=released) if lease.kernel_id == kernel_id]
+                return [lease.to_json() for lease in found]
+            return [lease.to_json() for lease in self.broker.pool.leases(owner=who, include_released=released)]
+
+        self.write_json(await self.run(leases))
+
+    async def post(self) -> None:
+        body = self.json_body()
+        ident = self.identity
+
+        def request() -> dict[str, Any]:
+            pool = self.broker.pool
+            req = self.broker.lease_request(ident, body)
+            if req.kernel_id:
+                current = pool.lease_for_kernel(req.kernel_id)
+                if current is not None and current.owner != ident.name:
+                    raise RequestRefused(f"kernel {req.kernel_id} already has a lease of another user")
+            lease = pool.request(req)
+            info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
+            return lease_json(lease, info)
+
+        self.write_json(await self.run(request), status=201)
+
+
+class LeaseHandler(BrokerHandler):
+    """``GET`` a lease (with its queue position) and ``DELETE`` it (release; ``?reason=``)."""
+
+    async def get(self, lease_id: str) -> None:
+        def get() -> dict[str, Any]:
+            lease = self.owned(lease_id)
+            info = self.broker.pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
+            return lease_json(lease, info)
+
+        self.write_json(await self.run(get))
+
+    async def delete(self, lease_id: str) -> None:
+        await release_lease(self, lease_id, self.get_argument("reason", ""))
+
+
+class LeaseReleaseHandler(BrokerHandler):
+    """``POST .../leases/{id}/release`` ``{"reason": ...}``: the same as ``DELETE``, for clients without DELETE."""
+
+    async def post(self, lease_id: str) -> None:
+        await release_lease(self, lease_id, str(self.json_body().get("reason") or ""))
+
+
+async def release_lease(handler: BrokerHandler, lease_id: str, reason: str) -> None:
+    ident = handler.identity
+    reason = reason or "released by user"
+
+    def release() -> dict[str, Any]:
+        lease = handler.owned(lease_id)
+        why = reason if lease.owner == ident.name else f"{reason} (by admin {ident.name})"
+        return lease_json(handler.broker.pool.release(lease.id, reason=why))
+
+    handler.write_json(await handler.run(release))
+
+
+class LeaseResizeHandler(BrokerHandler):
+    """``POST .../leases/{id}/resize`` ``{"memory": "12GiB" | bytes, "duration": "2h" | seconds}``."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.json_body()
+        memory, duration = body.get("memory"), body.get("duration")
+        if memory is None and duration is None:
+            raise InvalidInput(f'give "memory" ({SIZE_FORMS}) and/or "duration" ({DURATION_FORMS})')
+
+        def resize() -> dict[str, Any]:
+            pool = self.broker.pool
+            size = pool.parse_memory(memory) if memory is not None else None
+            seconds = parse_duration(duration) if duration is not None else None
+            lease = self.owned(lease_id)
+            return lease_json(pool.resize(lease.id, memory=size, duration=seconds))
+
+        self.write_json(await self.run(resize))
+
+
+class LeaseKeepHandler(BrokerHandler):
+    """``POST .../leases/{id}/keepalive`` ``{"duration": "1h"}``: hold through idle (default 1 h)."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.json_body()
+
+        def keep() -> dict[str, Any]:
+            pool = self.broker.pool
+            seconds = parse_duration(body["duration"]) if body.get("duration") is not None else min(DEFAULT_KEEP, pool.policy.max_keep)
+            lease = self.owned(lease_id)
+            return lease_json(pool.keep(lease.id, seconds))
+
+        self.write_json(await self.run(keep))
+
+
+class LeaseActivityHandler(BrokerHandler):
+    """``POST .../leases/{id}/activity`` ``{"busy": bool, "last_activity": time, "connections": n}`` (+ heartbeat)."""
+
+    async def post(self, lease_id: str) -> None:
+        activity = parse_activity(self.json_body())
+
+        def report() -> None:
+            lease = self.owned(lease_id)
+            self.broker.pool.report_activity(lease.id, activity)
+
+        await self.run(report)
+        self.set_status(204)
+        self.finish()
+
+
+class LeaseWaitHandler(BrokerHandler):
+    """``GET .../leases/{id}/wait?timeout=S&position=P``: long poll while queued (heartbeats it);
+    answers when granted or released, when the position is no longer ``P``, or after ``S`` seconds."""
+
+    async def get(self, lease_id: str) -> None:
+        try:
+            timeout = min(MAX_WAIT, max(0.0, float(self.get_argument("timeout", "10"))))
+            raw_position = self.get_argument("position", "")
+            position = int(raw_position) if raw_position else None
+        except ValueError:
+            raise InvalidInput("timeout must be seconds and position a whole number, e.g. ?timeout=10&position=2") from None
+        deadline = time.monotonic() + timeout
+        pool = self.broker.pool
+
+        def poll() -> tuple[Lease, Any]:
+            lease = self.owned(lease_id)
+            if lease.state is LeaseState.QUEUED:
+                pool.heartbeat([lease.id])
+                return lease, pool.queue_info(lease.id)
+            return lease, None
+
+        while True:
+            lease, info = await self.run(poll)
+            if lease.state is not LeaseState.QUEUED:
+                break
+            if info is None or info.position != position or time.monotonic() >= deadline:
+                break
+            stream = getattr(self.request.connection, "stream", None)
+            if stream is not None and stream.closed():
+                return
+            await asyncio.sleep(min(self.broker.wait_poll, max(0.0, deadline - time.monotonic())))
+        self.write_json(lease_json(lease, info))
+
+
+# --- batch routes for a server's periodic loop ----------------------------------------------------------
+class ActivityHandler(BrokerHandler):
+    """``POST /api/gpupool/activity`` ``{"activities": {lease_id: {busy, last_activity, connections}}}``."""
+
+    async def post(self) -> None:
+        raw = self.json_body().get("activities") or {}
+        if not isinstance(raw, dict):
+            raise InvalidInput('"activities" must map lease ids to {"busy": ..., "connections": ...}')
+        activities = {str(k): parse_activity(v) for k, v in raw.items()}
+
+        def report() -> None:
+            self.broker.check_owned(self.identity, activities)
+            self.broker.pool.report_activities(activities)
+
+        await self.run(report)
+        self.set_status(204)
+        self.finish()
+
+
+class HeartbeatHandler(BrokerHandler):
+    """``POST /api/gpupool/heartbeat`` ``{"lease_ids": [...]}``."""
+
+    async def post(self) -> None:
+        ids = self.json_body().get("lease_ids") or []
+        if not isinstance(ids, list):
+            raise InvalidInput('"lease_ids" must be a list of lease ids')
+        ids = [str(i) for i in ids]
+
+        def beat() -> None:
+            self.broker.check_owned(self.identity, ids)
+            self.broker.pool.heartbeat(ids)
+
+        await self.run(beat)
+        self.set_status(204)
+        self.finish()
+
+
+class ReconcileHandler(BrokerHandler):
+    """``POST /api/gpupool/reconcile`` ``{"holder_host", "holder_pid", "live_kernel_ids"}``: release the
+    caller's leases of that holder whose kernel is gone (never another user's)."""
+
+    async def post(self) -> None:
+        body = self.json_body()
+        try:
+            host = str(body["holder_host"])
+            pid = int(body["holder_pid"])
+            live = {str(k) for k in body.get("live_kernel_ids") or []}
+        except (KeyError, TypeError, ValueError):
+            raise InvalidInput('send {"holder_host": "...", "holder_pid": 123, "live_kernel_ids": [...]}') from None
+        ident = self.identity
+
+        def reconcile() -> list[dict[str, Any]]:
+            pool = self.broker.pool
+            gone = [
+                lease
+                for lease in pool.leases(owner=None if ident.admin else ident.name)
+                if lease.holder_host == host and lease.holder_pid == pid and lease.kernel_id and lease.kernel_id not in live
+            ]
+            return [pool.release(lease.id, reason="released: its kernel is gone").to_json() for lease in gone]
+
+        self.write_json(await self.run(reconcile))
+
+
+class TickHandler(BrokerHandler):
+    """``POST /api/gpupool/tick``: run the scheduler now; answers the decisions about the caller's leases
+    (every decision for admins)."""
+
+    async def post(self) -> None:
+        ident = self.identity
+
+        def tick() -> list[dict[str, Any]]:
+            decisions = self.broker.pool.tick()
+            return [d.to_json() for d in decisions if ident.admin or d.owner == ident.name]
+
+        self.write_json(await self.run(tick))
+
+
+# --- the single-user API: kernels -------------------------------------------------------------------------
+class KernelHandlerBase(BrokerHandler):
+    def kernel_lease(self, kernel_id: str) -> Lease:
+        pool = self.broker.pool
+        lease = pool.lease_for_kernel(kernel_id) or pool.last_lease_for_kernel(kernel_id)
+        if lease is None:
+            raise LeaseNotFound(f"no GPU lease for kernel {kernel_id!r}")
+        return self.own(lease)
+
+    def live_lease(self, kernel_id: str) -> Lease:
+        lease = self.kernel_lease(kernel_id)
+        if not lease.live:
+            why = f" ({lease.release_reason})" if lease.release_reason else ""
+            raise RequestRefused(f"kernel {kernel_id} has no GPU slice{why}; restart the kernel to queue for a new one")
+        return lease
+
+
+class KernelStatusHandler(KernelHandlerBase):
+    """``GET /api/gpupool/kernels/{kernel_id}``."""
+
+    async def get(self, kernel_id: str) -> None:
+        self.write_json(await self.run(lambda: self.broker.kernel_status(kernel_id, self.kernel_lease(kernel_id))))
+
+
+class KernelReserveHandler(KernelHandlerBase):
+    """``POST .../kernels/{kernel_id}/reserve`` ``{"memory": "12GiB", "duration": "2h"}``."""
+
+    async def post(self, kernel_id: str) -> None:
+        body = self.json_body()
+        memory, duration = body.get("memory"), body.get("duration")
+        if memory is None and duration is None:
+            raise InvalidInput(f'give "memory" ({SIZE_FORMS}) and/or "duration" ({DURATION_FORMS})')
+
+        def reserve() -> dict[str, Any]:
+            pool = self.broker.pool
+            size = pool.parse_memory(memory) if memory is not None else None
+            seconds = parse_duration(duration) if duration is not None else None
+            lease = self.live_lease(kernel_id)
+            return self.broker.kernel_status(kernel_id, pool.resize(lease.id, memory=size, duration=seconds))
+
+        self.write_json(await self.run(reserve))
+
+
+class KernelReleaseHandler(KernelHandlerBase):
+    """``POST .../kernels/{kernel_id}/release``."""
+
+    async def post(self, kernel_id: str) -> None:
+        def release() -> dict[str, Any]:
+            lease = self.live_lease(kernel_id)
+            return self.broker.kernel_status(kernel_id, self.broker.pool.release(lease.id, reason="released by user"))
+
+        self.write_json(await self.run(release))
+
+
+class KernelKeepaliveHandler(KernelHandlerBase):
+    """``POST .../kernels/{kernel_id}/keepalive`` ``{"duration": "1h"}`` (optional)."""
+
+    async def post(self, kernel_id: str) -> None:
+        body = self.json_body()
+
+        def keep() -> dict[str, Any]:
+            pool = self.broker.pool
+            seconds = parse_duration(body["duration"]) if body.get("duration") is not None else min(DEFAULT_KEEP, pool.policy.max_keep)
+            lease = self.live_lease(kernel_id)
+            return self.broker.kernel_status(kernel_id, pool.keep(lease.id, seconds))
+
+        self.write_json(await self.run(keep))
+
+
+# --- metering, reservations, preferences, events --------------------------------------------------------
+class ReportHandler(BrokerHandler):
+    """``GET /api/gpupool/report?since=&until=&by=user|group|kernel`` (POSIX seconds): admins see all rows,
+    users their own row of ``by=user``."""
+
+    async def get(self) -> None:
+        by = self.get_argument("by", "user")
+        try:
+            since = float(self.get_argument("since")) if self.get_argument("since", "") else None
+            until = float(self.get_argument("until")) if self.get_argument("until", "") else None
+        except ValueError:
+            raise InvalidInput("since and until must be POSIX seconds, e.g. ?since=1767225600") from None
+        ident = self.identity
+        if not ident.admin and by != "user":
+            raise NotAuthorized("only pool admins may see reports by group or kernel; ask for by=user")
+
+        def report() -> list[dict[str, Any]]:
+            rows = self.broker.pool.report(since=since, until=until, by=by)
+            return rows if ident.admin else [row for row in rows if row.get("user") == ident.name]
+
+        self.write_json(await self.run(report))
+
+
+class ReservationsHandler(BrokerHandler):
+    """``GET`` reservations (everyone: they shape the queue); ``POST`` one (admins)."""
+
+    async def get(self) -> None:
+        self.write_json([r.to_json() for r in await self.run(self.broker.pool.reservations)])
+
+    async def post(self) -> None:
+        if not self.identity.admin:
+            raise NotAuthorized("only pool admins may book reservations")
+        spec = self.json_body()
+        reservation = await self.run(self.broker.pool.book_reservation, spec)
+        self.write_json(reservation.to_json(), status=201)
+
+
+class ReservationHandler(BrokerHandler):
+    """``DELETE /api/gpupool/reservations/{name}`` (admins)."""
+
+    async def delete(self, name: str) -> None:
+        if not self.identity.admin:
+            raise NotAuthorized("only pool admins may cancel reservations")
+        await self.run(self.broker.pool.cancel_reservation, name)
+        self.set_status(204)
+        self.finish()
+
+
+class PreferencesHandler(BrokerHandler):
+    """``GET`` / ``PATCH /api/gpupool/preferences``: the caller's saved defaults (memory, num_gpus, ...)."""
+
+    async def get(self) -> None:
+        self.write_json(await self.run(self.broker.pool.preference, self.identity.name))
+
+    async def patch(self) -> None:
+        values = self.json_body()
+        allowed = {"memory", "num_gpus", "compute_share", "model", "priority"}
+        unknown = set(values) - allowed
+        if unknown:
+            raise InvalidInput(f"unknown preference(s) {sorted(unknown)}; use {', '.join(sorted(allowed))}")
+        name = self.identity.name
+        await self.run(lambda: self.broker.pool.set_preference(name, **values))
+        self.write_json(await self.run(self.broker.pool.preference, name))
+
+
+class EventsHandler(BrokerHandler):
+    """``GET /api/gpupool/events?after=SEQ``: decisions about the caller's leases (all for admins)."""
+
+    async def get(self) -> None:
+        try:
+            after = int(self.get_argument("after", "0"))
+        except ValueError:
+            raise InvalidInput("after must be a whole number (the last seq you saw)") from None
+        ident = self.identity
+        events = await self.run(self.broker.pool.events, after)
+        self.write_json([e for e in events if ident.admin or e["owner"] == ident.name])
+
+
+class MetricsHandler(BrokerHandler):
+    """``GET /metrics``: Prometheus exposition; needs a token with ``read:metrics`` or the admin scope
+    (hub), or an admin / metrics group (socket), unless ``Broker.metrics_require_auth`` is off."""
+
+    async def prepare(self) -> None:
+        if not self.broker.metrics_require_auth:
+            return
+        await self.broker.authorize_metrics(self)
+
+    async def get(self) -> None:
+        body, content_type = await self.run(self.broker.render_metrics)
+        self.set_header("Content-Type", content_type)
+        self.finish(body)
+
+
+class NotFoundHandler(BrokerHandler):
+    """Any other path: 401/403 first (an unknown route tells a stranger nothing), then 404."""
+
+    async def prepare(self) -> None:
+        await super().prepare()
+        raise web.HTTPError(404, "no such route; the API is under /api/gpupool/ (see openapi.yaml)")
+
+
+def parse_activity(data: Any) -> Activity:
+    if not isinstance(data, dict):
+        raise InvalidInput('activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}')
+    try:
+        last = data.get("last_activity")
+        return Activity(busy=bool(data.get("busy", False)), last_activity=float(last) if last is not None else None,
+                        connections=int(data.get("connections") or 0))
+    except (TypeError, ValueError):
+        raise InvalidInput('activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}') from None
+
+
+def parse_priority(value: Any) -> PriorityClass:
+    try:
+        return PriorityClass(str(value or "normal").lower())
+    except ValueError:
+        raise InvalidInput(f"invalid priority {value!r}: expected batch, normal or high") from None
+
+
+def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
+    """The URL patterns under ``prefix`` (``/`` or a hub service prefix such as ``/services/gpupool/``)."""
+    api = prefix.rstrip("/") + "/api/gpupool"
+    return [
+        (rf"{api}/whoami", WhoAmIHandler),
+        (rf"{api}/info", InfoHandler),
+        (rf"{api}/pool", PoolHandler),
+        (rf"{api}/devices", DevicesHandler),
+        (rf"{api}/queue", QueueHandler),
+        (rf"{api}/leases", LeasesHandler),
+        (rf"{api}/leases/{_ID}", LeaseHandler),
+        (rf"{api}/leases/{_ID}/release", LeaseReleaseHandler),
+        (rf"{api}/leases/{_ID}/resize", LeaseResizeHandler),
+        (rf"{api}/leases/{_ID}/keepalive", LeaseKeepHandler),
+        (rf"{api}/leases/{_ID}/activity", LeaseActivityHandler),
+        (rf"{api}/leases/{_ID}/wait", LeaseWaitHandler),
+        (rf"{api}/activity", ActivityHandler),
+        (rf"{api}/heartbeat", HeartbeatHandler),
+        (rf"{api}/reconcile", ReconcileHandler),
+        (rf"{api}/tick", TickHandler),
+        (rf"{api}/kernels/{_KERNEL}", KernelStatusHandler),
+        (rf"{api}/kernels/{_KERNEL}/reserve", KernelReserveHandler),
+        (rf"{api}/kernels/{_KERNEL}/release", KernelReleaseHandler),
+        (rf"{api}/kernels/{_KERNEL}/keepalive", KernelKeepaliveHandler),
+        (rf"{api}/report", ReportHandler),
+        (rf"{api}/reservations", ReservationsHandler),
+        (rf"{api}/reservations/(?P<name>[^/]+)", ReservationHandler),
+        (rf"{api}/preferences", PreferencesHandler),
+        (rf"{api}/events", EventsHandler),
+        (prefix.rstrip("/") + "/metrics", MetricsHandler),
+    ]
+
+
+__all__ = ["BrokerHandler", "MAX_WAIT", "lease_json", "parse_activity", "parse_priority", "routes"]
