@@ -22,7 +22,13 @@ from .kernel.client import DEFAULT_KEEP, PoolClient
 from .kernel.status import KernelStatus
 from .units import format_duration, parse_duration
 
-_STATE_COLORS = {"granted": "#2e7d32", "queued": "#ef6c00", "suspended": "#6a1b9a", "released": "#757575", "none": "#757575"}
+_STATE_COLORS = {
+    "granted": "#2e7d32",
+    "queued": "#ef6c00",
+    "suspended": "#6a1b9a",
+    "released": "#757575",
+    "none": "#757575",
+}
 
 
 class PoolStatus(widgets.VBox):
@@ -97,7 +103,7 @@ class PoolStatus(widgets.VBox):
             except GpuPoolError as err:
                 self.message.value = _error_html(str(err))
                 return
-            except Exception as err:  # a broken refresh must not kill the thread
+            except Exception as err:  # noqa: BLE001 -- a broken refresh must not kill the thread
                 self.message.value = _error_html(f"cannot read the pool: {err}")
                 return
             self.last_status = status
@@ -111,7 +117,7 @@ class PoolStatus(widgets.VBox):
         )
         self.share.value = html.escape(status.share_text())
         fraction = status.usage_fraction()
-        percent = 0 if fraction is None else int(round(100 * fraction))
+        percent = 0 if fraction is None else round(100 * fraction)
         self.usage_bar.value = max(0, min(100, percent))
         self.usage_bar.bar_style = (
             "" if fraction is None else "danger" if fraction > 1.0 else "warning" if fraction > 0.85 else "success"
@@ -120,7 +126,9 @@ class PoolStatus(widgets.VBox):
         lease = status.lease
         queued = lease is not None and lease.state is LeaseState.QUEUED
         self.queue.value = html.escape(f"queue: {status.queue_text()}") if queued else ""
-        self.idle.value = html.escape(f"idle: {status.idle_text()}") if lease and lease.state is LeaseState.GRANTED else ""
+        self.idle.value = (
+            html.escape(f"idle: {status.idle_text()}") if lease and lease.state is LeaseState.GRANTED else ""
+        )
         self.keep_button.disabled = lease is None or lease.state is not LeaseState.GRANTED
         self.keep_button.button_style = "warning" if lease is not None and lease.reclaim_at is not None else ""
 

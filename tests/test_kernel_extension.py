@@ -117,7 +117,9 @@ class Result:
         return str(self.reply["content"]["status"])
 
     def stream(self, name: str) -> str:
-        return "".join(m["content"]["text"] for m in self.messages if m["msg_type"] == "stream" and m["content"]["name"] == name)
+        return "".join(
+            m["content"]["text"] for m in self.messages if m["msg_type"] == "stream" and m["content"]["name"] == name
+        )
 
     @property
     def stdout(self) -> str:
@@ -134,7 +136,8 @@ class Result:
         return [
             m["content"]["data"][mime]
             for m in self.messages
-            if m["msg_type"] in ("display_data", "update_display_data", "execute_result") and mime in m["content"]["data"]
+            if m["msg_type"] in ("display_data", "update_display_data", "execute_result")
+            and mime in m["content"]["data"]
         ]
 
     def plain(self) -> str:
@@ -487,7 +490,9 @@ def test_extension_loads_in_a_real_kernel_and_reports_the_granted_slice(pool_env
     assert "<table>" in html and "4 GiB on GPU 0" in html
     # Loading the extension did not open the pool before it was needed, nor import any framework.
     fresh = kernel_factory(pool_env.kernel_env())
-    modules = fresh.run("import sys; sorted(m for m in ('torch', 'tensorflow', 'jupyter_gpupool.pool') if m in sys.modules)")
+    modules = fresh.run(
+        "import sys; sorted(m for m in ('torch', 'tensorflow', 'jupyter_gpupool.pool') if m in sys.modules)"
+    )
     assert modules.value() == []
 
 
@@ -514,7 +519,9 @@ def test_fake_torch_and_tensorflow_are_capped_on_import_and_oom_gets_the_hint(
     assert "PyTorch: caching allocator capped at 4 GiB per GPU" in status
     assert "TensorFlow: memory_limit 4096 MiB on 1 GPU(s)" in status
 
-    oom = kernel.run("raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 6.00 GiB')", allow_error=True)
+    oom = kernel.run(
+        "raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 6.00 GiB')", allow_error=True
+    )
     assert oom.status == "error"
     text = oom.error_text()
     assert "OutOfMemoryError" in text and "Tried to allocate 6.00 GiB" in text
@@ -543,13 +550,18 @@ def test_unload_removes_magic_hook_and_oom_hint(pool_env: PoolEnv, kernel_factor
     kernel.run("%unload_ext jupyter_gpupool.kernel")
     gone = kernel.run("%gpupool status", allow_error=True)
     assert gone.status == "error" and "gpupool" in gone.all_text()
-    result = kernel.run("import sys; [type(f).__name__ for f in sys.meta_path if type(f).__name__ == 'PostImportFinder']")
+    result = kernel.run(
+        "import sys; [type(f).__name__ for f in sys.meta_path if type(f).__name__ == 'PostImportFinder']"
+    )
     assert result.value() == []
     oom = kernel.run("raise torch.cuda.OutOfMemoryError('CUDA out of memory')", allow_error=True)
     assert "GPU slice" not in oom.error_text()
 
 
-@pytest.mark.skipif(subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0, reason="torch not installed")
+@pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, check=False).returncode != 0,
+    reason="torch not installed",
+)
 def test_real_torch_without_cuda_is_left_alone(pool_env: PoolEnv, kernel_factory: Any) -> None:
     kernel = kernel_factory(pool_env.kernel_env())
     result = kernel.run("import torch; float(torch.ones(3).sum())", timeout=120)

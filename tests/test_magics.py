@@ -15,7 +15,7 @@ from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.units import GIB, SIZE_FORMS
 
 try:
-    from test_kernel_extension import (  # noqa: F401
+    from test_kernel_extension import (
         PoolEnv,
         kernel_factory,
         make_pool_env,
@@ -61,7 +61,9 @@ def test_reserve_status_release_round_trip(pool_env: PoolEnv, kernel_factory: An
     assert lease.keep_until is not None and abs(lease.keep_until - (time.time() + 7200)) < 120
     assert "slice changed from 4 GiB to 8 GiB" in grown.plain()
     # The kernel re-capped PyTorch and updated the env its child processes get.
-    result = kernel.run("import os; (torch.cuda.calls[-1], os.environ['GPUPOOL_MEMORY_LIMIT'], os.environ['CUPY_GPU_MEMORY_LIMIT'])")
+    result = kernel.run(
+        "import os; (torch.cuda.calls[-1], os.environ['GPUPOOL_MEMORY_LIMIT'], os.environ['CUPY_GPU_MEMORY_LIMIT'])"
+    )
     assert result.value() == ((0.5, 0), str(8 * GIB), str(8 * GIB))
 
     shrunk = kernel.run("%gpupool reserve 25%")  # of the 16 GiB GPU
@@ -117,7 +119,9 @@ def test_state_changed_elsewhere_shows_in_status(pool_env: PoolEnv, kernel_facto
         ("reserve 64GiB", "64 GiB"),  # more than any GPU has: refused, saying what fits
     ],
 )
-def test_bad_input_is_one_line_without_traceback(pool_env: PoolEnv, kernel_factory: Any, line: str, expected: str) -> None:
+def test_bad_input_is_one_line_without_traceback(
+    pool_env: PoolEnv, kernel_factory: Any, line: str, expected: str
+) -> None:
     kernel = kernel_factory(pool_env.kernel_env())
     result = kernel.run(f"%gpupool {line}", allow_error=True)
     message = one_line_error(result)
@@ -142,10 +146,14 @@ def test_queue_and_wait_until_granted(tmp_path: Any, kernel_factory: Any) -> Non
     pool = penv.pool
     blocker = penv.lease_id
     queued = pool.request(
-        LeaseRequest(owner="alice", memory=4 * GIB, kernel_id="k-alice", holder_pid=os.getpid(), holder_host=socket.gethostname())
+        LeaseRequest(
+            owner="alice", memory=4 * GIB, kernel_id="k-alice", holder_pid=os.getpid(), holder_host=socket.gethostname()
+        )
     )
     assert queued.state is LeaseState.QUEUED
-    behind = pool.request(LeaseRequest(owner="carol", memory=8 * GIB, holder_pid=os.getpid(), holder_host=socket.gethostname()))
+    behind = pool.request(
+        LeaseRequest(owner="carol", memory=8 * GIB, holder_pid=os.getpid(), holder_host=socket.gethostname())
+    )
     assert behind.state is LeaseState.QUEUED
     penv.lease_id, penv.kernel_id = queued.id, "k-alice"
     kernel = kernel_factory(penv.kernel_env())
@@ -201,8 +209,17 @@ def test_kernel_without_a_lease_says_so_and_can_ask_for_one(pool_env: PoolEnv, k
 def test_terminal_ipython_prints_plain_text(pool_env: PoolEnv) -> None:
     script = "%gpupool status\n%gpupool reserve 12XB\n"
     proc = subprocess.run(
-        [sys.executable, "-m", "IPython", "--ext=jupyter_gpupool.kernel", "--no-banner", "--colors=nocolor", "--simple-prompt"],
+        [
+            sys.executable,
+            "-m",
+            "IPython",
+            "--ext=jupyter_gpupool.kernel",
+            "--no-banner",
+            "--colors=nocolor",
+            "--simple-prompt",
+        ],
         input=script,
+        check=False,
         env=pool_env.kernel_env(),
         capture_output=True,
         text=True,

@@ -18,7 +18,7 @@ from jupyter_gpupool.units import GIB
 from jupyter_gpupool.widget import PoolStatus
 
 try:
-    from test_kernel_extension import PoolEnv, kernel_factory, make_pool_env, pool_env  # noqa: F401
+    from test_kernel_extension import PoolEnv, kernel_factory, make_pool_env, pool_env
 except ImportError:  # tests as a package
     from tests.test_kernel_extension import PoolEnv, kernel_factory, make_pool_env, pool_env  # noqa: F401
 
@@ -54,7 +54,9 @@ def test_granted_slice_shows_share_usage_idle_and_keep(pool_env: PoolEnv) -> Non
 def test_queued_slice_shows_position_and_disables_keep(tmp_path: Path) -> None:
     penv = make_pool_env(tmp_path, memory=14 * GIB, owner="bob")
     queued = penv.pool.request(
-        LeaseRequest(owner="alice", memory=4 * GIB, kernel_id="k-a", holder_pid=os.getpid(), holder_host=socket.gethostname())
+        LeaseRequest(
+            owner="alice", memory=4 * GIB, kernel_id="k-a", holder_pid=os.getpid(), holder_host=socket.gethostname()
+        )
     )
     assert queued.state is LeaseState.QUEUED
     penv.lease_id, penv.kernel_id = queued.id, "k-a"

@@ -59,4 +59,4 @@ def unload_ipython_extension(ipython: Any) -> None:
     line_magics.pop("gpupool", None)
 
 
-__all__ = ["load_ipython_extension", "unload_ipython_extension", "get_caps", "get_client", "FrameworkCaps"]
+__all__ = ["FrameworkCaps", "get_caps", "get_client", "load_ipython_extension", "unload_ipython_extension"]

@@ -23,6 +23,7 @@ Nothing here may break an import or a cell: failures are recorded and shown by
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -32,7 +33,7 @@ import threading
 import types
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..units import MIB, format_size
 
@@ -149,7 +150,7 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
 def _safe_call(callback: ImportCallback, module: types.ModuleType) -> None:
     try:
         callback(module)
-    except Exception as err:  # a cap must never break the user's import
+    except Exception as err:  # noqa: BLE001 -- a cap must never break the user's import
         print(f"gpupool: could not apply the GPU memory cap for {module.__name__}: {err}", file=sys.stderr)
 
 
@@ -161,8 +162,8 @@ def _safe_call(callback: ImportCallback, module: types.ModuleType) -> None:
 class FrameworkCaps:
     """Caps PyTorch, TensorFlow and CuPy at this kernel's slice (``GPUPOOL_MEMORY_LIMIT`` bytes per GPU)."""
 
-    FRAMEWORKS = ("torch", "tensorflow", "cupy", "jax")
-    LABELS = {"torch": "PyTorch", "tensorflow": "TensorFlow", "cupy": "CuPy", "jax": "JAX"}
+    FRAMEWORKS: ClassVar[tuple[str, ...]] = ("torch", "tensorflow", "cupy", "jax")
+    LABELS: ClassVar[dict[str, str]] = {"torch": "PyTorch", "tensorflow": "TensorFlow", "cupy": "CuPy", "jax": "JAX"}
 
     def __init__(self, limit: int | None, env: MutableMapping[str, str] | None = None) -> None:
         self.limit = limit
@@ -258,7 +259,7 @@ class FrameworkCaps:
                     f"caching allocator capped at {format_size(limit)} per GPU ({', '.join(fractions)});"
                     " checked per allocation, memory outside the allocator is not counted",
                 )
-            except Exception as err:  # never break CUDA initialization
+            except Exception as err:  # noqa: BLE001 -- never break CUDA initialization
                 self._record("torch", FAILED, f"could not cap: {err}")
 
         lazy_call = getattr(cuda, "_lazy_call", None)
@@ -287,7 +288,9 @@ class FrameworkCaps:
         megabytes = max(1, limit // MIB)
         try:
             for gpu in gpus:
-                config.set_logical_device_configuration(gpu, [config.LogicalDeviceConfiguration(memory_limit=megabytes)])
+                config.set_logical_device_configuration(
+                    gpu, [config.LogicalDeviceConfiguration(memory_limit=megabytes)]
+                )
         except RuntimeError as err:
             self._record("tensorflow", TOO_LATE, f"GPUs already initialized, not capped ({err}); restart the kernel")
             return
@@ -305,14 +308,16 @@ class FrameworkCaps:
             self._record("cupy", NOT_NEEDED, "no slice: not capped")
             return
         if not resized and self.env.get("CUPY_GPU_MEMORY_LIMIT"):
-            self._record("cupy", ENV, f"memory pool capped by CUPY_GPU_MEMORY_LIMIT={self.env['CUPY_GPU_MEMORY_LIMIT']}")
+            self._record(
+                "cupy", ENV, f"memory pool capped by CUPY_GPU_MEMORY_LIMIT={self.env['CUPY_GPU_MEMORY_LIMIT']}"
+            )
             return
         try:
             pool = cupy.get_default_memory_pool()
             for index in range(cupy.cuda.runtime.getDeviceCount()):
                 with cupy.cuda.Device(index):
                     pool.set_limit(size=limit)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 -- never break the user's CuPy
             self._record("cupy", FAILED, f"could not cap: {err}")
             return
         self._record("cupy", APPLIED, f"memory pool capped at {format_size(limit)} per GPU")
@@ -322,7 +327,9 @@ class FrameworkCaps:
         self.oom.add_type(getattr(errors, "JaxRuntimeError", None), needs="RESOURCE_EXHAUSTED")
         fraction = self.env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
         if fraction:
-            self._record("jax", ENV, f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} (read when JAX starts its GPU backend)")
+            self._record(
+                "jax", ENV, f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} (read when JAX starts its GPU backend)"
+            )
         else:
             self._record("jax", NOT_NEEDED, "no XLA_PYTHON_CLIENT_MEM_FRACTION set: not capped")
 
@@ -346,19 +353,15 @@ class FrameworkCaps:
         known = False
         torch = sys.modules.get("torch")
         cuda = getattr(torch, "cuda", None)
-        try:
+        with contextlib.suppress(Exception):  # a broken driver must not break %gpupool status
             if cuda is not None and cuda.is_available() and cuda.is_initialized():
                 total += sum(int(cuda.memory_reserved(i)) for i in range(cuda.device_count()))
                 known = True
-        except Exception:
-            pass
         cupy = sys.modules.get("cupy")
-        try:
+        with contextlib.suppress(Exception):
             if cupy is not None and cupy.is_available():
                 total += int(cupy.get_default_memory_pool().total_bytes())
                 known = True
-        except Exception:
-            pass
         return total if known else None
 
 
@@ -392,7 +395,10 @@ class OomHint:
         shell, self.shell = self.shell, None
         if shell is None:
             return
-        if getattr(shell, "CustomTB", None) is not None and getattr(shell.CustomTB, "__func__", None) is self._handler_func():
+        if (
+            getattr(shell, "CustomTB", None) is not None
+            and getattr(shell.CustomTB, "__func__", None) is self._handler_func()
+        ):
             if self._previous is not None and self._previous[0]:
                 shell.custom_exceptions, shell.CustomTB = self._previous
             else:

@@ -23,13 +23,15 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-from ..core.models import Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, QueueInfo
+from ..core.models import Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, PriorityClass, QueueInfo
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from ..units import parse_duration, parse_size
 from .status import KernelStatus
 
 UpdateCallback = Callable[[Lease, "QueueInfo | None"], None]
-NO_LEASE = "this kernel has no GPU slice (it was not started through the GPU pool); ask for one with %gpupool reserve SIZE"
+NO_LEASE = (
+    "this kernel has no GPU slice (it was not started through the GPU pool); ask for one with %gpupool reserve SIZE"
+)
 
 
 class PoolClient(abc.ABC):
@@ -80,7 +82,7 @@ def _owner_from_env(env: Mapping[str, str]) -> str:
             return env[name]
     try:
         return getpass.getuser()
-    except Exception:  # no passwd entry in some containers
+    except (KeyError, OSError):  # no passwd entry in some containers
         return str(os.getuid())
 
 
@@ -240,7 +242,7 @@ class InProcessPoolClient(PoolClient):
             groups=tuple(old.groups) if old else (),
             kernel_id=(old.kernel_id if old else None) or self._kernel_id,
             num_gpus=num_gpus or (old.num_gpus if old else 1),
-            priority=old.priority if old else LeaseRequest.__dataclass_fields__["priority"].default,
+            priority=old.priority if old else PriorityClass.NORMAL,
             duration=seconds,
             holder_pid=os.getpid(),
             holder_host=socket.gethostname(),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
+import sys
 import time
 from typing import Any
 
@@ -16,7 +18,8 @@ from ..units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size
 from .client import DEFAULT_KEEP, PoolClient
 from .status import QueueReport, Report, status_report
 
-DESCRIPTION = """\
+DESCRIPTION = (
+    """\
 See and manage this kernel's slice of the GPU pool.
 
   %gpupool status                      this kernel's slice, usage, queue position, idle time
@@ -29,8 +32,13 @@ See and manage this kernel's slice of the GPU pool.
   %gpupool wait [--timeout 10m]        block until the slice is granted, showing the queue position
   %gpupool help                        this text
 
-Sizes: """ + SIZE_FORMS + """.
-Durations: """ + DURATION_FORMS + "."
+Sizes: """
+    + SIZE_FORMS
+    + """.
+Durations: """
+    + DURATION_FORMS
+    + "."
+)
 
 
 class MagicError(Exception):
@@ -246,17 +254,11 @@ class GpuPoolMagics(Magics):
 
 def _free_framework_caches() -> None:
     """After a release, hand cached blocks back to the driver so the memory really frees."""
-    import sys
-
     torch = sys.modules.get("torch")
-    try:
+    with contextlib.suppress(Exception):  # best effort: the release itself already happened
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-    except Exception:
-        pass
     cupy = sys.modules.get("cupy")
-    try:
+    with contextlib.suppress(Exception):
         if cupy is not None and cupy.is_available():
             cupy.get_default_memory_pool().free_all_blocks()
-    except Exception:
-        pass

@@ -181,7 +181,11 @@ class QueueReport:
             leased = dev.get("memory_leased") or 0
             health = "" if dev.get("healthy", True) else " (unhealthy)"
             rows.append(
-                [f"GPU {dev.get('index')}", str(dev.get("name", "")) + health, f"{format_size(leased)} of {format_size(total)} leased"]
+                [
+                    f"GPU {dev.get('index')}",
+                    str(dev.get("name", "")) + health,
+                    f"{format_size(leased)} of {format_size(total)} leased",
+                ]
             )
         return rows
 
@@ -195,17 +199,29 @@ class QueueReport:
             waited = format_duration(self.snapshot.now - since) if isinstance(since, (int, float)) else "?"
             gpus = int(item.get("num_gpus") or 1)
             size = format_size(item.get("memory"))
-            rows.append([str(item.get("queue_position") or position), f"{gpus} × {size}" if gpus > 1 else size, who, waited + mine])
+            rows.append(
+                [
+                    str(item.get("queue_position") or position),
+                    f"{gpus} × {size}" if gpus > 1 else size,
+                    who,
+                    waited + mine,
+                ]
+            )
         return rows
 
     def _repr_html_(self) -> str:
         def table(head: list[str], rows: list[list[str]]) -> str:
             th = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in head)
-            trs = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+            trs = "".join(
+                "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in r) + "</tr>"
+                for r in rows
+            )
             return f"<table><tr>{th}</tr>{trs}</table>"
 
         queue = (
-            table(["#", "memory", "owner", "waiting"], self.queue_rows()) if self.snapshot.queue else "<div>the queue is empty</div>"
+            table(["#", "memory", "owner", "waiting"], self.queue_rows())
+            if self.snapshot.queue
+            else "<div>the queue is empty</div>"
         )
         return (
             "<div class='gpupool-queue'><b>gpupool: GPUs</b>"
