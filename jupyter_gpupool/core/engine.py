@@ -261,7 +261,7 @@ class Engine:
         """(bytes held, number of live non-queued leases) for an owner or a group."""
         memory = count = 0
         for lease in state.leases.values():
-            if lease.state is LeaseState.QUEUED:
+            if lease.state in (LeaseState.QUEUED, LeaseState.RELEASED):
                 continue
             if (owner is not None and lease.owner == owner) or (group is not None and group in lease.groups):
                 memory += lease.memory * lease.num_gpus if lease.state in HELD_STATES else 0

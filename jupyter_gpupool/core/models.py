@@ -95,7 +95,7 @@ class LeaseRequest:
     num_gpus: int = 1
     compute_share: int | None = None  # percent of SMs, for MPS/HAMi
     model: str | None = None  # GPU model constraint, e.g. "A100"
-    priority: PriorityClass = PriorityClass.NORMAL
+    priority: PriorityClass | None = None  # None: the class the admin set for the user/group
     duration: float | None = None  # seconds the holder expects to need it
     holder_pid: int | None = None  # process that holds the lease (reconciled if it dies)
     holder_host: str | None = None

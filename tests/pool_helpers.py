@@ -1,0 +1,24 @@
+"""Small builders shared by the engine tests (not fixtures, so any test file can import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_gpupool.core.models import LeaseRequest, PriorityClass
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.units import GIB
+
+T0 = 1_800_000_000.0  # a fixed "now" so tests never depend on the wall clock
+
+
+def make_pool(tmp_path: Any, spec: str = "1x16GiB", name: str = "pool.sqlite", **policy: Any) -> Pool:
+    policy.setdefault("heartbeat_ttl", 10**9)  # tests drive time by hand; heartbeats are tested on their own
+    return Pool(SimulatedBackend.from_spec(spec), str(tmp_path / name), PoolPolicy(**policy), clock=lambda: T0)
+
+
+def req(owner: str = "alice", gib: float = 8, **kw: Any) -> LeaseRequest:
+    if "priority" in kw and isinstance(kw["priority"], str):
+        kw["priority"] = PriorityClass(kw["priority"])
+    return LeaseRequest(owner=owner, memory=int(gib * GIB), **kw)

@@ -1,0 +1,374 @@
+"""The engine's behaviour through the Pool facade on a real SQLite file, with explicit time."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from pool_helpers import T0, make_pool, req
+
+from jupyter_gpupool.core.models import Activity, DecisionKind, LeaseState
+from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
+from jupyter_gpupool.units import GIB
+
+
+def decided(pool, kind: DecisionKind) -> list[str]:
+    """Lease ids of every recorded decision of ``kind`` (decisions can come from any call)."""
+    return [e["lease_id"] for e in pool.events() if e["kind"] == kind.value]
+
+
+def test_grant_then_queue_then_grant_on_release(tmp_path):
+    pool = make_pool(tmp_path)
+    a = pool.request(req("alice"), now=T0)
+    b = pool.request(req("bob"), now=T0 + 1)
+    c = pool.request(req("carol"), now=T0 + 2)
+    assert (a.state, b.state, c.state) == (LeaseState.GRANTED, LeaseState.GRANTED, LeaseState.QUEUED)
+    info = pool.queue_info(c.id, now=T0 + 3)
+    assert (info.position, info.length) == (1, 1)
+    assert info.estimated_wait is None  # no durations, no history: we say "unknown"
+    pool.release(a.id, now=T0 + 10)
+    assert pool.get(c.id).state is LeaseState.GRANTED
+    assert pool.get(a.id).release_reason == "released by user"
+
+
+def test_estimated_wait_comes_from_expected_ends(tmp_path):
+    pool = make_pool(tmp_path)
+    pool.request(req("alice", duration=3600), now=T0)
+    pool.request(req("bob", duration=600), now=T0)
+    waiting = pool.request(req("carol"), now=T0 + 60)
+    info = pool.queue_info(waiting.id, now=T0 + 60)
+    assert info.estimated_wait == pytest.approx(540)
+
+
+def test_requests_that_can_never_fit_are_refused_with_what_fits(tmp_path):
+    pool = make_pool(tmp_path, spec="2xA100-80GB,1xT4-16GB")
+    with pytest.raises(RequestRefused, match="ask for at most 80 GiB"):
+        pool.request(req(gib=90), now=T0)
+    with pytest.raises(RequestRefused, match="no GPU of model 'H100'.*A100-80GB"):
+        pool.request(req(gib=8, model="H100"), now=T0)
+    with pytest.raises(RequestRefused, match="ask for at most 16 GiB"):
+        pool.request(req(gib=20, model="T4"), now=T0)
+    with pytest.raises(RequestRefused, match="ask for at most 3"):
+        pool.request(req(gib=1, num_gpus=4), now=T0)
+    assert pool.leases() == []  # nothing changed
+
+
+def test_hard_quota_refuses_at_once_and_soft_limits_queue(tmp_path):
+    pool = make_pool(tmp_path, spec="1x80GiB", user_quotas={"alice": {"maximum": "16GiB", "max_leases": 1}})
+    with pytest.raises(RequestRefused, match="maximum quota is 16 GiB"):
+        pool.request(req("alice", gib=20), now=T0)
+    first = pool.request(req("alice", gib=8), now=T0)
+    second = pool.request(req("alice", gib=8), now=T0)
+    assert first.state is LeaseState.GRANTED
+    assert second.state is LeaseState.QUEUED  # the lease-count limit holds it although memory is free
+    assert "lease limit" in pool.queue_info(second.id, now=T0).reason
+    pool.release(first.id, now=T0 + 5)
+    assert pool.get(second.id).state is LeaseState.GRANTED
+
+
+def test_group_quota_limits_the_group_together(tmp_path):
+    pool = make_pool(tmp_path, spec="1x80GiB", group_quotas={"cs101": {"maximum": "16GiB"}})
+    a = pool.request(req("s1", gib=8, groups=("cs101",)), now=T0)
+    b = pool.request(req("s2", gib=8, groups=("cs101",)), now=T0)
+    c = pool.request(req("s3", gib=8, groups=("cs101",)), now=T0)
+    other = pool.request(req("prof", gib=8), now=T0)
+    assert [x.state for x in (a, b, c, other)] == [LeaseState.GRANTED, LeaseState.GRANTED, LeaseState.QUEUED, LeaseState.GRANTED]
+    assert "group cs101's quota" in pool.queue_info(c.id, now=T0).reason
+
+
+def test_queue_order_priority_then_fair_share_then_arrival(tmp_path):
+    pool = make_pool(tmp_path, spec="1x8GiB", aging_interval=0, preemption=False, user_priorities={"prof": "high"})
+    heavy_past = pool.request(req("heavy", gib=8), now=T0)
+    pool.release(heavy_past.id, now=T0 + 7200)  # heavy held 8 GiB for 2 h: 16 GiB·h of history
+    pool.request(req("x", gib=8), now=T0 + 7200)  # fills the GPU
+    batch = pool.request(req("grader", gib=4, priority="batch"), now=T0 + 7200)
+    heavy = pool.request(req("heavy", gib=4), now=T0 + 7201)
+    light = pool.request(req("light", gib=4), now=T0 + 7202)
+    light2 = pool.request(req("light2", gib=4), now=T0 + 7203)
+    prof = pool.request(req("prof", gib=4), now=T0 + 7204)
+    order = [lease.id for lease in pool.queue(now=T0 + 7205)]
+    # high class first; then fair share (no history before heavy); then arrival; batch last
+    assert order == [prof.id, light.id, light2.id, heavy.id, batch.id]
+
+
+def test_users_cannot_raise_their_own_class(tmp_path):
+    pool = make_pool(tmp_path, group_priorities={"staff": "high", "graders": "batch"})
+    assert pool.request(req("student", gib=1, priority="high"), now=T0).priority.value == "normal"
+    assert pool.request(req("ta", gib=1, groups=("staff",), priority="high"), now=T0).priority.value == "high"
+    assert pool.request(req("nbgrader", gib=1, groups=("graders",)), now=T0).priority.value == "batch"
+
+
+def test_aging_lifts_a_batch_request_so_it_does_not_starve(tmp_path):
+    pool = make_pool(tmp_path, spec="1x8GiB", aging_interval=600, preemption=False)
+    pool.request(req("x", gib=8), now=T0)
+    batch = pool.request(req("grader", gib=8, priority="batch"), now=T0)
+    late = pool.request(req("alice", gib=8), now=T0 + 500)
+    assert [l.id for l in pool.queue(now=T0 + 550)] == [late.id, batch.id]
+    assert [l.id for l in pool.queue(now=T0 + 1300)] == [batch.id, late.id]  # waited 2 intervals: rank 0+2 > 1+1
+
+
+def test_backfill_lets_small_requests_pass_until_the_head_waited_too_long(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB", backfill_max_head_wait=600, preemption=False)
+    pool.request(req("a", gib=10), now=T0)
+    head = pool.request(req("b", gib=12), now=T0 + 1)
+    small = pool.request(req("c", gib=4), now=T0 + 2)
+    assert head.state is LeaseState.QUEUED and small.state is LeaseState.GRANTED
+    late_small = pool.request(req("d", gib=1), now=T0 + 700)
+    assert late_small.state is LeaseState.QUEUED  # the head has waited past the limit: no more backfill
+
+
+def test_preemption_of_a_lower_class_after_grace(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB", min_runtime=60, grace_period=30, group_priorities={"staff": "high"})
+    batch = pool.request(req("grader", gib=12, priority="batch"), now=T0)
+    young = pool.request(req("alice", gib=4), now=T0 + 50)
+    prof = pool.request(req("prof", gib=8, groups=("staff",)), now=T0 + 100)
+    assert prof.state is LeaseState.QUEUED
+    pool.tick(now=T0 + 101)
+    assert decided(pool, DecisionKind.PREEMPT_WARN) == [batch.id]  # lower class; alice is same class
+    assert pool.get(batch.id).reclaim_at == T0 + 100 + 30
+    assert pool.get(young.id).reclaim_at is None
+    pool.tick(now=T0 + 120)
+    assert pool.get(batch.id).state is LeaseState.GRANTED  # grace period still running
+    pool.tick(now=T0 + 140)
+    assert decided(pool, DecisionKind.PREEMPT) == [batch.id]
+    assert pool.get(batch.id).release_reason.startswith("preempted for a higher-priority request")
+    assert pool.get(prof.id).state is LeaseState.GRANTED
+
+
+def test_preemption_respects_minimum_runtime(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB", min_runtime=300, group_priorities={"staff": "high"})
+    batch = pool.request(req("grader", gib=16, priority="batch"), now=T0)
+    pool.request(req("prof", gib=8, groups=("staff",)), now=T0 + 10)
+    pool.tick(now=T0 + 20)
+    assert decided(pool, DecisionKind.PREEMPT_WARN) == []
+    pool.tick(now=T0 + 301)
+    assert decided(pool, DecisionKind.PREEMPT_WARN) == [batch.id]
+
+
+def test_guaranteed_quota_reclaims_from_users_over_their_guarantee(tmp_path):
+    pool = make_pool(
+        tmp_path,
+        spec="1x16GiB",
+        min_runtime=0,
+        grace_period=0,
+        default_quota={"guaranteed": "4GiB"},
+    )
+    busy_big = pool.request(req("hog", gib=8), now=T0)
+    idle_big = pool.request(req("hog", gib=8), now=T0 + 1)
+    pool.report_activity(busy_big.id, Activity(busy=True), now=T0 + 2)
+    small = pool.request(req("alice", gib=4), now=T0 + 3)
+    assert small.state is LeaseState.QUEUED
+    pool.tick(now=T0 + 4)
+    assert decided(pool, DecisionKind.PREEMPT_WARN) == [idle_big.id]  # idle first
+    pool.tick(now=T0 + 5)
+    assert pool.get(small.id).state is LeaseState.GRANTED
+    assert pool.get(busy_big.id).state is LeaseState.GRANTED
+
+
+def test_idle_reclaim_under_pressure_warns_then_reclaims_longest_idle(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB", idle_timeout=600, warning_period=60, preemption=False)
+    a = pool.request(req("a"), now=T0)
+    b = pool.request(req("b"), now=T0 + 100)
+    assert not pool.tick(now=T0 + 2000)  # idle but nobody waits: nothing happens
+    c = pool.request(req("c"), now=T0 + 2000)
+    pool.tick(now=T0 + 2001)
+    assert decided(pool, DecisionKind.WARN_IDLE) == [a.id]  # only as many as needed, longest idle first
+    assert pool.get(a.id).reclaim_at == T0 + 2000 + 60
+    pool.tick(now=T0 + 2100)
+    assert decided(pool, DecisionKind.RECLAIM_IDLE) == [a.id]
+    assert "idle for" in pool.get(a.id).release_reason and "waited" in pool.get(a.id).release_reason
+    assert pool.get(c.id).state is LeaseState.GRANTED
+    assert pool.get(b.id).state is LeaseState.GRANTED
+
+
+def test_activity_or_keep_cancels_an_idle_warning(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB", idle_timeout=600, warning_period=60, preemption=False)
+    a = pool.request(req("a", gib=16), now=T0)
+    pool.request(req("b", gib=8), now=T0 + 1000)
+    pool.tick(now=T0 + 1001)
+    assert pool.get(a.id).reclaim_at is not None
+    pool.report_activity(a.id, Activity(busy=True), now=T0 + 1010)
+    pool.tick(now=T0 + 1011)
+    assert pool.get(a.id).reclaim_at is None
+    pool.report_activity(a.id, Activity(busy=False, last_activity=T0 + 1011), now=T0 + 1012)
+    pool.tick(now=T0 + 1700)
+    assert pool.get(a.id).reclaim_at is not None
+    pool.keep(a.id, 3600, now=T0 + 1710)
+    pool.tick(now=T0 + 1800)
+    assert pool.get(a.id).state is LeaseState.GRANTED and pool.get(a.id).reclaim_at is None
+    with pytest.raises(InvalidInput, match="at most 8 h"):
+        pool.keep(a.id, 9 * 3600, now=T0 + 1800)
+
+
+def test_idle_policy_always_and_never(tmp_path):
+    always = make_pool(tmp_path, name="always.sqlite", idle_policy="always", idle_timeout=60, warning_period=10)
+    lease = always.request(req(), now=T0)
+    always.tick(now=T0 + 61)
+    always.tick(now=T0 + 72)
+    assert always.get(lease.id).state is LeaseState.RELEASED
+    never = make_pool(tmp_path, name="never.sqlite", spec="1x8GiB", idle_policy="never", idle_timeout=60, preemption=False)
+    lease = never.request(req(), now=T0)
+    never.request(req("b"), now=T0)
+    for t in (100, 200, 10_000):
+        never.tick(now=T0 + t)
+    assert never.get(lease.id).state is LeaseState.GRANTED
+
+
+def test_reservations_hold_capacity_for_their_group_only_in_the_window(tmp_path):
+    start = dt.datetime.fromtimestamp(T0).replace(hour=9, minute=0)
+    tuesday = start + dt.timedelta(days=(1 - start.weekday()) % 7)
+    pool = make_pool(
+        tmp_path,
+        spec="1x48GiB",
+        preemption=False,
+        reservations=[{"name": "lab", "groups": ["cs101"], "memory": "40GiB", "weekdays": ["tue"], "start": "09:00", "end": "11:00"}],
+    )
+    in_window = tuesday.timestamp() + 600
+    outsider = pool.request(req("outsider", gib=16), now=in_window)
+    assert outsider.state is LeaseState.QUEUED  # only 8 GiB are not reserved
+    student = pool.request(req("s1", gib=16, groups=("cs101",)), now=in_window)
+    assert student.state is LeaseState.GRANTED
+    pool.tick(now=tuesday.timestamp() + 2 * 3600 + 1)  # 11:00: the window closed
+    assert pool.get(outsider.id).state is LeaseState.GRANTED
+
+
+def test_booked_one_off_reservation(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB", preemption=False)
+    pool.book_reservation({"name": "exam", "users": ["prof"], "memory": "12GiB", "start": T0, "duration": "1h"}, now=T0)
+    assert pool.request(req("bob", gib=8), now=T0 + 1).state is LeaseState.QUEUED
+    assert pool.request(req("prof", gib=8), now=T0 + 2).state is LeaseState.GRANTED
+    pool.cancel_reservation("exam")
+    with pytest.raises(LeaseNotFound):
+        pool.cancel_reservation("exam")
+    with pytest.raises(InvalidInput, match="needs 'end' or 'duration'"):
+        pool.book_reservation({"name": "x", "users": ["a"], "memory": "1GiB"}, now=T0)
+
+
+def test_overcommit_factor(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB", overcommit=1.5)
+    leases = [pool.request(req(f"u{i}"), now=T0) for i in range(4)]
+    assert [l.state for l in leases] == [LeaseState.GRANTED] * 3 + [LeaseState.QUEUED]
+
+
+def test_unhealthy_gpu_gets_no_grants_and_flags_leases(tmp_path):
+    pool = make_pool(tmp_path, spec="2x16GiB", preemption=False)
+    first = pool.request(req("a", gib=12), now=T0)
+    lost = first.devices[0]
+    pool.backend.set_health(lost, False, "GPU is lost (NVML_ERROR_GPU_IS_LOST)")
+    pool._devices = None
+    pool.tick(now=T0 + 1)
+    assert pool.get(first.id).flagged == "GPU is lost (NVML_ERROR_GPU_IS_LOST)"
+    second = pool.request(req("b", gib=12), now=T0 + 2)
+    assert second.state is LeaseState.GRANTED and second.devices[0] != lost
+    third = pool.request(req("c", gib=12), now=T0 + 3)
+    assert third.state is LeaseState.QUEUED
+
+
+def test_multi_gpu_prefers_nvlink_peers(tmp_path):
+    pool = make_pool(tmp_path, spec="2xA100-80GB,2xRTX3090-24GB")
+    devices = {d.uuid: d for d in pool.devices()}
+    lease = pool.request(req(gib=20, num_gpus=2), now=T0)
+    a, b = (devices[u] for u in lease.devices)
+    assert b.uuid in a.nvlink_peers
+
+
+def test_resize_shrinks_and_grows_within_room(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB")
+    a = pool.request(req("a", gib=8), now=T0)
+    pool.request(req("b", gib=4), now=T0)
+    assert pool.resize(a.id, memory=10 * GIB, now=T0 + 1).memory == 10 * GIB
+    with pytest.raises(RequestRefused, match="ask for at most 12 GiB"):
+        pool.resize(a.id, memory=13 * GIB, now=T0 + 2)
+    assert pool.resize(a.id, memory=2 * GIB, now=T0 + 3).memory == 2 * GIB
+
+
+def test_heartbeat_ttl_and_dead_holder_release(tmp_path):
+    import subprocess
+    import sys
+
+    pool = make_pool(tmp_path, heartbeat_ttl=60)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    from jupyter_gpupool.pool import HOSTNAME
+
+    held = pool.request(req("a", holder_pid=proc.pid, holder_host=HOSTNAME), now=T0)
+    silent = pool.request(req("b"), now=T0)
+    pool.heartbeat([held.id], now=T0 + 50)
+    pool.tick(now=T0 + 70)
+    assert pool.get(silent.id).state is LeaseState.RELEASED
+    assert "no heartbeat" in pool.get(silent.id).release_reason
+    assert pool.get(held.id).state is LeaseState.GRANTED
+    proc.kill()
+    proc.wait()
+    pool.tick(now=T0 + 80)
+    assert pool.get(held.id).state is LeaseState.RELEASED
+    assert f"holder process {proc.pid} exited" in pool.get(held.id).release_reason
+
+
+def test_booked_lease_without_holder_lasts_its_duration(tmp_path):
+    pool = make_pool(tmp_path, heartbeat_ttl=60)
+    lease = pool.request(req(duration=3600), now=T0)
+    pool.tick(now=T0 + 3000)
+    assert pool.get(lease.id).state is LeaseState.GRANTED
+    pool.tick(now=T0 + 3601)
+    assert "its time (1 h) is over" in pool.get(lease.id).release_reason
+
+
+def test_metering_by_user_group_kernel(tmp_path):
+    pool = make_pool(tmp_path, spec="1x80GiB")
+    a = pool.request(req("alice", gib=8, groups=("cs101",), kernel_id="k1"), now=T0)
+    b = pool.request(req("bob", gib=4, kernel_id="k2"), now=T0)
+    pool.report_activity(a.id, Activity(busy=True), now=T0)
+    pool.report_activity(a.id, Activity(busy=False), now=T0 + 1800)  # busy for half an hour
+    pool.release(a.id, now=T0 + 3600)
+    by_user = {r["user"]: r for r in pool.report(by="user", now=T0 + 7200)}
+    assert by_user["alice"]["gib_hours_held"] == pytest.approx(8.0)
+    assert by_user["alice"]["gib_hours_active"] == pytest.approx(4.0)
+    assert by_user["bob"]["gib_hours_held"] == pytest.approx(8.0)  # still open: 4 GiB for 2 h
+    by_group = {r["group"]: r for r in pool.report(by="group", now=T0 + 7200)}
+    assert set(by_group) == {"cs101", "(no group)"}
+    since = {r["user"]: r for r in pool.report(since=T0 + 1800, by="user", now=T0 + 7200)}
+    assert since["alice"]["gib_hours_held"] == pytest.approx(4.0)
+    assert {r["kernel"] for r in pool.report(by="kernel", now=T0 + 7200)} == {"k1", "k2"}
+    assert b.state is LeaseState.GRANTED
+    with pytest.raises(InvalidInput):
+        pool.report(by="colour")
+
+
+def test_snapshot_hides_other_users_unless_admin(tmp_path):
+    pool = make_pool(tmp_path)
+    pool.request(req("alice", kernel_id="k-alice"), now=T0)
+    pool.request(req("bob", kernel_id="k-bob"), now=T0)
+    view = pool.snapshot(viewer="alice", now=T0)
+    mine = [l for l in view.leases if l["mine"]]
+    others = [l for l in view.leases if not l["mine"]]
+    assert mine[0]["kernel_id"] == "k-alice"
+    assert others[0]["owner"] is None and others[0]["kernel_id"] is None and others[0]["id"] is None
+    admin = pool.snapshot(viewer="alice", admin=True, now=T0)
+    assert {l["owner"] for l in admin.leases} == {"alice", "bob"}
+    assert view.devices[0]["memory_leased"] == 16 * GIB
+
+
+def test_watchdog_usage_is_recorded_with_peak_and_over_limit(tmp_path):
+    pool = make_pool(tmp_path)
+    lease = pool.request(req(gib=4), now=T0)
+    assert pool.report_usage({lease.id: 3 * GIB}, now=T0 + 1) == []
+    decisions = pool.report_usage({lease.id: 5 * GIB}, now=T0 + 2)
+    assert [d.kind for d in decisions] == [DecisionKind.OVER_LIMIT]
+    pool.report_usage({lease.id: 1 * GIB}, now=T0 + 3)
+    stored = pool.get(lease.id)
+    assert (stored.used_memory, stored.peak_memory, stored.over_limit_since) == (1 * GIB, 5 * GIB, None)
+
+
+def test_policy_env_variables(monkeypatch, tmp_path):
+    from jupyter_gpupool.core.policy import PoolPolicy
+
+    policy = PoolPolicy.from_env({"GPUPOOL_DEFAULT_MEMORY": "8GiB", "GPUPOOL_IDLE_TIMEOUT": "10m", "GPUPOOL_IDLE_POLICY": "always"})
+    assert (policy.default_memory, policy.idle_timeout, policy.idle_policy) == ("8GiB", 600, "always")
+    with pytest.raises(InvalidInput, match="GPUPOOL_IDLE_TIMEOUT='-5m'"):
+        PoolPolicy.from_env({"GPUPOOL_IDLE_TIMEOUT": "-5m"})
+    with pytest.raises(InvalidInput, match="GPUPOOL_DEFAULT_MEMORY"):
+        PoolPolicy.from_env({"GPUPOOL_DEFAULT_MEMORY": "8XB"})
+    with pytest.raises(InvalidInput, match="unknown placement policy"):
+        PoolPolicy.from_env({"GPUPOOL_PLACEMENT": "random-ish"})
+    with pytest.raises(InvalidInput, match="guaranteed .* is above maximum"):
+        PoolPolicy(user_quotas={"a": {"guaranteed": "8GiB", "maximum": "4GiB"}}).validate_all()

@@ -1,0 +1,173 @@
+"""Random request/release/resize/activity/time sequences on random inventories keep the invariants."""
+
+from __future__ import annotations
+
+import sqlite3
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from pool_helpers import T0
+
+from jupyter_gpupool.core.engine import held_by_device
+from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.units import GIB
+
+USERS = ["ann", "ben", "cat", "dan"]
+MAX_WAIT_AFTER_FREE = 4  # scheduler passes within which a fitting head must be granted
+
+
+class PoolMachine(RuleBasedStateMachine):
+    @initialize(
+        sizes=st.lists(st.sampled_from([8, 16, 24, 40, 80]), min_size=1, max_size=4),
+        overcommit=st.sampled_from([1.0, 1.0, 1.5]),
+        idle_policy=st.sampled_from(["pressure", "always", "never"]),
+        placement=st.sampled_from(["best-fit", "fgd"]),
+        user_max=st.sampled_from([None, 24, 48]),
+    )
+    def setup(self, sizes, overcommit, idle_policy, placement, user_max):
+        spec = ",".join(f"1x{s}GiB" for s in sizes)
+        self.tmp = tempfile.TemporaryDirectory()
+        quotas = {"ann": {"maximum": f"{user_max}GiB", "max_leases": 3}} if user_max else {}
+        policy = PoolPolicy(
+            overcommit=overcommit,
+            idle_policy=idle_policy,
+            idle_timeout=300,
+            warning_period=60,
+            heartbeat_ttl=10**9,
+            placement=placement,
+            min_runtime=120,
+            grace_period=30,
+            aging_interval=600,
+            backfill_max_head_wait=900,
+            user_quotas=quotas,
+            group_priorities={"staff": "high"},
+        )
+        self.pool = Pool(SimulatedBackend.from_spec(spec), str(Path(self.tmp.name) / "p.sqlite"), policy, clock=lambda: T0)
+        self.now = T0
+        self.user_max = user_max
+        self.ids: list[str] = []
+
+    def teardown(self):
+        self.pool.close()
+        self.tmp.cleanup()
+
+    @rule(
+        user=st.sampled_from(USERS),
+        gib=st.sampled_from([1, 2, 4, 8, 12, 20, 40, 100]),
+        gpus=st.sampled_from([1, 1, 1, 2]),
+        priority=st.sampled_from([None, PriorityClass.BATCH]),
+        staff=st.booleans(),
+    )
+    def request(self, user, gib, gpus, priority, staff):
+        try:
+            lease = self.pool.request(
+                LeaseRequest(owner=user, memory=gib * GIB, num_gpus=gpus, priority=priority, groups=("staff",) if staff else ()),
+                now=self.now,
+            )
+        except RequestRefused:
+            return
+        self.ids.append(lease.id)
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def release(self, data):
+        self.pool.release(data.draw(st.sampled_from(self.ids)), now=self.now)
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), gib=st.sampled_from([1, 4, 16, 64]))
+    def resize(self, data, gib):
+        lease_id = data.draw(st.sampled_from(self.ids))
+        if self.pool.get(lease_id).state is LeaseState.RELEASED:
+            return
+        try:
+            self.pool.resize(lease_id, memory=gib * GIB, now=self.now)
+        except (RequestRefused, InvalidInput):
+            pass
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), busy=st.booleans())
+    def activity(self, data, busy):
+        self.pool.report_activity(data.draw(st.sampled_from(self.ids)), Activity(busy=busy), now=self.now)
+
+    @rule(seconds=st.sampled_from([1, 30, 200, 700, 3600]))
+    def advance(self, seconds):
+        self.now += seconds
+        self.pool.tick(now=self.now)
+
+    @invariant()
+    def no_device_overcommitted_and_no_double_grant(self):
+        if not hasattr(self, "pool"):
+            return
+        live = self.pool.leases()
+        held = held_by_device(live)
+        for device in self.pool.devices():
+            assert held.get(device.uuid, 0) <= device.leasable
+        for lease in live:
+            if lease.state is LeaseState.GRANTED:
+                assert len(set(lease.devices)) == lease.num_gpus  # one slice per distinct GPU
+
+    @invariant()
+    def quotas_hold(self):
+        if not hasattr(self, "pool") or not self.user_max:
+            return
+        ann = [l for l in self.pool.leases(owner="ann") if l.state is LeaseState.GRANTED]
+        # Shrinking never breaks a quota and growing checks it, so the maximum holds at all times.
+        assert sum(l.memory * l.num_gpus for l in ann) <= self.user_max * GIB
+        assert len(ann) <= 3
+
+    @invariant()
+    def queue_follows_policy(self):
+        """Class (with aging) first, then fair share, then arrival — checked pair by pair."""
+        if not hasattr(self, "pool"):
+            return
+        order = self.pool.queue(now=self.now)
+        engine = self.pool.engine
+        with self.pool.store.transaction():
+            usage = engine.fair_share_usage(self.pool._load(self.now), self.now)
+        for first, second in zip(order, order[1:]):
+            r1, r2 = engine.effective_rank(first, self.now), engine.effective_rank(second, self.now)
+            assert r1 >= r2
+            if r1 == r2:
+                u1, u2 = usage.get(first.owner, 0.0), usage.get(second.owner, 0.0)
+                assert u1 <= u2
+                if u1 == u2:
+                    assert first.created_at <= second.created_at
+
+    @invariant()
+    def head_is_granted_when_capacity_frees(self):
+        """No starvation: with every other lease released, the head of the queue is granted."""
+        if not hasattr(self, "pool"):
+            return
+        queue = self.pool.queue(now=self.now)
+        if not queue:
+            return
+        # Probe on a copy of the database, so the machine's own run goes on unchanged.
+        probe_path = Path(self.tmp.name) / "probe.sqlite"
+        copy = sqlite3.connect(probe_path)
+        self.pool.store.conn.backup(copy)
+        copy.close()
+        probe = Pool(self.pool.backend, str(probe_path), self.pool.policy, clock=lambda: self.now)
+        head = queue[0]
+        for lease in probe.leases():
+            if lease.id != head.id:
+                probe.release(lease.id, now=self.now)
+        for step in range(MAX_WAIT_AFTER_FREE):
+            if probe.get(head.id).state is LeaseState.GRANTED:
+                break
+            probe.tick(now=self.now + step)
+        assert probe.get(head.id).state is LeaseState.GRANTED
+        probe.store.close()
+        probe_path.unlink()
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestPoolInvariants = PoolMachine.TestCase

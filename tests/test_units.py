@@ -1,0 +1,61 @@
+"""Sizes and durations as users type them."""
+
+import pytest
+
+from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.units import GIB, MIB, format_duration, format_size, parse_duration, parse_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8GiB", 8 * GIB),
+        ("8G", 8 * GIB),
+        ("8GB", 8 * GIB),
+        ("8 gib", 8 * GIB),
+        ("512MiB", 512 * MIB),
+        ("1.5GiB", int(1.5 * GIB)),
+        ("1073741824", GIB),
+        (4096, 4096),
+    ],
+)
+def test_parse_size_accepts_the_documented_forms(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_percent_is_of_the_given_gpu():
+    assert parse_size("25%", gpu_memory=16 * GIB) == 4 * GIB
+
+
+@pytest.mark.parametrize("bad", ["-1", "abc", "1e30", "0", "8XB", "", "101%", "0%", "nan", True, -5, float("inf")])
+def test_bad_sizes_name_the_accepted_forms(bad):
+    with pytest.raises(InvalidInput) as err:
+        parse_size(bad, gpu_memory=16 * GIB)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "8GiB" in message or "%" in message
+
+
+def test_percent_without_a_gpu_is_an_error():
+    with pytest.raises(InvalidInput, match="needs a GPU"):
+        parse_size("25%")
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400), ("1d", 86400), ("3600", 3600)])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["-5m", "0", "soon", "5x", "", "1h-5m", "400d"])
+def test_bad_durations(bad):
+    with pytest.raises(InvalidInput, match="duration like 90s"):
+        parse_duration(bad)
+
+
+def test_formatting():
+    assert format_size(8 * GIB) == "8 GiB"
+    assert format_size(int(3.1 * GIB)) == "3.1 GiB"
+    assert format_size(None) == "unknown"
+    assert format_duration(None) == "unknown"
+    assert format_duration(270) == "4 min 30 s"
+    assert format_duration(3 * 3600 + 60) == "3 h 1 min"
