@@ -417,14 +417,11 @@ class RemotePool:
         return list(self.call("GET", f"{API}/report", query={"since": since, "until": until, "by": by}))
 
     def reservations(self) -> list[Any]:
-        from .core.policy import parse_reservation
-
-        return [parse_reservation(item) for item in self.call("GET", f"{API}/reservations")]
+        return [_reservation(item) for item in self.call("GET", f"{API}/reservations")]
 
     def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Any:
-        from .core.policy import parse_reservation
-
-        return parse_reservation(self.call("POST", f"{API}/reservations", spec))
+        """Admins only (403 otherwise)."""
+        return _reservation(self.call("POST", f"{API}/reservations", spec))
 
     def cancel_reservation(self, name: str) -> None:
         self.call("DELETE", f"{API}/reservations/{_q(name)}")
@@ -488,6 +485,23 @@ def _decision(data: Mapping[str, Any]) -> Decision:
     values = {k: v for k, v in data.items() if k in known}
     values["kind"] = DecisionKind(values["kind"])
     return Decision(**values)
+
+
+def _reservation(data: Mapping[str, Any]) -> Any:
+    """A :class:`~jupyter_gpupool.core.policy.Reservation` from its ``to_json()`` form."""
+    from .core.policy import WEEKDAYS, Reservation
+
+    return Reservation(
+        name=str(data["name"]),
+        memory=int(data["memory"]),
+        users=tuple(data.get("users") or ()),
+        groups=tuple(data.get("groups") or ()),
+        start=data.get("start"),
+        end=data.get("end"),
+        weekdays=tuple(WEEKDAYS.index(d) for d in data.get("weekdays") or ()),
+        daily_start=str(data.get("daily_start") or ""),
+        daily_end=str(data.get("daily_end") or ""),
+    )
 
 
 def _activity(activity: Activity) -> dict[str, Any]:

@@ -212,7 +212,7 @@ class Broker(LoggingConfigurable):
             num_gpus=num_gpus,
             compute_share=compute_share,
             model=str(body["model"]) if body.get("model") else None,
-            priority=parse_priority(body.get("priority")),
+            priority=parse_priority(body.get("priority")),  # type: ignore[arg-type]  # None: the configured class
             duration=parse_duration(duration_raw) if duration_raw not in (None, "") else None,
             holder_pid=holder_pid,
             holder_host=str(body["holder_host"]) if body.get("holder_host") else None,
@@ -376,8 +376,10 @@ def terminate_tree(pid: int, grace: float = 3.0) -> None:
 def make_app(broker: Broker, base_url: str = "/") -> web.Application:
     """The tornado application serving ``broker`` under ``base_url``."""
     prefix = "/" + base_url.strip("/") + "/" if base_url.strip("/") else "/"
+    # Also at the root: a socket client (unix:///path) has no room for a prefix in its URL.
+    handlers = routes(prefix) + (routes("/") if prefix != "/" else [])
     return web.Application(
-        routes(prefix),
+        handlers,
         gpupool_broker=broker,
         default_handler_class=NotFoundHandler,
         xsrf_cookies=False,

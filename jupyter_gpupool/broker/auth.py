@@ -114,14 +114,14 @@ class HubIdentity(LoggingConfigurable):
     cache_seconds = Integer(
         10,
         help="Seconds the hub's answer about a token is reused. Short, so group changes and revoked or "
-        "expired tokens take effect quickly.",
+        "expired tokens take effect quickly. 0: ask the hub on every request (HubAuth's own 0 would mean forever).",
     ).tag(config=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         from jupyterhub.services.auth import HubAuth
 
-        settings: dict[str, Any] = {"cache_max_age": self.cache_seconds}
+        settings: dict[str, Any] = {"cache_max_age": max(1, self.cache_seconds)}
         if self.api_url:
             settings["api_url"] = self.api_url
         if self.api_token:
@@ -140,7 +140,7 @@ class HubIdentity(LoggingConfigurable):
         token = request_token(handler)
         if not token:
             raise Unauthenticated("no token: send 'Authorization: token <your JupyterHub API token>'")
-        model = await self.hub_auth.user_for_token(token, sync=False)
+        model = await self.hub_auth.user_for_token(token, use_cache=self.cache_seconds > 0, sync=False)
         if not model:
             raise Unauthenticated("the hub does not know this token (forged, expired or revoked)")
         return model

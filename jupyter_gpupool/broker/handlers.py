@@ -581,9 +581,13 @@ def parse_activity(data: Any) -> Activity:
         raise InvalidInput('activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}') from None
 
 
-def parse_priority(value: Any) -> PriorityClass:
+def parse_priority(value: Any) -> PriorityClass | None:
+    """The class a request asks for; None (absent or ``normal``) means "whatever my user or group is
+    configured for" (a ``staff: high`` group gets high). Asking ``batch`` lowers it."""
+    if value in (None, "") or str(value).lower() == "normal":
+        return None
     try:
-        return PriorityClass(str(value or "normal").lower())
+        return PriorityClass(str(value).lower())
     except ValueError:
         raise InvalidInput(f"invalid priority {value!r}: expected batch, normal or high") from None
 
