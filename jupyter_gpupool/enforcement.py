@@ -203,4 +203,4 @@ class EnforcementSettings(Configurable):
         )
 
 
-__all__ = ["EnforcementConfig", "EnforcementPlan", "EnforcementSettings", "LEVELS", "memory_fraction", "plan_enforcement"]
+__all__ = ["LEVELS", "EnforcementConfig", "EnforcementPlan", "EnforcementSettings", "memory_fraction", "plan_enforcement"]

@@ -386,9 +386,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
 
 
 __all__ = [
+    "PROVISIONER_NAME",
     "GpuPoolProvisioner",
     "LeaseWaitAborted",
-    "PROVISIONER_NAME",
     "ServerBinding",
     "bind_server",
     "current_binding",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -22,9 +23,17 @@ from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Enum, Float, List, Unicode, default
 
-from ..core.models import Activity, Decision, DecisionKind, Lease, LeaseState, QueueInfo
+from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
-from ..provisioner import PROVISIONER_NAME, GpuPoolProvisioner, ServerBinding, bind_server, default_owner, holder_identity
+from ..errors import GpuPoolError
+from ..provisioner import (
+    PROVISIONER_NAME,
+    GpuPoolProvisioner,
+    ServerBinding,
+    bind_server,
+    default_owner,
+    holder_identity,
+)
 
 LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
@@ -32,15 +41,6 @@ LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
 #: Release reasons (set by the engine) after which the kernel must go: its slice was taken back.
 RECLAIM_PREFIXES = ("reclaimed", "preempted")
 
-_DECISION_ACTIONS = {
-    DecisionKind.WARN_IDLE: "warned",
-    DecisionKind.PREEMPT_WARN: "warned",
-    DecisionKind.RECLAIM_IDLE: "reclaimed",
-    DecisionKind.PREEMPT: "preempted",
-    DecisionKind.RELEASE: "released",
-    DecisionKind.GRANT: "granted",
-    DecisionKind.OVER_LIMIT: "over_limit",
-}
 
 
 class GpuPoolExtension(ExtensionApp):
@@ -124,6 +124,7 @@ class GpuPoolExtension(ExtensionApp):
         self._tasks: list[asyncio.Task[None]] = []
         self._culled: dict[str, str] = {}
         self._acting: set[str] = set()
+        self._warned: dict[str, float] = {}
         self.tick_count = 0
         self.reconcile_count = 0
         km = self.serverapp.kernel_manager
@@ -137,6 +138,12 @@ class GpuPoolExtension(ExtensionApp):
         self.binding = ServerBinding(pool=self.pool, owner=self.owner, enforcement=self.enforcement, listeners=[self._on_lease])
         bind_server(self.binding)
         self.settings["gpupool"] = self
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # the usual case: the server starts the loops in _start_jupyter_server_extension
+        else:
+            self._ensure_started()  # initialized inside a running loop (embedded servers, tests)
         self.log.info("gpupool: %s, pool file %s, owner %s", self.pool.backend.describe(), self.pool.db_path, self.owner)
 
     def initialize_handlers(self) -> None:
@@ -154,8 +161,6 @@ class GpuPoolExtension(ExtensionApp):
         factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
         self._previous_default = factory.default_provisioner_name
         explicit = "default_provisioner_name" in self.serverapp.config.get("KernelProvisionerFactory", {})
-        import os
-
         if self.make_default_provisioner and not explicit and not os.environ.get(factory.default_provisioner_name_env):
             factory.default_provisioner_name = PROVISIONER_NAME
 
@@ -169,7 +174,10 @@ class GpuPoolExtension(ExtensionApp):
 
         async def shutdown_kernel(kernel_id: str, now: bool = False, restart: bool = False) -> Any:
             if not restart:
-                await asyncio.to_thread(self.withdraw_queued, kernel_id, "kernel shut down while queued")
+                reason = "kernel shut down while queued"
+                withdrawn = await asyncio.to_thread(self.withdraw_queued, kernel_id, reason)
+                if withdrawn is not None:
+                    self.emit("released", withdrawn, message=reason)
             return await original(kernel_id, now=now, restart=restart)
 
         km.shutdown_kernel = shutdown_kernel
@@ -179,11 +187,15 @@ class GpuPoolExtension(ExtensionApp):
         lease = self.pool.lease_for_kernel(kernel_id)
         if lease is None or lease.state is not LeaseState.QUEUED:
             return None
-        released = self.pool.release(lease.id, reason=reason)
-        self.emit("released", released, message=reason)
-        return released
+        return self.pool.release(lease.id, reason=reason)
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
+        self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        """Start the periodic loops once, on the running event loop."""
+        if self._tasks:
+            return
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._every(lambda: self.tick_interval, self.tick_once, "tick")),
@@ -207,7 +219,9 @@ class GpuPoolExtension(ExtensionApp):
         km = self.serverapp.kernel_manager
         for kernel_id in list(km.list_kernel_ids()):
             with contextlib.suppress(Exception):
-                self.withdraw_queued(kernel_id, "server stopped while the kernel was queued")
+                withdrawn = self.withdraw_queued(kernel_id, "server stopped while the kernel was queued")
+                if withdrawn is not None:
+                    self.emit("released", withdrawn, message=withdrawn.release_reason)
         with contextlib.suppress(Exception):
             await km.shutdown_all()
         factory = KernelProvisionerFactory.instance()
@@ -249,8 +263,8 @@ class GpuPoolExtension(ExtensionApp):
                 continue
             try:
                 result[kernel_id] = (prov, self.pool.get(prov.lease_id))
-            except Exception:
-                continue
+            except GpuPoolError as err:  # e.g. a pool file replaced under us: skip this kernel
+                self.log.debug("gpupool: lease %s of kernel %s: %s", prov.lease_id, kernel_id, err)
         return result
 
     async def tick_once(self) -> list[Decision]:
@@ -280,18 +294,23 @@ class GpuPoolExtension(ExtensionApp):
             return decisions, self._kernel_leases()
 
         decisions, leases = await asyncio.to_thread(step)
-        ours = {lease.id for _, lease in leases.values()}
-        for decision in decisions:
-            if decision.lease_id in ours and decision.kind in _DECISION_ACTIONS and decision.kind is not DecisionKind.GRANT:
-                lease = next(lease for _, lease in leases.values() if lease.id == decision.lease_id)
-                self.emit(_DECISION_ACTIONS[decision.kind], lease, message=decision.reason, deadline=decision.deadline)
+        # State, not decisions: another process sharing the pool file (nbconvert waiting for a
+        # grant) may be the one whose scheduler run warned or reclaimed one of our kernels.
         for kernel_id, (prov, lease) in leases.items():
-            if (
+            if lease.state in (LeaseState.GRANTED, LeaseState.SUSPENDED) and lease.reclaim_at is not None:
+                if self._warned.get(lease.id) != lease.reclaim_at:
+                    self._warned[lease.id] = lease.reclaim_at
+                    self.emit("warned", lease, message=lease.reclaim_reason, deadline=lease.reclaim_at)
+            elif (
                 lease.state is LeaseState.RELEASED
                 and lease.release_reason.startswith(RECLAIM_PREFIXES)
                 and prov.phase == "running"
                 and kernel_id not in self._acting
+                and kernel_id not in self._culled
             ):
+                self._warned.pop(lease.id, None)
+                action = "preempted" if lease.release_reason.startswith("preempted") else "reclaimed"
+                self.emit(action, lease, message=lease.release_reason)
                 await self.reclaim_kernel(kernel_id, lease)
         self.tick_count += 1
         return decisions

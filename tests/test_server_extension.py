@@ -1,0 +1,303 @@
+"""The gpupool server extension against a real jupyter_server and real ipykernel kernels.
+
+Every server here runs with ``allow_unauthenticated_access=False`` and fails on any
+``JupyterServerAuthWarning``; users are told apart by token (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from jupyter_gpupool.serverextension.app import LEASE_SCHEMA_ID
+from jupyter_gpupool.units import GIB, SIZE_FORMS
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("error::jupyter_server.utils.JupyterServerAuthWarning"),
+]
+
+ENV_CODE = "import os, sys, json; print(json.dumps({'env': dict(os.environ), 'argv': sys.argv, 'pid': os.getpid()}))"
+
+
+async def start_kernel(fetch: Any, user: str = "alice") -> tuple[str, float]:
+    started = time.monotonic()
+    response = await fetch("api", "kernels", method="POST", body={"name": "python3"}, user=user)
+    assert response.code == 201, response.body
+    return json.loads(response.body)["id"], time.monotonic() - started
+
+
+async def kernel_state(fetch: Any, kernel_id: str, user: str = "alice") -> dict[str, Any]:
+    response = await fetch("api", "gpupool", "kernels", kernel_id, user=user)
+    assert response.code == 200, response.body
+    return json.loads(response.body)
+
+
+def record_events(serverapp: Any) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+
+    async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        events.append(dict(data))
+
+    serverapp.event_logger.add_listener(schema_id=LEASE_SCHEMA_ID, listener=listener)
+    return events
+
+
+def test_three_kernels_two_granted_one_queued_then_handover(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, kernel_exec, gpupool_env
+):
+    """1x16GiB, 8 GiB default: POSTs return at once, 2 granted + 1 queued, handover on shutdown."""
+    events = record_events(jp_serverapp)
+
+    async def scenario() -> None:
+        ids, took = [], []
+        for _ in range(3):
+            kernel_id, seconds = await start_kernel(gpupool_fetch)
+            ids.append(kernel_id)
+            took.append(seconds)
+        # A kernel that waits for a GPU must not hold up the REST call (pending kernels).
+        assert max(took) < 3.0, took
+
+        async def all_requested() -> list[dict[str, Any]] | None:
+            states = [await kernel_state(gpupool_fetch, k) for k in ids]
+            return states if all(s["state"] in ("granted", "queued") for s in states) else None
+
+        states = await gpupool_wait(all_requested, what="three leases")
+        by_state = sorted(s["state"] for s in states)
+        assert by_state == ["granted", "granted", "queued"], states
+        queued = next(s for s in states if s["state"] == "queued")
+        granted = [s for s in states if s["state"] == "granted"]
+        assert queued["queue_position"] == 1 and queued["queue_length"] == 1
+        assert queued["devices"] == [] and queued["enforcement"]["level"] == "none"
+        assert all(s["memory"] == 8 * GIB for s in states)
+
+        # The queued kernel is "starting" for jupyter_server, not dead.
+        response = await gpupool_fetch("api", "kernels", queued["kernel_id"])
+        assert json.loads(response.body)["execution_state"] == "starting"
+
+        # The pool view: the one GPU fully leased, one request queued.
+        pool = json.loads((await gpupool_fetch("api", "gpupool", "pool")).body)
+        assert pool["devices"][0]["memory_total"] == 16 * GIB
+        assert pool["devices"][0]["memory_leased"] == 16 * GIB
+        assert len(pool["queue"]) == 1 and pool["queue"][0]["kernel_id"] == queued["kernel_id"]
+
+        # Inside a granted kernel, os.environ holds the grant.
+        first = granted[0]
+        seen = json.loads(await kernel_exec(first["kernel_id"], ENV_CODE))
+        env = seen["env"]
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(d["uuid"] for d in first["devices"])
+        assert env["GPUPOOL_LEASE_ID"] == first["lease_id"]
+        assert env["GPUPOOL_MEMORY_LIMIT"] == str(8 * GIB)
+        assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.500"
+        assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        assert env["CUPY_GPU_MEMORY_LIMIT"] == str(8 * GIB)
+        assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+        assert env["GPUPOOL_DB"] == gpupool_env["GPUPOOL_DB"]
+        assert env["GPUPOOL_SIMULATE"] == "1x16GiB"
+        assert env["GPUPOOL_KERNEL_ID"] == first["kernel_id"]
+        assert "--ext=jupyter_gpupool.kernel" in seen["argv"]
+        assert first["enforcement"]["mechanisms"] == ["framework-caps", "watchdog"]
+
+        # A fourth kernel queues behind; shutting it down withdraws its request at once.
+        fourth, _ = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_state(gpupool_fetch, fourth), what="fourth lease")
+        assert (await kernel_state(gpupool_fetch, fourth))["queue_position"] == 2
+        started = time.monotonic()
+        response = await gpupool_fetch("api", "kernels", fourth, method="DELETE")
+        assert response.code == 204 and time.monotonic() - started < 3.0
+        withdrawn = await kernel_state(gpupool_fetch, fourth)
+        assert withdrawn["state"] == "released" and "queued" in withdrawn["release_reason"]
+
+        # Shut a granted kernel down: the queued one is granted, starts, and runs code.
+        response = await gpupool_fetch("api", "kernels", first["kernel_id"], method="DELETE")
+        assert response.code == 204
+
+        async def handed_over() -> dict[str, Any] | None:
+            state = await kernel_state(gpupool_fetch, queued["kernel_id"])
+            return state if state["state"] == "granted" else None
+
+        now_granted = await gpupool_wait(handed_over, what="the queued kernel to be granted")
+        gone = await kernel_state(gpupool_fetch, first["kernel_id"])
+        assert gone["state"] == "released" and gone["release_reason"] == "kernel shut down"
+        seen = json.loads(await kernel_exec(queued["kernel_id"], ENV_CODE))
+        assert seen["env"]["GPUPOOL_LEASE_ID"] == now_granted["lease_id"]
+
+        async def idle() -> bool:
+            model = json.loads((await gpupool_fetch("api", "kernels", queued["kernel_id"])).body)
+            return model["execution_state"] == "idle"
+
+        await gpupool_wait(idle, what="the formerly queued kernel to be idle")
+
+    arun(scenario())
+    actions = [(e["action"], e["kernel_id"]) for e in events]
+    assert any(a == "queued" for a, _ in actions) and any(a == "granted" for a, _ in actions)
+    assert all("owner" not in e for e in events)
+
+
+def test_rest_auth_errors_restart_and_release(arun, jp_serverapp, gpupool_fetch, gpupool_wait, kernel_exec):
+    """403 for another user, 404 unknown, 400 bad size; reserve/keepalive/release; restart keeps the lease."""
+
+    async def scenario() -> None:
+        kernel_id, _ = await start_kernel(gpupool_fetch)
+
+        async def granted() -> dict[str, Any] | None:
+            state = await kernel_state(gpupool_fetch, kernel_id)
+            return state if state["state"] == "granted" else None
+
+        state = await gpupool_wait(granted, what="a grant")
+        lease_id = state["lease_id"]
+        base = ("api", "gpupool", "kernels", kernel_id)
+
+        # Another user: 403 on every kernel route, and the pool view hides who holds what.
+        for parts, method in [(base, "GET"), ((*base, "reserve"), "POST"), ((*base, "release"), "POST"), ((*base, "keepalive"), "POST")]:
+            response = await gpupool_fetch(*parts, method=method, user="bob", **({"body": {"memory": "1GiB"}} if method == "POST" else {}))
+            assert response.code == 403, (parts, response.code, response.body)
+            assert "another user" in json.loads(response.body)["message"]
+        bob_view = json.loads((await gpupool_fetch("api", "gpupool", "pool", user="bob")).body)
+        assert bob_view["viewer"] == {"name": "bob", "admin": False}
+        assert [lease["owner"] for lease in bob_view["leases"]] == [None]
+        assert bob_view["leases"][0]["kernel_id"] is None and bob_view["leases"][0]["mine"] is False
+        # An admin sees and may act; the owner sees their own lease in full.
+        assert (await gpupool_fetch(*base, user="carol")).code == 200
+        admin_view = json.loads((await gpupool_fetch("api", "gpupool", "pool", user="carol")).body)
+        assert admin_view["leases"][0]["owner"] == "alice"
+        own_view = json.loads((await gpupool_fetch("api", "gpupool", "pool")).body)
+        assert own_view["leases"][0]["mine"] is True and own_view["leases"][0]["kernel_id"] == kernel_id
+
+        # Unknown kernel: 404. Bad size or duration: 400 naming the accepted forms.
+        response = await gpupool_fetch("api", "gpupool", "kernels", "no-such-kernel")
+        assert response.code == 404 and "no kernel" in json.loads(response.body)["message"]
+        response = await gpupool_fetch(*base, "reserve", method="POST", body={"memory": "lots"})
+        assert response.code == 400 and SIZE_FORMS in json.loads(response.body)["message"]
+        response = await gpupool_fetch(*base, "reserve", method="POST", body={"duration": "forever"})
+        assert response.code == 400 and "2h" in json.loads(response.body)["message"]
+        response = await gpupool_fetch(*base, "reserve", method="POST", body={})
+        assert response.code == 400 and "memory" in json.loads(response.body)["message"]
+        response = await gpupool_fetch(*base, "reserve", method="POST", body={"memory": "64GiB"})
+        assert response.code == 409, response.body
+
+        # Shrink, hold through idle, keep alive.
+        response = await gpupool_fetch(*base, "reserve", method="POST", body={"memory": "4GiB", "duration": "2h"})
+        assert response.code == 200, response.body
+        reserved = json.loads(response.body)
+        assert reserved["memory"] == 4 * GIB and reserved["keep_until"] > time.time() + 7000
+        response = await gpupool_fetch(*base, "keepalive", method="POST", body={"duration": "30m"})
+        assert response.code == 200 and json.loads(response.body)["keep_until"] < time.time() + 1900
+
+        # Restart keeps the lease: same id, same grant in the new process.
+        before = json.loads(await kernel_exec(kernel_id, ENV_CODE))
+        response = await gpupool_fetch("api", "kernels", kernel_id, "restart", method="POST")
+        assert response.code == 200, response.body
+        after = json.loads(await kernel_exec(kernel_id, ENV_CODE))
+        assert after["pid"] != before["pid"]
+        assert after["env"]["GPUPOOL_LEASE_ID"] == lease_id
+        assert after["env"]["CUDA_VISIBLE_DEVICES"] == before["env"]["CUDA_VISIBLE_DEVICES"]
+        assert (await kernel_state(gpupool_fetch, kernel_id))["lease_id"] == lease_id
+
+        # Release: the kernel keeps running without a slice; the next restart queues for a new one.
+        response = await gpupool_fetch(*base, "release", method="POST")
+        assert response.code == 200 and json.loads(response.body)["state"] == "released"
+        assert json.loads(response.body)["release_reason"] == "released by user"
+        assert "1" in await kernel_exec(kernel_id, "print(1)")
+        response = await gpupool_fetch(*base, "release", method="POST")
+        assert response.code == 409 and "restart the kernel" in json.loads(response.body)["message"]
+        response = await gpupool_fetch("api", "kernels", kernel_id, "restart", method="POST")
+        assert response.code == 200
+        renewed = await gpupool_wait(granted, what="a new grant after restart")
+        assert renewed["lease_id"] != lease_id
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_IDLE_TIMEOUT="1", GPUPOOL_WARNING_PERIOD="1")
+def test_idle_reclaim_only_under_pressure(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec):
+    """Idle kernels keep their slices while nobody waits; a queued kernel gets one reclaimed."""
+    events = record_events(jp_serverapp)
+
+    async def scenario() -> None:
+        first, _ = await start_kernel(gpupool_fetch)
+        second, _ = await start_kernel(gpupool_fetch)
+        for kernel_id in (first, second):
+            await kernel_exec(kernel_id, "print('ready')")
+        # Idle well past the timeout and warning period, over several ticks: nobody waits, nothing happens.
+        await gpupool_wait(
+            lambda: all(
+                s.idle_seconds(time.time()) > 2.5 for s in gpupool_ext.pool.leases() if s.kernel_id in (first, second)
+            ),
+            what="both kernels idle past the timeout",
+        )
+        ticks = gpupool_ext.tick_count
+        await gpupool_wait(lambda: gpupool_ext.tick_count >= ticks + 3, what="three more ticks")
+        for kernel_id in (first, second):
+            state = await kernel_state(gpupool_fetch, kernel_id)
+            assert state["state"] == "granted" and state["reclaim_at"] is None, state
+            assert state["idle_seconds"] > 2.0
+
+        # Pressure: a third kernel queues; one idle slice is warned, then reclaimed, its kernel culled.
+        third, _ = await start_kernel(gpupool_fetch)
+
+        async def third_granted() -> dict[str, Any] | None:
+            state = await kernel_state(gpupool_fetch, third)
+            return state if state["state"] == "granted" else None
+
+        await gpupool_wait(third_granted, timeout=30, what="the queued kernel to be granted")
+        # The extension culls the kernel whose slice was reclaimed (at its next tick).
+        culled = await gpupool_wait(
+            lambda: [k for k in (first, second) if k not in jp_serverapp.kernel_manager], what="the reclaimed kernel to be culled"
+        )
+        assert len(culled) == 1, culled
+        victim = await kernel_state(gpupool_fetch, culled[0])
+        assert victim["state"] == "released" and victim["release_reason"].startswith("reclaimed: idle"), victim
+        survivor = next(k for k in (first, second) if k not in culled)
+        assert (await kernel_state(gpupool_fetch, survivor))["state"] == "granted"
+        assert "ran" in await kernel_exec(third, "print('ran')")
+
+    arun(scenario())
+    actions = [e["action"] for e in events]
+    assert "warned" in actions and "culled" in actions, actions
+    assert actions.index("warned") < actions.index("culled")
+
+
+@pytest.mark.gpupool_config({"KernelManager": {"autorestart": False}})
+def test_sigkill_of_a_kernel_frees_its_lease(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec):
+    """A kernel process killed with SIGKILL frees its slice within the reconciliation interval."""
+
+    async def scenario() -> None:
+        kernel_id, _ = await start_kernel(gpupool_fetch)
+        pid = json.loads(await kernel_exec(kernel_id, ENV_CODE))["pid"]
+        lease_id = (await kernel_state(gpupool_fetch, kernel_id))["lease_id"]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        await gpupool_wait(
+            lambda: gpupool_ext.pool.get(lease_id).state.value == "released", timeout=10, interval=0.05, what="release"
+        )
+        elapsed = time.monotonic() - killed
+        # Reconciliation runs every 0.25 s here; allow for reaping the process and a slow CI machine.
+        assert elapsed < gpupool_ext.reconcile_interval + 2.0, elapsed
+        lease = gpupool_ext.pool.get(lease_id)
+        assert "kernel is gone" in lease.release_reason
+        pool = json.loads((await gpupool_fetch("api", "gpupool", "pool")).body)
+        assert pool["devices"][0]["memory_leased"] == 0
+
+    arun(scenario())
+
+
+def test_provisioner_is_default_and_can_be_opted_out(jp_serverapp, gpupool_ext):
+    """The extension made gpupool-provisioner the default; pending kernels are on."""
+    from jupyter_client.provisioning.factory import KernelProvisionerFactory
+
+    assert KernelProvisionerFactory.instance().default_provisioner_name == "gpupool-provisioner"
+    assert jp_serverapp.kernel_manager.use_pending_kernels is True
+    assert gpupool_ext.owner == "alice"
+
+
+@pytest.mark.gpupool_config({"GpuPoolExtension": {"make_default_provisioner": False}})
+def test_global_opt_out(jp_serverapp, gpupool_ext):
+    from jupyter_client.provisioning.factory import KernelProvisionerFactory
+
+    assert KernelProvisionerFactory.instance().default_provisioner_name == "local-provisioner"
