@@ -53,6 +53,12 @@ class MagicError(Exception):
         self.cause = cause
 
     def _render_traceback_(self) -> list[str]:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        colors = str(getattr(shell, "colors", "")).lower()
+        if colors == "nocolor":
+            return [f"gpupool: {self.message}"]
         return [f"\x1b[31mgpupool: {self.message}\x1b[0m"]
 
 
