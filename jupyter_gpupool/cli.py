@@ -298,29 +298,29 @@ class ReserveApp(GpuPoolBaseApp):
         "memory": "ReserveApp.memory",
         "groups": "ReserveApp.groups",
         "users": "ReserveApp.users",
-        "start": "ReserveApp.start",
-        "end": "ReserveApp.end",
+        "start": "ReserveApp.window_start",
+        "end": "ReserveApp.window_end",
         "for": "ReserveApp.duration",
         "weekdays": "ReserveApp.weekdays",
     }
     flags = {
         **GpuPoolBaseApp.flags,
         "cancel": ({"ReserveApp": {"cancel": True}}, "Cancel the named reservation."),
-        "list": ({"ReserveApp": {"list": True}}, "List reservations."),
+        "list": ({"ReserveApp": {"show_list": True}}, "List reservations."),
     }
     memory = Unicode("", help="Memory to hold, e.g. 40GiB.").tag(config=True)
     groups = Unicode("", help="Comma-separated groups it is for.").tag(config=True)
     users = Unicode("", help="Comma-separated users it is for.").tag(config=True)
-    start = Unicode("", help="Start: ISO time (one-off, default now) or HH:MM with --weekdays.").tag(config=True)
-    end = Unicode("", help="End: ISO time or HH:MM with --weekdays.").tag(config=True)
+    window_start = Unicode("", help="Start: ISO time (one-off, default now) or HH:MM with --weekdays.").tag(config=True)
+    window_end = Unicode("", help="End: ISO time or HH:MM with --weekdays.").tag(config=True)
     duration = Unicode("", help="Length of a one-off window, e.g. 2h (instead of --end).").tag(config=True)
     weekdays = Unicode("", help="Weekly days, e.g. tue,thu.").tag(config=True)
     cancel = Bool(False, help="Cancel the named reservation.").tag(config=True)
-    list = Bool(False, help="List reservations.").tag(config=True)
+    show_list = Bool(False, help="List reservations.").tag(config=True)
 
     def run(self) -> None:
         pool = self.make_pool()
-        if self.list:
+        if self.show_list:
             data = [r.to_json() for r in pool.reservations()]
             self.emit(data, json.dumps(data, indent=2) if data else "  (no reservations)")
             return
@@ -335,11 +335,11 @@ class ReserveApp(GpuPoolBaseApp):
         if not self.memory:
             raise InvalidInput("give --memory, e.g. --memory 40GiB")
         if self.weekdays:
-            spec.update(weekdays=self.weekdays, start=self.start, end=self.end)
+            spec.update(weekdays=self.weekdays, start=self.window_start, end=self.window_end)
         else:
-            spec["start"] = self.start or None
-            if self.end:
-                spec["end"] = self.end
+            spec["start"] = self.window_start or None
+            if self.window_end:
+                spec["end"] = self.window_end
             elif self.duration:
                 spec["duration"] = self.duration
         reservation = pool.book_reservation(spec)
