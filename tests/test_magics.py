@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from jupyter_gpupool.units import GIB, SIZE_FORMS
 
 try:
     from test_kernel_extension import (
+        Kernel,
         PoolEnv,
         kernel_factory,
         make_pool_env,
@@ -26,6 +28,7 @@ try:
     )
 except ImportError:  # tests as a package
     from tests.test_kernel_extension import (  # noqa: F401
+        Kernel,
         PoolEnv,
         kernel_factory,
         make_pool_env,
@@ -47,6 +50,16 @@ def one_line_error(result: Any) -> str:
     assert "Traceback" not in lines[0] and "File " not in lines[0]
     assert result.stream("stderr") == ""
     return lines[0]
+
+
+@pytest.fixture(scope="module")
+def shared_kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PoolEnv, Kernel]]:
+    """One kernel for tests that must leave the pool unchanged (bad input, help): saves kernel starts."""
+    penv = make_pool_env(tmp_path_factory.mktemp("shared"))
+    kernel = Kernel(penv.kernel_env())
+    yield penv, kernel
+    kernel.shutdown()
+    penv.pool.close()
 
 
 def test_reserve_status_release_round_trip(pool_env: PoolEnv, kernel_factory: Any, tmp_path: Any) -> None:
@@ -120,18 +133,19 @@ def test_state_changed_elsewhere_shows_in_status(pool_env: PoolEnv, kernel_facto
     ],
 )
 def test_bad_input_is_one_line_without_traceback(
-    pool_env: PoolEnv, kernel_factory: Any, line: str, expected: str
+    shared_kernel: tuple[PoolEnv, Kernel], line: str, expected: str
 ) -> None:
-    kernel = kernel_factory(pool_env.kernel_env())
+    penv, kernel = shared_kernel
     result = kernel.run(f"%gpupool {line}", allow_error=True)
     message = one_line_error(result)
     assert message.startswith("gpupool: ")
     assert expected in message
-    assert pool_env.pool.get(pool_env.lease_id).memory == 4 * GIB  # nothing changed
+    lease = penv.pool.get(penv.lease_id)
+    assert lease.memory == 4 * GIB and lease.state is LeaseState.GRANTED  # nothing changed
 
 
-def test_help_lists_commands_and_forms(pool_env: PoolEnv, kernel_factory: Any) -> None:
-    kernel = kernel_factory(pool_env.kernel_env())
+def test_help_lists_commands_and_forms(shared_kernel: tuple[PoolEnv, Kernel]) -> None:
+    _, kernel = shared_kernel
     text = kernel.run("%gpupool help").stdout
     for command in ("status", "reserve 12GiB [--for 2h] [--gpus 2]", "release", "queue", "keep [1h]", "wait"):
         assert command in text
