@@ -42,7 +42,7 @@ def test_nbconvert_waits_while_lab_kernels_hold_the_pool(
             lambda: all((lease := pool.lease_for_kernel(k)) and lease.state is LeaseState.GRANTED for k in lab),
             what="the lab kernels to hold the pool",
         )
-        proc = subprocess.Popen(
+        proc = subprocess.Popen(  # noqa: ASYNC220 - started once, then polled without blocking
             [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(notebook), "--output", "done.ipynb"],
             env=env,
             cwd=tmp_path,
