@@ -38,6 +38,15 @@ async def kernel_state(fetch: Any, kernel_id: str, user: str = "alice") -> dict[
     return json.loads(response.body)
 
 
+def _openapi_required(schema: str) -> set[str]:
+    from pathlib import Path
+
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "openapi.yaml").read_text())
+    return set(spec["components"]["schemas"][schema]["required"])
+
+
 def record_events(serverapp: Any) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
 
@@ -75,6 +84,8 @@ def test_three_kernels_two_granted_one_queued_then_handover(
         assert queued["queue_position"] == 1 and queued["queue_length"] == 1
         assert queued["devices"] == [] and queued["enforcement"]["level"] == "none"
         assert all(s["memory"] == 8 * GIB for s in states)
+        required = _openapi_required("KernelSlice")
+        assert all(required <= set(s) for s in states)
 
         # The queued kernel is "starting" for jupyter_server, not dead.
         response = await gpupool_fetch("api", "kernels", queued["kernel_id"])
@@ -301,3 +312,20 @@ def test_global_opt_out(jp_serverapp, gpupool_ext):
     from jupyter_client.provisioning.factory import KernelProvisionerFactory
 
     assert KernelProvisionerFactory.instance().default_provisioner_name == "local-provisioner"
+
+
+def test_openapi_spec_covers_every_route_and_field() -> None:
+    """openapi.yaml names every handler route, and the kernel body carries every required field."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from jupyter_gpupool.serverextension.handlers import default_handlers
+
+    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "openapi.yaml").read_text())
+    routes = {re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", pattern) for pattern, _ in default_handlers}
+    assert routes == set(spec["paths"])
+    required = spec["components"]["schemas"]["KernelSlice"]["required"]
+    assert {"state", "memory", "devices", "queue_position", "queue_length", "estimated_wait", "used_memory",
+            "enforcement", "idle_seconds", "reclaim_at"} <= set(required)
