@@ -1,0 +1,293 @@
+"""``jupyter gpupool simulate``: the notebook-lab what-if, run on the real Pool in virtual time."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from jupyter_gpupool import workload as workload_module
+from jupyter_gpupool.simulate import (
+    MODES,
+    LabRun,
+    Settings,
+    SimulateApp,
+    fewest_gpus,
+    jain_index,
+    make_plans,
+    parse_shape,
+    percentile,
+    simulate,
+)
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.units import GIB
+from jupyter_gpupool.workload import (
+    ActivityProfile,
+    Fixed,
+    LogUniform,
+    MemoryNeed,
+    Workload,
+    load_workload,
+    parse_memory_need,
+    parse_session_length,
+)
+
+
+def synthetic(share: float, busy: float, idle: float, length: float) -> Workload:
+    """Every session needs ``share`` of the GPU and alternates ``busy``/``idle`` seconds."""
+    profile = ActivityProfile(memory_held=share * workload_module.TRACE_GPU_MEMORY, busy_runs=(busy,), idle_runs=(idle,), busy_fraction=busy / (busy + idle))
+    return Workload(session_length=Fixed(length), profiles=(profile,), sources={"test": "synthetic"})
+
+
+# --- behaviour of the three modes ---------------------------------------------------------------------
+def test_pooled_serves_more_sessions_than_exclusive_on_the_same_gpus() -> None:
+    settings = Settings(gpus="1x24GiB", users=10, rate=6, shape=parse_shape("flat"), days=0.25, patience=1800)
+    results = simulate(settings, ("exclusive", "pooled"), synthetic(0.25, 600, 600, 3600))
+    exclusive, pooled = results["exclusive"], results["pooled"]
+    assert pooled.served > exclusive.served
+    assert pooled.wait_p95 < exclusive.wait_p95
+    # Exclusive leases the whole GPU but its kernels use a quarter of what they hold.
+    assert exclusive.leased_pct > 2 * exclusive.used_pct
+    assert pooled.used_pct > exclusive.used_pct
+    for result in results.values():
+        assert result.expired == 0  # heartbeats every tick: the pool never expired a lease
+        assert result.used_pct <= result.leased_pct + 1e-9
+        assert result.busy_pct <= result.used_pct + 1e-9
+        assert result.served + result.abandoned + result.refused <= result.sessions
+
+
+def test_idle_reclaim_lowers_p95_wait_under_pressure() -> None:
+    # Work 10 minutes, then sit idle for hours holding half the GPU: the reclaim case.
+    settings = Settings(gpus="1x24GiB", users=12, rate=4, shape=parse_shape("flat"), days=0.25, idle_timeout=600, patience=None)
+    results = simulate(settings, ("pooled", "reclaim"), synthetic(0.5, 600, 3 * 3600, 4 * 3600))
+    pooled, reclaim = results["pooled"], results["reclaim"]
+    assert pooled.reclaims == 0
+    assert reclaim.reclaims > 0 and reclaim.idle_warnings >= reclaim.reclaims
+    assert reclaim.wait_p95 < pooled.wait_p95
+    assert reclaim.busy_pct > pooled.busy_pct  # the memory goes to kernels that compute
+
+
+def test_reclaim_does_nothing_without_pressure() -> None:
+    settings = Settings(gpus="2xA100-80GB", users=3, rate=1, shape=parse_shape("flat"), days=0.2, idle_timeout=600)
+    results = simulate(settings, ("pooled", "reclaim"), synthetic(0.1, 300, 3 * 3600, 4 * 3600))
+    assert results["reclaim"].reclaims == 0
+    assert results["reclaim"].wait_max == 0
+    assert results["pooled"].served == results["reclaim"].served
+
+
+def test_same_seed_same_result_and_store_kind_does_not_matter() -> None:
+    work = synthetic(0.3, 300, 900, 5400)
+    settings = Settings(gpus="1x24GiB", users=8, rate=5, shape=parse_shape("flat"), days=0.15, idle_timeout=600)
+    first = simulate(settings, ("reclaim",), work)["reclaim"].to_json()
+    second = simulate(replace(settings, store="file"), ("reclaim",), work)["reclaim"].to_json()
+    for data in (first, second):
+        data.pop("elapsed")
+    assert first == second
+    other = simulate(replace(settings, seed=7), ("reclaim",), work)["reclaim"]
+    assert other.sessions != first["sessions"] or other.wait_mean != first["wait_mean"]
+
+
+def test_fairness_is_between_zero_and_one() -> None:
+    settings = Settings(gpus="1x24GiB", users=5, rate=6, shape=parse_shape("flat"), days=0.2)
+    for result in simulate(settings, MODES, synthetic(0.4, 300, 600, 3600)).values():
+        assert 0 < result.jain <= 1
+
+
+def test_jain_index_and_percentile() -> None:
+    assert jain_index([1, 1, 1, 1]) == pytest.approx(1.0)
+    assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)
+    assert 0.25 < jain_index([1, 0.5, 0.2, 0.9]) < 1
+    assert jain_index([]) == 1.0
+    assert percentile([], 95) == 0.0
+    assert percentile([5, 1, 3, 2, 4], 50) == 3
+    assert percentile(list(range(1, 101)), 95) == 95
+
+
+def test_quota_limits_leases_per_user() -> None:
+    settings = Settings(gpus="2xA100-80GB", users=1, rate=6, shape=parse_shape("flat"), days=0.1, max_leases=1, patience=None)
+    capped = simulate(settings, ("pooled",), synthetic(0.1, 600, 600, 3600))["pooled"]
+    free = simulate(replace(settings, max_leases=None), ("pooled",), synthetic(0.1, 600, 600, 3600))["pooled"]
+    assert free.wait_max == 0  # plenty of room: nobody waits
+    assert capped.wait_max > 0  # one user, one lease at a time: the rest queue on the quota
+
+
+def test_search_is_monotone_in_the_target_and_pooled_needs_no_more_gpus() -> None:
+    settings = Settings(gpus="1x24GiB", users=8, rate=6, shape=parse_shape("flat"), days=0.1, patience=None)
+    work = synthetic(0.3, 300, 300, 1800)
+    plans = make_plans(settings, work)
+    needed = {}
+    for mode in ("exclusive", "pooled"):
+        found = [fewest_gpus(settings, mode, target, 16, work, plans=plans).gpus for target in (60, 600, 3600)]
+        assert all(n is not None for n in found)
+        assert found == sorted(found, reverse=True), found  # a looser target never needs more GPUs
+        needed[mode] = found
+    assert all(p <= e for p, e in zip(needed["pooled"], needed["exclusive"]))
+    assert needed["pooled"][0] < needed["exclusive"][0]
+
+
+def test_search_reports_when_the_target_is_out_of_reach() -> None:
+    settings = Settings(gpus="1x24GiB", users=10, rate=20, shape=parse_shape("flat"), days=0.1, patience=None)
+    search = fewest_gpus(settings, "exclusive", 1.0, 2, synthetic(0.3, 600, 600, 7200))
+    assert search.gpus is None and sorted(search.tried) == [1, 2]
+
+
+def test_exclusive_requests_a_whole_gpu_and_pooled_its_need() -> None:
+    settings = Settings(gpus="2x24GiB", users=2, rate=2, shape=parse_shape("flat"), days=0.05)
+    work = synthetic(0.2, 300, 300, 600)
+    plans = make_plans(settings, work)
+    assert plans
+    exclusive = LabRun(settings, plans, "exclusive", SimulatedBackend.from_spec("2x24GiB"))
+    pooled = LabRun(settings, plans, "pooled", SimulatedBackend.from_spec("2x24GiB"))
+    assert {s.request for s in exclusive.sessions} == {24 * GIB}
+    assert {s.request for s in pooled.sessions} == {5 * GIB}  # 20% of 24 GiB = 4.8 GiB, rounded up
+    assert {s.used for s in pooled.sessions} == {int(0.2 * 24 * GIB)}
+    exclusive.pool.close()
+    pooled.pool.close()
+
+
+# --- workload from the traces -------------------------------------------------------------------------
+def test_workload_comes_from_the_traces_when_present() -> None:
+    if workload_module.find_traces() is None:
+        pytest.skip("../shared/traces is not here")
+    work = load_workload()
+    assert "philly_runtime.csv" in work.sources["session_length"]
+    assert "alibaba-genai-v2026" in work.sources["activity"]
+    assert len(work.profiles) > 100
+    lengths = work.session_length
+    assert 300 <= lengths.quantile(0.0) and lengths.quantile(1.0) <= 8 * 3600
+    # The trace's point: memory stays held while compute is mostly idle.
+    assert 0.1 < work.busy_fraction() < 0.5
+    assert any(not p.busy_runs for p in work.profiles)
+
+
+def test_fallback_is_used_and_labelled_only_without_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(workload_module, "find_traces", lambda explicit=None: None)
+    work = workload_module.load_workload()
+    assert all(text.startswith("FALLBACK") for text in work.sources.values())
+    assert 300 <= work.session_length.quantile(0.5) <= 8 * 3600
+    assert 0.1 < work.busy_fraction() < 0.5
+    settings = Settings(gpus="1x24GiB", users=4, rate=2, shape=parse_shape("flat"), days=0.1)
+    assert simulate(settings, ("pooled",), work)["pooled"].sessions > 0
+
+
+def test_phases_add_up_and_start_busy() -> None:
+    profile = ActivityProfile(GIB, (60.0, 120.0), (300.0,), 0.3)
+    phases = profile.phases(3600, random.Random(1))
+    assert phases[0][0] is True
+    assert sum(length for _, length in phases) == pytest.approx(3600)
+    assert all(a[0] != b[0] for a, b in zip(phases, phases[1:]))
+    assert ActivityProfile(GIB, (), (57.0,), 0.0).phases(100, random.Random(1)) == [(False, 100)]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("trace", MemoryNeed("trace")),
+        ("8GiB", MemoryNeed("fixed", 8 * GIB)),
+        ("25%", MemoryNeed("share", 0.25)),
+        ("2GiB-8GiB", MemoryNeed("range", 2 * GIB, 8 * GIB)),
+    ],
+)
+def test_memory_need_forms(text: str, expected: MemoryNeed) -> None:
+    assert parse_memory_need(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "", "8GiB-2GiB", "0%", "-3GiB"])
+def test_bad_memory_need(text: str) -> None:
+    with pytest.raises(InvalidInput, match="memory need"):
+        parse_memory_need(text)
+
+
+def test_session_length_and_shape_forms() -> None:
+    work = synthetic(0.1, 60, 60, 600)
+    assert parse_session_length("45m", work) == Fixed(2700)
+    assert parse_session_length("30m-2h", work) == LogUniform(1800, 7200)
+    assert parse_session_length("trace", work) is work.session_length
+    with pytest.raises(InvalidInput, match="session length"):
+        parse_session_length("2h-30m", work)
+    shape = parse_shape("9-11:2,13-17:1")
+    assert shape.weight(9.5 * 3600) == 1 and shape.weight(14 * 3600) == 0.5 and shape.weight(3 * 3600) == 0
+    assert shape.weight((24 + 10) * 3600) == 1  # repeats every day
+    for bad in ("25-3:1", "9-11:-1", "nine-eleven", "0-24:0"):
+        with pytest.raises(InvalidInput, match="day shape"):
+            parse_shape(bad)
+
+
+def test_arrivals_follow_the_day_shape() -> None:
+    settings = Settings(users=50, rate=30, shape=parse_shape("class"), days=2, seed=3)
+    plans = make_plans(settings, synthetic(0.1, 60, 60, 600))
+    hours = [int(p.arrival // 3600) % 24 for p in plans]
+    in_class = sum(1 for h in hours if h in (9, 10))
+    assert in_class > 0.6 * len(hours)
+    assert not any(h < 8 or h > 20 for h in hours)
+    assert len({p.user for p in plans}) > 20
+
+
+# --- the command line ---------------------------------------------------------------------------------
+def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    app = SimulateApp()
+    code = 0
+    try:
+        app.initialize(argv)
+        app.start()
+    except SystemExit as exit_:
+        code = int(exit_.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpus", "3xFOO"], "unknown GPU 'FOO'"),
+        (["--users", "0"], "invalid --users 0"),
+        (["--rate", "fast"], "invalid --rate 'fast'"),
+        (["--days", "0"], "invalid --days 0"),
+        (["--shape", "25-3:1"], "invalid day shape"),
+        (["--memory-need", "lots"], "invalid memory need"),
+        (["--session-length", "forever"], "invalid session length"),
+        (["--modes", "exclusive,bogus"], "invalid mode 'bogus'"),
+        (["--idle-timeout", "5x"], "invalid duration '5x'"),
+        (["--tick", "10m"], "too long for the heartbeat TTL"),
+        (["--gpus", "1xA100-80GB,1xT4", "--target-p95-wait", "5m"], "needs one GPU model"),
+        (["--traces", "/nonexistent/traces"], "no traces under"),
+        (["--store", "disk"], "invalid --store 'disk'"),
+        (["--quota", "much"], "invalid size 'much'"),
+    ],
+)
+def test_cli_rejects_bad_input_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_app(argv, capsys)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert out == ""
+
+
+def test_cli_json_with_search(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1",
+            "--memory-need", "30%", "--session-length", "30m", "--target-p95-wait", "10m", "--max-gpus", "4", "--json"]
+    code, out, err = run_app(argv, capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(data["results"]) == set(MODES)
+    for result in data["results"].values():
+        for key in ("leased_pct", "used_pct", "wait_p50", "wait_p95", "wait_max", "served_per_day", "reclaims", "jain"):
+            assert key in result
+    assert set(data["search"]) == set(MODES)
+    assert data["search"]["pooled"]["gpus"] <= data["search"]["exclusive"]["gpus"]
+
+
+def test_jupyter_gpupool_simulate_prints_a_table() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpupool.cli", "simulate", "--gpus", "1x24GiB", "--users", "5", "--rate", "3",
+         "--days", "0.05", "--shape", "flat", "--memory-need", "4GiB", "--session-length", "20m"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for label in ("exclusive GPUs", "pooled", "pooled+reclaim", "wait p95", "Jain"):
+        assert label in proc.stdout
