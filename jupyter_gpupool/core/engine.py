@@ -499,7 +499,7 @@ class Engine:
         lease = self.get(state, lease_id)
         if seconds > self.policy.max_keep:
             raise InvalidInput(f"can keep a slice through idle for at most {format_duration(self.policy.max_keep)}; asked {format_duration(seconds)}")
-        lease.keep_until = now + seconds
+        lease.keep_until = max(lease.keep_until or 0.0, now + seconds)  # a shorter keep never cuts a longer hold
         if not lease.reclaim_reason.startswith("preempt"):
             lease.warned_at = lease.reclaim_at = None
             lease.reclaim_reason = ""

@@ -1,0 +1,131 @@
+"""``jupyter gpupool kernelspec install``: kernelspecs with a fixed GPU slice.
+
+A teacher offers "small" and "large" GPU kernels in the launcher::
+
+    jupyter gpupool kernelspec install --name python3-gpu-4g --memory 4GiB --sys-prefix
+    jupyter gpupool kernelspec install --name python3-gpu-16g --memory 16GiB --sys-prefix
+
+Each copies an existing kernelspec (``python3`` by default) and sets its provisioner to
+``gpupool-provisioner`` with the slice in the provisioner's config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_core.application import JupyterApp
+from traitlets import Bool, Unicode
+
+from .cli import GpuPoolBaseApp
+from .core.models import PriorityClass
+from .errors import InvalidInput
+from .units import GIB, SIZE_FORMS, parse_size
+
+PROVISIONER_NAME = "gpupool-provisioner"
+_NAME_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
+
+
+def gpu_kernelspec(base: dict[str, Any], memory: str, num_gpus: int = 1, priority: str = "", model: str = "",
+                   display_name: str = "") -> dict[str, Any]:
+    """A copy of ``base`` (a kernel.json dict) whose kernels get a fixed GPU slice."""
+    parse_size(memory, gpu_memory=GIB)  # validate early: "25%" is fine, "8XB" is not
+    if num_gpus < 1:
+        raise InvalidInput(f"--gpus must be at least 1, got {num_gpus}")
+    if priority and priority not in {c.value for c in PriorityClass}:
+        raise InvalidInput(f"--priority must be batch, normal or high, got {priority!r}")
+    spec = json.loads(json.dumps(base))
+    config: dict[str, Any] = {"memory": memory}
+    if num_gpus != 1:
+        config["num_gpus"] = num_gpus
+    if priority:
+        config["priority"] = priority
+    if model:
+        config["model"] = model
+    metadata = spec.setdefault("metadata", {})
+    metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME, "config": config}
+    gpus = f"{num_gpus}x " if num_gpus != 1 else ""
+    spec["display_name"] = display_name or f"{base.get('display_name', 'Kernel')} (GPU {gpus}{memory})"
+    return spec
+
+
+class KernelSpecInstallApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-kernelspec-install"
+    description = "Install a kernelspec whose kernels get a fixed GPU slice."
+    aliases = {
+        **GpuPoolBaseApp.aliases,
+        "name": "KernelSpecInstallApp.kernel_name",
+        "display-name": "KernelSpecInstallApp.display_name",
+        "memory": "KernelSpecInstallApp.memory",
+        "gpus": "KernelSpecInstallApp.gpus",
+        "priority": "KernelSpecInstallApp.priority",
+        "model": "KernelSpecInstallApp.model",
+        "kernel": "KernelSpecInstallApp.base_kernel",
+        "prefix": "KernelSpecInstallApp.prefix",
+    }
+    flags = {
+        **GpuPoolBaseApp.flags,
+        "user": ({"KernelSpecInstallApp": {"user": True}}, "Install for the current user only."),
+        "sys-prefix": ({"KernelSpecInstallApp": {"prefix": sys.prefix}}, f"Install into {sys.prefix}."),
+        "replace": ({"KernelSpecInstallApp": {"replace": True}}, "Replace an existing kernelspec of that name."),
+    }
+
+    kernel_name = Unicode("", help="Name of the new kernelspec, e.g. python3-gpu-8g.").tag(config=True)
+    display_name = Unicode("", help="Name shown in the launcher (default: the base's name plus the slice).").tag(config=True)
+    memory = Unicode("", help=f"GPU slice for its kernels: {SIZE_FORMS}.").tag(config=True)
+    gpus = Unicode("1", help="Number of GPUs per kernel.").tag(config=True)
+    priority = Unicode("", help="Priority class of its kernels: batch (e.g. autograding), normal or high.").tag(config=True)
+    model = Unicode("", help="GPU model its kernels need, e.g. A100 (default: any).").tag(config=True)
+    base_kernel = Unicode("python3", help="Kernelspec to copy (argv, language, logos).").tag(config=True)
+    prefix = Unicode("", help="Install under this prefix (e.g. sys.prefix) instead of system-wide.").tag(config=True)
+    user = Bool(False, help="Install for the current user only.").tag(config=True)
+    replace = Bool(False, help="Replace an existing kernelspec of that name.").tag(config=True)
+
+    def run(self) -> None:
+        if not self.kernel_name or not _NAME_RE.match(self.kernel_name):
+            raise InvalidInput("give --name with letters, digits, '.', '_' or '-', e.g. --name python3-gpu-8g")
+        if not self.memory:
+            raise InvalidInput(f"give --memory: {SIZE_FORMS}")
+        if not self.gpus.isdigit():
+            raise InvalidInput(f"--gpus must be a whole number like 2, got {self.gpus!r}")
+        manager = KernelSpecManager()
+        try:
+            base = manager.get_kernel_spec(self.base_kernel)
+        except NoSuchKernel:
+            names = ", ".join(sorted(manager.find_kernel_specs()))
+            raise InvalidInput(f"no kernelspec {self.base_kernel!r} to copy; installed: {names}") from None
+        spec = gpu_kernelspec(base.to_dict(), self.memory, int(self.gpus), self.priority, self.model, self.display_name)
+        target = manager._get_destination_dir(self.kernel_name, user=self.user, prefix=self.prefix or None)
+        if not self.replace and (os.path.exists(target) or self.kernel_name in manager.find_kernel_specs()):
+            raise InvalidInput(f"a kernelspec named {self.kernel_name!r} exists; add --replace to overwrite it")
+        with tempfile.TemporaryDirectory() as staging:
+            for item in os.listdir(base.resource_dir):
+                if item != "kernel.json":
+                    source = os.path.join(base.resource_dir, item)
+                    if os.path.isfile(source):
+                        shutil.copy(source, staging)
+            with open(os.path.join(staging, "kernel.json"), "w") as handle:
+                json.dump(spec, handle, indent=1)
+            destination = manager.install_kernel_spec(
+                staging, self.kernel_name, user=self.user, prefix=self.prefix or None, replace=True
+            )
+        self.emit({"name": self.kernel_name, "path": destination, "spec": spec}, f"installed {spec['display_name']!r} in {destination}")
+
+
+class KernelSpecApp(JupyterApp):
+    name = "jupyter-gpupool-kernelspec"
+    description = "Manage GPU kernelspecs: jupyter gpupool kernelspec install --name NAME --memory 8GiB"
+    subcommands = {"install": (KernelSpecInstallApp, KernelSpecInstallApp.description)}
+
+    def start(self) -> None:
+        if self.subapp is None:
+            print("usage: jupyter gpupool kernelspec install --name NAME --memory 8GiB [--gpus N] [--priority batch] "
+                  "[--user | --sys-prefix | --prefix P] [--replace]")
+            self.exit(2 if self.extra_args else 0)
+        self.subapp.start()
