@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Fill tests/gpu/.wheels with wheels of this project's runtime dependencies for the GPU
+# machine's Python (3.12, x86-64 manylinux by default), so run_all.sh can install what that
+# machine lacks without a network. Run it where pip reaches PyPI; carry tests/gpu/.wheels.
+#
+#   bash tests/gpu/prepare.sh            # GPUCHECK_PY_VERSION=3.12 by default
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+PYVER="${GPUCHECK_PY_VERSION:-3.12}"
+DEST="$HERE/.wheels"
+PY="${PYTHON:-python3}"
+
+# The runtime dependencies as pyproject.toml lists them (one source of truth).
+mapfile -t DEPS < <("$PY" - "$ROOT/pyproject.toml" <<'PYCODE'
+import sys, tomllib
+with open(sys.argv[1], "rb") as fh:
+    print("\n".join(tomllib.load(fh)["project"]["dependencies"]))
+PYCODE
+)
+
+rm -rf "$DEST"
+mkdir -p "$DEST"
+"$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+  --python-version "$PYVER" --implementation cp --abi "cp${PYVER/./}" \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
+  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 --platform manylinux_2_5_x86_64 \
+  --platform manylinux1_x86_64 \
+  -d "$DEST" "${DEPS[@]}" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+count=$(ls "$DEST"/*.whl | wc -l)
+size=$(du -sh "$DEST" | cut -f1)
+echo "prepare.sh: $count wheels ($size) for Python $PYVER in $DEST"
+echo "prepare.sh: carry tests/gpu/.wheels with the device call (it is git-ignored)"
