@@ -1,0 +1,37 @@
+"""Smoke run of bench/system_bench.py with tiny sizes: it still runs and its numbers make sense."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "system_bench.py"
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=240)
+
+
+def test_system_bench_smoke() -> None:
+    proc = run_bench("--sizes", "5,50", "--decisions", "10", "--ticks-per-size", "5", "--kernels", "20", "--ticks", "40", "--samples", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [row["live_leases"] for row in data["throughput"]] == [5, 50]
+    for row in data["throughput"]:
+        assert row["decisions"] == 20
+        assert row["grants_releases_per_s"] > 0
+        for call in ("request_grant", "release", "tick"):
+            assert 0 < row[call]["p50_ms"] <= row[call]["p99_ms"]
+    long_run = data["long_running"]
+    assert long_run["kernels"] == 20 and long_run["ticks"] == 40
+    assert long_run["ledger_rows"] == 40  # one kernel ended per tick, each closed into the ledger
+    assert long_run["rss_end_mib"] > 0 and len(long_run["trace"]) == 2
+    assert data["machine"]["cpus"] >= 1
+
+
+def test_system_bench_rejects_bad_sizes() -> None:
+    proc = run_bench("--sizes", "ten")
+    assert proc.returncode == 2
+    assert "--sizes 'ten'" in proc.stderr and "Traceback" not in proc.stderr
