@@ -18,6 +18,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 #: Upper bounds (seconds) of the wait-time histogram: from "at once" to "half a day".
 WAIT_BUCKETS: tuple[float, ...] = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200)
@@ -98,7 +99,7 @@ class PoolCollector(Collector):
 
     def _histogram(self) -> HistogramMetricFamily:
         cumulative, running = [], 0
-        for bound, count in zip([*map(str, WAIT_BUCKETS), "+Inf"], self._buckets):
+        for bound, count in zip([*map(floatToGoString, WAIT_BUCKETS), "+Inf"], self._buckets):
             running += count
             cumulative.append((bound, running))
         return HistogramMetricFamily(

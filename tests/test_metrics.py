@@ -1,0 +1,116 @@
+"""Prometheus collector: capacity, leased, used, queue, wait histogram, decision counters, fragmentation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jupyter_gpupool.core.models import LeaseRequest
+from jupyter_gpupool.metrics import METRIC_NAMES, fragmentation, make_registry, render
+from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.units import GIB
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Pool:
+    clock = Clock()
+    p = Pool.from_env(environ={"GPUPOOL_SIMULATE": "2x16GiB", "GPUPOOL_DB": str(tmp_path / "p.sqlite"), "GPUPOOL_DEFAULT_MEMORY": "8GiB"}, clock=clock)
+    return p
+
+
+def scrape(registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = render(registry)[0].decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def test_collector_reports_capacity_leases_queue_and_counters(pool: Pool) -> None:
+    registry = make_registry(pool)
+    clock = pool.clock
+    a = pool.request(LeaseRequest(owner="alice", memory=16 * GIB))
+    b = pool.request(LeaseRequest(owner="bob", memory=12 * GIB))
+    clock.now += 30  # type: ignore[attr-defined]
+    queued = pool.request(LeaseRequest(owner="carol", memory=8 * GIB))
+    clock.now += 45  # type: ignore[attr-defined]
+    values = scrape(registry)
+    assert values[("gpupool_memory_total_bytes", ())] == 32 * GIB
+    assert values[("gpupool_memory_leased_bytes", ())] == 28 * GIB
+    assert values[("gpupool_memory_leased_ratio", ())] == pytest.approx(28 / 32)
+    assert values[("gpupool_leases", (("state", "granted"),))] == 2
+    assert values[("gpupool_leases", (("state", "queued"),))] == 1
+    assert values[("gpupool_queue_length", ())] == 1
+    assert values[("gpupool_queue_oldest_wait_seconds", ())] == pytest.approx(45)
+    assert values[("gpupool_largest_free_bytes", ())] == 4 * GIB
+    # 4 GiB free, all of it in a piece smaller than the 8 GiB default: fully fragmented.
+    assert values[("gpupool_fragmentation_ratio", ())] == 1.0
+    assert values[("gpupool_grants_total", ())] == 2
+    assert values[("gpupool_wait_seconds_count", ())] == 2
+    assert values[("gpupool_wait_seconds_bucket", (("le", "1.0"),))] == 2
+    per_device = [v for (name, labels), v in values.items() if name == "gpupool_device_memory_leased_bytes"]
+    assert sorted(per_device) == [12 * GIB, 16 * GIB]
+
+    pool.release(a.id)  # the queued request (made at +30 s) is granted at +75 s: it waited 45 s
+    values = scrape(registry)
+    assert values[("gpupool_grants_total", ())] == 3
+    assert values[("gpupool_wait_seconds_count", ())] == 3
+    assert values[("gpupool_wait_seconds_sum", ())] == pytest.approx(45)
+    assert values[("gpupool_wait_seconds_bucket", (("le", "30.0"),))] == 2
+    assert values[("gpupool_wait_seconds_bucket", (("le", "60.0"),))] == 3
+    assert values[("gpupool_queue_length", ())] == 0
+    # Scraping again counts no grant twice.
+    assert scrape(registry)[("gpupool_wait_seconds_count", ())] == 3
+    pool.release(b.id)
+    pool.release(queued.id)
+
+
+def test_unhealthy_device_is_reported(pool: Pool) -> None:
+    uuid = pool.devices()[1].uuid
+    pool.backend.set_health(uuid, False, "GPU is lost")  # type: ignore[attr-defined]
+    pool._devices = None  # drop the 2 s inventory cache
+    values = scrape(make_registry(pool))
+    health = {dict(labels)["gpu"]: v for (name, labels), v in values.items() if name == "gpupool_device_healthy"}
+    assert health == {"0": 1.0, "1": 0.0}
+
+
+def test_every_documented_metric_is_exposed(pool: Pool) -> None:
+    names = {name for name, _ in scrape(make_registry(pool))}
+    for metric in METRIC_NAMES:
+        assert any(n == metric or n.startswith(metric + "_") for n in names), metric
+
+
+def test_fragmentation() -> None:
+    assert fragmentation([], 8 * GIB) == 0.0
+    assert fragmentation([16 * GIB, 0], 8 * GIB) == 0.0
+    assert fragmentation([4 * GIB, 4 * GIB], 8 * GIB) == 1.0
+    assert fragmentation([12 * GIB, 4 * GIB], 8 * GIB) == 0.5
+    assert fragmentation([5 * GIB], 0) == 0.0
+
+
+def test_dashboard_and_alerts_use_only_exposed_metrics() -> None:
+    import json
+    import re
+
+    repo = Path(__file__).resolve().parent.parent
+    dashboard = json.loads((repo / "deploy" / "grafana-dashboard.json").read_text())
+    alerts = (repo / "deploy" / "prometheus-alerts.yml").read_text()
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    assert exprs
+    known = set(METRIC_NAMES) | {f"{m}_{s}" for m in METRIC_NAMES for s in ("bucket", "sum", "count")}
+    for text in [*exprs, alerts]:
+        for name in re.findall(r"gpupool_[a-z_]+", text):
+            assert name in known, name
+    for alert in ("GpuPoolMemoryAbove90Percent", "GpuPoolRequestQueuedTooLong", "GpuPoolGpuUnhealthy"):
+        assert alert in alerts

@@ -1,0 +1,126 @@
+"""RemotePool: URL forms, error mapping, no silent fallback, and the kernel client over a broker."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker_harness import BrokerHarness
+from jupyter_gpupool.core.models import LeaseRequest, LeaseState
+from jupyter_gpupool.errors import InvalidInput, NotAuthorized, PoolUnavailable
+from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.remote import RemotePool, _Endpoint, pool_from_env
+from jupyter_gpupool.units import GIB
+
+
+@pytest.mark.parametrize(
+    ("url", "unix", "prefix", "host", "port"),
+    [
+        ("http://127.0.0.1:10101/services/gpupool", "", "/services/gpupool/", "127.0.0.1", 10101),
+        ("https://hub.example.org/services/gpupool/", "", "/services/gpupool/", "hub.example.org", None),
+        ("http://localhost:8000", "", "/", "localhost", 8000),
+        ("unix:///run/jupyter-gpupool/broker.sock", "/run/jupyter-gpupool/broker.sock", "/", "", None),
+        ("unix:/run/gpupool.sock", "/run/gpupool.sock", "/", "", None),
+        ("http+unix://%2Frun%2Fgpupool.sock/prefix", "/run/gpupool.sock", "/prefix/", "", None),
+    ],
+)
+def test_url_forms(url: str, unix: str, prefix: str, host: str, port: int | None) -> None:
+    endpoint = _Endpoint(url)
+    assert (endpoint.socket_path, endpoint.prefix, endpoint.host, endpoint.port) == (unix, prefix, host, port)
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "127.0.0.1:10101", "http://", "unix://", "http://h:notaport/"])
+def test_bad_urls_name_the_accepted_forms(url: str) -> None:
+    with pytest.raises(InvalidInput, match="unix:///PATH"):
+        _Endpoint(url)
+
+
+def test_pool_from_env_picks_the_broker_and_never_falls_back(tmp_path: Path) -> None:
+    env = {"GPUPOOL_URL": f"unix://{tmp_path}/nobody-listens.sock", "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / "p.sqlite")}
+    pool = pool_from_env(environ=env)
+    assert isinstance(pool, RemotePool)
+    with pytest.raises(PoolUnavailable, match="not reachable .*no socket.*GPUPOOL_URL is set"):
+        pool.request(LeaseRequest(owner="x", memory=GIB))
+    with pytest.raises(PoolUnavailable):
+        pool_from_env(environ=env, check=True)
+    assert not (tmp_path / "p.sqlite").exists(), "no local pool was opened behind the user's back"
+    local = pool_from_env(environ={k: v for k, v in env.items() if k != "GPUPOOL_URL"})
+    assert isinstance(local, Pool)
+    local.close()
+
+
+def test_refused_tcp_port_is_pool_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = RemotePool(f"http://127.0.0.1:{port}/services/gpupool", token="t", timeout=5)
+    with pytest.raises(PoolUnavailable, match="connection refused"):
+        pool.devices()
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerHarness]:
+    h = BrokerHarness(tmp_path).start()
+    h.add_user("tok-alice", "alice", groups=("cs101",))
+    yield h
+    h.stop()
+
+
+def test_missing_token_says_which_variable_to_set(broker: BrokerHarness) -> None:
+    with pytest.raises(NotAuthorized, match="GPUPOOL_TOKEN or JUPYTERHUB_API_TOKEN"):
+        RemotePool(broker.url).devices()
+    with pytest.raises(NotAuthorized, match="forged, expired or revoked"):
+        RemotePool(broker.url, token="nope").devices()
+
+
+def test_remote_pool_is_a_drop_in_for_the_provisioner(broker: BrokerHarness) -> None:
+    """What GpuPoolProvisioner calls: preference, parse_memory, default_memory, request, await_grant, devices."""
+    import asyncio
+
+    pool = RemotePool.from_env({"GPUPOOL_URL": broker.url, "JUPYTERHUB_API_TOKEN": "tok-alice"})
+    assert pool.preference("alice") == {}
+    assert pool.parse_memory("4GiB") == 4 * GIB and pool.default_memory() == 8 * GIB
+    assert pool.policy.heartbeat_ttl > 0 and pool.backend.name == "remote"
+    first = pool.request(LeaseRequest(owner="alice", memory=8 * GIB, kernel_id="k1"))
+    pool.request(LeaseRequest(owner="alice", memory=8 * GIB, kernel_id="k2"))
+    third = pool.request(LeaseRequest(owner="alice", memory=8 * GIB, kernel_id="k3"))
+    assert third.state is LeaseState.QUEUED
+    seen = []
+
+    async def wait() -> LeaseState:
+        task = asyncio.ensure_future(pool.await_grant(third.id, timeout=20, on_update=lambda lease, info: seen.append(info.position)))
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(pool.release, first.id, "kernel shut down")
+        return (await task).state
+
+    assert asyncio.run(wait()) is LeaseState.GRANTED
+    assert seen and seen[0] == 1
+    assert pool.lease_for_kernel("k3").id == third.id
+    assert pool.lease_for_kernel("k1") is None and pool.last_lease_for_kernel("k1").id == first.id
+    assert {d.uuid for d in pool.devices()} == set(pool.get(third.id).devices)
+    assert pool.client_env() == {"GPUPOOL_URL": broker.url}
+    with pytest.raises(TimeoutError):
+        blocked = pool.request(LeaseRequest(owner="alice", memory=8 * GIB))
+        pool.wait_for_grant(blocked.id, timeout=0.5)
+
+
+def test_kernel_client_magics_work_through_the_broker(broker: BrokerHarness) -> None:
+    """``%gpupool`` in a kernel uses kernel.client.connect(), which picks the broker client."""
+    from jupyter_gpupool.kernel.client import connect
+
+    pool = broker.remote("tok-alice")
+    lease = pool.request(LeaseRequest(owner="", memory=8 * GIB, kernel_id="kern-1"))
+    env = {"GPUPOOL_URL": broker.url, "JUPYTERHUB_API_TOKEN": "tok-alice", "GPUPOOL_LEASE_ID": lease.id, "GPUPOOL_KERNEL_ID": "kern-1"}
+    client = connect(env)
+    status = client.status()
+    assert status.lease is not None and status.lease.id == lease.id
+    resized = client.reserve("4GiB", "1h")
+    assert resized.memory == 4 * GIB and resized.keep_until is not None
+    assert env["GPUPOOL_MEMORY_LIMIT"] == str(4 * GIB)
+    released = client.release()
+    assert released.state is LeaseState.RELEASED
+    renewed = client.reserve("2GiB")
+    assert renewed.owner == "alice" and renewed.kernel_id == "kern-1" and renewed.state is LeaseState.GRANTED
