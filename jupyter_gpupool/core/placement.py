@@ -411,7 +411,8 @@ class FgdPolicy(PlacementPolicy):
     """
 
     name = "fgd"
-    tie_break_best_fit: ClassVar[bool] = False
+    tie_break_gpu: ClassVar[bool] = False  # equal-score GPUs of a node: tightest first
+    tie_break_node: ClassVar[bool] = False  # equal-score nodes: by _node_tie_value, not index
 
     def __init__(self, typical: Sequence[tuple[Demand, float]] | None = None, *, quantize: bool = True) -> None:
         self.quantize = quantize
@@ -513,22 +514,27 @@ class FgdPolicy(PlacementPolicy):
             after = self._frag(self._state_key(node, cpu_after, mem_after, after_state), typical, memo_key)
             s = _sigmoid((before - after) / self._unit)
             score = float(int(100 * s)) if self.quantize else 100 * s
-            key = (score, -leftover if self.tie_break_best_fit else 0.0)
+            key = (score, -leftover if self.tie_break_gpu else 0.0)
             if best_key is None or key > best_key:  # strict: ties keep the first GPU
                 best_key, best = key, cand
         assert best_key is not None
         score = best_key[0]
-        if self.tie_break_best_fit:
-            # below one quantization step, so it only orders nodes with equal FGD scores
-            score += (0.5 if self.quantize else 1e-6) * self._bestfit_raw(node, d, best)
+        if self.tie_break_node:
+            # in [0, 0.5], below one quantization step: it only orders nodes with equal FGD scores
+            score += (0.5 if self.quantize else 1e-6) * self._node_tie_value(node, d, best)
         return score, best
+
+    def _node_tie_value(self, node: NodeView, d: Demand, chosen: tuple[int, ...]) -> float:
+        """A value in [0, 1] that orders nodes with equal FGD scores (higher first)."""
+        return self._bestfit_raw(node, d, chosen)
 
 
 class FgdBestFitPolicy(FgdPolicy):
     """FGD whose ties (nodes and GPUs with the same integer score) go to the tightest fit."""
 
     name = "fgd-bestfit"
-    tie_break_best_fit = True
+    tie_break_gpu = True
+    tie_break_node = True
 
 
 POLICIES: dict[str, type[PlacementPolicy]] = {
