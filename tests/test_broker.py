@@ -490,3 +490,40 @@ def test_info_carries_the_policy_a_remote_client_needs(harness: BrokerHarness) -
     assert alice.parse_memory("50%") == 8 * GIB
     assert sys.modules["jupyter_gpupool.broker"].BrokerApp.name == "jupyter-gpupool-broker"
     assert ACCESS in harness.tokens[ALICE]["scopes"]
+
+
+# --- TLJH plugin ------------------------------------------------------------------------------------------
+def test_tljh_plugin_configures_service_scopes_roles_and_server_env() -> None:
+    from importlib.metadata import entry_points
+
+    from traitlets.config import Config
+
+    from jupyter_gpupool import tljh
+
+    c = Config()
+    c.Authenticator.admin_users = {"teacher"}
+    c.JupyterHub.load_roles = [{"name": "user", "scopes": ["self"]}]
+    tljh.configure_hub(c, {"default_memory": "8GiB", "port": 10202}, python="/opt/tljh/hub/bin/python3")
+    tljh.configure_hub(c, {"default_memory": "8GiB", "port": 10202}, python="/opt/tljh/hub/bin/python3")  # idempotent
+    (service,) = [s for s in c.JupyterHub.services if s["name"] == "gpupool"]
+    assert service["url"] == "http://127.0.0.1:10202"
+    assert service["command"] == ["/opt/tljh/hub/bin/python3", "-m", "jupyter_gpupool.broker"]
+    assert service["environment"]["GPUPOOL_DEFAULT_MEMORY"] == "8GiB"
+    assert "custom:gpupool:admin" in c.JupyterHub.custom_scopes
+    roles = {r["name"]: r for r in c.JupyterHub.load_roles}
+    assert roles["user"]["scopes"] == ["self", ACCESS]
+    assert roles["gpupool-admin"]["users"] == ["teacher"] and "custom:gpupool:admin" in roles["gpupool-admin"]["scopes"]
+    assert c.Spawner.server_token_scopes == ["users:activity!user", "access:servers!server", ACCESS, "custom:gpupool:admin"]
+    assert c.Spawner.environment["GPUPOOL_URL"] == "http://127.0.0.1:10202/services/gpupool"
+    with pytest.raises(ValueError, match="unknown gpupool setting"):
+        tljh.configure_hub(Config(), {"defualt_memory": "8GiB"})
+    # The hook is a pluggy implementation for the "tljh" project.
+    assert getattr(tljh.tljh_custom_jupyterhub_config, "tljh_impl", None) is not None
+    declared = [ep.value for ep in entry_points(group="tljh")]
+    if declared:  # installed package: pyproject declares the plugin
+        assert "jupyter_gpupool.tljh" in declared
+    # And the generated config is valid for JupyterHub's traits.
+    from jupyterhub.app import JupyterHub
+
+    hub = JupyterHub(config=c)
+    assert hub.services[-1]["name"] == "gpupool"
