@@ -86,9 +86,11 @@ def test_reserve_status_release_round_trip(pool_env: PoolEnv, kernel_factory: An
     status = kernel.run("%gpupool status").plain()
     assert "4 GiB on GPU 0" in status and "granted" in status
 
-    kept = kernel.run("%gpupool keep 30m")
+    kept = kernel.run("%gpupool keep 3h")
     keep_until = pool.get(pool_env.lease_id).keep_until
-    assert keep_until is not None and abs(keep_until - (time.time() + 1800)) < 120
+    assert keep_until is not None and abs(keep_until - (time.time() + 3 * 3600)) < 120
+    kernel.run("%gpupool keep 30m")  # a shorter keep never cuts the longer hold
+    assert pool.get(pool_env.lease_id).keep_until == keep_until
     assert "held through idle until" in kept.plain()
 
     released = kernel.run("%gpupool release")
