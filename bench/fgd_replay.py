@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -285,22 +285,51 @@ def published_means(path: Path = PUBLISHED) -> dict[tuple[str, str], dict[str, f
     }
 
 
+def _task_key(task: tuple[Any, ...]) -> str:
+    pods, nodes, policy, seed, sample, max_pods = task
+    return json.dumps([os.path.basename(pods), os.path.basename(nodes), policy, seed, sample, max_pods])
+
+
 def run_many(
-    tasks: list[tuple[str, str, str, int, float, int | None]], jobs: int
+    tasks: list[tuple[str, str, str, int, float, int | None]], jobs: int, cache: str | None = None
 ) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """Run replay tasks (in ``jobs`` processes) → {(pods_path, policy): [seed results]}."""
+    """Run replay tasks (in ``jobs`` processes) → {(pods_path, policy): [seed results]}.
+
+    With ``cache`` (a JSON-lines file), each finished seed is appended as it ends and seeds
+    already there are not run again, so a long run can be stopped and resumed.
+    """
     out: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    if jobs <= 1:
-        results = map(_replay_task, tasks)
-        for task, res in zip(tasks, results):
-            out.setdefault((task[0], task[2]), []).append(res)
-        return out
-    # longest first (fgd variants) keeps both cores busy to the end
-    order = sorted(range(len(tasks)), key=lambda i: tasks[i][2] == "best-fit")
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = [(tasks[i], pool.submit(_replay_task, tasks[i])) for i in order]
-        for task, fut in futures:
-            out.setdefault((task[0], task[2]), []).append(fut.result())
+    done: dict[str, dict[str, Any]] = {}
+    if cache and Path(cache).is_file():
+        for line in Path(cache).read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done[rec["key"]] = rec["result"]
+    todo = [t for t in tasks if _task_key(t) not in done]
+    sink = open(cache, "a") if cache else None  # noqa: SIM115 - closed below
+
+    def record(task: tuple[Any, ...], res: dict[str, Any]) -> None:
+        done[_task_key(task)] = res
+        if sink:
+            sink.write(json.dumps({"key": _task_key(task), "result": res}) + "\n")
+            sink.flush()
+
+    try:
+        if jobs <= 1:
+            for task in todo:
+                record(task, _replay_task(task))
+        else:
+            # longest first (FGD variants) keeps every core busy to the end
+            todo.sort(key=lambda t: t[2] == "best-fit")
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                futures = {pool.submit(_replay_task, t): t for t in todo}
+                for fut in as_completed(futures):
+                    record(futures[fut], fut.result())
+    finally:
+        if sink:
+            sink.close()
+    for task in tasks:
+        out.setdefault((task[0], task[2]), []).append(done[_task_key(task)])
     return out
 
 
@@ -357,6 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     ap.add_argument("--markdown", help="also write the variant table as Markdown to this file")
     ap.add_argument("--published", default=str(PUBLISHED), help="the paper's analysis_allo_discrete.csv")
+    ap.add_argument(
+        "--resume",
+        metavar="FILE.jsonl",
+        help="append each finished seed to this file and skip seeds already in it (stop and resume long runs)",
+    )
     args = ap.parse_args(argv)
 
     try:
@@ -389,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not Path(pth).is_file():
                     raise ReplayError(f"pod list not found: {pth}")
             tasks = [(paths[v], args.nodes, p, s, args.sample, args.max_pods) for v in variants for p in policies for s in seeds]
-            results = run_many(tasks, args.jobs)
+            results = run_many(tasks, args.jobs, args.resume)
             rows = []
             for v in variants:
                 ours = {p: summarize(p, paths[v], results[(paths[v], p)]) for p in policies}
@@ -423,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ReplayError(f"pod list not found: {args.pods}")
         load_pods(args.pods)
         tasks = [(args.pods, args.nodes, p, s, args.sample, args.max_pods) for p in policies_given for s in seeds]
-        results = run_many(tasks, args.jobs)
+        results = run_many(tasks, args.jobs, args.resume)
         summaries = [summarize(p, args.pods, results[(args.pods, p)]) for p in policies_given]
         result: dict[str, Any] = summaries[0] if len(summaries) == 1 else {"results": summaries}
         result["elapsed_s"] = time.time() - started
