@@ -10,8 +10,10 @@ Load it by hand in any IPython session with ``%load_ext jupyter_gpupool.kernel``
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from .activity import ActivityReporter
 from .caps import FrameworkCaps
 from .client import PoolClient, connect
 
@@ -44,10 +46,16 @@ def load_ipython_extension(ipython: Any) -> None:
     caps.install(ipython)
     ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
     _state["shell"] = ipython
+    if os.environ.get("GPUPOOL_LEASE_ID"):
+        reporter = _state["activity"] = ActivityReporter(lambda: get_client().lease_id, lambda: get_client().pool)
+        reporter.start(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Remove the import hooks, the OOM hint and the magic; close the pool client."""
+    reporter = _state.pop("activity", None)
+    if reporter is not None:
+        reporter.stop(ipython)
     caps = _state.pop("caps", None)
     if caps is not None:
         caps.uninstall()
