@@ -116,13 +116,23 @@ class PoolCollector(Collector):
             now = snapshot.now
             labels = ["gpu", "uuid", "name"]
             families = {
-                "memory_total": GaugeMetricFamily("gpupool_device_memory_total_bytes", "GPU memory per device.", labels=labels),
-                "memory_leasable": GaugeMetricFamily(
-                    "gpupool_device_memory_leasable_bytes", "Memory the pool may lease per device (total × overcommit).", labels=labels
+                "memory_total": GaugeMetricFamily(
+                    "gpupool_device_memory_total_bytes", "GPU memory per device.", labels=labels
                 ),
-                "memory_leased": GaugeMetricFamily("gpupool_device_memory_leased_bytes", "Memory held by leases per device.", labels=labels),
-                "memory_used": GaugeMetricFamily("gpupool_device_memory_used_bytes", "Memory in use per device (driver or watchdog).", labels=labels),
-                "healthy": GaugeMetricFamily("gpupool_device_healthy", "1 if the device is healthy, 0 if lost or failing.", labels=labels),
+                "memory_leasable": GaugeMetricFamily(
+                    "gpupool_device_memory_leasable_bytes",
+                    "Memory the pool may lease per device (total × overcommit).",
+                    labels=labels,
+                ),
+                "memory_leased": GaugeMetricFamily(
+                    "gpupool_device_memory_leased_bytes", "Memory held by leases per device.", labels=labels
+                ),
+                "memory_used": GaugeMetricFamily(
+                    "gpupool_device_memory_used_bytes", "Memory in use per device (driver or watchdog).", labels=labels
+                ),
+                "healthy": GaugeMetricFamily(
+                    "gpupool_device_healthy", "1 if the device is healthy, 0 if lost or failing.", labels=labels
+                ),
             }
             totals = {"memory_total": 0, "memory_leasable": 0, "memory_leased": 0, "memory_used": 0}
             frees: list[int] = []
@@ -135,11 +145,19 @@ class PoolCollector(Collector):
                 if d["healthy"]:
                     frees.append(int(d["memory_leasable"]) - int(d["memory_leased"]))
             yield from families.values()
-            yield GaugeMetricFamily("gpupool_memory_total_bytes", "GPU memory of every pooled device.", value=totals["memory_total"])
-            yield GaugeMetricFamily("gpupool_memory_leased_bytes", "GPU memory held by leases, all devices.", value=totals["memory_leased"])
-            yield GaugeMetricFamily("gpupool_memory_used_bytes", "GPU memory in use, all devices.", value=totals["memory_used"])
+            yield GaugeMetricFamily(
+                "gpupool_memory_total_bytes", "GPU memory of every pooled device.", value=totals["memory_total"]
+            )
+            yield GaugeMetricFamily(
+                "gpupool_memory_leased_bytes", "GPU memory held by leases, all devices.", value=totals["memory_leased"]
+            )
+            yield GaugeMetricFamily(
+                "gpupool_memory_used_bytes", "GPU memory in use, all devices.", value=totals["memory_used"]
+            )
             ratio = totals["memory_leased"] / totals["memory_leasable"] if totals["memory_leasable"] else 0.0
-            yield GaugeMetricFamily("gpupool_memory_leased_ratio", "Leased share of leasable memory (0..1).", value=ratio)
+            yield GaugeMetricFamily(
+                "gpupool_memory_leased_ratio", "Leased share of leasable memory (0..1).", value=ratio
+            )
 
             by_state = GaugeMetricFamily("gpupool_leases", "Live leases by state.", labels=["state"])
             counts: dict[str, int] = {"granted": 0, "queued": 0, "suspended": 0}
@@ -151,9 +169,13 @@ class PoolCollector(Collector):
             yield GaugeMetricFamily("gpupool_queue_length", "Requests waiting for a slice.", value=len(snapshot.queue))
             oldest = max((now - q["created_at"] for q in snapshot.queue), default=0.0)
             yield GaugeMetricFamily(
-                "gpupool_queue_oldest_wait_seconds", "How long the longest-waiting request has waited (0 when none).", value=oldest
+                "gpupool_queue_oldest_wait_seconds",
+                "How long the longest-waiting request has waited (0 when none).",
+                value=oldest,
             )
-            yield GaugeMetricFamily("gpupool_largest_free_bytes", "Largest free memory on one healthy device.", value=max(frees, default=0))
+            yield GaugeMetricFamily(
+                "gpupool_largest_free_bytes", "Largest free memory on one healthy device.", value=max(frees, default=0)
+            )
             try:
                 request = int(self.pool.default_memory())
             except Exception:  # noqa: BLE001 - a metric must never fail the scrape
@@ -186,4 +208,4 @@ def render(registry: CollectorRegistry) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-__all__ = ["METRIC_NAMES", "PoolCollector", "WAIT_BUCKETS", "fragmentation", "make_registry", "render"]
+__all__ = ["METRIC_NAMES", "WAIT_BUCKETS", "PoolCollector", "fragmentation", "make_registry", "render"]

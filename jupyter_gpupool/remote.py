@@ -32,7 +32,17 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .core.models import Activity, Decision, DecisionKind, Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, QueueInfo
+from .core.models import (
+    Activity,
+    Decision,
+    DecisionKind,
+    Device,
+    Lease,
+    LeaseRequest,
+    LeaseState,
+    PoolSnapshot,
+    QueueInfo,
+)
 from .errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
 from .units import parse_size
 
@@ -40,7 +50,8 @@ URL_FORMS = "http://HOST:PORT[/PREFIX], https://HOST[:PORT][/PREFIX] or unix:///
 API = "api/gpupool"
 
 _ERRORS: dict[str, type[GpuPoolError]] = {
-    cls.__name__: cls for cls in (GpuPoolError, InvalidInput, RequestRefused, LeaseNotFound, NotAuthorized, PoolUnavailable)
+    cls.__name__: cls
+    for cls in (GpuPoolError, InvalidInput, RequestRefused, LeaseNotFound, NotAuthorized, PoolUnavailable)
 }
 _BY_STATUS: dict[int, type[GpuPoolError]] = {
     400: InvalidInput,
@@ -158,7 +169,9 @@ class RemotePool:
     #: Longest single long-poll while waiting for a grant (the broker caps it too).
     wait_chunk = 10.0
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, url: str, token: str | None = None, timeout: float = 30.0, clock: Callable[[], float] = time.time
+    ) -> None:
         self.endpoint = _Endpoint(url)
         self.url = self.endpoint.url
         self.token = token or None
@@ -182,7 +195,14 @@ class RemotePool:
         return cls(url, token=token, timeout=timeout)
 
     # --- transport ------------------------------------------------------------------------------
-    def call(self, method: str, route: str, body: Any = None, query: Mapping[str, Any] | None = None, timeout: float | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        route: str,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
         """One request to the broker; the JSON answer, or the domain error it stands for."""
         headers = {"Accept": "application/json"}
         data = None
@@ -256,7 +276,7 @@ class RemotePool:
                 if policy.has_trait(key) and value is not None:
                     try:
                         setattr(policy, key, value)
-                    except Exception:  # noqa: BLE001 - a newer broker may send a value this version rejects
+                    except Exception:  # noqa: BLE001, S112 - a newer broker may send a value this version rejects
                         continue
             self._policy = policy
         return self._policy
@@ -320,8 +340,12 @@ class RemotePool:
     def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
         return _lease(self.call("DELETE", f"{API}/leases/{_q(lease_id)}", query={"reason": reason}))
 
-    def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None) -> Lease:
-        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/resize", {"memory": memory, "duration": duration}))
+    def resize(
+        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None
+    ) -> Lease:
+        return _lease(
+            self.call("POST", f"{API}/leases/{_q(lease_id)}/resize", {"memory": memory, "duration": duration})
+        )
 
     def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
         return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/keepalive", {"duration": seconds}))
@@ -344,7 +368,9 @@ class RemotePool:
     def tick(self, now: float | None = None) -> list[Decision]:
         return [_decision(item) for item in self.call("POST", f"{API}/tick", {})]
 
-    def reconcile_kernels(self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None) -> list[Lease]:
+    def reconcile_kernels(
+        self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None
+    ) -> list[Lease]:
         body = {"holder_host": holder_host, "holder_pid": holder_pid, "live_kernel_ids": sorted(live_kernel_ids)}
         return [_lease(item) for item in self.call("POST", f"{API}/reconcile", body)]
 
@@ -405,7 +431,13 @@ class RemotePool:
     def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:
         """The pool as the broker lets the caller see it (admins see every user)."""
         data = self.call("GET", f"{API}/pool")
-        return PoolSnapshot(devices=data["devices"], leases=data["leases"], queue=data["queue"], now=data["now"], quota=data.get("quota") or {})
+        return PoolSnapshot(
+            devices=data["devices"],
+            leases=data["leases"],
+            queue=data["queue"],
+            now=data["now"],
+            quota=data.get("quota") or {},
+        )
 
     @staticmethod
     def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:
@@ -413,7 +445,9 @@ class RemotePool:
 
         return Pool.view_lease(lease, viewer, admin, position)
 
-    def report(self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None) -> list[dict[str, Any]]:
+    def report(
+        self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None
+    ) -> list[dict[str, Any]]:
         return list(self.call("GET", f"{API}/report", query={"since": since, "until": until, "by": by}))
 
     def reservations(self) -> list[Any]:
@@ -469,7 +503,10 @@ def _queue(data: Mapping[str, Any] | None) -> QueueInfo | None:
     if not data:
         return None
     return QueueInfo(
-        position=int(data["position"]), length=int(data["length"]), estimated_wait=data.get("estimated_wait"), reason=data.get("reason") or ""
+        position=int(data["position"]),
+        length=int(data["length"]),
+        estimated_wait=data.get("estimated_wait"),
+        reason=data.get("reason") or "",
     )
 
 
@@ -521,4 +558,4 @@ def pool_from_env(config: Any = None, environ: Mapping[str, str] | None = None, 
     return Pool.from_env(config=config, environ=dict(env))
 
 
-__all__ = ["RemoteBackend", "RemotePool", "URL_FORMS", "pool_from_env"]
+__all__ = ["URL_FORMS", "RemoteBackend", "RemotePool", "pool_from_env"]

@@ -53,17 +53,23 @@ def configure_hub(c: Any, settings: Mapping[str, Any] | None = None, python: str
     settings = dict(settings or {})
     unknown = set(settings) - set(ENV_SETTINGS) - {"port", "db"}
     if unknown:
-        raise ValueError(f"unknown gpupool setting(s) {sorted(unknown)}; use {', '.join(sorted([*ENV_SETTINGS, 'port', 'db']))}")
+        raise ValueError(
+            f"unknown gpupool setting(s) {sorted(unknown)}; use {', '.join(sorted([*ENV_SETTINGS, 'port', 'db']))}"
+        )
     port = int(settings.get("port") or DEFAULT_PORT)
     db = str(settings.get("db") or DEFAULT_DB)
     url = f"http://127.0.0.1:{port}"
 
     scopes = dict(_value(c, "JupyterHub", "custom_scopes", {}))
-    scopes.setdefault(ADMIN_SCOPE, {"description": "See every GPU lease with its user; release, resize or keep any of them."})
+    scopes.setdefault(
+        ADMIN_SCOPE, {"description": "See every GPU lease with its user; release, resize or keep any of them."}
+    )
     c.JupyterHub.custom_scopes = scopes
 
     environment = {"GPUPOOL_DB": db}
-    environment.update({var: str(settings[key]) for key, var in ENV_SETTINGS.items() if settings.get(key) not in (None, "")})
+    environment.update(
+        {var: str(settings[key]) for key, var in ENV_SETTINGS.items() if settings.get(key) not in (None, "")}
+    )
     services = [s for s in _value(c, "JupyterHub", "services", []) if s.get("name") != SERVICE_NAME]
     services.append(
         {
@@ -82,14 +88,18 @@ def configure_hub(c: Any, settings: Mapping[str, Any] | None = None, python: str
     elif ACCESS_SCOPE not in user_role.get("scopes", []):
         user_role["scopes"] = [*user_role.get("scopes", ["self"]), ACCESS_SCOPE]
     admins = sorted(_value(c, "Authenticator", "admin_users", set()))
-    roles.append({"name": "gpupool-admin", "scopes": [ADMIN_SCOPE, ACCESS_SCOPE], "users": admins, "groups": ["gpupool-admins"]})
+    roles.append(
+        {"name": "gpupool-admin", "scopes": [ADMIN_SCOPE, ACCESS_SCOPE], "users": admins, "groups": ["gpupool-admins"]}
+    )
     c.JupyterHub.load_roles = roles
     groups = dict(_value(c, "JupyterHub", "load_groups", {}))
     groups.setdefault("gpupool-admins", {"users": []})
     c.JupyterHub.load_groups = groups
 
     token_scopes = _value(c, "Spawner", "server_token_scopes", [])
-    current = list(token_scopes) if isinstance(token_scopes, (list, tuple)) and token_scopes else list(SERVER_ROLE_SCOPES)
+    current = (
+        list(token_scopes) if isinstance(token_scopes, (list, tuple)) and token_scopes else list(SERVER_ROLE_SCOPES)
+    )
     for scope in (ACCESS_SCOPE, ADMIN_SCOPE):  # the hub keeps only the scopes each user holds
         if scope not in current:
             current.append(scope)
@@ -102,8 +112,8 @@ def configure_hub(c: Any, settings: Mapping[str, Any] | None = None, python: str
 
 def _value(c: Any, section: str, name: str, default: Any) -> Any:
     """A value already in the config, else ``default`` (never traitlets' lazy placeholder)."""
-    part = c[section] if section in c else {}
-    value = part[name] if name in part else None
+    part = c.get(section, {})
+    value = part.get(name)
     if value is None or type(value).__name__ == "LazyConfigValue":
         return default
     return value

@@ -29,7 +29,9 @@ from jupyter_gpupool.watchdog import Watchdog
 ACCESS = "access:services!service=gpupool"
 
 
-def user_model(name: str, groups: tuple[str, ...] = (), admin: bool = False, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def user_model(
+    name: str, groups: tuple[str, ...] = (), admin: bool = False, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     scopes = [ACCESS, f"read:users:name!user={name}", f"read:users:groups!user={name}", *extra]
     if admin:
         scopes.append(ADMIN_SCOPE)
@@ -167,14 +169,18 @@ class BrokerHarness:
         assert self.broker is not None
         return self.broker.executor.submit(fn, *args).result(30)
 
-    def add_user(self, token: str, name: str, groups: tuple[str, ...] = (), admin: bool = False, extra: tuple[str, ...] = ()) -> str:
+    def add_user(
+        self, token: str, name: str, groups: tuple[str, ...] = (), admin: bool = False, extra: tuple[str, ...] = ()
+    ) -> str:
         self.tokens[token] = user_model(name, groups, admin, extra)
         return token
 
     def remote(self, token: str | None) -> RemotePool:
         return RemotePool(self.url, token=token, timeout=15)
 
-    def http(self, method: str, path: str, token: str | None = None, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    def http(
+        self, method: str, path: str, token: str | None = None, body: Any = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         """One raw request over TCP; ``path`` is relative to the service prefix."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=15)
         hdrs = dict(headers or {})

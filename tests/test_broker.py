@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from broker_harness import ACCESS, BrokerHarness, unix_http
+
 from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState
 from jupyter_gpupool.errors import LeaseNotFound, NotAuthorized, RequestRefused
 from jupyter_gpupool.units import GIB
@@ -103,7 +103,9 @@ def test_users_share_one_pool_and_the_third_lease_queues(harness: BrokerHarness)
 
 
 def test_owner_and_groups_come_from_the_token_never_the_body(harness: BrokerHarness) -> None:
-    status, body = harness.http("POST", "api/gpupool/leases", ALICE, {"memory": "4GiB", "owner": "bob", "groups": ["staff"]})
+    status, body = harness.http(
+        "POST", "api/gpupool/leases", ALICE, {"memory": "4GiB", "owner": "bob", "groups": ["staff"]}
+    )
     assert status == 201, body
     assert body["owner"] == "alice" and body["groups"] == ["cs101"]
     status, who = harness.http("GET", "api/gpupool/whoami", ALICE)
@@ -137,7 +139,10 @@ def test_another_users_lease_is_403_and_an_admin_may(harness: BrokerHarness) -> 
         assert payload["error"] == "NotAuthorized" and payload["message"]
     # Reconcile with Bob's holder and no live kernels touches only Alice's own leases: none.
     status, released = harness.http(
-        "POST", "api/gpupool/reconcile", ALICE, {"holder_host": lease["holder_host"] or "", "holder_pid": lease["holder_pid"] or 0, "live_kernel_ids": []}
+        "POST",
+        "api/gpupool/reconcile",
+        ALICE,
+        {"holder_host": lease["holder_host"] or "", "holder_pid": lease["holder_pid"] or 0, "live_kernel_ids": []},
     )
     assert status == 200 and released == []
     # A kernel id already leased by Bob cannot be claimed by Alice.
@@ -209,8 +214,17 @@ def test_every_route_refuses_missing_forged_expired_and_foreign_tokens(harness: 
     owner = harness.remote(BOB)
     lease = owner.request(LeaseRequest(owner="", memory=8 * GIB, kernel_id="k-1"))
     # Another hub service's token (no access to this service) and a user token without the scope.
-    harness.tokens["tok-other-service"] = {"kind": "service", "name": "other", "scopes": ["access:services!service=other"]}
-    harness.tokens["tok-no-scope"] = {"kind": "user", "name": "mallory", "groups": ["cs101"], "scopes": ["read:users:name!user=mallory"]}
+    harness.tokens["tok-other-service"] = {
+        "kind": "service",
+        "name": "other",
+        "scopes": ["access:services!service=other"],
+    }
+    harness.tokens["tok-no-scope"] = {
+        "kind": "user",
+        "name": "mallory",
+        "groups": ["cs101"],
+        "scopes": ["read:users:name!user=mallory"],
+    }
     # An expired token: it worked once, then the hub stopped knowing it.
     harness.add_user("tok-expired", "alice")
     assert harness.http("GET", "api/gpupool/whoami", "tok-expired")[0] == 200
@@ -248,8 +262,12 @@ def test_tcp_without_a_hub_refuses_everyone(tmp_path: Path) -> None:
 
 
 # --- quotas and priorities from hub groups --------------------------------------------------------------
-def test_group_quota_limits_the_group_and_priority_comes_from_the_group(make_harness: Callable[..., BrokerHarness]) -> None:
-    harness = make_harness(policy={"group_quotas": {"cs101": {"maximum": "8GiB"}}, "group_priorities": {"staff": "high"}})
+def test_group_quota_limits_the_group_and_priority_comes_from_the_group(
+    make_harness: Callable[..., BrokerHarness],
+) -> None:
+    harness = make_harness(
+        policy={"group_quotas": {"cs101": {"maximum": "8GiB"}}, "group_priorities": {"staff": "high"}}
+    )
     alice, bob, carol = harness.remote(ALICE), harness.remote(BOB), harness.remote(CAROL)
     a = alice.request(LeaseRequest(owner="", memory=8 * GIB))
     b = bob.request(LeaseRequest(owner="", memory=4 * GIB))
@@ -260,17 +278,17 @@ def test_group_quota_limits_the_group_and_priority_comes_from_the_group(make_har
     c = carol.request(LeaseRequest(owner="", memory=4 * GIB))
     assert c.state is LeaseState.GRANTED and c.priority.value == "high"
     # A user cannot raise their own class: Alice asking for "high" stays normal.
-    status, body = harness.http("POST", "api/gpupool/leases", ALICE, {"memory": "1GiB", "priority": "high"})
+    _, body = harness.http("POST", "api/gpupool/leases", ALICE, {"memory": "1GiB", "priority": "high"})
     assert body["priority"] == "normal"
     alice.release(a.id)
     assert bob.wait_for_grant(b.id, timeout=20).state is LeaseState.GRANTED
 
 
 def test_groups_are_read_from_the_hub_at_request_time(harness: BrokerHarness) -> None:
-    status, body = harness.http("POST", "api/gpupool/leases", CAROL, {"memory": "1GiB"})
+    _, body = harness.http("POST", "api/gpupool/leases", CAROL, {"memory": "1GiB"})
     assert body["groups"] == ["staff"]
     harness.tokens[CAROL]["groups"] = ["cs101", "staff"]  # the hub admin adds carol to cs101
-    status, body = harness.http("POST", "api/gpupool/leases", CAROL, {"memory": "1GiB"})
+    _, body = harness.http("POST", "api/gpupool/leases", CAROL, {"memory": "1GiB"})
     assert body["groups"] == ["cs101", "staff"]
 
 
@@ -278,14 +296,17 @@ def test_groups_are_read_from_the_hub_at_request_time(harness: BrokerHarness) ->
 def test_kernel_routes_match_the_single_user_api(harness: BrokerHarness) -> None:
     harness.http("POST", "api/gpupool/leases", ALICE, request_body(kernel_id="k-alice"))
     harness.http("POST", "api/gpupool/leases", BOB, request_body(kernel_id="k-bob"))
-    status, queued = harness.http("POST", "api/gpupool/leases", ALICE, request_body(kernel_id="k-alice-2"))
+    status, _ = harness.http("POST", "api/gpupool/leases", ALICE, request_body(kernel_id="k-alice-2"))
+    assert status == 201
     status, body = harness.http("GET", "api/gpupool/kernels/k-alice-2", ALICE)
     assert status == 200
     assert body["state"] == "queued" and body["queue_position"] == 1 and body["queue_length"] == 1
     status, body = harness.http("GET", "api/gpupool/kernels/k-alice", ALICE)
     assert body["state"] == "granted" and body["memory"] == 8 * GIB and body["devices"][0]["index"] == 0
     assert body["enforcement"]["level"] and body["idle_seconds"] >= 0
-    status, body = harness.http("POST", "api/gpupool/kernels/k-alice/reserve", ALICE, {"memory": "6GiB", "duration": "2h"})
+    status, body = harness.http(
+        "POST", "api/gpupool/kernels/k-alice/reserve", ALICE, {"memory": "6GiB", "duration": "2h"}
+    )
     assert status == 200 and body["memory"] == 6 * GIB and body["keep_until"]
     status, body = harness.http("POST", "api/gpupool/kernels/k-alice/reserve", ALICE, {"memory": "12 parsecs"})
     assert status == 400 and "8GiB" in body["message"]
@@ -391,7 +412,14 @@ def _as_nobody(harness: BrokerHarness, remote_pool: Any) -> None:
         f"call('DELETE','/services/gpupool/api/gpupool/leases/{lease.id}')\n"
         "call('GET','/services/gpupool/metrics')\n"
     )
-    out = subprocess.run(["/usr/bin/python3", "-c", script, harness.socket_path], user="nobody", capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["/usr/bin/python3", "-c", script, harness.socket_path],
+        user="nobody",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     lines = out.stdout.splitlines()
     assert len(lines) == 3, out.stderr
     status, body = lines[0].split(" ", 1)
@@ -402,16 +430,18 @@ def _as_nobody(harness: BrokerHarness, remote_pool: Any) -> None:
 
 
 # --- watchdog in the broker ----------------------------------------------------------------------------
-def test_broker_watchdog_finds_the_kernel_by_its_lease_variable_and_interrupts_it(make_harness: Callable[..., BrokerHarness]) -> None:
-    harness = make_harness(watchdog={"interval": 0.1, "grace": 0.0, "action": "interrupt", "tolerance_bytes": 0, "tolerance": 0.0})
+def test_broker_watchdog_finds_the_kernel_by_its_lease_variable_and_interrupts_it(
+    make_harness: Callable[..., BrokerHarness],
+) -> None:
+    harness = make_harness(
+        watchdog={"interval": 0.1, "grace": 0.0, "action": "interrupt", "tolerance_bytes": 0, "tolerance": 0.0}
+    )
     alice = harness.remote(ALICE)
     lease = alice.request(LeaseRequest(owner="", memory=4 * GIB))
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
     env["GPUPOOL_LEASE_ID"] = lease.id
     # A "kernel" whose child dropped every variable (env -i) and uses the GPU.
-    kernel = subprocess.Popen(
-        ["/bin/sh", "-c", "env -i /bin/sleep 60 & wait"], env=env, start_new_session=True
-    )
+    kernel = subprocess.Popen(["/bin/sh", "-c", "env -i /bin/sleep 60 & wait"], env=env, start_new_session=True)
     try:
         import psutil
 
@@ -477,7 +507,7 @@ def test_metrics_need_a_metrics_or_admin_scope(harness: BrokerHarness) -> None:
         assert status == 200
         assert "gpupool_memory_leased_bytes 8.589934592e+09" in text
         assert "gpupool_grants_total 1.0" in text
-    status, body = unix_http(harness.socket_path, "GET", "/services/gpupool/metrics")
+    status, _ = unix_http(harness.socket_path, "GET", "/services/gpupool/metrics")
     assert status == (200 if os.getuid() == 0 else 403)
 
 
@@ -513,7 +543,12 @@ def test_tljh_plugin_configures_service_scopes_roles_and_server_env() -> None:
     roles = {r["name"]: r for r in c.JupyterHub.load_roles}
     assert roles["user"]["scopes"] == ["self", ACCESS]
     assert roles["gpupool-admin"]["users"] == ["teacher"] and "custom:gpupool:admin" in roles["gpupool-admin"]["scopes"]
-    assert c.Spawner.server_token_scopes == ["users:activity!user", "access:servers!server", ACCESS, "custom:gpupool:admin"]
+    assert c.Spawner.server_token_scopes == [
+        "users:activity!user",
+        "access:servers!server",
+        ACCESS,
+        "custom:gpupool:admin",
+    ]
     assert c.Spawner.environment["GPUPOOL_URL"] == "http://127.0.0.1:10202/services/gpupool"
     with pytest.raises(ValueError, match="unknown gpupool setting"):
         tljh.configure_hub(Config(), {"defualt_memory": "8GiB"})

@@ -83,8 +83,12 @@ class Hub:
             )
         )
         command = [
-            sys.executable, "-m", "jupyter_gpupool.broker",
-            "--simulate=1x16GiB", f"--db={self.workdir / 'pool.sqlite'}", f"--config={broker_config}",
+            sys.executable,
+            "-m",
+            "jupyter_gpupool.broker",
+            "--simulate=1x16GiB",
+            f"--db={self.workdir / 'pool.sqlite'}",
+            f"--config={broker_config}",
         ]
         config = self.workdir / "jupyterhub_config.py"
         config.write_text(
@@ -98,8 +102,8 @@ class Hub:
                 c.ConfigurableHTTPProxy.should_start = True
                 c.JupyterHub.authenticator_class = "dummy"
                 c.Authenticator.allowed_users = {{"alice", "bob", "carol", "dave", "prof"}}
-                c.JupyterHub.db_url = "sqlite:///{self.workdir / 'jupyterhub.sqlite'}"
-                c.JupyterHub.cookie_secret_file = "{self.workdir / 'cookie_secret'}"
+                c.JupyterHub.db_url = "sqlite:///{self.workdir / "jupyterhub.sqlite"}"
+                c.JupyterHub.cookie_secret_file = "{self.workdir / "cookie_secret"}"
                 c.JupyterHub.custom_scopes = {{
                     "custom:gpupool:admin": {{"description": "See every GPU lease with its user; release or resize any."}},
                 }}
@@ -133,7 +137,11 @@ class Hub:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyterhub", "-f", str(config)], cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, "-m", "jupyterhub", "-f", str(config)],
+                cwd=self.workdir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         wait_for(lambda: self.api("GET", "/hub/api/")[0] == 200, 90, "the hub's API")
         wait_for(lambda: self.broker_status() == 401, 60, "the broker service")
@@ -238,11 +246,21 @@ def test_two_hub_users_share_the_broker_pool(hub: Hub) -> None:
     assert info is not None and info.position == 1
 
     # Alice's token can neither read, resize nor release Bob's lease; the admin's can.
-    for attempt in (lambda: alice.get(b1.id), lambda: alice.resize(b1.id, memory=4 * GIB), lambda: alice.release(b1.id)):
+    for attempt in (
+        lambda: alice.get(b1.id),
+        lambda: alice.resize(b1.id, memory=4 * GIB),
+        lambda: alice.release(b1.id),
+    ):
         with pytest.raises(NotAuthorized):
             attempt()
-    for method, path in (("GET", f"leases/{b1.id}"), ("POST", "kernels/bob-k1/reserve"), ("POST", "kernels/bob-k1/release")):
-        status, _ = http_call(hub.port, method, f"/services/gpupool/api/gpupool/{path}", alice.token, {"memory": "4GiB"})
+    for method, path in (
+        ("GET", f"leases/{b1.id}"),
+        ("POST", "kernels/bob-k1/reserve"),
+        ("POST", "kernels/bob-k1/release"),
+    ):
+        status, _ = http_call(
+            hub.port, method, f"/services/gpupool/api/gpupool/{path}", alice.token, {"memory": "4GiB"}
+        )
         assert status == 403, (method, path, status)
     assert bob.get(b1.id).state is LeaseState.GRANTED and bob.get(b1.id).memory == 8 * GIB
     assert admin.get(b1.id).owner == "bob"
@@ -252,15 +270,40 @@ def test_two_hub_users_share_the_broker_pool(hub: Hub) -> None:
     expired = hub.token("alice", ACCESS, expires_in=1)
     wait_for(lambda: hub.api("GET", "/hub/api/user", token=expired)[0] == 403, 30, "the short token to expire")
     no_scope = hub.token("alice", ["read:users:name!user=alice"])
-    before = (sorted((l.to_json() for l in admin.leases(owner=None, include_released=True)), key=lambda d: d["id"]), admin.events())
+    before = (
+        sorted((l.to_json() for l in admin.leases(owner=None, include_released=True)), key=lambda d: d["id"]),
+        admin.events(),
+    )
     routes = [
-        ("GET", "whoami"), ("GET", "info"), ("GET", "pool"), ("GET", "devices"), ("GET", "queue"), ("GET", "leases"),
-        ("POST", "leases"), ("GET", f"leases/{b1.id}"), ("DELETE", f"leases/{b1.id}"), ("POST", f"leases/{b1.id}/resize"),
-        ("POST", f"leases/{b1.id}/keepalive"), ("POST", f"leases/{b1.id}/activity"), ("GET", f"leases/{a2.id}/wait?timeout=0"),
-        ("POST", "activity"), ("POST", "heartbeat"), ("POST", "reconcile"), ("POST", "tick"), ("GET", "kernels/bob-k1"),
-        ("POST", "kernels/bob-k1/reserve"), ("POST", "kernels/bob-k1/release"), ("POST", "kernels/bob-k1/keepalive"),
-        ("GET", "report"), ("GET", "reservations"), ("POST", "reservations"), ("GET", "preferences"), ("PATCH", "preferences"),
-        ("GET", "events"), ("GET", "../../metrics"), ("GET", "nothing-here"),
+        ("GET", "whoami"),
+        ("GET", "info"),
+        ("GET", "pool"),
+        ("GET", "devices"),
+        ("GET", "queue"),
+        ("GET", "leases"),
+        ("POST", "leases"),
+        ("GET", f"leases/{b1.id}"),
+        ("DELETE", f"leases/{b1.id}"),
+        ("POST", f"leases/{b1.id}/resize"),
+        ("POST", f"leases/{b1.id}/keepalive"),
+        ("POST", f"leases/{b1.id}/activity"),
+        ("GET", f"leases/{a2.id}/wait?timeout=0"),
+        ("POST", "activity"),
+        ("POST", "heartbeat"),
+        ("POST", "reconcile"),
+        ("POST", "tick"),
+        ("GET", "kernels/bob-k1"),
+        ("POST", "kernels/bob-k1/reserve"),
+        ("POST", "kernels/bob-k1/release"),
+        ("POST", "kernels/bob-k1/keepalive"),
+        ("GET", "report"),
+        ("GET", "reservations"),
+        ("POST", "reservations"),
+        ("GET", "preferences"),
+        ("PATCH", "preferences"),
+        ("GET", "events"),
+        ("GET", "../../metrics"),
+        ("GET", "nothing-here"),
     ]
     bodies = {"POST": {"memory": "4GiB", "holder_host": "h", "holder_pid": 1}, "PATCH": {"memory": "4GiB"}}
     for label, token, expected in (
@@ -271,10 +314,17 @@ def test_two_hub_users_share_the_broker_pool(hub: Hub) -> None:
         ("no access scope", no_scope, 403),
     ):
         for method, route in routes:
-            path = os.path.normpath(f"/services/gpupool/api/gpupool/{route}") if route.startswith("..") else f"/services/gpupool/api/gpupool/{route}"
+            path = (
+                os.path.normpath(f"/services/gpupool/api/gpupool/{route}")
+                if route.startswith("..")
+                else f"/services/gpupool/api/gpupool/{route}"
+            )
             status, payload = http_call(hub.port, method, path, token, bodies.get(method))
             assert status == expected, (label, method, route, status, payload)
-    after = (sorted((l.to_json() for l in admin.leases(owner=None, include_released=True)), key=lambda d: d["id"]), admin.events())
+    after = (
+        sorted((l.to_json() for l in admin.leases(owner=None, include_released=True)), key=lambda d: d["id"]),
+        admin.events(),
+    )
     assert after == before
 
     # Bob gives his lease back: Alice's queued kernel gets it.

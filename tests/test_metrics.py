@@ -24,7 +24,14 @@ class Clock:
 @pytest.fixture
 def pool(tmp_path: Path) -> Pool:
     clock = Clock()
-    p = Pool.from_env(environ={"GPUPOOL_SIMULATE": "2x16GiB", "GPUPOOL_DB": str(tmp_path / "p.sqlite"), "GPUPOOL_DEFAULT_MEMORY": "8GiB"}, clock=clock)
+    p = Pool.from_env(
+        environ={
+            "GPUPOOL_SIMULATE": "2x16GiB",
+            "GPUPOOL_DB": str(tmp_path / "p.sqlite"),
+            "GPUPOOL_DEFAULT_MEMORY": "8GiB",
+        },
+        clock=clock,
+    )
     return p
 
 

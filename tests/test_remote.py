@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from broker_harness import BrokerHarness
+
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized, PoolUnavailable
 from jupyter_gpupool.pool import Pool
@@ -39,7 +39,11 @@ def test_bad_urls_name_the_accepted_forms(url: str) -> None:
 
 
 def test_pool_from_env_picks_the_broker_and_never_falls_back(tmp_path: Path) -> None:
-    env = {"GPUPOOL_URL": f"unix://{tmp_path}/nobody-listens.sock", "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / "p.sqlite")}
+    env = {
+        "GPUPOOL_URL": f"unix://{tmp_path}/nobody-listens.sock",
+        "GPUPOOL_SIMULATE": "1x16GiB",
+        "GPUPOOL_DB": str(tmp_path / "p.sqlite"),
+    }
     pool = pool_from_env(environ=env)
     assert isinstance(pool, RemotePool)
     with pytest.raises(PoolUnavailable, match="not reachable .*no socket.*GPUPOOL_URL is set"):
@@ -91,7 +95,9 @@ def test_remote_pool_is_a_drop_in_for_the_provisioner(broker: BrokerHarness) -> 
     seen = []
 
     async def wait() -> LeaseState:
-        task = asyncio.ensure_future(pool.await_grant(third.id, timeout=20, on_update=lambda lease, info: seen.append(info.position)))
+        task = asyncio.ensure_future(
+            pool.await_grant(third.id, timeout=20, on_update=lambda lease, info: seen.append(info.position))
+        )
         await asyncio.sleep(0.3)
         await asyncio.to_thread(pool.release, first.id, "kernel shut down")
         return (await task).state
@@ -113,7 +119,12 @@ def test_kernel_client_magics_work_through_the_broker(broker: BrokerHarness) -> 
 
     pool = broker.remote("tok-alice")
     lease = pool.request(LeaseRequest(owner="", memory=8 * GIB, kernel_id="kern-1"))
-    env = {"GPUPOOL_URL": broker.url, "JUPYTERHUB_API_TOKEN": "tok-alice", "GPUPOOL_LEASE_ID": lease.id, "GPUPOOL_KERNEL_ID": "kern-1"}
+    env = {
+        "GPUPOOL_URL": broker.url,
+        "JUPYTERHUB_API_TOKEN": "tok-alice",
+        "GPUPOOL_LEASE_ID": lease.id,
+        "GPUPOOL_KERNEL_ID": "kern-1",
+    }
     client = connect(env)
     status = client.status()
     assert status.lease is not None and status.lease.id == lease.id

@@ -22,7 +22,7 @@ import stat
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 from tornado import httpserver, netutil, web
@@ -111,7 +111,9 @@ class Broker(LoggingConfigurable):
         """Start the scheduler and watchdog loops on the running event loop."""
         self._tasks.append(asyncio.ensure_future(self._loop(self.pool.tick, self.tick_interval, "scheduler")))
         if self.run_watchdog and self.watchdog is not None:
-            self._tasks.append(asyncio.ensure_future(self._loop(self.watchdog_step, self.watchdog.interval, "watchdog")))
+            self._tasks.append(
+                asyncio.ensure_future(self._loop(self.watchdog_step, self.watchdog.interval, "watchdog"))
+            )
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -119,8 +121,10 @@ class Broker(LoggingConfigurable):
         for task in self._tasks:
             try:
                 await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+            except asyncio.CancelledError:
+                continue
+            except Exception:
+                self.log.exception("gpupool broker: a loop failed while stopping")
         self._tasks.clear()
         self.executor.shutdown(wait=True)
 
@@ -130,7 +134,7 @@ class Broker(LoggingConfigurable):
                 await self.run(step)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the loop must survive one bad step
+            except Exception:
                 self.log.exception("gpupool broker: %s step failed", what)
             await asyncio.sleep(interval)
 
@@ -143,7 +147,9 @@ class Broker(LoggingConfigurable):
                 raise Forbidden("this broker does not serve its Unix socket")
             return self.peer.identify_peer(*peer)
         if self.hub is None:
-            raise Unauthenticated("this broker takes TCP requests only with JupyterHub tokens; connect over its Unix socket")
+            raise Unauthenticated(
+                "this broker takes TCP requests only with JupyterHub tokens; connect over its Unix socket"
+            )
         return await self.hub.identify(handler)
 
     async def authorize_metrics(self, handler: web.RequestHandler) -> None:
@@ -282,7 +288,9 @@ class Broker(LoggingConfigurable):
         self._roots = find_kernel_roots((p.pid for p in processes), granted, self.lease_env_var)
         limits = {lease_id: lease.memory * lease.num_gpus for lease_id, lease in granted.items()}
         report = self.watchdog.check(self._roots, limits)
-        idle = {lease_id: 0 for lease_id, lease in granted.items() if lease_id not in report.usage and lease.used_memory}
+        idle = {
+            lease_id: 0 for lease_id, lease in granted.items() if lease_id not in report.usage and lease.used_memory
+        }
         if idle:
             pool.report_usage(idle)
         return report
@@ -298,7 +306,9 @@ class Broker(LoggingConfigurable):
             terminate_tree(pid)
 
 
-def find_kernel_roots(pids: Iterable[int], leases: Mapping[str, Lease], env_var: str = "GPUPOOL_LEASE_ID") -> dict[str, int]:
+def find_kernel_roots(
+    pids: Iterable[int], leases: Mapping[str, Lease], env_var: str = "GPUPOOL_LEASE_ID"
+) -> dict[str, int]:
     """Lease id → kernel pid, for the leases whose processes (or their descendants) use a GPU.
 
     For each GPU process we walk up its ancestors; the topmost consecutive ancestor whose
@@ -395,7 +405,14 @@ def _log_request(handler: web.RequestHandler) -> None:
         level = broker.log.debug
     identity = getattr(handler, "identity", None)
     who = identity.name if identity is not None else "-"
-    level("%d %s %s (%s) %.1fms", status, handler.request.method, handler.request.path, who, 1000 * handler.request.request_time())
+    level(
+        "%d %s %s (%s) %.1fms",
+        status,
+        handler.request.method,
+        handler.request.path,
+        who,
+        1000 * handler.request.request_time(),
+    )
 
 
 class BrokerApp(GpuPoolBaseApp):
@@ -406,8 +423,8 @@ class BrokerApp(GpuPoolBaseApp):
         "Serve one GPU pool to every Jupyter server on this host: as a JupyterHub service (hub tokens) "
         "and/or on a Unix socket (peer credentials). Servers and kernels use it when GPUPOOL_URL points at it."
     )
-    classes = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]
-    aliases = {
+    classes: ClassVar[list[Any]] = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]
+    aliases: ClassVar[dict[str, Any]] = {
         **GpuPoolBaseApp.aliases,
         "ip": "BrokerApp.ip",
         "port": "BrokerApp.port",
@@ -417,18 +434,24 @@ class BrokerApp(GpuPoolBaseApp):
         "hub": "BrokerApp.hub",
     }
 
-    ip = Unicode("", help="Address to listen on for HTTP. Default: the host of $JUPYTERHUB_SERVICE_URL, else 127.0.0.1.").tag(config=True)
+    ip = Unicode(
+        "", help="Address to listen on for HTTP. Default: the host of $JUPYTERHUB_SERVICE_URL, else 127.0.0.1."
+    ).tag(config=True)
     port = Integer(
         -1,
         help="TCP port for HTTP. Default (-1): the port of $JUPYTERHUB_SERVICE_URL; else 10101 when no --socket is given, "
         "else no TCP listener. 0 turns TCP off.",
     ).tag(config=True)
-    socket = Unicode("", help="Path of a Unix socket to serve on (callers identified by their uid). Empty: none.").tag(config=True)
+    socket = Unicode("", help="Path of a Unix socket to serve on (callers identified by their uid). Empty: none.").tag(
+        config=True
+    )
     socket_mode = Unicode(
         "0666",
         help="Permissions of the Unix socket, octal. Every user may connect: the broker tells them apart by uid.",
     ).tag(config=True)
-    base_url = Unicode("", help="URL prefix of every route. Default: $JUPYTERHUB_SERVICE_PREFIX, else /.").tag(config=True)
+    base_url = Unicode("", help="URL prefix of every route. Default: $JUPYTERHUB_SERVICE_PREFIX, else /.").tag(
+        config=True
+    )
     hub = Unicode(
         "auto",
         help="Identify TCP callers by JupyterHub token: 'auto' (when $JUPYTERHUB_API_TOKEN is set), 'on', or 'off' "
@@ -477,7 +500,9 @@ class BrokerApp(GpuPoolBaseApp):
         where = []
         if port:
             server.listen(port, address=ip)
-            where.append(f"http://{ip}:{port}{self._base_url()}" + (" (hub tokens)" if broker.hub else " (no hub: 401 for all)"))
+            where.append(
+                f"http://{ip}:{port}{self._base_url()}" + (" (hub tokens)" if broker.hub else " (no hub: 401 for all)")
+            )
         if self.socket:
             path = os.path.abspath(self.socket)
             if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
@@ -488,7 +513,9 @@ class BrokerApp(GpuPoolBaseApp):
         if not where:
             raise InvalidInput("nothing to listen on: give --port or --socket")
         broker.start()
-        self.log.info("jupyter-gpupool broker %s: %s on %s", __version__, broker.pool.backend.describe(), ", ".join(where))
+        self.log.info(
+            "jupyter-gpupool broker %s: %s on %s", __version__, broker.pool.backend.describe(), ", ".join(where)
+        )
         self.log.info("pool database: %s", broker.pool.db_path)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

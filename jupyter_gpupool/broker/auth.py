@@ -153,7 +153,7 @@ class HubIdentity(LoggingConfigurable):
         if not required:
             raise Forbidden("the broker has no access scope configured; run it as a JupyterHub service")
         if not self.hub_auth.check_scopes(required, model):
-            raise Forbidden(f"this token may not use the GPU pool: it needs the scope {sorted(required)[0]}")
+            raise Forbidden(f"this token may not use the GPU pool: it needs the scope {min(required)}")
         admin = bool(self.hub_auth.check_scopes({self.admin_scope}, model))
         kind = model.get("kind") or "user"
         name = str(model.get("name") or "")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tornado import web
 
-from ..core.models import Activity, Lease, LeaseRequest, LeaseState, PriorityClass
+from ..core.models import Activity, Lease, LeaseState, PriorityClass
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
 from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
 from .auth import Forbidden, Identity, Unauthenticated
@@ -32,12 +32,16 @@ DEFAULT_KEEP = 3600.0
 
 def lease_json(lease: Lease, queue: Any = None) -> dict[str, Any]:
     data = lease.to_json()
-    data["queue"] = None if queue is None else {
-        "position": queue.position,
-        "length": queue.length,
-        "estimated_wait": queue.estimated_wait,
-        "reason": queue.reason,
-    }
+    data["queue"] = (
+        None
+        if queue is None
+        else {
+            "position": queue.position,
+            "length": queue.length,
+            "estimated_wait": queue.estimated_wait,
+            "reason": queue.reason,
+        }
+    )
     return data
 
 
@@ -79,7 +83,9 @@ class BrokerHandler(web.RequestHandler):
     def own(self, lease: Lease) -> Lease:
         """The lease if the caller may see and change it; else 403."""
         if lease.owner != self.identity.name and not self.identity.admin:
-            raise NotAuthorized(f"lease {lease.id} belongs to another user; only its owner or a pool admin may see or change it")
+            raise NotAuthorized(
+                f"lease {lease.id} belongs to another user; only its owner or a pool admin may see or change it"
+            )
         return lease
 
     def owned(self, lease_id: str) -> Lease:
@@ -134,7 +140,13 @@ class PoolHandler(BrokerHandler):
         def snapshot() -> dict[str, Any]:
             pool = self.broker.pool
             snap = pool.snapshot(viewer=ident.name, admin=ident.admin)
-            body = {"devices": snap.devices, "leases": snap.leases, "queue": snap.queue, "now": snap.now, "quota": snap.quota}
+            body = {
+                "devices": snap.devices,
+                "leases": snap.leases,
+                "queue": snap.queue,
+                "now": snap.now,
+                "quota": snap.quota,
+            }
             body["viewer"] = ident.to_json()
             body["backend"] = pool.backend.describe()
             body["policy"] = self.broker.policy_json()
@@ -182,7 +194,9 @@ class LeasesHandler(BrokerHandler):
             who = None if everyone and owner is None else (owner or ident.name)
             if kernel_id is not None:
                 pool = self.broker.pool
-                found = [lease for lease in pool.leases(owner=who, include_released=released) if lease.kernel_id == kernel_id]
+                found = [
+                    lease for lease in pool.leases(owner=who, include_released=released) if lease.kernel_id == kernel_id
+                ]
                 return [lease.to_json() for lease in found]
             return [lease.to_json() for lease in self.broker.pool.leases(owner=who, include_released=released)]
 
@@ -267,7 +281,11 @@ class LeaseKeepHandler(BrokerHandler):
 
         def keep() -> dict[str, Any]:
             pool = self.broker.pool
-            seconds = parse_duration(body["duration"]) if body.get("duration") is not None else min(DEFAULT_KEEP, pool.policy.max_keep)
+            seconds = (
+                parse_duration(body["duration"])
+                if body.get("duration") is not None
+                else min(DEFAULT_KEEP, pool.policy.max_keep)
+            )
             lease = self.owned(lease_id)
             return lease_json(pool.keep(lease.id, seconds))
 
@@ -299,7 +317,9 @@ class LeaseWaitHandler(BrokerHandler):
             raw_position = self.get_argument("position", "")
             position = int(raw_position) if raw_position else None
         except ValueError:
-            raise InvalidInput("timeout must be seconds and position a whole number, e.g. ?timeout=10&position=2") from None
+            raise InvalidInput(
+                "timeout must be seconds and position a whole number, e.g. ?timeout=10&position=2"
+            ) from None
         deadline = time.monotonic() + timeout
         pool = self.broker.pool
 
@@ -379,7 +399,10 @@ class ReconcileHandler(BrokerHandler):
             gone = [
                 lease
                 for lease in pool.leases(owner=None if ident.admin else ident.name)
-                if lease.holder_host == host and lease.holder_pid == pid and lease.kernel_id and lease.kernel_id not in live
+                if lease.holder_host == host
+                and lease.holder_pid == pid
+                and lease.kernel_id
+                and lease.kernel_id not in live
             ]
             return [pool.release(lease.id, reason="released: its kernel is gone").to_json() for lease in gone]
 
@@ -462,7 +485,11 @@ class KernelKeepaliveHandler(KernelHandlerBase):
 
         def keep() -> dict[str, Any]:
             pool = self.broker.pool
-            seconds = parse_duration(body["duration"]) if body.get("duration") is not None else min(DEFAULT_KEEP, pool.policy.max_keep)
+            seconds = (
+                parse_duration(body["duration"])
+                if body.get("duration") is not None
+                else min(DEFAULT_KEEP, pool.policy.max_keep)
+            )
             lease = self.live_lease(kernel_id)
             return self.broker.kernel_status(kernel_id, pool.keep(lease.id, seconds))
 
@@ -572,13 +599,20 @@ class NotFoundHandler(BrokerHandler):
 
 def parse_activity(data: Any) -> Activity:
     if not isinstance(data, dict):
-        raise InvalidInput('activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}')
+        raise InvalidInput(
+            'activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}'
+        )
     try:
         last = data.get("last_activity")
-        return Activity(busy=bool(data.get("busy", False)), last_activity=float(last) if last is not None else None,
-                        connections=int(data.get("connections") or 0))
+        return Activity(
+            busy=bool(data.get("busy", False)),
+            last_activity=float(last) if last is not None else None,
+            connections=int(data.get("connections") or 0),
+        )
     except (TypeError, ValueError):
-        raise InvalidInput('activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}') from None
+        raise InvalidInput(
+            'activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}'
+        ) from None
 
 
 def parse_priority(value: Any) -> PriorityClass | None:
@@ -625,4 +659,4 @@ def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
     ]
 
 
-__all__ = ["BrokerHandler", "MAX_WAIT", "lease_json", "parse_activity", "parse_priority", "routes"]
+__all__ = ["MAX_WAIT", "BrokerHandler", "lease_json", "parse_activity", "parse_priority", "routes"]
