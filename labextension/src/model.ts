@@ -185,6 +185,8 @@ export class GpuPoolModel implements IDisposable {
     if (this.isDisposed) {
       return;
     }
+    // Poll.dispose() leaves its pending timer running; stop() clears it first.
+    void this._poll.stop();
     this._poll.dispose();
     this._stopTicker();
     if (this._events) {
@@ -289,9 +291,13 @@ export class GpuPoolModel implements IDisposable {
       this._eventsSeen = true;
       this._updateFrequency();
     }
+    // Remember why a slice went away, in case the kernel is gone before we ask.
     const kernelId = event.kernel_id;
-    const reason = event.reason ?? event.release_reason;
-    if (typeof kernelId === 'string' && typeof reason === 'string' && reason) {
+    const reason = event.message ?? event.reason ?? event.release_reason;
+    const gone =
+      event.state === 'released' ||
+      ['released', 'reclaimed', 'preempted', 'culled'].includes(String(event.action));
+    if (gone && typeof kernelId === 'string' && typeof reason === 'string' && reason) {
       this._store(kernelId, { eventReason: reason });
     }
     void this.refresh();

@@ -15,12 +15,15 @@ export const EVENT_SCHEMA_PREFIX = 'https://events.jupyter.org/jupyter_gpupool/'
 
 export type LeaseState = 'queued' | 'granted' | 'suspended' | 'released';
 
+/** A kernel's state in `GET /api/gpupool/kernels/{id}`: `none` when it holds no lease. */
+export type KernelLeaseState = LeaseState | 'none';
+
 /** A GPU as `GET /api/gpupool/pool` lists it. */
 export interface IDevice {
-  index: number;
+  index: number | null;
   uuid: string;
-  name: string;
-  memory_total: number;
+  name: string | null;
+  memory_total: number | null;
   memory_leased?: number;
   memory_used?: number | null;
   healthy?: boolean;
@@ -29,7 +32,8 @@ export interface IDevice {
 
 /** A lease in the pool view: the viewer's own in full, others' anonymous unless admin. */
 export interface IPoolLease {
-  id: string;
+  /** Null for other users' leases unless the viewer is an admin. */
+  id: string | null;
   owner?: string | null;
   kernel_id?: string | null;
   memory: number;
@@ -45,12 +49,15 @@ export interface IPoolLease {
 /** The viewer's quota and use; every field optional (the server decides which it has). */
 export interface IQuota {
   [key: string]: unknown;
-  max_memory?: number | null;
-  memory_in_use?: number | null;
+  /** Bytes always available to the user (null: none). */
+  guaranteed?: number | null;
+  /** Most bytes the user may hold at once (null: no limit). */
+  maximum?: number | null;
   max_leases?: number | null;
-  gib_hours_used?: number | null;
-  gib_hours_limit?: number | null;
-  period?: string | null;
+  /** Bytes held now and number of live leases. */
+  held?: number | null;
+  leases?: number | null;
+  gib_hours_this_month?: number | null;
 }
 
 /** `GET /api/gpupool/pool`. */
@@ -59,6 +66,8 @@ export interface IPoolSnapshot {
   leases: IPoolLease[];
   queue: Array<{ [key: string]: unknown }>;
   quota?: IQuota;
+  /** Who is looking (the server sends `viewer`; `user` is accepted too). */
+  viewer?: { name: string; admin: boolean };
   user?: { name: string; admin: boolean };
   /** Server time (epoch seconds) when the snapshot was taken. */
   now?: number;
@@ -74,7 +83,7 @@ export interface IEnforcement {
 /** `GET /api/gpupool/kernels/{kernel_id}`. */
 export interface IKernelStatus {
   lease_id: string | null;
-  state: LeaseState;
+  state: KernelLeaseState;
   memory: number;
   devices?: Array<Pick<IDevice, 'index' | 'uuid' | 'name' | 'memory_total'>>;
   queue_position?: number | null;

@@ -182,11 +182,19 @@ export function kernelView(input: IKernelInput): IKernelView {
     return { ...EMPTY, phase: 'loading', summary: 'Asking the GPU pool…' };
   }
 
+  if (status.state === 'none' || !['queued', 'granted', 'suspended', 'released'].includes(status.state)) {
+    return {
+      ...EMPTY,
+      phase: 'no-lease',
+      summary: 'This kernel holds no GPU slice.'
+    };
+  }
+
   const memory = num(status.memory) ?? 0;
   const devices = status.devices ?? [];
   const gpuMemory =
     devices.length > 0
-      ? Math.max(...devices.map(d => num(d.memory_total) ?? 0))
+      ? Math.max(...devices.map(d => num(d.memory_total) ?? 0)) || null
       : null;
 
   if (status.state === 'queued') {
@@ -232,8 +240,8 @@ export function kernelView(input: IKernelInput): IKernelView {
     devices.length === 0
       ? null
       : devices.length === 1
-        ? `GPU ${devices[0].index} · ${devices[0].name}`
-        : `GPUs ${devices.map(d => d.index).join(', ')} · ${devices[0].name}`;
+        ? `GPU ${devices[0].index ?? '?'} · ${devices[0].name ?? 'unknown GPU'}`
+        : `GPUs ${devices.map(d => d.index ?? '?').join(', ')} · ${devices[0].name ?? 'unknown GPU'}`;
   const perGpu = devices.length > 1 ? ' on each' : '';
   const slice: IBar | null =
     gpuMemory && gpuMemory > 0
@@ -390,20 +398,24 @@ function segmentLabel(lease: IPoolLease, admin: boolean): string {
 }
 
 const QUOTA_LABELS: { [key: string]: string } = {
-  max_memory: 'GPU memory quota',
-  memory_limit: 'GPU memory quota',
-  memory_in_use: 'GPU memory held',
-  memory_used: 'GPU memory held',
+  maximum: 'Most you can hold',
+  guaranteed: 'Guaranteed to you',
+  held: 'Holding now',
+  leases: 'Leases now',
   max_leases: 'Leases at most',
-  max_gpus: 'GPUs at most',
+  gib_hours_this_month: 'Used this month',
+  max_memory: 'Most you can hold',
+  memory_limit: 'Most you can hold',
   gib_hours_used: 'Used',
-  gib_hours: 'Used',
   gib_hours_limit: 'Budget',
-  gib_hours_quota: 'Budget',
-  period: 'Period',
-  max_duration: 'Longest lease',
-  priority: 'Priority'
+  max_duration: 'Longest lease'
 };
+
+/** Quota fields in bytes; the others are recognised by name. */
+const BYTE_KEYS = new Set(['maximum', 'guaranteed', 'held', 'max_memory', 'memory_limit']);
+
+/** Quota fields whose null means "no limit" (others are left out when null). */
+const LIMIT_KEYS = new Set(['maximum', 'max_leases', 'max_memory', 'memory_limit', 'gib_hours_limit']);
 
 function humanize(key: string): string {
   const text = key.replace(/_/g, ' ');
@@ -419,13 +431,21 @@ export function quotaLines(
   }
   const lines: Array<{ label: string; value: string }> = [];
   for (const [key, value] of Object.entries(quota)) {
-    if (value === null || value === undefined || typeof value === 'object') {
+    const label = QUOTA_LABELS[key] ?? humanize(key);
+    if (value === null || value === undefined) {
+      if (LIMIT_KEYS.has(key)) {
+        lines.push({ label, value: 'no limit' });
+      }
       continue;
     }
-    const label = QUOTA_LABELS[key] ?? humanize(key);
+    if (typeof value === 'object') {
+      continue;
+    }
     let text: string;
     if (typeof value === 'number') {
-      if (/gib_hours/.test(key)) {
+      if (BYTE_KEYS.has(key)) {
+        text = key === 'guaranteed' && value === 0 ? 'none' : formatSize(value);
+      } else if (/gib_hours/.test(key)) {
         text = formatGibHours(value);
       } else if (/memory|bytes/.test(key)) {
         text = formatSize(value);
@@ -450,7 +470,8 @@ export function poolView(
   if (!snapshot) {
     return null;
   }
-  const admin = !!snapshot.user?.admin;
+  const viewer = snapshot.viewer ?? snapshot.user ?? null;
+  const admin = !!viewer?.admin;
   const leases = (snapshot.leases ?? []).filter(
     l => l.state === 'granted' || l.state === 'suspended'
   );
@@ -459,8 +480,8 @@ export function poolView(
     const onDevice = leases.filter(l => (l.devices ?? []).includes(device.uuid));
     // The user's own leases first, then the others, so "mine" reads at the left.
     onDevice.sort((a, b) => Number(!!b.mine) - Number(!!a.mine));
-    const segments: ISegment[] = onDevice.map(lease => ({
-      key: `${lease.id}@${device.uuid}`,
+    const segments: ISegment[] = onDevice.map((lease, i) => ({
+      key: `${lease.id ?? 'anonymous'}-${i}@${device.uuid}`,
       fraction: total > 0 ? clamp01(lease.memory / total) : 0,
       mine: !!lease.mine,
       current:
@@ -477,12 +498,12 @@ export function poolView(
     const healthy = device.healthy !== false;
     return {
       key: device.uuid,
-      title: `GPU ${device.index} · ${device.name}`,
+      title: `GPU ${device.index ?? '?'} · ${device.name ?? 'unknown GPU'}`,
       segments,
       usedFraction: used !== null && total > 0 ? clamp01(used / total) : null,
       text: healthy ? text : `unhealthy: ${device.health_reason || 'unavailable'}`,
       ariaLabel:
-        `GPU ${device.index}, ${device.name}: ${text}; ` +
+        `GPU ${device.index ?? '?'}, ${device.name ?? 'unknown GPU'}: ${text}; ` +
         (segments.length
           ? segments.map(s => s.label).join('; ')
           : 'no leases'),
@@ -496,14 +517,17 @@ export function poolView(
       ? 'no one waiting'
       : `${queue.length} waiting` + (mineQueued ? ` (${mineQueued} yours)` : '');
   const largest = (snapshot.devices ?? []).reduce<number | null>(
-    (max, d) => (max === null || d.memory_total > max ? d.memory_total : max),
+    (max, d) => {
+      const total = num(d.memory_total);
+      return total !== null && (max === null || total > max) ? total : max;
+    },
     null
   );
   return {
     devices,
     queueText,
     quota: quotaLines(snapshot.quota),
-    user: snapshot.user?.name ?? '',
+    user: viewer?.name ?? '',
     admin,
     largestGpu: largest
   };

@@ -1,0 +1,182 @@
+/**
+ * The page's one model: one request per tick for the current kernel (however many
+ * notebooks are open), the pool only while the panel shows, an immediate refresh on a
+ * jupyter_gpupool event, 404 read as "no lease".
+ */
+import { Signal } from '@lumino/signaling';
+
+import type { GpuPoolClient, ITimed } from '../src/api';
+import { GpuPoolModel } from '../src/model';
+import { GpuPoolRequestError, IKernelStatus, IPoolSnapshot } from '../src/types';
+import { GIB } from '../src/units';
+
+const granted = (kernelId: string): IKernelStatus => ({
+  lease_id: `lease-${kernelId}`,
+  state: 'granted',
+  memory: 8 * GIB,
+  devices: [{ index: 0, uuid: 'GPU-a', name: 'Simulated', memory_total: 16 * GIB }],
+  used_memory: 0,
+  now: Date.now() / 1000
+});
+
+class FakeClient {
+  calls: string[] = [];
+  kernels = new Map<string, IKernelStatus | 'missing' | 'down'>();
+  pool_: IPoolSnapshot = { devices: [], leases: [], queue: [], viewer: { name: 'me', admin: false } };
+
+  async pool(): Promise<ITimed<IPoolSnapshot>> {
+    this.calls.push('pool');
+    return { data: this.pool_, serverTime: null };
+  }
+
+  async kernel(id: string): Promise<ITimed<IKernelStatus>> {
+    this.calls.push(`kernel:${id}`);
+    const answer = this.kernels.get(id);
+    if (answer === 'down') {
+      throw new GpuPoolRequestError('cannot reach the Jupyter server: down', 0);
+    }
+    if (!answer || answer === 'missing') {
+      throw new GpuPoolRequestError('no GPU lease', 404);
+    }
+    return { data: answer, serverTime: null };
+  }
+
+  async keepalive(id: string, duration: string): Promise<IKernelStatus> {
+    this.calls.push(`keep:${id}:${duration}`);
+    const current = this.kernels.get(id) as IKernelStatus;
+    const kept = { ...current, keep_until: (current.now ?? 0) + 3600 };
+    this.kernels.set(id, kept);
+    return kept;
+  }
+}
+
+class FakeEvents {
+  stream = new Signal<any, any>(this);
+}
+
+/** Resolve when `check` holds, or fail after `timeout` ms (no fixed sleeps). */
+async function until(check: () => boolean, timeout = 3000): Promise<void> {
+  const deadline = Date.now() + timeout;
+  while (!check()) {
+    if (Date.now() > deadline) {
+      throw new Error('condition not met in time');
+    }
+    await new Promise(resolve => setTimeout(resolve, 5));
+  }
+}
+
+function setup(interval = 40) {
+  const client = new FakeClient();
+  const events = new FakeEvents();
+  const model = new GpuPoolModel({
+    client: client as unknown as GpuPoolClient,
+    events: events as any,
+    interval,
+    eventInterval: 10 * 1000
+  });
+  return { client, events, model };
+}
+
+describe('GpuPoolModel', () => {
+  let model: GpuPoolModel | null = null;
+  afterEach(() => model?.dispose());
+
+  it('asks only about the current kernel, and about the pool only while wanted', async () => {
+    const s = setup();
+    model = s.model;
+    for (const id of ['a', 'b', 'c']) {
+      s.client.kernels.set(id, granted(id));
+    }
+    s.model.setKernel('b', 'b.ipynb');
+    await until(() => s.client.calls.filter(c => c === 'kernel:b').length >= 4);
+    expect(s.client.calls.filter(c => c === 'kernel:a' || c === 'kernel:c')).toEqual([]);
+    // The pool is asked once at start (for the status), then not while the panel is closed.
+    expect(s.client.calls.filter(c => c === 'pool').length).toBe(1);
+    expect(s.model.view.statusText).toBe('GPU 0 / 8 GiB');
+
+    s.model.poolWanted = true;
+    await until(() => s.client.calls.filter(c => c === 'pool').length >= 3);
+    s.model.poolWanted = false;
+    const pools = s.client.calls.filter(c => c === 'pool').length;
+    const kernelsBefore = s.client.calls.filter(c => c === 'kernel:b').length;
+    await until(() => s.client.calls.filter(c => c === 'kernel:b').length >= kernelsBefore + 3);
+    expect(s.client.calls.filter(c => c === 'pool').length).toBeLessThanOrEqual(pools + 1);
+  });
+
+  it('follows another kernel at once', async () => {
+    const s = setup(10 * 1000);
+    model = s.model;
+    s.client.kernels.set('a', granted('a'));
+    s.client.kernels.set('b', { ...granted('b'), state: 'queued', devices: [], queue_position: 1, queue_length: 1 });
+    s.model.setKernel('a', 'a.ipynb');
+    await until(() => s.model.view.phase === 'granted');
+    s.model.setKernel('b', 'b.ipynb');
+    await until(() => s.model.view.statusText === 'GPU queued #1');
+    expect(s.model.kernelLabel).toBe('b.ipynb');
+  });
+
+  it('refreshes at once on a jupyter_gpupool event and ignores other events', async () => {
+    const s = setup(60 * 1000); // the poll alone would not ask again within the test
+    model = s.model;
+    s.client.kernels.set('k', { ...granted('k'), state: 'queued', devices: [], queue_position: 1, queue_length: 1 });
+    s.model.setKernel('k', 'k.ipynb');
+    await until(() => s.model.view.phase === 'queued');
+    const asked = s.client.calls.length;
+
+    s.events.stream.emit({ schema_id: 'https://events.jupyter.org/jupyter_server/kernel_actions/v1', action: 'start' });
+    s.client.kernels.set('k', granted('k'));
+    s.events.stream.emit({
+      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v1',
+      action: 'granted',
+      lease_id: 'lease-k',
+      kernel_id: 'k',
+      state: 'granted'
+    });
+    await until(() => s.model.view.phase === 'granted', 1000);
+    expect(s.model.eventsSeen).toBe(true);
+    expect(s.client.calls.length - asked).toBeLessThanOrEqual(2);
+  });
+
+  it('reads 404 as no lease, and a lease that vanished as released with the event’s reason', async () => {
+    const s = setup();
+    model = s.model;
+    s.model.setKernel('plain', 'cpu.ipynb');
+    await until(() => s.model.view.phase === 'no-lease');
+    expect(s.model.view.statusText).toBe('');
+
+    s.client.kernels.set('k', granted('k'));
+    s.model.setKernel('k', 'k.ipynb');
+    await until(() => s.model.view.phase === 'granted');
+    s.events.stream.emit({
+      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v1',
+      action: 'culled',
+      lease_id: 'lease-k',
+      kernel_id: 'k',
+      state: 'released',
+      message: 'idle for 30 min while 2 kernels waited'
+    });
+    s.client.kernels.set('k', 'missing');
+    await until(() => s.model.view.phase === 'released');
+    expect(s.model.view.released).toBe('idle for 30 min while 2 kernels waited');
+  });
+
+  it('shows the server as unavailable when it does not answer', async () => {
+    const s = setup();
+    model = s.model;
+    s.client.kernels.set('k', 'down');
+    s.model.setKernel('k', 'k.ipynb');
+    await until(() => s.model.view.phase === 'unavailable');
+    expect(s.model.view.summary).toContain('down');
+  });
+
+  it('applies an action’s answer without waiting for the next tick', async () => {
+    const s = setup(60 * 1000);
+    model = s.model;
+    s.client.kernels.set('k', granted('k'));
+    s.model.setKernel('k', 'k.ipynb');
+    await until(() => s.model.view.phase === 'granted');
+    await s.model.keep('k', '1h');
+    expect(s.client.calls).toContain('keep:k:1h');
+    expect(s.model.view.kept).toMatch(/^kept through idle for another (59 min|1 h)/);
+  });
+});

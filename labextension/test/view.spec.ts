@@ -1,0 +1,270 @@
+import { IKernelStatus, IPoolSnapshot } from '../src/types';
+import { GIB, MIB } from '../src/units';
+import { checkReserve, kernelView, poolView, quotaLines, rightSizeHint } from '../src/view';
+
+const NOW = 1_700_000_000;
+const A100 = { index: 0, uuid: 'GPU-a', name: 'NVIDIA A100-SXM4-80GB', memory_total: 80 * GIB };
+
+function status(overrides: Partial<IKernelStatus>): IKernelStatus {
+  return {
+    lease_id: 'l1',
+    state: 'granted',
+    memory: 8 * GIB,
+    devices: [A100],
+    queue_position: null,
+    queue_length: null,
+    estimated_wait: null,
+    used_memory: null,
+    peak_memory: null,
+    enforcement: { level: 'soft', mechanisms: ['framework caps', 'watchdog'], description: 'PyTorch cap and NVML watchdog' },
+    idle_seconds: 0,
+    reclaim_at: null,
+    release_reason: null,
+    keep_until: null,
+    ...overrides
+  };
+}
+
+function view(s: IKernelStatus | null, extra: Partial<Parameters<typeof kernelView>[0]> = {}) {
+  return kernelView({ kernelId: 'k1', status: s, missing: false, error: null, now: NOW, ...extra });
+}
+
+describe('kernelView', () => {
+  it('shows a granted slice in the status bar as used / slice', () => {
+    const v = view(status({ used_memory: 3.1 * GIB, peak_memory: 5 * GIB }));
+    expect(v.phase).toBe('granted');
+    expect(v.statusText).toBe('GPU 3.1 / 8 GiB');
+    expect(v.gpu).toBe('GPU 0 · NVIDIA A100-SXM4-80GB');
+    expect(v.slice!.fraction).toBeCloseTo(0.1);
+    expect(v.slice!.label).toBe('slice 8 GiB of 80 GiB (10%)');
+    expect(v.usage!.fraction).toBeCloseTo(3.1 / 8);
+    expect(v.usage!.label).toBe('using 3.1 GiB of 8 GiB · peak 5 GiB');
+    expect(v.usage!.markers).toEqual([{ fraction: 5 / 8, label: 'peak 5 GiB' }]);
+    expect(v.enforcement).toEqual({ level: 'soft', text: 'PyTorch cap and NVML watchdog' });
+    expect(v.canKeep && v.canRelease && v.canReserve).toBe(true);
+    expect(v.idle).toBeNull();
+    expect(v.overLimit).toBeNull();
+  });
+
+  it('shows a dash while usage is not measured yet', () => {
+    expect(view(status({})).statusText).toBe('GPU – / 8 GiB');
+    expect(view(status({})).usage!.label).toBe('use not measured yet');
+  });
+
+  it('shows the queue position, length and wait', () => {
+    const v = view(
+      status({ state: 'queued', devices: [], queue_position: 2, queue_length: 5, estimated_wait: 240 })
+    );
+    expect(v.phase).toBe('queued');
+    expect(v.statusText).toBe('GPU queued #2');
+    expect(v.queue!.text).toBe('waiting for a GPU — position 2 of 5, about 4 min');
+    expect(v.slice).toBeNull();
+    expect(v.canKeep).toBe(false);
+    expect(v.canRelease).toBe(true);
+  });
+
+  it('says the wait is unknown when the server cannot tell', () => {
+    const v = view(status({ state: 'queued', devices: [], queue_position: 1, queue_length: 1 }));
+    expect(v.queue!.text).toBe('waiting for a GPU — position 1 of 1, wait unknown');
+    expect(v.statusText).toBe('GPU queued #1');
+  });
+
+  it('counts down to an idle reclaim and offers Keep', () => {
+    const v = view(
+      status({ idle_seconds: 600, reclaim_at: NOW + 272, reclaim_reason: 'idle while 1 kernel waits' })
+    );
+    expect(v.idle).toEqual({
+      text: 'idle for 10 min — slice goes back to the pool in 4:32 unless you keep it',
+      countdown: '4:32',
+      secondsLeft: 272,
+      reason: 'idle while 1 kernel waits'
+    });
+    expect(v.statusText).toBe('GPU – / 8 GiB · 4:32');
+    expect(v.canKeep).toBe(true);
+  });
+
+  it('never counts below zero', () => {
+    expect(view(status({ reclaim_at: NOW - 5 })).idle!.countdown).toBe('0:00');
+  });
+
+  it('says how long a kept slice is held', () => {
+    expect(view(status({ keep_until: NOW + 3600 })).kept).toBe('kept through idle for another 1 h');
+    expect(view(status({ keep_until: NOW - 1 })).kept).toBeNull();
+  });
+
+  it('says why a slice was released', () => {
+    const v = view(status({ state: 'released', release_reason: 'reclaimed: idle 30 min while others waited' }));
+    expect(v.phase).toBe('released');
+    expect(v.statusText).toBe('GPU released');
+    expect(v.released).toBe('reclaimed: idle 30 min while others waited');
+    expect(v.canRelease).toBe(false);
+  });
+
+  it('treats a lease that disappeared as released, with the reason an event gave', () => {
+    const v = view(status({}), { missing: true, eventReason: 'culled: idle while others waited' });
+    expect(v.phase).toBe('released');
+    expect(v.released).toBe('culled: idle while others waited');
+  });
+
+  it('shows nothing in the status bar for a kernel without a lease', () => {
+    for (const v of [view(null, { missing: true }), view(status({ state: 'none', memory: 0, devices: [] }))]) {
+      expect(v.phase).toBe('no-lease');
+      expect(v.statusText).toBe('');
+      expect(v.canRelease).toBe(false);
+    }
+  });
+
+  it('without a kernel, asks to open a notebook', () => {
+    const v = kernelView({ kernelId: null, status: null, missing: false, error: null, now: NOW });
+    expect(v.phase).toBe('no-kernel');
+    expect(v.statusText).toBe('');
+  });
+
+  it('reports an unreachable pool once, without stale data', () => {
+    const v = view(null, { error: 'cannot reach the Jupyter server: Failed to fetch' });
+    expect(v.phase).toBe('unavailable');
+    expect(v.summary).toContain('Failed to fetch');
+  });
+
+  it('warns when usage is above the slice', () => {
+    const v = view(status({ used_memory: 9 * GIB, over_limit_since: NOW - 30 }));
+    expect(v.usage!.warn).toBe(true);
+    expect(v.usage!.fraction).toBe(1);
+    expect(v.overLimit).toContain('using 9 GiB, above the 8 GiB slice for 30 s');
+  });
+
+  it('tolerates a device the server could not describe', () => {
+    const v = view(status({ devices: [{ uuid: 'GPU-x', index: null, name: null, memory_total: null }] }));
+    expect(v.gpu).toBe('GPU ? · unknown GPU');
+    expect(v.slice).toBeNull();
+    expect(v.statusText).toBe('GPU – / 8 GiB');
+  });
+});
+
+describe('rightSizeHint', () => {
+  it('suggests the peak plus a quarter, in whole GiB', () => {
+    expect(rightSizeHint(8 * GIB, 2.1 * GIB)).toEqual({
+      text: 'peaked at 2.1 GiB of 8 — shrink to 3 GiB?',
+      memory: '3GiB',
+      button: 'Shrink to 3 GiB'
+    });
+  });
+
+  it('names both units when they differ', () => {
+    expect(rightSizeHint(8 * GIB, 300 * MIB)!.text).toBe('peaked at 300 MiB of 8 GiB — shrink to 1 GiB?');
+  });
+
+  it('stays quiet when the slice fits or nothing was measured', () => {
+    expect(rightSizeHint(8 * GIB, 5 * GIB)).toBeNull();
+    expect(rightSizeHint(8 * GIB, 3.5 * GIB)).toBeNull(); // 5 GiB suggested > half of 8
+    expect(rightSizeHint(1.5 * GIB, 0.1 * GIB)).toBeNull(); // 1 GiB is more than half of 1.5
+    expect(rightSizeHint(8 * GIB, null)).toBeNull();
+    expect(rightSizeHint(8 * GIB, 0)).toBeNull();
+  });
+
+  it('is shown for granted leases only', () => {
+    expect(view(status({ peak_memory: 2.1 * GIB })).hint).not.toBeNull();
+    expect(view(status({ state: 'suspended', peak_memory: 2.1 * GIB })).hint).toBeNull();
+  });
+});
+
+describe('poolView', () => {
+  const snapshot: IPoolSnapshot = {
+    devices: [
+      { index: 0, uuid: 'GPU-a', name: 'Simulated 16GiB', memory_total: 16 * GIB, memory_leased: 16 * GIB, memory_used: 4 * GIB, healthy: true },
+      { index: 1, uuid: 'GPU-b', name: 'Simulated 16GiB', memory_total: 16 * GIB, memory_leased: 0, memory_used: 0, healthy: false, health_reason: 'GPU is lost' }
+    ],
+    leases: [
+      { id: null, owner: null, kernel_id: null, memory: 8 * GIB, devices: ['GPU-a'], state: 'granted', mine: false },
+      { id: 'l1', owner: 'alice', kernel_id: 'k1', memory: 4 * GIB, devices: ['GPU-a'], state: 'granted', mine: true, label: 'a.ipynb' },
+      { id: 'l2', owner: 'alice', kernel_id: 'k2', memory: 4 * GIB, devices: ['GPU-a'], state: 'granted', mine: true },
+      { id: 'l3', owner: 'alice', kernel_id: 'k3', memory: 8 * GIB, devices: [], state: 'queued', mine: true }
+    ],
+    queue: [{ mine: true }, { mine: false }],
+    quota: { guaranteed: 0, maximum: 24 * GIB, max_leases: null, held: 8 * GIB, leases: 3, gib_hours_this_month: 1.234 },
+    viewer: { name: 'alice', admin: false },
+    now: NOW
+  };
+
+  it('stacks leases per GPU, own first, the current kernel marked, others anonymous', () => {
+    const v = poolView(snapshot, 'k1')!;
+    const [gpu0, gpu1] = v.devices;
+    expect(gpu0.title).toBe('GPU 0 · Simulated 16GiB');
+    expect(gpu0.segments.map(s => [s.fraction, s.mine, s.current, s.label])).toEqual([
+      [0.25, true, true, 'you: 4 GiB — a.ipynb'],
+      [0.25, true, false, 'you: 4 GiB'],
+      [0.5, false, false, 'another user: 8 GiB']
+    ]);
+    expect(new Set(gpu0.segments.map(s => s.key)).size).toBe(3);
+    expect(gpu0.usedFraction).toBe(0.25);
+    expect(gpu0.text).toBe('16 GiB of 16 GiB leased, 0 B free · 4 GiB in use');
+    expect(gpu0.ariaLabel).toContain('another user: 8 GiB');
+    expect(gpu1.healthy).toBe(false);
+    expect(gpu1.text).toBe('unhealthy: GPU is lost');
+    expect(v.queueText).toBe('2 waiting (1 yours)');
+    expect(v.user).toBe('alice');
+    expect(v.largestGpu).toBe(16 * GIB);
+  });
+
+  it('names owners for admins', () => {
+    const admin = { ...snapshot, viewer: { name: 'root', admin: true } };
+    admin.leases = [{ ...snapshot.leases[0], owner: 'bob', id: 'l9' }];
+    expect(poolView(admin, null)!.devices[0].segments[0].label).toBe('bob: 8 GiB');
+  });
+
+  it('words the quota and the GiB-hours used', () => {
+    expect(poolView(snapshot, null)!.quota).toEqual([
+      { label: 'Guaranteed to you', value: 'none' },
+      { label: 'Most you can hold', value: '24 GiB' },
+      { label: 'Leases at most', value: 'no limit' },
+      { label: 'Holding now', value: '8 GiB' },
+      { label: 'Leases now', value: '3' },
+      { label: 'Used this month', value: '1.2 GiB·h' }
+    ]);
+  });
+
+  it('keeps unknown quota fields readable', () => {
+    expect(quotaLines({ gib_hours_budget: 100, max_duration_seconds: 7200, tier: 'gold' })).toEqual([
+      { label: 'Gib hours budget', value: '100 GiB·h' },
+      { label: 'Max duration seconds', value: '2 h' },
+      { label: 'Tier', value: 'gold' }
+    ]);
+    expect(quotaLines(undefined)).toEqual([]);
+  });
+
+  it('says when no one waits', () => {
+    expect(poolView({ ...snapshot, queue: [] }, null)!.queueText).toBe('no one waiting');
+    expect(poolView(null, null)).toBeNull();
+  });
+});
+
+describe('checkReserve', () => {
+  it('accepts a size, a duration, or both, as typed', () => {
+    expect(checkReserve('12GiB', '2h', 80 * GIB, 80 * GIB)).toMatchObject({ ok: true, body: { memory: '12GiB', duration: '2h' } });
+    expect(checkReserve(' 25% ', '', 80 * GIB, 80 * GIB)).toMatchObject({ ok: true, body: { memory: '25%' } });
+    expect(checkReserve('', '1h 30m', null, null)).toMatchObject({ ok: true, body: { duration: '1h30m' } });
+  });
+
+  it('wants at least one field', () => {
+    expect(checkReserve(' ', '', null, null)).toMatchObject({ ok: false, formError: 'enter a size, a duration, or both' });
+  });
+
+  it('names the accepted forms for bad input, field by field', () => {
+    const c = checkReserve('lots', 'soon', 80 * GIB, 80 * GIB);
+    expect(c.ok).toBe(false);
+    expect(c.body).toEqual({});
+    expect(c.sizeError).toContain('8GiB, 8G, 8GB, 512MiB');
+    expect(c.durationError).toContain('90s, 30m, 2h, 1h30m');
+  });
+
+  it('refuses more than the GPU has, saying the most one may ask', () => {
+    expect(checkReserve('90GiB', '', 80 * GIB, 80 * GIB).sizeError).toBe(
+      'requested 90 GiB but the largest GPU has 80 GiB; ask for at most 80 GiB'
+    );
+  });
+
+  it('takes a percentage of the largest GPU while queued (no GPU yet)', () => {
+    expect(checkReserve('50%', '', null, 16 * GIB).ok).toBe(true);
+    expect(checkReserve('50%', '', null, null).sizeError).toContain('a percentage needs a GPU');
+  });
+});

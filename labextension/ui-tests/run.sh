@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Browser tests of the lab extension against a real JupyterLab on a simulated pool.
+# For each suite it starts `jupyter lab` on a free port with token auth and a throw-away
+# config (GPUPOOL_SIMULATE=1x16GiB, GPUPOOL_DEFAULT_MEMORY=8GiB), runs the Playwright test
+# in headless Chromium (/usr/bin/chromium, never downloaded), and stops the server.
+#
+#   bash labextension/ui-tests/run.sh                 # both suites
+#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle
+#   GPUPOOL_UI_SCREENSHOTS=/tmp/shots bash ...        # screenshots (default ui-tests/screenshots)
+#
+# Needs: jupyter_gpupool importable (pip install -e .) and `npm ci` done in labextension/.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+EXT="$(dirname "$HERE")"
+REPO="$(dirname "$EXT")"
+PYTHON="${PYTHON:-python}"
+CHROMIUM_PATH="${CHROMIUM_PATH:-/usr/bin/chromium}"
+export CHROMIUM_PATH
+export GPUPOOL_UI_SCREENSHOTS="${GPUPOOL_UI_SCREENSHOTS:-$HERE/screenshots}"
+
+if [ ! -x "$CHROMIUM_PATH" ]; then
+  echo "ui-tests: no Chromium at $CHROMIUM_PATH (apt-get install chromium)" >&2
+  exit 1
+fi
+if [ ! -x "$EXT/node_modules/.bin/playwright" ]; then
+  echo "ui-tests: run 'npm ci' in $EXT first" >&2
+  exit 1
+fi
+
+WORK=""
+SERVER_PID=""
+stop_server() {
+  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$SERVER_PID" 2>/dev/null || true
+  fi
+  SERVER_PID=""
+}
+cleanup() {
+  status=$?
+  stop_server
+  if [ "$status" -ne 0 ] && [ -n "$WORK" ] && [ -f "$WORK/server.log" ]; then
+    echo "---- last lines of the server log ($WORK/server.log) ----" >&2
+    tail -n 60 "$WORK/server.log" >&2 || true
+  elif [ -n "$WORK" ]; then
+    rm -rf "$WORK"
+  fi
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# The labextension: the installed one, else this checkout's build (before `pip install`).
+USE_CHECKOUT_BUILD=0
+if ! jupyter labextension list 2>&1 | grep -q "jupyter-gpupool"; then
+  if [ ! -f "$REPO/jupyter_gpupool/labextension/package.json" ]; then
+    (cd "$EXT" && npm run build:prod >/dev/null)
+  fi
+  USE_CHECKOUT_BUILD=1
+  echo "ui-tests: jupyter-gpupool is not installed as a lab extension; using $REPO/jupyter_gpupool/labextension"
+fi
+
+# run_suite SPEC [NAME=VALUE | --Server.option=value ...]: a fresh server with these
+# environment variables and options, then SPEC.
+run_suite() {
+  local spec="$1"
+  shift
+  WORK="$(mktemp -d -t gpupool-ui.XXXXXX)"
+  local port token
+  port="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  token="$("$PYTHON" -c 'import secrets; print(secrets.token_hex(24))')"
+  mkdir -p "$WORK"/{root,config,data,runtime,user-settings,app-settings,workspaces,labextensions}
+
+  # Three notebooks that start a Python kernel when opened.
+  for name in a b c; do
+    cat >"$WORK/root/$name.ipynb" <<NB
+{"cells": [{"cell_type": "code", "execution_count": null, "id": "c1", "metadata": {}, "outputs": [],
+  "source": ["import os; os.environ.get('CUDA_VISIBLE_DEVICES')"]}],
+ "metadata": {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
+              "language_info": {"name": "python"}},
+ "nbformat": 4, "nbformat_minor": 5}
+NB
+  done
+
+  # The server extension on even before the wheel's config file is installed.
+  cat >"$WORK/config/jupyter_server_config.json" <<'JSON'
+{"ServerApp": {"jpserver_extensions": {"jupyter_gpupool": true}}}
+JSON
+  # No news prompt (--LabApp.news_url=None does not stop it) and no update check.
+  cat >"$WORK/app-settings/overrides.json" <<'JSON'
+{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}
+JSON
+
+  local args=(
+    --no-browser
+    --ServerApp.ip=127.0.0.1 --ServerApp.port="$port" --ServerApp.port_retries=0
+    --IdentityProvider.token="$token"
+    --ServerApp.root_dir="$WORK/root"
+    --LabApp.app_settings_dir="$WORK/app-settings"
+    --LabApp.news_url=None
+    --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate
+    --LabApp.expose_app_in_browser=True
+  )
+  if [ "$(id -u)" = 0 ]; then args+=(--ServerApp.allow_root=True); fi
+  local envs=()
+  for item in "$@"; do
+    case "$item" in
+      --*) args+=("$item") ;;
+      *) envs+=("$item") ;;
+    esac
+  done
+  if [ "$USE_CHECKOUT_BUILD" = 1 ]; then
+    ln -s "$REPO/jupyter_gpupool/labextension" "$WORK/labextensions/jupyter-gpupool"
+    args+=(--LabApp.extra_labextensions_path="$WORK/labextensions")
+  fi
+
+  echo "ui-tests[$spec]: starting JupyterLab on 127.0.0.1:$port (log: $WORK/server.log)"
+  (
+    cd "$WORK/root"
+    export GPUPOOL_SIMULATE="${GPUPOOL_SIMULATE:-1x16GiB}"
+    export GPUPOOL_DEFAULT_MEMORY="${GPUPOOL_DEFAULT_MEMORY:-8GiB}"
+    export GPUPOOL_DB="$WORK/pool.sqlite"
+    export JUPYTER_CONFIG_DIR="$WORK/config"
+    export JUPYTER_DATA_DIR="$WORK/data"
+    export JUPYTER_RUNTIME_DIR="$WORK/runtime"
+    export JUPYTERLAB_SETTINGS_DIR="$WORK/user-settings"
+    export JUPYTERLAB_WORKSPACES_DIR="$WORK/workspaces"
+    export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    for assignment in ${envs[@]+"${envs[@]}"}; do export "$assignment"; done
+    exec "$PYTHON" -m jupyterlab "${args[@]}"
+  ) >"$WORK/server.log" 2>&1 &
+  SERVER_PID=$!
+
+  # Wait until GET /api/gpupool/pool answers with the token, at most 90 s.
+  local url="http://127.0.0.1:$port/"
+  "$PYTHON" - "$url" "$token" "$SERVER_PID" <<'PY'
+import os, sys, time, urllib.request
+url, token, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+deadline, last = time.monotonic() + 90, None
+while True:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("ui-tests: the server exited early")
+    try:
+        req = urllib.request.Request(url + "api/gpupool/pool", headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            if r.status == 200:
+                break
+    except Exception as error:
+        last = error
+    if time.monotonic() > deadline:
+        sys.exit(f"ui-tests: GET /api/gpupool/pool does not answer ({last}); is the jupyter_gpupool server extension importable?")
+    time.sleep(0.2)
+PY
+
+  (cd "$EXT" && GPUPOOL_UI_URL="$url" GPUPOOL_UI_TOKEN="$token" \
+    npx playwright test -c ui-tests/playwright.config.ts "ui-tests/$spec.spec.ts")
+  stop_server
+  rm -rf "$WORK"
+  WORK=""
+}
+
+SUITES=("$@")
+if [ "${#SUITES[@]}" -eq 0 ]; then SUITES=(gpupool idle); fi
+for suite in "${SUITES[@]}"; do
+  case "$suite" in
+    gpupool) run_suite gpupool ;;
+    idle)
+      run_suite idle GPUPOOL_IDLE_POLICY=always GPUPOOL_IDLE_TIMEOUT=3 GPUPOOL_WARNING_PERIOD=10 \
+        --GpuPoolExtension.tick_interval=1
+      ;;
+    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle)" >&2; exit 2 ;;
+  esac
+done
+echo "ui-tests: passed; screenshots in $GPUPOOL_UI_SCREENSHOTS"
