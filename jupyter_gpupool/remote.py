@@ -302,7 +302,7 @@ class RemotePool:
             "num_gpus": req.num_gpus,
             "compute_share": req.compute_share,
             "model": req.model,
-            "priority": req.priority.value if hasattr(req.priority, "value") else req.priority,
+            "priority": req.priority.value if req.priority is not None else None,  # None: the configured class
             "duration": req.duration,
             "kernel_id": req.kernel_id,
             "holder_pid": req.holder_pid,

@@ -22,7 +22,7 @@ import stat
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Any
 
 import psutil
 from tornado import httpserver, netutil, web
@@ -218,7 +218,7 @@ class Broker(LoggingConfigurable):
             num_gpus=num_gpus,
             compute_share=compute_share,
             model=str(body["model"]) if body.get("model") else None,
-            priority=parse_priority(body.get("priority")),  # type: ignore[arg-type]  # None: the configured class
+            priority=parse_priority(body.get("priority")),  # None: the configured class
             duration=parse_duration(duration_raw) if duration_raw not in (None, "") else None,
             holder_pid=holder_pid,
             holder_host=str(body["holder_host"]) if body.get("holder_host") else None,
@@ -423,8 +423,8 @@ class BrokerApp(GpuPoolBaseApp):
         "Serve one GPU pool to every Jupyter server on this host: as a JupyterHub service (hub tokens) "
         "and/or on a Unix socket (peer credentials). Servers and kernels use it when GPUPOOL_URL points at it."
     )
-    classes: ClassVar[list[Any]] = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]
-    aliases: ClassVar[dict[str, Any]] = {
+    classes = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]  # noqa: RUF012
+    aliases = {  # noqa: RUF012
         **GpuPoolBaseApp.aliases,
         "ip": "BrokerApp.ip",
         "port": "BrokerApp.port",

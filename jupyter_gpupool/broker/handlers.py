@@ -616,9 +616,9 @@ def parse_activity(data: Any) -> Activity:
 
 
 def parse_priority(value: Any) -> PriorityClass | None:
-    """The class a request asks for; None (absent or ``normal``) means "whatever my user or group is
-    configured for" (a ``staff: high`` group gets high). Asking ``batch`` lowers it."""
-    if value in (None, "") or str(value).lower() == "normal":
+    """The class a request asks for; None (absent) means "whatever my user or group is configured
+    for" (a ``staff: high`` group gets high). A user may ask for less, never for more."""
+    if value in (None, ""):
         return None
     try:
         return PriorityClass(str(value).lower())
