@@ -407,3 +407,108 @@ def test_harness_starts_a_server_leases_kernels_and_cleans_up(tmp_path: Path, mo
     assert reap_registered(str(pidfile)) == []  # nothing left for the runner to kill
     registered = [json.loads(line)["what"] for line in pidfile.read_text().splitlines()]
     assert registered[0] == "jupyter_server" and len(registered) == 3
+
+
+# --- bootstrap: wheels for the bare GPU machine ------------------------------------------------------
+
+
+def make_wheel(folder: Path, name: str, version: str = "1.0", tag: str = "py3-none-any") -> Path:
+    import zipfile
+
+    path = folder / f"{name}-{version}-{tag}.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\n")
+        archive.writestr(
+            f"{name}-{version}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        )
+        archive.writestr(
+            f"{name}-{version}.dist-info/WHEEL", f"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: {tag}\n"
+        )
+        archive.writestr(f"{name}-{version}.dist-info/RECORD", "")
+    return path
+
+
+def test_bootstrap_picks_wheels_this_python_can_use() -> None:
+    from gpucheck.bootstrap import compatible
+
+    here = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    other = "cp39" if here != "cp39" else "cp38"
+    assert compatible(Path("a-1-py3-none-any.whl"))
+    assert compatible(Path("b-1-py2.py3-none-any.whl"))
+    assert compatible(Path(f"c-1-{here}-{here}-manylinux_2_17_x86_64.manylinux2014_x86_64.whl")) == (
+        os.uname().machine == "x86_64"
+    )
+    assert not compatible(Path(f"d-1-{other}-{other}-manylinux_2_17_x86_64.whl"))
+    assert compatible(Path("e-1-cp38-abi3-manylinux_2_28_x86_64.whl")) == (os.uname().machine == "x86_64")
+    assert not compatible(Path("f-1-cp399-abi3-manylinux_2_28_x86_64.whl"))  # a Python newer than this one
+    assert not compatible(Path("g-1-py3-none-win_amd64.whl"))
+
+
+def test_bootstrap_installs_only_what_is_missing_and_registers_entry_points(tmp_path: Path) -> None:
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    make_wheel(wheels, "gpucheck_demo_pkg")
+    make_wheel(wheels, "pytest", version="0.0.1")  # installed here already: must not shadow it
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def bootstrap() -> str:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpucheck.bootstrap",
+                "--wheels",
+                str(wheels),
+                "--site",
+                str(site),
+                "--repo",
+                str(REPO),
+            ],
+            cwd=GPU_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return proc.stdout
+
+    first_run = bootstrap()
+    assert "installed 1 of 2 wheels" in first_run and "gpucheck-demo-pkg" in first_run
+    assert (site / "gpucheck_demo_pkg" / "__init__.py").exists()
+    assert not (site / "pytest").exists()
+    assert "already installed" in bootstrap()  # a second run on a warm machine installs nothing
+
+
+def test_bootstrap_writes_entry_points_from_pyproject(tmp_path: Path) -> None:
+    from gpucheck.bootstrap import register_entry_points
+
+    repo = tmp_path / "repo"
+    (repo / "jupyter_gpupool").mkdir(parents=True)
+    (repo / "jupyter_gpupool" / "_version.py").write_text('__version__ = "9.9.9"\n')
+    (repo / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    site = tmp_path / "site"
+    assert "registered jupyter_gpupool 9.9.9" in register_entry_points(repo, site, force=True)
+    text = (site / "jupyter_gpupool-9.9.9.dist-info" / "entry_points.txt").read_text()
+    assert "[jupyter_client.kernel_provisioners]" in text
+    assert "gpupool-provisioner = jupyter_gpupool.provisioner:GpuPoolProvisioner" in text
+    assert "Name: jupyter-gpupool" in (site / "jupyter_gpupool-9.9.9.dist-info" / "METADATA").read_text()
+
+
+def test_unpack_is_a_working_install_without_pip(tmp_path: Path) -> None:
+    from gpucheck.bootstrap import unpack
+
+    wheel = make_wheel(tmp_path, "gpucheck_unpacked", version="2.5")
+    unpack(wheel, tmp_path / "site")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import gpucheck_unpacked, importlib.metadata as m; print(gpucheck_unpacked.VERSION, m.version('gpucheck_unpacked'))",
+        ],
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.split() == ["2.5", "2.5"]

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import platform
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 PROVISIONER_GROUP = "jupyter_client.kernel_provisioners"
@@ -51,6 +53,28 @@ def compatible(wheel: Path) -> bool:
     return False
 
 
+def unpack(wheel: Path, site: Path) -> None:
+    """Install ``wheel`` the plain way: unzip it, moving ``*.data/purelib|platlib`` to the top.
+
+    Enough for imports and entry points (the ``.dist-info`` comes along); scripts and data
+    files are skipped. Used only where pip is missing or fails.
+    """
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.infolist():
+            parts = member.filename.split("/")
+            if parts[0].endswith(".data"):
+                if len(parts) < 3 or parts[1] not in {"purelib", "platlib"}:
+                    continue
+                parts = parts[2:]
+            target = site.joinpath(*parts)
+            if member.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(member) as src, open(target, "wb") as dst:
+                dst.write(src.read())
+
+
 def installed(name: str) -> bool:
     try:
         importlib.metadata.distribution(name)
@@ -69,6 +93,10 @@ def install_missing(wheels: Path, site: Path) -> str:
     note = f" ({skipped} wheels are for another Python or machine)" if skipped else ""
     if not missing:
         return f"all {len(usable)} usable wheels' distributions already installed{note}"
+    if importlib.util.find_spec("pip") is None:
+        for wheel in missing:
+            unpack(wheel, site)
+        return f"no pip here: unpacked {len(missing)} of {len(files)} wheels into {site}{note}"
     cmd = [
         sys.executable,
         "-m",
@@ -87,7 +115,9 @@ def install_missing(wheels: Path, site: Path) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return f"pip install of {len(missing)} wheels failed: {' / '.join(tail)}"
+        for wheel in missing:
+            unpack(wheel, site)
+        return f"pip install of {len(missing)} wheels failed ({' / '.join(tail)}); unpacked them into {site} instead"
     names = ", ".join(dist_name(w) for w in missing)
     return f"installed {len(missing)} of {len(files)} wheels into {site}: {names}{note}"
 
@@ -99,9 +129,11 @@ def _toml(path: Path) -> dict:
         return tomllib.load(fh)
 
 
-def register_entry_points(repo: Path, site: Path) -> str:
+def register_entry_points(repo: Path, site: Path, force: bool = False) -> str:
+    """Write ``jupyter_gpupool-<version>.dist-info`` (entry points from pyproject.toml) into ``site``
+    unless an installed distribution registers the provisioner already (or ``force``)."""
     eps = importlib.metadata.entry_points(group=PROVISIONER_GROUP)
-    if any(ep.name == "gpupool-provisioner" for ep in eps):
+    if not force and any(ep.name == "gpupool-provisioner" for ep in eps):
         return "gpupool-provisioner entry point already registered"
     try:
         project = _toml(repo / "pyproject.toml")["project"]

@@ -221,7 +221,8 @@ def run_isolated(name: str, options: Options, timeout: float, log_path: Path | N
     except subprocess.TimeoutExpired:
         timed_out = True
         _kill_group(proc)
-    cleaned = reap_registered(str(pidfile), log=lambda m: print(f"[{name}] {m}", flush=True))
+    cut_off = timed_out or not result_file.exists()
+    cleaned = reap_registered(str(pidfile), log=lambda m: print(f"[{name}] {m}", flush=True), run_commands=cut_off)
     elapsed = round(time.monotonic() - start, 1)
     if log_path is not None:
         _append_logs(log_path, name, scratch / "work")

@@ -62,8 +62,9 @@ def _start_time(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # Field 22 (starttime) counted after the ")" that closes the command name.
-    return stat.rsplit(")", 1)[1].split()[19]
+    # Fields after the ")" that closes the command name: state (3rd field), ..., starttime (22nd).
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in {"Z", "X"} else fields[19]  # a zombie counts as gone
 
 
 def register_pid(pid: int, what: str) -> None:
@@ -84,8 +85,9 @@ def register_cleanup(argv: list[str], env: dict[str, str], what: str) -> None:
         fh.write(json.dumps({"cmd": argv, "env": env, "what": what}) + "\n")
 
 
-def reap_registered(pidfile: str, log: Callable[[str], None] = lambda _m: None) -> list[str]:
-    """End what a check left behind: run its cleanup commands, then kill its processes.
+def reap_registered(pidfile: str, log: Callable[[str], None] = lambda _m: None, run_commands: bool = True) -> list[str]:
+    """End what a check left behind: run its cleanup commands (when it was cut off, i.e.
+    ``run_commands``), then kill its processes that still run.
 
     A pid is killed only while its start time still matches, so a reused pid is left alone.
     """
@@ -95,7 +97,7 @@ def reap_registered(pidfile: str, log: Callable[[str], None] = lambda _m: None) 
     except OSError:
         return done
     entries = [json.loads(line) for line in lines if line.strip()]
-    for entry in entries:
+    for entry in entries if run_commands else []:
         if "cmd" in entry:
             try:
                 subprocess.run(

@@ -19,7 +19,8 @@ def emit(expr: str) -> str:
     return f"print({MARKER!r} + __import__('json').dumps({expr}))"
 
 
-# Per framework: set-up code that defines _gc_alloc(nbytes) (keeps what it allocates in _gc_hold)
+# Per framework: set-up code that defines _gc_alloc(nbytes) (keeps what it allocates in _gc_hold;
+# 4-byte elements, so no array needs 64-bit indexing)
 # and _gc_info() (a dict of what the framework sees), and proves the framework sees a GPU.
 SETUP: dict[str, str] = {
     "torch": """
@@ -28,8 +29,8 @@ _gc_hold = []
 assert torch.cuda.is_available(), "PyTorch sees no CUDA device"
 torch.empty(1, device="cuda")
 def _gc_alloc(nbytes):
-    t = torch.empty(int(nbytes), dtype=torch.uint8, device="cuda")
-    t.fill_(1)
+    t = torch.empty(int(nbytes) // 4, dtype=torch.float32, device="cuda")
+    t.fill_(1.0)
     torch.cuda.synchronize()
     _gc_hold.append(t)
 def _gc_info():
@@ -41,7 +42,7 @@ import jax, jax.numpy as jnp
 _gc_hold = []
 assert jax.devices()[0].platform == "gpu", f"JAX sees no GPU: {jax.devices()}"
 def _gc_alloc(nbytes):
-    a = jnp.ones((int(nbytes),), dtype=jnp.uint8)
+    a = jnp.ones((int(nbytes) // 4,), dtype=jnp.float32)
     a.block_until_ready()
     _gc_hold.append(a)
 def _gc_info():
@@ -54,8 +55,8 @@ import cupy
 _gc_hold = []
 cupy.cuda.runtime.getDeviceCount()
 def _gc_alloc(nbytes):
-    a = cupy.empty(int(nbytes), dtype=cupy.uint8)
-    a.fill(1)
+    a = cupy.empty(int(nbytes) // 4, dtype=cupy.float32)
+    a.fill(1.0)
     cupy.cuda.Device().synchronize()
     _gc_hold.append(a)
 def _gc_info():

@@ -32,32 +32,31 @@ def requires(probe: Probe, options: Options) -> str | None:
 
 
 def _fill(gib: float) -> str:
-    """Fill N GiB with seeded int32 data; keep per-chunk int64 sums and host copies of both ends."""
+    """Fill N GiB with seeded int32 tensors of 1 GiB (the last one smaller); keep per-chunk int64
+    sums and host copies of both ends, then measure the pinned host link as this process sees it."""
     return f"""
-import torch
-_gc_n = int({gib} * 2**30) // 4
-_gc_x = torch.randint(0, 2**31 - 1, (_gc_n,), dtype=torch.int32, device="cuda",
-                      generator=torch.Generator(device="cuda").manual_seed(1234))
+import time, torch
+_gc_gen = torch.Generator(device="cuda").manual_seed(1234)
+_gc_total = int({gib} * 2**30) // 4
+_gc_x = [torch.randint(0, 2**31 - 1, (min(2**28, _gc_total - i),), dtype=torch.int32, device="cuda", generator=_gc_gen)
+         for i in range(0, _gc_total, 2**28)]
 def _gc_sums():
-    return [int(c.to(torch.int64).sum()) for c in _gc_x.split(1 << 26)]
+    return [int(c.to(torch.int64).sum()) for t in _gc_x for c in t.split(1 << 26)]
 _gc_before = _gc_sums()
-_gc_head, _gc_tail = _gc_x[: 1 << 22].cpu(), _gc_x[-(1 << 22):].cpu()
-torch.cuda.synchronize()
-# Host link as this process sees it: pinned 1 GiB each way.
+_gc_head, _gc_tail = _gc_x[0][: 1 << 22].cpu(), _gc_x[-1][-(1 << 22):].cpu()
 _gc_h = torch.empty(2**30, dtype=torch.uint8).pin_memory(); _gc_d = torch.empty(2**30, dtype=torch.uint8, device="cuda")
 _gc_d.copy_(_gc_h); torch.cuda.synchronize()
-import time
 _t = time.perf_counter(); [_gc_d.copy_(_gc_h, non_blocking=True) for _ in range(4)]; torch.cuda.synchronize(); _h2d = 4 * 2**30 / (time.perf_counter() - _t)
 _t = time.perf_counter(); [_gc_h.copy_(_gc_d, non_blocking=True) for _ in range(4)]; torch.cuda.synchronize(); _d2h = 4 * 2**30 / (time.perf_counter() - _t)
 del _gc_d, _gc_h; torch.cuda.empty_cache()
 getattr(torch._C, "_host_emptyCache", lambda: None)()  # no pinned host blocks held across the checkpoint
-{emit('{"elements": _gc_n, "chunks": len(_gc_before), "h2d": _h2d, "d2h": _d2h, "reserved": int(torch.cuda.memory_reserved())}')}
+{emit('{"elements": _gc_total, "tensors": len(_gc_x), "chunks": len(_gc_before), "h2d": _h2d, "d2h": _d2h, "reserved": int(torch.cuda.memory_reserved())}')}
 """
 
 
 VERIFY = f"""
 _gc_after = _gc_sums()
-_gc_ok = _gc_after == _gc_before and torch.equal(_gc_x[: 1 << 22].cpu(), _gc_head) and torch.equal(_gc_x[-(1 << 22):].cpu(), _gc_tail)
+_gc_ok = _gc_after == _gc_before and torch.equal(_gc_x[0][: 1 << 22].cpu(), _gc_head) and torch.equal(_gc_x[-1][-(1 << 22):].cpu(), _gc_tail)
 {emit('{"intact": bool(_gc_ok), "chunks": len(_gc_after)}')}
 """
 
