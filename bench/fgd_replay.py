@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jupyter_gpupool.core.placement import (  # noqa: E402
+from jupyter_gpupool.core.placement import (
     POLICIES,
     Demand,
     GpuSlot,
@@ -69,7 +69,7 @@ class ReplayError(Exception):
 
 
 # -- inputs ------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_nodes(path: str) -> tuple[tuple[str, int, int, int, str], ...]:
     """(name, cpu_milli, memory_mib, gpus, model) of every node that has GPUs."""
     rows = []
@@ -82,7 +82,7 @@ def load_nodes(path: str) -> tuple[tuple[str, int, int, int, str], ...]:
     return tuple(rows)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_pods(path: str) -> tuple[tuple[str, Demand], ...]:
     """(name, demand) of every pod, sorted by name."""
     pods = []
@@ -380,7 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="every trace variant with published numbers, policies best-fit,fgd,fgd-bestfit unless --policy is given",
     )
-    ap.add_argument("--variants", help="with --all-variants: only these variants (comma-separated, e.g. default,cpu050)")
+    ap.add_argument(
+        "--variants", help="with --all-variants: only these variants (comma-separated, e.g. default,cpu050)"
+    )
     ap.add_argument("--sample", type=float, default=1.0, help="use this fraction of the nodes (smoke runs), e.g. 0.1")
     ap.add_argument("--max-pods", type=int, default=None, help="stop each seed after this many pods (smoke runs)")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
@@ -422,7 +424,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for v, pth in paths.items():
                 if not Path(pth).is_file():
                     raise ReplayError(f"pod list not found: {pth}")
-            tasks = [(paths[v], args.nodes, p, s, args.sample, args.max_pods) for v in variants for p in policies for s in seeds]
+            tasks = [
+                (paths[v], args.nodes, p, s, args.sample, args.max_pods)
+                for v in variants
+                for p in policies
+                for s in seeds
+            ]
             results = run_many(tasks, args.jobs, args.resume)
             rows = []
             for v in variants:

@@ -29,7 +29,9 @@ def gpu(uuid: str, free: int, capacity: int = 1000, model: str = "A100", peers: 
     return GpuSlot(uuid, model, capacity, free, frozenset(peers))
 
 
-def node(name: str, *gpus: GpuSlot, cpu: int = 0, cpu_free: int | None = None, mem: int = 0, mem_free: int | None = None):
+def node(
+    name: str, *gpus: GpuSlot, cpu: int = 0, cpu_free: int | None = None, mem: int = 0, mem_free: int | None = None
+):
     return NodeView(
         name,
         list(gpus),
@@ -170,7 +172,7 @@ def test_make_policy_rejects_unknown_names_with_the_accepted_ones() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(per_gpu=-1), dict(per_gpu=0), dict(per_gpu=5, num_gpus=0), dict(per_gpu=1, cpu=-1)],
+    [{"per_gpu": -1}, {"per_gpu": 0}, {"per_gpu": 5, "num_gpus": 0}, {"per_gpu": 1, "cpu": -1}],
 )
 def test_bad_demands_are_refused(kwargs: dict) -> None:
     with pytest.raises(InvalidInput):

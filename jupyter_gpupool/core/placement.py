@@ -328,12 +328,19 @@ class PlacementPolicy(abc.ABC):
 
     def _candidates(self, node: NodeView, d: Demand) -> list[tuple[int, ...]] | None:
         """GPU sets worth scoring on ``node``: each distinct single GPU, or one tightest set."""
-        if not _resources_fit(node, d):
+        if (node.cpu_total and node.cpu_free < d.cpu) or (node.mem_total and node.mem_free < d.mem):
             return None
         if d.num_gpus == 0:
             return [()]
         gpus = node.gpus
-        eligible = [j for j, g in enumerate(gpus) if d.usable(g)]
+        per, models = d.per_gpu, d.models
+        # the same test as Demand.usable, inlined: this is the replay's innermost loop
+        if d.whole:
+            eligible = [j for j, g in enumerate(gpus) if g.free == g.capacity >= per]
+        else:
+            eligible = [j for j, g in enumerate(gpus) if g.free >= per]
+        if models:
+            eligible = [j for j in eligible if gpus[j].model in models]
         if len(eligible) < d.num_gpus:
             return None
         if d.num_gpus > 1:
@@ -376,7 +383,7 @@ class PlacementPolicy(abc.ABC):
 class _Entry:
     """Cached scores of one demand on every node, valid up to change-log position ``epoch``."""
 
-    __slots__ = ("scores", "choice", "epoch")
+    __slots__ = ("choice", "epoch", "scores")
 
     def __init__(self, scores: list[float], choice: list[tuple[int, ...]], epoch: int) -> None:
         self.scores = scores
