@@ -4,6 +4,7 @@ the GPU checks drive kernels with (on a simulated pool here)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -369,6 +370,7 @@ def test_slice_message_matcher() -> None:
 
 @pytest.mark.slow
 def test_harness_starts_a_server_leases_kernels_and_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpucheck.checks.common import is_framework_oom, names_slice
     from gpucheck.harness import JupyterServer, bare_kernelspec, reap_registered
 
     pidfile = tmp_path / "pids.jsonl"
@@ -394,6 +396,13 @@ def test_harness_starts_a_server_leases_kernels_and_cleans_up(tmp_path: Path, mo
             "planted",
             "before\n",
         )
+        # The OOM text path the slice checks read: the kernel extension's hint on a framework OOM.
+        if importlib.util.find_spec("torch") is not None:
+            oom = sliced.run(
+                "import torch\nraise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.40 GiB')"
+            )
+            assert oom.ename == "OutOfMemoryError" and is_framework_oom(oom.ename, oom.evalue)
+            assert names_slice(oom.all_text, 4 * 1024**3), oom.all_text
         msg_id = sliced.submit(
             "import time; time.sleep(0.5)\n" + __import__("gpucheck.checks.common", fromlist=["emit"]).emit("{'x': 1}")
         )

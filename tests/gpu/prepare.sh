@@ -9,7 +9,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 PYVER="${GPUCHECK_PY_VERSION:-3.12}"
-DEST="$HERE/.wheels"
+DEST="${GPUCHECK_WHEELS:-$HERE/.wheels}"
 PY="${PYTHON:-python3}"
 
 # The runtime dependencies as pyproject.toml lists them (one source of truth).

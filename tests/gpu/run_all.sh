@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1
 
 case " $* " in
   *" -h "*|*" --help "*|*" --list "*) ;;
-  *) (cd "$HERE" && "$PY" -m gpucheck.bootstrap --wheels "$HERE/.wheels" --site "$SITE" --repo "$ROOT") ;;
+  *) (cd "$HERE" && "$PY" -m gpucheck.bootstrap --wheels "${GPUCHECK_WHEELS:-$HERE/.wheels}" --site "$SITE" --repo "$ROOT") ;;
 esac
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
