@@ -57,14 +57,15 @@ class GpuPoolBaseApp(JupyterApp):
     def make_pool(self) -> Any:
         import os
 
-        from .pool import Pool
+        from .remote import pool_from_env
 
         env = dict(os.environ)
         if self.simulate:
             env["GPUPOOL_SIMULATE"] = self.simulate
         if self.db:
             env["GPUPOOL_DB"] = self.db
-        return Pool.from_env(config=self.config, environ=env)
+        # With GPUPOOL_URL set this is the broker (which decides who is admin); never a silent local pool.
+        return pool_from_env(config=self.config, environ=env)
 
     def emit(self, data: Any, text: str) -> None:
         print(json.dumps(data, indent=2, default=str) if self.json else text)
@@ -242,6 +243,25 @@ class ReleaseApp(GpuPoolBaseApp):
         self.emit(released.to_json(), f"released {released.id} ({format_size(released.memory)})")
 
 
+class PriorityApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-priority"
+    description = "Re-prioritise a lease (admins): jupyter gpupool priority LEASE_ID batch|normal|high"
+
+    def run(self) -> None:
+        if len(self.extra_args) != 2:
+            raise InvalidInput("give a lease id and a class: jupyter gpupool priority LEASE_ID batch|normal|high")
+        pool = self.make_pool()
+        lease_id, priority = self.extra_args
+        lease = pool.get(lease_id)
+        user = current_user()
+        if not getattr(pool, "remote", False) and lease.owner != user and user != "root":
+            from .errors import NotAuthorized
+
+            raise NotAuthorized("only an admin may re-prioritise another user's lease")
+        changed = pool.set_priority(lease_id, priority)
+        self.emit(changed.to_json(), f"{changed.id} is now {changed.priority.value}")
+
+
 def parse_day(text: str) -> float:
     try:
         return dt.datetime.fromisoformat(text).timestamp()
@@ -385,6 +405,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "leases": ("jupyter_gpupool.cli.LeasesApp", LeasesApp.description),
     "queue": ("jupyter_gpupool.cli.QueueApp", QueueApp.description),
     "release": ("jupyter_gpupool.cli.ReleaseApp", ReleaseApp.description),
+    "priority": ("jupyter_gpupool.cli.PriorityApp", PriorityApp.description),
     "report": ("jupyter_gpupool.cli.ReportApp", ReportApp.description),
     "reserve": ("jupyter_gpupool.cli.ReserveApp", ReserveApp.description),
     "request": ("jupyter_gpupool.cli.RequestApp", RequestApp.description),

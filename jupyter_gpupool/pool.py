@@ -214,6 +214,24 @@ class Pool:
             self._save(state, decisions)
             return state.leases[lease_id].copy()
 
+    def set_priority(self, lease_id: str, priority: str, now: float | None = None) -> Lease:
+        """Re-prioritise a lease (admins): ``batch``, ``normal`` or ``high``; the queue re-orders at once."""
+        from .core.models import PriorityClass
+
+        try:
+            cls = PriorityClass(priority)
+        except ValueError:
+            raise InvalidInput(f"invalid priority class {priority!r}: use batch, normal or high") from None
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            lease = self.engine.get(state, lease_id)
+            lease.priority = cls
+            state.touch(lease)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return lease.copy()
+
     def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
         return self.resize(lease_id, None, seconds, now)
 

@@ -340,6 +340,10 @@ class RemotePool:
     def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
         return _lease(self.call("DELETE", f"{API}/leases/{_q(lease_id)}", query={"reason": reason}))
 
+    def set_priority(self, lease_id: str, priority: str, now: float | None = None) -> Lease:
+        """Admins: re-prioritise a lease (``batch``, ``normal``, ``high``)."""
+        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/priority", {"priority": priority}))
+
     def resize(
         self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None
     ) -> Lease:

@@ -132,6 +132,7 @@ def test_another_users_lease_is_403_and_an_admin_may(harness: BrokerHarness) -> 
         ("POST", "api/gpupool/kernels/kernel-of-bob/release", {}),
         ("POST", "api/gpupool/kernels/kernel-of-bob/keepalive", {}),
         ("GET", "api/gpupool/leases?owner=bob", None),
+        ("POST", f"api/gpupool/leases/{lid}/priority", {"priority": "high"}),
     ]
     for method, path, body in attempts:
         status, payload = harness.http(method, path, ALICE, body)
@@ -153,6 +154,7 @@ def test_another_users_lease_is_403_and_an_admin_may(harness: BrokerHarness) -> 
     admin = harness.remote(ADMIN)
     assert admin.get(lid).owner == "bob"
     assert admin.resize(lid, memory=4 * GIB).memory == 4 * GIB
+    assert admin.set_priority(lid, "batch").priority.value == "batch"  # admins re-prioritise
     everyone = admin.leases()
     assert {lease.owner for lease in everyone} == {"bob"}
     assert admin.snapshot().leases[0]["owner"] == "bob"

@@ -372,3 +372,15 @@ def test_policy_env_variables(monkeypatch, tmp_path):
         PoolPolicy.from_env({"GPUPOOL_PLACEMENT": "random-ish"})
     with pytest.raises(InvalidInput, match="guaranteed .* is above maximum"):
         PoolPolicy(user_quotas={"a": {"guaranteed": "8GiB", "maximum": "4GiB"}}).validate_all()
+
+
+def test_set_priority_reorders_the_queue(tmp_path):
+    pool = make_pool(tmp_path, spec="1x8GiB", aging_interval=0, preemption=False)
+    pool.request(req("x", gib=8), now=T0)
+    first = pool.request(req("a", gib=8), now=T0 + 1)
+    second = pool.request(req("b", gib=8), now=T0 + 2)
+    assert [l.id for l in pool.queue(now=T0 + 3)] == [first.id, second.id]
+    pool.set_priority(second.id, "high", now=T0 + 4)
+    assert [l.id for l in pool.queue(now=T0 + 5)] == [second.id, first.id]
+    with pytest.raises(InvalidInput, match="batch, normal or high"):
+        pool.set_priority(first.id, "urgent")

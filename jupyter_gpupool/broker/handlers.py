@@ -273,6 +273,23 @@ class LeaseResizeHandler(BrokerHandler):
         self.write_json(await self.run(resize))
 
 
+class LeasePriorityHandler(BrokerHandler):
+    """``POST .../leases/{id}/priority`` ``{"priority": "batch" | "normal" | "high"}``: admins re-prioritise."""
+
+    async def post(self, lease_id: str) -> None:
+        body = self.json_body()
+        if not self.identity.admin:
+            raise NotAuthorized("only pool admins may re-prioritise a lease")
+        priority = body.get("priority")
+        if not isinstance(priority, str):
+            raise InvalidInput('give "priority": batch, normal or high')
+
+        def set_priority() -> dict[str, Any]:
+            return lease_json(self.broker.pool.set_priority(lease_id, priority))
+
+        self.write_json(await self.run(set_priority))
+
+
 class LeaseKeepHandler(BrokerHandler):
     """``POST .../leases/{id}/keepalive`` ``{"duration": "1h"}``: hold through idle (default 1 h)."""
 
@@ -640,6 +657,7 @@ def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
         (rf"{api}/leases/{_ID}/release", LeaseReleaseHandler),
         (rf"{api}/leases/{_ID}/resize", LeaseResizeHandler),
         (rf"{api}/leases/{_ID}/keepalive", LeaseKeepHandler),
+        (rf"{api}/leases/{_ID}/priority", LeasePriorityHandler),
         (rf"{api}/leases/{_ID}/activity", LeaseActivityHandler),
         (rf"{api}/leases/{_ID}/wait", LeaseWaitHandler),
         (rf"{api}/activity", ActivityHandler),
