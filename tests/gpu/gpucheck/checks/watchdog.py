@@ -13,9 +13,14 @@ from ..report import Result, Status
 from . import CheckSpec, Context, Options
 from .common import GIB, MIB, emit, grant_problems, nvml_process_memory, poll_until, rest_slice, slice_server
 
-GRACE = 3.0  # seconds between the warning and the interrupt, configured for this check
+GRACE = 5.0  # seconds between the warning and the interrupt: room for a full watchdog reading first
 CHILD_SHARE = 1.25  # the child takes this much of the slice: clearly over, whatever the tolerance
 KERNEL_RAW = 512 * MIB  # and the kernel itself this much, so the sum over the tree matters
+
+
+def tolerance(total: int) -> float:
+    """How far the watchdog's number may be from NVML's read a moment later."""
+    return max(64 * MIB, 0.03 * total)
 
 
 def requires(probe: Probe, options: Options) -> str | None:
@@ -114,14 +119,24 @@ def run(ctx: Context) -> Result:
             )
         else:
             data["rest_over"] = state
-            used = int(state["used_memory"])
-            expected = sum(nvml.values())
+            # The first reading over the slice may come from a tick during the child's allocation:
+            # compare a reading taken after it (the next tick) with NVML's sum over the tree.
+            pair = [0, 0]
+
+            def agree() -> bool:
+                got, _ = rest_slice(server, kid)
+                pair[0] = int((got or {}).get("used_memory") or 0)
+                pair[1] = sum(nvml_process_memory({kernel.pid or -1, int(child["pid"])}).values())
+                return abs(pair[0] - pair[1]) <= tolerance(pair[1])
+
+            poll_until(agree, timeout=interval * 1.5 + 0.5, interval=0.2)
+            used, expected = pair
             data["used_reported"], data["used_nvml"] = used, expected
             if not nvml:
                 problems.append(
                     "NVML lists no compute processes for the kernel or its child: per-process usage unavailable here"
                 )
-            elif abs(used - expected) > max(64 * MIB, 0.03 * expected):
+            elif abs(used - expected) > tolerance(expected):
                 problems.append(
                     f"watchdog reports {used / GIB:.2f} GiB, NVML says the kernel tree holds {expected / GIB:.2f} GiB"
                 )
