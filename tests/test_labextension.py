@@ -1,0 +1,62 @@
+"""The JupyterLab extension: its jest tests, its install from the package, the browser check
+without Node.js, and the Playwright scenario in headless Chromium against a real server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXT = ROOT / "labextension"
+NODE_MODULES = EXT / "node_modules"
+needs_node = pytest.mark.skipif(
+    shutil.which("npm") is None or not NODE_MODULES.is_dir(),
+    reason="front-end tests need Node.js and `npm ci` in labextension/ (.ci/run does both)",
+)
+
+
+@needs_node
+def test_jest_unit_tests_pass():
+    result = subprocess.run(["npm", "test", "--", "--ci"], cwd=EXT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "Tests:" in result.stderr + result.stdout
+
+
+def test_labextension_is_installed_enabled_and_ok():
+    result = subprocess.run(["jupyter", "labextension", "list"], capture_output=True, text=True, timeout=120)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "jupyter-gpupool" in line]
+    assert lines, "jupyter-gpupool is not installed as a lab extension: pip install -e ."
+    assert "enabled" in lines[0] and "OK" in lines[0]
+
+
+def test_browser_check_passes_without_node_in_path(tmp_path):
+    """Users never need Node.js: with only Python on PATH the prebuilt extension loads cleanly
+    (JupyterLab's own check; its in-browser part needs Node, so the Playwright test below covers it)."""
+    python_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": python_dir, "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / "p.sqlite")}
+    assert shutil.which("node", path=env["PATH"]) is None
+    args = [sys.executable, "-m", "jupyterlab.browser_check", "--no-browser-test"]
+    if os.geteuid() == 0:
+        args.append("--allow-root")
+    result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "jupyter_gpupool | extension was successfully loaded" in output
+
+
+@pytest.mark.browser
+@needs_node
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs Debian chromium (.ci/run installs it)")
+def test_sidebar_and_status_bar_in_headless_chromium(tmp_path):
+    """Two notebooks granted, a third queued at position 1, granted after a shutdown; Keep and Release act."""
+    shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
+    env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(EXT / "ui-tests" / "run.sh")], capture_output=True, text=True, env=env, timeout=1200)
+    print(result.stdout[-6000:])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert any(shots.glob("*.png")), "the browser test saves a screenshot of each step"
