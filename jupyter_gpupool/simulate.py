@@ -277,6 +277,9 @@ class LabRun:
         db = f"{self._tmp.name}/pool.sqlite" if self._tmp else ":memory:"
         self.backend = backend
         self.pool = Pool(backend, db, policy=policy, clock=lambda: self.now)
+        # The pool reuses history statistics for a few *wall-clock* seconds; in virtual time that
+        # would make results depend on the machine's speed, so recompute them every decision.
+        self.pool.history_cache_seconds = 0.0
         self.now = 0.0
         devices = backend.devices()
         self.capacity = sum(d.leasable for d in devices)
@@ -409,7 +412,7 @@ class LabRun:
                 session.state = "done"
                 self.counts["served"] += 1
             else:
-                self._request(session, t)
+                self._push(self._distinct(t, session), _ARRIVE, session.plan.index)
             return
         if session.state != "running":
             return
@@ -426,6 +429,12 @@ class LabRun:
             self._drain()
         else:
             self._start_phase(session, t)
+
+    @staticmethod
+    def _distinct(t: float, session: _Session) -> float:
+        """``t`` plus a microsecond per session index: two users coming back at the same instant
+        would otherwise tie on arrival time, which the queue breaks by (random) lease id."""
+        return t + 1e-6 * (1 + session.plan.index)
 
     def _give_up(self, session: _Session, t: float) -> None:
         wait = t - session.request_at
@@ -444,7 +453,7 @@ class LabRun:
         if session.busy:  # only on preemption or expiry: the user notices at once and asks again
             session.busy = False
             session.gen += 1
-            self._request(session, t)
+            self._push(self._distinct(t, session), _ARRIVE, session.plan.index)
         else:
             session.state = "away"  # back when this idle spell ends (its phase event still stands)
 
