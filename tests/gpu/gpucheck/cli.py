@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -235,6 +236,8 @@ def run_isolated(name: str, options: Options, timeout: float, log_path: Path | N
     if cleaned and not timed_out:
         result.data["left_behind"] = cleaned
     result.seconds = elapsed
+    if not os.environ.get("GPUCHECK_KEEP"):  # the logs are in checks.log when --out is given
+        shutil.rmtree(scratch, ignore_errors=True)
     return result
 
 
@@ -347,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = spec.run(ctx)
             except Exception as exc:  # noqa: BLE001
                 result = Result.fail(name, f"{type(exc).__name__}: {exc}")
+            finally:
+                shutil.rmtree(ctx.workdir, ignore_errors=True)
         else:
             result = run_isolated(name, options, min(spec.timeout, left), log_path)
         print(f"== {name}: {result.status} {result.number} {result.detail}", flush=True)
