@@ -33,6 +33,7 @@ def run_script(*args: str, env: dict[str, str] | None = None, timeout: float = 1
     full_env = {
         **base,
         "GPUCHECK_SITE": str(Path(os.environ.get("TMPDIR", "/tmp")) / "gpucheck-site-test"),
+        "GPUCHECK_WHEELS": str(GPU_DIR / "no-such-wheels"),  # a local tests/gpu/.wheels must not change the test
         **(env or {}),
     }
     return subprocess.run(
