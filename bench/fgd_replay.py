@@ -61,7 +61,7 @@ MILLI = 1000
 RATIO = 1.3
 COVERAGE = 0.95
 PUBLISHED_POLICIES = {"best-fit": "05-BestFit", "fgd": "06-FGD"}
-DEFAULT_POLICIES = ("best-fit", "fgd", "fgd-bestfit")
+DEFAULT_POLICIES = ("best-fit", "fgd", "fgd-cpufit")
 
 
 class ReplayError(Exception):

@@ -267,3 +267,23 @@ def test_cached_decisions_equal_uncached_ones(nodes, steps, name, seed) -> None:
             held.append((demand, got))
             assert all(g.free >= 0 for n in nodes for g in n.gpus)
             assert all(n.cpu_free >= 0 for n in nodes)
+
+
+def test_fgd_cpufit_packs_cpu_only_demands_where_gpus_are_taken() -> None:
+    typical = [(Demand(per_gpu=1000, whole=True), 1.0)]
+    idle_gpus = node("idle", gpu("i0", 1000), gpu("i1", 1000), cpu=32000)
+    full_gpus = node("full", gpu("f0", 0), gpu("f1", 0), cpu=32000)
+    cpu_only = Demand(per_gpu=0, num_gpus=0, cpu=4000)
+    # FGD sees no change in fragmentation either way and takes the first node
+    assert make_policy("fgd", typical).place([idle_gpus, full_gpus], cpu_only) == Placement(0, ())
+    assert make_policy("fgd-cpufit", typical).place([idle_gpus, full_gpus], cpu_only) == Placement(1, ())
+
+
+def test_fgd_cpufit_keeps_fgd_order_for_gpu_demands() -> None:
+    typical = [(Demand(per_gpu=1000, whole=True), 1.0)]
+    empty = node("empty", gpu("e0", 1000), gpu("e1", 1000), gpu("e2", 1000), gpu("e3", 1000))
+    busy = node("busy", gpu("b0", 1000), gpu("b1", 0), gpu("b2", 0), gpu("b3", 1000))
+    d = Demand(per_gpu=1000, whole=True)
+    assert make_policy("fgd-cpufit", typical).place([empty, busy], d) == make_policy("fgd", typical).place(
+        [empty, busy], d
+    )
