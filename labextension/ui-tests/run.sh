@@ -5,7 +5,7 @@
 # in headless Chromium (/usr/bin/chromium, never downloaded), and stops the server.
 #
 #   bash labextension/ui-tests/run.sh                 # both suites
-#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle
+#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | notebook7
 #   GPUPOOL_UI_SCREENSHOTS=/tmp/shots bash ...        # screenshots (default ui-tests/screenshots)
 #
 # Needs: jupyter_gpupool importable (pip install -e .) and `npm ci` done in labextension/.
@@ -54,7 +54,7 @@ trap 'exit 130' INT TERM
 
 # The labextension: the installed one, else this checkout's build (before `pip install`).
 USE_CHECKOUT_BUILD=0
-if ! jupyter labextension list 2>&1 | grep -q "jupyter-gpupool"; then
+if ! "$PYTHON" -m jupyter labextension list 2>&1 | grep -q "jupyter-gpupool"; then
   if [ ! -f "$REPO/jupyter_gpupool/labextension/package.json" ]; then
     (cd "$EXT" && npm run build:prod >/dev/null)
   fi
@@ -104,19 +104,31 @@ JSON
     --LabApp.expose_app_in_browser=True
   )
   if [ "$(id -u)" = 0 ]; then args+=(--ServerApp.allow_root=True); fi
-  local envs=()
-  for item in "$@"; do
-    case "$item" in
-      --*) args+=("$item") ;;
-      *) envs+=("$item") ;;
-    esac
-  done
   if [ "$USE_CHECKOUT_BUILD" = 1 ]; then
     ln -s "$REPO/jupyter_gpupool/labextension" "$WORK/labextensions/jupyter-gpupool"
     args+=(--LabApp.extra_labextensions_path="$WORK/labextensions")
   fi
+  local envs=() module=jupyterlab
+  for item in "$@"; do
+    case "$item" in
+      app=notebook)
+        module=notebook
+        local kept=()
+        for a in "${args[@]}"; do
+          case "$a" in
+            --LabApp.news_url=* | --LabApp.check_for_updates_class=*) ;; # JupyterLab only
+            --LabApp.*) kept+=("--JupyterNotebookApp.${a#--LabApp.}") ;;
+            *) kept+=("$a") ;;
+          esac
+        done
+        args=("${kept[@]}")
+        ;;
+      --*) args+=("$item") ;;
+      *) envs+=("$item") ;;
+    esac
+  done
 
-  echo "ui-tests[$spec]: starting JupyterLab on 127.0.0.1:$port (log: $WORK/server.log)"
+  echo "ui-tests[$spec]: starting $module on 127.0.0.1:$port (log: $WORK/server.log)"
   (
     cd "$WORK/root"
     export GPUPOOL_SIMULATE="${GPUPOOL_SIMULATE:-1x16GiB}"
@@ -129,7 +141,7 @@ JSON
     export JUPYTERLAB_WORKSPACES_DIR="$WORK/workspaces"
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
     for assignment in ${envs[@]+"${envs[@]}"}; do export "$assignment"; done
-    exec "$PYTHON" -m jupyterlab "${args[@]}"
+    exec "$PYTHON" -m "$module" "${args[@]}"
   ) >"$WORK/server.log" 2>&1 &
   SERVER_PID=$!
 
@@ -164,7 +176,14 @@ PY
 }
 
 SUITES=("$@")
-if [ "${#SUITES[@]}" -eq 0 ]; then SUITES=(gpupool idle); fi
+if [ "${#SUITES[@]}" -eq 0 ]; then
+  SUITES=(gpupool idle)
+  if "$PYTHON" -c "import notebook.app" 2>/dev/null; then
+    SUITES+=(notebook7)
+  else
+    echo "ui-tests: Notebook 7 is not installed (pip install notebook): the notebook7 suite does not run"
+  fi
+fi
 for suite in "${SUITES[@]}"; do
   case "$suite" in
     gpupool) run_suite gpupool ;;
@@ -172,7 +191,15 @@ for suite in "${SUITES[@]}"; do
       run_suite idle GPUPOOL_IDLE_POLICY=always GPUPOOL_IDLE_TIMEOUT=3 GPUPOOL_WARNING_PERIOD=10 \
         --GpuPoolExtension.tick_interval=1
       ;;
-    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle)" >&2; exit 2 ;;
+    notebook7)
+      if [ "$USE_CHECKOUT_BUILD" = 1 ]; then
+        # Notebook 7 does not serve extensions from extra_labextensions_path.
+        echo "ui-tests: the notebook7 suite needs the extension installed (pip install -e .)" >&2
+        exit 1
+      fi
+      run_suite notebook7 app=notebook
+      ;;
+    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, notebook7)" >&2; exit 2 ;;
   esac
 done
 echo "ui-tests: passed; screenshots in $GPUPOOL_UI_SCREENSHOTS"
