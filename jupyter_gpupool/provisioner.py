@@ -66,7 +66,7 @@ def holder_identity() -> tuple[str, int]:
 
 @dataclass
 class ServerBinding:
-    """What the ``gpupool`` server extension shares with the provisioners of its kernels."""
+    """What the ``gpupool`` server extension shares with the provisioners of its kernels (``ext.binding``)."""
 
     pool: Pool
     owner: str
@@ -74,19 +74,23 @@ class ServerBinding:
     listeners: list[LeaseListener] = field(default_factory=list)
 
 
-_binding: ServerBinding | None = None
 _pools: dict[tuple[str, str], Pool] = {}
 _pools_lock = threading.Lock()
 
 
-def bind_server(binding: ServerBinding | None) -> None:
-    """Called by the server extension on start (and with ``None`` on stop)."""
-    global _binding
-    _binding = binding
+def server_binding(provisioner: Any) -> ServerBinding | None:
+    """The binding of the server that runs this provisioner's kernel, if any.
 
-
-def current_binding() -> ServerBinding | None:
-    return _binding
+    Found through the parent chain (KernelManager → MappingKernelManager → ServerApp), so two
+    servers in one process (tests) never share state, and nothing global outlives a server.
+    """
+    kernel_manager = getattr(provisioner, "parent", None)
+    mapping = getattr(kernel_manager, "parent", None)
+    server = getattr(mapping, "parent", None)
+    web_app = getattr(server, "web_app", None)
+    extension = web_app.settings.get("gpupool") if web_app is not None else None
+    binding = getattr(extension, "binding", None)
+    return binding if isinstance(binding, ServerBinding) else None
 
 
 def pool_from_env(config: Any = None) -> Pool:
@@ -152,7 +156,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     lease_id: str | None = None
     plan: EnforcementPlan | None = None
-    phase: str = "new"  # new, waiting, launching, running, restarting, stopped
+    phase: str = "new"  # new, waiting, launching, running, restarting, stopping, stopped
     _heartbeat_task: asyncio.Task[None] | None = None
     _pool: Pool | None = None
 
@@ -162,24 +166,24 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     def pool(self) -> Pool:
         """The server's pool when bound to a server, else one opened from the environment."""
         if self._pool is None:
-            binding = current_binding()
+            binding = server_binding(self)
             self._pool = binding.pool if binding is not None else pool_from_env(self.config)
         return self._pool
 
     def _owner(self) -> str:
         if self.owner:
             return self.owner
-        binding = current_binding()
+        binding = server_binding(self)
         return binding.owner if binding is not None else default_owner()
 
     def _enforcement(self) -> EnforcementConfig:
-        binding = current_binding()
+        binding = server_binding(self)
         if binding is not None:
             return binding.enforcement
         return EnforcementSettings(config=self.config).to_config()
 
     def _notify(self, action: str, lease: Lease, info: QueueInfo | None = None, message: str = "") -> None:
-        binding = current_binding()
+        binding = server_binding(self)
         for listener in list(binding.listeners if binding else []):
             try:
                 listener(action, lease, info, message)
@@ -342,7 +346,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     async def post_launch(self, **kwargs: Any) -> None:
         await super().post_launch(**kwargs)
         self.phase = "running"
-        if current_binding() is None and self._heartbeat_task is None:
+        if server_binding(self) is None and self._heartbeat_task is None:
             # Outside a server nobody reports for us: keep the lease alive while the kernel runs.
             self._heartbeat_task = asyncio.ensure_future(self._heartbeat_loop())
 
@@ -359,6 +363,20 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
                 except Exception:
                     self.log.exception("gpupool: heartbeat failed")
             await asyncio.sleep(interval)
+
+    # A restart (or shutdown) is announced before the process goes: mark it so the server's
+    # reconciliation does not take the brief gap for a dead kernel and free the slice.
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        self.phase = "restarting" if restart else "stopping"
+        await super().shutdown_requested(restart=restart)
+
+    async def terminate(self, restart: bool = False) -> None:
+        self.phase = "restarting" if restart else "stopping"
+        await super().terminate(restart=restart)
+
+    async def kill(self, restart: bool = False) -> None:
+        self.phase = "restarting" if restart else "stopping"
+        await super().kill(restart=restart)
 
     async def cleanup(self, restart: bool = False) -> None:
         """Keep the lease on restart; release it when the kernel is gone for good."""
@@ -390,9 +408,8 @@ __all__ = [
     "GpuPoolProvisioner",
     "LeaseWaitAborted",
     "ServerBinding",
-    "bind_server",
-    "current_binding",
     "default_owner",
     "holder_identity",
     "pool_from_env",
+    "server_binding",
 ]

@@ -197,8 +197,13 @@ def test_rest_auth_errors_restart_and_release(arun, jp_serverapp, gpupool_fetch,
         assert response.code == 200, response.body
         reserved = json.loads(response.body)
         assert reserved["memory"] == 4 * GIB and reserved["keep_until"] > time.time() + 7000
+        # A shorter keep never cuts a longer hold; keepalive without a body uses the default (1 h).
         response = await gpupool_fetch(*base, "keepalive", method="POST", body={"duration": "30m"})
-        assert response.code == 200 and json.loads(response.body)["keep_until"] < time.time() + 1900
+        assert response.code == 200 and json.loads(response.body)["keep_until"] == reserved["keep_until"]
+        response = await gpupool_fetch(*base, "keepalive", method="POST")
+        assert response.code == 200 and json.loads(response.body)["keep_until"] == reserved["keep_until"]
+        response = await gpupool_fetch(*base, "keepalive", method="POST", body={"duration": "99d"})
+        assert response.code == 400 and "at most" in json.loads(response.body)["message"]
 
         # Restart keeps the lease: same id, same grant in the new process.
         before = json.loads(await kernel_exec(kernel_id, ENV_CODE))
@@ -300,18 +305,16 @@ def test_sigkill_of_a_kernel_frees_its_lease(arun, jp_serverapp, gpupool_fetch, 
 
 def test_provisioner_is_default_and_can_be_opted_out(jp_serverapp, gpupool_ext):
     """The extension made gpupool-provisioner the default; pending kernels are on."""
-    from jupyter_client.provisioning.factory import KernelProvisionerFactory
-
-    assert KernelProvisionerFactory.instance().default_provisioner_name == "gpupool-provisioner"
+    spec = jp_serverapp.kernel_spec_manager.get_kernel_spec("python3")
+    assert spec.metadata["kernel_provisioner"]["provisioner_name"] == "gpupool-provisioner"
     assert jp_serverapp.kernel_manager.use_pending_kernels is True
     assert gpupool_ext.owner == "alice"
 
 
 @pytest.mark.gpupool_config({"GpuPoolExtension": {"make_default_provisioner": False}})
 def test_global_opt_out(jp_serverapp, gpupool_ext):
-    from jupyter_client.provisioning.factory import KernelProvisionerFactory
-
-    assert KernelProvisionerFactory.instance().default_provisioner_name == "local-provisioner"
+    spec = jp_serverapp.kernel_spec_manager.get_kernel_spec("python3")
+    assert "kernel_provisioner" not in spec.metadata
 
 
 def test_openapi_spec_covers_every_route_and_field() -> None:
@@ -329,3 +332,29 @@ def test_openapi_spec_covers_every_route_and_field() -> None:
     required = spec["components"]["schemas"]["KernelSlice"]["required"]
     assert {"state", "memory", "devices", "queue_position", "queue_length", "estimated_wait", "used_memory",
             "enforcement", "idle_seconds", "reclaim_at"} <= set(required)
+
+
+@pytest.mark.gpupool_config({"Watchdog": {"interval": 0.2, "action": "stop", "grace": 0.5}})
+def test_watchdog_warns_then_stops_a_kernel_over_its_slice(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec):
+    """GPU memory of the kernel's process tree over the slice: warned, then (policy) stopped."""
+    events = record_events(jp_serverapp)
+
+    async def scenario() -> None:
+        kernel_id, _ = await start_kernel(gpupool_fetch)
+        pid = json.loads(await kernel_exec(kernel_id, ENV_CODE))["pid"]
+        state = await kernel_state(gpupool_fetch, kernel_id)
+        # The simulated driver reports 12 GiB held by the kernel process on its 8 GiB slice.
+        gpupool_ext.pool.backend.set_usage(pid, state["devices"][0]["uuid"], 12 * GIB)
+
+        async def measured() -> dict[str, Any] | None:
+            current = await kernel_state(gpupool_fetch, kernel_id)
+            return current if current["used_memory"] == 12 * GIB else None
+
+        await gpupool_wait(measured, what="the watchdog's usage in the kernel state")
+        await gpupool_wait(lambda: kernel_id not in jp_serverapp.kernel_manager, what="the over-limit kernel to be stopped")
+        gpupool_ext.pool.backend.set_usage(pid, state["devices"][0]["uuid"], 0)
+
+    arun(scenario())
+    actions = [e["action"] for e in events]
+    assert "over_limit" in actions and "stopped" in actions, actions
+    assert actions.index("over_limit") < actions.index("stopped")

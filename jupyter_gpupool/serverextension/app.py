@@ -30,7 +30,6 @@ from ..provisioner import (
     PROVISIONER_NAME,
     GpuPoolProvisioner,
     ServerBinding,
-    bind_server,
     default_owner,
     holder_identity,
 )
@@ -136,7 +135,6 @@ class GpuPoolExtension(ExtensionApp):
         with contextlib.suppress(Exception):  # already registered by an earlier server in this process
             self.event_logger.register_event_schema(LEASE_SCHEMA_PATH)
         self.binding = ServerBinding(pool=self.pool, owner=self.owner, enforcement=self.enforcement, listeners=[self._on_lease])
-        bind_server(self.binding)
         self.settings["gpupool"] = self
         try:
             asyncio.get_running_loop()
@@ -152,17 +150,34 @@ class GpuPoolExtension(ExtensionApp):
         self.handlers.extend(default_handlers)
 
     def _install_provisioner_default(self) -> None:
+        """Kernelspecs of this server that name no provisioner get gpupool-provisioner.
+
+        Done on this server's KernelSpecManager, not on the process-wide
+        KernelProvisionerFactory singleton, so nothing outlives the server; a kernelspec that
+        names a provisioner (e.g. ``local-provisioner``) keeps it: the per-kernelspec opt-out.
+        """
         # A source checkout has no entry point metadata: make the name resolvable in this process.
         KernelProvisionerFactory.provisioners.setdefault(
             PROVISIONER_NAME,
             EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
         )
         assert self.serverapp is not None
-        factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
-        self._previous_default = factory.default_provisioner_name
         explicit = "default_provisioner_name" in self.serverapp.config.get("KernelProvisionerFactory", {})
-        if self.make_default_provisioner and not explicit and not os.environ.get(factory.default_provisioner_name_env):
-            factory.default_provisioner_name = PROVISIONER_NAME
+        if not self.make_default_provisioner or explicit or os.environ.get(KernelProvisionerFactory.default_provisioner_name_env):
+            return
+        ksm = self.serverapp.kernel_spec_manager
+        original = ksm.get_kernel_spec
+
+        def get_kernel_spec(kernel_name: str, *args: Any, **kwargs: Any) -> Any:
+            spec = original(kernel_name, *args, **kwargs)
+            metadata = spec.metadata if isinstance(spec.metadata, dict) else {}
+            if "provisioner_name" not in metadata.get("kernel_provisioner", {}):
+                metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME, "config": {}}
+                spec.metadata = metadata
+            return spec
+
+        ksm.get_kernel_spec = get_kernel_spec
+        self._restore_spec_manager = lambda: ksm.__dict__.pop("get_kernel_spec", None)
 
     def _wrap_shutdown(self, km: Any) -> None:
         """Shutting down a queued kernel withdraws its request first, so the shutdown returns at once.
@@ -224,14 +239,9 @@ class GpuPoolExtension(ExtensionApp):
                     self.emit("released", withdrawn, message=withdrawn.release_reason)
         with contextlib.suppress(Exception):
             await km.shutdown_all()
-        factory = KernelProvisionerFactory.instance()
-        if factory.default_provisioner_name == PROVISIONER_NAME and getattr(self, "_previous_default", None):
-            factory.default_provisioner_name = self._previous_default
-        if getattr(self, "binding", None) is not None:
-            from ..provisioner import current_binding
-
-            if current_binding() is self.binding:
-                bind_server(None)
+        restore = getattr(self, "_restore_spec_manager", None)
+        if restore is not None:
+            restore()
 
     async def _every(self, interval: Any, step: Any, name: str) -> None:
         while True:
