@@ -21,8 +21,12 @@ Policies
     replay compares like with like.
 ``fgd-bestfit``
     FGD, with its many ties (the integer score) broken by the best-fit score instead of by
-    node order, and shared GPUs chosen tightest-first among equally good ones. This packs
-    partially used nodes before opening fresh ones at no cost in fragmentation.
+    node order, and shared GPUs chosen tightest-first among equally good ones. Packs
+    partially used nodes first; on the paper's traces it is not better than FGD (see
+    ``bench/RESULTS.md``): kept as a measured alternative.
+``fgd-cpufit``
+    FGD, with best-fit ties for CPU-only demands only: they go where GPUs are already
+    taken, keeping CPU free next to idle GPUs (CPU is what strands GPUs in the traces).
 
 Multi-GPU demands take the tightest GPUs of one node; among equally tight sets the one
 with the most NVLink pairs wins (whole GPUs: NVLink decides, then GPU order).
