@@ -16,6 +16,18 @@ Three modes are compared on the same arrivals (common random numbers):
 
 The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
 upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.
+
+What the table reports:
+
+* **leased / used / busy** — GPU memory held by granted leases / needed by their kernels / needed
+  by kernels that are computing right now, as a share of all GPU memory, sampled every tick
+  during the day shape's open hours (hours with a weight above 0).
+* **wait p50 / p95 / max** — over every request: first requests, requests again after a reclaim,
+  requests given up after ``--patience`` (counted at the patience) and requests still queued
+  when the run ends (counted until the end).
+* **served/day** — sessions that finished their work; **gave up/day** — users who stopped waiting.
+* **reclaims** — idle slices the pool took back (its ``reclaim_idle`` events).
+* **Jain** — Jain's index over users of (time holding a slice) ÷ (time holding + time waiting).
 """
 
 from __future__ import annotations
