@@ -178,8 +178,10 @@ PY
 SUITES=("$@")
 if [ "${#SUITES[@]}" -eq 0 ]; then
   SUITES=(gpupool idle)
-  if "$PYTHON" -c "import notebook.app" 2>/dev/null; then
+  if "$PYTHON" -c "import notebook.app" 2>/dev/null && [ "$USE_CHECKOUT_BUILD" = 0 ]; then
     SUITES+=(notebook7)
+  elif [ "$USE_CHECKOUT_BUILD" = 1 ]; then
+    echo "ui-tests: the extension is not installed: the notebook7 suite does not run"
   else
     echo "ui-tests: Notebook 7 is not installed (pip install notebook): the notebook7 suite does not run"
   fi
