@@ -9,7 +9,6 @@ import sys
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from jupyter_gpupool.demo import DEMO_NOTEBOOK, demo_notebook
 
@@ -35,17 +34,28 @@ def test_bad_demo_options_are_one_line_errors(tmp_path, args, message):
 
 
 @pytest.mark.slow
-def test_demo_notebook_shows_grant_queue_and_reclaim(tmp_path, monkeypatch):
-    monkeypatch.setenv("GPUPOOL_SIMULATE", "1x16GiB")
-    monkeypatch.setenv("GPUPOOL_DB", str(tmp_path / "pool.sqlite"))
-    monkeypatch.setenv("GPUPOOL_DEFAULT_MEMORY", "4GiB")
-    monkeypatch.setenv("GPUPOOL_IDLE_TIMEOUT", "3s")
-    monkeypatch.setenv("GPUPOOL_WARNING_PERIOD", "2s")
-    monkeypatch.setenv("JUPYTER_DEFAULT_PROVISIONER_NAME", "gpupool-provisioner")
-    notebook = demo_notebook()
-    # The demo waits a minute for idleness; here the timeouts above make it seconds.
-    client = NotebookClient(notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+def test_demo_notebook_shows_grant_queue_and_reclaim(tmp_path):
+    """Run in its own process (as `jupyter nbconvert --execute`), so this test process's
+    provisioner factory stays untouched."""
+    env = {
+        **os.environ,
+        "GPUPOOL_SIMULATE": "1x16GiB",
+        "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),
+        "GPUPOOL_DEFAULT_MEMORY": "4GiB",
+        # The demo waits a minute for idleness; these make it seconds.
+        "GPUPOOL_IDLE_TIMEOUT": "3s",
+        "GPUPOOL_WARNING_PERIOD": "2s",
+        "JUPYTER_DEFAULT_PROVISIONER_NAME": "gpupool-provisioner",
+    }
+    source = tmp_path / DEMO_NOTEBOOK
+    nbformat.write(demo_notebook(), source)
+    result = subprocess.run(
+        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(source),
+         "--output", "executed.ipynb", "--ExecutePreprocessor.timeout=180"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    notebook = nbformat.read(tmp_path / "executed.ipynb", as_version=4)
     text = "\n".join(
         output.get("text", "") or str(output.get("data", {}).get("text/plain", ""))
         for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])
@@ -56,4 +66,3 @@ def test_demo_notebook_shows_grant_queue_and_reclaim(tmp_path, monkeypatch):
     assert "reclaimed: idle for" in text and "late-student is now granted" in text
     # The demo kernel reported its own activity, so the reclaimed slice was a classmate's, not its own.
     assert "classmate-" in text.split("reclaimed: idle for")[0].rsplit("\n", 1)[-1]
-    assert sys.executable
