@@ -50,7 +50,7 @@ def markdown(title: str, args: list[str], data: dict[str, Any], wall: float) -> 
         f"{data['sessions']} sessions over {settings['days']:g} day(s), {settings['rate']:g}/h at the peak, seed {settings['seed']}, "
         f"idle timeout {format_duration(settings['idle_timeout'])}, users give up after "
         f"{format_duration(settings['patience']) if settings['patience'] else 'never'}; wall time {wall:.0f} s "
-        f"(simulation {data['elapsed_s']:.0f} s)."
+        f"(simulation {data['elapsed_s']:.0f} s, {data.get('cpu_s', 0):.0f} s of CPU)."
     )
     lines += [
         "",
