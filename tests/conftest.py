@@ -235,3 +235,17 @@ def arun(jp_asyncio_loop: asyncio.AbstractEventLoop) -> Callable[[Awaitable[Any]
     ``asyncio_mode = "auto"`` would run on another loop and never get an answer from the server.
     """
     return jp_asyncio_loop.run_until_complete
+
+
+@pytest.fixture(autouse=True)
+def _fresh_provisioner_factory() -> Any:
+    """Forget the process-wide KernelProvisionerFactory after each test.
+
+    It is a singleton whose default provisioner is read from $JUPYTER_DEFAULT_PROVISIONER_NAME
+    once, when first created: a test that sets the variable would otherwise route every later
+    in-process kernel of the session through gpupool-provisioner.
+    """
+    yield
+    from jupyter_client.provisioning.factory import KernelProvisionerFactory
+
+    KernelProvisionerFactory.clear_instance()

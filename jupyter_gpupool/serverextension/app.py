@@ -352,13 +352,14 @@ class GpuPoolExtension(ExtensionApp):
             self._acting.discard(kernel_id)
 
     def live_kernel_ids(self) -> set[str]:
-        """Kernels whose process runs, or that are starting, queued or restarting."""
+        """Kernels whose process runs, or that are starting, queued, restarting or shutting down (their own
+        cleanup releases the slice with the right reason; once gone from the server they are reconciled)."""
         assert self.serverapp is not None
         km = self.serverapp.kernel_manager
         live = set()
         for kernel_id in list(km.list_kernel_ids()):
             prov = self.provisioner_of(kernel_id)
-            if prov is None or prov.phase in ("new", "waiting", "launching", "restarting"):
+            if prov is None or prov.phase in ("new", "waiting", "launching", "restarting", "stopping"):
                 live.add(kernel_id)
                 continue
             process = getattr(prov, "process", None)
