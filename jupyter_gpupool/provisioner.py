@@ -97,17 +97,23 @@ def pool_from_env(config: Any = None) -> Pool:
     """One :class:`Pool` per (GPUPOOL_DB, GPUPOOL_SIMULATE) in this process, opened on first use."""
     from .pool import Pool
 
-    key = (os.environ.get("GPUPOOL_DB", ""), os.environ.get("GPUPOOL_SIMULATE", ""))
+    from .remote import pool_from_env as pool_or_broker
+
+    key = (os.environ.get("GPUPOOL_DB", ""), os.environ.get("GPUPOOL_SIMULATE", ""), os.environ.get("GPUPOOL_URL", ""))
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = Pool.from_env(config=config)
+            # GPUPOOL_URL set: the broker, and never a silent fall-back to an unpooled GPU.
+            pool = pool_or_broker(config=config)
             _pools[key] = pool
         return pool
 
 
 def pool_env(pool: Pool) -> dict[str, str]:
     """Variables that let code in the kernel (magics, CLI) open the same pool."""
+    client_env = getattr(pool, "client_env", None)
+    if callable(client_env):  # a broker: the kernel reaches it by URL, never by a local file
+        return dict(client_env())
     env = {"GPUPOOL_DB": str(pool.db_path)}
     spec = os.environ.get("GPUPOOL_SIMULATE") or getattr(pool.backend, "spec", "")
     if getattr(pool.backend, "name", "") == "simulated" and spec:

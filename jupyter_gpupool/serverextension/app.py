@@ -115,10 +115,12 @@ class GpuPoolExtension(ExtensionApp):
 
     def initialize_settings(self) -> None:
         """Open the pool, make the provisioner the default, turn on pending kernels, bind."""
-        from ..pool import Pool
+        from ..remote import pool_from_env
 
         assert self.serverapp is not None
-        self.pool = Pool.from_env(config=self.serverapp.config)
+        # GPUPOOL_URL set: the host's broker owns the pool (and runs the watchdog); else in-process.
+        self.pool = pool_from_env(config=self.serverapp.config)
+        self._register_metrics()
         self.enforcement = EnforcementSettings(parent=self.serverapp).to_config()
         self._tasks: list[asyncio.Task[None]] = []
         self._culled: dict[str, str] = {}
@@ -204,6 +206,23 @@ class GpuPoolExtension(ExtensionApp):
             return None
         return self.pool.release(lease.id, reason=reason)
 
+    def _register_metrics(self) -> None:
+        """Add the pool's collector to the registry jupyter_server serves at ``/metrics``
+        (authenticated unless ``ServerApp.authenticate_prometheus`` is turned off)."""
+        if getattr(self.pool, "remote", False):
+            return  # the broker serves the pool's metrics
+        from prometheus_client import REGISTRY
+
+        from ..metrics import PoolCollector
+
+        previous = getattr(type(self), "_metrics_collector", None)
+        if previous is not None:
+            with contextlib.suppress(KeyError):
+                REGISTRY.unregister(previous)
+        collector = PoolCollector(self.pool)
+        REGISTRY.register(collector)
+        type(self)._metrics_collector = collector
+
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         self._ensure_started()
 
@@ -216,7 +235,7 @@ class GpuPoolExtension(ExtensionApp):
             loop.create_task(self._every(lambda: self.tick_interval, self.tick_once, "tick")),
             loop.create_task(self._every(lambda: self.reconcile_interval, self.reconcile_once, "reconcile")),
         ]
-        if self.watchdog_enabled:
+        if self.watchdog_enabled and not getattr(self.pool, "remote", False):
             from ..watchdog import Watchdog
 
             self.watchdog = Watchdog(backend=self.pool.backend, pool=self.pool, parent=self)
