@@ -21,7 +21,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from jupyter_gpupool.units import format_duration  # noqa: E402
+from jupyter_gpupool.units import format_duration
 
 SCENARIOS: dict[str, tuple[str, list[str]]] = {
     "lab": ("4×A100-80GB lab, 60 users, workday", ["--gpus", "4xA100-80GB", "--users", "60", "--shape", "workday"]),
@@ -37,7 +37,7 @@ LABELS = {"exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+
 def run(args: list[str]) -> tuple[dict[str, Any], float]:
     cmd = [sys.executable, "-m", "jupyter_gpupool.cli", "simulate", *args, "--json"]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"lab_sim: {' '.join(cmd)} failed: {proc.stderr.strip()}")
     return json.loads(proc.stdout), time.perf_counter() - started

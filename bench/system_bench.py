@@ -33,13 +33,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil  # noqa: E402
+import psutil
 
-from jupyter_gpupool.core.models import Activity, Lease, LeaseRequest, LeaseState  # noqa: E402
-from jupyter_gpupool.core.policy import PoolPolicy  # noqa: E402
-from jupyter_gpupool.devices.simulated import SimulatedBackend  # noqa: E402
-from jupyter_gpupool.pool import Pool  # noqa: E402
-from jupyter_gpupool.units import MIB  # noqa: E402
+from jupyter_gpupool.core.models import Activity, Lease, LeaseRequest, LeaseState
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.units import MIB
 
 INVENTORY = "8xH200"  # 8 x 141 GiB: room for 10,000 slices of 16 MiB
 SLICE = 16 * MIB
@@ -48,7 +48,7 @@ T0 = 1_800_000_000.0  # virtual time origin
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered))) - 1))] if ordered else 0.0
+    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))] if ordered else 0.0
 
 
 def ms(values: list[float]) -> dict[str, float]:

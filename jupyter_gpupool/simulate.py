@@ -33,7 +33,6 @@ What the table reports:
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
 import statistics
@@ -121,10 +120,10 @@ class Settings:
     gpus: str = "4xA100-80GB"
     users: int = 60
     rate: float = 9.0  # arrivals per hour at the shape's peak
-    shape: DayShape = DayShape("workday", SHAPES["workday"])
+    shape: DayShape = field(default_factory=lambda: DayShape("workday", SHAPES["workday"]))
     days: float = 1.0
     seed: int = 42
-    memory_need: MemoryNeed = MemoryNeed("trace")
+    memory_need: MemoryNeed = field(default_factory=lambda: MemoryNeed("trace"))
     session_length: str = "trace"
     idle_timeout: float = 1800.0
     tick: float = 30.0
@@ -243,7 +242,7 @@ _ARRIVE, _PHASE, _GIVEUP, _TICK = 0, 1, 2, 3
 
 
 class _Session:
-    __slots__ = ("plan", "state", "lease_id", "request", "used", "request_at", "phase", "busy", "busy_since", "last_busy_end", "granted_at", "gen", "attempt")
+    __slots__ = ("attempt", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "phase", "plan", "request", "request_at", "state", "used")
 
     def __init__(self, plan: SessionPlan, request: int, used: int) -> None:
         self.plan = plan
@@ -641,7 +640,7 @@ def search_table(searches: dict[str, SearchResult]) -> str:
     for s in searches.values():
         tried = ", ".join(f"{k}:{format_duration(v)}" for k, v in sorted(s.tried.items()))
         rows.append([MODE_LABELS[s.mode], str(s.gpus) if s.gpus else f"> {max(s.tried, default=0)}", tried])
-    return table(["mode", f"fewest GPUs", "p95 wait by GPU count"], rows)
+    return table(["mode", "fewest GPUs", "p95 wait by GPU count"], rows)
 
 
 class SimulateApp(GpuPoolBaseApp):
@@ -774,17 +773,23 @@ class SimulateApp(GpuPoolBaseApp):
             "cpu_s": round(time.process_time() - cpu_started, 2),
         }
         lines = [
-            f"Simulated lab: {settings.gpus} ({format_size(capacity)}), {settings.users} users, "
-            f"{settings.rate:g} sessions/h at the peak of a {settings.shape.name} day, {settings.days:g} day(s), seed {settings.seed}: "
-            f"{len(plans)} sessions",
-            f"Idle timeout {format_duration(settings.idle_timeout)}, tick {format_duration(settings.tick)}, "
-            f"users give up after {format_duration(settings.patience) if settings.patience else 'never'}",
+            (
+                f"Simulated lab: {settings.gpus} ({format_size(capacity)}), {settings.users} users, "
+                f"{settings.rate:g} sessions/h at the peak of a {settings.shape.name} day, {settings.days:g} day(s), "
+                f"seed {settings.seed}: {len(plans)} sessions"
+            ),
+            (
+                f"Idle timeout {format_duration(settings.idle_timeout)}, tick {format_duration(settings.tick)}, "
+                f"users give up after {format_duration(settings.patience) if settings.patience else 'never'}"
+            ),
             "Workload: " + "; ".join(f"{k}: {v}" for k, v in workload.sources.items()),
             "",
             results_table(results),
             "",
-            "leased/used/busy: GPU memory held by leases / needed by their kernels / needed by kernels computing, "
-            "as a share of all GPU memory, averaged over the day's open hours.",
+            (
+                "leased/used/busy: GPU memory held by leases / needed by their kernels / needed by kernels computing, "
+                "as a share of all GPU memory, averaged over the day's open hours."
+            ),
         ]
         if searches:
             lines += ["", f"Fewest {next(iter(searches.values())).model} GPUs keeping p95 wait within {format_duration(target)}:", search_table(searches)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import itertools
 import math
 import os
 import random
@@ -93,7 +94,7 @@ class _FixedRandom(random.Random):
         super().__init__(0)
         self.value = value
 
-    def random(self) -> float:  # noqa: D102 - a stub returning a fixed u
+    def random(self) -> float:
         return self.value
 
 
@@ -215,7 +216,7 @@ def _runs(flags: Sequence[bool]) -> tuple[list[float], list[float]]:
     if not flags:
         return busy, idle
     run = 1
-    for previous, current in zip(flags, flags[1:]):
+    for previous, current in itertools.pairwise(flags):
         if current == previous:
             run += 1
             continue
