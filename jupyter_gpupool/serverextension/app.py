@@ -120,6 +120,13 @@ class GpuPoolExtension(ExtensionApp):
         assert self.serverapp is not None
         # GPUPOOL_URL set: the host's broker owns the pool (and runs the watchdog); else in-process.
         self.pool = pool_from_env(config=self.serverapp.config)
+        configured = "owner" in self.config.get(type(self).__name__, {}) or os.environ.get("GPUPOOL_USER")
+        if getattr(self.pool, "remote", False) and not configured:
+            # The broker names the user from our token; leases and views must use that name.
+            try:
+                self.owner = self.pool.whoami()["name"]
+            except GpuPoolError as err:
+                self.log.error("gpupool: the broker at %s cannot be reached (%s); kernels will not start until it can", self.pool.url, err)
         self._register_metrics()
         self.enforcement = EnforcementSettings(parent=self.serverapp).to_config()
         self._tasks: list[asyncio.Task[None]] = []
@@ -263,11 +270,19 @@ class GpuPoolExtension(ExtensionApp):
             restore()
 
     async def _every(self, interval: Any, step: Any, name: str) -> None:
+        last_problem = ""
         while True:
             try:
                 await step()
+                if last_problem:
+                    self.log.info("gpupool: %s works again", name)
+                last_problem = ""
             except asyncio.CancelledError:
                 raise
+            except GpuPoolError as err:  # e.g. the broker is down: one line, once, not a traceback a second
+                if str(err) != last_problem:
+                    self.log.warning("gpupool: %s step failed: %s", name, err)
+                last_problem = str(err)
             except Exception:
                 self.log.exception("gpupool: %s step failed", name)
             await asyncio.sleep(max(0.05, float(interval())))

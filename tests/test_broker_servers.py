@@ -1,0 +1,148 @@
+"""Two users' real Jupyter servers share one broker's pool (multi-user mode, GPUPOOL_URL).
+
+Each server is a real `jupyter server` process with its user's token; kernels are real ipykernel
+kernels started through the REST API. The broker is the real one (tests/broker_harness.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from broker_harness import BrokerHarness
+
+from jupyter_gpupool.core.models import LeaseState
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`jupyter server` for one user, pointed at the broker with that user's token."""
+
+    def __init__(self, tmp: Path, user: str, broker_url: str, token: str) -> None:
+        self.port = free_port()
+        self.token = f"{user}-server-token"
+        root = tmp / user
+        root.mkdir()
+        env = {
+            **os.environ,
+            "GPUPOOL_URL": broker_url,
+            "GPUPOOL_TOKEN": token,
+            "JUPYTER_RUNTIME_DIR": str(root / "runtime"),
+            "JUPYTER_CONFIG_DIR": str(root / "config"),
+        }
+        env.pop("GPUPOOL_DB", None)
+        env.pop("GPUPOOL_SIMULATE", None)
+        self.log = open(root / "server.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "server", f"--port={self.port}", "--no-browser", "--allow-root",
+             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+             "--ServerApp.jpserver_extensions={'jupyter_server_terminals': False}"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.call("GET", "api/status")
+                return
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.3)
+        raise AssertionError(f"{user}'s server did not start: {(root / 'server.log').read_text()[-2000:]}")
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else (b"{}" if method == "POST" else None)
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/{path}", data=data, method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            raw = response.read()
+        return json.loads(raw) if raw else None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def wait_for(predicate: Any, timeout: float = 60, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_two_users_servers_and_kernels_share_the_broker_pool(tmp_path):
+    harness = BrokerHarness(tmp_path).start()
+    servers: list[Server] = []
+    try:
+        harness.add_user("alice-hub-token", "alice", groups=("cs101",))
+        harness.add_user("bob-hub-token", "bob", groups=("cs101",))
+        alice = Server(tmp_path, "alice", harness.url, "alice-hub-token")
+        bob = Server(tmp_path, "bob", harness.url, "bob-hub-token")
+        servers += [alice, bob]
+        k1 = alice.call("POST", "api/kernels", {"name": "python3"})["id"]
+        k2 = bob.call("POST", "api/kernels", {"name": "python3"})["id"]
+
+        def lease_of(kernel_id: str) -> Any:
+            return harness.on_broker(harness.pool.lease_for_kernel, kernel_id)
+
+        wait_for(lambda: all((l := lease_of(k)) and l.state is LeaseState.GRANTED for k in (k1, k2)), what="two grants")
+        assert {lease_of(k1).owner, lease_of(k2).owner} == {"alice", "bob"}  # identity from each user's token
+        k3 = alice.call("POST", "api/kernels", {"name": "python3"})["id"]  # the third across both users queues
+        queued = wait_for(lambda: lease_of(k3), what="the third request")
+        assert queued.state is LeaseState.QUEUED
+        status = alice.call("GET", f"api/gpupool/kernels/{k3}")
+        assert status["state"] == "queued" and status["queue_position"] == 1
+        bob.call("DELETE", f"api/kernels/{k2}")
+        wait_for(lambda: lease_of(k3).state is LeaseState.GRANTED, what="the hand-over to alice's third kernel")
+        assert wait_for(lambda: alice.call("GET", f"api/gpupool/kernels/{k3}")["state"] == "granted", what="alice's view")
+        assert k3 in {k["id"] for k in alice.call("GET", "api/kernels")}
+        # Alice's server cannot act on Bob's kernel through the broker either.
+        k4 = bob.call("POST", "api/kernels", {"name": "python3"})["id"]
+        wait_for(lambda: lease_of(k4), what="bob's new request")
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            alice.call("POST", f"api/gpupool/kernels/{k4}/release")
+        assert denied.value.code in (403, 404)
+    finally:
+        for server in servers:
+            server.stop()
+        harness.stop()
+
+
+def test_broker_down_means_no_kernel_rather_than_an_unpooled_gpu(tmp_path):
+    harness = BrokerHarness(tmp_path).start()
+    harness.add_user("alice-hub-token", "alice")
+    url = harness.url
+    alice = Server(tmp_path, "alice", url, "alice-hub-token")
+    try:
+        harness.stop()
+        kernel_id = alice.call("POST", "api/kernels", {"name": "python3"})["id"]  # pending: returns at once
+
+        log_path = tmp_path / "alice" / "server.log"
+        wait_for(lambda: "gets no GPU slice" in log_path.read_text(), timeout=30, what="the start to fail")
+        log = log_path.read_text()
+        assert "broker" in log and "is not reachable" in log and "unset GPUPOOL_URL" in log
+        # The kernel never ran: no process was launched without a slice.
+        assert "IPKernelApp" not in log
+        assert f"kernel {kernel_id} gets no GPU slice" in log
+    finally:
+        alice.stop()
