@@ -151,7 +151,7 @@ class Pool:
         now = self._now(now)
         with self.store.transaction():
             state = self._load(now)
-            lease = self.engine.admit(state, f"l-{uuid.uuid4().hex[:12]}", req, now)
+            lease = self.engine.admit(state, new_lease_id(), req, now)
             decisions = self.engine.schedule(state, now)
             self._save(state, decisions)
             return state.leases[lease.id].copy()
@@ -514,6 +514,12 @@ class Pool:
     def close(self) -> None:
         self.store.close()
         self.backend.close()
+
+
+def new_lease_id() -> str:
+    """``l-`` + creation time in µs (hex) + randomness: unique across processes and ordered by
+    creation, so requests made at the same instant keep their order in the queue."""
+    return f"l-{time.time_ns() // 1000:013x}{uuid.uuid4().hex[:6]}"
 
 
 def _pid_alive(pid: int) -> bool:

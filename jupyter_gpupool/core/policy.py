@@ -186,9 +186,10 @@ class PoolPolicy(Configurable):
     ).tag(config=True)
 
     placement = Unicode(
-        "best-fit",
-        help="Placement policy: 'best-fit' (tightest GPU that fits) or 'fgd' (fragmentation-aware, "
-        "after the FGD paper); see bench/RESULTS.md for how they compare. Env: GPUPOOL_PLACEMENT.",
+        "fgd-cpufit",
+        help="Placement policy: 'fgd-cpufit' (fragmentation-aware after the FGD paper, CPU-only work packed "
+        "best-fit; the best on the Alibaba trace replay), 'fgd' (the paper's FGD), 'fgd-bestfit' (FGD with "
+        "best-fit ties) or 'best-fit' (tightest GPU that fits); see bench/RESULTS.md. Env: GPUPOOL_PLACEMENT.",
     ).tag(config=True)
 
     overcommit = Float(
