@@ -33,9 +33,10 @@ from .._version import __version__
 from ..cli import GpuPoolBaseApp
 from ..core.models import Lease, LeaseRequest, LeaseState
 from ..core.policy import PoolPolicy
-from ..enforcement import EnforcementSettings, plan_enforcement
+from ..enforcement import EnforcementSettings
 from ..errors import InvalidInput, NotAuthorized
 from ..units import parse_duration
+from ..views import kernel_status
 from ..watchdog import Watchdog
 from .auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
 from .handlers import NotFoundHandler, parse_priority, routes
@@ -226,46 +227,8 @@ class Broker(LoggingConfigurable):
         )
 
     def kernel_status(self, kernel_id: str, lease: Lease) -> dict[str, Any]:
-        """The ``GET /api/gpupool/kernels/{kernel_id}`` body, as the single-user server gives it."""
-        pool = self.pool
-        now = pool.clock()
-        devices = {d.uuid: d for d in pool.devices()}
-        info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
-        plan = plan_enforcement(lease, devices, self.enforcement)
-        return {
-            "kernel_id": kernel_id,
-            "lease_id": lease.id,
-            "state": lease.state.value,
-            "memory": lease.memory,
-            "num_gpus": lease.num_gpus,
-            "compute_share": lease.compute_share,
-            "priority": lease.priority.value,
-            "devices": [
-                {"uuid": u, "index": devices[u].index, "name": devices[u].name, "memory_total": devices[u].memory_total}
-                if u in devices
-                else {"uuid": u, "index": None, "name": None, "memory_total": None}
-                for u in lease.devices
-            ],
-            "queue_position": info.position if info else None,
-            "queue_length": info.length if info else None,
-            "estimated_wait": info.estimated_wait if info else None,
-            "queue_reason": info.reason if info else None,
-            "used_memory": lease.used_memory,
-            "peak_memory": lease.peak_memory,
-            "over_limit_since": lease.over_limit_since,
-            "enforcement": plan.to_json(),
-            "idle_seconds": lease.idle_seconds(now),
-            "busy": lease.busy,
-            "connections": lease.connections,
-            "reclaim_at": lease.reclaim_at,
-            "reclaim_reason": lease.reclaim_reason or None,
-            "keep_until": lease.keep_until,
-            "granted_at": lease.granted_at,
-            "released_at": lease.released_at,
-            "release_reason": lease.release_reason or None,
-            "owner": lease.owner,
-            "now": now,
-        }
+        """The ``GET /api/gpupool/kernels/{kernel_id}`` body, exactly as the single-user server gives it."""
+        return kernel_status(self.pool, kernel_id, lease, self.enforcement, lease.owner, self.pool.clock())
 
     def render_metrics(self) -> tuple[bytes, str]:
         from ..metrics import make_registry, render

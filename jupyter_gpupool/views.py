@@ -1,0 +1,77 @@
+"""The JSON views of a kernel's slice that both REST surfaces serve (single-user server and broker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core.models import Lease, LeaseState
+from .enforcement import EnforcementConfig, plan_enforcement
+
+
+def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: EnforcementConfig, owner: str, now: float) -> dict[str, Any]:
+    """The ``GET /api/gpupool/kernels/{kernel_id}`` body (see openapi.yaml); ``state: "none"``
+    for a kernel that runs without a slice."""
+    devices = {d.uuid: d for d in pool.devices()}
+    if lease is None:
+        return {
+            "kernel_id": kernel_id,
+            "lease_id": None,
+            "state": "none",
+            "memory": 0,
+            "num_gpus": 0,
+            "devices": [],
+            "queue_position": None,
+            "queue_length": None,
+            "estimated_wait": None,
+            "queue_reason": None,
+            "used_memory": None,
+            "peak_memory": None,
+            "enforcement": {"level": "none", "mechanisms": [], "description": "this kernel runs without a GPU slice"},
+            "idle_seconds": 0.0,
+            "busy": False,
+            "reclaim_at": None,
+            "reclaim_reason": None,
+            "keep_until": None,
+            "granted_at": None,
+            "released_at": None,
+            "release_reason": None,
+            "owner": owner,
+            "now": now,
+        }
+    info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
+    plan = plan_enforcement(lease, devices, enforcement)
+    return {
+        "kernel_id": kernel_id,
+        "lease_id": lease.id,
+        "state": lease.state.value,
+        "memory": lease.memory,
+        "num_gpus": lease.num_gpus,
+        "compute_share": lease.compute_share,
+        "priority": lease.priority.value,
+        "devices": [
+            {"uuid": u, "index": devices[u].index, "name": devices[u].name, "memory_total": devices[u].memory_total}
+            if u in devices
+            else {"uuid": u, "index": None, "name": None, "memory_total": None}
+            for u in lease.devices
+        ],
+        "queue_position": info.position if info else None,
+        "queue_length": info.length if info else None,
+        "estimated_wait": info.estimated_wait if info else None,
+        "queue_reason": info.reason if info else None,
+        "used_memory": lease.used_memory,
+        "peak_memory": lease.peak_memory,
+        "over_limit_since": lease.over_limit_since,
+        "enforcement": plan.to_json(),
+        "idle_seconds": lease.idle_seconds(now),
+        "busy": lease.busy,
+        "connections": lease.connections,
+        "reclaim_at": lease.reclaim_at,
+        "reclaim_reason": lease.reclaim_reason or None,
+        "keep_until": lease.keep_until,
+        "granted_at": lease.granted_at,
+        "released_at": lease.released_at,
+        "release_reason": lease.release_reason or None,
+        "flagged": lease.flagged or None,
+        "owner": lease.owner,
+        "now": now,
+    }
