@@ -22,7 +22,17 @@ import psutil
 from traitlets.config import Config
 
 from .core.engine import Engine, PoolState, held_by_device
-from .core.models import Activity, Decision, DecisionKind, Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, QueueInfo
+from .core.models import (
+    Activity,
+    Decision,
+    DecisionKind,
+    Device,
+    Lease,
+    LeaseRequest,
+    LeaseState,
+    PoolSnapshot,
+    QueueInfo,
+)
 from .core.policy import PoolPolicy, Reservation, parse_reservation
 from .devices import DeviceBackend, make_backend
 from .errors import InvalidInput, LeaseNotFound

@@ -95,7 +95,6 @@ def server_binding(provisioner: Any) -> ServerBinding | None:
 
 def pool_from_env(config: Any = None) -> Pool:
     """One :class:`Pool` per (GPUPOOL_DB, GPUPOOL_SIMULATE) in this process, opened on first use."""
-    from .pool import Pool
 
     from .remote import pool_from_env as pool_or_broker
 

@@ -42,7 +42,7 @@ _PERCENT_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*%\s*$")
 MAX_SIZE = 1024 * TIB
 
 
-def parse_size(text: str | int | float, *, gpu_memory: int | None = None) -> int:
+def parse_size(text: str | float, *, gpu_memory: int | None = None) -> int:
     """Return a positive number of bytes from ``text``.
 
     ``25%`` is a share of ``gpu_memory`` (the GPU the request is for, or the largest GPU).
@@ -80,7 +80,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|min|m|sec|s)", re.IGNORECAS
 MAX_DURATION = 366 * 86400
 
 
-def parse_duration(text: str | int | float) -> float:
+def parse_duration(text: str | float) -> float:
     """Return a positive number of seconds from ``text`` (``2h``, ``1h30m``, ``90``)."""
     if isinstance(text, bool):
         raise InvalidInput(f"invalid duration {text!r}: expected {DURATION_FORMS}")
@@ -101,7 +101,7 @@ def parse_duration(text: str | int | float) -> float:
     return seconds
 
 
-def format_size(num_bytes: int | float | None) -> str:
+def format_size(num_bytes: float | None) -> str:
     """``8589934592`` → ``8 GiB``; ``3.1 GiB`` keeps one decimal when it matters."""
     if num_bytes is None:
         return "unknown"

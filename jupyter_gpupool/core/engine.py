@@ -602,4 +602,4 @@ class Engine:
         return Decision(kind=kind, lease_id=lease.id, kernel_id=lease.kernel_id, owner=lease.owner, reason=reason, at=now, deadline=deadline)
 
 
-__all__ = ["Engine", "PoolState", "held_by_device", "PriorityClass"]
+__all__ = ["Engine", "PoolState", "PriorityClass", "held_by_device"]

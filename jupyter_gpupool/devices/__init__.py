@@ -56,4 +56,4 @@ def make_backend(spec: str | None) -> DeviceBackend:
     return NvmlBackend()
 
 
-__all__ = ["DeviceBackend", "ProcessUsage", "make_backend", "Device"]
+__all__ = ["Device", "DeviceBackend", "ProcessUsage", "make_backend"]
