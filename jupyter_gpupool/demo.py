@@ -144,6 +144,8 @@ class DemoApp(GpuPoolBaseApp):
             command.append(f"--ServerApp.ip={self.ip}")
         if not self.open_browser:
             command.append("--no-browser")
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            command.append("--allow-root")  # containers and CI run as root; the demo touches no real GPU
         return command, env, folder
 
     def run(self) -> None:
