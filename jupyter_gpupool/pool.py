@@ -281,9 +281,26 @@ class Pool:
         lease = state.leases.get(decision.lease_id)
         return lease is not None and lease.over_limit_since == decision.at
 
-    def tick(self, now: float | None = None) -> list[Decision]:
-        """Run the scheduler once; also release leases whose holder process on this host died."""
+    #: Seconds between two prunes of old rows by one process (see PoolPolicy.retention_days).
+    prune_interval = 3600.0
+
+    def prune(self, now: float | None = None) -> dict[str, int]:
+        """Delete released leases, events and ledger rows past the policy's retention."""
         now = self._now(now)
+        day = 86400.0
+        leases_before = now - self.policy.retention_days * day if self.policy.retention_days > 0 else None
+        ledger_before = now - self.policy.ledger_retention_days * day if self.policy.ledger_retention_days > 0 else None
+        with self.store.transaction():
+            removed = self.store.prune(leases_before, ledger_before)
+        self._last_prune = now
+        return removed
+
+    def tick(self, now: float | None = None) -> list[Decision]:
+        """Run the scheduler once; also release leases whose holder process on this host died,
+        and now and then prune rows past their retention."""
+        now = self._now(now)
+        if now - getattr(self, "_last_prune", float("-inf")) >= self.prune_interval:
+            self.prune(now)
         with self.store.transaction():
             state = self._load(now)
             decisions: list[Decision] = []

@@ -301,6 +301,20 @@ class Store:
             "INSERT INTO preferences VALUES (?, ?) ON CONFLICT(owner) DO UPDATE SET data=excluded.data", (owner, json.dumps(data))
         )
 
+    def prune(self, leases_before: float | None, ledger_before: float | None) -> dict[str, int]:
+        """Delete released leases and events older than ``leases_before`` and ledger rows older
+        than ``ledger_before`` (``None``: keep). Call inside a transaction."""
+        removed = {"leases": 0, "events": 0, "ledger": 0}
+        if leases_before is not None:
+            removed["leases"] = self.conn.execute(
+                "DELETE FROM leases WHERE state = 'released' AND CAST(json_extract(data, '$.released_at') AS REAL) < ?",
+                (leases_before,),
+            ).rowcount
+            removed["events"] = self.conn.execute("DELETE FROM events WHERE at < ?", (leases_before,)).rowcount
+        if ledger_before is not None:
+            removed["ledger"] = self.conn.execute("DELETE FROM ledger WHERE end < ?", (ledger_before,)).rowcount
+        return removed
+
     def close(self) -> None:
         self.conn.close()
 

@@ -384,3 +384,23 @@ def test_set_priority_reorders_the_queue(tmp_path):
     assert [l.id for l in pool.queue(now=T0 + 5)] == [second.id, first.id]
     with pytest.raises(InvalidInput, match="batch, normal or high"):
         pool.set_priority(first.id, "urgent")
+
+
+def test_old_released_leases_and_events_are_pruned_but_the_ledger_is_kept(tmp_path):
+    pool = make_pool(tmp_path, retention_days=30)
+    old = pool.request(req("a"), now=T0)
+    pool.release(old.id, now=T0 + 3600)
+    live = pool.request(req("b"), now=T0 + 3600)
+    recent = pool.request(req("c"), now=T0 + 40 * 86400)
+    pool.release(recent.id, now=T0 + 40 * 86400 + 60)
+    removed = pool.prune(now=T0 + 40 * 86400 + 120)
+    assert removed["leases"] == 1 and removed["events"] >= 2 and removed["ledger"] == 0
+    with pytest.raises(LeaseNotFound):
+        pool.get(old.id)
+    assert pool.get(live.id).state is LeaseState.GRANTED  # live leases are never pruned, however old
+    assert pool.get(recent.id).state is LeaseState.RELEASED
+    assert {r["user"] for r in pool.report(by="user", now=T0 + 40 * 86400 + 120)} == {"a", "b", "c"}  # metering kept
+    keep_all = make_pool(tmp_path, name="keep.sqlite", retention_days=0)
+    gone = keep_all.request(req(), now=T0)
+    keep_all.release(gone.id, now=T0 + 1)
+    assert keep_all.prune(now=T0 + 10**8) == {"leases": 0, "events": 0, "ledger": 0}

@@ -301,6 +301,17 @@ class PoolPolicy(Configurable):
         "'memory': '40GiB', 'weekdays': ['tue'], 'start': '09:00', 'end': '11:00'} (local time).",
     ).tag(config=True)
 
+    retention_days = Float(
+        90.0,
+        help="Released leases and decision events older than this many days are deleted from the store "
+        "(0 keeps them forever). The metering ledger is kept; see ledger_retention_days.",
+    ).tag(config=True)
+
+    ledger_retention_days = Float(
+        0.0,
+        help="Metering ledger rows older than this many days are deleted (0, the default, keeps them forever).",
+    ).tag(config=True)
+
     max_gpus_per_lease = Integer(
         8,
         help="Most GPUs one lease may span.",
