@@ -74,7 +74,7 @@ class ServerBinding:
     listeners: list[LeaseListener] = field(default_factory=list)
 
 
-_pools: dict[tuple[str, str], Pool] = {}
+_pools: dict[tuple[str, str, str], Pool] = {}
 _pools_lock = threading.Lock()
 
 

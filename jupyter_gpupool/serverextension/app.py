@@ -17,7 +17,7 @@ import os
 import time
 from importlib.metadata import EntryPoint
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
@@ -214,6 +214,8 @@ class GpuPoolExtension(ExtensionApp):
             return None
         return self.pool.release(lease.id, reason=reason)
 
+    _metrics_collector: ClassVar[Any] = None  # the one collector this process registered
+
     def _register_metrics(self) -> None:
         """Add the pool's collector to the registry jupyter_server serves at ``/metrics``
         (authenticated unless ``ServerApp.authenticate_prometheus`` is turned off)."""
@@ -223,7 +225,7 @@ class GpuPoolExtension(ExtensionApp):
 
         from ..metrics import PoolCollector
 
-        previous = getattr(type(self), "_metrics_collector", None)
+        previous = type(self)._metrics_collector
         if previous is not None:
             with contextlib.suppress(KeyError):
                 REGISTRY.unregister(previous)
