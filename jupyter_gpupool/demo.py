@@ -33,6 +33,12 @@ def demo_notebook() -> Any:
         new_code_cell("%gpupool status"),
         new_code_cell("from jupyter_gpupool.widget import PoolStatus\nPoolStatus()"),
         new_markdown_cell(
+            "The pool is simulated, so this kernel *pretends* to hold GPU memory (on a real GPU, PyTorch or JAX "
+            "would). Within a few seconds the watchdog sees it: the panel's usage bar moves, and since the peak is "
+            "far below the slice it suggests shrinking it."
+        ),
+        new_code_cell("from jupyter_gpupool.devices.simulated import pretend_to_use\npretend_to_use('3GiB')"),
+        new_markdown_cell(
             "## 2. Classmates fill the pool\n\nThese leases stand in for other users' kernels. They never run code, "
             "so they count as idle."
         ),

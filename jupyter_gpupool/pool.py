@@ -85,6 +85,10 @@ class Pool:
         policy.apply_env(env)
         backend = overrides.pop("backend", None) or make_backend(env.get("GPUPOOL_SIMULATE") or None)
         db_path = overrides.pop("db_path", None) or env.get("GPUPOOL_DB") or default_db_path()
+        if getattr(backend, "name", "") == "simulated" and getattr(backend, "usage_dir", "") is None:
+            from .devices.simulated import usage_dir_for
+
+            backend.usage_dir = env.get("GPUPOOL_SIMULATE_USAGE_DIR") or usage_dir_for(db_path)  # type: ignore[attr-defined]
         return cls(backend=backend, db_path=db_path, policy=policy, **overrides)
 
     # --- state loading ----------------------------------------------------------------------------

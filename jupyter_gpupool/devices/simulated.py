@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
 import threading
 import uuid as uuid_module
@@ -67,8 +70,10 @@ class SimulatedBackend(DeviceBackend):
 
     name = "simulated"
 
-    def __init__(self, gpus: list[tuple[str, int]], spec: str = "", nvlink: bool = True) -> None:
+    def __init__(self, gpus: list[tuple[str, int]], spec: str = "", nvlink: bool = True, usage_dir: str | None = None) -> None:
         self.spec = spec
+        #: Folder where processes (e.g. kernels running :func:`pretend_to_use`) script their usage.
+        self.usage_dir = usage_dir
         self._lock = threading.Lock()
         self._devices: list[Device] = []
         namespace = uuid_module.UUID("6f1c1f9e-5f0b-4d0e-9d7e-3b8f0c2a9a10")
@@ -85,10 +90,35 @@ class SimulatedBackend(DeviceBackend):
     def from_spec(cls, spec: str) -> SimulatedBackend:
         return cls(parse_inventory(spec), spec=spec.strip())
 
+    def _all_usage(self) -> dict[tuple[int, str], int]:
+        """Usage set in this process plus what live processes scripted in :attr:`usage_dir`."""
+        usage = dict(self._usage)
+        if not self.usage_dir or not os.path.isdir(self.usage_dir):
+            return usage
+        for entry in os.listdir(self.usage_dir):
+            pid_text = entry.removesuffix(".json")
+            if not pid_text.isdigit():
+                continue
+            pid = int(pid_text)
+            path = os.path.join(self.usage_dir, entry)
+            if not _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.remove(path)  # the process is gone, and so is its memory
+                continue
+            try:
+                with open(path) as handle:
+                    scripted = json.load(handle)
+            except (OSError, ValueError):
+                continue  # being written right now: next read
+            for uuid, amount in scripted.items():
+                if isinstance(amount, int) and amount > 0:
+                    usage[(pid, uuid)] = usage.get((pid, uuid), 0) + amount
+        return usage
+
     def devices(self) -> list[Device]:
         with self._lock:
             used: dict[str, int] = {}
-            for (_, dev), amount in self._usage.items():
+            for (_, dev), amount in self._all_usage().items():
                 used[dev] = used.get(dev, 0) + amount
             return [
                 Device(**{**d.__dict__, "memory_free": max(0, d.memory_total - used.get(d.uuid, 0))}) for d in self._devices
@@ -96,7 +126,7 @@ class SimulatedBackend(DeviceBackend):
 
     def process_usage(self) -> list[ProcessUsage]:
         with self._lock:
-            return [ProcessUsage(pid=pid, device_uuid=dev, used_memory=amount) for (pid, dev), amount in self._usage.items()]
+            return [ProcessUsage(pid=pid, device_uuid=dev, used_memory=amount) for (pid, dev), amount in self._all_usage().items()]
 
     # --- scripting, for tests and demos -------------------------------------------------------
     def set_usage(self, pid: int, device_uuid: str, used_memory: int) -> None:
@@ -117,3 +147,46 @@ class SimulatedBackend(DeviceBackend):
 
     def describe(self) -> str:
         return f"simulated {self.spec}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def usage_dir_for(db_path: str) -> str:
+    """Where processes sharing the pool file ``db_path`` script their simulated GPU usage."""
+    return os.environ.get("GPUPOOL_SIMULATE_USAGE_DIR") or f"{db_path}.usage"
+
+
+def pretend_to_use(size: str | int, pid: int | None = None) -> int:
+    """Inside a kernel on a simulated pool: pretend this process now holds ``size`` of GPU memory
+    (``"3GiB"``; ``0`` frees it), spread over its visible GPUs. The watchdog, the sidebar and
+    ``%gpupool status`` then show it, as they would real usage. Returns the bytes set."""
+    from ..units import parse_size
+
+    db = os.environ.get("GPUPOOL_DB")
+    if not os.environ.get("GPUPOOL_SIMULATE") or not db:
+        raise InvalidInput("pretend_to_use works only in a kernel on a simulated pool (GPUPOOL_SIMULATE and GPUPOOL_DB set)")
+    amount = 0 if size in (0, "0") else parse_size(size)
+    visible = [u for u in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if u.startswith("GPU-")]
+    if amount and not visible:
+        raise InvalidInput("this kernel holds no GPU slice to use (CUDA_VISIBLE_DEVICES names none)")
+    folder = usage_dir_for(db)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{pid or os.getpid()}.json")
+    if not amount:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        return 0
+    share = {uuid: amount // len(visible) for uuid in visible}
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as handle:
+        json.dump(share, handle)
+    os.replace(temporary, path)  # readers never see half a file
+    return amount
