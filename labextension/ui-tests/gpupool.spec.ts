@@ -89,6 +89,21 @@ test('sidebar and status bar follow grants, the queue, Keep and Release', async 
   await expect(panel.locator('.jp-GpuPool-queueLength')).toContainText('no one waiting');
   await screenshot(page, '04-third-granted-after-shutdown');
 
+  // 4b. Live usage and right-sizing: the kernel (on the simulated pool) pretends to hold 1 GiB;
+  // the real watchdog sees it, the bar and status bar show it, and one click shrinks the slice.
+  const editor = page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell .jp-InputArea-editor').first();
+  await editor.click();
+  await page.keyboard.press('Control+A');
+  await page.keyboard.type("from jupyter_gpupool.devices.simulated import pretend_to_use; pretend_to_use('1GiB')");
+  await page.keyboard.press('Shift+Enter');
+  await expect(status).toHaveText(/^GPU 1 \/ 8 GiB/, { timeout: 20000 });
+  const hint = panel.locator('.jp-GpuPool-hint');
+  await expect(hint).toContainText('peaked at 1 GiB of 8 — shrink to 2 GiB?', { timeout: 20000 });
+  await screenshot(page, '04b-usage-and-right-sizing-hint');
+  await hint.getByRole('button', { name: 'Shrink to 2 GiB' }).click();
+  await expect(status).toHaveText(/^GPU 1 \/ 2 GiB/);
+  await expect(hint).toHaveCount(0);
+
   // 5. Reserve: a bad size is refused before sending, naming the forms; a good one shrinks.
   const size = panel.getByLabel('Size');
   await size.fill('lots');
