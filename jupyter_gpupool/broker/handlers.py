@@ -290,6 +290,13 @@ class LeasePriorityHandler(BrokerHandler):
         self.write_json(await self.run(set_priority))
 
 
+def keep_seconds(body: dict[str, Any], pool: Any) -> float:
+    """The hold a keepalive body asks for: its ``duration``, else one hour (within ``max_keep``)."""
+    if body.get("duration") is not None:
+        return parse_duration(body["duration"])
+    return float(min(DEFAULT_KEEP, pool.policy.max_keep))
+
+
 class LeaseKeepHandler(BrokerHandler):
     """``POST .../leases/{id}/keepalive`` ``{"duration": "1h"}``: hold through idle (default 1 h)."""
 
@@ -298,11 +305,7 @@ class LeaseKeepHandler(BrokerHandler):
 
         def keep() -> dict[str, Any]:
             pool = self.broker.pool
-            seconds = (
-                parse_duration(body["duration"])
-                if body.get("duration") is not None
-                else min(DEFAULT_KEEP, pool.policy.max_keep)
-            )
+            seconds = keep_seconds(body, pool)
             lease = self.owned(lease_id)
             return lease_json(pool.keep(lease.id, seconds))
 
@@ -502,11 +505,7 @@ class KernelKeepaliveHandler(KernelHandlerBase):
 
         def keep() -> dict[str, Any]:
             pool = self.broker.pool
-            seconds = (
-                parse_duration(body["duration"])
-                if body.get("duration") is not None
-                else min(DEFAULT_KEEP, pool.policy.max_keep)
-            )
+            seconds = keep_seconds(body, pool)
             lease = self.live_lease(kernel_id)
             return self.broker.kernel_status(kernel_id, pool.keep(lease.id, seconds))
 
