@@ -17,6 +17,7 @@ from tornado import web
 
 from ..core.models import Activity, Lease, LeaseState, PriorityClass
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
+from ..httputil import JsonHandlerMixin
 from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
 from .auth import Forbidden, Identity, Unauthenticated
 
@@ -45,7 +46,7 @@ def lease_json(lease: Lease, queue: Any = None) -> dict[str, Any]:
     return data
 
 
-class BrokerHandler(web.RequestHandler):
+class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
     """Base: identity in ``prepare``, JSON errors, pool calls on the broker's worker thread."""
 
     identity: Identity
@@ -64,21 +65,7 @@ class BrokerHandler(web.RequestHandler):
     async def run(self, fn: Any, *args: Any) -> Any:
         return await self.broker.run(fn, *args)
 
-    def json_body(self) -> dict[str, Any]:
-        if not self.request.body:
-            return {}
-        try:
-            data = json.loads(self.request.body)
-        except ValueError:
-            raise InvalidInput('the request body is not JSON; send an object such as {"memory": "12GiB"}') from None
-        if not isinstance(data, dict):
-            raise InvalidInput('the request body must be a JSON object such as {"memory": "12GiB"}')
-        return data
 
-    def write_json(self, data: Any, status: int = 200) -> None:
-        self.set_status(status)
-        self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps(data, default=str))
 
     def own(self, lease: Lease) -> Lease:
         """The lease if the caller may see and change it; else 403."""

@@ -19,6 +19,7 @@ from tornado import web
 
 from ..core.models import Lease
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
+from ..httputil import JsonHandlerMixin
 from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def _default_identity_classes() -> tuple[type, ...]:
     return (IdentityProvider, PasswordIdentityProvider)
 
 
-class GpuPoolHandler(ExtensionHandlerMixin, APIHandler):  # type: ignore[misc]
+class GpuPoolHandler(JsonHandlerMixin, ExtensionHandlerMixin, APIHandler):  # type: ignore[misc]
     """Base handler: who is asking, may they, and domain errors as JSON."""
 
     auth_resource = "gpupool:pool"
@@ -80,21 +81,7 @@ class GpuPoolHandler(ExtensionHandlerMixin, APIHandler):  # type: ignore[misc]
             return
         super().log_exception(typ, value, tb)
 
-    def write_json(self, data: Any, status: int = 200) -> None:
-        self.set_status(status)
-        self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps(data, default=str))
 
-    def json_body(self) -> dict[str, Any]:
-        if not self.request.body:
-            return {}
-        try:
-            data = json.loads(self.request.body)
-        except ValueError:
-            raise InvalidInput("the request body is not JSON; send an object such as {\"memory\": \"12GiB\"}") from None
-        if not isinstance(data, dict):
-            raise InvalidInput("the request body must be a JSON object such as {\"memory\": \"12GiB\"}")
-        return data
 
 
 class PoolHandler(GpuPoolHandler):
