@@ -81,7 +81,9 @@ class GpuPoolBaseApp(JupyterApp):
             self.exit(1)
 
     def run(self) -> None:
-        raise NotImplementedError  # every subcommand overrides run()
+        """What the subcommand does; a subcommand that does not say prints its help."""
+        self.print_help()
+        self.exit(EXIT_USAGE)
 
     @classmethod
     def launch_instance(cls, argv: Any = None, **kwargs: Any) -> None:  # type: ignore[override]
