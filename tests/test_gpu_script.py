@@ -29,7 +29,7 @@ SELFTEST = ["selftest-pass", "selftest-hang", "selftest-crash", "selftest-raise"
 
 
 def run_script(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k != "OUT"}  # the device tool's $OUT, if any, is not ours
+    base = {k: v for k, v in os.environ.items() if k != "OUT"}  # an $OUT set by the caller is not ours
     full_env = {
         **base,
         "GPUCHECK_SITE": str(Path(os.environ.get("TMPDIR", "/tmp")) / "gpucheck-site-test"),

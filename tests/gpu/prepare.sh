@@ -32,4 +32,4 @@ mkdir -p "$DEST"
 count=$(ls "$DEST"/*.whl | wc -l)
 size=$(du -sh "$DEST" | cut -f1)
 echo "prepare.sh: $count wheels ($size) for Python $PYVER in $DEST"
-echo "prepare.sh: carry tests/gpu/.wheels with the device call (it is git-ignored)"
+echo "prepare.sh: copy tests/gpu/.wheels (git-ignored) to the GPU machine along with the tree"
