@@ -5,12 +5,6 @@ kernels started through the REST API. The broker is the real one (tests/broker_h
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,81 +12,22 @@ from typing import Any
 
 import pytest
 from broker_harness import BrokerHarness
+from server_process import Server as BaseServer
+from server_process import wait_for
 
 from jupyter_gpupool.core.models import LeaseState
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+def Server(tmp: Path, user: str, broker_url: str, token: str) -> BaseServer:
     """`jupyter server` for one user, pointed at the broker with that user's token."""
-
-    def __init__(self, tmp: Path, user: str, broker_url: str, token: str) -> None:
-        self.port = free_port()
-        self.token = f"{user}-server-token"
-        root = tmp / user
-        root.mkdir()
-        env = {
-            **os.environ,
-            "GPUPOOL_URL": broker_url,
-            "GPUPOOL_TOKEN": token,
-            "JUPYTER_RUNTIME_DIR": str(root / "runtime"),
-            "JUPYTER_CONFIG_DIR": str(root / "config"),
-        }
-        env.pop("GPUPOOL_DB", None)
-        env.pop("GPUPOOL_SIMULATE", None)
-        self.log = open(root / "server.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter", "server", f"--port={self.port}", "--no-browser", "--allow-root",
-             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
-             "--ServerApp.jpserver_extensions={'jupyter_server_terminals': False}"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                self.call("GET", "api/status")
-                return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.3)
-        raise AssertionError(f"{user}'s server did not start: {(root / 'server.log').read_text()[-2000:]}")
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        data = json.dumps(body).encode() if body is not None else (b"{}" if method == "POST" else None)
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/{path}", data=data, method=method,
-                                         headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            raw = response.read()
-        return json.loads(raw) if raw else None
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-def wait_for(predicate: Any, timeout: float = 60, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+    return BaseServer(tmp, user, {"GPUPOOL_URL": broker_url, "GPUPOOL_TOKEN": token, "GPUPOOL_DB": None, "GPUPOOL_SIMULATE": None})
 
 
 def test_two_users_servers_and_kernels_share_the_broker_pool(tmp_path):
     harness = BrokerHarness(tmp_path).start()
-    servers: list[Server] = []
+    servers: list[BaseServer] = []
     try:
         harness.add_user("alice-hub-token", "alice", groups=("cs101",))
         harness.add_user("bob-hub-token", "bob", groups=("cs101",))

@@ -1,0 +1,534 @@
+"""The reliability suite: faults injected into real processes on a real SQLite pool file, with the
+invariants the pool promises checked after each scenario.
+
+Every scenario returns a dict of figures. ``tests/test_reliability.py`` runs each one at a CI size
+and asserts its invariants; run the long version and print the figures (what RELIABILITY.md
+records) with::
+
+    python tests/reliability.py --minutes 10 --json
+
+Scenarios:
+
+- ``kill_storm``: several OS processes request, release and tick on one pool file while a killer
+  SIGKILLs them at random moments (mid-transaction included) and starts replacements. Afterwards:
+  ``PRAGMA integrity_check`` is ok, no device holds more than it has, no lease id or kernel id is
+  live twice, every request a worker saw committed is in the store (nothing lost), every granted
+  and released lease is in the ledger exactly once, and the leases of killed holders are reclaimed
+  by the next tick.
+- ``burst``: N requests from several processes at once against room for R: exactly R granted,
+  the rest queued; then every release grants exactly the lease the engine had at the head of its
+  queue (policy order); request latency percentiles and the processes' peak memory.
+- ``device_faults``: the NVML backend over the scripted fake ``pynvml``: a GPU lost mid-run (its
+  leases are flagged for their users, new requests go elsewhere, the rest keeps serving), a MIG
+  instance destroyed under a lease, NVML missing at start (a clear PoolUnavailable).
+- ``soak``: a bounded stream of random operations in one pool with the invariants checked all
+  along, and the process's RSS and open file descriptors sampled from start to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import resource
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from jupyter_gpupool.core.engine import held_by_device
+from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.errors import RequestRefused
+from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.units import GIB
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    return env
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` by nearest rank; 0.0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# --- invariants ---------------------------------------------------------------------------------
+
+
+def check_pool_file(db: str, spec: str) -> dict[str, Any]:
+    """The invariants of one pool file; raises AssertionError naming the first that fails."""
+    raw = sqlite3.connect(db)
+    try:
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok", "the pool file is corrupt"
+    finally:
+        raw.close()
+    pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9))
+    try:
+        leases = pool.store.leases(include_released=True, limit=10**9)
+        ids = [lease.id for lease in leases]
+        assert len(ids) == len(set(ids)), "a lease id is stored twice"
+        live = [lease for lease in leases if lease.state is not LeaseState.RELEASED]
+        kernels = [lease.kernel_id for lease in live if lease.kernel_id]
+        assert len(kernels) == len(set(kernels)), "a kernel holds two live leases"
+        held = held_by_device(leases)
+        for device in pool.devices():
+            assert held.get(device.uuid, 0) <= device.memory_total, f"{device.uuid} is granted more than it has"
+        for lease in leases:
+            if lease.state is LeaseState.GRANTED:
+                assert len(lease.devices) == lease.num_gpus, f"lease {lease.id} holds {lease.devices}"
+        ledger = [row["lease_id"] for row in pool.store.ledger()]
+        assert len(ledger) == len(set(ledger)), "a lease is metered twice"
+        metered = {lease.id for lease in leases if lease.state is LeaseState.RELEASED and lease.granted_at is not None}
+        assert metered == set(ledger), "the ledger and the released leases disagree"
+        return {"leases": len(leases), "live": len(live), "metered": len(ledger)}
+    finally:
+        pool.close()
+
+
+# --- kill storm ---------------------------------------------------------------------------------
+
+STORM_WORKER = textwrap.dedent(
+    """
+    import os, random, sys, uuid
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.core.policy import PoolPolicy
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
+    from jupyter_gpupool.pool import HOSTNAME, Pool
+    from jupyter_gpupool.units import GIB
+
+    db, spec, journal_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9))
+    rng = random.Random(seed)
+    journal = open(journal_path, "a", buffering=1)
+    mine = []
+    print("ready", flush=True)
+    while True:
+        if mine and rng.random() < 0.45:
+            lease_id = mine.pop(rng.randrange(len(mine)))
+            pool.release(lease_id, reason="worker released it")
+            journal.write("released " + lease_id + "\\n")
+        else:
+            kernel_id = str(uuid.uuid4())
+            lease = pool.request(LeaseRequest(owner="user%d" % rng.randrange(6), memory=rng.choice([1, 2, 4, 6]) * GIB,
+                                              kernel_id=kernel_id, holder_pid=os.getpid(), holder_host=HOSTNAME))
+            journal.write("requested " + lease.id + " " + kernel_id + "\\n")
+            mine.append(lease.id)
+        pool.tick()
+    """
+)
+
+
+def kill_storm(workdir: Path, seconds: float = 20.0, workers: int = 3, spec: str = "2x16GiB", seed: int = 1) -> dict[str, Any]:
+    """SIGKILL pool clients at random moments for ``seconds``; check that nothing is lost or doubled."""
+    db = str(workdir / "storm.sqlite")
+    Pool(SimulatedBackend.from_spec(spec), db).close()
+    rng = random.Random(seed)
+    journals: list[Path] = []
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn() -> None:
+        journal = workdir / f"journal-{len(journals)}.txt"
+        journals.append(journal)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", STORM_WORKER, db, spec, str(journal), str(rng.randrange(10**9))],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=_child_env(),
+            )
+        )
+
+    for _ in range(workers):
+        spawn()
+    kills = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(rng.uniform(0.05, 0.6))
+        alive = [p for p in procs if p.poll() is None]
+        for proc in procs:
+            if proc.poll() not in (None, -signal.SIGKILL):
+                raise AssertionError(f"a worker failed on its own: {proc.stderr.read() if proc.stderr else ''}")
+        if alive:
+            rng.choice(alive).send_signal(signal.SIGKILL)
+            kills += 1
+        while sum(p.poll() is None for p in procs) < workers:
+            spawn()
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    committed: dict[str, str] = {}
+    for journal in journals:
+        if journal.exists():
+            for line in journal.read_text().splitlines():
+                parts = line.split()
+                if parts and parts[0] == "requested" and len(parts) == 3:
+                    committed[parts[1]] = parts[2]
+    pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9))
+    try:
+        stored = {lease.id: lease for lease in pool.store.leases(include_released=True, limit=10**9)}
+        lost = [lease_id for lease_id in committed if lease_id not in stored]
+        assert not lost, f"{len(lost)} committed leases are missing from the store"
+        assert all(stored[i].kernel_id == k for i, k in committed.items()), "a lease changed kernels"
+        leaked_before = sum(1 for lease in stored.values() if lease.live)
+        started = time.perf_counter()
+        pool.tick()  # every holder is dead now: their leases must all go
+        reclaim_ms = (time.perf_counter() - started) * 1000
+        leaked_after = sum(1 for lease in pool.leases())
+    finally:
+        pool.close()
+    assert leaked_after == 0, f"{leaked_after} leases of killed holders were not reclaimed by the next tick"
+    figures = check_pool_file(db, spec)
+    return {
+        "seconds": seconds,
+        "workers": workers,
+        "kills": kills,
+        "requests_committed": len(committed),
+        "leases_lost": len(lost),
+        "leases_duplicated": 0,
+        "leaked_leases_reclaimed": leaked_before,
+        "reclaim_ms": round(reclaim_ms, 1),
+        **figures,
+    }
+
+
+# --- burst --------------------------------------------------------------------------------------
+
+BURST_WORKER = textwrap.dedent(
+    """
+    import json, os, resource, sys, time
+    from jupyter_gpupool.core.models import LeaseRequest, PriorityClass
+    from jupyter_gpupool.core.policy import PoolPolicy
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
+    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.units import GIB
+
+    db, spec, first, count, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9))
+    classes = [PriorityClass.NORMAL, PriorityClass.NORMAL, PriorityClass.BATCH, PriorityClass.HIGH]
+    while time.time() < go:
+        time.sleep(0.001)
+    latencies = []
+    for i in range(first, first + count):
+        started = time.perf_counter()
+        pool.request(LeaseRequest(owner="user%d" % i, memory=GIB, priority=classes[i % len(classes)], label=str(i)))
+        latencies.append(time.perf_counter() - started)
+    print(json.dumps({"latencies": latencies, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+    """
+)
+
+
+def burst(workdir: Path, requests: int = 200, room: int = 20, processes: int = 4) -> dict[str, Any]:
+    """``requests`` one-GiB requests from ``processes`` processes at once against room for ``room``."""
+    spec = f"1x{room}GiB"
+    db = str(workdir / "burst.sqlite")
+    Pool(SimulatedBackend.from_spec(spec), db).close()
+    go = time.time() + 1.5
+    share = requests // processes
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BURST_WORKER, db, spec, str(i * share), str(share if i < processes - 1 else requests - i * share), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_child_env(),
+        )
+        for i in range(processes)
+    ]
+    latencies: list[float] = []
+    peak_rss = 0
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        latencies += result["latencies"]
+        peak_rss = max(peak_rss, result["maxrss_kib"])
+    pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9))
+    try:
+        live = pool.leases()
+        granted = [lease for lease in live if lease.state is LeaseState.GRANTED]
+        queued = [lease for lease in live if lease.state is LeaseState.QUEUED]
+        assert len(live) == requests, f"{requests - len(live)} requests were lost"
+        assert len(granted) == room and len(queued) == requests - room, (len(granted), len(queued))
+        handovers = 0
+        out_of_order = 0
+        while granted:
+            head = pool.queue()[0] if pool.queue() else None
+            pool.release(granted.pop(0).id, reason="done")
+            now_granted = [lease for lease in pool.leases() if lease.state is LeaseState.GRANTED]
+            assert len(now_granted) == min(room, len(pool.leases())), "a release did not hand the slice on exactly once"
+            if head is not None:
+                handovers += 1
+                newly = [lease for lease in now_granted if lease.id == head.id]
+                out_of_order += 0 if newly else 1
+                granted = [lease for lease in now_granted if lease.id != head.id] + newly
+            else:
+                granted = now_granted
+            if handovers >= 60:
+                break
+        assert out_of_order == 0, f"{out_of_order} hand-overs skipped the head of the queue"
+    finally:
+        pool.close()
+    check_pool_file(db, spec)
+    return {
+        "requests": requests,
+        "room": room,
+        "processes": processes,
+        "granted_at_once": room,
+        "queued": requests - room,
+        "handovers_checked": handovers,
+        "handovers_out_of_policy_order": out_of_order,
+        "request_ms_p50": round(percentile(latencies, 0.5) * 1000, 2),
+        "request_ms_p99": round(percentile(latencies, 0.99) * 1000, 2),
+        "request_ms_max": round(max(latencies) * 1000, 2),
+        "peak_rss_mib": round(peak_rss / 1024, 1),
+    }
+
+
+# --- device faults ------------------------------------------------------------------------------
+
+
+def device_faults(workdir: Path) -> dict[str, Any]:
+    """A GPU lost mid-run, a MIG instance destroyed under a lease, NVML missing at start."""
+    import fake_pynvml
+    from fake_pynvml import FakeGpu, FakeNvml
+
+    from jupyter_gpupool.devices import make_backend
+    from jupyter_gpupool.errors import PoolUnavailable
+
+    figures: dict[str, Any] = {}
+    saved = sys.modules.get("pynvml")
+    try:
+        # A GPU lost mid-run: its leases are flagged, the others keep serving, new requests avoid it.
+        fake = FakeNvml([FakeGpu("NVIDIA A100-SXM4-80GB", 80 * GIB) for _ in range(2)])
+        sys.modules["pynvml"] = fake.module
+        pool = Pool(make_backend("nvml"), str(workdir / "faults.sqlite"), PoolPolicy(heartbeat_ttl=10**9))
+        pool.device_cache_seconds = 0
+        first = pool.request(LeaseRequest(owner="alice", memory=60 * GIB))
+        second = pool.request(LeaseRequest(owner="bob", memory=60 * GIB))
+        assert {first.devices[0], second.devices[0]} == {d.uuid for d in pool.devices()}
+        lost_index = next(i for i, d in enumerate(pool.devices()) if d.uuid == first.devices[0])
+        fake.gpus[lost_index].lost = True
+        pool.tick()
+        flagged = pool.get(first.id)
+        assert "lost" in flagged.flagged.lower(), f"the lease on the lost GPU was not flagged: {flagged.flagged!r}"
+        assert pool.get(second.id).flagged == "", "a lease on a healthy GPU was flagged"
+        view = pool.view_lease(flagged, viewer="alice", admin=False)
+        assert "lost" in json.dumps(view).lower(), "the owner's view does not say the GPU was lost"
+        third = pool.request(LeaseRequest(owner="carol", memory=10 * GIB))
+        assert third.state is LeaseState.GRANTED and third.devices == second.devices, "a new request went to the lost GPU"
+        figures["gpu_lost"] = "flagged for its user; new requests placed on the healthy GPU"
+        pool.close()
+
+        # A MIG instance destroyed under a lease: the lease is flagged, never silently moved.
+        gpus = fake_pynvml.a100_mig()
+        fake = FakeNvml(gpus)
+        sys.modules["pynvml"] = fake.module
+        pool = Pool(make_backend("nvml"), str(workdir / "mig.sqlite"), PoolPolicy(heartbeat_ttl=10**9))
+        pool.device_cache_seconds = 0
+        migs = [d for d in pool.devices() if d.is_mig]
+        on_mig = pool.request(LeaseRequest(owner="dave", memory=min(d.memory_total for d in migs)))
+        slot = next(i for i, s in enumerate(gpus[0].mig_slots) if s is not None and s.uuid == on_mig.devices[0])
+        gpus[0].mig_slots[slot] = None
+        pool.tick()
+        after = pool.get(on_mig.id)
+        assert after.devices == on_mig.devices, "a lease moved to another MIG instance"
+        assert after.flagged, "the lease on a destroyed MIG instance was not flagged for its user"
+        figures["mig_destroyed"] = f"flagged: {after.flagged}"
+        pool.close()
+
+        # NVML missing at start: one clear PoolUnavailable, no traceback for the user to read.
+        fake = FakeNvml([], init_error=fake_pynvml.ERROR_CODES["NVML_ERROR_LIBRARY_NOT_FOUND"])
+        sys.modules["pynvml"] = fake.module
+        try:
+            make_backend("nvml").devices()
+        except PoolUnavailable as err:
+            figures["nvml_missing"] = str(err)
+        else:
+            raise AssertionError("a missing NVML did not make the pool unavailable")
+    finally:
+        if saved is None:
+            sys.modules.pop("pynvml", None)
+        else:
+            sys.modules["pynvml"] = saved
+    return figures
+
+
+# --- soak ---------------------------------------------------------------------------------------
+
+
+def soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", seed: int = 7) -> dict[str, Any]:
+    """Random operations for ``seconds`` with the invariants checked all along; RSS and fds."""
+    db = str(workdir / "soak.sqlite")
+    clock = [1_800_000_000.0]
+    pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9, idle_timeout=600), clock=lambda: clock[0])
+    me = psutil.Process()
+    rng = random.Random(seed)
+    samples: list[tuple[float, int]] = []
+    live: list[str] = []
+    operations = 0
+    checks = 0
+    deadline = time.monotonic() + seconds
+    warmup = min(2.0, seconds / 4)
+    started = time.monotonic()
+    while time.monotonic() < deadline:
+        roll = rng.random()
+        if roll < 0.35 or not live:
+            lease = pool.request(
+                LeaseRequest(owner=f"user{rng.randrange(12)}", memory=rng.choice([1, 2, 4, 8]) * GIB, priority=rng.choice(list(PriorityClass)))
+            )
+            live.append(lease.id)
+        elif roll < 0.65:
+            lease_id = live.pop(rng.randrange(len(live)))
+            pool.release(lease_id)
+        elif roll < 0.75:
+            lease = pool.get(rng.choice(live))
+            if lease.live:
+                with contextlib.suppress(RequestRefused):  # growing past the GPU's free memory is refused
+                    pool.resize(lease.id, memory=rng.choice([1, 2, 4]) * GIB)
+        else:
+            clock[0] += rng.uniform(1, 120)
+            pool.tick()
+        live = [i for i in live if pool.get(i).live]
+        operations += 1
+        if operations % 200 == 0:
+            pool.store.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            check_pool_file(db, spec)
+            checks += 1
+            if time.monotonic() - started >= warmup:
+                samples.append((me.memory_info().rss / 2**20, me.num_fds()))
+    pool.close()
+    check_pool_file(db, spec)
+    if not samples:
+        samples.append((me.memory_info().rss / 2**20, me.num_fds()))
+    return {
+        "seconds": seconds,
+        "operations": operations,
+        "invariant_checks": checks + 1,
+        "rss_mib_start": round(samples[0][0], 1),
+        "rss_mib_end": round(samples[-1][0], 1),
+        "fds_start": samples[0][1],
+        "fds_end": samples[-1][1],
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "rss_mib_median": round(statistics.median(s[0] for s in samples), 1),
+    }
+
+
+# --- a server killed with its kernels -----------------------------------------------------------
+
+
+def server_kill(workdir: Path, spec: str = "1x16GiB") -> dict[str, Any]:
+    """SIGKILL a real `jupyter server` holding two granted kernels and one queued: its kernels
+    end, the next pool decision reclaims all three leases, and a new server on the same pool file
+    is granted at once."""
+    from server_process import Server, wait_for
+
+    db = str(workdir / "server.sqlite")
+    env: dict[str, str | None] = {"GPUPOOL_SIMULATE": spec, "GPUPOOL_DB": db, "GPUPOOL_DEFAULT_MEMORY": "8GiB", "GPUPOOL_URL": None}
+    server = Server(workdir, "first", env)
+    try:
+        kernels = [server.call("POST", "api/kernels", {"name": "python3"})["id"] for _ in range(3)]
+        pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9))
+
+        def states() -> list[str]:
+            return [(lease.state.value if (lease := pool.lease_for_kernel(k)) else "none") for k in kernels]
+
+        wait_for(lambda: sorted(states()) == ["granted", "granted", "queued"], what="two grants and one queued")
+        kernel_pids = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        killed_at = time.monotonic()
+        # ipykernel polls its parent: the orphaned kernels end by themselves.
+        wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in kernel_pids),
+                 timeout=30, what="the killed server's kernels to end")
+        kernels_gone_s = time.monotonic() - killed_at
+        pool.tick()
+        reclaimed_s = time.monotonic() - killed_at
+        left = states()
+        pool.close()
+        assert not {"granted", "queued"} & set(left), f"leases of the killed server survived: {left}"
+    finally:
+        server.stop()
+    check_pool_file(db, spec)
+    second = Server(workdir, "second", env)
+    try:
+        kernel = second.call("POST", "api/kernels", {"name": "python3"})["id"]
+        restarted = time.monotonic()
+        wait_for(lambda: second.call("GET", f"api/gpupool/kernels/{kernel}")["state"] == "granted", what="a grant on the new server")
+        grant_s = time.monotonic() - restarted
+    finally:
+        second.stop()
+    return {
+        "kernels": 3,
+        "orphaned_kernels_ended_s": round(kernels_gone_s, 1),
+        "leases_reclaimed_after_s": round(reclaimed_s, 1),
+        "new_server_grant_s": round(grant_s, 1),
+    }
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def run_all(minutes: float) -> dict[str, Any]:
+    """Every scenario, sized so the whole run takes about ``minutes``."""
+    with tempfile.TemporaryDirectory(prefix="gpupool-reliability-") as tmp:
+        base = Path(tmp)
+        results: dict[str, Any] = {}
+        for name, fn in (
+            ("kill_storm", lambda d: kill_storm(d, seconds=minutes * 60 * 0.4)),
+            ("burst", lambda d: burst(d)),
+            ("device_faults", device_faults),
+            ("server_kill", server_kill),
+            ("soak", lambda d: soak(d, seconds=minutes * 60 * 0.5)),
+        ):
+            folder = base / name
+            folder.mkdir()
+            started = time.monotonic()
+            results[name] = fn(folder)
+            results[name]["wall_s"] = round(time.monotonic() - started, 1)
+        return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the pool's reliability scenarios and print their figures.")
+    parser.add_argument("--minutes", type=float, default=2.0, help="about how long the whole run takes (default 2)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of one line per figure")
+    args = parser.parse_args(argv)
+    results = run_all(args.minutes)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for scenario, figures in results.items():
+            for key, value in figures.items():
+                print(f"{scenario:14} {key:32} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

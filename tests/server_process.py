@@ -1,0 +1,84 @@
+"""A real `jupyter server` process for tests, with the gpupool extension and a token of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Any, timeout: float = 60, what: str = "") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Server:
+    """`jupyter server` in its own folder under ``tmp``, its environment overridden by ``env``
+    (a value of None removes the variable), reached with its own token."""
+
+    def __init__(self, tmp: Path, user: str, env: dict[str, str | None]) -> None:
+        self.port = free_port()
+        self.token = f"{user}-server-token"
+        self.root = tmp / user
+        self.root.mkdir(exist_ok=True)
+        environ = {**os.environ, "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"), "JUPYTER_CONFIG_DIR": str(self.root / "config")}
+        for key, value in env.items():
+            if value is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = value
+        self.log_path = self.root / "server.log"
+        self.log = open(self.log_path, "a")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "server", f"--port={self.port}", "--no-browser", "--allow-root",
+             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
+             "--ServerApp.jpserver_extensions={'jupyter_server_terminals': False}"],
+            env=environ, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.call("GET", "api/status")
+                return
+            except (urllib.error.URLError, ConnectionError):
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.3)
+        raise AssertionError(f"{user}'s server did not start: {self.log_path.read_text()[-2000:]}")
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else (b"{}" if method == "POST" else None)
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/{path}", data=data, method=method,
+                                         headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            raw = response.read()
+        return json.loads(raw) if raw else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
