@@ -311,10 +311,14 @@ class Engine:
         return decisions
 
     def _flag_unhealthy(self, state: PoolState) -> None:
+        """Flag held leases whose GPU is unhealthy or gone from the inventory (a MIG instance the
+        admin destroyed, a GPU that vanished): their users are told, the lease is never moved."""
         lost = {d.uuid: d.health_reason or "GPU unhealthy" for d in state.devices if not d.healthy}
+        present = {d.uuid for d in state.devices}
+        gone = "GPU or MIG instance no longer present (the admin changed the layout, or the GPU fell off the bus)"
         for lease in state.leases.values():
             if lease.state in HELD_STATES:
-                flag = "; ".join(lost[u] for u in lease.devices if u in lost)
+                flag = "; ".join(lost[u] if u in lost else gone for u in lease.devices if u in lost or u not in present)
                 if flag != lease.flagged:
                     lease.flagged = flag
                     state.touch(lease)
