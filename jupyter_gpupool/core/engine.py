@@ -318,7 +318,7 @@ class Engine:
         gone = "GPU or MIG instance no longer present (the admin changed the layout, or the GPU fell off the bus)"
         for lease in state.leases.values():
             if lease.state in HELD_STATES:
-                flag = "; ".join(lost[u] if u in lost else gone for u in lease.devices if u in lost or u not in present)
+                flag = "; ".join(lost.get(u, gone) for u in lease.devices if u in lost or u not in present)
                 if flag != lease.flagged:
                     lease.flagged = flag
                     state.touch(lease)
