@@ -22,6 +22,7 @@ import psutil
 from traitlets.config import Config
 
 from .core.engine import Engine, PoolState, held_by_device
+from .core.metering import DeviceInfo, Interval, report_rows
 from .core.models import (
     Activity,
     Decision,
@@ -37,7 +38,6 @@ from .core.policy import PoolPolicy, Reservation, parse_reservation
 from .devices import DeviceBackend, make_backend
 from .errors import InvalidInput, LeaseNotFound
 from .store import Store
-from .units import GIB
 
 HOSTNAME = socket.gethostname()
 
@@ -129,8 +129,11 @@ class Pool:
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
         changed = [state.leases[i] for i in state.changed if i in state.leases]
         self.store.save_leases(changed)
-        for lease in state.released:
-            self.store.record_interval(lease, self.policy.fair_share_half_life)
+        if state.released:
+            known = {d.uuid: d for d in state.devices}
+            for lease in state.released:
+                info = [DeviceInfo.of(known[u]).to_json() for u in lease.devices if u in known]
+                self.store.record_interval(lease, self.policy.fair_share_half_life, info if len(info) == len(lease.devices) else None)
         if state.released:
             self._history = None
         if decisions:
@@ -460,53 +463,65 @@ class Pool:
         return next((row["gib_hours_held"] for row in rows if row["user"] == owner), 0.0)
 
     # --- metering ---------------------------------------------------------------------------------
-    def report(self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None) -> list[dict[str, Any]]:
-        """GiB·hours held and active per user, group or kernel, closed and still-open intervals."""
-        if by not in ("user", "group", "kernel"):
-            raise InvalidInput(f"cannot group a report by {by!r}; use user, group or kernel")
+    def report(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        by: str = "user",
+        now: float | None = None,
+        period: str = "none",
+    ) -> list[dict[str, Any]]:
+        """GPU-hours, GiB·hours held and active (and cost, with prices in the policy) per user,
+        group or kernel, per ``period`` (none, day, week, month), closed and still-open intervals;
+        see :mod:`jupyter_gpupool.core.metering`."""
         now = self._now(now)
         until = now if until is None else until
-        intervals = self.store.ledger(since, until)
-        for lease in self.store.leases():
-            if lease.state is LeaseState.GRANTED and lease.granted_at is not None:
-                intervals.append(
-                    {
-                        "lease_id": lease.id,
-                        "owner": lease.owner,
-                        "groups": list(lease.groups),
-                        "kernel_id": lease.kernel_id,
-                        "devices": list(lease.devices),
-                        "memory": lease.memory * lease.num_gpus,
-                        "start": lease.granted_at,
-                        "end": now,
-                        "active_seconds": lease.active_seconds,
-                    }
+        rows = self.store.ledger(since, until)
+        live = [lease for lease in self.store.leases() if lease.state is LeaseState.GRANTED and lease.granted_at is not None]
+        # Rows record their GPUs; older rows and open intervals take them from the inventory.
+        unrecorded = any(row.get("device_info") is None for row in rows)
+        inventory = self._inventory() if live or unrecorded else {}
+        intervals = [self._closed_interval(row, inventory) for row in rows]
+        for lease in live:
+            intervals.append(
+                Interval(
+                    lease_id=lease.id,
+                    owner=lease.owner,
+                    groups=tuple(lease.groups),
+                    kernel_id=lease.kernel_id,
+                    memory=lease.memory * lease.num_gpus,
+                    start=lease.granted_at,  # type: ignore[arg-type]
+                    end=now,
+                    active_seconds=lease.active_seconds,
+                    devices=tuple(inventory.get(u) for u in lease.devices),
                 )
-        totals: dict[str, dict[str, Any]] = {}
-        for item in intervals:
-            start = max(item["start"], since if since is not None else item["start"])
-            end = min(item["end"], until)
-            if end <= start:
-                continue
-            length = item["end"] - item["start"]
-            fraction = (end - start) / length if length > 0 else 0.0
-            gib = item["memory"] / GIB
-            if by == "user":
-                keys = [item["owner"]]
-            elif by == "group":
-                keys = item["groups"] or ["(no group)"]
-            else:
-                keys = [item["kernel_id"] or f"(lease {item['lease_id']})"]
-            for key in keys:
-                row = totals.setdefault(key, {by: key, "leases": 0, "gib_hours_held": 0.0, "gib_hours_active": 0.0})
-                row["leases"] += 1
-                row["gib_hours_held"] += gib * (end - start) / 3600
-                row["gib_hours_active"] += gib * min(item["active_seconds"] * fraction, end - start) / 3600
-        rows = sorted(totals.values(), key=lambda r: -r["gib_hours_held"])
-        for row in rows:
-            row["gib_hours_held"] = round(row["gib_hours_held"], 4)
-            row["gib_hours_active"] = round(row["gib_hours_active"], 4)
-        return rows
+            )
+        return report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
+
+    @staticmethod
+    def _closed_interval(row: dict[str, Any], inventory: dict[str, DeviceInfo]) -> Interval:
+        recorded = {d["uuid"]: DeviceInfo.from_json(d) for d in row.get("device_info") or ()}
+        return Interval(
+            lease_id=row["lease_id"],
+            owner=row["owner"],
+            groups=tuple(row["groups"]),
+            kernel_id=row["kernel_id"],
+            memory=int(row["memory"]),
+            start=float(row["start"]),
+            end=float(row["end"]),
+            active_seconds=float(row["active_seconds"]),
+            devices=tuple(recorded.get(u) or inventory.get(u) for u in row["devices"]),
+        )
+
+    def _inventory(self) -> dict[str, DeviceInfo]:
+        """The devices as metering needs them; empty when the backend cannot say (a report of the
+        ledger never fails on a missing driver)."""
+        from .errors import GpuPoolError
+
+        try:
+            return {d.uuid: DeviceInfo.of(d) for d in self.devices()}
+        except GpuPoolError:
+            return {}
 
     # --- reservations and preferences -------------------------------------------------------------
     def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Reservation:

@@ -70,6 +70,11 @@ MIGRATIONS: list[str] = [
         data TEXT NOT NULL
     );
     """,
+    # What each GPU of a closed interval was (model, memory, MIG), for GPU-hours and prices that
+    # stay right after the GPU leaves the inventory. NULL in rows written before: see Pool.report.
+    """
+    ALTER TABLE ledger ADD COLUMN device_info TEXT
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -201,13 +206,15 @@ class Store:
         return lease_from_json(json.loads(row[0])) if row else None
 
     # --- metering and fair share ------------------------------------------------------------------
-    def record_interval(self, lease: Lease, half_life: float) -> None:
-        """Close a granted interval into the ledger and the owner's decayed usage."""
+    def record_interval(self, lease: Lease, half_life: float, device_info: list[dict[str, Any]] | None = None) -> None:
+        """Close a granted interval into the ledger and the owner's decayed usage; ``device_info``
+        describes the lease's GPUs (see :class:`~jupyter_gpupool.core.metering.DeviceInfo`)."""
         if lease.granted_at is None or lease.released_at is None:
             return
         start, end = lease.granted_at, lease.released_at
         self.conn.execute(
-            "INSERT INTO ledger VALUES (?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO ledger(lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?)",
             (
                 lease.id,
                 lease.owner,
@@ -218,6 +225,7 @@ class Store:
                 start,
                 end,
                 lease.active_seconds,
+                json.dumps(device_info) if device_info is not None else None,
             ),
         )
         gib_hours = lease.memory * lease.num_gpus / 1024**3 * (end - start) / 3600
@@ -245,7 +253,7 @@ class Store:
 
     @_locked
     def ledger(self, since: float | None = None, until: float | None = None) -> list[dict[str, Any]]:
-        sql = "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds FROM ledger WHERE 1=1"
+        sql = "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info FROM ledger WHERE 1=1"
         args: list[Any] = []
         if since is not None:
             sql += " AND end > ?"
@@ -253,12 +261,13 @@ class Store:
         if until is not None:
             sql += " AND start < ?"
             args.append(until)
-        keys = ("lease_id", "owner", "groups", "kernel_id", "devices", "memory", "start", "end", "active_seconds")
+        keys = ("lease_id", "owner", "groups", "kernel_id", "devices", "memory", "start", "end", "active_seconds", "device_info")
         rows = []
         for row in self.conn.execute(sql, args):
             item = dict(zip(keys, row))
             item["groups"] = json.loads(item["groups"])
             item["devices"] = json.loads(item["devices"])
+            item["device_info"] = json.loads(item["device_info"]) if item["device_info"] else None
             rows.append(item)
         return rows
 

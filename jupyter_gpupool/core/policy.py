@@ -17,6 +17,7 @@ from traitlets.config import Configurable
 
 from ..errors import InvalidInput
 from ..units import parse_duration, parse_size
+from .metering import Prices
 from .models import PriorityClass
 
 #: Environment variables that override traits (name → (trait, parser)).
@@ -316,6 +317,42 @@ class PoolPolicy(Configurable):
         8,
         help="Most GPUs one lease may span.",
     ).tag(config=True)
+
+    price_per_gpu_hour = Dict(
+        {},
+        help="Price of a GPU-hour by GPU model, for the cost column of `jupyter gpupool report`: "
+        "{'A100-80GB': 2.5, 'T4': 0.35, '*': 1.0}. A model matches by its exact name, else by the most "
+        "specific key whose parts are all in its name (A100 prices both A100 sizes, A10 never an A100), "
+        "else '*'; a MIG instance is priced by its own name (e.g. 'A100-40GB-MIG-3g.20gb'), else as its GPU. "
+        "A slice counts its share of the GPU (slice / GPU memory); a whole GPU or a MIG instance counts 1. "
+        "Empty (and no price_per_gib_hour): no cost column.",
+    ).tag(config=True)
+
+    price_per_gib_hour = Float(
+        0.0,
+        help="Price of one GiB of GPU memory held for an hour, added to the GPU-hour price in the report's "
+        "cost column (0: memory is not charged on its own).",
+    ).tag(config=True)
+
+    currency = Unicode(
+        "USD",
+        help="Currency of price_per_gpu_hour and price_per_gib_hour, shown in the report's currency column.",
+    ).tag(config=True)
+
+    @validate("price_per_gpu_hour")
+    def _check_price_per_gpu_hour(self, proposal: Any) -> dict[str, float]:
+        value = {str(model): price for model, price in dict(proposal["value"]).items()}
+        Prices(per_gpu_hour=value)  # raises InvalidInput on a negative or non-numeric price
+        return {model: float(price) for model, price in value.items()}
+
+    @validate("price_per_gib_hour")
+    def _check_price_per_gib_hour(self, proposal: Any) -> float:
+        Prices(per_gib_hour=proposal["value"])
+        return float(proposal["value"])
+
+    def prices(self) -> Prices:
+        """The prices of the report's cost column."""
+        return Prices(per_gpu_hour=dict(self.price_per_gpu_hour), per_gib_hour=self.price_per_gib_hour, currency=self.currency)
 
     @validate("default_memory")
     def _check_default_memory(self, proposal: Any) -> str:
