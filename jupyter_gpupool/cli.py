@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
-from traitlets import Bool, Enum, Unicode, default
+from traitlets import Bool, Unicode, default
 
 from ._version import __version__
 from .core.models import Lease, LeaseState
@@ -273,40 +273,69 @@ def parse_day(text: str) -> float:
 
 class ReportApp(GpuPoolBaseApp):
     name = "jupyter-gpupool-report"
-    description = "GiB·hours held and active per user, group or kernel."
+    description = "GPU-hours, GiB·hours held and active, and cost, per user, group or kernel, per day, week or month."
     aliases = {
         **GpuPoolBaseApp.aliases,
         "since": "ReportApp.since",
         "until": "ReportApp.until",
         "by": "ReportApp.by",
+        "period": "ReportApp.period",
         "format": "ReportApp.format",
     }
     since = Unicode("", help="Start date (ISO 8601, e.g. 2026-11-01); default: everything.").tag(config=True)
     until = Unicode("", help="End date (ISO 8601); default: now.").tag(config=True)
-    by = Enum(["user", "group", "kernel"], "user", help="Group rows by user, group or kernel.").tag(config=True)
-    format = Enum(["table", "csv", "json"], "table", help="Output format.").tag(config=True)
+    # Plain strings checked in run(): a traitlets Enum would fail as "CRITICAL | Bad config", exit 1.
+    by = Unicode("user", help="Group rows by user, group or kernel.").tag(config=True)
+    period = Unicode("none", help="One row per key per day, week (from Monday) or month, local time; none: one per key.").tag(
+        config=True
+    )
+    format = Unicode("table", help="Output format: table, csv or json.").tag(config=True)
 
     def run(self) -> None:
+        from .core.metering import FORMATS, PERIODS, REPORT_KEYS, check_choice, columns
+
+        by = check_choice(self.by, REPORT_KEYS, "--by")
+        period = check_choice(self.period, PERIODS, "--period")
+        fmt = "json" if self.json else check_choice(self.format, FORMATS, "--format")
         since = parse_day(self.since) if self.since else None
         until = parse_day(self.until) if self.until else None
         pool = self.make_pool()
-        rows = pool.report(since=since, until=until, by=self.by)
-        fmt = "json" if self.json else self.format
+        rows = pool.report(since=since, until=until, by=by, period=period)
+        policy = getattr(pool, "policy", None)  # a broker's pool prices on its side
+        priced = any("cost" in row for row in rows) or (policy is not None and policy.prices().priced)
+        fields = columns(by, period, priced)
         if fmt == "json":
             print(json.dumps(rows, indent=2))
         elif fmt == "csv":
             out = io.StringIO()
-            writer = csv.DictWriter(out, fieldnames=[self.by, "leases", "gib_hours_held", "gib_hours_active"], lineterminator="\n")
+            writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n", restval="", extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
             print(out.getvalue(), end="")
         else:
-            print(
-                table(
-                    [self.by, "leases", "GiB·h held", "GiB·h active"],
-                    [[r[self.by], str(r["leases"]), f"{r['gib_hours_held']:.3f}", f"{r['gib_hours_active']:.3f}"] for r in rows],
-                )
-            )
+            titles = {
+                "period": period,
+                "leases": "leases",
+                "gpu_hours": "GPU·h",
+                "gib_hours_held": "GiB·h held",
+                "gib_hours_active": "GiB·h active",
+                "cost": "cost",
+                "currency": "",
+            }
+            shown = [f for f in fields if f != "currency"]
+            cells = []
+            for row in rows:
+                line = []
+                for f in shown:
+                    value = row.get(f, "")
+                    if f == "cost" and value != "":
+                        line.append(f"{value:.2f} {row.get('currency', '')}".rstrip())
+                    elif isinstance(value, float):
+                        line.append(f"{value:.3f}")
+                    else:
+                        line.append(str(value))
+                cells.append(line)
+            print(table([titles.get(f, f) for f in shown], cells))
 
 
 class ReserveApp(GpuPoolBaseApp):

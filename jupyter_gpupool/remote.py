@@ -450,9 +450,9 @@ class RemotePool:
         return Pool.view_lease(lease, viewer, admin, position)
 
     def report(
-        self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None
+        self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None, period: str = "none"
     ) -> list[dict[str, Any]]:
-        return list(self.call("GET", f"{API}/report", query={"since": since, "until": until, "by": by}))
+        return list(self.call("GET", f"{API}/report", query={"since": since, "until": until, "by": by, "period": period}))
 
     def reservations(self) -> list[Any]:
         return [_reservation(item) for item in self.call("GET", f"{API}/reservations")]

@@ -501,11 +501,12 @@ class KernelKeepaliveHandler(KernelHandlerBase):
 
 # --- metering, reservations, preferences, events --------------------------------------------------------
 class ReportHandler(BrokerHandler):
-    """``GET /api/gpupool/report?since=&until=&by=user|group|kernel`` (POSIX seconds): admins see all rows,
-    users their own row of ``by=user``."""
+    """``GET /api/gpupool/report?since=&until=&by=user|group|kernel&period=none|day|week|month`` (POSIX
+    seconds): admins see all rows, users their own rows of ``by=user``."""
 
     async def get(self) -> None:
         by = self.get_argument("by", "user")
+        period = self.get_argument("period", "none")
         try:
             since = float(self.get_argument("since")) if self.get_argument("since", "") else None
             until = float(self.get_argument("until")) if self.get_argument("until", "") else None
@@ -516,7 +517,7 @@ class ReportHandler(BrokerHandler):
             raise NotAuthorized("only pool admins may see reports by group or kernel; ask for by=user")
 
         def report() -> list[dict[str, Any]]:
-            rows = self.broker.pool.report(since=since, until=until, by=by)
+            rows = self.broker.pool.report(since=since, until=until, by=by, period=period)
             return rows if ident.admin else [row for row in rows if row.get("user") == ident.name]
 
         self.write_json(await self.run(report))
