@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -106,18 +108,68 @@ def test_fragmentation() -> None:
     assert fragmentation([5 * GIB], 0) == 0.0
 
 
-def test_dashboard_and_alerts_use_only_exposed_metrics() -> None:
+def _exprs(node: object) -> list[str]:
+    """Every ``expr`` in a Grafana dashboard, in rows and nested panels too."""
+    if isinstance(node, dict):
+        found = [node["expr"]] if isinstance(node.get("expr"), str) else []
+        return found + [e for key, value in node.items() if key != "expr" for e in _exprs(value)]
+    if isinstance(node, list):
+        return [e for item in node for e in _exprs(item)]
+    return []
+
+
+def test_dashboard_and_alerts_use_only_exposed_metrics(pool: Pool) -> None:
     import json
     import re
 
+    import yaml
+
     repo = Path(__file__).resolve().parent.parent
     dashboard = json.loads((repo / "deploy" / "grafana-dashboard.json").read_text())
-    alerts = (repo / "deploy" / "prometheus-alerts.yml").read_text()
-    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
-    assert exprs
-    known = set(METRIC_NAMES) | {f"{m}_{s}" for m in METRIC_NAMES for s in ("bucket", "sum", "count")}
-    for text in [*exprs, alerts]:
+    rules = yaml.safe_load((repo / "deploy" / "prometheus-alerts.yml").read_text())
+    alerts = {rule["alert"]: rule["expr"] for group in rules["groups"] for rule in group["rules"]}
+    exprs = _exprs(dashboard)
+    assert len(exprs) >= 10
+    # What a real scrape exposes (not only what METRIC_NAMES promises).
+    pool.request(LeaseRequest(owner="alice", memory=8 * GIB))
+    exposed = {name for name, _ in scrape(make_registry(pool))}
+    for text in [*exprs, *alerts.values()]:
         for name in re.findall(r"gpupool_[a-z_]+", text):
-            assert name in known, name
-    for alert in ("GpuPoolMemoryAbove90Percent", "GpuPoolRequestQueuedTooLong", "GpuPoolGpuUnhealthy"):
-        assert alert in alerts
+            assert name in exposed, f"{name!r} in {text!r} is not a metric the pool exports"
+    assert set(alerts) >= {
+        "GpuPoolMemoryAbove90Percent",
+        "GpuPoolGpuMemoryUsedAbove90Percent",
+        "GpuPoolRequestQueuedTooLong",
+        "GpuPoolGpuUnhealthy",
+    }
+    assert "gpupool_memory_leased_bytes" in alerts["GpuPoolMemoryAbove90Percent"]
+    assert "gpupool_device_memory_used_bytes" in alerts["GpuPoolGpuMemoryUsedAbove90Percent"]
+
+
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="needs promtool from Debian's prometheus package (.ci/run installs it)"
+)
+
+
+@needs_promtool
+def test_alert_rules_pass_promtool_check() -> None:
+    repo = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        ["promtool", "check", "rules", str(repo / "deploy" / "prometheus-alerts.yml")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_alerts_fire_on_used_and_on_leased_memory_in_promtool_unit_tests() -> None:
+    """tests/prometheus/alerts_test.yml: the used-memory alert fires on a GPU 95% in use with
+    little leased, the leased one on a pool 94% leased with little in use, and not the other way."""
+    folder = Path(__file__).resolve().parent / "prometheus"
+    result = subprocess.run(
+        ["promtool", "test", "rules", "alerts_test.yml"], check=False, capture_output=True, text=True, timeout=60, cwd=folder
+    )
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
