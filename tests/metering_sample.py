@@ -39,11 +39,11 @@ HISTORY: list[tuple[str, tuple[str, ...], float, int, str | None, str, str, floa
     # cs101's lab: 4 GiB slices of the T4s, Tuesday and Thursday mornings
     *[(f"student{i}", ("cs101",), 4, 1, "T4", f"2026-11-{day} 09:00", f"2026-11-{day} 11:00", 1.0) for day in (17, 19, 24, 26) for i in range(3)],
     # nlp: 40 GiB of an A100 through a working day, and a weekend run over the week's end
-    ("ana", ("nlp",), 40, 1, "A100", "2026-11-16 09:00", "2026-11-16 17:00", 6.0),
-    ("ana", ("nlp",), 40, 1, "A100", "2026-11-22 20:00", "2026-11-23 04:00", 8.0),
-    ("raj", ("nlp",), 20, 1, "A100", "2026-11-25 10:00", "2026-11-25 14:00", 2.0),
+    ("ana", ("nlp",), 40, 1, "A100-80GB", "2026-11-16 09:00", "2026-11-16 17:00", 6.0),
+    ("ana", ("nlp",), 40, 1, "A100-80GB", "2026-11-22 20:00", "2026-11-23 04:00", 8.0),
+    ("raj", ("nlp",), 20, 1, "A100-80GB", "2026-11-25 10:00", "2026-11-25 14:00", 2.0),
     # staff: two whole A100s for a fine-tuning run
-    ("prof", ("staff",), 80, 2, "A100", "2026-11-18 08:00", "2026-11-18 12:00", 4.0),
+    ("prof", ("staff",), 80, 2, "A100-80GB", "2026-11-18 08:00", "2026-11-18 12:00", 4.0),
 ]
 
 
