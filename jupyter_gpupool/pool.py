@@ -222,9 +222,14 @@ class Pool:
         now = self._now(now)
         with self.store.transaction():
             state = self._load(now)
-            self.engine.get(state, lease_id)
+            lease = self.engine.get(state, lease_id)
+            held_before = lease.memory if lease.state is LeaseState.GRANTED else None
             if memory is not None:
                 self.engine.resize(state, lease_id, memory, now)
+            if held_before is not None and lease.memory != held_before:
+                # Metering bills each size for its own time (see core.metering.memory_segments).
+                lease.memory_history = (*lease.memory_history, (now, held_before))
+                state.touch(lease)
             if duration is not None:
                 self.engine.keep(state, lease_id, duration, now)
             decisions = self.engine.schedule(state, now)
@@ -494,6 +499,7 @@ class Pool:
                     end=now,
                     active_seconds=lease.active_seconds,
                     devices=tuple(inventory.get(u) for u in lease.devices),
+                    memory_history=tuple((at, memory * lease.num_gpus) for at, memory in lease.memory_history),
                 )
             )
         return report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
@@ -511,6 +517,7 @@ class Pool:
             end=float(row["end"]),
             active_seconds=float(row["active_seconds"]),
             devices=tuple(recorded.get(u) or inventory.get(u) for u in row["devices"]),
+            memory_history=tuple(row.get("memory_history") or ()),
         )
 
     def _inventory(self) -> dict[str, DeviceInfo]:

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .core.metering import memory_segments
 from .core.models import Decision, Lease, LeaseState, PriorityClass
 from .errors import PoolUnavailable
 
@@ -70,10 +71,12 @@ MIGRATIONS: list[str] = [
         data TEXT NOT NULL
     );
     """,
-    # What each GPU of a closed interval was (model, memory, MIG), for GPU-hours and prices that
-    # stay right after the GPU leaves the inventory. NULL in rows written before: see Pool.report.
+    # Metering: what each GPU of a closed interval was (model, memory, MIG), for GPU-hours and
+    # prices that stay right after the GPU leaves the inventory (NULL in older rows: see
+    # Pool.report), and the memory held before each resize ([[when, bytes of all GPUs], ...]).
     """
-    ALTER TABLE ledger ADD COLUMN device_info TEXT
+    ALTER TABLE ledger ADD COLUMN device_info TEXT;
+    ALTER TABLE ledger ADD COLUMN memory_history TEXT
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -97,6 +100,7 @@ def lease_from_json(data: dict[str, Any]) -> Lease:
     data["priority"] = PriorityClass(data["priority"])
     data["groups"] = tuple(data.get("groups", ()))
     data["devices"] = tuple(data.get("devices", ()))
+    data["memory_history"] = tuple((float(at), int(memory)) for at, memory in data.get("memory_history", ()))
     known = Lease.__dataclass_fields__
     return Lease(**{k: v for k, v in data.items() if k in known})
 
@@ -212,9 +216,10 @@ class Store:
         if lease.granted_at is None or lease.released_at is None:
             return
         start, end = lease.granted_at, lease.released_at
+        history = [(at, memory * lease.num_gpus) for at, memory in lease.memory_history]
         self.conn.execute(
-            "INSERT INTO ledger(lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO ledger(lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, "
+            "memory_history) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (
                 lease.id,
                 lease.owner,
@@ -226,9 +231,11 @@ class Store:
                 end,
                 lease.active_seconds,
                 json.dumps(device_info) if device_info is not None else None,
+                json.dumps(history) if history else None,
             ),
         )
-        gib_hours = lease.memory * lease.num_gpus / 1024**3 * (end - start) / 3600
+        segments = memory_segments(start, end, lease.memory * lease.num_gpus, history)
+        gib_hours = sum(memory / 1024**3 * (b - a) / 3600 for a, b, memory in segments)
         row = self.conn.execute("SELECT gib_hours, updated_at FROM usage WHERE owner = ?", (lease.owner,)).fetchone()
         previous = decay(row[0], end - row[1], half_life) if row else 0.0
         self.conn.execute(
@@ -253,7 +260,10 @@ class Store:
 
     @_locked
     def ledger(self, since: float | None = None, until: float | None = None) -> list[dict[str, Any]]:
-        sql = "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info FROM ledger WHERE 1=1"
+        sql = (
+            "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, memory_history "
+            "FROM ledger WHERE 1=1"
+        )
         args: list[Any] = []
         if since is not None:
             sql += " AND end > ?"
@@ -261,13 +271,16 @@ class Store:
         if until is not None:
             sql += " AND start < ?"
             args.append(until)
-        keys = ("lease_id", "owner", "groups", "kernel_id", "devices", "memory", "start", "end", "active_seconds", "device_info")
+        keys = (
+            "lease_id", "owner", "groups", "kernel_id", "devices", "memory", "start", "end", "active_seconds", "device_info", "memory_history",
+        )
         rows = []
         for row in self.conn.execute(sql, args):
             item = dict(zip(keys, row))
             item["groups"] = json.loads(item["groups"])
             item["devices"] = json.loads(item["devices"])
             item["device_info"] = json.loads(item["device_info"]) if item["device_info"] else None
+            item["memory_history"] = [(float(at), int(memory)) for at, memory in json.loads(item["memory_history"] or "[]")]
             rows.append(item)
         return rows
 

@@ -210,6 +210,31 @@ def test_the_ledger_records_the_gpus_so_a_report_survives_their_leaving(tmp_path
     assert rows["alice"]["cost"] == pytest.approx(1.0) and rows["bob"]["cost"] == pytest.approx(4.0)
 
 
+def test_each_size_of_a_resized_lease_is_billed_for_its_own_time(tmp_path: Path) -> None:
+    """Shrinking to almost nothing just before the release must not make the whole lease cheap."""
+    pool = make_pool(tmp_path, spec="1x80GiB", price_per_gib_hour=0.01)
+    lease = pool.request(req("alice", gib=40), now=T0)
+    pool.resize(lease.id, memory=80 * GIB, now=T0 + HOUR)  # grown after 1 h
+    pool.resize(lease.id, memory=1 * GIB, now=T0 + 3 * HOUR)  # shrunk after 2 more
+    open_row = only(pool.report(now=T0 + 4 * HOUR))  # still held: metered up to now
+    assert open_row["gib_hours_held"] == pytest.approx(40 + 160 + 1)
+    pool.release(lease.id, now=T0 + 4 * HOUR)
+    row = only(pool.report(now=T0 + 5 * HOUR))
+    assert row["gib_hours_held"] == pytest.approx(40 + 160 + 1)
+    assert row["gpu_hours"] == pytest.approx(0.5 + 2 + 1 / 80)
+    assert row["cost"] == pytest.approx(2.01)
+    assert pool.store.usage(T0 + 4 * HOUR, half_life=0)["alice"] == pytest.approx(201)  # fair share agrees
+    assert only(pool.report(since=T0 + 2 * HOUR, now=T0 + 5 * HOUR))["gib_hours_held"] == pytest.approx(80 + 1)
+
+
+def test_memory_segments() -> None:
+    from jupyter_gpupool.core.metering import memory_segments
+
+    assert memory_segments(0, 10, 4) == [(0, 10, 4)]
+    assert memory_segments(0, 10, 4, [(3, 8), (6, 2)]) == [(0, 3, 8), (3, 6, 2), (6, 10, 4)]
+    assert memory_segments(0, 10, 4, [(0, 8)]) == [(0, 10, 4)]  # resized the instant it was granted
+
+
 def test_open_leases_are_metered_up_to_now(tmp_path: Path) -> None:
     pool = make_pool(tmp_path, spec="1x80GiB")
     pool.request(req("alice", gib=40), now=T0)

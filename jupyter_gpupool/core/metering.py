@@ -97,10 +97,8 @@ class Interval:
     end: float
     active_seconds: float = 0.0
     devices: tuple[DeviceInfo | None, ...] = ()
-
-    @property
-    def memory_per_gpu(self) -> float:
-        return self.memory / len(self.devices) if self.devices else float(self.memory)
+    #: (when, bytes of all GPUs held until then) for each resize; ``memory`` is held after the last.
+    memory_history: tuple[tuple[float, int], ...] = ()
 
     def keys(self, by: str) -> list[str]:
         """The report rows this interval counts in (a lease of two groups counts in both)."""
@@ -109,6 +107,21 @@ class Interval:
         if by == "group":
             return list(self.groups) or [NO_GROUP]
         return [self.kernel_id or f"(lease {self.lease_id})"]
+
+
+def memory_segments(start: float, end: float, memory: int, history: Iterable[tuple[float, int]] = ()) -> list[tuple[float, float, int]]:
+    """``(from, to, bytes)`` pieces of a lease held from ``start`` to ``end``: ``history`` lists
+    (when, bytes held until then) for each resize; ``memory`` is held after the last one."""
+    pieces: list[tuple[float, float, int]] = []
+    since = start
+    for at, held in sorted(history):
+        at = min(max(at, start), end)
+        if at > since:
+            pieces.append((since, at, held))
+        since = max(since, at)
+    if end > since or not pieces:
+        pieces.append((since, end, memory))
+    return pieces
 
 
 def gpu_share(device: DeviceInfo | None, memory_per_gpu: float) -> float:
@@ -189,6 +202,8 @@ def next_period(start: dt.datetime, period: str) -> dt.datetime:
 def split_by_period(start: float, end: float, period: str) -> Iterator[tuple[str | None, float, float]]:
     """``(label, piece_start, piece_end)`` for each period ``[start, end)`` touches; the label is the
     period's first day (``2026-11-23``), ``None`` for the whole range."""
+    if end <= start:
+        return
     if period == "none":
         yield None, start, end
         return
@@ -235,16 +250,22 @@ def report_rows(
         if end <= start:
             continue
         length = item.end - item.start
-        gib = item.memory / GIB
-        per_gpu = item.memory_per_gpu
-        share_price = [(gpu_share(d, per_gpu), prices.gpu_hour_price(d.model if d else None)) for d in item.devices]
-        for label, a, b in split_by_period(start, end, period):
+        gpu_prices = [prices.gpu_hour_price(d.model if d else None) for d in item.devices]
+        pieces = [
+            (label, a, b, memory)
+            for seg_start, seg_end, memory in memory_segments(item.start, item.end, item.memory, item.memory_history)
+            for label, a, b in split_by_period(max(start, seg_start), min(end, seg_end), period)
+        ]
+        for label, a, b, memory in pieces:
             hours = (b - a) / HOUR
             fraction = (b - a) / length if length > 0 else 0.0
+            gib = memory / GIB
             held = gib * hours
             active = gib * min(item.active_seconds * fraction, b - a) / HOUR
-            gpu_hours = sum(share for share, _ in share_price) * hours
-            cost = sum(share * price for share, price in share_price) * hours + held * prices.per_gib_hour
+            per_gpu = memory / len(item.devices) if item.devices else float(memory)
+            shares = [gpu_share(d, per_gpu) for d in item.devices]
+            gpu_hours = sum(shares) * hours
+            cost = sum(share * price for share, price in zip(shares, gpu_prices)) * hours + held * prices.per_gib_hour
             for key in item.keys(by):
                 slot = (label, key)
                 row = totals.get(slot)

@@ -142,6 +142,9 @@ class Lease:
     peak_memory: int | None = None
     over_limit_since: float | None = None
     flagged: str = ""  # e.g. "GPU lost": the device went unhealthy under the lease
+    # (when, bytes per GPU held until then) for each resize while granted, so metering bills
+    # each size for its own time, not the last size for the whole lease.
+    memory_history: tuple[tuple[float, int], ...] = ()
 
     @property
     def expected_end(self) -> float | None:
@@ -174,6 +177,7 @@ class Lease:
         data["priority"] = self.priority.value
         data["groups"] = list(self.groups)
         data["devices"] = list(self.devices)
+        data["memory_history"] = [list(change) for change in self.memory_history]
         return data
 
 
