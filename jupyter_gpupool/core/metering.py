@@ -14,7 +14,8 @@ Units:
 * **cost**: GPU-hours × the price of each GPU's model + GiB·hours held × the price per GiB·hour.
 
 Periods (``day``, ``week`` from Monday, ``month``) are in local time; an interval that spans two
-periods splits its hours between them.
+periods splits its hours between them. A lease resized while held counts each size for its own
+time (:func:`memory_segments`).
 """
 
 from __future__ import annotations
