@@ -22,7 +22,7 @@ import psutil
 from traitlets.config import Config
 
 from .core.engine import Engine, PoolState, held_by_device
-from .core.metering import DeviceInfo, Interval, report_rows
+from .core.metering import PERIODS, REPORT_KEYS, DeviceInfo, Interval, check_choice, report_rows
 from .core.models import (
     Activity,
     Decision,
@@ -132,8 +132,9 @@ class Pool:
         if state.released:
             known = {d.uuid: d for d in state.devices}
             for lease in state.released:
+                # What each GPU was, for GPU-hours and prices after it leaves (a GPU already gone is left out).
                 info = [DeviceInfo.of(known[u]).to_json() for u in lease.devices if u in known]
-                self.store.record_interval(lease, self.policy.fair_share_half_life, info if len(info) == len(lease.devices) else None)
+                self.store.record_interval(lease, self.policy.fair_share_half_life, info)
         if state.released:
             self._history = None
         if decisions:
@@ -479,6 +480,8 @@ class Pool:
         """GPU-hours, GiB·hours held and active (and cost, with prices in the policy) per user,
         group or kernel, per ``period`` (none, day, week, month), closed and still-open intervals;
         see :mod:`jupyter_gpupool.core.metering`."""
+        check_choice(by, REPORT_KEYS, "by")
+        check_choice(period, PERIODS, "period")
         now = self._now(now)
         until = now if until is None else until
         rows = self.store.ledger(since, until)

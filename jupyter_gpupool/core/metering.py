@@ -240,8 +240,8 @@ def report_rows(
     """One row per key (user, group or kernel) per period, with the parts of intervals inside
     ``[since, until)``: ``leases`` (distinct leases), ``gpu_hours``, ``gib_hours_held``,
     ``gib_hours_active`` and, when prices are set, ``cost`` and ``currency``."""
-    check_choice(by, REPORT_KEYS, "--by")
-    check_choice(period, PERIODS, "--period")
+    check_choice(by, REPORT_KEYS, "by")
+    check_choice(period, PERIODS, "period")
     prices = prices or Prices()
     totals: dict[tuple[str | None, str], dict[str, Any]] = {}
     lease_ids: dict[tuple[str | None, str], set[str]] = {}
