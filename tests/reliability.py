@@ -151,17 +151,18 @@ def kill_storm(workdir: Path, seconds: float = 20.0, workers: int = 3, spec: str
     procs: list[subprocess.Popen[str]] = []
 
     def spawn() -> None:
+        """Start a worker and wait until it has opened the pool (so a kill lands mid-work, not mid-import)."""
         journal = workdir / f"journal-{len(journals)}.txt"
         journals.append(journal)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", STORM_WORKER, db, spec, str(journal), str(rng.randrange(10**9))],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=_child_env(),
-            )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STORM_WORKER, db, spec, str(journal), str(rng.randrange(10**9))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_child_env(),
         )
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", proc.stderr.read() if proc.stderr else ""
 
     for _ in range(workers):
         spawn()

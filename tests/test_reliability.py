@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_sigkill_storm_loses_and_doubles_nothing(tmp_path: Path) -> None:
     figures = reliability.kill_storm(tmp_path, seconds=6, workers=3)
-    assert figures["kills"] >= 5 and figures["requests_committed"] > 50
+    assert figures["kills"] >= 5 and figures["requests_committed"] > 20
     assert figures["leases_lost"] == 0 and figures["live"] == 0
 
 
