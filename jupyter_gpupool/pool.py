@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import os
 import socket
 import time
@@ -166,6 +167,7 @@ class Pool:
 
     def request(self, req: LeaseRequest, now: float | None = None) -> Lease:
         """Queue a request and grant it at once if it fits; raises RequestRefused if it never can."""
+        check_holder_pid(req.holder_pid)
         now = self._now(now)
         with self.store.transaction():
             state = self._load(now)
@@ -188,8 +190,13 @@ class Pool:
         """The newest lease of a kernel, released or not (to say why it was reclaimed)."""
         return self.store.latest_for_kernel(kernel_id)
 
-    def leases(self, owner: str | None = None, include_released: bool = False) -> list[Lease]:
-        return self.store.leases(owner=owner, include_released=include_released)
+    def leases(self, owner: str | None = None, include_released: bool = False, kernel_id: str | None = None) -> list[Lease]:
+        """Every matching lease, newest first (filtered in SQL, never cut short)."""
+        return self.store.leases(owner=owner, include_released=include_released, kernel_id=kernel_id)
+
+    def lease_owners(self, lease_ids: list[str]) -> dict[str, str]:
+        """``{lease id: owner}`` for the ids that exist: authorization by id, not by listing."""
+        return self.store.lease_owners(lease_ids)
 
     def queue(self, now: float | None = None) -> list[Lease]:
         now = self._now(now)
@@ -578,9 +585,40 @@ def new_lease_id() -> str:
     return f"l-{time.time_ns() // 1000:013x}{uuid.uuid4().hex[:6]}"
 
 
-def _pid_alive(pid: int) -> bool:
+@functools.lru_cache(maxsize=1)
+def pid_max() -> int:
+    """The largest process id this OS hands out (Linux: ``/proc/sys/kernel/pid_max``, at most 2²²)."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return PID_MAX_LIMIT
+
+
+#: No Linux process id is larger (PID_MAX_LIMIT on 64-bit); a holder on another host is held to it too.
+PID_MAX_LIMIT = 4_194_304
+
+
+def check_holder_pid(pid: Any) -> None:
+    """Refuse a holder pid no process can have (it would never be reclaimed, or break the check)."""
+    if pid is None:
+        return
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= PID_MAX_LIMIT:
+        raise InvalidInput(f"invalid holder_pid {pid!r}: a process id is a whole number from 1 to {PID_MAX_LIMIT}")
+
+
+def _pid_alive(pid: Any) -> bool:
+    """Whether a process with this id runs (not a zombie). Never raises: an id no process can
+    have (out of range, not a number) is not alive."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= pid_max():
+        return False
     try:
         process = psutil.Process(pid)
         return process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return isinstance(pid, int) and pid > 0 and psutil.pid_exists(pid)
+    except psutil.NoSuchProcess:
+        return False
+    except (psutil.Error, ValueError, OverflowError, OSError):
+        try:
+            return psutil.pid_exists(pid)
+        except (ValueError, OverflowError, OSError):
+            return True  # cannot tell: leave it to the heartbeat timeout

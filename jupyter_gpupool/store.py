@@ -8,12 +8,18 @@ memory twice. The schema is versioned; :data:`MIGRATIONS` brings an old file up 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import sqlite3
+import stat
 import statistics
+import struct
 import threading
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .core.metering import memory_segments
@@ -81,13 +87,29 @@ MIGRATIONS: list[str] = [
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
+#: ``PRAGMA application_id`` of a pool file ("JGPP"): what tells our file from another SQLite file.
+APPLICATION_ID = 0x4A475050
+#: The tables every pool file has (a file with none of them and no application id is not ours).
+POOL_TABLES = frozenset({"leases", "ledger", "usage", "events"})
+
+#: What to tell an admin whose pool file is damaged or not ours.
+RECOVER = (
+    "stop every Jupyter server and broker using it, then restore the file from a backup, or move it away "
+    "to start an empty pool (its leases are lost)"
+)
+
 
 def _locked(method: Any) -> Any:
-    """Run a Store method under the store's lock (reads outside a transaction too)."""
+    """Run a Store method under the store's lock, after checking the file is still ours; SQLite
+    errors become :class:`PoolUnavailable` with a one-line message."""
 
     def wrapper(self: Store, *args: Any, **kwargs: Any) -> Any:
         with self.lock:
-            return method(self, *args, **kwargs)
+            self.check_file()
+            try:
+                return method(self, *args, **kwargs)
+            except sqlite3.Error as err:
+                raise self.unavailable(err) from None
 
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
@@ -105,70 +127,370 @@ def lease_from_json(data: dict[str, Any]) -> Lease:
     return Lease(**{k: v for k, v in data.items() if k in known})
 
 
+class PathGuard:
+    """A shared OFD lock on the pool file's folder, at an offset that stands for the file's name,
+    held while a Store has the file open. Whoever finds the file missing asks the guard before
+    creating a new pool there: a holder means the file was deleted or moved while in use, and a
+    second pool on that path would grant the same memory again. (Folders survive a deleted file;
+    OFD locks vanish with the process, so a SIGKILLed holder never blocks anyone.) Where the file
+    system has no OFD locks the guard does nothing."""
+
+    def __init__(self, path: str) -> None:
+        self.directory = os.path.dirname(path)
+        name = os.path.basename(path).encode()
+        self.offset = int.from_bytes(hashlib.blake2b(name, digest_size=7).digest(), "big")
+        self.fd: int | None = None
+
+    def _lock(self, fd: int, cmd: int, kind: int) -> bytes:
+        return fcntl.fcntl(fd, cmd, struct.pack("hhqqi", kind, os.SEEK_SET, self.offset, 1, 0))
+
+    def hold(self) -> None:
+        if not hasattr(fcntl, "F_OFD_SETLK"):
+            return
+        try:
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
+        except OSError:  # no OFD locks here (some network file systems)
+            os.close(fd)
+            return
+        self.fd = fd
+
+    def held_by_others(self) -> bool:
+        """True if another open Store (in any process, this one included) holds this path."""
+        if not hasattr(fcntl, "F_OFD_GETLK"):
+            return False
+        try:
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return False
+        try:
+            reply = self._lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return struct.unpack("hhqqi", reply)[0] != fcntl.F_UNLCK
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class Store:
-    """One SQLite file. Not thread-safe: use one Store per thread (connections are cheap)."""
+    """One SQLite file. Not thread-safe: use one Store per thread (connections are cheap).
+
+    The file must be ours: a path with no file gets a new pool (created whole under a temporary
+    name, then linked into place, so nobody ever sees it half made); an existing file must carry
+    :data:`APPLICATION_ID` (files of earlier versions, with our tables and no id, get it) and
+    pass SQLite's ``quick_check``. An empty, truncated, corrupt or foreign file is refused with
+    :class:`PoolUnavailable`, never started afresh. Before every use the path is checked to still
+    name the file that was opened: a file deleted, moved or replaced while in use stops this
+    store for good (a deleted file's last state is saved next to it first).
+    """
+
+    conn: sqlite3.Connection
 
     def __init__(self, path: str, timeout: float = 30.0) -> None:
         self.path = path
-        if path != ":memory:":
-            directory = os.path.dirname(os.path.abspath(path))
-            try:
-                os.makedirs(directory, exist_ok=True)
-            except OSError as err:
-                raise PoolUnavailable(f"cannot create the pool's folder {directory}: {err.strerror}") from None
+        self.timeout = timeout
         self._cache_version: int | None = None
         self._cache: dict[str, Lease] | None = None
+        #: Lease writes of the open transaction, put in the cache only once COMMIT succeeded.
+        self._pending: dict[str, Lease | None] | None = None
+        self._identity: tuple[int, int] | None = None
+        self._failure: PoolUnavailable | None = None
+        self._guard: PathGuard | None = None
         # One connection per Store; the lock serialises threads (the server's executor, to_thread).
         self.lock = threading.RLock()
+        if path == ":memory:":
+            self.conn = self._connect(path)
+            self._adopt(created=True)
+            return
+        self.path = path = os.path.abspath(path)
+        directory = os.path.dirname(path)
         try:
-            self.conn = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=NORMAL")
-            self.conn.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
-            self._migrate()
-        except sqlite3.Error as err:
-            raise PoolUnavailable(f"cannot open the pool database {path}: {err}; set GPUPOOL_DB to a writable path") from None
+            os.makedirs(directory, exist_ok=True)
+        except OSError as err:
+            raise PoolUnavailable(f"cannot create the pool's folder {directory}: {err.strerror}") from None
+        self._guard = PathGuard(path)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
 
-    def _migrate(self) -> None:
-        with self.transaction():
-            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
+    # --- opening ----------------------------------------------------------------------------------
+    def _connect(self, path: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout={int(self.timeout * 1000)}")
+        return conn
+
+    def _open(self) -> None:
+        assert self._guard is not None
+        path = self.path
+        if not os.path.lexists(path):
+            self._create(path)
+        try:
+            before = os.stat(path)
+        except OSError as err:
+            raise PoolUnavailable(f"cannot open the pool database {path}: {err.strerror}") from None
+        if not stat.S_ISREG(before.st_mode):
+            raise PoolUnavailable(f"the pool database {path} is not a regular file; set GPUPOOL_DB to a file path")
+        if before.st_size == 0:
+            raise PoolUnavailable(f"the pool database {path} is empty (0 bytes): it was truncated; {RECOVER}")
+        self._guard.hold()
+        try:
+            self.conn = self._connect(path)
+            self._adopt(created=False)
+        except sqlite3.Error as err:
+            raise PoolUnavailable(f"cannot open the pool database {path}: {err}; {self._hint(err)}") from None
+        after = os.stat(path)
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+            raise PoolUnavailable(f"the pool database {path} was replaced while it was being opened; try again")
+        self._identity = (after.st_dev, after.st_ino)
+
+    def _create(self, path: str) -> None:
+        """A new pool at a path with no file, unless the path's file was deleted while in use."""
+        assert self._guard is not None
+        if self._guard.held_by_others():
+            raise PoolUnavailable(
+                f"the pool database {path} is missing but still open in another process: it was deleted or moved "
+                f"while in use. Stop every Jupyter server and broker using it (a copy of its last state is saved as "
+                f"{path}.rescued-*), then put the file back or start afresh"
+            )
+        for sidecar in (path + "-wal", path + "-journal"):
+            with contextlib.suppress(OSError):
+                if os.path.getsize(sidecar) > 0:
+                    raise PoolUnavailable(
+                        f"the pool database {path} is missing but its journal {sidecar} is not: the file was deleted "
+                        f"or moved. Put it back, or move {sidecar} away to start an empty pool"
+                    )
+        temporary = f"{path}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            try:
+                conn = sqlite3.connect(temporary, isolation_level=None)
+                try:
+                    conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    self._migrate(conn, 0)
+                finally:
+                    conn.close()
+            except sqlite3.Error as err:
+                raise PoolUnavailable(f"cannot create the pool database {path}: {err}; {self._hint(err)}") from None
+            try:
+                os.link(temporary, path)  # atomic, and never over a file another process just made
+            except FileExistsError:
+                pass  # another process made it first: open theirs
+            except OSError as err:
+                if not os.path.lexists(path):
+                    try:
+                        os.rename(temporary, path)  # a file system without hard links
+                    except OSError:
+                        raise PoolUnavailable(
+                            f"cannot create the pool database {path}: {err.strerror}; set GPUPOOL_DB to a writable path"
+                        ) from None
+        except OSError as err:
+            raise PoolUnavailable(
+                f"cannot create the pool database {path}: {err.strerror}; set GPUPOOL_DB to a writable path"
+            ) from None
+        finally:
+            for leftover in (temporary, temporary + "-wal", temporary + "-shm"):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+
+    def _adopt(self, created: bool) -> None:
+        """Check the open file is a pool of ours (and intact), and bring its schema up to date.
+        A file that is not ours is refused before anything is written to it."""
+        conn = self.conn
+        assert conn is not None
+        path = self.path
+        try:
+            application_id, version, tables = self._identify(conn)
+        except sqlite3.DatabaseError as err:
+            raise PoolUnavailable(
+                f"the pool database {path} is not an SQLite database ({err}): it is corrupt or another file; {RECOVER}"
+            ) from None
+        if application_id != APPLICATION_ID and not created:
+            legacy = application_id == 0 and 1 <= version <= SCHEMA_VERSION and POOL_TABLES <= tables
+            if not legacy and not tables and application_id == 0 and version == 0:
                 raise PoolUnavailable(
-                    f"the pool database {self.path} has schema {version}, newer than this jupyter-gpupool knows "
-                    f"({SCHEMA_VERSION}); upgrade jupyter-gpupool"
+                    f"the pool database {path} is an empty SQLite file, not a GPU pool; move it away "
+                    "(a new pool is made at a path with no file) or set GPUPOOL_DB to another path"
                 )
-            for step in range(version, SCHEMA_VERSION):
-                for statement in MIGRATIONS[step].split(";"):
-                    if statement.strip():
-                        self.conn.execute(statement)
-            if version != SCHEMA_VERSION:
-                self.conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if not legacy:
+                shown = ", ".join(sorted(tables)[:5]) or "none"
+                raise PoolUnavailable(
+                    f"{path} is another application's SQLite database (tables: {shown}), not a GPU pool; "
+                    "set GPUPOOL_DB to another path (this file is left untouched)"
+                )
+        if version > SCHEMA_VERSION:
+            raise PoolUnavailable(
+                f"the pool database {path} has schema {version}, newer than this jupyter-gpupool knows "
+                f"({SCHEMA_VERSION}); upgrade jupyter-gpupool"
+            )
+        if version > 0 and not POOL_TABLES <= tables:
+            missing = ", ".join(sorted(POOL_TABLES - tables))
+            raise PoolUnavailable(f"the pool database {path} lacks its tables ({missing}); {RECOVER}")
+        if not created:
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:
+                raise PoolUnavailable(f"the pool database {path} is corrupt ({'; '.join(problems)[:200]}); {RECOVER}")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process may have migrated it
+            if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+                conn.execute(f"PRAGMA application_id={APPLICATION_ID}")  # new, or a pool file of an earlier version
+            self._migrate(conn, version)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    @staticmethod
+    def _identify(conn: sqlite3.Connection) -> tuple[int, int, set[str]]:
+        """The file's application id, schema version and table names (read only)."""
+        application_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        return application_id, version, tables - {"sqlite_sequence"}
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection, version: int) -> None:
+        for step in range(version, SCHEMA_VERSION):
+            for statement in MIGRATIONS[step].split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+        if version != SCHEMA_VERSION:
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    # --- staying safe -----------------------------------------------------------------------------
+    def check_file(self) -> None:
+        """Raise :class:`PoolUnavailable` if the path no longer names the file this store opened
+        (deleted, moved, replaced, truncated to nothing): from then on this store only refuses."""
+        if self._failure is not None:
+            raise self._failure
+        if self._identity is None:
+            return
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            rescued = self._rescue()
+            saved = f"its last state was saved as {rescued}; " if rescued else ""
+            self._fail(
+                f"the pool database {self.path} was deleted or moved while in use, so this process stopped granting "
+                f"GPU memory; {saved}stop every Jupyter server and broker using it, put the file back and start them again"
+            )
+        except OSError as err:
+            raise PoolUnavailable(f"cannot check the pool database {self.path}: {err.strerror}") from None
+        else:
+            if (now.st_dev, now.st_ino) != self._identity:
+                # The WAL is found by path: left as it is, the next process to open the new file
+                # would replay this file's pages into it. Move them into our (old) file first.
+                if not self.conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._fail(
+                    f"the pool database {self.path} was replaced by another file while in use, so this process stopped "
+                    "granting GPU memory; stop every Jupyter server and broker using it and start them again"
+                )
+            if now.st_size == 0:
+                self._fail(f"the pool database {self.path} was truncated to 0 bytes while in use; {RECOVER}")
+
+    def _fail(self, message: str) -> None:
+        self._failure = PoolUnavailable(message)
+        self._cache = None
+        raise self._failure
+
+    def _rescue(self) -> str | None:
+        """Save what this connection still sees of a deleted file next to its old path."""
+        target = f"{self.path}.rescued-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.close(fd)
+            copy = sqlite3.connect(target)
+            try:
+                self.conn.backup(copy)
+            finally:
+                copy.close()
+        except (OSError, sqlite3.Error):
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+            return None
+        return target
+
+    @staticmethod
+    def _hint(err: BaseException) -> str:
+        text = str(err).lower()
+        if "full" in text:
+            return "free some disk space"
+        if "malformed" in text or "not a database" in text or "corrupt" in text:
+            return RECOVER
+        if "readonly" in text or "read-only" in text or "unable to open" in text or "permission" in text:
+            return "make the file and its folder writable by this user, or set GPUPOOL_DB to a writable path"
+        if "locked" in text or "busy" in text:
+            return "another process holds the pool's lock; try again"
+        return "see the server's log"
+
+    def unavailable(self, err: sqlite3.Error) -> PoolUnavailable:
+        """A one-line :class:`PoolUnavailable` for an SQLite error; corruption stops this store."""
+        failure = PoolUnavailable(f"the pool database {self.path} failed: {err}; {self._hint(err)}")
+        text = str(err).lower()
+        if "malformed" in text or "not a database" in text:
+            self._failure = failure
+        return failure
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE``: the writer lock is taken up front, so decisions never interleave."""
+        """``BEGIN IMMEDIATE``: the writer lock is taken up front, so decisions never interleave.
+        The lease cache learns this transaction's writes only once its ``COMMIT`` succeeded."""
         with self.lock:
-            self.conn.execute("BEGIN IMMEDIATE")
+            self.check_file()
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as err:
+                raise self.unavailable(err) from None
+            self._pending = {}
             try:
                 yield self.conn
-            except BaseException:
-                self._cache = None  # it may hold writes that are being rolled back
-                self.conn.execute("ROLLBACK")
-                raise
-            else:
                 self.conn.execute("COMMIT")
+            except BaseException as exc:
+                self._cache = None  # it may have read writes that are now rolled back
+                self._pending = None
+                if self.conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self.conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise self.unavailable(exc) from None
+                raise
+            pending, self._pending = self._pending, None
+            if self._cache is not None:
+                for lease_id, lease in pending.items():
+                    if lease is None:
+                        self._cache.pop(lease_id, None)
+                    else:
+                        self._cache[lease_id] = lease
+                # Our own commits do not change data_version for this connection: the cache stays valid.
 
     # --- leases -----------------------------------------------------------------------------------
     def live_leases(self) -> dict[str, Lease]:
         """Every lease not yet released (inside a transaction). Re-read only when another
-        connection committed since (``PRAGMA data_version``) or we wrote ourselves."""
+        connection committed since (``PRAGMA data_version``); the cache only ever holds
+        committed state (see :meth:`transaction`)."""
         version = self.conn.execute("PRAGMA data_version").fetchone()[0]
-        if self._cache is not None and version == self._cache_version:
+        if self._cache is not None and version == self._cache_version and not self._pending:
             return {k: v.copy() for k, v in self._cache.items()}
         rows = self.conn.execute("SELECT data FROM leases WHERE state != 'released'").fetchall()
         leases = {lease.id: lease for lease in (lease_from_json(json.loads(row[0])) for row in rows)}
-        self._cache, self._cache_version = leases, version
-        return {k: v.copy() for k, v in leases.items()}
+        if not self._pending:  # nothing of ours uncommitted in what was just read
+            self._cache, self._cache_version = {k: v.copy() for k, v in leases.items()}, version
+        return leases
 
     def save_leases(self, leases: list[Lease]) -> None:
         self.conn.executemany(
@@ -176,13 +498,11 @@ class Store:
             "ON CONFLICT(id) DO UPDATE SET state=excluded.state, kernel_id=excluded.kernel_id, data=excluded.data",
             [(l.id, l.state.value, l.owner, l.kernel_id, l.created_at, json.dumps(l.to_json())) for l in leases],
         )
-        if self._cache is not None:
-            for lease in leases:
-                if lease.state is LeaseState.RELEASED:
-                    self._cache.pop(lease.id, None)
-                else:
-                    self._cache[lease.id] = lease.copy()
-            # Our own writes do not change data_version for this connection, so the cache stays valid.
+        if self._pending is None:  # outside a transaction (autocommit): simply forget the cache
+            self._cache = None
+            return
+        for lease in leases:
+            self._pending[lease.id] = None if lease.state is LeaseState.RELEASED else lease.copy()
 
     @_locked
     def lease(self, lease_id: str) -> Lease | None:
@@ -190,16 +510,45 @@ class Store:
         return lease_from_json(json.loads(row[0])) if row else None
 
     @_locked
-    def leases(self, owner: str | None = None, include_released: bool = False, limit: int = 1000) -> list[Lease]:
+    def lease_owners(self, lease_ids: Iterable[str]) -> dict[str, str]:
+        """``{lease id: owner}`` for those of ``lease_ids`` that exist (released or not): what an
+        authorization check needs, looked up by id, never from a listing."""
+        ids = list(dict.fromkeys(str(i) for i in lease_ids))
+        owners: dict[str, str] = {}
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            owners.update(self.conn.execute(f"SELECT id, owner FROM leases WHERE id IN ({marks})", chunk).fetchall())
+        return owners
+
+    @_locked
+    def leases(
+        self,
+        owner: str | None = None,
+        include_released: bool = False,
+        kernel_id: str | None = None,
+        limit: int | None = None,
+        before: tuple[float, str] | None = None,
+    ) -> list[Lease]:
+        """Leases, newest first, filtered in SQL. Every match unless ``limit`` is given; to page,
+        pass the last row's ``(created_at, id)`` as ``before`` for the next page."""
         sql = "SELECT data FROM leases WHERE 1=1"
         args: list[Any] = []
         if owner is not None:
             sql += " AND owner = ?"
             args.append(owner)
+        if kernel_id is not None:
+            sql += " AND kernel_id = ?"
+            args.append(kernel_id)
         if not include_released:
             sql += " AND state != 'released'"
-        sql += " ORDER BY created_at DESC LIMIT ?"
-        args.append(limit)
+        if before is not None:
+            sql += " AND (created_at < ? OR (created_at = ? AND id < ?))"
+            args += [before[0], before[0], before[1]]
+        sql += " ORDER BY created_at DESC, id DESC"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(max(0, int(limit)))
         return [lease_from_json(json.loads(row[0])) for row in self.conn.execute(sql, args)]
 
     @_locked
@@ -338,7 +687,11 @@ class Store:
         return removed
 
     def close(self) -> None:
-        self.conn.close()
+        conn = getattr(self, "conn", None)
+        if conn is not None:
+            conn.close()
+        if self._guard is not None:
+            self._guard.release()
 
 
 def decay(value: float, elapsed: float, half_life: float) -> float:

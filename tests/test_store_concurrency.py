@@ -126,8 +126,11 @@ def test_newer_schema_is_refused_with_a_clear_message(tmp_path):
 
     from jupyter_gpupool.errors import PoolUnavailable
 
+    from jupyter_gpupool.store import APPLICATION_ID
+
     db = tmp_path / "future.sqlite"
     conn = sqlite3.connect(db)
+    conn.execute(f"PRAGMA application_id={APPLICATION_ID}")  # a pool file of a future version
     conn.execute("PRAGMA user_version=99")
     conn.close()
     with pytest.raises(PoolUnavailable, match="upgrade jupyter-gpupool"):
