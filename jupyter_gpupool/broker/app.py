@@ -166,13 +166,14 @@ class Broker(LoggingConfigurable):
             raise Forbidden("this token may not read /metrics: it needs read:metrics or custom:gpupool:admin")
 
     def check_owned(self, identity: Identity, lease_ids: Iterable[str]) -> None:
-        """403 if any of these live leases belongs to someone else (admins may touch all)."""
+        """403 if any of these leases belongs to someone else (admins may touch all)."""
         if identity.admin:
             return
-        live = {lease.id: lease for lease in self.pool.leases()}
-        for lease_id in lease_ids:
-            lease = live.get(lease_id)
-            if lease is not None and lease.owner != identity.name:
+        ids = list(lease_ids)
+        owners = self.pool.lease_owners(ids)  # looked up by id: never a listing that could be cut short
+        for lease_id in ids:
+            owner = owners.get(lease_id)
+            if owner is not None and owner != identity.name:
                 raise NotAuthorized(f"lease {lease_id} belongs to another user")
 
     # --- views ----------------------------------------------------------------------------------------

@@ -179,13 +179,8 @@ class LeasesHandler(BrokerHandler):
 
         def leases() -> list[dict[str, Any]]:
             who = None if everyone and owner is None else (owner or ident.name)
-            if kernel_id is not None:
-                pool = self.broker.pool
-                found = [
-                    lease for lease in pool.leases(owner=who, include_released=released) if lease.kernel_id == kernel_id
-                ]
-                return [lease.to_json() for lease in found]
-            return [lease.to_json() for lease in self.broker.pool.leases(owner=who, include_released=released)]
+            found = self.broker.pool.leases(owner=who, include_released=released, kernel_id=kernel_id)
+            return [lease.to_json() for lease in found]
 
         self.write_json(await self.run(leases))
 
