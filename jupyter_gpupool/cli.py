@@ -11,6 +11,8 @@ import datetime as dt
 import getpass
 import io
 import json
+import os
+import sqlite3
 import sys
 from typing import Any
 
@@ -18,9 +20,9 @@ from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from traitlets import Bool, Unicode, default
 
 from ._version import __version__
-from .core.models import Lease, LeaseState
+from .core.models import Lease, LeaseState, PriorityClass
 from .core.policy import PoolPolicy
-from .errors import GpuPoolError, InvalidInput
+from .errors import GpuPoolError, InvalidInput, NotAuthorized, PoolUnavailable
 from .units import format_duration, format_size, parse_duration
 
 EXIT_USAGE = 2
@@ -55,8 +57,6 @@ class GpuPoolBaseApp(JupyterApp):
         return "jupyter_gpupool_config"
 
     def make_pool(self) -> Any:
-        import os
-
         from .remote import pool_from_env
 
         env = dict(os.environ)
@@ -76,6 +76,9 @@ class GpuPoolBaseApp(JupyterApp):
         except GpuPoolError as err:
             print(f"jupyter gpupool {self.name.split('-')[-1]}: error: {err}", file=sys.stderr)
             self.exit(err.exit_code)
+        except sqlite3.Error as err:  # the store turns these into PoolUnavailable; this is the last guard
+            print(f"jupyter gpupool {self.name.split('-')[-1]}: error: the pool database failed: {err}", file=sys.stderr)
+            self.exit(PoolUnavailable.exit_code)
         except TimeoutError as err:
             print(f"jupyter gpupool: {err}", file=sys.stderr)
             self.exit(1)
@@ -234,33 +237,46 @@ class ReleaseApp(GpuPoolBaseApp):
     def run(self) -> None:
         if len(self.extra_args) != 1:
             raise InvalidInput("give exactly one lease id: jupyter gpupool release LEASE_ID (see `jupyter gpupool leases`)")
+        from .pool import local_admin
+
         pool = self.make_pool()
         lease = pool.get(self.extra_args[0])
         user = current_user()
-        if lease.owner != user and user != "root":
-            from .errors import NotAuthorized
-
-            raise NotAuthorized(f"lease {lease.id} belongs to another user; only its owner or an admin may release it")
+        if not getattr(pool, "remote", False) and lease.owner != user and not local_admin(pool.db_path):
+            raise NotAuthorized(f"lease {lease.id} belongs to another user; only its owner or a pool admin may release it")
         released = pool.release(lease.id, reason=f"released by {user} from the command line")
         self.emit(released.to_json(), f"released {released.id} ({format_size(released.memory)})")
 
 
 class PriorityApp(GpuPoolBaseApp):
     name = "jupyter-gpupool-priority"
-    description = "Re-prioritise a lease (admins): jupyter gpupool priority LEASE_ID batch|normal|high"
+    description = (
+        "Re-prioritise a lease: jupyter gpupool priority LEASE_ID batch|normal|high "
+        "(admins; on a local pool anyone may lower their own lease)"
+    )
 
     def run(self) -> None:
         if len(self.extra_args) != 2:
             raise InvalidInput("give a lease id and a class: jupyter gpupool priority LEASE_ID batch|normal|high")
-        pool = self.make_pool()
         lease_id, priority = self.extra_args
-        lease = pool.get(lease_id)
-        user = current_user()
-        if not getattr(pool, "remote", False) and lease.owner != user and user != "root":
-            from .errors import NotAuthorized
+        try:
+            wanted = PriorityClass(priority)
+        except ValueError:
+            raise InvalidInput(f"invalid priority class {priority!r}: use batch, normal or high") from None
+        from .pool import LOCAL_ADMIN_GROUP, local_admin
 
-            raise NotAuthorized("only an admin may re-prioritise another user's lease")
-        changed = pool.set_priority(lease_id, priority)
+        pool = self.make_pool()
+        lease = pool.get(lease_id)
+        # A broker decides for itself (admins only); on a local pool anyone may lower their own lease.
+        if not getattr(pool, "remote", False) and not local_admin(pool.db_path):
+            who = f"root, the owner of {os.path.dirname(os.path.abspath(pool.db_path))} or members of {LOCAL_ADMIN_GROUP}"
+            if lease.owner != current_user():
+                raise NotAuthorized(f"lease {lease.id} belongs to another user; only a pool admin ({who}) may re-prioritise it")
+            if wanted.rank > lease.priority.rank:
+                raise NotAuthorized(
+                    f"only a pool admin ({who}) may raise a lease's priority; you may lower your own (e.g. to batch)"
+                )
+        changed = pool.set_priority(lease_id, wanted.value)
         self.emit(changed.to_json(), f"{changed.id} is now {changed.priority.value}")
 
 

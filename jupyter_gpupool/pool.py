@@ -9,6 +9,7 @@ share one pool without a daemon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 import os
@@ -577,6 +578,31 @@ class Pool:
     def close(self) -> None:
         self.store.close()
         self.backend.close()
+
+
+#: Members of this Unix group are admins of a local pool (as they are of the broker, over its socket).
+LOCAL_ADMIN_GROUP = "gpupool-admin"
+
+
+def local_admin(db_path: str, uid: int | None = None) -> bool:
+    """Whether this process (or ``uid``) administers the local pool at ``db_path``: ``root``, the
+    owner of the pool file's folder, or a member of :data:`LOCAL_ADMIN_GROUP`. Decided by the real
+    uid, never by ``$USER``. (A broker decides for itself who its admins are.)"""
+    import grp
+    import pwd
+
+    uid = os.geteuid() if uid is None else uid
+    if uid == 0:
+        return True
+    with contextlib.suppress(OSError):
+        if os.stat(os.path.dirname(os.path.abspath(db_path))).st_uid == uid:
+            return True
+    try:
+        entry = pwd.getpwuid(uid)
+        group = grp.getgrnam(LOCAL_ADMIN_GROUP)
+    except KeyError:
+        return False
+    return entry.pw_name in group.gr_mem or entry.pw_gid == group.gr_gid
 
 
 def new_lease_id() -> str:

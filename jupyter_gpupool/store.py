@@ -310,7 +310,9 @@ class Store:
         path = self.path
         try:
             application_id, version, tables = self._identify(conn)
-        except sqlite3.DatabaseError as err:
+        except sqlite3.Error as err:
+            if self._hint(err) != RECOVER:  # read-only, locked, ...: nothing wrong with the file itself
+                raise PoolUnavailable(f"cannot open the pool database {path}: {err}; {self._hint(err)}") from None
             raise PoolUnavailable(
                 f"the pool database {path} is not an SQLite database ({err}): it is corrupt or another file; {RECOVER}"
             ) from None

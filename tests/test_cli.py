@@ -94,3 +94,113 @@ def test_python_module_entry_point(tmp_path):
     result = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status", "--json"], capture_output=True, text=True,
                             env={**os.environ, "GPUPOOL_SIMULATE": "2xA100-80GB", "GPUPOOL_DB": str(tmp_path / "p.sqlite")})
     assert result.returncode == 0 and len(json.loads(result.stdout)["devices"]) == 2
+
+
+# --- a damaged pool and local authorization ---------------------------------------------------------------
+def one_line_error(result: subprocess.CompletedProcess, code: int) -> str:
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "random", "foreign"])
+def test_a_damaged_pool_file_is_one_line_and_exit_6(tmp_path, damage):
+    import sqlite3
+
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
+    from jupyter_gpupool.pool import Pool
+
+    db = tmp_path / "pool.sqlite"
+    pool = Pool(SimulatedBackend.from_spec("1x16GiB"), str(db))
+    for _ in range(100):
+        pool.request(LeaseRequest(owner="alice", memory=100 * 2**20, label="x" * 200))
+    pool.close()
+    size = db.stat().st_size
+    if damage == "empty":
+        db.write_bytes(b"")
+    elif damage == "truncated":
+        os.truncate(db, size // 2)
+    elif damage == "random":
+        db.write_bytes(b"SQLite format 3\x00" + os.urandom(size))
+    else:
+        db.unlink()
+        conn = sqlite3.connect(db)
+        conn.executescript("CREATE TABLE moz_places (url TEXT); INSERT INTO moz_places VALUES ('https://jupyter.org');")
+        conn.close()
+    before = db.read_bytes()
+    for command in (["status"], ["leases", "--all"], ["request", "1GiB"]):
+        line = one_line_error(run(command, tmp_path), 6)
+        assert str(db) in line and ("move it away" in line or "another path" in line)
+    assert db.read_bytes() == before  # refused, never made into a fresh pool
+
+
+def test_a_read_only_pool_folder_is_one_line_and_exit_6(tmp_path):
+    """Permission checks apply even to root once CAP_DAC_OVERRIDE is dropped (setpriv)."""
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    assert run(["request", "1GiB"], tmp_path).returncode == 0
+    os.chmod(tmp_path, 0o555)
+    try:
+        for db in ("pool.sqlite", "new.sqlite"):  # an existing pool, and a new one
+            environ = {**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / db)}
+            result = subprocess.run(
+                ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "jupyter", "gpupool", "status"],
+                capture_output=True, text=True, env=environ, timeout=60,
+            )
+            line = one_line_error(result, 6)
+            assert "writable" in line
+    finally:
+        os.chmod(tmp_path, 0o755)
+
+
+def user_namespace_available() -> bool:
+    try:
+        probe = subprocess.run(["unshare", "-U", "--map-user=1000", "--map-group=1000", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not user_namespace_available(), reason="needs root and user namespaces")
+def test_on_a_local_pool_only_an_admin_raises_priority(tmp_path):
+    """A shared pool whose folder belongs to another user: alice (uid 1000, in a user namespace,
+    so really not root) may lower her own lease but never raise it, nor touch bob's; root may."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    env = {"GPUPOOL_DB": str(shared / "pool.sqlite")}
+    mine = json.loads(run(["request", "1GiB", "--json"], tmp_path, USER="alice", **env).stdout)
+    theirs = json.loads(run(["request", "1GiB", "--json"], tmp_path, USER="bob", **env).stdout)
+    os.chown(shared, 65534, 65534)  # the folder's owner is the pool admin; alice is not it
+    for path in shared.iterdir():
+        os.chmod(path, 0o666)
+
+    def as_alice(*args: str, uid: str = "1000") -> subprocess.CompletedProcess:
+        environ = {**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "USER": "alice", "LOGNAME": "alice", **env}
+        command = ["unshare", "-U", f"--map-user={uid}", f"--map-group={uid}", "jupyter", "gpupool", "priority", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=environ, timeout=60)
+
+    line = one_line_error(as_alice(mine["id"], "high"), 5)
+    assert "only a pool admin (root, the owner of" in line and "may raise a lease's priority" in line
+    line = one_line_error(as_alice(theirs["id"], "batch"), 5)
+    assert "belongs to another user" in line
+    assert as_alice(mine["id"], "batch").returncode == 0  # lowering her own is fine
+    one_line_error(as_alice(mine["id"], "normal"), 5)  # and raising it back is not
+    leases = {l["id"]: l["priority"] for l in json.loads(run(["leases", "--all", "--json"], tmp_path, **env).stdout)}
+    assert leases == {mine["id"]: "batch", theirs["id"]: "normal"}
+    # "root" in $USER is no key: the uid decides.
+    result = subprocess.run(
+        ["unshare", "-U", "--map-user=1000", "--map-group=1000", "jupyter", "gpupool", "priority", mine["id"], "high"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "USER": "root", "LOGNAME": "root", **env},
+    )
+    one_line_error(result, 5)
+    # Root, and the owner of the pool's folder, are admins.
+    assert run(["priority", theirs["id"], "high"], tmp_path, USER="carol", **env).returncode == 0
+    os.chown(shared, 0, 0)  # inside the namespace, alice's uid maps to the folder's owner now
+    assert as_alice(mine["id"], "high").returncode == 0
