@@ -256,19 +256,25 @@ class Store:
     def _create(self, path: str) -> None:
         """A new pool at a path with no file, unless the path's file was deleted while in use."""
         assert self._guard is not None
-        if self._guard.held_by_others():
+        held = self._guard.held_by_others()
+        journals = []
+        for sidecar in (path + "-wal", path + "-journal"):
+            with contextlib.suppress(OSError):
+                if os.path.getsize(sidecar) > 0:
+                    journals.append(sidecar)
+        if os.path.lexists(path):
+            return  # another process made it meanwhile (it holds the guard and has a journal): open it
+        if held:
             raise PoolUnavailable(
                 f"the pool database {path} is missing but still open in another process: it was deleted or moved "
                 f"while in use. Stop every Jupyter server and broker using it (a copy of its last state is saved as "
                 f"{path}.rescued-*), then put the file back or start afresh"
             )
-        for sidecar in (path + "-wal", path + "-journal"):
-            with contextlib.suppress(OSError):
-                if os.path.getsize(sidecar) > 0:
-                    raise PoolUnavailable(
-                        f"the pool database {path} is missing but its journal {sidecar} is not: the file was deleted "
-                        f"or moved. Put it back, or move {sidecar} away to start an empty pool"
-                    )
+        if journals:
+            raise PoolUnavailable(
+                f"the pool database {path} is missing but its journal {journals[0]} is not: the file was deleted "
+                f"or moved. Put it back, or move {journals[0]} away to start an empty pool"
+            )
         temporary = f"{path}.new-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             try:

@@ -349,3 +349,42 @@ def test_lookups_are_exact_with_thousands_of_newer_leases(tmp_path):
         before = (page[-1].created_at, page[-1].id)
     assert len(seen) == len(set(seen)) == 1501 and seen[-1] == mine.id
     pool.close()
+
+
+RACER = textwrap.dedent(
+    """
+    import json, sys, time
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.core.policy import PoolPolicy
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
+    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.units import GIB
+
+    start = float(sys.argv[2])
+    time.sleep(max(0.0, start - time.time()))  # all at once, on a path with no file yet
+    pool = Pool(SimulatedBackend.from_spec("1x16GiB"), sys.argv[1], PoolPolicy(heartbeat_ttl=10**9))
+    lease = pool.request(LeaseRequest(owner=sys.argv[3], memory=4 * GIB))
+    print(json.dumps({"state": lease.state.value, "id": lease.id}))
+    """
+)
+
+
+def test_processes_creating_one_pool_at_once_share_it(tmp_path):
+    """Six processes open a path with no file at the same instant: one pool, 4 grants of 4 GiB."""
+    db = str(tmp_path / "new" / "pool.sqlite")
+    start = time.time() + 3.0
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RACER, db, str(start), f"user{i}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(6)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out))
+    assert sorted(r["state"] for r in results) == ["granted"] * 4 + ["queued"] * 2
+    pool = open_pool(db)
+    assert {lease.id for lease in pool.leases()} == {r["id"] for r in results}
+    pool.close()
+    assert granted_bytes(db) == 16 * GIB
+    assert sorted(os.listdir(tmp_path / "new")) == ["pool.sqlite"]
