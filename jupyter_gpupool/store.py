@@ -248,9 +248,12 @@ class Store:
             self._adopt(created=False)
         except sqlite3.Error as err:
             raise PoolUnavailable(f"cannot open the pool database {path}: {err}; {self._hint(err)}") from None
-        after = os.stat(path)
-        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
-            raise PoolUnavailable(f"the pool database {path} was replaced while it was being opened; try again")
+        try:
+            after = os.stat(path)
+        except OSError:
+            after = None
+        if after is None or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+            raise PoolUnavailable(f"the pool database {path} was moved or replaced while it was being opened; try again")
         self._identity = (after.st_dev, after.st_ino)
 
     def _create(self, path: str) -> None:
@@ -267,8 +270,8 @@ class Store:
         if held:
             raise PoolUnavailable(
                 f"the pool database {path} is missing but still open in another process: it was deleted or moved "
-                f"while in use. Stop every Jupyter server and broker using it (a copy of its last state is saved as "
-                f"{path}.rescued-*), then put the file back or start afresh"
+                f"while in use. Stop every Jupyter server and broker using it (each saves what it had as "
+                f"{path}.rescued-* when it next uses the pool), then put the file back or start afresh"
             )
         if journals:
             raise PoolUnavailable(
@@ -282,7 +285,9 @@ class Store:
                 try:
                     conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
                     conn.execute("PRAGMA journal_mode=WAL")
+                    conn.execute("BEGIN IMMEDIATE")
                     self._migrate(conn, 0)
+                    conn.execute("COMMIT")
                 finally:
                     conn.close()
             except sqlite3.Error as err:
@@ -495,10 +500,25 @@ class Store:
         if self._cache is not None and version == self._cache_version and not self._pending:
             return {k: v.copy() for k, v in self._cache.items()}
         rows = self.conn.execute("SELECT data FROM leases WHERE state != 'released'").fetchall()
-        leases = {lease.id: lease for lease in (lease_from_json(json.loads(row[0])) for row in rows)}
+        leases = {lease.id: lease for lease in (self._lease(row[0]) for row in rows)}
         if not self._pending:  # nothing of ours uncommitted in what was just read
             self._cache, self._cache_version = {k: v.copy() for k, v in leases.items()}, version
         return leases
+
+    def _lease(self, data: str) -> Lease:
+        """A stored lease; a row that cannot be read (edited by hand, written by a newer version)
+        is a one-line :class:`PoolUnavailable` naming it, not a traceback in every decision."""
+        try:
+            return lease_from_json(json.loads(data))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            try:
+                name = repr(json.loads(data).get("id"))
+            except (ValueError, AttributeError):
+                name = "a lease"
+            raise PoolUnavailable(
+                f"the pool database {self.path} holds a lease it cannot read ({name}: {type(err).__name__}: {err}"[:300]
+                + "); upgrade jupyter-gpupool if a newer version wrote it, else restore the file from a backup"
+            ) from None
 
     def save_leases(self, leases: list[Lease]) -> None:
         self.conn.executemany(
@@ -515,7 +535,7 @@ class Store:
     @_locked
     def lease(self, lease_id: str) -> Lease | None:
         row = self.conn.execute("SELECT data FROM leases WHERE id = ?", (lease_id,)).fetchone()
-        return lease_from_json(json.loads(row[0])) if row else None
+        return self._lease(row[0]) if row else None
 
     @_locked
     def lease_owners(self, lease_ids: Iterable[str]) -> dict[str, str]:
@@ -557,14 +577,14 @@ class Store:
         if limit is not None:
             sql += " LIMIT ?"
             args.append(max(0, int(limit)))
-        return [lease_from_json(json.loads(row[0])) for row in self.conn.execute(sql, args)]
+        return [self._lease(row[0]) for row in self.conn.execute(sql, args)]
 
     @_locked
     def latest_for_kernel(self, kernel_id: str) -> Lease | None:
         row = self.conn.execute(
             "SELECT data FROM leases WHERE kernel_id = ? ORDER BY created_at DESC LIMIT 1", (kernel_id,)
         ).fetchone()
-        return lease_from_json(json.loads(row[0])) if row else None
+        return self._lease(row[0]) if row else None
 
     # --- metering and fair share ------------------------------------------------------------------
     def record_interval(self, lease: Lease, half_life: float, device_info: list[dict[str, Any]] | None = None) -> None:

@@ -388,3 +388,22 @@ def test_processes_creating_one_pool_at_once_share_it(tmp_path):
     pool.close()
     assert granted_bytes(db) == 16 * GIB
     assert sorted(os.listdir(tmp_path / "new")) == ["pool.sqlite"]
+
+
+def test_an_unreadable_lease_row_is_a_one_line_error_not_a_traceback(tmp_path):
+    """A row written by a newer version (an unknown priority class) or edited by hand."""
+    db = tmp_path / "pool.sqlite"
+    pool_with_leases(db)
+    conn = sqlite3.connect(db)
+    conn.execute(
+        "INSERT INTO leases(id, state, owner, kernel_id, created_at, data) VALUES ('l-odd', 'queued', 'eve', NULL, 1, ?)",
+        (json.dumps({"id": "l-odd", "owner": "eve", "memory": 1, "state": "queued", "created_at": 1, "priority": "urgent"}),),
+    )
+    conn.commit()
+    conn.close()
+    pool = open_pool(db)
+    with pytest.raises(PoolUnavailable, match=r"holds a lease it cannot read \('l-odd': ValueError.*upgrade jupyter-gpupool"):
+        pool.request(req("bob", 1))
+    with pytest.raises(PoolUnavailable, match="cannot read"):
+        pool.leases()
+    pool.close()
