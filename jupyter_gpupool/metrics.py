@@ -69,6 +69,10 @@ def fragmentation(free_per_gpu: Iterable[int], request: int) -> float:
     return stranded / total
 
 
+#: Seconds a grant's ``granted_at`` may precede its commit (a decision waits for the writer lock).
+GRANT_COMMIT_SLACK = 120.0
+
+
 class PoolCollector(Collector):
     """Reads the pool at scrape time. Register it with a registry (not the global one by default)."""
 
@@ -80,13 +84,18 @@ class PoolCollector(Collector):
         self._buckets = [0] * (len(WAIT_BUCKETS) + 1)  # the last one is +Inf
         self._wait_sum = 0.0
         self._wait_count = 0
+        self._granted_watermark = float("-inf")
 
     # --- wait-time histogram ------------------------------------------------------------------------
     def _observe_grants(self) -> None:
-        for lease in self.pool.leases(include_released=True):
+        # Only grants since the last scrape (filtered in SQL): every grant counted once, never a
+        # re-read of the whole history, never a cut-off listing.
+        since = self._granted_watermark - GRANT_COMMIT_SLACK  # a decision may commit a little after its "now"
+        for lease in self.pool.store.leases(include_released=True, granted_since=since):
             if lease.granted_at is None or lease.id in self._seen:
                 continue
             self._seen.add(lease.id)
+            self._granted_watermark = max(self._granted_watermark, lease.granted_at)
             wait = max(0.0, lease.granted_at - lease.created_at)
             self._wait_sum += wait
             self._wait_count += 1

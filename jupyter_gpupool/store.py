@@ -557,9 +557,11 @@ class Store:
         kernel_id: str | None = None,
         limit: int | None = None,
         before: tuple[float, str] | None = None,
+        granted_since: float | None = None,
     ) -> list[Lease]:
-        """Leases, newest first, filtered in SQL. Every match unless ``limit`` is given; to page,
-        pass the last row's ``(created_at, id)`` as ``before`` for the next page."""
+        """Leases, newest first, filtered in SQL (``granted_since``: granted at or after that time).
+        Every match unless ``limit`` is given; to page, pass the last row's ``(created_at, id)`` as
+        ``before`` for the next page."""
         sql = "SELECT data FROM leases WHERE 1=1"
         args: list[Any] = []
         if owner is not None:
@@ -570,6 +572,9 @@ class Store:
             args.append(kernel_id)
         if not include_released:
             sql += " AND state != 'released'"
+        if granted_since is not None:
+            sql += " AND CAST(json_extract(data, '$.granted_at') AS REAL) >= ?"
+            args.append(granted_since)
         if before is not None:
             sql += " AND (created_at < ? OR (created_at = ? AND id < ?))"
             args += [before[0], before[0], before[1]]

@@ -407,3 +407,31 @@ def test_an_unreadable_lease_row_is_a_one_line_error_not_a_traceback(tmp_path):
     with pytest.raises(PoolUnavailable, match="cannot read"):
         pool.leases()
     pool.close()
+
+
+def test_the_wait_histogram_counts_every_grant_however_many(tmp_path):
+    """1,200 grants: the /metrics histogram counts each once (it used to see the newest 1,000)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jupyter_gpupool.core.models import Lease
+    from jupyter_gpupool.metrics import make_registry, render
+
+    pool = make_pool(tmp_path)
+    leases = [
+        Lease(id=f"l-old{i:06d}", owner="u", memory=GIB, state=LeaseState.RELEASED, created_at=1000.0 + i,
+              granted_at=1001.0 + i, released_at=1002.0 + i)
+        for i in range(1200)
+    ]
+    with pool.store.transaction():
+        pool.store.save_leases(leases)
+    registry = make_registry(pool)
+
+    def grants_counted() -> float:
+        families = text_string_to_metric_families(render(registry)[0].decode())
+        histogram = next(f for f in families if f.name == "gpupool_wait_seconds")
+        return next(s.value for s in histogram.samples if s.name == "gpupool_wait_seconds_count")
+
+    assert grants_counted() == 1200
+    pool.request(req("alice", 4))
+    assert grants_counted() == 1201  # the next scrape adds only the new grant
+    pool.close()
