@@ -179,6 +179,10 @@ class PathGuard:
             os.close(self.fd)
             self.fd = None
 
+    def __del__(self) -> None:  # a Store dropped without close() must not leak the folder's descriptor
+        with contextlib.suppress(Exception):
+            self.release()
+
 
 class Store:
     """One SQLite file. Not thread-safe: use one Store per thread (connections are cheap).
