@@ -141,15 +141,16 @@ def test_a_read_only_pool_folder_is_one_line_and_exit_6(tmp_path):
     """Permission checks apply even to root once CAP_DAC_OVERRIDE is dropped (setpriv)."""
     import shutil
 
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
+    if drop and shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv (util-linux) ignores a folder's permissions")
     assert run(["request", "1GiB"], tmp_path).returncode == 0
     os.chmod(tmp_path, 0o555)
     try:
         for db in ("pool.sqlite", "new.sqlite"):  # an existing pool, and a new one
             environ = {**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / db)}
             result = subprocess.run(
-                ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "jupyter", "gpupool", "status"],
+                [*drop, "jupyter", "gpupool", "status"],
                 capture_output=True, text=True, env=environ, timeout=60,
             )
             line = one_line_error(result, 6)
