@@ -201,6 +201,12 @@ def test_on_a_local_pool_only_an_admin_raises_priority(tmp_path):
         env={**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "USER": "root", "LOGNAME": "root", **env},
     )
     one_line_error(result, 5)
+    result = subprocess.run(
+        ["unshare", "-U", "--map-user=1000", "--map-group=1000", "jupyter", "gpupool", "release", theirs["id"]],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "USER": "root", "LOGNAME": "root", **env},
+    )
+    assert "belongs to another user" in one_line_error(result, 5)
     # Root, and the owner of the pool's folder, are admins.
     assert run(["priority", theirs["id"], "high"], tmp_path, USER="carol", **env).returncode == 0
     os.chown(shared, 0, 0)  # inside the namespace, alice's uid maps to the folder's owner now
