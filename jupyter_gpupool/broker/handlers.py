@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tornado import web
 
@@ -20,9 +20,7 @@ from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, R
 from ..httputil import JsonHandlerMixin
 from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
 from .auth import Forbidden, Identity, Unauthenticated
-
-if TYPE_CHECKING:
-    from .app import Broker
+from .interface import BrokerInterface
 
 _ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
 _KERNEL = r"(?P<kernel_id>[\w-]+)"
@@ -52,7 +50,7 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
     identity: Identity
 
     @property
-    def broker(self) -> Broker:
+    def broker(self) -> BrokerInterface:
         return self.settings["gpupool_broker"]
 
     async def prepare(self) -> None:
@@ -188,18 +186,8 @@ class LeasesHandler(BrokerHandler):
         body = self.json_body()
         ident = self.identity
 
-        def request() -> dict[str, Any]:
-            pool = self.broker.pool
-            req = self.broker.lease_request(ident, body)
-            if req.kernel_id:
-                current = pool.lease_for_kernel(req.kernel_id)
-                if current is not None and current.owner != ident.name:
-                    raise RequestRefused(f"kernel {req.kernel_id} already has a lease of another user")
-            lease = pool.request(req)
-            info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
-            return lease_json(lease, info)
-
-        self.write_json(await self.run(request), status=201)
+        data, created = await self.run(self.broker.request_lease, ident, body)
+        self.write_json(data, status=201 if created else 200)
 
 
 class LeaseHandler(BrokerHandler):
