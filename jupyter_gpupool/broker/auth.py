@@ -27,6 +27,8 @@ from tornado import web
 from traitlets import Integer, Set, Unicode
 from traitlets.config import LoggingConfigurable
 
+from ..errors import PoolUnavailable
+
 ADMIN_SCOPE = "custom:gpupool:admin"
 METRICS_SCOPE = "read:metrics"
 _TOKEN_HEADER = re.compile(r"^\s*(?:token|bearer)\s+(\S+)\s*$", re.IGNORECASE)
@@ -140,7 +142,16 @@ class HubIdentity(LoggingConfigurable):
         token = request_token(handler)
         if not token:
             raise Unauthenticated("no token: send 'Authorization: token <your JupyterHub API token>'")
-        model = await self.hub_auth.user_for_token(token, use_cache=self.cache_seconds > 0, sync=False)
+        try:
+            model = await self.hub_auth.user_for_token(token, use_cache=self.cache_seconds > 0, sync=False)
+        except web.HTTPError as err:
+            if err.status_code < 500:
+                raise
+            # The hub is down or restarting: a 503 that clients retry, never a bare 500.
+            raise PoolUnavailable(
+                f"the GPU pool broker cannot check tokens with JupyterHub right now ({err.log_message or err.reason}); "
+                "retry in a moment"
+            ) from None
         if not model:
             raise Unauthenticated("the hub does not know this token (forged, expired or revoked)")
         return model
@@ -155,12 +166,9 @@ class HubIdentity(LoggingConfigurable):
         if not self.hub_auth.check_scopes(required, model):
             raise Forbidden(f"this token may not use the GPU pool: it needs the scope {min(required)}")
         admin = bool(self.hub_auth.check_scopes({self.admin_scope}, model))
-        kind = model.get("kind") or "user"
-        name = str(model.get("name") or "")
-        if kind != "user":
-            name = f"{kind}:{name}"
+        kind = str(model.get("kind") or "user")
         return Identity(
-            name=name,
+            name=owner_name(kind, str(model.get("name") or "")),
             groups=tuple(str(g) for g in model.get("groups") or ()),
             admin=admin,
             kind=kind,
@@ -170,6 +178,19 @@ class HubIdentity(LoggingConfigurable):
     async def may_read_metrics(self, handler: web.RequestHandler) -> bool:
         model = await self.model_for(handler)
         return bool(self.hub_auth.check_scopes(set(self.metrics_scopes), model))
+
+
+def owner_name(kind: str, name: str) -> str:
+    """The pool's name for a hub identity: users and services never share a name.
+
+    A user is their plain name; a service (or any other token kind) is ``KIND:NAME``; a user whose
+    own name contains ``:`` is ``user:NAME``, so a user called ``service:grader`` is
+    ``user:service:grader`` and can never act as the ``grader`` service. Names without ``:`` are
+    users' (Unix user names, and so socket peers, never contain ``:``).
+    """
+    if kind == "user":
+        return f"user:{name}" if ":" in name else name
+    return f"{kind}:{name}"
 
 
 class PeerCredIdentity(LoggingConfigurable):
@@ -225,6 +246,7 @@ __all__ = [
     "Identity",
     "PeerCredIdentity",
     "Unauthenticated",
+    "owner_name",
     "request_token",
     "unix_peer",
 ]
