@@ -18,6 +18,14 @@ instead of running with an unpooled GPU.
 The methods are synchronous (each one HTTP request); :meth:`RemotePool.await_grant` is the async
 twin of :meth:`RemotePool.wait_for_grant`. The caller's identity is decided by the broker from the
 token or the socket peer: ``owner`` fields, ``viewer`` and ``admin`` arguments are not sent.
+
+Outages: a call that finds the broker unreachable (or a proxy answering 502/503/504) is retried a
+few times with exponential backoff when repeating it is harmless; a lease request is harmless to
+repeat when it names its kernel (the broker answers a kernel's live lease instead of queueing a
+second). A wait for a grant rides out a longer outage (a restart of the broker): it keeps retrying
+with backoff, for up to :attr:`RemotePool.outage_limit` seconds, and tells its ``on_update``
+listener "pool unavailable, retrying" meanwhile. :meth:`RemotePool.availability` says whether the
+broker answered the last call, since when not, and when the next try is.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ import asyncio
 import http.client
 import json
 import os
+import random
 import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .core.models import (
@@ -44,7 +54,7 @@ from .core.models import (
     QueueInfo,
 )
 from .errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
-from .units import parse_size
+from .units import format_duration, parse_duration, parse_size
 
 URL_FORMS = "http://HOST:PORT[/PREFIX], https://HOST[:PORT][/PREFIX] or unix:///PATH/TO/SOCKET"
 API = "api/gpupool"
@@ -60,6 +70,78 @@ _BY_STATUS: dict[int, type[GpuPoolError]] = {
     404: LeaseNotFound,
     409: RequestRefused,
 }
+#: Answers of a proxy (JupyterHub's) in front of a broker that is down or restarting.
+_GATEWAY_DOWN = (502, 503, 504)
+
+
+class BrokerUnreachable(PoolUnavailable):
+    """The broker did not answer. ``request_sent``: the request may have reached it (the connection
+    dropped after sending), so repeating a request that is not idempotent could do it twice."""
+
+    def __init__(self, message: str, request_sent: bool) -> None:
+        super().__init__(message)
+        self.request_sent = request_sent
+
+
+@dataclass
+class Outage:
+    """The broker cannot be reached: since when (POSIX seconds), why, and when the next try is."""
+
+    since: float
+    reason: str
+    attempts: int = 1
+    retry_at: float | None = None  # None: nobody is retrying right now
+
+    @property
+    def message(self) -> str:
+        if self.retry_at is None:
+            return f"pool unavailable: {self.reason}"
+        wait = max(0.0, self.retry_at - time.time())
+        return f"pool unavailable, retrying in {wait:.0f} s: {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": "unavailable",
+            "reason": self.reason,
+            "message": self.message,
+            "since": self.since,
+            "attempts": self.attempts,
+            "retrying": self.retry_at is not None,
+            "retry_at": self.retry_at,
+        }
+
+
+class _Backoff:
+    """Exponential backoff with jitter over one outage; gives up after ``limit`` seconds of it."""
+
+    def __init__(self, pool: RemotePool, limit: float | None, deadline: float | None = None) -> None:
+        self.pool = pool
+        self.limit = limit
+        self.deadline = deadline  # time.monotonic() of the caller's own timeout
+        self.started: float | None = None
+        self.attempts = 0
+
+    def delay(self, err: PoolUnavailable) -> float:
+        """Seconds to sleep before the next try; re-raises ``err`` once the outage outlasts ``limit``."""
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+        down_for = now - self.started
+        if self.limit is not None and down_for >= self.limit:
+            self.pool._mark_down(err, None)
+            raise PoolUnavailable(f"{err} (still unreachable after retrying for {format_duration(down_for)})") from None
+        delay = min(self.pool.retry_cap(), self.pool.retry_initial * 2**self.attempts) * random.uniform(0.8, 1.2)
+        if self.limit is not None:
+            delay = min(delay, self.limit - down_for)
+        if self.deadline is not None:
+            delay = min(delay, max(0.0, self.deadline - now))
+        self.attempts += 1
+        self.pool._mark_down(err, max(0.0, delay))
+        return max(0.0, delay)
+
+    def reset(self) -> None:
+        self.started = None
+        self.attempts = 0
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -168,6 +250,16 @@ class RemotePool:
     cache_seconds = 2.0
     #: Longest single long-poll while waiting for a grant (the broker caps it too).
     wait_chunk = 10.0
+    #: Extra tries of a call that is harmless to repeat when the broker is unreachable (the sync
+    #: calls block their caller meanwhile, so this stays short: 0.25 s + 0.5 s).
+    call_retries = 2
+    #: First backoff delay in seconds; it doubles with each try up to :attr:`retry_max`.
+    retry_initial = 0.25
+    #: Longest backoff delay in seconds (see :meth:`retry_cap`).
+    retry_max = 5.0
+    #: Seconds a wait for a grant keeps retrying through an outage of the broker before it gives up
+    #: (``GPUPOOL_RETRY_FOR``, e.g. ``15m``); a broker restarted by JupyterHub or systemd is back long before.
+    outage_limit = 900.0
 
     def __init__(
         self, url: str, token: str | None = None, timeout: float = 30.0, clock: Callable[[], float] = time.time
@@ -182,6 +274,8 @@ class RemotePool:
         self._info: tuple[float, dict[str, Any]] | None = None
         self._devices: tuple[float, list[Device]] | None = None
         self._policy: Any = None
+        #: Set while the broker cannot be reached (the last call failed); None once a call got an answer.
+        self.outage: Outage | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RemotePool:
@@ -191,8 +285,49 @@ class RemotePool:
         if not url:
             raise InvalidInput(f"GPUPOOL_URL is not set; set it to the broker's address ({URL_FORMS})")
         token = env.get("GPUPOOL_TOKEN") or env.get("JUPYTERHUB_API_TOKEN") or None
-        timeout = float(env.get("GPUPOOL_TIMEOUT") or 30.0)
-        return cls(url, token=token, timeout=timeout)
+        try:
+            timeout = float(env.get("GPUPOOL_TIMEOUT") or 30.0)
+        except ValueError:
+            raise InvalidInput(f"GPUPOOL_TIMEOUT={env.get('GPUPOOL_TIMEOUT')!r} is not seconds, e.g. 30") from None
+        pool = cls(url, token=token, timeout=timeout)
+        retry_for = (env.get("GPUPOOL_RETRY_FOR") or "").strip()
+        if retry_for:
+            try:
+                pool.outage_limit = parse_duration(retry_for)
+            except InvalidInput as err:
+                raise InvalidInput(f"GPUPOOL_RETRY_FOR: {err}") from None
+        return pool
+
+    # --- availability -----------------------------------------------------------------------------
+    def availability(self) -> dict[str, Any]:
+        """Whether the broker answered the last call: ``{"state": "available"}``, or while it cannot be
+        reached ``{"state": "unavailable", "reason", "message", "since", "attempts", "retrying", "retry_at"}``
+        (``message`` reads "pool unavailable, retrying in 4 s: ..." while a wait retries)."""
+        outage = self.outage
+        return {"state": "available"} if outage is None else outage.to_json()
+
+    def retry_cap(self) -> float:
+        """Longest backoff delay: :attr:`retry_max`, but short enough that a waiter's first try after
+        the broker is back comes well within its heartbeat TTL (a third of it, if the policy is known)."""
+        info = self._info[1] if self._info is not None else {}
+        try:
+            ttl = float((info.get("policy") or {}).get("heartbeat_ttl") or 0)
+        except (TypeError, ValueError):
+            ttl = 0.0
+        return min(self.retry_max, max(self.retry_initial, ttl / 3)) if ttl > 0 else self.retry_max
+
+    def _mark_down(self, err: BaseException, retry_in: float | None) -> None:
+        previous = self.outage
+        now = time.time()
+        self.outage = Outage(
+            since=previous.since if previous is not None else now,
+            reason=str(err),
+            attempts=(previous.attempts + 1) if previous is not None else 1,
+            retry_at=None if retry_in is None else now + retry_in,
+        )
+
+    def _mark_up(self) -> None:
+        self.outage = None
 
     # --- transport ------------------------------------------------------------------------------
     def call(
@@ -202,8 +337,34 @@ class RemotePool:
         body: Any = None,
         query: Mapping[str, Any] | None = None,
         timeout: float | None = None,
+        idempotent: bool = True,
+        retries: int | None = None,
     ) -> Any:
-        """One request to the broker; the JSON answer, or the domain error it stands for."""
+        """One request to the broker; the JSON answer, or the domain error it stands for.
+
+        While the broker is unreachable the request is tried ``retries`` (default :attr:`call_retries`)
+        more times with backoff: any request whose connection failed (it never reached the broker),
+        and an ``idempotent`` one (harmless to repeat) also when the connection dropped after sending.
+        """
+        backoff = _Backoff(self, limit=None)
+        left = self.call_retries if retries is None else retries
+        while True:
+            try:
+                result = self._call_once(method, route, body, query, timeout)
+            except PoolUnavailable as err:
+                may_repeat = idempotent or not getattr(err, "request_sent", True)
+                if left <= 0 or not may_repeat:
+                    self._mark_down(err, None)
+                    raise
+                left -= 1
+                time.sleep(backoff.delay(err))
+                continue
+            self._mark_up()
+            return result
+
+    def _call_once(
+        self, method: str, route: str, body: Any, query: Mapping[str, Any] | None, timeout: float | None
+    ) -> Any:
         headers = {"Accept": "application/json"}
         data = None
         if body is not None:
@@ -212,14 +373,24 @@ class RemotePool:
         if self.token and not self.endpoint.is_unix:
             headers["Authorization"] = f"token {self.token}"
         conn = self.endpoint.connection(timeout or self.timeout)
+        sent = False
         try:
+            conn.connect()
+            sent = True
             conn.request(method, self.endpoint.path(route, query), body=data, headers=headers)
             response = conn.getresponse()
             raw = response.read()
         except (OSError, http.client.HTTPException) as err:
-            raise PoolUnavailable(
-                f"the GPU pool broker at {self.url} is not reachable ({_reason(err)}); GPUPOOL_URL is set, so the pool "
-                "is used only through it: start the broker (or ask your admin), or unset GPUPOOL_URL for a single-user pool"
+            if not sent:
+                raise BrokerUnreachable(
+                    f"the GPU pool broker at {self.url} is not reachable ({_reason(err)}); GPUPOOL_URL is set, so the "
+                    "pool is used only through it: start the broker (or ask your admin), or unset GPUPOOL_URL for a "
+                    "single-user pool",
+                    request_sent=False,
+                ) from None
+            raise BrokerUnreachable(
+                f"the GPU pool broker at {self.url} did not answer ({_reason(err)}); it may be restarting",
+                request_sent=True,
             ) from None
         finally:
             conn.close()
@@ -228,7 +399,10 @@ class RemotePool:
         except ValueError:
             payload = None
         if response.status >= 400:
-            raise self._error(response.status, payload, raw)
+            error = self._error(response.status, payload, raw)
+            if response.status in _GATEWAY_DOWN and isinstance(error, PoolUnavailable):
+                raise BrokerUnreachable(str(error), request_sent=True)
+            raise error
         return payload
 
     def _error(self, status: int, payload: Any, raw: bytes) -> GpuPoolError:
@@ -309,7 +483,19 @@ class RemotePool:
             "holder_host": req.holder_host,
             "label": req.label,
         }
-        return _lease(self.call("POST", f"{API}/leases", body))
+        # Naming its kernel makes the request idempotent: the broker answers the kernel's live lease
+        # if an earlier try was committed but its answer lost. Without a kernel it is repeated only
+        # when it never reached the broker.
+        try:
+            return _lease(self.call("POST", f"{API}/leases", body, idempotent=bool(req.kernel_id)))
+        except BrokerUnreachable as err:
+            if err.request_sent and not req.kernel_id:
+                raise BrokerUnreachable(
+                    f"{err}; the request may have been queued before the connection dropped: look with "
+                    "`jupyter gpupool leases` before asking again",
+                    request_sent=True,
+                ) from None
+            raise
 
     def get(self, lease_id: str) -> Lease:
         return _lease(self.call("GET", f"{API}/leases/{_q(lease_id)}"))
@@ -381,8 +567,24 @@ class RemotePool:
     # --- waiting ------------------------------------------------------------------------------------
     def _wait_once(self, lease_id: str, position: int | None, seconds: float) -> tuple[Lease, QueueInfo | None]:
         query = {"timeout": f"{seconds:.3f}", "position": position}
-        data = self.call("GET", f"{API}/leases/{_q(lease_id)}/wait", query=query, timeout=seconds + self.timeout)
+        # No retries here: the wait loops below ride out outages with their own, longer backoff.
+        data = self.call(
+            "GET", f"{API}/leases/{_q(lease_id)}/wait", query=query, timeout=seconds + self.timeout, retries=0
+        )
         return _lease(data), _queue(data.get("queue"))
+
+    def _outage_update(
+        self,
+        last: tuple[Lease, QueueInfo | None] | None,
+        on_update: Callable[[Lease, QueueInfo | None], None] | None,
+    ) -> None:
+        """Tell the waiter "pool unavailable, retrying ..." with its last known place in the queue."""
+        if on_update is None or last is None or self.outage is None:
+            return
+        lease, info = last
+        reason = self.outage.message
+        place = info if info is not None else QueueInfo(position=0, length=0, estimated_wait=None, reason="")
+        on_update(lease, QueueInfo(position=place.position, length=place.length, estimated_wait=None, reason=reason))
 
     def _wait_step(self, lease_id: str, position: int | None, deadline: float | None) -> tuple[Lease, QueueInfo | None]:
         chunk = self.wait_chunk if deadline is None else max(0.0, min(self.wait_chunk, deadline - time.monotonic()))
@@ -398,11 +600,29 @@ class RemotePool:
         poll: float = 0.5,
         on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
     ) -> Lease:
-        """Block until granted (long-polling the broker, which heartbeats the request meanwhile)."""
+        """Block until granted (long-polling the broker, which heartbeats the request meanwhile).
+
+        An outage of the broker is ridden out with backoff for up to :attr:`outage_limit` seconds;
+        ``on_update`` then gets the last known lease with "pool unavailable, retrying" as the reason.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         position: int | None = None
+        backoff = _Backoff(self, self.outage_limit, deadline)
+        last: tuple[Lease, QueueInfo | None] | None = None
         while True:
-            lease, info = self._wait_step(lease_id, position, deadline)
+            try:
+                lease, info = self._wait_step(lease_id, position, deadline)
+            except PoolUnavailable as err:
+                delay = backoff.delay(err)
+                self._outage_update(last, on_update)
+                if deadline is not None and time.monotonic() + delay >= deadline:
+                    raise TimeoutError(
+                        f"still queued after {timeout:.0f} s (the pool was unavailable: {err})"
+                    ) from None
+                time.sleep(delay)
+                continue
+            backoff.reset()
+            last = (lease, info)
             if lease.state is LeaseState.GRANTED:
                 return lease
             position = info.position if info else None
@@ -418,11 +638,25 @@ class RemotePool:
         poll: float = 0.5,
         on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
     ) -> Lease:
-        """Async twin of :meth:`wait_for_grant`: each long poll runs in a thread."""
+        """Async twin of :meth:`wait_for_grant`: each long poll runs in a thread, backoff sleeps on the loop."""
         deadline = None if timeout is None else time.monotonic() + timeout
         position: int | None = None
+        backoff = _Backoff(self, self.outage_limit, deadline)
+        last: tuple[Lease, QueueInfo | None] | None = None
         while True:
-            lease, info = await asyncio.to_thread(self._wait_step, lease_id, position, deadline)
+            try:
+                lease, info = await asyncio.to_thread(self._wait_step, lease_id, position, deadline)
+            except PoolUnavailable as err:
+                delay = backoff.delay(err)
+                self._outage_update(last, on_update)
+                if deadline is not None and time.monotonic() + delay >= deadline:
+                    raise TimeoutError(
+                        f"still queued after {timeout:.0f} s (the pool was unavailable: {err})"
+                    ) from None
+                await asyncio.sleep(delay)
+                continue
+            backoff.reset()
+            last = (lease, info)
             if lease.state is LeaseState.GRANTED:
                 return lease
             position = info.position if info else None
@@ -459,7 +693,7 @@ class RemotePool:
 
     def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Any:
         """Admins only (403 otherwise)."""
-        return _reservation(self.call("POST", f"{API}/reservations", spec))
+        return _reservation(self.call("POST", f"{API}/reservations", spec, idempotent=False))
 
     def cancel_reservation(self, name: str) -> None:
         self.call("DELETE", f"{API}/reservations/{_q(name)}")
@@ -562,4 +796,4 @@ def pool_from_env(config: Any = None, environ: Mapping[str, str] | None = None, 
     return Pool.from_env(config=config, environ=dict(env))
 
 
-__all__ = ["URL_FORMS", "RemoteBackend", "RemotePool", "pool_from_env"]
+__all__ = ["URL_FORMS", "BrokerUnreachable", "Outage", "RemoteBackend", "RemotePool", "pool_from_env"]

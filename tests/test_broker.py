@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import ACCESS, BrokerHarness, unix_http
+from broker_harness import ACCESS, BrokerHarness, unix_http, unix_http_json
 
 from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState
 from jupyter_gpupool.errors import LeaseNotFound, NotAuthorized, RequestRefused
@@ -252,6 +252,41 @@ def test_every_route_refuses_missing_forged_expired_and_foreign_tokens(harness: 
     assert owner.get(lease.id).state is LeaseState.GRANTED
 
 
+def test_a_user_named_like_a_service_never_gets_the_services_identity(harness: BrokerHarness) -> None:
+    """Users and hub services are separate namespaces: a hub user called ``service:grader`` is not the
+    ``grader`` service (its leases, quota and views stay the service's)."""
+    harness.tokens["tok-grader-service"] = {"kind": "service", "name": "grader", "scopes": [ACCESS], "groups": []}
+    harness.add_user("tok-impostor", "service:grader")
+    service = harness.remote("tok-grader-service")
+    lease = service.request(LeaseRequest(owner="", memory=4 * GIB, kernel_id="k-graded"))
+    assert lease.owner == "service:grader"
+    status, who = harness.http("GET", "api/gpupool/whoami", "tok-impostor")
+    assert status == 200 and who["kind"] == "user" and who["name"] != lease.owner
+    assert who["name"] == "user:service:grader"
+    before = state(harness)
+    impostor = harness.remote("tok-impostor")
+    assert impostor.leases() == []
+    for attempt in (
+        lambda: impostor.release(lease.id),
+        lambda: impostor.get(lease.id),
+        lambda: impostor.keep(lease.id, 60),
+        lambda: impostor.request(LeaseRequest(owner="", memory=4 * GIB, kernel_id="k-graded")),
+    ):
+        with pytest.raises((NotAuthorized, RequestRefused)):
+            attempt()
+    status, _ = harness.http("GET", "api/gpupool/kernels/k-graded", "tok-impostor")
+    assert status == 403
+    assert state(harness) == before
+    assert service.get(lease.id).state is LeaseState.GRANTED
+
+
+def test_hub_down_is_a_503_clients_retry_not_a_500(harness: BrokerHarness) -> None:
+    harness.broker.hub.hub_auth.api_url = "http://127.0.0.1:9/hub/api/"  # type: ignore[union-attr]  # nobody listens
+    status, body = harness.http("GET", "api/gpupool/whoami", ALICE)
+    assert status == 503, body
+    assert body["error"] == "PoolUnavailable" and "cannot check tokens with JupyterHub" in body["message"]
+
+
 def test_tcp_without_a_hub_refuses_everyone(tmp_path: Path) -> None:
     harness = BrokerHarness(tmp_path).start()
     try:
@@ -429,6 +464,38 @@ def _as_nobody(harness: BrokerHarness, remote_pool: Any) -> None:
     assert lines[1].startswith("403 ")
     assert lines[2].startswith("403 ")
     assert root.get(lease.id).state is LeaseState.GRANTED
+
+
+def test_a_cli_booking_over_the_socket_lasts_its_duration_not_the_heartbeat_ttl(
+    make_harness: Callable[..., BrokerHarness],
+) -> None:
+    """``jupyter gpupool request 1GiB --for 4s`` over the Unix socket: the CLI exits at once; its booking
+    is held for its duration (no holder pid, no heartbeat needed), then released."""
+    harness = make_harness(policy={"heartbeat_ttl": 1.0})
+    env = {**os.environ, "GPUPOOL_URL": harness.socket_url}
+    env.pop("GPUPOOL_DB", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpupool.cli", "request", "1GiB", "--for", "4s", "--json"],
+        capture_output=True, text=True, env=env, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    booked = json.loads(out.stdout)
+    assert booked["state"] == "granted" and booked["holder_pid"] is None and booked["duration"] == 4
+    time.sleep(2.5)  # more than twice the heartbeat TTL
+    lease = harness.on_broker(harness.pool.get, booked["id"])
+    assert lease.state is LeaseState.GRANTED, lease.release_reason
+    released = wait_for(
+        lambda: (l := harness.on_broker(harness.pool.get, booked["id"])).state is LeaseState.RELEASED and l,
+        timeout=10,
+        what="the end of the booking",
+    )
+    assert "its time" in released.release_reason
+    assert released.released_at - released.granted_at >= 4
+
+
+def test_a_socket_request_without_a_duration_is_held_by_the_connecting_process(harness: BrokerHarness) -> None:
+    status, body = unix_http_json(harness.socket_path, "POST", "/api/gpupool/leases", {"memory": "1GiB"})
+    assert status == 201 and body["holder_pid"] == os.getpid()
 
 
 # --- watchdog in the broker ----------------------------------------------------------------------------

@@ -34,12 +34,12 @@ from ..cli import GpuPoolBaseApp
 from ..core.models import Lease, LeaseRequest, LeaseState
 from ..core.policy import PoolPolicy
 from ..enforcement import EnforcementSettings
-from ..errors import InvalidInput, NotAuthorized
+from ..errors import InvalidInput, NotAuthorized, RequestRefused
 from ..units import parse_duration
 from ..views import kernel_status
 from ..watchdog import Watchdog
 from .auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
-from .handlers import NotFoundHandler, parse_priority, routes
+from .handlers import NotFoundHandler, lease_json, parse_priority, routes
 
 #: Policy traits a client may read (``GET /api/gpupool/info``).
 PUBLIC_POLICY = (
@@ -109,7 +109,13 @@ class Broker(LoggingConfigurable):
         return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args))
 
     def start(self) -> None:
-        """Start the scheduler and watchdog loops on the running event loop."""
+        """Start the scheduler and watchdog loops on the running event loop.
+
+        Before the first scheduler run, every live lease gets a fresh heartbeat: its holder could not
+        reach the broker while it was down, and must not lose its slice or queue position for that.
+        The worker thread runs jobs in order, so this grace comes before any tick or request.
+        """
+        self.executor.submit(self.grace_after_restart)
         self._tasks.append(asyncio.ensure_future(self._loop(self.pool.tick, self.tick_interval, "scheduler")))
         if self.run_watchdog and self.watchdog is not None:
             self._tasks.append(
@@ -128,6 +134,22 @@ class Broker(LoggingConfigurable):
                 self.log.exception("gpupool broker: a loop failed while stopping")
         self._tasks.clear()
         self.executor.shutdown(wait=True)
+
+    def grace_after_restart(self) -> int:
+        """Heartbeat every live lease now (see :meth:`start`); returns how many got one.
+
+        Dead holders are still reclaimed at once (their pid is gone); a holder that is alive but
+        was cut off gets a full ``heartbeat_ttl`` to report again.
+        """
+        try:
+            live = [lease.id for lease in self.pool.leases()]
+            if live:
+                self.pool.heartbeat(live)
+                self.log.info("gpupool broker: %d live lease(s) from the pool file get a fresh heartbeat", len(live))
+            return len(live)
+        except Exception:  # the scheduler loop reports a broken store on its own
+            self.log.exception("gpupool broker: could not refresh the heartbeats of the live leases")
+            return 0
 
     async def _loop(self, step: Any, interval: float, what: str) -> None:
         while True:
@@ -210,8 +232,11 @@ class Broker(LoggingConfigurable):
         if compute_share is not None and not 1 <= compute_share <= 100:
             raise InvalidInput(f"compute_share is a percentage from 1 to 100, got {compute_share}")
         duration_raw = body.get("duration")
-        if identity.pid is not None and holder_pid is None:
-            holder_pid = identity.pid  # a socket peer without a holder: the connecting process holds it
+        duration = parse_duration(duration_raw) if duration_raw not in (None, "") else None
+        if identity.pid is not None and holder_pid is None and duration is None:
+            # A socket peer that names no holder and books no time: the connecting process holds it.
+            # A booking with a duration (``jupyter gpupool request 1GiB --for 2h``) outlives the CLI.
+            holder_pid = identity.pid
         return LeaseRequest(
             owner=identity.name,
             memory=memory,
@@ -221,11 +246,32 @@ class Broker(LoggingConfigurable):
             compute_share=compute_share,
             model=str(body["model"]) if body.get("model") else None,
             priority=parse_priority(body.get("priority")),  # None: the configured class
-            duration=parse_duration(duration_raw) if duration_raw not in (None, "") else None,
+            duration=duration,
             holder_pid=holder_pid,
             holder_host=str(body["holder_host"]) if body.get("holder_host") else None,
             label=str(body.get("label") or "")[:200],
         )
+
+    def request_lease(self, identity: Identity, body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Worker thread: ``POST /api/gpupool/leases``. Returns (the lease as JSON with its queue place, created).
+
+        Idempotent per kernel: a request naming a kernel that already has a live lease of the caller
+        answers that lease instead of queueing a second one. So a client that retries after the broker
+        committed its request but died (or the connection dropped) before answering never holds two.
+        """
+        pool = self.pool
+        req = self.lease_request(identity, body)
+        created = True
+        lease = None
+        if req.kernel_id:
+            lease = pool.lease_for_kernel(req.kernel_id)
+            if lease is not None and lease.owner != identity.name:
+                raise RequestRefused(f"kernel {req.kernel_id} already has a lease of another user")
+            created = lease is None
+        if lease is None:
+            lease = pool.request(req)
+        info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
+        return lease_json(lease, info), created
 
     def kernel_status(self, kernel_id: str, lease: Lease) -> dict[str, Any]:
         """The ``GET /api/gpupool/kernels/{kernel_id}`` body, exactly as the single-user server gives it."""
@@ -325,6 +371,50 @@ def find_kernel_roots(
         if found is not None:
             roots.setdefault(found[0], found[1])
     return roots
+
+
+#: Mode of the broker's pool file and its ``-wal``/``-shm`` companions: the owner only, since they hold
+#: every user's leases and kernels (the API anonymises them; the file must not bypass that).
+POOL_FILE_MODE = 0o600
+#: Mode of a pool folder the broker creates.
+POOL_DIR_MODE = 0o700
+#: The broker's umask: whatever it (or SQLite) creates is the owner's alone.
+BROKER_UMASK = 0o077
+
+
+def secure_pool_files(db_path: str, log: Any = None) -> list[str]:
+    """Make the pool file, its ``-wal`` and ``-shm`` owner-only (0600); returns the paths it tightened.
+
+    SQLite gives the WAL and shared-memory files the main file's mode when it creates them, so a
+    tight main file keeps them tight; files left looser by an older version are tightened here,
+    with a warning. A folder readable by others is reported too (it is the admin's to change:
+    ``StateDirectory`` under systemd makes it 0755, and that only shows file names).
+    """
+    tightened = []
+    for path in (db_path, f"{db_path}-wal", f"{db_path}-shm"):
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            continue
+        if mode & 0o077:
+            os.chmod(path, mode & 0o700 | 0o600)
+            tightened.append(path)
+            if log is not None:
+                log.warning("gpupool broker: %s was readable by other users (mode %o); it is now 0600", path, mode)
+    folder = os.path.dirname(os.path.abspath(db_path))
+    try:
+        folder_mode = stat.S_IMODE(os.stat(folder).st_mode)
+    except OSError:
+        folder_mode = 0
+    if folder_mode & 0o002 and log is not None:
+        log.warning(
+            "gpupool broker: the pool's folder %s is writable by every user (mode %o): anyone may replace the "
+            "pool file; make it 0700 or 0755 (chmod o-w %s)",
+            folder,
+            folder_mode,
+            folder,
+        )
+    return tightened
 
 
 def terminate_tree(pid: int, grace: float = 3.0) -> None:
@@ -454,7 +544,10 @@ class BrokerApp(GpuPoolBaseApp):
             mode = int(self.socket_mode, 8)
         except ValueError:
             raise InvalidInput(f"--socket-mode must be octal like 0666, got {self.socket_mode!r}") from None
+        # The pool file (and SQLite's -wal and -shm beside it) holds every user's leases: owner-only.
+        os.umask(BROKER_UMASK)
         broker = self.build_broker()
+        secure_pool_files(broker.pool.db_path, self.log)
         asyncio.run(self._serve(broker, mode))
 
     async def _serve(self, broker: Broker, socket_mode: int) -> None:
@@ -471,7 +564,10 @@ class BrokerApp(GpuPoolBaseApp):
             path = os.path.abspath(self.socket)
             if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
                 os.unlink(path)  # left behind by a killed broker
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            folder = os.path.dirname(path)
+            if not os.path.isdir(folder):
+                os.makedirs(folder)
+                os.chmod(folder, 0o755)  # every user connects (the umask would make it the broker's alone)
             server.add_socket(netutil.bind_unix_socket(path, mode=socket_mode))
             where.append(f"unix:{path} (peer uid)")
         if not where:
@@ -496,4 +592,4 @@ class BrokerApp(GpuPoolBaseApp):
 
 main = BrokerApp.launch_instance
 
-__all__ = ["Broker", "BrokerApp", "find_kernel_roots", "make_app", "terminate_tree"]
+__all__ = ["Broker", "BrokerApp", "find_kernel_roots", "make_app", "secure_pool_files", "terminate_tree"]
