@@ -359,6 +359,9 @@ class RemotePool:
                 left -= 1
                 time.sleep(backoff.delay(err))
                 continue
+            except GpuPoolError:
+                self._mark_up()  # the broker answered (with a refusal): it is reachable
+                raise
             self._mark_up()
             return result
 

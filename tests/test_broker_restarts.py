@@ -344,3 +344,20 @@ def test_looser_pool_files_left_by_an_older_broker_are_tightened(
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
     assert "was readable by other users" in broker.log()
     assert [lease.kernel_id for lease in broker.leases()] == ["k"]
+
+
+def test_calls_retry_a_refused_connection_briefly_and_the_outage_clears_on_the_next_answer(
+    tmp_path: Path, hub: StandInHub, brokers: list[BrokerProcess]
+) -> None:
+    broker = BrokerProcess(tmp_path, hub)
+    pool = RemotePool(broker.url, token=ALICE, timeout=5)
+    started = time.monotonic()
+    with pytest.raises(PoolUnavailable, match="not reachable"):
+        pool.request(LeaseRequest(owner="", memory=GIB, label="cli"))  # never sent: safe to try again
+    assert pool.availability()["attempts"] == 1 + pool.call_retries
+    assert time.monotonic() - started >= 0.5, "it waited between tries"
+    assert pool.availability()["retrying"] is False
+    brokers.append(broker.start())
+    with pytest.raises(Exception, match="no lease"):
+        pool.get("l-unknown")  # a refusal is an answer: the broker is reachable again
+    assert pool.availability() == {"state": "available"}

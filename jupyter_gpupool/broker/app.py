@@ -40,6 +40,7 @@ from ..views import kernel_status
 from ..watchdog import Watchdog
 from .auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
 from .handlers import NotFoundHandler, lease_json, parse_priority, routes
+from .interface import BrokerInterface
 
 #: Policy traits a client may read (``GET /api/gpupool/info``).
 PUBLIC_POLICY = (
@@ -142,7 +143,8 @@ class Broker(LoggingConfigurable):
         was cut off gets a full ``heartbeat_ttl`` to report again.
         """
         try:
-            live = [lease.id for lease in self.pool.leases()]
+            with self.pool.store.transaction():  # every live lease: no listing limit may leave one out
+                live = list(self.pool.store.live_leases())
             if live:
                 self.pool.heartbeat(live)
                 self.log.info("gpupool broker: %d live lease(s) from the pool file get a fresh heartbeat", len(live))
@@ -316,6 +318,11 @@ class Broker(LoggingConfigurable):
             terminate_tree(pid)
 
 
+def as_interface(broker: Broker) -> BrokerInterface:
+    """The broker as its handlers see it (and a static check that it offers all they use)."""
+    return broker
+
+
 def find_kernel_roots(
     pids: Iterable[int], leases: Mapping[str, Lease], env_var: str = "GPUPOOL_LEASE_ID"
 ) -> dict[str, int]:
@@ -444,7 +451,7 @@ def make_app(broker: Broker, base_url: str = "/") -> web.Application:
     handlers = routes(prefix) + (routes("/") if prefix != "/" else [])
     return web.Application(
         handlers,
-        gpupool_broker=broker,
+        gpupool_broker=as_interface(broker),
         default_handler_class=NotFoundHandler,
         xsrf_cookies=False,
         log_function=_log_request,
