@@ -285,6 +285,27 @@ class BrokerProcess:
         self.log_path = tmp_path / "broker.log"
 
     def start(self, timeout: float = 60) -> BrokerProcess:
+        """Start it and wait until it serves its port and socket."""
+        proc = self._launch()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"the broker exited ({proc.returncode}): {self.log()[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    pass
+                if os.path.exists(self.socket_path):
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"the broker did not start: {self.log()[-3000:]}")
+
+    def run_until_exit(self, timeout: float = 60) -> int:
+        """Start it and wait for it to exit (a broker that must refuse to start); its exit code."""
+        return self._launch().wait(timeout)
+
+    def _launch(self) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,
             "JUPYTERHUB_API_URL": self.hub.api_url,
@@ -307,19 +328,7 @@ class BrokerProcess:
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(self.tmp_path),
         )  # fmt: skip
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the broker exited ({self.proc.returncode}): {self.log()[-3000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    pass
-                if os.path.exists(self.socket_path):
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"the broker did not start: {self.log()[-3000:]}")
+        return self.proc
 
     def kill(self) -> None:
         """SIGKILL: no clean-up, no goodbye (the socket file stays behind)."""

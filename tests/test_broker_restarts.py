@@ -361,3 +361,31 @@ def test_calls_retry_a_refused_connection_briefly_and_the_outage_clears_on_the_n
     with pytest.raises(Exception, match="no lease"):
         pool.get("l-unknown")  # a refusal is an answer: the broker is reachable again
     assert pool.availability() == {"state": "available"}
+
+
+# --- a second broker never takes over a running one's socket or port ------------------------------------
+def test_a_second_broker_refuses_a_socket_or_port_still_served(
+    tmp_path: Path, hub: StandInHub, brokers: list[BrokerProcess]
+) -> None:
+    first = BrokerProcess(tmp_path, hub).start()
+    brokers.append(first)
+    lease = RemotePool(first.socket_url).request(LeaseRequest(owner="", memory=GIB, kernel_id="k"))
+    other = tmp_path / "other"
+    other.mkdir()
+    same_socket = BrokerProcess(other, hub, socket_path=first.socket_path)
+    brokers.append(same_socket)
+    assert same_socket.run_until_exit() == 2
+    assert "another broker is serving on" in same_socket.log() and "Traceback" not in same_socket.log()
+    same_port = BrokerProcess(other, hub, socket_path=str(other / "b.sock"))
+    same_port.port = first.port
+    brokers.append(same_port)
+    assert same_port.run_until_exit() == 2
+    assert "cannot listen on" in same_port.log() and "Traceback" not in same_port.log()
+    # The first broker still serves both, with its lease.
+    assert RemotePool(first.socket_url).get(lease.id).state is LeaseState.GRANTED
+    assert RemotePool(first.url, token=ALICE).whoami()["name"] == "alice"
+    # After a SIGKILL its dead socket file is replaced by the next broker.
+    first.kill()
+    assert os.path.exists(first.socket_path)
+    first.start()
+    assert RemotePool(first.socket_url).get(lease.id).state is LeaseState.GRANTED

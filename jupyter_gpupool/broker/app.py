@@ -18,6 +18,7 @@ import asyncio
 import os
 import pwd
 import signal
+import socket
 import stat
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -318,6 +319,19 @@ class Broker(LoggingConfigurable):
             terminate_tree(pid)
 
 
+def socket_answers(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket at ``path`` (a dead one's file refuses)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 def as_interface(broker: Broker) -> BrokerInterface:
     """The broker as its handlers see it (and a static check that it offers all they use)."""
     return broker
@@ -563,13 +577,21 @@ class BrokerApp(GpuPoolBaseApp):
         ip, port = self._listen_address()
         where = []
         if port:
-            server.listen(port, address=ip)
+            try:
+                server.listen(port, address=ip)
+            except OSError as err:
+                raise InvalidInput(
+                    f"cannot listen on {ip}:{port} ({err.strerror or err}); is another broker running there? "
+                    "stop it, or give another --port"
+                ) from None
             where.append(
                 f"http://{ip}:{port}{self._base_url()}" + (" (hub tokens)" if broker.hub else " (no hub: 401 for all)")
             )
         if self.socket:
             path = os.path.abspath(self.socket)
             if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+                if socket_answers(path):  # never steal the socket of a broker that still runs
+                    raise InvalidInput(f"another broker is serving on {path}; stop it first, or give another --socket")
                 os.unlink(path)  # left behind by a killed broker
             folder = os.path.dirname(path)
             if not os.path.isdir(folder):
