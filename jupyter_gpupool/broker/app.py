@@ -397,9 +397,7 @@ def find_kernel_roots(
 #: Mode of the broker's pool file and its ``-wal``/``-shm`` companions: the owner only, since they hold
 #: every user's leases and kernels (the API anonymises them; the file must not bypass that).
 POOL_FILE_MODE = 0o600
-#: Mode of a pool folder the broker creates.
-POOL_DIR_MODE = 0o700
-#: The broker's umask: whatever it (or SQLite) creates is the owner's alone.
+#: The broker's umask: whatever it (or SQLite) creates is the owner's alone (files 0600, folders 0700).
 BROKER_UMASK = 0o077
 
 
@@ -418,7 +416,7 @@ def secure_pool_files(db_path: str, log: Any = None) -> list[str]:
         except FileNotFoundError:
             continue
         if mode & 0o077:
-            os.chmod(path, mode & 0o700 | 0o600)
+            os.chmod(path, POOL_FILE_MODE)
             tightened.append(path)
             if log is not None:
                 log.warning("gpupool broker: %s was readable by other users (mode %o); it is now 0600", path, mode)
