@@ -631,3 +631,22 @@ def test_tljh_plugin_configures_service_scopes_roles_and_server_env() -> None:
 
     hub = JupyterHub(config=c)
     assert hub.services[-1]["name"] == "gpupool"
+
+
+def test_handlers_never_import_the_broker_app() -> None:
+    """One direction only: ``broker/app.py`` imports the handlers; the handlers reach the broker
+    through ``broker/interface.py`` (not even a TYPE_CHECKING import of ``app``)."""
+    import ast
+
+    import jupyter_gpupool.broker.handlers as handlers
+    import jupyter_gpupool.broker.interface as interface
+
+    for module in (handlers, interface):
+        tree = ast.parse(Path(module.__file__).read_text())  # type: ignore[arg-type]
+        imported = {(node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        }
+        assert not any(name in ("app", ".app") or name.endswith("broker.app") for name in imported), (
+            module.__name__,
+            imported,
+        )
