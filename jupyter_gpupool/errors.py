@@ -46,3 +46,7 @@ class PoolUnavailable(GpuPoolError):
 
     http_status = 503
     exit_code = 6
+
+
+class NoGpuFound(PoolUnavailable):
+    """No NVIDIA driver or GPU on this host and no simulated pool configured: kernels run CPU-only."""

@@ -9,6 +9,13 @@ It is a :class:`~jupyter_client.provisioning.LocalProvisioner` that, before laun
    and ``--ext=jupyter_gpupool.kernel`` for IPython kernels;
 3. keeps the lease across restarts and releases it when the kernel shuts down.
 
+It fails closed: a kernel never sees a GPU the pool did not grant it. When the pool cannot be
+used (no NVIDIA driver and no simulated pool, a broken pool file, an unreachable broker, invalid
+``GPUPOOL_*`` settings) the kernel starts CPU-only (``CUDA_VISIBLE_DEVICES=""``, no lease) with
+the reason logged, or, where the admin chose ``refuse``, its start fails with the reason; a
+restart always falls back to CPU-only. A start the pool refuses (a slice larger than any GPU, a
+request withdrawn while queued) fails with the reason in :attr:`GpuPoolProvisioner.failure`.
+
 It works the same inside Jupyter Server (where the ``gpupool`` server extension binds its pool
 and reports activity) and outside it (``jupyter nbconvert --execute``, nbclient, papermill), where
 it opens the pool from the environment and keeps its own lease alive with heartbeats.
@@ -37,7 +44,15 @@ from traitlets import Bool, Float, Int, Unicode
 
 from .core.models import Activity, Lease, LeaseRequest, LeaseState, PriorityClass, QueueInfo
 from .enforcement import EnforcementConfig, EnforcementPlan, EnforcementSettings, plan_enforcement
-from .errors import GpuPoolError, InvalidInput, RequestRefused
+from .errors import (
+    GpuPoolError,
+    InvalidInput,
+    LeaseNotFound,
+    NoGpuFound,
+    NotAuthorized,
+    PoolUnavailable,
+    RequestRefused,
+)
 from .units import SIZE_FORMS
 
 if TYPE_CHECKING:
@@ -45,6 +60,39 @@ if TYPE_CHECKING:
 
 PROVISIONER_NAME = "gpupool-provisioner"
 KERNEL_EXTENSION = "jupyter_gpupool.kernel"
+
+#: What a kernel start does while the pool is unavailable: ``cpu-only`` (the default) or ``refuse``.
+WHEN_UNAVAILABLE = ("cpu-only", "refuse")
+#: Environment variable naming that choice outside a server (a server uses GpuPoolExtension.when_unavailable).
+WHEN_UNAVAILABLE_ENV = "GPUPOOL_WHEN_UNAVAILABLE"
+#: Set in a CPU-only kernel's environment: why it has no GPU (read by ``%gpupool status``).
+UNAVAILABLE_ENV = "GPUPOOL_UNAVAILABLE"
+
+#: Variables that hide every GPU from a kernel (``NVIDIA_VISIBLE_DEVICES`` for a container runtime inside it).
+NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
+
+
+def when_unavailable_from_env(environ: dict[str, str] | None = None) -> str:
+    """``$GPUPOOL_WHEN_UNAVAILABLE`` if it is one of :data:`WHEN_UNAVAILABLE`, else ``cpu-only``."""
+    value = (os.environ if environ is None else environ).get(WHEN_UNAVAILABLE_ENV, "").strip().lower()
+    return value if value in WHEN_UNAVAILABLE else "cpu-only"
+
+
+def one_line(err: BaseException) -> str:
+    """The user-facing text of an error: its message, else its type, on one line."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if isinstance(err, GpuPoolError) else f"{type(err).__name__}: {text}"
+
+
+def cpu_only_plan(reason: str) -> EnforcementPlan:
+    """The plan of a kernel that runs without the pool: every GPU hidden, the reason said."""
+    return EnforcementPlan(
+        env={**NO_GPU_ENV, "GPUPOOL_ENFORCEMENT": "none", UNAVAILABLE_ENV: reason},
+        level="none",
+        mechanisms=(),
+        description=f"GPU pool unavailable ({reason}): this kernel runs CPU-only",
+    )
+
 
 #: Listener signature: (action, lease, queue info or None, message). Actions: "queued", "waiting",
 #: "granted", "released", "failed".
@@ -66,12 +114,25 @@ def holder_identity() -> tuple[str, int]:
 
 @dataclass
 class ServerBinding:
-    """What the ``gpupool`` server extension shares with the provisioners of its kernels (``ext.binding``)."""
+    """What the ``gpupool`` server extension shares with the provisioners of its kernels (``ext.binding``).
 
-    pool: Pool
-    owner: str
+    ``open_pool`` returns the server's pool, or raises PoolUnavailable (with the reason) while
+    the server could not open it; ``when_unavailable`` is the admin's choice for that case.
+    """
+
+    open_pool: Callable[[], Pool]
+    current_owner: Callable[[], str]
     enforcement: EnforcementConfig
     listeners: list[LeaseListener] = field(default_factory=list)
+    when_unavailable: Callable[[], str] = field(default=lambda: "cpu-only")
+
+    @property
+    def pool(self) -> Pool:
+        return self.open_pool()
+
+    @property
+    def owner(self) -> str:
+        return self.current_owner()
 
 
 _pools: dict[tuple[str, str, str], Pool] = {}
@@ -161,7 +222,13 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     lease_id: str | None = None
     plan: EnforcementPlan | None = None
-    phase: str = "new"  # new, waiting, launching, running, restarting, stopping, stopped
+    phase: str = "new"  # new, waiting, launching, running, restarting, stopping, stopped, failed
+    #: Why the last start failed (the pool refused it, or was unavailable with ``refuse``); None if it did not.
+    failure: str | None = None
+    #: Why the kernel runs CPU-only (the pool was unavailable when it started); None if it has the pool.
+    cpu_only_reason: str | None = None
+    #: A lease this kernel held before it fell back to CPU-only: released once the pool answers again.
+    stale_lease_id: str | None = None
     _heartbeat_task: asyncio.Task[None] | None = None
     _pool: Pool | None = None
 
@@ -239,12 +306,14 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         """Get a granted lease for this kernel: reuse the live one (restart) or request and wait."""
         pool = self.pool
         if self.lease_id:
-            with contextlib.suppress(GpuPoolError):
-                lease = pool.get(self.lease_id)
-                if lease.state is LeaseState.GRANTED:
-                    return lease
-                if lease.state is LeaseState.QUEUED:
-                    return await self._wait(lease)
+            try:
+                kept: Lease | None = pool.get(self.lease_id)
+            except LeaseNotFound:
+                kept = None  # pruned: queue again (PoolUnavailable propagates: the lease may well be alive)
+            if kept is not None and kept.state is LeaseState.GRANTED:
+                return kept
+            if kept is not None and kept.state is LeaseState.QUEUED:
+                return await self._wait(kept)
             self.lease_id = None  # released while the kernel was down: queue again
         lease = pool.request(self.build_request())
         self.lease_id = lease.id
@@ -304,24 +373,63 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         try:
             lease = self.pool.release(self.lease_id, reason=reason)
             self._notify("released", lease, None, reason)
-        except GpuPoolError as err:
+        except Exception as err:  # noqa: BLE001 - the pool is unavailable: its holder check or heartbeat timeout frees it
             self.log.debug("gpupool: release of %s: %s", self.lease_id, err)
 
     # --- provisioner life cycle ---------------------------------------------------------------
 
-    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        """Lease a slice (waiting while queued), then prepare the launch with the grant's env."""
-        restarting = self.phase == "restarting"
+    #: Errors by which the pool refuses this start: the kernel fails with the reason.
+    REFUSALS: tuple[type[Exception], ...] = (InvalidInput, RequestRefused, LeaseWaitAborted, NotAuthorized, LeaseNotFound)
+
+    def _when_unavailable(self) -> str:
+        binding = server_binding(self)
+        return binding.when_unavailable() if binding is not None else when_unavailable_from_env()
+
+    def _open_pool(self) -> Pool:
+        """The pool, or PoolUnavailable saying why it cannot be opened (bad settings included)."""
         try:
-            lease = await self.acquire()
-        except GpuPoolError as err:
-            self.phase = "stopped"
-            self.log.warning("gpupool: kernel %s gets no GPU slice: %s", self.kernel_id, err)
+            return self.pool
+        except PoolUnavailable:
             raise
+        except Exception as err:
+            raise PoolUnavailable(f"cannot open the GPU pool: {one_line(err)}") from err
+
+    def _fail(self, reason: str) -> None:
+        self.phase = "failed"
+        self.failure = reason
+        self.log.warning("gpupool: kernel %s did not start: %s", self.kernel_id, reason)
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        """Lease a slice (waiting while queued), then prepare the launch with the grant's env.
+
+        Fails closed: while the pool is unavailable the kernel starts CPU-only (or, with
+        ``refuse``, not at all); a start the pool refuses fails with the reason.
+        """
+        restarting = self.phase == "restarting"
+        self.failure = None
+        try:
+            self._open_pool()
+            lease = await self.acquire()
+        except self.REFUSALS as err:
+            self._fail(f"no GPU slice: {one_line(err)}")
+            raise
+        except asyncio.CancelledError:
+            self.phase = "stopped"
+            raise
+        except Exception as err:  # the pool cannot be used (PoolUnavailable, a broken store, a bug): fail closed
+            reason = one_line(err)
+            if not isinstance(err, GpuPoolError):
+                self.log.debug("gpupool: pool error for kernel %s", self.kernel_id, exc_info=True)
+            if not restarting and self._when_unavailable() == "refuse":
+                self._fail(f"the GPU pool is unavailable: {reason}")
+                raise PoolUnavailable(f"the GPU pool is unavailable ({reason}); kernels start once it is back") from None
+            return await self._launch_cpu_only(reason, err, **kwargs)
+        self.cpu_only_reason = None
         self.phase = "launching"
         devices = {d.uuid: d for d in self.pool.devices()}
         self.plan = plan_enforcement(lease, devices, self._enforcement())
         env = dict(kwargs.get("env") or os.environ)
+        env.pop(UNAVAILABLE_ENV, None)
         env.update(pool_env(self.pool))
         env["GPUPOOL_KERNEL_ID"] = str(self.kernel_id or "")
         env["GPUPOOL_USER"] = lease.owner
@@ -342,6 +450,26 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         )
         return await super().pre_launch(**kwargs)
 
+    async def _launch_cpu_only(self, reason: str, err: BaseException, **kwargs: Any) -> dict[str, Any]:
+        """Launch with every GPU hidden and no lease, saying why (the pool is unavailable)."""
+        if self.lease_id:  # a restart whose lease cannot be confirmed: hand it back once the pool answers
+            self.stale_lease_id = self.lease_id
+            self.lease_id = None
+        self.cpu_only_reason = reason
+        self.phase = "launching"
+        self.plan = cpu_only_plan(reason)
+        env = dict(kwargs.get("env") or os.environ)
+        for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_MEMORY_LIMIT", "GPUPOOL_DB", "GPUPOOL_URL", "GPUPOOL_TOKEN"):
+            env.pop(name, None)
+        env["GPUPOOL_KERNEL_ID"] = str(self.kernel_id or "")
+        kwargs["env"] = self.plan.apply(env)
+        # In a server, the extension has said why once (quietly when there is simply no GPU).
+        quiet = server_binding(self) is not None or isinstance(err, NoGpuFound)
+        (self.log.info if quiet else self.log.warning)(
+            "gpupool: kernel %s starts CPU-only (CUDA_VISIBLE_DEVICES=''): the GPU pool is unavailable: %s", self.kernel_id, reason
+        )
+        return await super().pre_launch(**kwargs)
+
     def _finalize_env(self, env: dict[str, str]) -> None:
         """Re-apply the plan after kernelspec ``env`` substitutions: the grant wins over the spec."""
         super()._finalize_env(env)
@@ -351,7 +479,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     async def post_launch(self, **kwargs: Any) -> None:
         await super().post_launch(**kwargs)
         self.phase = "running"
-        if server_binding(self) is None and self._heartbeat_task is None:
+        if server_binding(self) is None and self._heartbeat_task is None and self.lease_id:
             # Outside a server nobody reports for us: keep the lease alive while the kernel runs.
             self._heartbeat_task = asyncio.ensure_future(self._heartbeat_loop())
 
@@ -397,6 +525,19 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             self._heartbeat_task = None
         self._release("kernel shut down")
         self.lease_id = None
+        self.release_stale("kernel shut down")
+
+    def release_stale(self, reason: str = "its kernel restarted CPU-only while the pool was unavailable") -> None:
+        """Hand back the lease held before a CPU-only restart (best effort: the pool may still be down)."""
+        if not self.stale_lease_id:
+            return
+        try:
+            lease = self.pool.release(self.stale_lease_id, reason=reason)
+        except Exception as err:  # noqa: BLE001 - still unavailable: try again later (or the heartbeat timeout frees it)
+            self.log.debug("gpupool: release of stale lease %s: %s", self.stale_lease_id, err)
+            return
+        self.stale_lease_id = None
+        self._notify("released", lease, None, reason)
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info = await super().get_provisioner_info()
@@ -409,12 +550,17 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
 
 
 __all__ = [
+    "NO_GPU_ENV",
     "PROVISIONER_NAME",
+    "UNAVAILABLE_ENV",
+    "WHEN_UNAVAILABLE",
     "GpuPoolProvisioner",
     "LeaseWaitAborted",
     "ServerBinding",
+    "cpu_only_plan",
     "default_owner",
     "holder_identity",
+    "one_line",
     "pool_from_env",
     "server_binding",
 ]

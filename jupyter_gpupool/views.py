@@ -7,37 +7,71 @@ from typing import Any
 from .core.models import Lease, LeaseState
 from .enforcement import EnforcementConfig, plan_enforcement
 
+#: Kernel states besides a lease's: ``none`` (runs without a slice), ``unavailable`` (runs CPU-only
+#: because the pool could not be used), ``failed`` (its start failed; no kernel process).
+KERNEL_STATES_WITHOUT_LEASE = ("none", "unavailable", "failed")
+
+_DESCRIPTIONS = {
+    "none": "this kernel runs without a GPU slice",
+    "unavailable": "GPU pool unavailable: this kernel runs CPU-only",
+    "failed": "this kernel did not start",
+}
+
+
+def kernel_status_without_pool(
+    kernel_id: str, owner: str, now: float, state: str, reason: str | None, lease: Lease | None = None
+) -> dict[str, Any]:
+    """A kernel's body when no live slice describes it: ``state`` is one of
+    :data:`KERNEL_STATES_WITHOUT_LEASE`, ``reason`` says why (one line, for the user)."""
+    body = _no_slice(kernel_id, owner, now, state)
+    body["reason"] = reason
+    if reason:
+        if state == "unavailable":
+            body["enforcement"]["description"] = f"GPU pool unavailable ({reason}): this kernel runs CPU-only"
+        else:
+            body["enforcement"]["description"] = f"{_DESCRIPTIONS[state]}: {reason}"
+    if lease is not None:  # e.g. a request released while queued: keep its id and why
+        body["lease_id"] = lease.id
+        body["release_reason"] = lease.release_reason or None
+        body["released_at"] = lease.released_at
+    return body
+
+
+def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> dict[str, Any]:
+    return {
+        "kernel_id": kernel_id,
+        "lease_id": None,
+        "state": state,
+        "memory": 0,
+        "num_gpus": 0,
+        "devices": [],
+        "queue_position": None,
+        "queue_length": None,
+        "estimated_wait": None,
+        "queue_reason": None,
+        "used_memory": None,
+        "peak_memory": None,
+        "enforcement": {"level": "none", "mechanisms": [], "description": _DESCRIPTIONS[state]},
+        "idle_seconds": 0.0,
+        "busy": False,
+        "reclaim_at": None,
+        "reclaim_reason": None,
+        "keep_until": None,
+        "granted_at": None,
+        "released_at": None,
+        "release_reason": None,
+        "owner": owner,
+        "now": now,
+        "reason": None,
+    }
+
 
 def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: EnforcementConfig, owner: str, now: float) -> dict[str, Any]:
     """The ``GET /api/gpupool/kernels/{kernel_id}`` body (see openapi.yaml); ``state: "none"``
     for a kernel that runs without a slice."""
-    devices = {d.uuid: d for d in pool.devices()}
     if lease is None:
-        return {
-            "kernel_id": kernel_id,
-            "lease_id": None,
-            "state": "none",
-            "memory": 0,
-            "num_gpus": 0,
-            "devices": [],
-            "queue_position": None,
-            "queue_length": None,
-            "estimated_wait": None,
-            "queue_reason": None,
-            "used_memory": None,
-            "peak_memory": None,
-            "enforcement": {"level": "none", "mechanisms": [], "description": "this kernel runs without a GPU slice"},
-            "idle_seconds": 0.0,
-            "busy": False,
-            "reclaim_at": None,
-            "reclaim_reason": None,
-            "keep_until": None,
-            "granted_at": None,
-            "released_at": None,
-            "release_reason": None,
-            "owner": owner,
-            "now": now,
-        }
+        return _no_slice(kernel_id, owner, now)
+    devices = {d.uuid: d for d in pool.devices()}
     info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
     plan = plan_enforcement(lease, devices, enforcement)
     return {
@@ -74,4 +108,5 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
         "flagged": lease.flagged or None,
         "owner": lease.owner,
         "now": now,
+        "reason": None,
     }

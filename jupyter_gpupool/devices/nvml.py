@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from ..core.models import Device
-from ..errors import PoolUnavailable
+from ..errors import NoGpuFound, PoolUnavailable
 from . import DeviceBackend, ProcessUsage
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class NvmlBackend(DeviceBackend):
         try:
             import pynvml  # imported late so tests can substitute a fake module
         except ImportError as exc:
-            raise PoolUnavailable(f"no NVIDIA driver found (NVML: nvidia-ml-py is not installed: {exc}); {SIMULATE_HINT}") from None
+            raise NoGpuFound(f"no NVIDIA driver found (NVML: nvidia-ml-py is not installed: {exc}); {SIMULATE_HINT}") from None
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
@@ -124,10 +124,10 @@ class NvmlBackend(DeviceBackend):
             names = {getattr(pynvml, n): n for n in dir(pynvml) if n.startswith("NVML_ERROR_")}
             name = names.get(code, f"code {code}")
             if name in _NO_DRIVER_ERRORS:
-                raise PoolUnavailable(f"no NVIDIA driver found (NVML: {exc}); {SIMULATE_HINT}") from None
+                raise NoGpuFound(f"no NVIDIA driver found (NVML: {exc}); {SIMULATE_HINT}") from None
             raise PoolUnavailable(f"NVML could not start (NVML: {exc} ({name})); fix the NVIDIA driver or {SIMULATE_HINT}") from None
         except OSError as exc:  # very old pynvml let the dlopen error through
-            raise PoolUnavailable(f"no NVIDIA driver found (NVML: {exc}); {SIMULATE_HINT}") from None
+            raise NoGpuFound(f"no NVIDIA driver found (NVML: {exc}); {SIMULATE_HINT}") from None
         return pynvml
 
     def close(self) -> None:

@@ -7,6 +7,13 @@
 - reconciles leases against live kernels (a kernel process that died frees its slice);
 - runs the NVML watchdog over each kernel's process tree;
 - serves the REST API (see ``openapi.yaml``) and emits ``lease`` events.
+
+It fails closed and visibly: when the pool cannot be opened (no NVIDIA driver and no simulated
+pool, a broken pool file, invalid settings, an unreachable broker) the extension still loads, in
+a degraded mode: kernels start CPU-only (or are refused: :attr:`GpuPoolExtension.when_unavailable`),
+the REST API answers ``state: "unavailable"`` with the reason, and the pool is opened again every
+:attr:`GpuPoolExtension.retry_interval` seconds until it works. A kernel whose start failed is
+shown as such (``execution_state: "dead"`` with the reason, and ``state: "failed"`` here).
 """
 
 from __future__ import annotations
@@ -25,15 +32,18 @@ from traitlets import Bool, Enum, Float, List, Unicode, default
 
 from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
-from ..errors import GpuPoolError
+from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
 from ..provisioner import (
     PROVISIONER_NAME,
+    WHEN_UNAVAILABLE,
     GpuPoolProvisioner,
     ServerBinding,
     default_owner,
     holder_identity,
+    one_line,
+    when_unavailable_from_env,
 )
-from ..views import kernel_status
+from ..views import kernel_status, kernel_status_without_pool
 
 LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
@@ -102,6 +112,22 @@ class GpuPoolExtension(ExtensionApp):
         help="What to do with a kernel whose slice the engine reclaimed or preempted: 'cull' shuts it down. "
         "('suspend', parking GPU memory in host RAM, comes later.)",
     )
+    when_unavailable = Enum(
+        list(WHEN_UNAVAILABLE),
+        "cpu-only",
+        config=True,
+        help=(
+            "What a kernel start does while the GPU pool is unavailable (no NVIDIA driver and no GPUPOOL_SIMULATE, "
+            "a broken pool file, an unreachable broker, invalid GPUPOOL_* settings): 'cpu-only' starts it with "
+            "CUDA_VISIBLE_DEVICES='' and no slice, 'refuse' fails the start with the reason. Never with the host's "
+            "GPUs unpooled. A restart always falls back to CPU-only. Env: GPUPOOL_WHEN_UNAVAILABLE."
+        ),
+    )
+    retry_interval = Float(
+        30.0,
+        config=True,
+        help="Seconds between two attempts to open the GPU pool while it is unavailable (it recovers once the cause is fixed).",
+    )
     keepalive_default = Float(
         3600.0,
         config=True,
@@ -112,47 +138,142 @@ class GpuPoolExtension(ExtensionApp):
     def _default_owner(self) -> str:
         return default_owner()
 
+    @default("when_unavailable")
+    def _default_when_unavailable(self) -> str:
+        return when_unavailable_from_env()
+
+    # Set before anything can fail, so a half-initialised extension still stops cleanly.
+    _tasks: list[asyncio.Task[None]]
+    _pool: Any = None
+    #: Why the pool cannot be used now (None while it works), since when, and whether it is simply "no GPU here".
+    unavailable_reason: str | None = None
+    unavailable_since: float | None = None
+    no_gpu: bool = False
+    _failed_call: bool = False  # unavailable because a call on an open pool failed (not because it could not open)
+
+    @property
+    def pool(self) -> Any:
+        """The open pool; raises PoolUnavailable (503 over REST) with the reason while there is none."""
+        if self._pool is None:
+            raise PoolUnavailable(f"the GPU pool is unavailable: {self.unavailable_reason or 'not opened yet'}")
+        return self._pool
+
+    @property
+    def available(self) -> bool:
+        return self._pool is not None and self.unavailable_reason is None
+
+    def availability(self) -> dict[str, Any]:
+        """The pool's state for REST and the UI: ``available``, or ``unavailable`` with the reason."""
+        return {
+            "state": "available" if self.available else "unavailable",
+            "reason": None if self.available else (self.unavailable_reason or "the GPU pool is not open yet"),
+            "unavailable_since": None if self.available else self.unavailable_since,
+            "no_gpu": bool(self.no_gpu) and not self.available,
+            "when_unavailable": self.when_unavailable,
+        }
+
     # --- set-up ---------------------------------------------------------------------------------
 
     def initialize_settings(self) -> None:
-        """Open the pool, make the provisioner the default, turn on pending kernels, bind."""
-        from ..remote import pool_from_env
+        """Make the provisioner the default, turn on pending kernels, bind, and open the pool.
 
+        Never fails because of the pool: a pool that cannot be opened leaves the extension in its
+        degraded mode (kernels CPU-only or refused, REST says why) and is tried again later.
+        """
         assert self.serverapp is not None
-        # GPUPOOL_URL set: the host's broker owns the pool (and runs the watchdog); else in-process.
-        self.pool = pool_from_env(config=self.serverapp.config)
-        configured = "owner" in self.config.get(type(self).__name__, {}) or os.environ.get("GPUPOOL_USER")
-        if getattr(self.pool, "remote", False) and not configured:
-            # The broker names the user from our token; leases and views must use that name.
-            try:
-                self.owner = self.pool.whoami()["name"]
-            except GpuPoolError as err:
-                self.log.error("gpupool: the broker at %s cannot be reached (%s); kernels will not start until it can", self.pool.url, err)
-        self._register_metrics()
-        self.enforcement = EnforcementSettings(parent=self.serverapp).to_config()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = []
         self._culled: dict[str, str] = {}
         self._acting: set[str] = set()
         self._warned: dict[str, float] = {}
+        self._failed: dict[str, str] = {}
+        self._restarts: dict[str, asyncio.Future[Any]] = {}
         self.tick_count = 0
         self.reconcile_count = 0
+        self.open_attempts = 0
+        self.watchdog = None
+        self.enforcement = EnforcementSettings(parent=self.serverapp).to_config()
         km = self.serverapp.kernel_manager
         if self.pending_kernels:
             km.use_pending_kernels = True
         self._install_provisioner_default()
-        self._wrap_shutdown(km)
+        self._wrap_kernel_manager(km)
         self.event_logger = self.serverapp.event_logger
         with contextlib.suppress(Exception):  # already registered by an earlier server in this process
             self.event_logger.register_event_schema(LEASE_SCHEMA_PATH)
-        self.binding = ServerBinding(pool=self.pool, owner=self.owner, enforcement=self.enforcement, listeners=[self._on_lease])
+        self.binding = ServerBinding(
+            open_pool=lambda: self.pool,
+            current_owner=lambda: self.owner,
+            enforcement=self.enforcement,
+            listeners=[self._on_lease],
+            when_unavailable=lambda: self.when_unavailable,
+        )
         self.settings["gpupool"] = self
+        self.open_pool()
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             pass  # the usual case: the server starts the loops in _start_jupyter_server_extension
         else:
             self._ensure_started()  # initialized inside a running loop (embedded servers, tests)
-        self.log.info("gpupool: %s, pool file %s, owner %s", self.pool.backend.describe(), self.pool.db_path, self.owner)
+
+    def open_pool(self) -> bool:
+        """Try to open the pool (from GPUPOOL_* and the server's config); False, with the reason kept, if it cannot."""
+        from ..remote import pool_from_env
+
+        assert self.serverapp is not None
+        self.open_attempts += 1
+        try:
+            pool = pool_from_env(config=self.serverapp.config)
+            self._after_open(pool)
+        except Exception as err:  # noqa: BLE001 - any cause: one line in the log, the extension stays up (degraded)
+            self._set_unavailable(err)
+            return False
+        self._pool = pool
+        self._set_available()
+        self.log.info("gpupool: %s, pool file %s, owner %s", pool.backend.describe(), getattr(pool, "db_path", ""), self.owner)
+        return True
+
+    def _after_open(self, pool: Any) -> None:
+        """Per-pool set-up: the broker's name for us, the metrics collector."""
+        configured = "owner" in self.config.get(type(self).__name__, {}) or os.environ.get("GPUPOOL_USER")
+        if getattr(pool, "remote", False) and not configured:
+            # The broker names the user from our token; leases and views must use that name.
+            try:
+                self.owner = pool.whoami()["name"]
+            except GpuPoolError as err:
+                self.log.error("gpupool: the broker at %s cannot be reached (%s); kernels will not start until it can", pool.url, err)
+        self._register_metrics(pool)
+
+    def _set_unavailable(self, err: BaseException) -> None:
+        """Record why the pool cannot be used; say it in the log once per new reason, without a traceback."""
+        reason = one_line(err)
+        changed = reason != self.unavailable_reason
+        if self.unavailable_reason is None:
+            self.unavailable_since = time.time()
+        self.unavailable_reason = reason
+        self.no_gpu = isinstance(err, NoGpuFound)
+        if not changed:
+            return
+        if not isinstance(err, GpuPoolError):
+            self.log.debug("gpupool: the pool failed", exc_info=err)
+        if self.no_gpu:
+            self.log.info("gpupool: no NVIDIA GPU found and no simulated pool configured: kernels run CPU-only")
+            return
+        kernels = "start CPU-only" if self.when_unavailable == "cpu-only" else "are refused"
+        self.log.warning(
+            "gpupool: the GPU pool is unavailable: %s; kernels %s until it is fixed (trying again every %g s)",
+            reason,
+            kernels,
+            self.retry_interval,
+        )
+
+    def _set_available(self) -> None:
+        if self.unavailable_reason is not None and self.open_attempts > 1:
+            self.log.info("gpupool: the GPU pool is available again")
+        self.unavailable_reason = None
+        self.unavailable_since = None
+        self.no_gpu = False
+        self._failed_call = False
 
     def initialize_handlers(self) -> None:
         from .handlers import default_handlers
@@ -189,23 +310,132 @@ class GpuPoolExtension(ExtensionApp):
         ksm.get_kernel_spec = get_kernel_spec
         self._restore_spec_manager = lambda: ksm.__dict__.pop("get_kernel_spec", None)
 
-    def _wrap_shutdown(self, km: Any) -> None:
-        """Shutting down a queued kernel withdraws its request first, so the shutdown returns at once.
+    #: Seconds a shutdown waits for a start or restart in progress to end (once its queued request is withdrawn).
+    shutdown_wait = 30.0
 
-        (jupyter_client awaits a pending kernel's start before shutting it down; a start waiting in
-        the queue would otherwise hold the shutdown until a slice frees up.)
+    def _wrap_kernel_manager(self, km: Any) -> None:
+        """Teach the server's kernel manager about starts that wait for, or are refused by, the pool.
+
+        - shutting down a queued kernel withdraws its request first, so the shutdown returns at
+          once (jupyter_client awaits a pending start before shutting it down), and a shutdown
+          during a start or restart waits for it to end instead of failing;
+        - a start that failed marks the kernel ``dead`` with the reason (jupyter_client would
+          leave it ``starting`` for ever);
+        - a restart never fails because of the pool: a kernel still waiting for its slice has
+          nothing to restart, a restart that must queue again returns once it waits (the kernel
+          shows ``starting`` and its queue position), and a restart the pool refuses leaves the
+          kernel ``dead`` with the reason.
         """
-        original = km.shutdown_kernel
+        original_shutdown = km._async_shutdown_kernel
+        original_finish = km._finish_kernel_start
+        original_restart = km._async_restart_kernel
 
         async def shutdown_kernel(kernel_id: str, now: bool = False, restart: bool = False) -> Any:
+            present = kernel_id in km
+            removing = km._pending_kernels.get(kernel_id)
+            if not present and removing is not None:  # shutdown_all lists kernels already being removed
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(removing), self.shutdown_wait)
+                return None
             if not restart:
+                await self._settle(km, kernel_id)
+            self._failed.pop(kernel_id, None)
+            if present and kernel_id not in km:
+                return None  # removed while we waited (a shutdown already under way): done
+            return await original_shutdown(kernel_id, now=now, restart=restart)
+
+        async def finish_kernel_start(kernel_id: str) -> None:
+            await original_finish(kernel_id)
+            self._note_failed_start(km, kernel_id)
+
+        async def restart_kernel(kernel_id: str, now: bool = False) -> Any:
+            return await self._restart(km, original_restart, kernel_id, now)
+
+        km._async_shutdown_kernel = km.shutdown_kernel = shutdown_kernel
+        km._finish_kernel_start = finish_kernel_start
+        km._async_restart_kernel = km.restart_kernel = restart_kernel
+
+    async def _settle(self, km: Any, kernel_id: str) -> None:
+        """Before a shutdown: withdraw the kernel's queued request (its start or restart then fails
+        fast) and wait, bounded, for a start or restart in progress to end."""
+        deadline = time.monotonic() + self.shutdown_wait
+        while True:
+            with contextlib.suppress(Exception):  # the pool may be unavailable: shut down anyway
                 reason = "kernel shut down while queued"
                 withdrawn = await asyncio.to_thread(self.withdraw_queued, kernel_id, reason)
                 if withdrawn is not None:
                     self.emit("released", withdrawn, message=reason)
-            return await original(kernel_id, now=now, restart=restart)
+            restart = self._restarts.get(kernel_id)
+            kernel = km._kernels.get(kernel_id)
+            ready = getattr(kernel, "ready", None)
+            busy = (restart is not None and not restart.done()) or (ready is not None and not ready.done())
+            if not busy or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.1)
 
-        km.shutdown_kernel = shutdown_kernel
+    def _note_failed_start(self, km: Any, kernel_id: str, error: BaseException | None = None) -> str | None:
+        """If the last start of ``kernel_id`` failed, mark the kernel dead with the reason; return it."""
+        kernel = km._kernels.get(kernel_id)
+        if kernel is None:
+            return None
+        if error is None:
+            ready = getattr(kernel, "ready", None)
+            if ready is None or not ready.done() or ready.cancelled() or ready.exception() is None:
+                return None
+            error = ready.exception()
+        prov = self.provisioner_of(kernel_id)
+        reason = (prov.failure if prov is not None and prov.failure else None) or f"the kernel did not start: {one_line(error)}"
+        self._failed[kernel_id] = reason
+        kernel.execution_state = "dead"
+        kernel.reason = reason
+        self.log.warning("gpupool: kernel %s failed to start: %s", kernel_id, reason)
+        return reason
+
+    #: Seconds a restart request waits for the kernel to be back before answering (it goes on in the background).
+    restart_answer_wait = 60.0
+
+    async def _restart(self, km: Any, original: Any, kernel_id: str, now: bool) -> Any:
+        kernel = km.get_kernel(kernel_id)  # KeyError → 404 as before
+        mine = getattr(kernel, "provisioner", None) is None or self.provisioner_of(kernel_id) is not None
+        in_progress = self._restarts.get(kernel_id)
+        ready = getattr(kernel, "ready", None)
+        if mine and ((in_progress is not None and not in_progress.done()) or (ready is not None and not ready.done())):
+            # Still starting, restarting or waiting for its slice: the process it will get is already a fresh one.
+            phase = getattr(self.provisioner_of(kernel_id), "phase", "new")
+            self.log.info("gpupool: restart of kernel %s, which is still starting (%s): nothing to restart", kernel_id, phase)
+            return None
+        if not mine:
+            return await original(kernel_id, now=now)  # not one of ours: jupyter_client's own answer
+        self._failed.pop(kernel_id, None)
+        task = asyncio.ensure_future(original(kernel_id, now=now))
+        self._restarts[kernel_id] = task
+        task.add_done_callback(lambda t: self._restarts.pop(kernel_id, None) if self._restarts.get(kernel_id) is t else None)
+        deadline = time.monotonic() + self.restart_answer_wait
+        while not task.done() and time.monotonic() < deadline:
+            prov = self.provisioner_of(kernel_id)
+            if prov is not None and prov.phase == "waiting":
+                break  # queued for a new slice: answer now, the kernel shows its queue position
+            await asyncio.wait([task], timeout=0.1)
+        if not task.done():
+            task.add_done_callback(lambda t: self._restart_done(km, kernel_id, t, background=True))
+            return None
+        return self._restart_done(km, kernel_id, task)
+
+    def _restart_done(self, km: Any, kernel_id: str, task: asyncio.Future[Any], background: bool = False) -> Any:
+        """The result of a restart; one the pool made fail leaves the kernel dead with the reason (not a 500)."""
+        if task.cancelled():
+            return None
+        error = task.exception()
+        if error is None:
+            return task.result()
+        prov = self.provisioner_of(kernel_id)
+        if isinstance(error, GpuPoolError) or (prov is not None and prov.failure):
+            self._note_failed_start(km, kernel_id, error)
+            return None
+        if background:
+            self.log.error("gpupool: restart of kernel %s failed: %s", kernel_id, one_line(error))
+            return None
+        raise error
 
     def withdraw_queued(self, kernel_id: str, reason: str) -> Lease | None:
         """Release the lease of ``kernel_id`` if it is still queued (its start then fails fast)."""
@@ -216,10 +446,10 @@ class GpuPoolExtension(ExtensionApp):
 
     _metrics_collector: ClassVar[Any] = None  # the one collector this process registered
 
-    def _register_metrics(self) -> None:
+    def _register_metrics(self, pool: Any) -> None:
         """Add the pool's collector to the registry jupyter_server serves at ``/metrics``
         (authenticated unless ``ServerApp.authenticate_prometheus`` is turned off)."""
-        if getattr(self.pool, "remote", False):
+        if getattr(pool, "remote", False):
             return  # the broker serves the pool's metrics
         from prometheus_client import REGISTRY
 
@@ -229,7 +459,7 @@ class GpuPoolExtension(ExtensionApp):
         if previous is not None:
             with contextlib.suppress(KeyError):
                 REGISTRY.unregister(previous)
-        collector = PoolCollector(self.pool)
+        collector = PoolCollector(pool)
         REGISTRY.register(collector)
         type(self)._metrics_collector = collector
 
@@ -237,40 +467,57 @@ class GpuPoolExtension(ExtensionApp):
         self._ensure_started()
 
     def _ensure_started(self) -> None:
-        """Start the periodic loops once, on the running event loop."""
-        if self._tasks:
-            return
+        """Start the periodic loops once, on the running event loop (the pool's loops once it is open)."""
         loop = asyncio.get_running_loop()
-        self._tasks = [
+        if not self._tasks:
+            self._tasks.append(loop.create_task(self._reopen_until_available()))
+        if self._pool is None or len(self._tasks) > 1:
+            return
+        self._tasks += [
             loop.create_task(self._every(lambda: self.tick_interval, self.tick_once, "tick")),
             loop.create_task(self._every(lambda: self.reconcile_interval, self.reconcile_once, "reconcile")),
         ]
-        if self.watchdog_enabled and not getattr(self.pool, "remote", False):
+        if self.watchdog_enabled and not getattr(self._pool, "remote", False):
             from ..watchdog import Watchdog
 
-            self.watchdog = Watchdog(backend=self.pool.backend, pool=self.pool, parent=self)
+            self.watchdog = Watchdog(backend=self._pool.backend, pool=self._pool, parent=self)
             self._tasks.append(loop.create_task(self._every(lambda: self.watchdog.interval, self.watchdog_once, "watchdog")))
 
+    async def _reopen_until_available(self) -> None:
+        """While the pool could not be opened, try again every ``retry_interval`` seconds."""
+        while self._pool is None:
+            await asyncio.sleep(max(0.05, float(self.retry_interval)))
+            if await asyncio.to_thread(self.open_pool):
+                self._ensure_started()
+
     async def stop_extension(self) -> None:
-        """Stop the loops, withdraw queued starts, shut our kernels down (releasing their slices)."""
-        for task in self._tasks:
+        """Stop the loops, withdraw queued starts, shut our kernels down (releasing their slices).
+
+        Each step on its own: whatever failed before (a pool that never opened), the server stops.
+        """
+        tasks, self._tasks = list(getattr(self, "_tasks", [])), []
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(BaseException):
-                await task
-        self._tasks = []
-        assert self.serverapp is not None
-        km = self.serverapp.kernel_manager
-        for kernel_id in list(km.list_kernel_ids()):
+                await asyncio.wait_for(task, 5)
+        serverapp = self.serverapp
+        km = getattr(serverapp, "kernel_manager", None)
+        if km is not None and self._pool is not None:
+            for kernel_id in list(km.list_kernel_ids()):
+                with contextlib.suppress(Exception):
+                    withdrawn = self.withdraw_queued(kernel_id, "server stopped while the kernel was queued")
+                    if withdrawn is not None:
+                        self.emit("released", withdrawn, message=withdrawn.release_reason)
+        if km is not None:
             with contextlib.suppress(Exception):
-                withdrawn = self.withdraw_queued(kernel_id, "server stopped while the kernel was queued")
-                if withdrawn is not None:
-                    self.emit("released", withdrawn, message=withdrawn.release_reason)
-        with contextlib.suppress(Exception):
-            await km.shutdown_all()
+                await km.shutdown_all()
         restore = getattr(self, "_restore_spec_manager", None)
         if restore is not None:
             restore()
+
+    #: Steps whose failure with PoolUnavailable means the pool is unavailable (shown to users), not just a failed step.
+    POOL_STEPS = ("tick", "reconcile")
 
     async def _every(self, interval: Any, step: Any, name: str) -> None:
         last_problem = ""
@@ -280,10 +527,15 @@ class GpuPoolExtension(ExtensionApp):
                 if last_problem:
                     self.log.info("gpupool: %s works again", name)
                 last_problem = ""
+                if name in self.POOL_STEPS and self._failed_call:
+                    self._set_available()
             except asyncio.CancelledError:
                 raise
             except GpuPoolError as err:  # e.g. the broker is down: one line, once, not a traceback a second
-                if str(err) != last_problem:
+                if name in self.POOL_STEPS and isinstance(err, PoolUnavailable):
+                    self._failed_call = True
+                    self._set_unavailable(err)
+                elif str(err) != last_problem:
                     self.log.warning("gpupool: %s step failed: %s", name, err)
                 last_problem = str(err)
             except Exception:
@@ -334,10 +586,14 @@ class GpuPoolExtension(ExtensionApp):
                 connections=connections,
             )
 
+        stale = [p for k in km.list_kernel_ids() if (p := self.provisioner_of(k)) is not None and p.stale_lease_id]
+
         def step() -> tuple[list[Decision], dict[str, tuple[GpuPoolProvisioner, Lease]]]:
             if activities:
                 self.pool.report_activities(activities)
             decisions = self.pool.tick()
+            for prov in stale:  # leases held before a CPU-only restart: the pool answers again, hand them back
+                prov.release_stale()
             return decisions, self._kernel_leases()
 
         decisions, leases = await asyncio.to_thread(step)
@@ -455,9 +711,27 @@ class GpuPoolExtension(ExtensionApp):
     def plan_for(self, lease: Lease) -> EnforcementPlan:
         return plan_enforcement(lease, self.pool.devices(), self.enforcement)
 
+    def failure_of(self, kernel_id: str) -> str | None:
+        """Why the last start of ``kernel_id`` failed (None if it did not, or if it is gone)."""
+        prov = self.provisioner_of(kernel_id)
+        if prov is not None and prov.failure and prov.phase == "failed":
+            return prov.failure
+        return self._failed.get(kernel_id)
+
     def kernel_status(self, kernel_id: str, lease: Lease | None) -> dict[str, Any]:
-        """The ``GET /api/gpupool/kernels/{kernel_id}`` body (see openapi.yaml)."""
-        return kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, time.time())
+        """The ``GET /api/gpupool/kernels/{kernel_id}`` body (see openapi.yaml): ``failed`` with the
+        reason for a kernel whose start failed, ``unavailable`` for one running CPU-only because
+        the pool could not be used, else its lease."""
+        now = time.time()
+        failure = self.failure_of(kernel_id)
+        if failure is not None:
+            return kernel_status_without_pool(kernel_id, self.owner, now, "failed", failure, lease)
+        prov = self.provisioner_of(kernel_id)
+        if prov is not None and prov.cpu_only_reason and not prov.lease_id:
+            return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", prov.cpu_only_reason, None)
+        if self._pool is None or (lease is None and not self.available):
+            return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", self.availability()["reason"], None)
+        return kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)
 
     # --- events -----------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
 from ..core.models import Lease
-from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
+from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
 from ..httputil import JsonHandlerMixin
 from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
 
@@ -93,8 +94,17 @@ class PoolHandler(GpuPoolHandler):
     @authorized
     async def get(self) -> None:
         viewer, admin = self.viewer(), self.is_admin()
-        snapshot = await asyncio.to_thread(self.ext.pool.snapshot, viewer, admin)
+        try:
+            snapshot = await asyncio.to_thread(self.ext.pool.snapshot, viewer, admin)
+        except PoolUnavailable as err:  # the pool's state, not an error: "unavailable" with the reason
+            body = {"devices": [], "leases": [], "queue": [], "now": time.time(), "quota": {}, "backend": None, "policy": None}
+            body.update(self.ext.availability(), viewer={"name": viewer, "admin": admin})
+            if body["state"] == "available":  # a call failed before the server's own loops noticed
+                body.update(state="unavailable", reason=str(err))
+            self.write_json(body)
+            return
         body = asdict(snapshot)
+        body.update(self.ext.availability())
         body["viewer"] = {"name": viewer, "admin": admin}
         body["backend"] = self.ext.pool.backend.describe()
         policy = self.ext.pool.policy
@@ -113,12 +123,20 @@ class KernelHandlerBase(GpuPoolHandler):
 
     auth_resource = "gpupool:kernels"
 
+    def is_owner_or_admin(self, owner: str) -> bool:
+        return owner == self.viewer() or self.is_admin()
+
     def kernel_lease(self, kernel_id: str) -> Lease | None:
         """The kernel's newest lease (live, else the last released one); 404 / 403 as due."""
         ext = self.ext
-        pool = ext.pool
-        lease = pool.lease_for_kernel(kernel_id) or pool.last_lease_for_kernel(kernel_id)
         in_server = kernel_id in self.kernel_manager
+        try:
+            pool = ext.pool
+            lease = pool.lease_for_kernel(kernel_id) or pool.last_lease_for_kernel(kernel_id)
+        except PoolUnavailable:
+            if not in_server or not self.is_owner_or_admin(ext.owner):
+                raise
+            lease = None  # ours, on this server: its status says the pool is unavailable
         if lease is None and not in_server:
             raise LeaseNotFound(f"no kernel {kernel_id!r} on this server and no GPU lease for it")
         owner = lease.owner if lease is not None else ext.owner
@@ -128,6 +146,8 @@ class KernelHandlerBase(GpuPoolHandler):
 
     def live_lease(self, kernel_id: str) -> Lease:
         lease = self.kernel_lease(kernel_id)
+        if lease is None and not self.ext.available:
+            raise PoolUnavailable(f"the GPU pool is unavailable: {self.ext.availability()['reason']}")
         if lease is None or not lease.live:
             why = f" ({lease.release_reason})" if lease is not None and lease.release_reason else ""
             raise RequestRefused(f"kernel {kernel_id} has no GPU slice{why}; restart the kernel to queue for a new one")
