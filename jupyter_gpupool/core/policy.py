@@ -272,7 +272,7 @@ class PoolPolicy(Configurable):
 
     default_quota = Dict(
         {},
-        help="Quota for every user without their own: {'guaranteed': '0', 'maximum': '32GiB', 'max_leases': 4}.",
+        help="Quota for every user without their own: {'guaranteed': '4GiB', 'maximum': '32GiB', 'max_leases': 4} (each key optional; no 'guaranteed': nothing guaranteed).",
     ).tag(config=True)
 
     user_quotas = Dict(
