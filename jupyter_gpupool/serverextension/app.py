@@ -158,6 +158,12 @@ class GpuPoolExtension(ExtensionApp):
             raise PoolUnavailable(f"the GPU pool is unavailable: {self.unavailable_reason or 'not opened yet'}")
         return self._pool
 
+    def _pool_for_kernels(self) -> Any:
+        """The pool for a kernel start; PoolUnavailable carrying just the reason while there is none."""
+        if self._pool is None:
+            raise PoolUnavailable(self.unavailable_reason or "the GPU pool is not open yet")
+        return self._pool
+
     @property
     def available(self) -> bool:
         return self._pool is not None and self.unavailable_reason is None
@@ -201,7 +207,7 @@ class GpuPoolExtension(ExtensionApp):
         with contextlib.suppress(Exception):  # already registered by an earlier server in this process
             self.event_logger.register_event_schema(LEASE_SCHEMA_PATH)
         self.binding = ServerBinding(
-            open_pool=lambda: self.pool,
+            open_pool=self._pool_for_kernels,
             current_owner=lambda: self.owner,
             enforcement=self.enforcement,
             listeners=[self._on_lease],
