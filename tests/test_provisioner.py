@@ -241,3 +241,68 @@ def test_size_from_kernelspec_then_saved_preference_then_policy(gpupool_env) -> 
     assert SIZE_FORMS in str(err.value) and "kernelspec" in str(err.value)
     with pytest.raises(InvalidInput, match="batch, normal or high"):
         request({"priority": "urgent"})
+
+
+# --- fail closed outside a server (nbconvert, nbclient, papermill) -------------------------------
+
+
+@pytest.mark.gpupool_env(GPUPOOL_IDLE_TIMEOUT="soon")
+def test_pool_that_cannot_open_gives_a_cpu_only_kernel_never_an_unpooled_one(envdump_spec, caplog) -> None:
+    """Outside a server, a pool that cannot be opened (here an invalid GPUPOOL_* value) starts the
+    kernel with every GPU hidden, no lease, and a warning naming the cause; restart keeps it so."""
+    ksm, dump = envdump_spec
+
+    async def scenario() -> None:
+        km = AsyncKernelManager(kernel_name="envdump", kernel_spec_manager=ksm)
+        with caplog.at_level("WARNING"):
+            await km.start_kernel()
+        try:
+            prov = km.provisioner
+            env = (await read_dump(dump, prov.pid))["env"]
+            # The kernelspec asked for CUDA_VISIBLE_DEVICES=all: fail closed wins over it.
+            assert env["CUDA_VISIBLE_DEVICES"] == "" and env["NVIDIA_VISIBLE_DEVICES"] == "void"
+            assert "GPUPOOL_LEASE_ID" not in env and "GPUPOOL_DB" not in env
+            assert "GPUPOOL_IDLE_TIMEOUT" in env["GPUPOOL_UNAVAILABLE"]
+            assert prov.lease_id is None and prov.cpu_only_reason and prov.failure is None
+            assert any("starts CPU-only" in r.getMessage() and "GPUPOOL_IDLE_TIMEOUT" in r.getMessage() for r in caplog.records)
+            await km.restart_kernel(now=True)
+            again = (await read_dump(dump, km.provisioner.pid))["env"]
+            assert again["CUDA_VISIBLE_DEVICES"] == ""
+        finally:
+            await km.shutdown_kernel(now=True)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_IDLE_TIMEOUT="soon", GPUPOOL_WHEN_UNAVAILABLE="refuse")
+def test_refuse_outside_a_server_fails_the_start_with_the_reason(envdump_spec) -> None:
+    ksm, dump = envdump_spec
+
+    async def scenario() -> None:
+        from jupyter_gpupool.errors import PoolUnavailable
+
+        km = AsyncKernelManager(kernel_name="envdump", kernel_spec_manager=ksm)
+        with pytest.raises(PoolUnavailable, match="GPUPOOL_IDLE_TIMEOUT"):
+            await km.start_kernel()
+        assert km.provisioner is None or not km.provisioner.has_process
+        assert not list(dump.parent.glob(dump.name + ".*"))  # no kernel process ever ran
+
+    asyncio.run(scenario())
+
+
+def test_a_request_larger_than_any_gpu_fails_the_start_with_the_reason(envdump_spec, gpupool_env) -> None:
+    ksm, dump = envdump_spec
+    pool_from_env().set_preference("alice", memory="64GiB")
+    spec = json.loads((Path(ksm.kernel_dirs[0]) / "envdump" / "kernel.json").read_text())
+    spec["metadata"]["kernel_provisioner"]["config"] = {}
+    (Path(ksm.kernel_dirs[0]) / "envdump" / "kernel.json").write_text(json.dumps(spec))
+
+    async def scenario() -> None:
+        from jupyter_gpupool.errors import RequestRefused
+
+        km = AsyncKernelManager(kernel_name="envdump", kernel_spec_manager=ksm)
+        with pytest.raises(RequestRefused):
+            await km.start_kernel()
+        assert km.provisioner.phase == "failed" and "16 GiB" in km.provisioner.failure
+
+    asyncio.run(scenario())
