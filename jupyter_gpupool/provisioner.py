@@ -459,7 +459,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         self.phase = "launching"
         self.plan = cpu_only_plan(reason)
         env = dict(kwargs.get("env") or os.environ)
-        for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_MEMORY_LIMIT", "GPUPOOL_DB", "GPUPOOL_URL", "GPUPOOL_TOKEN"):
+        for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_MEMORY_LIMIT"):  # GPUPOOL_DB/URL stay: %gpupool finds the pool once back
             env.pop(name, None)
         env["GPUPOOL_KERNEL_ID"] = str(self.kernel_id or "")
         kwargs["env"] = self.plan.apply(env)

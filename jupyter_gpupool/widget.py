@@ -17,9 +17,9 @@ from typing import Any
 import ipywidgets as widgets
 
 from .core.models import LeaseState
-from .errors import GpuPoolError
+from .errors import GpuPoolError, PoolUnavailable
 from .kernel.client import DEFAULT_KEEP, PoolClient
-from .kernel.status import KernelStatus
+from .kernel.status import KernelStatus, unavailable_status
 from .units import format_duration, parse_duration
 
 _STATE_COLORS = {
@@ -28,6 +28,7 @@ _STATE_COLORS = {
     "suspended": "#6a1b9a",
     "released": "#757575",
     "none": "#757575",
+    "unavailable": "#c62828",
 }
 
 
@@ -100,12 +101,17 @@ class PoolStatus(widgets.VBox):
         with self._lock:
             try:
                 status = self.client.status()
+            except PoolUnavailable as err:  # shown as the pool's state, like a CPU-only kernel's, with the reason
+                status = unavailable_status(str(err))
+                self.message.value = _error_html(f"GPU pool unavailable: {err}")
             except GpuPoolError as err:
                 self.message.value = _error_html(str(err))
                 return
             except Exception as err:  # noqa: BLE001 -- a broken refresh must not kill the thread
                 self.message.value = _error_html(f"cannot read the pool: {err}")
                 return
+            if status.unavailable and not status.lease:
+                self.message.value = _error_html(f"GPU pool unavailable: {status.unavailable}")
             self.last_status = status
             self._show(status)
             self.refresh_count += 1

@@ -36,7 +36,7 @@ def _nvml_works() -> bool:
         from jupyter_gpupool.devices.nvml import NvmlBackend
 
         NvmlBackend().close()
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure means no usable GPU here
         return False
     return True
 

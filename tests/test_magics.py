@@ -245,3 +245,26 @@ def test_terminal_ipython_prints_plain_text(pool_env: PoolEnv) -> None:
     assert "gpupool: this kernel's GPU slice" in out and "4 GiB on GPU 0" in out
     assert "<table" not in out
     assert "gpupool: invalid size '12XB'" in out and "Traceback" not in out
+
+
+def test_cpu_only_kernel_and_unreachable_pool_say_unavailable_with_the_reason(
+    pool_env: PoolEnv, kernel_factory: Any, tmp_path: Any
+) -> None:
+    """A kernel started CPU-only (the pool was unavailable) says so and why; a pool that cannot be
+    opened now shows as ``unavailable`` with the reason, not as a failed magic."""
+    env = pool_env.kernel_env()
+    for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_MEMORY_LIMIT"):
+        env.pop(name)
+    env["GPUPOOL_UNAVAILABLE"] = "no NVIDIA driver found (NVML: NVML Shared Library Not Found)"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    text = kernel_factory(env).run("%gpupool status").plain()
+    assert "unavailable" in text and "no NVIDIA driver found" in text and "CPU-only" in text, text
+
+    broken = tmp_path / "broken.sqlite"
+    broken.write_bytes(b"not a pool file\n" * 64)
+    env = pool_env.kernel_env()
+    env["GPUPOOL_DB"] = str(broken)
+    result = kernel_factory(env).run("%gpupool status", allow_error=True)
+    assert result.status == "ok", result.errors
+    text = result.plain()
+    assert "unavailable" in text and str(broken) in text, text

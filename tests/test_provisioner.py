@@ -261,7 +261,7 @@ def test_pool_that_cannot_open_gives_a_cpu_only_kernel_never_an_unpooled_one(env
             env = (await read_dump(dump, prov.pid))["env"]
             # The kernelspec asked for CUDA_VISIBLE_DEVICES=all: fail closed wins over it.
             assert env["CUDA_VISIBLE_DEVICES"] == "" and env["NVIDIA_VISIBLE_DEVICES"] == "void"
-            assert "GPUPOOL_LEASE_ID" not in env and "GPUPOOL_DB" not in env
+            assert "GPUPOOL_LEASE_ID" not in env and "GPUPOOL_MEMORY_LIMIT" not in env
             assert "GPUPOOL_IDLE_TIMEOUT" in env["GPUPOOL_UNAVAILABLE"]
             assert prov.lease_id is None and prov.cpu_only_reason and prov.failure is None
             assert any("starts CPU-only" in r.getMessage() and "GPUPOOL_IDLE_TIMEOUT" in r.getMessage() for r in caplog.records)
@@ -291,7 +291,7 @@ def test_refuse_outside_a_server_fails_the_start_with_the_reason(envdump_spec) -
 
 
 def test_a_request_larger_than_any_gpu_fails_the_start_with_the_reason(envdump_spec, gpupool_env) -> None:
-    ksm, dump = envdump_spec
+    ksm, _dump = envdump_spec
     pool_from_env().set_preference("alice", memory="64GiB")
     spec = json.loads((Path(ksm.kernel_dirs[0]) / "envdump" / "kernel.json").read_text())
     spec["metadata"]["kernel_provisioner"]["config"] = {}

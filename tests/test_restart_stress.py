@@ -78,7 +78,7 @@ def test_restarts_mixed_with_reserve_release_stop_never_fail(seed, arun, jp_serv
         for _ in range(16):
             batch = [op(rng.choice(kinds) if len(kernels) < 4 else rng.choice(kinds[3:])) for _ in range(3)]
             await asyncio.gather(*batch)
-        for kernel_id in list(kernels):
+        for kernel_id in kernels:
             response = await gpupool_fetch("api", "kernels", kernel_id, method="DELETE")
             log.append(("stop", kernel_id, response.code, response.body.decode()[:200]))
         pool = gpupool_ext.pool

@@ -88,7 +88,9 @@ def test_pool_errors_show_in_the_widget_not_as_exceptions() -> None:
     widget = PoolStatus(client=InProcessPoolClient(env={}, pool_factory=broken), autostart=False)
     try:
         assert "cannot open the GPU pool at /nowhere" in widget.message.value
-        assert widget.last_status is None
+        # The pool's state, not a crash: "unavailable", and the kernel has no slice.
+        assert widget.last_status is not None and widget.last_status.state == "unavailable"
+        assert "unavailable" in widget.title.value and widget.keep_button.disabled
     finally:
         widget.close()
 

@@ -188,6 +188,10 @@ class InProcessPoolClient(PoolClient):
 
     # -- the interface -----------------------------------------------------------------------
     def status(self) -> KernelStatus:
+        started_without_pool = self.env.get("GPUPOOL_UNAVAILABLE")
+        if started_without_pool and not self._lease_id:
+            # Started CPU-only because the pool was unavailable: say so without opening it.
+            return KernelStatus(lease=None, unavailable=started_without_pool, now=time.time())
         lease = self.current()
         policy = getattr(self.pool, "policy", None)
         info: QueueInfo | None = None

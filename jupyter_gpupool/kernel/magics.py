@@ -13,10 +13,10 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.display import display
 
 from ..core.models import Lease, LeaseState, QueueInfo
-from ..errors import GpuPoolError
+from ..errors import GpuPoolError, PoolUnavailable
 from ..units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size
 from .client import DEFAULT_KEEP, PoolClient
-from .status import QueueReport, Report, status_report
+from .status import QueueReport, Report, status_report, unavailable_status
 
 DESCRIPTION = (
     """\
@@ -194,7 +194,11 @@ class GpuPoolMagics(Magics):
         print(self.parser.format_help().rstrip())
 
     def _do_status(self, args: argparse.Namespace) -> None:
-        display(status_report(self.client.status()))
+        try:
+            status = self.client.status()
+        except PoolUnavailable as err:  # the pool's state, not a failure of the magic
+            status = unavailable_status(str(err))
+        display(status_report(status))
 
     def _do_reserve(self, args: argparse.Namespace) -> None:
         before = self.client.status().lease

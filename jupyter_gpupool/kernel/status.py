@@ -25,10 +25,13 @@ class KernelStatus:
     local_usage: int | None = None  # bytes PyTorch/CuPy of this process hold (None: unknown)
     now: float = field(default_factory=time.time)
     note: str = ""  # e.g. why there is no lease
+    unavailable: str | None = None  # why the GPU pool cannot be used (this kernel then runs CPU-only)
 
     # -- derived values, shared by text, HTML and the widget ---------------------------------
     @property
     def state(self) -> str:
+        if self.lease is None and self.unavailable:
+            return "unavailable"
         return self.lease.state.value if self.lease else "none"
 
     @property
@@ -47,6 +50,8 @@ class KernelStatus:
 
     def share_text(self) -> str:
         lease = self.lease
+        if lease is None and self.unavailable:
+            return "none: the GPU pool is unavailable, so this kernel runs CPU-only (CUDA_VISIBLE_DEVICES=''); restart it once the pool is back"
         if lease is None:
             return "no GPU slice" + (f": {self.note}" if self.note else "")
         size = format_size(lease.memory)
@@ -112,6 +117,8 @@ class KernelStatus:
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) pairs in display order."""
         rows = [("GPU slice", self.share_text()), ("state", self.state)]
+        if self.unavailable:
+            rows.append(("GPU pool", f"unavailable: {self.unavailable}"))
         if self.lease is not None and self.lease.state is not LeaseState.RELEASED:
             rows.append(("usage", self.usage_text()))
             if self.lease.state is LeaseState.QUEUED:
@@ -161,6 +168,11 @@ class Report:
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(repr(self))
+
+
+def unavailable_status(reason: str) -> KernelStatus:
+    """What this kernel shows while the pool cannot be used: no slice, and why."""
+    return KernelStatus(lease=None, unavailable=reason)
 
 
 def status_report(status: KernelStatus, title: str = "gpupool: this kernel's GPU slice") -> Report:
