@@ -142,7 +142,8 @@ export class GpuPoolModel implements IDisposable {
       missing: record?.missing ?? false,
       error: record?.error ?? null,
       eventReason: record?.eventReason ?? null,
-      now: this.serverNow
+      now: this.serverNow,
+      pool: this._pool
     });
   }
 
@@ -239,7 +240,8 @@ export class GpuPoolModel implements IDisposable {
     if (kernelId) {
       jobs.push(this._fetchKernel(kernelId));
     }
-    if (this._poolWanted || (!this._pool && !this._poolError)) {
+    // While the pool is unavailable keep asking, so the status bar sees it come back.
+    if (this._poolWanted || (!this._pool && !this._poolError) || this._pool?.state === 'unavailable') {
       jobs.push(this._fetchPool());
     }
     const results = await Promise.all(jobs);

@@ -112,6 +112,13 @@ function PoolSection(props: { pool: IPoolView | null; error: string | null }): J
           {error ? `Pool unavailable: ${error}` : 'Loading…'}
         </p>
       )}
+      {pool?.unavailable && (
+        <div className="jp-GpuPool-unavailable" role="alert">
+          <strong>{pool.unavailable.title}</strong>
+          <p>{pool.unavailable.reason}</p>
+          <p className="jp-GpuPool-muted">{pool.unavailable.kernels}</p>
+        </div>
+      )}
       {pool && (
         <>
           <ul className="jp-GpuPool-devices">
@@ -441,6 +448,8 @@ function phaseLabel(phase: IKernelView['phase']): string {
       return 'no GPU';
     case 'loading':
       return '…';
+    case 'cpu-only':
+      return 'CPU only';
     default:
       return phase;
   }

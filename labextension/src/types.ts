@@ -15,8 +15,15 @@ export const EVENT_SCHEMA_PREFIX = 'https://events.jupyter.org/jupyter_gpupool/'
 
 export type LeaseState = 'queued' | 'granted' | 'suspended' | 'released';
 
-/** A kernel's state in `GET /api/gpupool/kernels/{id}`: `none` when it holds no lease. */
-export type KernelLeaseState = LeaseState | 'none';
+/**
+ * A kernel's state in `GET /api/gpupool/kernels/{id}`: `none` when it holds no lease,
+ * `unavailable` when it runs CPU-only because the pool could not be used, `failed` when its
+ * start failed (no kernel process); the last two come with a `reason`.
+ */
+export type KernelLeaseState = LeaseState | 'none' | 'unavailable' | 'failed';
+
+/** The pool's own state in `GET /api/gpupool/pool`. */
+export type PoolState = 'available' | 'unavailable';
 
 /** A GPU as `GET /api/gpupool/pool` lists it. */
 export interface IDevice {
@@ -71,6 +78,14 @@ export interface IPoolSnapshot {
   user?: { name: string; admin: boolean };
   /** Server time (epoch seconds) when the snapshot was taken. */
   now?: number;
+  /** `unavailable` (with `reason`) while the server cannot use the pool; absent from older servers. */
+  state?: PoolState;
+  reason?: string | null;
+  /** True when the cause is simply that the host has no NVIDIA GPU and no simulated pool. */
+  no_gpu?: boolean;
+  /** What kernel starts do meanwhile: run CPU-only, or be refused. */
+  when_unavailable?: 'cpu-only' | 'refuse';
+  unavailable_since?: number | null;
 }
 
 /** What enforces a slice and how strongly. */
@@ -104,6 +119,8 @@ export interface IKernelStatus {
   over_limit_since?: number | null;
   /** Server time (epoch seconds) of the answer: optional, the Date header otherwise. */
   now?: number | null;
+  /** Why the kernel is `unavailable` (runs CPU-only) or `failed` (did not start). */
+  reason?: string | null;
 }
 
 /** An error answer of the API: `message` is the server's one-line text. */

@@ -28,6 +28,8 @@ export type KernelPhase =
   | 'granted'
   | 'suspended'
   | 'released'
+  | 'cpu-only' // the pool is unavailable: the kernel runs without a GPU
+  | 'failed' // the kernel's start failed (the pool refused it, or was unavailable with "refuse")
   | 'unavailable'; // the server extension does not answer
 
 /** A horizontal bar: a filled fraction, optional markers (e.g. the peak). */
@@ -83,6 +85,13 @@ export interface IKernelInput {
   eventReason?: string | null;
   /** Server time, epoch seconds. */
   now: number;
+  /** The pool's state from the last snapshot, if any (an unavailable pool shows in the status bar). */
+  pool?: Pick<IPoolSnapshot, 'state' | 'reason' | 'no_gpu' | 'when_unavailable'> | null;
+}
+
+/** "No GPU pool" when the host simply has no GPU, else "GPU pool unavailable". */
+export function unavailableTitle(pool: { no_gpu?: boolean } | null | undefined): string {
+  return pool?.no_gpu ? 'No GPU pool' : 'GPU pool unavailable';
 }
 
 const EMPTY: Omit<IKernelView, 'phase' | 'summary'> = {
@@ -144,6 +153,28 @@ export function rightSizeHint(
 
 /** The panel's and status bar's view of the current kernel. */
 export function kernelView(input: IKernelInput): IKernelView {
+  const view = kernelViewOf(input);
+  const pool = input.pool;
+  if (
+    pool?.state === 'unavailable' &&
+    ['no-kernel', 'no-lease', 'loading'].includes(view.phase)
+  ) {
+    // Nothing about this kernel says more: say the pool is unavailable, and why.
+    const title = unavailableTitle(pool);
+    const kernels =
+      pool.when_unavailable === 'refuse'
+        ? 'kernels are refused until it is back'
+        : 'kernels run CPU-only';
+    return {
+      ...view,
+      statusText: title,
+      statusTitle: `${title}: ${pool.reason || 'no reason given'}; ${kernels}`
+    };
+  }
+  return view;
+}
+
+function kernelViewOf(input: IKernelInput): IKernelView {
   const { status, now } = input;
   if (!input.kernelId) {
     return {
@@ -157,6 +188,8 @@ export function kernelView(input: IKernelInput): IKernelView {
       return {
         ...EMPTY,
         phase: 'unavailable',
+        statusText: 'GPU pool unavailable',
+        statusTitle: `GPU pool unavailable: ${input.error}`,
         summary: `GPU pool unavailable: ${input.error}`
       };
     }
@@ -180,6 +213,29 @@ export function kernelView(input: IKernelInput): IKernelView {
       };
     }
     return { ...EMPTY, phase: 'loading', summary: 'Asking the GPU pool…' };
+  }
+
+  if (status.state === 'unavailable') {
+    const reason = status.reason || input.pool?.reason || 'no reason given';
+    const title = unavailableTitle(input.pool);
+    return {
+      ...EMPTY,
+      phase: 'cpu-only',
+      statusText: title,
+      statusTitle: `${title}: ${reason}; this kernel runs CPU-only`,
+      summary: `${title} (${reason}): this kernel runs CPU-only, without a GPU. Restart it once the pool is back to get a slice.`
+    };
+  }
+
+  if (status.state === 'failed') {
+    const reason = status.reason || 'no reason given';
+    return {
+      ...EMPTY,
+      phase: 'failed',
+      statusText: 'GPU start failed',
+      statusTitle: `This kernel did not start: ${reason}`,
+      summary: `This kernel did not start: ${reason}`
+    };
   }
 
   if (status.state === 'none' || !['queued', 'granted', 'suspended', 'released'].includes(status.state)) {
@@ -376,6 +432,8 @@ export interface IDeviceView {
 
 /** The pool view. */
 export interface IPoolView {
+  /** Set while the server cannot use the pool: what to say, and why. */
+  unavailable: { title: string; reason: string; kernels: string } | null;
   devices: IDeviceView[];
   queueText: string;
   quota: Array<{ label: string; value: string }>;
@@ -523,7 +581,19 @@ export function poolView(
     },
     null
   );
+  const unavailable =
+    snapshot.state === 'unavailable'
+      ? {
+          title: unavailableTitle(snapshot),
+          reason: snapshot.reason || 'no reason given',
+          kernels:
+            snapshot.when_unavailable === 'refuse'
+              ? 'New kernels are refused until the pool is back.'
+              : 'Kernels run CPU-only (no GPU) until the pool is back; restart a kernel then to get a slice.'
+        }
+      : null;
   return {
+    unavailable,
     devices,
     queueText,
     quota: quotaLines(snapshot.quota),

@@ -268,3 +268,85 @@ describe('checkReserve', () => {
     expect(checkReserve('50%', '', null, null).sizeError).toContain('a percentage needs a GPU');
   });
 });
+
+describe('an unavailable pool and failed starts', () => {
+  const unavailablePool: IPoolSnapshot = {
+    devices: [],
+    leases: [],
+    queue: [],
+    state: 'unavailable',
+    reason: 'no NVIDIA driver found (NVML: NVML Shared Library Not Found)',
+    no_gpu: true,
+    when_unavailable: 'cpu-only'
+  };
+
+  it('shows a CPU-only kernel with the reason in the panel and the status bar', () => {
+    const v = view(
+      status({ state: 'unavailable', lease_id: null, memory: 0, devices: [], reason: 'pool file is corrupt' })
+    );
+    expect(v.phase).toBe('cpu-only');
+    expect(v.statusText).toBe('GPU pool unavailable');
+    expect(v.statusTitle).toContain('pool file is corrupt');
+    expect(v.summary).toContain('CPU-only');
+    expect(v.canKeep || v.canRelease || v.canReserve).toBe(false);
+  });
+
+  it('says "No GPU pool" when the host simply has no GPU', () => {
+    const v = view(status({ state: 'unavailable', lease_id: null, memory: 0, devices: [], reason: null }), {
+      pool: unavailablePool
+    });
+    expect(v.statusText).toBe('No GPU pool');
+    expect(v.statusTitle).toContain('no NVIDIA driver found');
+  });
+
+  it('shows a failed start as failed with its reason, not as a kernel without a slice', () => {
+    const v = view(
+      status({
+        state: 'failed',
+        lease_id: null,
+        memory: 0,
+        devices: [],
+        reason: 'no GPU slice: requested 64 GiB but the largest GPU has 16 GiB'
+      })
+    );
+    expect(v.phase).toBe('failed');
+    expect(v.statusText).toBe('GPU start failed');
+    expect(v.summary).toBe('This kernel did not start: no GPU slice: requested 64 GiB but the largest GPU has 16 GiB');
+    expect(v.summary).not.toContain('holds no GPU slice');
+  });
+
+  it('puts an unavailable pool in the status bar even with no kernel open', () => {
+    const v = kernelView({ kernelId: null, status: null, missing: false, error: null, now: NOW, pool: unavailablePool });
+    expect(v.phase).toBe('no-kernel');
+    expect(v.statusText).toBe('No GPU pool');
+    expect(v.statusTitle).toContain('kernels run CPU-only');
+    const refused = kernelView({
+      kernelId: null,
+      status: null,
+      missing: false,
+      error: null,
+      now: NOW,
+      pool: { ...unavailablePool, no_gpu: false, when_unavailable: 'refuse', reason: 'broker down' }
+    });
+    expect(refused.statusText).toBe('GPU pool unavailable');
+    expect(refused.statusTitle).toBe('GPU pool unavailable: broker down; kernels are refused until it is back');
+  });
+
+  it('says the server does not answer in the status bar too', () => {
+    const v = view(null, { error: 'cannot reach the Jupyter server: offline' });
+    expect(v.phase).toBe('unavailable');
+    expect(v.statusText).toBe('GPU pool unavailable');
+  });
+
+  it('gives the pool view the reason and what kernels do meanwhile', () => {
+    const pv = poolView(unavailablePool, null)!;
+    expect(pv.unavailable).toEqual({
+      title: 'No GPU pool',
+      reason: 'no NVIDIA driver found (NVML: NVML Shared Library Not Found)',
+      kernels: 'Kernels run CPU-only (no GPU) until the pool is back; restart a kernel then to get a slice.'
+    });
+    expect(pv.devices).toEqual([]);
+    const available = poolView({ ...unavailablePool, state: 'available', reason: null }, null)!;
+    expect(available.unavailable).toBeNull();
+  });
+});
