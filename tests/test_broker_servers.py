@@ -63,21 +63,43 @@ def test_two_users_servers_and_kernels_share_the_broker_pool(tmp_path):
         harness.stop()
 
 
-def test_broker_down_means_no_kernel_rather_than_an_unpooled_gpu(tmp_path):
+def Server_with(tmp: Path, user: str, broker_url: str, token: str, **extra: str) -> BaseServer:
+    env: dict[str, str | None] = {"GPUPOOL_URL": broker_url, "GPUPOOL_TOKEN": token, "GPUPOOL_DB": None, "GPUPOOL_SIMULATE": None}
+    env.update(extra)
+    return BaseServer(tmp, user, env)
+
+
+def test_broker_down_means_a_cpu_only_kernel_or_none_never_an_unpooled_gpu(tmp_path):
+    """The broker is down when kernels start: by default they run CPU-only (every GPU hidden) and
+    the server says why; with GPUPOOL_WHEN_UNAVAILABLE=refuse no kernel process runs at all."""
     harness = BrokerHarness(tmp_path).start()
     harness.add_user("alice-hub-token", "alice")
+    harness.add_user("bob-hub-token", "bob")
     url = harness.url
     alice = Server(tmp_path, "alice", url, "alice-hub-token")
+    bob = Server_with(tmp_path, "bob", url, "bob-hub-token", GPUPOOL_WHEN_UNAVAILABLE="refuse")
     try:
         harness.stop()
         kernel_id = alice.call("POST", "api/kernels", {"name": "python3"})["id"]  # pending: returns at once
+        status = wait_for(
+            lambda: (s := alice.call("GET", f"api/gpupool/kernels/{kernel_id}"))["state"] == "unavailable" and s,
+            timeout=30,
+            what="alice's kernel to start CPU-only",
+        )
+        assert "is not reachable" in status["reason"] and "CPU-only" in status["enforcement"]["description"]
+        log = (tmp_path / "alice" / "server.log").read_text()
+        assert f"kernel {kernel_id} starts CPU-only (CUDA_VISIBLE_DEVICES='')" in log
 
-        log_path = tmp_path / "alice" / "server.log"
-        wait_for(lambda: "gets no GPU slice" in log_path.read_text(), timeout=30, what="the start to fail")
-        log = log_path.read_text()
-        assert "broker" in log and "is not reachable" in log and "unset GPUPOOL_URL" in log
-        # The kernel never ran: no process was launched without a slice.
-        assert "IPKernelApp" not in log
-        assert f"kernel {kernel_id} gets no GPU slice" in log
+        refused = bob.call("POST", "api/kernels", {"name": "python3"})["id"]
+        model = wait_for(
+            lambda: (m := bob.call("GET", f"api/kernels/{refused}"))["execution_state"] == "dead" and m,
+            timeout=30,
+            what="bob's refused kernel to end dead",
+        )
+        assert "unavailable" in model["reason"] and "is not reachable" in model["reason"]
+        assert bob.call("GET", f"api/gpupool/kernels/{refused}")["state"] == "failed"
+        bob_log = (tmp_path / "bob" / "server.log").read_text()
+        assert "IPKernelApp" not in bob_log  # no kernel process was launched
     finally:
         alice.stop()
+        bob.stop()

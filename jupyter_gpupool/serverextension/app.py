@@ -150,6 +150,7 @@ class GpuPoolExtension(ExtensionApp):
     unavailable_since: float | None = None
     no_gpu: bool = False
     _failed_call: bool = False  # unavailable because a call on an open pool failed (not because it could not open)
+    _stopping: bool = False
 
     @property
     def pool(self) -> Any:
@@ -193,6 +194,7 @@ class GpuPoolExtension(ExtensionApp):
         self._warned: dict[str, float] = {}
         self._failed: dict[str, str] = {}
         self._restarts: dict[str, asyncio.Future[Any]] = {}
+        self._stopping = False
         self.tick_count = 0
         self.reconcile_count = 0
         self.open_attempts = 0
@@ -363,8 +365,10 @@ class GpuPoolExtension(ExtensionApp):
 
     async def _settle(self, km: Any, kernel_id: str) -> None:
         """Before a shutdown: withdraw the kernel's queued request (its start or restart then fails
-        fast) and wait, bounded, for a start or restart in progress to end."""
-        deadline = time.monotonic() + self.shutdown_wait
+        fast) and wait, bounded, for a start or restart in progress to end; past the bound (the
+        pool cannot be reached to withdraw it) cancel the start, so a shutdown never hangs."""
+        limit = self.shutdown_wait if not self._stopping else min(self.shutdown_wait, 3.0)
+        deadline = time.monotonic() + limit
         while True:
             with contextlib.suppress(Exception):  # the pool may be unavailable: shut down anyway
                 reason = "kernel shut down while queued"
@@ -375,9 +379,24 @@ class GpuPoolExtension(ExtensionApp):
             kernel = km._kernels.get(kernel_id)
             ready = getattr(kernel, "ready", None)
             busy = (restart is not None and not restart.done()) or (ready is not None and not ready.done())
-            if not busy or time.monotonic() > deadline:
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                self._cancel_start(km, kernel_id, kernel)
                 return
             await asyncio.sleep(0.1)
+
+    def _cancel_start(self, km: Any, kernel_id: str, kernel: Any) -> None:
+        """Cancel a start or restart that still waits, and end its ``ready`` with the reason
+        (jupyter_client leaves a cancelled start's ``ready`` pending, and then cannot shut it down)."""
+        self.log.warning("gpupool: kernel %s is shut down while its start still waits: cancelling the start", kernel_id)
+        for task in (km._pending_kernels.get(kernel_id), self._restarts.get(kernel_id)):
+            if task is not None and not task.done():
+                task.cancel()
+        ready = getattr(kernel, "_ready", None)
+        if isinstance(ready, asyncio.Future) and not ready.done():
+            ready.set_exception(RuntimeError("kernel start cancelled: shut down while it waited for a GPU slice"))
+            ready.exception()  # retrieved: no "exception was never retrieved" warning
 
     def _note_failed_start(self, km: Any, kernel_id: str, error: BaseException | None = None) -> str | None:
         """If the last start of ``kernel_id`` failed, mark the kernel dead with the reason; return it."""
@@ -501,6 +520,7 @@ class GpuPoolExtension(ExtensionApp):
 
         Each step on its own: whatever failed before (a pool that never opened), the server stops.
         """
+        self._stopping = True
         tasks, self._tasks = list(getattr(self, "_tasks", [])), []
         for task in tasks:
             task.cancel()
@@ -734,7 +754,10 @@ class GpuPoolExtension(ExtensionApp):
             return kernel_status_without_pool(kernel_id, self.owner, now, "failed", failure, lease)
         prov = self.provisioner_of(kernel_id)
         if prov is not None and prov.cpu_only_reason and not prov.lease_id:
-            return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", prov.cpu_only_reason, None)
+            reason = prov.cpu_only_reason
+            if self.available:
+                reason += " (the pool is available again: restart this kernel to get a GPU slice)"
+            return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", reason, None)
         if self._pool is None or (lease is None and not self.available):
             return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", self.availability()["reason"], None)
         return kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)

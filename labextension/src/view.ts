@@ -217,7 +217,8 @@ function kernelViewOf(input: IKernelInput): IKernelView {
 
   if (status.state === 'unavailable') {
     const reason = status.reason || input.pool?.reason || 'no reason given';
-    const title = unavailableTitle(input.pool);
+    // The pool may be back since (the reason then says to restart): the kernel still runs CPU-only.
+    const title = input.pool?.state === 'available' ? 'GPU: CPU only' : unavailableTitle(input.pool);
     return {
       ...EMPTY,
       phase: 'cpu-only',

@@ -291,6 +291,14 @@ describe('an unavailable pool and failed starts', () => {
     expect(v.canKeep || v.canRelease || v.canReserve).toBe(false);
   });
 
+  it('says the kernel still runs CPU-only once the pool is back', () => {
+    const v = view(status({ state: 'unavailable', lease_id: null, memory: 0, devices: [], reason: 'x (restart)' }), {
+      pool: { state: 'available', reason: null }
+    });
+    expect(v.phase).toBe('cpu-only');
+    expect(v.statusText).toBe('GPU: CPU only');
+  });
+
   it('says "No GPU pool" when the host simply has no GPU', () => {
     const v = view(status({ state: 'unavailable', lease_id: null, memory: 0, devices: [], reason: null }), {
       pool: unavailablePool
