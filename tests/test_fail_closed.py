@@ -169,3 +169,42 @@ def test_when_unavailable_env_and_trait(monkeypatch) -> None:
     assert when_unavailable_from_env({"GPUPOOL_WHEN_UNAVAILABLE": "Refuse"}) == "refuse"
     assert when_unavailable_from_env({"GPUPOOL_WHEN_UNAVAILABLE": "open"}) == "cpu-only"
     assert os.environ.get("GPUPOOL_WHEN_UNAVAILABLE") is None
+
+
+def test_pool_file_deleted_while_serving_new_starts_cpu_only_and_restart_does_not_fail(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec, gpupool_env
+):
+    """The pool becomes unavailable later (its file deleted under the server): the pool view says
+    so with the reason, a new kernel starts CPU-only, and restarting a kernel that had a slice
+    answers 200 and brings it back CPU-only (never 500, never with its old GPU unpooled)."""
+
+    async def scenario() -> None:
+        granted_id = await start_kernel(gpupool_fetch)
+
+        async def granted() -> bool:
+            return (await get_json(gpupool_fetch, "api", "gpupool", "kernels", granted_id))[1]["state"] == "granted"
+
+        await gpupool_wait(granted, timeout=30, what="a grant")
+        assert json.loads(await kernel_exec(granted_id, ENV_CODE))["CUDA_VISIBLE_DEVICES"]
+        Path(gpupool_env["GPUPOOL_DB"]).unlink()
+
+        async def unavailable() -> dict[str, Any] | None:
+            body = (await get_json(gpupool_fetch, "api", "gpupool", "pool"))[1]
+            return body if body["state"] == "unavailable" else None
+
+        pool = await gpupool_wait(unavailable, timeout=20, what="the pool view to say unavailable")
+        assert gpupool_env["GPUPOOL_DB"] in pool["reason"], pool
+
+        response = await gpupool_fetch("api", "kernels", granted_id, "restart", method="POST")
+        assert response.code == 200, response.body
+        env = json.loads(await kernel_exec(granted_id, ENV_CODE))
+        assert env["CUDA_VISIBLE_DEVICES"] == "" and "GPUPOOL_LEASE_ID" not in env
+        status = (await get_json(gpupool_fetch, "api", "gpupool", "kernels", granted_id))[1]
+        assert status["state"] == "unavailable" and gpupool_env["GPUPOOL_DB"] in status["reason"], status
+
+        new_id = await start_kernel(gpupool_fetch)
+        assert json.loads(await kernel_exec(new_id, ENV_CODE))["CUDA_VISIBLE_DEVICES"] == ""
+        assert (await gpupool_fetch("api", "kernels", new_id, method="DELETE")).code == 204
+        assert (await gpupool_fetch("api", "kernels", granted_id, method="DELETE")).code == 204
+
+    arun(scenario())
