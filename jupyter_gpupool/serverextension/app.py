@@ -198,7 +198,7 @@ class GpuPoolExtension(ExtensionApp):
         self.tick_count = 0
         self.reconcile_count = 0
         self.open_attempts = 0
-        self.watchdog = None
+        self.watchdog: Any = None
         self.enforcement = EnforcementSettings(parent=self.serverapp).to_config()
         km = self.serverapp.kernel_manager
         if self.pending_kernels:
