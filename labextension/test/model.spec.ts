@@ -160,6 +160,26 @@ describe('GpuPoolModel', () => {
     expect(s.model.view.released).toBe('idle for 30 min while 2 kernels waited');
   });
 
+  it('keeps asking about an unavailable pool, so the status bar sees it come back', async () => {
+    const s = setup();
+    model = s.model;
+    s.client.pool_ = {
+      devices: [],
+      leases: [],
+      queue: [],
+      state: 'unavailable',
+      reason: 'no NVIDIA driver found',
+      no_gpu: true,
+      when_unavailable: 'cpu-only'
+    };
+    s.model.setKernel(null);
+    await until(() => s.model.view.statusText === 'No GPU pool');
+    expect(s.model.view.statusTitle).toContain('no NVIDIA driver found');
+    s.client.pool_ = { devices: [], leases: [], queue: [], state: 'available', reason: null };
+    await until(() => s.model.view.statusText === '');
+    expect(s.client.calls.filter(c => c === 'pool').length).toBeGreaterThanOrEqual(2);
+  });
+
   it('shows the server as unavailable when it does not answer', async () => {
     const s = setup();
     model = s.model;
