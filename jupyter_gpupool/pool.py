@@ -544,7 +544,9 @@ class Pool:
     # --- reservations and preferences -------------------------------------------------------------
     def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Reservation:
         """Hold capacity for users or groups (see :attr:`PoolPolicy.reservations` for the forms)."""
-        reservation = parse_reservation(spec, now=self._now(now))
+        now = self._now(now)
+        reservation = parse_reservation(spec, now=now)
+        self.engine.check_reservation(self.devices(), reservation, now)  # never one the pool cannot honour
         stored = dict(spec)
         if reservation.start is not None:
             stored.update(start=reservation.start, end=reservation.end)

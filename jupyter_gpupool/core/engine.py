@@ -8,11 +8,11 @@ touches Jupyter, HTTP, NVML or the clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..errors import InvalidInput, LeaseNotFound, RequestRefused
-from ..units import GIB, format_duration, format_size
+from ..units import GIB, MIB, format_duration, format_size
 from .models import (
     Activity,
     Decision,
@@ -23,12 +23,18 @@ from .models import (
     LeaseState,
     PriorityClass,
     QueueInfo,
+    MODEL_FORMS,
+    model_family,
     model_matches,
+    model_tokens,
 )
 from .placement import Demand, GpuSlot, NodeView, PlacementPolicy, make_policy, typical_demands
 from .policy import PoolPolicy, Quota, Reservation
 
 HELD_STATES = (LeaseState.GRANTED,)  # suspended leases hold no GPU memory
+#: Reclaim reasons of leases freed for a reservation (idle reclaims, then preemptions).
+RESERVATION_RECLAIM = "reclaimed for the reservation "
+RESERVATION_PREEMPT = "preempted for the reservation "
 
 
 @dataclass
@@ -77,46 +83,36 @@ class Engine:
             raise InvalidInput(f"compute share must be a percentage between 1 and 100, got {request.compute_share}")
         if request.duration is not None and request.duration <= 0:
             raise InvalidInput("duration must be positive")
+        if request.model is not None and not model_tokens(request.model):
+            raise InvalidInput(f"invalid GPU model {request.model!r}: give {MODEL_FORMS}")
         candidates = self._candidate_devices(state.devices, request.model)
         if request.model and not candidates:
-            models = sorted({d.model for d in state.devices})
-            raise RequestRefused(f"no GPU of model {request.model!r} in this pool; models here: {', '.join(models) or 'none'}")
+            models = sorted({d.model for d in state.devices if d.healthy})
+            raise RequestRefused(
+                f"no GPU of model {request.model!r} in this pool; models here: {', '.join(models) or 'none'} "
+                f"(a family name such as {model_family(model_tokens(models[0])) if models else 'A100'} matches every size of it)"
+            )
         if not candidates:
             raise RequestRefused("this pool has no GPUs")
-        largest = max(d.leasable for d in candidates)
-        if request.memory > largest:
-            raise RequestRefused(
-                f"requested {format_size(request.memory)} but the largest GPU"
-                f"{' of model ' + request.model if request.model else ''} has {format_size(largest)}; "
-                f"ask for at most {format_size(largest)}"
-            )
-        if request.num_gpus > len(candidates):
-            raise RequestRefused(
-                f"requested {request.num_gpus} GPUs but this pool has {len(candidates)}; ask for at most {len(candidates)}"
-            )
-        fitting = sorted((d.leasable for d in candidates), reverse=True)[request.num_gpus - 1]
-        if request.memory > fitting:
-            raise RequestRefused(
-                f"requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
-                f"{format_size(fitting)} fits on {request.num_gpus} GPUs; ask for at most {format_size(fitting)} each"
-            )
-        total = request.memory * request.num_gpus
+        memory, num_gpus = self._shape(request, candidates)
+        total = memory * num_gpus
         for who, quota in self._quotas(request.owner, request.groups):
             if quota.maximum is not None and total > quota.maximum:
                 raise RequestRefused(
                     f"requested {format_size(total)} but {who} maximum quota is {format_size(quota.maximum)}; "
                     f"ask for at most {format_size(quota.maximum)}"
                 )
+        self._check_queue_limits(state, request)
         priority = self.policy.priority_for(request.owner, request.groups, request.priority)
         lease = Lease(
             id=lease_id,
             owner=request.owner,
-            memory=request.memory,
+            memory=memory,
             state=LeaseState.QUEUED,
             created_at=now,
             groups=tuple(request.groups),
             kernel_id=request.kernel_id,
-            num_gpus=request.num_gpus,
+            num_gpus=num_gpus,
             compute_share=request.compute_share,
             model=request.model,
             priority=priority,
@@ -129,8 +125,79 @@ class Engine:
         )
         state.leases[lease.id] = lease
         state.touch(lease)
-        state.recent_requests.append(request.memory)
+        state.recent_requests.append(memory)
         return lease
+
+    def _shape(self, request: LeaseRequest, candidates: list[Device]) -> tuple[int, int]:
+        """(memory per GPU, number of GPUs) a request is granted as; refuses one that can never fit.
+
+        A request for one GPU with more memory than the largest candidate GPU spans the fewest GPUs
+        that hold it, in equal shares (``span_large_requests``), or is refused naming that choice.
+        """
+        sizes = sorted((d.leasable for d in candidates), reverse=True)
+        largest = sizes[0]
+        of_model = f" of model {request.model}" if request.model else ""
+        if request.num_gpus == 1 and request.memory > largest:
+            span = self.fewest_gpus(request.memory, sizes)
+            if span is None:
+                most_k, most = max(((k, k * sizes[k - 1]) for k in range(1, min(len(sizes), self.policy.max_gpus_per_lease) + 1)), key=lambda item: item[1])
+                raise RequestRefused(
+                    f"requested {format_size(request.memory)} but at most {format_size(most)} fits on this pool's GPUs{of_model} "
+                    f"({most_k} × {format_size(most // most_k)}); ask for at most {format_size(most)}"
+                )
+            num_gpus, per_gpu = span
+            if self.policy.span_large_requests:
+                return per_gpu, num_gpus
+            raise RequestRefused(
+                f"requested {format_size(request.memory)} but the largest GPU{of_model} has {format_size(largest)}; "
+                f"ask for --gpus {num_gpus} with {format_size(per_gpu)} each, or at most {format_size(largest)} on one GPU"
+            )
+        if request.num_gpus > len(sizes):
+            raise RequestRefused(
+                f"requested {request.num_gpus} GPUs but this pool has {len(sizes)}{of_model}; ask for at most {len(sizes)}"
+            )
+        fitting = sizes[request.num_gpus - 1]
+        if request.memory > fitting:
+            raise RequestRefused(
+                f"requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
+                f"{format_size(fitting)} fits on {request.num_gpus} GPUs; ask for at most {format_size(fitting)} each"
+            )
+        return request.memory, request.num_gpus
+
+    def fewest_gpus(self, memory: int, sizes: list[int]) -> tuple[int, int] | None:
+        """(GPUs, bytes each) of the fewest equal shares of ``memory`` that fit on GPUs of ``sizes``
+        (largest first), within ``max_gpus_per_lease``; None when no number does. Shares are rounded
+        up to whole MiB where that still fits."""
+        for count in range(2, min(len(sizes), self.policy.max_gpus_per_lease) + 1):
+            exact = -(-memory // count)
+            rounded = -(-exact // MIB) * MIB
+            if sizes[count - 1] >= rounded:
+                return count, rounded
+            if sizes[count - 1] >= exact:
+                return count, exact
+        return None
+
+    def _check_queue_limits(self, state: PoolState, request: LeaseRequest) -> None:
+        """Refuse a request past the per-user (or per-group) limit on waiting requests."""
+        queued = [lease for lease in state.leases.values() if lease.state is LeaseState.QUEUED]
+        cap = self.policy.max_queued_per_user
+        if cap:
+            mine = sum(1 for lease in queued if lease.owner == request.owner)
+            if mine >= cap:
+                raise RequestRefused(
+                    f"you already have {mine} requests waiting in the queue, the most one user may "
+                    f"(PoolPolicy.max_queued_per_user = {cap}); wait for one to be granted, or release one "
+                    "(jupyter gpupool leases, then jupyter gpupool release LEASE_ID)"
+                )
+        group_cap = self.policy.max_queued_per_group
+        if group_cap:
+            for group in request.groups:
+                theirs = sum(1 for lease in queued if group in lease.groups)
+                if theirs >= group_cap:
+                    raise RequestRefused(
+                        f"group {group} already has {theirs} requests waiting in the queue, the most one group may "
+                        f"(PoolPolicy.max_queued_per_group = {group_cap}); wait for one of them to be granted"
+                    )
 
     # --- the scheduler ----------------------------------------------------------------------------
     def schedule(self, state: PoolState, now: float) -> list[Decision]:
@@ -156,6 +223,7 @@ class Engine:
             decisions.append(self._decision(DecisionKind.GRANT, lease, f"granted {format_size(lease.memory)}", now))
 
         waiting = [lease for lease in state.leases.values() if lease.state is LeaseState.QUEUED]
+        decisions += self._plan_reservation_reclaims(state, now)
         decisions += self._plan_idle_reclaims(state, now, blocked if waiting else None)
         if blocked is not None:
             decisions += self._plan_preemption(state, blocked, now)
@@ -199,11 +267,12 @@ class Engine:
         self._placement_cache = (self.policy.placement, sizes, policy)
         return policy
 
-    def free_by_device(self, state: PoolState, lease: Lease | None = None) -> dict[str, int]:
-        """Leasable bytes left per healthy device, as ``lease``'s owner sees it (reservations held back)."""
+    def free_by_device(self, state: PoolState, lease: Lease | None = None, reservations: bool = True) -> dict[str, int]:
+        """Leasable bytes left per healthy device, as ``lease``'s owner sees it (reservations held back,
+        unless ``reservations`` is False)."""
         held = held_by_device(state.leases.values())
         free = {d.uuid: d.leasable - held.get(d.uuid, 0) for d in state.devices if d.healthy}
-        for reservation in state.reservations:
+        for reservation in state.reservations if reservations else ():
             if not reservation.active(state.now):
                 continue
             if lease is not None and reservation.applies_to(lease.owner, lease.groups):
@@ -282,14 +351,33 @@ class Engine:
                 return f"waits for {who} lease limit: {count} of {quota.max_leases} in use"
         return ""
 
-    def within_guarantee(self, state: PoolState, lease: Lease) -> bool:
-        held, _ = self.holdings(state, owner=lease.owner)
-        guaranteed = self.policy.quota_for_user(lease.owner).guaranteed
-        return guaranteed > 0 and held + lease.memory * lease.num_gpus <= guaranteed
+    def guarantee_for(self, state: PoolState, lease: Lease, extra: int = 0) -> str:
+        """Whose guarantee covers ``lease`` (``"your"``, ``"group staff's"``) with ``extra`` bytes more held, or ``""``.
 
-    def over_guarantee(self, state: PoolState, owner: str) -> bool:
-        held, _ = self.holdings(state, owner=owner)
-        return held > self.policy.quota_for_user(owner).guaranteed
+        User and group guarantees combine as alternatives: a lease is within guarantee when what its
+        owner holds fits in the owner's own guarantee, or what one of its groups' members hold
+        together fits in that group's guarantee. A group's guarantee is shared by its members.
+        """
+        user_guarantee = self.policy.quota_for_user(lease.owner).guaranteed
+        if user_guarantee > 0:
+            held, _ = self.holdings(state, owner=lease.owner)
+            if held + extra <= user_guarantee:
+                return "your"
+        for group in lease.groups:
+            quota = self.policy.quota_for_group(group)
+            if quota is not None and quota.guaranteed > 0:
+                held, _ = self.holdings(state, group=group)
+                if held + extra <= quota.guaranteed:
+                    return f"group {group}'s"
+        return ""
+
+    def within_guarantee(self, state: PoolState, lease: Lease) -> bool:
+        """Whether a queued lease, once granted, stays within its owner's or one of its groups' guarantee."""
+        return bool(self.guarantee_for(state, lease, extra=lease.memory * lease.num_gpus))
+
+    def over_guarantee(self, state: PoolState, lease: Lease) -> bool:
+        """Whether a granted lease is covered by no guarantee (so a request within one may preempt it)."""
+        return not self.guarantee_for(state, lease)
 
     # --- reclaim: idle and preemption -------------------------------------------------------------
     def _expire_heartbeats(self, state: PoolState, now: float) -> list[Decision]:
@@ -340,7 +428,10 @@ class Engine:
                 continue
             preempting = lease.reclaim_reason.startswith("preempt")
             if not preempting:
-                pressure_gone = self.policy.idle_policy == "pressure" and not someone_waits
+                if lease.reclaim_reason.startswith(RESERVATION_RECLAIM):
+                    pressure_gone = not self.reservation_needs(state, now)  # window closed, or members hold it
+                else:
+                    pressure_gone = self.policy.idle_policy == "pressure" and not someone_waits
                 if not self._still_idle(lease, now) or pressure_gone or self.policy.idle_policy == "never":
                     lease.warned_at = lease.reclaim_at = None
                     lease.reclaim_reason = ""
@@ -358,6 +449,7 @@ class Engine:
         policy = self.policy.idle_policy
         if policy == "never":
             return []
+        protected = self._reserved_for_others(state, blocked, now) if blocked is not None else (lambda lease: False)
         idle = [
             lease
             for lease in state.leases.values()
@@ -365,6 +457,7 @@ class Engine:
             and lease.reclaim_at is None
             and self._still_idle(lease, now)
             and lease.idle_seconds(now) >= self.policy.idle_timeout
+            and (policy == "always" or not protected(lease))
         ]
         idle.sort(key=lambda lease: -lease.idle_seconds(now))
         chosen: list[Lease] = []
@@ -402,23 +495,147 @@ class Engine:
             )
         return decisions
 
+    # --- reservations -----------------------------------------------------------------------------
+    @staticmethod
+    def active_reservations(state: PoolState, now: float) -> list[Reservation]:
+        return [reservation for reservation in state.reservations if reservation.active(now)]
+
+    def reservation_needs(self, state: PoolState, now: float) -> list[tuple[Reservation, int]]:
+        """Active reservations whose members hold less than reserved, with the bytes still unused."""
+        needs = []
+        for reservation in self.active_reservations(state, now):
+            members_hold = sum(
+                lease.memory * lease.num_gpus
+                for lease in state.leases.values()
+                if lease.state in HELD_STATES and reservation.applies_to(lease.owner, lease.groups)
+            )
+            if reservation.memory > members_hold:
+                needs.append((reservation, reservation.memory - members_hold))
+        return needs
+
+    def _reserved_for_others(self, state: PoolState, head: Lease, now: float) -> Callable[[Lease], bool]:
+        """Whether a lease belongs to an active reservation ``head`` is not part of: reclaiming it
+        would free memory that the reservation holds back from ``head`` anyway."""
+        others = [r for r in self.active_reservations(state, now) if not r.applies_to(head.owner, head.groups)]
+        return lambda lease: any(r.applies_to(lease.owner, lease.groups) for r in others)
+
+    def _plan_reservation_reclaims(self, state: PoolState, now: float) -> list[Decision]:
+        """While a reservation's window is open, make its unused memory free by the pool's own means:
+        idle leases of non-members first (warning, then reclaim), then preemption of non-members by
+        policy (not before ``min_runtime``, after ``grace_period``, never a lease within a guarantee)."""
+        needs = self.reservation_needs(state, now)
+        if not needs:
+            return []
+        held = held_by_device(state.leases.values())
+        free = sum(max(0, d.leasable - held.get(d.uuid, 0)) for d in state.devices if d.healthy)
+        coming = sum(
+            lease.memory * len(lease.devices)
+            for lease in state.leases.values()
+            if lease.state in HELD_STATES and lease.reclaim_at is not None
+        )
+        shortfall = sum(unused for _, unused in needs) - free - coming
+        if shortfall <= 0:
+            return []
+        reservation = needs[0][0]
+        active = self.active_reservations(state, now)
+        candidates = [
+            lease
+            for lease in state.leases.values()
+            if lease.state in HELD_STATES
+            and lease.reclaim_at is None
+            and not any(r.applies_to(lease.owner, lease.groups) for r in active)
+        ]
+        decisions = []
+        if self.policy.idle_policy != "never":
+            idle = [lease for lease in candidates if self._still_idle(lease, now) and lease.idle_seconds(now) >= self.policy.idle_timeout]
+            idle.sort(key=lambda lease: -lease.idle_seconds(now))
+            for lease in idle:
+                if shortfall <= 0:
+                    break
+                idle_for = format_duration(lease.idle_seconds(now))
+                lease.warned_at = now
+                lease.reclaim_at = now + self.policy.warning_period
+                lease.reclaim_reason = f"{RESERVATION_RECLAIM}{reservation.describe()}: idle for {idle_for}"
+                state.touch(lease)
+                shortfall -= lease.memory * len(lease.devices)
+                decisions.append(
+                    self._decision(
+                        DecisionKind.WARN_IDLE,
+                        lease,
+                        f"idle for {idle_for}; its slice goes back for the reservation {reservation.describe()} unless kept",
+                        now,
+                        lease.reclaim_at,
+                    )
+                )
+        if shortfall > 0 and self.policy.preemption:
+            victims = [
+                lease
+                for lease in candidates
+                if lease.reclaim_at is None
+                and not (lease.granted_at is not None and now - lease.granted_at < self.policy.min_runtime)
+                and self.over_guarantee(state, lease)
+            ]
+            victims.sort(key=lambda v: (v.busy, -(v.granted_at or 0.0)))  # idle before busy, youngest first
+            for lease in victims:
+                if shortfall <= 0:
+                    break
+                lease.warned_at = now
+                lease.reclaim_at = now + self.policy.grace_period
+                lease.reclaim_reason = f"{RESERVATION_PREEMPT}{reservation.describe()}"
+                state.touch(lease)
+                shortfall -= lease.memory * len(lease.devices)
+                decisions.append(self._decision(DecisionKind.PREEMPT_WARN, lease, lease.reclaim_reason, now, lease.reclaim_at))
+        return decisions
+
+    def _reservation_wait_reason(self, state: PoolState, lease: Lease, now: float) -> str:
+        """Why a reservation keeps this queued lease waiting, or ``""``."""
+        active = self.active_reservations(state, now)
+        if not active:
+            return ""
+        for reservation in active:
+            if reservation.applies_to(lease.owner, lease.groups) and any(
+                other.state in HELD_STATES and reservation.describe() in other.reclaim_reason for other in state.leases.values()
+            ):
+                return f"waits while memory is freed for the reservation {reservation.describe()}"
+        if self._place(state, lease) is None and self._place(state, lease, self.free_by_device(state, lease, reservations=False)) is not None:
+            for reservation, _ in self.reservation_needs(state, now):
+                if not reservation.applies_to(lease.owner, lease.groups):
+                    return f"waits for the reservation {reservation.describe()}"
+        return ""
+
+    def check_reservation(self, devices: list[Device], reservation: Reservation, now: float) -> None:
+        """Refuse a reservation the pool can never honour: more memory than the pool has, or a window in the past."""
+        total = sum(d.leasable for d in devices if d.healthy)
+        if reservation.memory > total:
+            raise RequestRefused(
+                f"reservation {reservation.name!r} holds {format_size(reservation.memory)} but the whole pool has "
+                f"{format_size(total)}; ask for at most {format_size(total)}"
+            )
+        if reservation.end is not None and not reservation.weekly and reservation.end <= now:
+            raise RequestRefused(
+                f"reservation {reservation.name!r} ends at {reservation.window_text()}, which is in the past; give a window that ends later"
+            )
+
     def _plan_preemption(self, state: PoolState, head: Lease, now: float) -> list[Decision]:
         if not self.policy.preemption:
             return []
-        entitled = self.within_guarantee(state, head)
+        entitled = self.guarantee_for(state, head, extra=head.memory * head.num_gpus)
+        protected = self._reserved_for_others(state, head, now)
         victims = []
         for lease in state.leases.values():
             if lease.state not in HELD_STATES or lease.owner == head.owner or lease.reclaim_at is not None:
                 continue
             if lease.granted_at is not None and now - lease.granted_at < self.policy.min_runtime:
                 continue
+            if protected(lease):
+                continue
             lower_class = lease.priority.rank < head.priority.rank
-            if lower_class or (entitled and self.over_guarantee(state, lease.owner)):
+            if lower_class or (entitled and self.over_guarantee(state, lease)):
                 victims.append(lease)
         if not victims:
             return []
         # Least cost first: idle before busy, over-quota before within, youngest before oldest.
-        victims.sort(key=lambda v: (v.busy, not self.over_guarantee(state, v.owner), -(v.granted_at or 0.0)))
+        victims.sort(key=lambda v: (v.busy, not self.over_guarantee(state, v), -(v.granted_at or 0.0)))
         free = self.free_by_device(state, head)
         for lease in state.leases.values():
             if lease.reclaim_at is not None and lease.state in HELD_STATES:
@@ -436,7 +653,10 @@ class Engine:
         else:
             return []  # even evicting every candidate would not make room
         decisions = []
-        why = "a higher-priority request" if any(v.priority.rank < head.priority.rank for v in chosen) else "a request within its guaranteed quota"
+        if any(v.priority.rank < head.priority.rank for v in chosen):
+            why = "a higher-priority request"
+        else:
+            why = "a request within its guaranteed quota" if entitled == "your" else f"a request within {entitled} guaranteed quota"
         for lease in chosen:
             lease.warned_at = now
             lease.reclaim_at = now + self.policy.grace_period
@@ -469,8 +689,8 @@ class Engine:
             raise InvalidInput("memory must be positive")
         if lease.state is LeaseState.QUEUED:
             probe = LeaseRequest(owner=lease.owner, memory=memory, groups=lease.groups, num_gpus=lease.num_gpus, model=lease.model)
-            self._check_fits_ever(state, probe)
-            lease.memory = memory
+            shaped = self._check_fits_ever(state, probe)
+            lease.memory, lease.num_gpus = shaped.memory, shaped.num_gpus  # may span GPUs, as a new request would
             state.touch(lease)
             return lease
         if memory <= lease.memory:
@@ -495,9 +715,10 @@ class Engine:
         state.touch(lease)
         return lease
 
-    def _check_fits_ever(self, state: PoolState, request: LeaseRequest) -> None:
+    def _check_fits_ever(self, state: PoolState, request: LeaseRequest) -> Lease:
+        """The lease ``request`` would be admitted as on an empty pool; raises if it never fits."""
         probe_state = PoolState(devices=state.devices, leases={})
-        self.admit(probe_state, "probe", request, 0.0)
+        return self.admit(probe_state, "probe", request, 0.0)
 
     def keep(self, state: PoolState, lease_id: str, seconds: float, now: float) -> Lease:
         lease = self.get(state, lease_id)
@@ -555,7 +776,11 @@ class Engine:
             return None
         order = self.queue_order(state, now)
         position = next(i for i, item in enumerate(order) if item.id == lease_id) + 1
-        reason = self._quota_block_reason(state, lease) or ("waits for a GPU with enough free memory" if position == 1 else f"{position - 1} request(s) ahead")
+        reason = (
+            self._quota_block_reason(state, lease)
+            or self._reservation_wait_reason(state, lease, now)
+            or ("waits for a GPU with enough free memory" if position == 1 else f"{position - 1} request(s) ahead")
+        )
         return QueueInfo(position=position, length=len(order), estimated_wait=self.estimate_wait(state, lease, order, now), reason=reason)
 
     def estimate_wait(self, state: PoolState, lease: Lease, order: list[Lease], now: float) -> float | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy as _copy
 import enum
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ _shallow_copy = _copy.copy
 
 
 def normalize_model(name: str) -> str:
-    """``NVIDIA A100-SXM4-80GB`` → ``A100-SXM4-80GB``; used for case-insensitive matching."""
+    """``NVIDIA A100-SXM4-80GB`` → ``A100-SXM4-80GB``: vendor prefixes dropped, upper case, spaces as ``-``."""
     text = name.strip()
     for prefix in ("NVIDIA ", "Tesla ", "GeForce ", "Quadro "):
         if text.upper().startswith(prefix.upper()):
@@ -56,11 +57,82 @@ def normalize_model(name: str) -> str:
     return text.replace(" ", "-").upper()
 
 
+_VENDOR_TOKENS = frozenset({"NVIDIA", "TESLA", "GEFORCE", "QUADRO"})
+_SIZE_TOKEN = re.compile(r"^(\d+(?:\.\d+)?)(?:GB|G|GIB)$")
+#: Brand words that are not a model on their own: ``RTX 3090`` is the family ``RTX3090``.
+_BRAND_TOKENS = frozenset({"RTX", "GTX", "TITAN"})
+#: How far a device's memory may be from a size in a request (``T4-16GB`` on a T4 with 15.4 GiB).
+_SIZE_TOLERANCE = 0.06
+MODEL_FORMS = (
+    "an exact name as the pool lists it (A100-SXM4-80GB, RTX-A4000), its family (A100: every A100), "
+    "or the family with a size or variant (A100-80GB, H100-PCIE)"
+)
+
+
+def model_tokens(text: str) -> tuple[str, ...]:
+    """``NVIDIA A100 80GB PCIe`` → ``("A100", "80GB", "PCIE")``: upper case, vendor words dropped,
+    sizes written one way (``80G``, ``80GiB`` → ``80GB``)."""
+    tokens = [t for t in re.split(r"[\s_\-/]+", text.strip().upper()) if t]
+    while tokens and tokens[0] in _VENDOR_TOKENS:
+        tokens.pop(0)
+    out = []
+    for token in tokens:
+        size = _SIZE_TOKEN.match(token)
+        out.append(f"{float(size.group(1)):g}GB" if size else token)
+    return tuple(out)
+
+
+def model_family(tokens: tuple[str, ...]) -> str:
+    """The product a name is of: ``A100`` for every A100, ``RTX3090`` for ``RTX 3090``."""
+    if not tokens:
+        return ""
+    if tokens[0] in _BRAND_TOKENS and len(tokens) > 1 and not _SIZE_TOKEN.match(tokens[1]):
+        return tokens[0] + tokens[1]
+    return tokens[0]
+
+
+def _family_aliases(family: str) -> set[str]:
+    """A family and the names it is also asked by: ``RTXA4000`` is also ``A4000``."""
+    names = {family}
+    for brand in _BRAND_TOKENS:
+        rest = family.removeprefix(brand)
+        if rest != family and rest[:1].isalpha():
+            names.add(rest)
+    return names
+
+
 def model_matches(wanted: str, device: Device) -> bool:
-    """A constraint ``A100`` matches ``A100-SXM4-80GB``; ``RTX3090`` matches ``RTX-3090``."""
-    want = normalize_model(wanted).replace("-", "")
-    have = device.model.replace("-", "")
-    return have == want or have.startswith(want) or want in have
+    """Whether a model constraint names this device's model. Never by substring: ``A10`` is not an
+    A100, ``L4`` not an L40S, ``A40`` not an RTX A4000.
+
+    It matches when it is the device's exact name (after :func:`model_tokens`), or names the
+    device's family (:func:`model_family`) and only sizes or variants the device has: ``A100``
+    matches both A100 sizes, ``A100-80GB`` only the 80 GB one (by the name's size, or by the
+    device's memory when its name gives none), ``RTX3090`` matches ``NVIDIA GeForce RTX 3090``.
+    """
+    want = model_tokens(wanted)
+    have = model_tokens(device.name)
+    if not want or not have:
+        return False
+    if "".join(want) == "".join(have):
+        return True
+    want_family = model_family(want)
+    have_family = model_family(have)
+    if want_family not in _family_aliases(have_family):
+        return False
+    family_width = 2 if want_family != want[0] else 1
+    have_rest = set(have[2 if have_family != have[0] else 1 :])
+    has_size = any(_SIZE_TOKEN.match(t) for t in have_rest)
+    for token in want[family_width:]:
+        if token in have_rest:
+            continue
+        size = _SIZE_TOKEN.match(token)
+        if size and not has_size:
+            gib = float(size.group(1))
+            if gib > 0 and abs(device.memory_total / 1024**3 - gib) <= _SIZE_TOLERANCE * gib:
+                continue
+        return False
+    return True
 
 
 class LeaseState(str, enum.Enum):

@@ -89,6 +89,27 @@ class Reservation:
             return self.daily_start <= hhmm < self.daily_end
         return False
 
+    @property
+    def weekly(self) -> bool:
+        return bool(self.weekdays and self.daily_start and self.daily_end)
+
+    def window_text(self) -> str:
+        """``Tue 09:00–11:00`` (weekly) or ``2026-12-01 09:00–11:00`` (one-off), local time."""
+        if self.weekly:
+            days = ", ".join(WEEKDAYS[d].capitalize() for d in self.weekdays)
+            return f"{days} {self.daily_start}–{self.daily_end}"
+        if self.start is None or self.end is None:
+            return "no window"
+        start, end = dt.datetime.fromtimestamp(self.start), dt.datetime.fromtimestamp(self.end)
+        if start.date() == end.date():
+            return f"{start:%Y-%m-%d %H:%M}–{end:%H:%M}"
+        return f"{start:%Y-%m-%d %H:%M} – {end:%Y-%m-%d %H:%M}"
+
+    def describe(self) -> str:
+        """``'lab' (cs101, Tue 09:00–11:00)``: how users see a reservation in queue reasons."""
+        who = ", ".join([*self.groups, *self.users])
+        return f"{self.name!r} ({who}, {self.window_text()})"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -353,6 +374,32 @@ class PoolPolicy(Configurable):
     def prices(self) -> Prices:
         """The prices of the report's cost column."""
         return Prices(per_gpu_hour=dict(self.price_per_gpu_hour), per_gib_hour=self.price_per_gib_hour, currency=self.currency)
+
+    span_large_requests = Bool(
+        True,
+        help="A request for more memory than the largest GPU holds (e.g. 140GiB on 80 GiB GPUs), asked for one GPU, "
+        "spans the fewest GPUs that hold it, as equal per-GPU shares (2 × 70 GiB; NVLink peers first among "
+        "equally free GPUs). False: such a request is refused with the --gpus/size that would fit.",
+    ).tag(config=True)
+
+    max_queued_per_user = Integer(
+        20,
+        help="Most requests one user may have waiting in the queue at once; more are refused at once "
+        "(a long queue slows every decision for everyone). 0: no limit.",
+    ).tag(config=True)
+
+    max_queued_per_group = Integer(
+        0,
+        help="Most requests the members of one group may have waiting in the queue together; more are refused. "
+        "0: no limit.",
+    ).tag(config=True)
+
+    @validate("max_queued_per_user", "max_queued_per_group")
+    def _check_counts(self, proposal: Any) -> int:
+        value = int(proposal["value"])
+        if value < 0:
+            raise InvalidInput(f"{proposal['trait'].name} must be 0 or more, got {value}")
+        return value
 
     @validate("default_memory")
     def _check_default_memory(self, proposal: Any) -> str:
