@@ -204,6 +204,13 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     priority = Unicode(
         "", config=True, help="Priority class: batch, normal or high. Empty: normal (the pool's quotas may lower it)."
     )
+    unattended_priority = Unicode(
+        "batch",
+        config=True,
+        help="Priority class of kernels started outside a Jupyter server (jupyter nbconvert --execute, nbclient, "
+        "papermill, nbgrader, jupyter console) whose kernelspec sets none, so batch runs share the pool below live "
+        "users. Empty: as inside a server (the saved preference, else normal).",
+    )
     label = Unicode("", config=True, help="Free text shown with the lease (e.g. the notebook). Empty: the kernel name.")
     owner = Unicode(
         "",
@@ -282,7 +289,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             memory = pool.default_memory()
         num_gpus = self.num_gpus or int(prefs.get("num_gpus") or 1)
         share = self.compute_share or prefs.get("compute_share") or None
-        priority_text = (self.priority or prefs.get("priority") or "normal").lower()
+        # Outside a server (no ServerBinding) nobody is at the keyboard: a batch run unless the kernelspec says.
+        unattended = self.unattended_priority if server_binding(self) is None else ""
+        priority_text = (self.priority or unattended or prefs.get("priority") or "normal").lower()
         try:
             priority = PriorityClass(priority_text)
         except ValueError:
