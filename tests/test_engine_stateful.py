@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pool_helpers import T0
 
 from jupyter_gpupool.core.engine import held_by_device
-from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass
+from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass, model_matches
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
@@ -20,21 +20,33 @@ from jupyter_gpupool.pool import Pool
 from jupyter_gpupool.units import GIB
 
 USERS = ["ann", "ben", "cat", "dan"]
+MAX_QUEUED = 3
+#: Inventory items: plain sizes and named models (whose names look alike: A10/A100, L4/L40S, A40/RTX A4000).
+GPUS = ["8GiB", "16GiB", "24GiB", "40GiB", "80GiB", "A100-80GB", "A100-40GB", "A10-24GB", "L4", "L40S-48GB", "RTX-A4000-16GB", "A40-48GB"]
 MAX_WAIT_AFTER_FREE = 4  # scheduler passes within which a fitting head must be granted
 
 
 class PoolMachine(RuleBasedStateMachine):
     @initialize(
-        sizes=st.lists(st.sampled_from([8, 16, 24, 40, 80]), min_size=1, max_size=4),
+        gpus=st.lists(st.sampled_from(GPUS), min_size=1, max_size=4),
         overcommit=st.sampled_from([1.0, 1.0, 1.5]),
         idle_policy=st.sampled_from(["pressure", "always", "never"]),
         placement=st.sampled_from(["best-fit", "fgd"]),
         user_max=st.sampled_from([None, 24, 48]),
+        reserve=st.sampled_from([None, 8, 16]),
     )
-    def setup(self, sizes, overcommit, idle_policy, placement, user_max):
-        spec = ",".join(f"1x{s}GiB" for s in sizes)
+    def setup(self, gpus, overcommit, idle_policy, placement, user_max, reserve):
+        spec = ",".join(f"1x{g}" for g in gpus)
         self.tmp = tempfile.TemporaryDirectory()
         quotas = {"ann": {"maximum": f"{user_max}GiB", "max_leases": 3}} if user_max else {}
+        quotas["cat"] = {"guaranteed": "8GiB"}
+        # A window the run's clock passes through: it frees memory for ben while open.
+        self.window = (T0 + 600, T0 + 4800)
+        reservations = (
+            [{"name": "lab", "users": ["ben"], "memory": f"{reserve}GiB", "start": self.window[0], "end": self.window[1]}]
+            if reserve
+            else []
+        )
         policy = PoolPolicy(
             overcommit=overcommit,
             idle_policy=idle_policy,
@@ -47,8 +59,15 @@ class PoolMachine(RuleBasedStateMachine):
             aging_interval=600,
             backfill_max_head_wait=900,
             user_quotas=quotas,
+            group_quotas={"staff": {"guaranteed": "16GiB"}},
             group_priorities={"staff": "high"},
+            max_queued_per_user=MAX_QUEUED,
         )
+        if reserve:
+            devices = SimulatedBackend.from_spec(spec).devices()
+            if reserve * GIB > sum(int(d.memory_total * overcommit) for d in devices):
+                reservations = []
+        policy.reservations = reservations
         self.pool = Pool(SimulatedBackend.from_spec(spec), str(Path(self.tmp.name) / "p.sqlite"), policy, clock=lambda: T0)
         self.now = T0
         self.user_max = user_max
@@ -60,19 +79,24 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(
         user=st.sampled_from(USERS),
-        gib=st.sampled_from([1, 2, 4, 8, 12, 20, 40, 100]),
+        gib=st.sampled_from([1, 2, 4, 8, 12, 20, 40, 100, 150]),
         gpus=st.sampled_from([1, 1, 1, 2]),
         priority=st.sampled_from([None, PriorityClass.BATCH]),
         staff=st.booleans(),
+        model=st.sampled_from([None, None, None, "A10", "A100", "A100-80GB", "L4", "A40"]),
     )
-    def request(self, user, gib, gpus, priority, staff):
+    def request(self, user, gib, gpus, priority, staff, model):
         try:
             lease = self.pool.request(
-                LeaseRequest(owner=user, memory=gib * GIB, num_gpus=gpus, priority=priority, groups=("staff",) if staff else ()),
+                LeaseRequest(
+                    owner=user, memory=gib * GIB, num_gpus=gpus, priority=priority, groups=("staff",) if staff else (), model=model
+                ),
                 now=self.now,
             )
         except RequestRefused:
             return
+        if gpus == 1 and lease.num_gpus > 1:  # spanned: the fewest GPUs that hold it, no less than asked
+            assert lease.memory * lease.num_gpus >= gib * GIB
         self.ids.append(lease.id)
 
     @precondition(lambda self: self.ids)
@@ -114,6 +138,22 @@ class PoolMachine(RuleBasedStateMachine):
                 assert len(set(lease.devices)) == lease.num_gpus  # one slice per distinct GPU
 
     @invariant()
+    def model_requests_land_on_their_model(self):
+        if not hasattr(self, "pool"):
+            return
+        devices = {d.uuid: d for d in self.pool.devices()}
+        for lease in self.pool.leases():
+            if lease.model and lease.state is LeaseState.GRANTED:
+                assert all(model_matches(lease.model, devices[u]) for u in lease.devices), (lease.model, lease.devices)
+
+    @invariant()
+    def no_user_queues_past_the_cap(self):
+        if not hasattr(self, "pool"):
+            return
+        for user in USERS:
+            assert sum(1 for l in self.pool.leases(owner=user) if l.state is LeaseState.QUEUED) <= MAX_QUEUED
+
+    @invariant()
     def quotas_hold(self):
         if not hasattr(self, "pool") or not self.user_max:
             return
@@ -153,15 +193,17 @@ class PoolMachine(RuleBasedStateMachine):
         copy = sqlite3.connect(probe_path)
         self.pool.store.conn.backup(copy)
         copy.close()
-        probe = Pool(self.pool.backend, str(probe_path), self.pool.policy, clock=lambda: self.now)
+        # With a reservation's window open, the head (if not a member) may wait for its end.
+        at = max(self.now, self.window[1]) if self.pool.policy.reservations and self.now < self.window[1] else self.now
+        probe = Pool(self.pool.backend, str(probe_path), self.pool.policy, clock=lambda: at)
         head = queue[0]
         for lease in probe.leases():
             if lease.id != head.id:
-                probe.release(lease.id, now=self.now)
+                probe.release(lease.id, now=at)
         for step in range(MAX_WAIT_AFTER_FREE):
             if probe.get(head.id).state is LeaseState.GRANTED:
                 break
-            probe.tick(now=self.now + step)
+            probe.tick(now=at + step)
         assert probe.get(head.id).state is LeaseState.GRANTED
         probe.store.close()
         probe_path.unlink()
