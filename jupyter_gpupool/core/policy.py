@@ -277,8 +277,9 @@ class PoolPolicy(Configurable):
 
     preemption = Bool(
         True,
-        help="Let a request within its guaranteed quota, or of a higher class, reclaim leases over their "
-        "guarantee or of a lower class. Env: GPUPOOL_PREEMPTION (true/false).",
+        help="Let a request within a guaranteed quota (its user's or one of its groups'), or of a higher class, "
+        "reclaim leases within no guarantee or of a lower class; and let an open reservation reclaim non-members' "
+        "leases. Env: GPUPOOL_PREEMPTION (true/false).",
     ).tag(config=True)
 
     min_runtime = Float(
@@ -303,7 +304,8 @@ class PoolPolicy(Configurable):
 
     group_quotas = Dict(
         {},
-        help="Quotas per group, applied to the group's members together: {'cs101': {'maximum': '40GiB'}}.",
+        help="Quotas per group, applied to the group's members together: {'cs101': {'maximum': '40GiB'}, "
+        "'staff': {'guaranteed': '8GiB'}}. A group's guarantee is shared by its members and counts like a user's.",
     ).tag(config=True)
 
     user_priorities = Dict(
