@@ -329,3 +329,13 @@ def test_the_default_queue_cap_is_twenty():
     assert PoolPolicy().max_queued_per_user == 20
     with pytest.raises(InvalidInput, match="max_queued_per_user must be 0 or more"):
         PoolPolicy(max_queued_per_user=-1)
+
+
+def test_growing_a_running_slice_past_one_gpu_says_how_to_span(tmp_path):
+    pool = make_pool(tmp_path, spec="2xA100-80GB")
+    lease = pool.request(req(gib=8), now=T0)
+    with pytest.raises(RequestRefused, match=r"cannot grow to 140 GiB in place: that spans 2 GPUs \(70 GiB each\)"):
+        pool.resize(lease.id, memory=140 * GIB, now=T0 + 1)
+    with pytest.raises(RequestRefused, match=r"the largest GPU has 80 GiB; ask for at most 80 GiB"):
+        pool.resize(pool.request(req(gib=8, num_gpus=2), now=T0).id, memory=100 * GIB, now=T0 + 1)
+    assert pool.get(lease.id).memory == 8 * GIB

@@ -697,6 +697,18 @@ class Engine:
             lease.memory = memory
             state.touch(lease)
             return lease
+        sizes = sorted((d.leasable for d in self._candidate_devices(state.devices, lease.model)), reverse=True)
+        if sizes and memory > sizes[0]:
+            span = self.fewest_gpus(memory * lease.num_gpus, sizes) if lease.num_gpus == 1 else None
+            if span is None:
+                raise RequestRefused(
+                    f"cannot grow to {format_size(memory)}: the largest GPU has {format_size(sizes[0])}; "
+                    f"ask for at most {format_size(sizes[0])}"
+                )
+            raise RequestRefused(
+                f"cannot grow to {format_size(memory)} in place: that spans {span[0]} GPUs ({format_size(span[1])} each), "
+                "which a running kernel cannot change; release this slice, request the size again, then restart the kernel"
+            )
         extra = memory - lease.memory
         total_extra = extra * lease.num_gpus
         for who, quota in self._quotas(lease.owner, lease.groups):
