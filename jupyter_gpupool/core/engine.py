@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidInput, LeaseNotFound, RequestRefused
 from ..units import GIB, MIB, format_duration, format_size
 from .models import (
+    MODEL_FORMS,
     Activity,
     Decision,
     DecisionKind,
@@ -23,7 +24,6 @@ from .models import (
     LeaseState,
     PriorityClass,
     QueueInfo,
-    MODEL_FORMS,
     model_family,
     model_matches,
     model_tokens,
