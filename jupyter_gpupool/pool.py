@@ -546,7 +546,7 @@ class Pool:
         """Hold capacity for users or groups (see :attr:`PoolPolicy.reservations` for the forms)."""
         now = self._now(now)
         reservation = parse_reservation(spec, now=now)
-        self.engine.check_reservation(self.devices(), reservation, now)  # never one the pool cannot honour
+        self.engine.check_reservation(self.devices(), reservation, now, self.reservations())  # never one the pool cannot honour
         stored = dict(spec)
         if reservation.start is not None:
             stored.update(start=reservation.start, end=reservation.end)

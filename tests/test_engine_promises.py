@@ -339,3 +339,20 @@ def test_growing_a_running_slice_past_one_gpu_says_how_to_span(tmp_path):
     with pytest.raises(RequestRefused, match=r"the largest GPU has 80 GiB; ask for at most 80 GiB"):
         pool.resize(pool.request(req(gib=8, num_gpus=2), now=T0).id, memory=100 * GIB, now=T0 + 1)
     assert pool.get(lease.id).memory == 8 * GIB
+
+
+def test_a_reservation_that_overlaps_others_past_the_pool_is_refused(tmp_path):
+    pool = make_pool(tmp_path, spec="1x48GiB", reservations=[LAB])
+    monday = tuesday_at(12) - 86400
+    # One-off on Tuesday 10:00-12:00 overlaps the weekly lab (40 GiB): at most 8 GiB more.
+    with pytest.raises(RequestRefused, match=r"overlaps 'lab' \(cs101, Tue 09:00–11:00\).*ask for at most 8 GiB"):
+        pool.book_reservation({"name": "exam", "users": ["prof"], "memory": "16GiB", "start": tuesday_at(10), "duration": "2h"}, now=monday)
+    assert pool.book_reservation({"name": "exam", "users": ["prof"], "memory": "8GiB", "start": tuesday_at(10), "duration": "2h"}, now=monday)
+    # Not overlapping in time: the whole pool is fine; re-booking a name replaces it.
+    pool.book_reservation({"name": "late", "users": ["prof"], "memory": "48GiB", "start": tuesday_at(12), "duration": "1h"}, now=monday)
+    pool.book_reservation({"name": "late", "users": ["prof"], "memory": "40GiB", "start": tuesday_at(12), "duration": "1h"}, now=monday)
+    with pytest.raises(RequestRefused, match=r"overlaps 'lab'"):
+        pool.book_reservation(
+            {"name": "lab2", "groups": ["cs102"], "memory": "16GiB", "weekdays": ["tue"], "start": "10:30", "end": "12:00"}, now=monday
+        )
+    assert sorted(r.name for r in pool.reservations()) == ["exam", "lab", "late"]

@@ -7,6 +7,7 @@ touches Jupyter, HTTP, NVML or the clock.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -603,8 +604,11 @@ class Engine:
                     return f"waits for the reservation {reservation.describe()}"
         return ""
 
-    def check_reservation(self, devices: list[Device], reservation: Reservation, now: float) -> None:
-        """Refuse a reservation the pool can never honour: more memory than the pool has, or a window in the past."""
+    def check_reservation(
+        self, devices: list[Device], reservation: Reservation, now: float, others: Iterable[Reservation] = ()
+    ) -> None:
+        """Refuse a reservation the pool can never honour: more memory than the pool has (alone, or with
+        the ``others`` whose windows overlap it), or a window that has already ended."""
         total = sum(d.leasable for d in devices if d.healthy)
         if reservation.memory > total:
             raise RequestRefused(
@@ -615,6 +619,27 @@ class Engine:
             raise RequestRefused(
                 f"reservation {reservation.name!r} ends at {reservation.window_text()}, which is in the past; give a window that ends later"
             )
+        others = [other for other in others if other.name != reservation.name]
+        if not others:
+            return
+        # Reserved memory peaks at the start of some window: check every start while this one is open.
+        horizon = now + 7 * 86400
+        for item in (reservation, *others):
+            if not item.weekly and item.end is not None:
+                horizon = max(horizon, item.end)
+        horizon = min(horizon, now + 400 * 86400)
+        for instant in sorted({now, *(t for item in (reservation, *others) for t in _window_starts(item, now, horizon))}):
+            if not reservation.active(instant):
+                continue
+            overlapping = [other for other in others if other.active(instant)]
+            held = sum(other.memory for other in overlapping)
+            if held + reservation.memory > total:
+                names = ", ".join(other.describe() for other in overlapping)
+                raise RequestRefused(
+                    f"reservation {reservation.name!r} overlaps {names}: together they hold "
+                    f"{format_size(held + reservation.memory)} but the whole pool has {format_size(total)}; "
+                    f"ask for at most {format_size(max(0, total - held))} or choose another window"
+                )
 
     def _plan_preemption(self, state: PoolState, head: Lease, now: float) -> list[Decision]:
         if not self.policy.preemption:
@@ -841,6 +866,23 @@ class Engine:
     @staticmethod
     def _decision(kind: DecisionKind, lease: Lease, reason: str, now: float, deadline: float | None = None) -> Decision:
         return Decision(kind=kind, lease_id=lease.id, kernel_id=lease.kernel_id, owner=lease.owner, reason=reason, at=now, deadline=deadline)
+
+
+def _window_starts(reservation: Reservation, start: float, end: float) -> list[float]:
+    """The moments in ``[start, end)`` at which ``reservation``'s window opens (local time for weekly ones)."""
+    if not reservation.weekly:
+        return [reservation.start] if reservation.start is not None and start <= reservation.start < end else []
+    opens = dt.datetime.strptime(reservation.daily_start, "%H:%M").time()
+    day = dt.datetime.fromtimestamp(start).date()
+    last = dt.datetime.fromtimestamp(end).date()
+    moments = []
+    while day <= last:
+        if day.weekday() in reservation.weekdays:
+            moment = dt.datetime.combine(day, opens).timestamp()
+            if start <= moment < end:
+                moments.append(moment)
+        day += dt.timedelta(days=1)
+    return moments
 
 
 __all__ = ["Engine", "PoolState", "PriorityClass", "held_by_device"]
