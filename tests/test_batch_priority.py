@@ -114,3 +114,19 @@ def test_nbconvert_on_plain_python3_leases_as_batch_and_waits_behind_a_live_user
         assert final.state is LeaseState.RELEASED
 
     arun(scenario())
+
+
+def test_papermill_runs_lease_as_batch_too(tmp_path: Path) -> None:
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
+    from jupyter_gpupool.pool import Pool
+
+    db = tmp_path / "pool.sqlite"
+    plain_python3_notebook(tmp_path / "in.ipynb")
+    env = {**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(db), "GPUPOOL_DEFAULT_MEMORY": "4GiB",
+           "JUPYTER_DEFAULT_PROVISIONER_NAME": "gpupool-provisioner"}
+    result = subprocess.run([sys.executable, "-m", "papermill", "in.ipynb", "out.ipynb"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lease_id = nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[0].outputs[0]["text"].strip()
+    lease = Pool(SimulatedBackend.from_spec("1x16GiB"), str(db)).get(lease_id)
+    assert lease.priority is PriorityClass.BATCH and lease.granted_at is not None
