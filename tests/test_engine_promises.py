@@ -97,7 +97,9 @@ def test_a_model_request_lands_only_on_that_model(tmp_path, wanted, lands_on):
     granted = [lease for lease in leases if lease.state is LeaseState.GRANTED]
     assert granted, f"{wanted} was never granted"
     assert {models[u] for lease in granted for u in lease.devices} <= lands_on
-    assert any(lease.state is LeaseState.QUEUED for lease in leases)  # and never spill onto another model
+    waiting = [lease for lease in leases if lease.state is LeaseState.QUEUED]
+    assert waiting  # and never spill onto another model
+    assert pool.queue_info(waiting[0].id, now=T0 + 20).reason == f"waits for a GPU of model {wanted} with enough free memory"
 
 
 @pytest.mark.parametrize(

@@ -816,7 +816,11 @@ class Engine:
         reason = (
             self._quota_block_reason(state, lease)
             or self._reservation_wait_reason(state, lease, now)
-            or ("waits for a GPU with enough free memory" if position == 1 else f"{position - 1} request(s) ahead")
+            or (
+                (f"waits for a GPU of model {lease.model} with enough free memory" if lease.model else "waits for a GPU with enough free memory")
+                if position == 1
+                else f"{position - 1} request(s) ahead"
+            )
         )
         return QueueInfo(position=position, length=len(order), estimated_wait=self.estimate_wait(state, lease, order, now), reason=reason)
 
