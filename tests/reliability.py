@@ -117,6 +117,7 @@ STORM_WORKER = textwrap.dedent(
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.devices.simulated import SimulatedBackend
+    from jupyter_gpupool.errors import RequestRefused
     from jupyter_gpupool.pool import HOSTNAME, Pool
     from jupyter_gpupool.units import GIB
 
@@ -133,10 +134,14 @@ STORM_WORKER = textwrap.dedent(
             journal.write("released " + lease_id + "\\n")
         else:
             kernel_id = str(uuid.uuid4())
-            lease = pool.request(LeaseRequest(owner="user%d" % rng.randrange(6), memory=rng.choice([1, 2, 4, 6]) * GIB,
-                                              kernel_id=kernel_id, holder_pid=os.getpid(), holder_host=HOSTNAME))
-            journal.write("requested " + lease.id + " " + kernel_id + "\\n")
-            mine.append(lease.id)
+            try:
+                lease = pool.request(LeaseRequest(owner="user%d" % rng.randrange(6), memory=rng.choice([1, 2, 4, 6]) * GIB,
+                                                  kernel_id=kernel_id, holder_pid=os.getpid(), holder_host=HOSTNAME))
+            except RequestRefused:  # past PoolPolicy.max_queued_per_user: nothing was committed
+                lease = None
+            if lease is not None:
+                journal.write("requested " + lease.id + " " + kernel_id + "\\n")
+                mine.append(lease.id)
         pool.tick()
     """
 )
@@ -401,10 +406,14 @@ def soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", seed: int 
     while time.monotonic() < deadline:
         roll = rng.random()
         if roll < 0.35 or not live:
-            lease = pool.request(
-                LeaseRequest(owner=f"user{rng.randrange(12)}", memory=rng.choice([1, 2, 4, 8]) * GIB, priority=rng.choice(list(PriorityClass)))
-            )
-            live.append(lease.id)
+            try:
+                lease = pool.request(
+                    LeaseRequest(owner=f"user{rng.randrange(12)}", memory=rng.choice([1, 2, 4, 8]) * GIB, priority=rng.choice(list(PriorityClass)))
+                )
+            except RequestRefused:  # past PoolPolicy.max_queued_per_user: refused, nothing changed
+                pass
+            else:
+                live.append(lease.id)
         elif roll < 0.65:
             lease_id = live.pop(rng.randrange(len(live)))
             pool.release(lease_id)
