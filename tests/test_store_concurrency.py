@@ -28,7 +28,8 @@ WORKER = textwrap.dedent(
     from jupyter_gpupool.units import GIB
 
     db, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    pool = Pool(SimulatedBackend.from_spec("%s"), db, PoolPolicy(heartbeat_ttl=10**9))
+    # No cap on queued requests: this hammers the store with one owner's long queue on purpose.
+    pool = Pool(SimulatedBackend.from_spec("%s"), db, PoolPolicy(heartbeat_ttl=10**9, max_queued_per_user=0))
     rng = random.Random(name)
     mine = []
     requested = 0
