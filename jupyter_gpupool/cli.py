@@ -12,12 +12,14 @@ import getpass
 import io
 import json
 import os
+import re
 import sqlite3
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from traitlets import Bool, Unicode, default
+from traitlets.config.loader import KVArgParseConfigLoader, _KVArgParser
 
 from ._version import __version__
 from .core.models import Lease, LeaseState, PriorityClass
@@ -51,6 +53,9 @@ class GpuPoolBaseApp(JupyterApp):
         "", help="Use a simulated inventory such as 1x16GiB or 2xA100-80GB (default: $GPUPOOL_SIMULATE, else NVML)."
     ).tag(config=True)
     json = Bool(False, help="Print JSON instead of a table.").tag(config=True)
+    #: Whether a pool not chosen by GPUPOOL_URL / GPUPOOL_DB / GPUPOOL_SIMULATE is this host's broker
+    #: (see :mod:`jupyter_gpupool.discovery`); the broker itself turns it off.
+    discover_broker = True
 
     @default("config_file_name")
     def _config_file_name_default(self) -> str:
@@ -64,8 +69,58 @@ class GpuPoolBaseApp(JupyterApp):
             env["GPUPOOL_SIMULATE"] = self.simulate
         if self.db:
             env["GPUPOOL_DB"] = self.db
+        if self.discover_broker:
+            from .discovery import find_broker
+
+            found = find_broker(env)
+            if found is not None:
+                return self._discovered_pool(found, env)
         # With GPUPOOL_URL set this is the broker (which decides who is admin); never a silent local pool.
-        return pool_from_env(config=self.config, environ=env)
+        try:
+            return pool_from_env(config=self.config, environ=env)
+        except PoolUnavailable as err:
+            if not self.discover_broker or any((env.get(v) or "").strip() for v in ("GPUPOOL_URL", "GPUPOOL_SIMULATE")):
+                raise
+            # Nothing chose a pool and this host has no GPU driver: say both ways out, once.
+            reason = str(err).split("; set GPUPOOL_SIMULATE")[0]
+            raise PoolUnavailable(
+                f"{reason}, and no broker is configured for this host: set GPUPOOL_URL to the broker's address "
+                "(e.g. unix:///run/jupyter-gpupool/broker.sock) for the host's shared pool, or GPUPOOL_SIMULATE=1x16GiB "
+                "for a simulated pool"
+            ) from None
+
+    def _discovered_pool(self, found: Any, env: dict[str, str]) -> Any:
+        """The broker named by this host's discovery file, checked now so a dead one is named as such."""
+        from .remote import RemotePool
+
+        remote = RemotePool.from_env({**env, "GPUPOOL_URL": found.url})
+        try:
+            return remote.check()
+        except PoolUnavailable as err:
+            match = re.search(r"not reachable \(([^)]*)\)", str(err))
+            raise PoolUnavailable(
+                f"this host's GPU pool broker ({found.url}, recorded in {found.path}) is not answering "
+                f"({match.group(1) if match else err}); "
+                "start it (e.g. systemctl start jupyter-gpupool), set GPUPOOL_URL to where it runs now, "
+                f"or delete {found.path} if the host no longer has one"
+            ) from None
+
+    def _create_loader(self, argv: Any, aliases: Any, flags: Any, classes: Any) -> Any:
+        """Argument mistakes become one :class:`InvalidInput` line (exit 2), not a usage dump."""
+        return _OneLineLoader(argv, aliases, flags, classes=classes, log=self.log, subcommands=self.subcommands, command=self.name)
+
+    def parse_command_line(self, argv: Any = None) -> None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if not (self.subcommands and argv and argv[0] in self.subcommands):  # the subcommand does its own
+            argv = negative_values_as_values(argv, self.aliases)
+        super().parse_command_line(argv)
+
+    def refuse_extra_args(self) -> None:
+        """For subcommands that take no positional words: a stray one is a mistake, not ignored."""
+        if self.extra_args:
+            raise InvalidInput(
+                f"unexpected argument {self.extra_args[0]!r}; see `{command_words(self.name)} --help`"
+            )
 
     def emit(self, data: Any, text: str) -> None:
         print(json.dumps(data, indent=2, default=str) if self.json else text)
@@ -100,6 +155,80 @@ class GpuPoolBaseApp(JupyterApp):
                 print(f"jupyter gpupool: error: {err}", file=sys.stderr)
                 sys.exit(EXIT_USAGE)
             raise
+
+
+def command_words(app_name: str) -> str:
+    """``jupyter-gpupool-reserve`` → ``jupyter gpupool reserve``."""
+    return app_name.replace("-", " ")
+
+
+class _OneLineParser(_KVArgParser):
+    """traitlets' parser, raising InvalidInput where argparse would print its usage and exit."""
+
+    command = "jupyter gpupool"
+    option_names: dict[str, str] = {}  # noqa: RUF012 - set per parser: "--RequestApp.duration" -> "--for"
+
+    known_options: set[str] = set()  # noqa: RUF012 - set per parser
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        # traitlets takes any --word for an option with a value: name a typo as what it is.
+        match = re.match(r"argument (--[\w-]+): expected one argument", message)
+        if match and match.group(1) not in self.known_options and "." not in match.group(1):
+            message = f"unknown option {match.group(1)}"
+        for long_name, short_name in self.option_names.items():
+            message = re.sub(rf"{re.escape(long_name)}\b", short_name, message)
+        raise InvalidInput(f"{message}; see `{self.command} --help`")
+
+
+class _OneLineLoader(KVArgParseConfigLoader):
+    parser_class = _OneLineParser  # type: ignore[assignment]
+
+    def __init__(self, *args: Any, command: str = "jupyter-gpupool", **kwargs: Any) -> None:
+        self.command = command_words(command)
+        super().__init__(*args, **kwargs)
+
+    def _create_parser(self) -> None:
+        super()._create_parser()
+        self.parser.command = self.command
+        self.parser.known_options = {
+            f"--{name}" for table in (self.aliases or {}, self.flags or {}) for key in table
+            for name in (key if isinstance(key, tuple) else (key,))
+        }
+        self.parser.option_names = {
+            f"--{target}": f"--{alias}"
+            for alias, target in (self.aliases or {}).items()
+            if isinstance(alias, str) and isinstance(target, str)
+        }
+
+
+NEGATIVE = re.compile(r"^-\d")
+
+
+def negative_values_as_values(argv: list[str], aliases: Any) -> list[str]:
+    """Let ``--for -1h`` and ``request -5GiB`` reach the value checks (which name the mistake)
+    instead of argparse, which takes them for unknown options and prints its usage.
+
+    ``--opt -1h`` becomes ``--opt=-1h``; a negative positional moves after ``--`` (the order of
+    the other words is kept)."""
+    names = {a for a in aliases if isinstance(a, str)} | {n for a in aliases if isinstance(a, tuple) for n in a}
+    words: list[str] = []
+    moved: list[str] = []
+    rest: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--":
+            rest = argv[i:]
+            break
+        if NEGATIVE.match(word):
+            previous = words[-1] if words else ""
+            if previous.startswith("--") and "=" not in previous and (previous[2:] in names or "." in previous):
+                words[-1] = f"{previous}={word}"
+            else:
+                moved.append(word)
+            continue
+        words.append(word)
+    if not moved:
+        return words + rest
+    return words + (rest or ["--"])[:1] + moved + rest[1:]
 
 
 def device_rows(snapshot: Any) -> list[list[str]]:
@@ -138,6 +267,70 @@ def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
     return rows
 
 
+def _local(ts: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ts)
+
+
+def reservation_window(reservation: Any) -> str:
+    """When it holds memory, in local time: ``Tue,Thu 09:00–11:00 weekly`` or ``Tue 2026-12-01 09:00–11:00``."""
+    from .core.policy import WEEKDAYS
+
+    if reservation.weekdays:
+        days = ",".join(WEEKDAYS[d].capitalize() for d in reservation.weekdays)
+        return f"{days} {reservation.daily_start}–{reservation.daily_end} weekly"
+    if reservation.start is None or reservation.end is None:
+        return "-"
+    start, end = _local(reservation.start), _local(reservation.end)
+    end_text = f"{end:%H:%M}" if end.date() == start.date() else f"{end:%a %Y-%m-%d %H:%M}"
+    return f"{start:%a %Y-%m-%d %H:%M}–{end_text}"
+
+
+def reservation_times(reservation: Any, now: float) -> tuple[bool, float | None, float | None]:
+    """(active now, when the current window closes, when the next one opens), as POSIX seconds."""
+    active = reservation.active(now)
+    if reservation.weekdays:
+        here = _local(now)
+        closes = opens = None
+        for offset in range(8):
+            day = (here + dt.timedelta(days=offset)).date()
+            if day.weekday() not in reservation.weekdays:
+                continue
+            begin = dt.datetime.combine(day, dt.time.fromisoformat(reservation.daily_start))
+            finish = dt.datetime.combine(day, dt.time.fromisoformat(reservation.daily_end))
+            if active and closes is None and begin <= here < finish:
+                closes = finish.timestamp()
+            elif begin > here and opens is None:
+                opens = begin.timestamp()
+        return active, closes, opens
+    if reservation.start is None or reservation.end is None:
+        return False, None, None
+    return active, reservation.end if active else None, reservation.start if reservation.start > now else None
+
+
+def reservation_state(reservation: Any, now: float) -> str:
+    """``active until 11:00``, ``next Tue 2026-12-01 09:00 (in 2 d 3 h)`` or ``ended``."""
+    active, closes, opens = reservation_times(reservation, now)
+    if active:
+        return f"active until {_local(closes):%H:%M}" if closes else "active"
+    if opens is not None:
+        return f"next {_local(opens):%a %Y-%m-%d %H:%M} (in {format_duration(opens - now)})"
+    return "ended"
+
+
+def reservation_json(reservation: Any, now: float) -> dict[str, Any]:
+    active, closes, opens = reservation_times(reservation, now)
+    return {**reservation.to_json(), "active": active, "closes_at": closes, "next_start": opens}
+
+
+def reservation_table(reservations: list[Any], now: float) -> str:
+    rows = []
+    for r in reservations:
+        who = [f"group {g}" for g in r.groups] + [f"user {u}" for u in r.users]
+        rows.append([r.name, ", ".join(who), format_size(r.memory), reservation_window(r), reservation_state(r, now)])
+    zone = dt.datetime.now().astimezone().tzname() or "local"
+    return table(["reservation", "for", "memory", f"window ({zone})", "now"], rows)
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     if not rows:
         return "  (none)"
@@ -157,9 +350,11 @@ class StatusApp(GpuPoolBaseApp):
     all = Bool(False, help="Show every lease with its user.").tag(config=True)
 
     def run(self) -> None:
+        self.refuse_extra_args()
         pool = self.make_pool()
         pool.tick()
         snapshot = pool.snapshot(viewer=current_user(), admin=self.all)
+        reservations = pool.reservations()
         data = {
             "backend": pool.backend.describe(),
             "db": pool.db_path,
@@ -167,6 +362,7 @@ class StatusApp(GpuPoolBaseApp):
             "leases": snapshot.leases,
             "queue": snapshot.queue,
             "quota": snapshot.quota,
+            "reservations": [reservation_json(r, snapshot.now) for r in reservations],
         }
         text = "\n".join(
             [
@@ -176,6 +372,7 @@ class StatusApp(GpuPoolBaseApp):
                 "",
                 f"Leases ({sum(1 for l in snapshot.leases if l['state'] != 'queued')} held, {len(snapshot.queue)} queued):",
                 table(["lease", "user", "state", "memory", "GPU/pos", "for", "kernel"], lease_rows(snapshot.leases, snapshot.now)),
+                *(["", "Reservations:", reservation_table(reservations, snapshot.now)] if reservations else []),
             ]
         )
         self.emit(data, text)
@@ -193,6 +390,7 @@ class LeasesApp(GpuPoolBaseApp):
     released = Bool(False, help="Include released leases.").tag(config=True)
 
     def run(self) -> None:
+        self.refuse_extra_args()
         pool = self.make_pool()
         pool.tick()
         owner = None if self.all else current_user()
@@ -207,6 +405,7 @@ class QueueApp(GpuPoolBaseApp):
     description = "Show the queue in service order with estimated waits."
 
     def run(self) -> None:
+        self.refuse_extra_args()
         pool = self.make_pool()
         pool.tick()
         user = current_user()
@@ -388,8 +587,11 @@ class ReserveApp(GpuPoolBaseApp):
     def run(self) -> None:
         pool = self.make_pool()
         if self.show_list:
-            data = [r.to_json() for r in pool.reservations()]
-            self.emit(data, json.dumps(data, indent=2) if data else "  (no reservations)")
+            self.refuse_extra_args()
+            now = pool.clock()
+            reservations = pool.reservations()
+            data = [reservation_json(r, now) for r in reservations]
+            self.emit(data, reservation_table(reservations, now) if reservations else "  (no reservations)")
             return
         if len(self.extra_args) != 1:
             raise InvalidInput("name the reservation: jupyter gpupool reserve NAME --memory 40GiB --groups cs101 --for 2h")
@@ -503,7 +705,16 @@ def _importable(target: str) -> bool:
 
 
 def main() -> None:
-    GpuPoolApp.launch_instance()
+    """The ``jupyter-gpupool`` script. A reader that stops early (``| head``) ends it quietly."""
+    try:
+        try:
+            GpuPoolApp.launch_instance()
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Nothing more can be shown; keep the interpreter's last flush from complaining too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # 128 + SIGPIPE, as a shell reports a command killed by the pipe
 
 
 if __name__ == "__main__":

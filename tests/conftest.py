@@ -54,6 +54,12 @@ def gpupool_importable(tmp_path_factory: pytest.TempPathFactory) -> None:
     _ensure_entry_point(tmp_path_factory.mktemp("entry-points"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def broker_file_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Brokers started by tests record themselves in a temporary file, never in /etc/jupyter."""
+    os.environ.setdefault("GPUPOOL_BROKER_FILE", str(tmp_path_factory.mktemp("discovery") / "gpupool-broker.json"))
+
+
 # --- the pool of one test -----------------------------------------------------------------------
 
 

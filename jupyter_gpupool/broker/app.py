@@ -497,6 +497,7 @@ class BrokerApp(GpuPoolBaseApp):
         "and/or on a Unix socket (peer credentials). Servers and kernels use it when GPUPOOL_URL points at it."
     )
     classes = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]  # noqa: RUF012
+    discover_broker = False  # the broker is what others discover
     aliases = {  # noqa: RUF012
         **GpuPoolBaseApp.aliases,
         "ip": "BrokerApp.ip",
@@ -600,10 +601,13 @@ class BrokerApp(GpuPoolBaseApp):
         if not where:
             raise InvalidInput("nothing to listen on: give --port or --socket")
         broker.start()
+        from ..discovery import listen_urls, write_discovery
+
+        recorded = write_discovery(listen_urls(where), db=broker.pool.db_path)
         self.log.info(
             "jupyter-gpupool broker %s: %s on %s", __version__, broker.pool.backend.describe(), ", ".join(where)
         )
-        self.log.info("pool database: %s", broker.pool.db_path)
+        self.log.info("pool database: %s; recorded for `jupyter gpupool` in %s", broker.pool.db_path, recorded or "no file")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
