@@ -164,7 +164,9 @@ class HubIdentity(LoggingConfigurable):
         if not required:
             raise Forbidden("the broker has no access scope configured; run it as a JupyterHub service")
         if not self.hub_auth.check_scopes(required, model):
-            raise Forbidden(f"this token may not use the GPU pool: it needs the scope {min(required)}")
+            # Name the scope a role grants for this service (access:services!service=gpupool), not the bare one.
+            needed = min(required, key=lambda scope: ("!service=" not in scope, scope))
+            raise Forbidden(f"this token may not use the GPU pool: it needs the scope {needed}")
         admin = bool(self.hub_auth.check_scopes({self.admin_scope}, model))
         kind = str(model.get("kind") or "user")
         return Identity(
