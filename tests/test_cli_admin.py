@@ -1,0 +1,338 @@
+"""`jupyter gpupool` as an admin runs it: a root shell on a broker host, reservations, mistakes.
+
+Every test runs the real CLI as a subprocess (and, for discovery, a real broker process on a
+Unix socket); exit codes and the exact lines a person sees are what is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from jupyter_gpupool.broker.auth import ADMIN_SCOPE
+from jupyter_gpupool.core.models import LeaseRequest
+from jupyter_gpupool.pool import Pool
+from tests.broker_harness import BrokerHarness
+
+GIB = 1024**3
+SELECTORS = ("GPUPOOL_URL", "GPUPOOL_DB", "GPUPOOL_SIMULATE", "GPUPOOL_TOKEN", "JUPYTERHUB_API_TOKEN")
+
+
+def bare_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A shell that chose no pool: none of GPUPOOL_URL / _DB / _SIMULATE, and no NVML.
+
+    A ``pynvml`` that fails to import stands in for a host without the driver, so the test
+    means the same on a GPU machine."""
+    no_nvml = tmp_path / "no-nvml"
+    no_nvml.mkdir(exist_ok=True)
+    (no_nvml / "pynvml.py").write_text("raise ImportError('libnvidia-ml.so.1: cannot open shared object file')\n")
+    env = {k: v for k, v in os.environ.items() if k not in SELECTORS}
+    env["PYTHONPATH"] = os.pathsep.join([str(no_nvml), env.get("PYTHONPATH", "")])
+    env["GPUPOOL_BROKER_FILE"] = str(tmp_path / "etc" / "gpupool-broker.json")
+    env.update(extra)
+    return env
+
+
+def cli(args: list[str], env: dict[str, str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["jupyter", "gpupool", *args], check=False, capture_output=True, text=True, env=env, timeout=60, **kwargs
+    )
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+# --- 1. a root shell on a broker host finds the host's broker -------------------------------------
+
+
+@pytest.fixture
+def broker_process(tmp_path: Path):
+    """`jupyter gpupool broker --socket` as systemd would run it, recording itself in a discovery file."""
+    env = bare_env(tmp_path, GPUPOOL_SIMULATE="1x16GiB", GPUPOOL_DB=str(tmp_path / "broker.sqlite"))
+    # Where every uid can reach it (pytest's tmp_path is root-only), as /run/jupyter-gpupool is.
+    run_dir = Path(tempfile.mkdtemp(prefix="gpupool-run-"))
+    run_dir.chmod(0o755)
+    sock = run_dir / "broker.sock"
+    log = open(tmp_path / "broker.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_gpupool.broker", f"--socket={sock}", "--hub=off"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    discovery = Path(env["GPUPOOL_BROKER_FILE"])
+    deadline = time.monotonic() + 60
+    while not (discovery.exists() and sock.exists()):
+        assert proc.poll() is None, (tmp_path / "broker.log").read_text()
+        assert time.monotonic() < deadline, (tmp_path / "broker.log").read_text()
+        time.sleep(0.1)
+    yield proc, sock, discovery
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def lease_as_nobody(sock: Path, memory: int) -> tuple[str, int]:
+    """Fork a process that becomes uid ``nobody``, takes a lease over the socket and keeps it."""
+    from jupyter_gpupool.remote import RemotePool
+
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(reader)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            lease = RemotePool(f"unix://{sock}", timeout=30).request(
+                LeaseRequest(owner="", memory=memory, label="nobody's")
+            )
+            os.write(writer, lease.id.encode())
+            os.close(writer)
+            time.sleep(600)
+        except BaseException as err:  # noqa: BLE001 - reported to the parent through the pipe
+            os.write(writer, f"{type(err).__name__}: {err}".encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    lease_id = os.read(reader, 200).decode()
+    os.close(reader)
+    assert lease_id.startswith("l-"), f"the child could not take a lease: {lease_id}"
+    return lease_id, pid
+
+
+def test_root_shell_status_all_finds_the_hosts_broker(tmp_path: Path, broker_process) -> None:
+    _broker, sock, discovery = broker_process
+    assert json.loads(discovery.read_text())["url"] == f"unix://{sock}"
+    env = bare_env(tmp_path)
+    # Another user's lease, taken through the broker by a process of another uid (which holds it).
+    theirs_id, holder = lease_as_nobody(sock, 6 * GIB)
+    try:
+        result = cli(["status", "--all", "--json"], env)
+        table = cli(["status", "--all"], env)
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+    theirs = {"id": theirs_id}
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["db"] == f"unix://{sock}"  # the broker, not a new local file
+    assert data["backend"].endswith("simulated 1x16GiB") or "1x16GiB" in data["backend"]
+    owners = {lease["id"]: lease.get("owner") for lease in data["leases"]}
+    assert owners.get(theirs["id"]) == "nobody"  # root is an admin on the socket: every user's lease
+    assert table.returncode == 0 and theirs["id"] in table.stdout and "nobody" in table.stdout
+
+
+def test_a_stopped_broker_is_named_not_replaced_by_a_local_pool(tmp_path: Path, broker_process) -> None:
+    proc, sock, discovery = broker_process
+    proc.kill()  # SIGKILL: no clean-up at all
+    proc.wait()
+    result = cli(["status", "--all"], bare_env(tmp_path))
+    assert result.returncode == 6
+    line = one_line(result)
+    assert f"unix://{sock}" in line and str(discovery) in line and "not answering" in line
+    assert "GPUPOOL_URL" in line
+
+
+def test_no_broker_and_no_driver_says_what_to_set(tmp_path: Path) -> None:
+    result = cli(["status", "--all"], bare_env(tmp_path))
+    assert result.returncode == 6
+    line = one_line(result)
+    assert "no NVIDIA driver" in line and "GPUPOOL_URL" in line and "GPUPOOL_SIMULATE=1x16GiB" in line
+
+
+def test_explicit_choice_wins_over_the_discovery_file(tmp_path: Path) -> None:
+    env = bare_env(tmp_path)
+    Path(env["GPUPOOL_BROKER_FILE"]).parent.mkdir(parents=True)
+    Path(env["GPUPOOL_BROKER_FILE"]).write_text(json.dumps({"url": f"unix://{tmp_path}/nowhere.sock"}))
+    result = cli(["status", "--json"], {**env, "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / "p.sqlite")})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["backend"] == "simulated 1x16GiB"
+
+
+# --- 2. reservations are visible, in local time ----------------------------------------------------
+
+
+def sim_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "GPUPOOL_SIMULATE": "1x16GiB",
+        "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),
+        "TZ": "Asia/Tokyo",  # UTC+9, no daylight saving: 09:00 UTC is 18:00 here
+        **extra,
+    }
+
+
+def test_reserve_list_is_a_table_in_local_time_and_json_only_on_request(tmp_path: Path) -> None:
+    env = sim_env(tmp_path)
+    booked = cli(
+        ["reserve", "lab", "--memory", "4GiB", "--groups", "cs101", "--start", "2030-01-07T09:00+00:00", "--for", "2h"],
+        env,
+    )
+    assert booked.returncode == 0, booked.stderr
+    weekly = cli(
+        [
+            "reserve",
+            "tut",
+            "--memory",
+            "2GiB",
+            "--users",
+            "alice",
+            "--weekdays",
+            "tue,thu",
+            "--start",
+            "09:00",
+            "--end",
+            "11:00",
+        ],
+        env,
+    )
+    assert weekly.returncode == 0, weekly.stderr
+    listed = cli(["reserve", "--list"], env)
+    assert listed.returncode == 0, listed.stderr
+    assert not listed.stdout.lstrip().startswith("[")
+    lines = listed.stdout.splitlines()
+    assert lines[0].split()[:3] == ["reservation", "for", "memory"] and "JST" in lines[0]
+    lab = next(line for line in lines if line.startswith("lab "))
+    assert "group cs101" in lab and "4 GiB" in lab and "Mon 2030-01-07 18:00–20:00" in lab
+    assert "next Mon 2030-01-07 18:00" in lab
+    tut = next(line for line in lines if line.startswith("tut "))
+    assert (
+        "user alice" in tut
+        and "Tue,Thu 09:00–11:00 weekly" in tut
+        and ("next Tue" in tut or "next Thu" in tut or "active" in tut)
+    )
+    data = json.loads(cli(["reserve", "--list", "--json"], env).stdout)
+    assert {r["name"]: r["next_start"] for r in data}["lab"] == 1894006800.0
+
+
+def test_status_lists_reservations_and_whether_they_hold_now(tmp_path: Path) -> None:
+    env = sim_env(tmp_path)
+    assert cli(["reserve", "now", "--memory", "4GiB", "--groups", "cs101", "--for", "2h"], env).returncode == 0
+    status = cli(["status"], env)
+    assert status.returncode == 0, status.stderr
+    assert "Reservations:" in status.stdout
+    row = next(line for line in status.stdout.splitlines() if line.startswith("now "))
+    assert "group cs101" in row and "4 GiB" in row and "active until" in row
+    data = json.loads(cli(["status", "--json"], env).stdout)
+    assert [(r["name"], r["active"]) for r in data["reservations"]] == [("now", True)]
+
+
+# --- 3. every mistake, one clear line ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["request", "-5GiB"], "invalid size '-5GiB'"),
+        (["request", "1GiB", "--for", "-1h"], "invalid duration '-1h'"),
+        (["reserve", "lab", "--memory", "4GiB", "--groups", "x", "--for", "-1h"], "invalid duration '-1h'"),
+        (["reserve", "lab", "--memory", "-4GiB", "--groups", "x", "--for", "1h"], "invalid size '-4GiB'"),
+        (["request", "1GiB", "--model"], "argument --model: expected one argument"),
+        (["status", "--bogus"], "unknown option --bogus"),
+        (["status", "extra"], "unexpected argument 'extra'"),
+        (["reserve", "--list", "extra"], "unexpected argument 'extra'"),
+    ],
+)
+def test_mistakes_are_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
+    result = cli(args, sim_env(tmp_path))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    line = one_line(result)
+    assert expected in line
+    assert "usage:" not in result.stdout + result.stderr
+
+
+def fill_pool(tmp_path: Path, leases: int) -> None:
+    pool = Pool.from_env(environ={"GPUPOOL_SIMULATE": "8x80GiB", "GPUPOOL_DB": str(tmp_path / "pool.sqlite")})
+    try:
+        for i in range(leases):
+            pool.request(LeaseRequest(owner=f"user{i:04d}", memory=64 * 1024**2, label=f"filler-{i}"))
+    finally:
+        pool.close()
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path) -> None:
+    fill_pool(tmp_path, 900)  # the table is larger than a pipe's buffer
+    env = sim_env(tmp_path, GPUPOOL_SIMULATE="8x80GiB")
+    # `jupyter gpupool leases --all | head -1`
+    head = subprocess.Popen(["head", "-1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    leases = subprocess.run(
+        ["jupyter", "gpupool", "leases", "--all"],
+        check=False,
+        stdout=head.stdin,
+        stderr=subprocess.PIPE,
+        env=env,
+        timeout=120,
+    )
+    head.stdin.close()
+    first = head.stdout.read().decode()
+    head.wait()
+    assert first.startswith("lease ")
+    assert leases.returncode in (0, 141), leases.stderr
+    assert leases.stderr == b"", leases.stderr.decode()
+    # `status --json | head -c 10`: the reader is gone before the first write
+    reader, writer = os.pipe()
+    proc = subprocess.Popen(["jupyter", "gpupool", "status", "--json"], stdout=writer, stderr=subprocess.PIPE, env=env)
+    os.close(writer)
+    assert os.read(reader, 10)
+    os.close(reader)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (0, 141), err
+    assert err == b"", err.decode()
+
+
+# --- 4. the 403 names the scope a role must grant ---------------------------------------------------
+
+
+def test_forbidden_names_the_service_scope_not_the_bare_one(tmp_path: Path) -> None:
+    harness = BrokerHarness(tmp_path).start()
+    try:
+        # What JupyterHub puts in $JUPYTERHUB_OAUTH_ACCESS_SCOPES for a service: both forms.
+        assert harness.broker is not None and harness.broker.hub is not None
+        harness.broker.hub.hub_auth.access_scopes = {"access:services", "access:services!service=gpupool"}
+        harness.tokens["tok-no-scope"] = {
+            "kind": "user",
+            "name": "mallory",
+            "groups": [],
+            "scopes": ["read:users:name!user=mallory", ADMIN_SCOPE.replace("admin", "other")],
+        }
+        status, payload = harness.http("GET", "api/gpupool/pool", "tok-no-scope")
+    finally:
+        harness.stop()
+    assert status == 403
+    assert payload["message"].endswith("it needs the scope access:services!service=gpupool"), payload
+
+
+# --- the help of every subcommand -----------------------------------------------------------------
+
+
+def test_help_of_every_subcommand_runs(tmp_path: Path) -> None:
+    from jupyter_gpupool.cli import SUBCOMMANDS
+
+    env = sim_env(tmp_path)
+    top = cli(["--help"], env)
+    assert top.returncode == 0 and "Traceback" not in top.stderr
+    for name in SUBCOMMANDS:
+        result = cli([name, "--help"], env)
+        assert result.returncode == 0, (name, result.stderr)
+        assert "Traceback" not in result.stderr, (name, result.stderr)
+        assert result.stdout.strip(), name
