@@ -18,7 +18,7 @@ import sys
 from typing import Any, NoReturn
 
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
-from traitlets import Bool, Unicode, default
+from traitlets import Bool, TraitError, Unicode, default
 from traitlets.config.loader import KVArgParseConfigLoader, _KVArgParser
 
 from ._version import __version__
@@ -115,6 +115,25 @@ class GpuPoolBaseApp(JupyterApp):
             argv = negative_values_as_values(argv, self.aliases)
         super().parse_command_line(argv)
 
+    def update_config(self, config: Any) -> None:
+        """A value of the wrong type (``--users abc``, ``--port abc``) is one line, exit 2, not
+        traitlets' ``CRITICAL | Bad config`` and exit 1."""
+        try:
+            super().update_config(config)
+        except TraitError as err:
+            raise InvalidInput(self._trait_error_text(err)) from None
+
+    def _trait_error_text(self, err: TraitError) -> str:
+        options = {target: f"--{alias}" for alias, target in self.aliases.items() if isinstance(alias, str) and isinstance(target, str)}
+
+        def option(match: re.Match[str]) -> str:
+            trait, owner = match.group(1), match.group(2)
+            by_trait = [o for target, o in options.items() if target.rsplit(".", 1)[-1] == trait]
+            return options.get(f"{owner}.{trait}") or (by_trait[0] if len(by_trait) == 1 else f"--{owner}.{trait}")
+
+        text = re.sub(r"The '(\w+)' trait of an? (\w+) instance", option, str(err).strip())
+        return f"{text.rstrip('.')}; see `{command_words(self.name)} --help`"
+
     def refuse_extra_args(self) -> None:
         """For subcommands that take no positional words: a stray one is a mistake, not ignored."""
         if self.extra_args:
@@ -129,10 +148,10 @@ class GpuPoolBaseApp(JupyterApp):
         try:
             self.run()
         except GpuPoolError as err:
-            print(f"jupyter gpupool {self.name.split('-')[-1]}: error: {err}", file=sys.stderr)
+            print(f"{command_words(self.name)}: error: {err}", file=sys.stderr)
             self.exit(err.exit_code)
         except sqlite3.Error as err:  # the store turns these into PoolUnavailable; this is the last guard
-            print(f"jupyter gpupool {self.name.split('-')[-1]}: error: the pool database failed: {err}", file=sys.stderr)
+            print(f"{command_words(self.name)}: error: the pool database failed: {err}", file=sys.stderr)
             self.exit(PoolUnavailable.exit_code)
         except TimeoutError as err:
             print(f"jupyter gpupool: {err}", file=sys.stderr)
@@ -189,12 +208,16 @@ class _OneLineLoader(KVArgParseConfigLoader):
 
     def _create_parser(self) -> None:
         super()._create_parser()
-        self.parser.command = self.command
-        self.parser.known_options = {
-            f"--{name}" for table in (self.aliases or {}, self.flags or {}) for key in table
+        parser = self.parser
+        assert isinstance(parser, _OneLineParser)
+        parser.command = self.command
+        parser.known_options = {
+            f"--{name}"
+            for table in (self.aliases or {}, self.flags or {})
+            for key in table
             for name in (key if isinstance(key, tuple) else (key,))
         }
-        self.parser.option_names = {
+        parser.option_names = {
             f"--{target}": f"--{alias}"
             for alias, target in (self.aliases or {}).items()
             if isinstance(alias, str) and isinstance(target, str)

@@ -251,6 +251,10 @@ def test_status_lists_reservations_and_whether_they_hold_now(tmp_path: Path) -> 
         (["status", "--bogus"], "unknown option --bogus"),
         (["status", "extra"], "unexpected argument 'extra'"),
         (["reserve", "--list", "extra"], "unexpected argument 'extra'"),
+        (["simulate", "--users", "abc"], "--users expected an int, not the str 'abc'"),
+        (["broker", "--port", "abc"], "--port expected an int"),
+        (["status", "--log-level=bogus"], "--log-level expected any of"),
+        (["kernelspec", "install", "--memory", "-5GiB", "--name", "x"], "invalid size '-5GiB'"),
     ],
 )
 def test_mistakes_are_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
