@@ -1,4 +1,5 @@
-"""What both REST surfaces (the server extension and the broker) share: JSON in and out."""
+"""What both REST surfaces (the server extension and the broker) share: JSON in and out, and
+bounded path arguments."""
 
 from __future__ import annotations
 
@@ -6,24 +7,25 @@ import json
 from typing import Any
 
 from .errors import InvalidInput
+from .validate import MAX_ID, json_object
 
 
 class JsonHandlerMixin:
-    """For tornado handlers: read a JSON object body, write a JSON reply."""
+    """For tornado handlers: read a bounded JSON object body, write a JSON reply."""
 
     request: Any
+    path_kwargs: dict[str, Any]
 
     def json_body(self) -> dict[str, Any]:
-        """The request body as a dict (``{}`` when empty); bad JSON is a 400 saying what to send."""
-        if not self.request.body:
-            return {}
-        try:
-            data = json.loads(self.request.body)
-        except ValueError:
-            raise InvalidInput('the request body is not JSON; send an object such as {"memory": "12GiB"}') from None
-        if not isinstance(data, dict):
-            raise InvalidInput('the request body must be a JSON object such as {"memory": "12GiB"}')
-        return data
+        """The request body as a dict (``{}`` when empty); a body that is not a JSON object, too large
+        or nested too deep is a 400 (413) saying what to send (see :func:`~jupyter_gpupool.validate.json_object`)."""
+        return json_object(self.request.body)
+
+    def check_path_arguments(self) -> None:
+        """A lease id, kernel id or name in the URL longer than any real one is a 400, not a lookup."""
+        for name, value in (self.path_kwargs or {}).items():
+            if isinstance(value, str) and len(value) > MAX_ID:
+                raise InvalidInput(f"the {name} in the URL has {len(value)} characters; at most {MAX_ID} are accepted")
 
     def write_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)  # type: ignore[attr-defined]

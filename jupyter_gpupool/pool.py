@@ -40,6 +40,7 @@ from .core.policy import PoolPolicy, Reservation, parse_reservation
 from .devices import DeviceBackend, make_backend
 from .errors import InvalidInput, LeaseNotFound
 from .store import Store
+from .validate import preferences as validate_preferences
 
 HOSTNAME = socket.gethostname()
 
@@ -569,6 +570,8 @@ class Pool:
         return self.store.preference(owner)
 
     def set_preference(self, owner: str, **values: Any) -> None:
+        """Save ``owner``'s defaults; a value not in its accepted form is an InvalidInput, saving nothing."""
+        values = validate_preferences(values, self.policy.max_gpus_per_lease)
         with self.store.transaction():
             current = self.store.preference(owner)
             current.update(values)

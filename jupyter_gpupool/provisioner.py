@@ -54,6 +54,7 @@ from .errors import (
     RequestRefused,
 )
 from .units import SIZE_FORMS
+from .validate import usable_preferences
 
 if TYPE_CHECKING:
     from .pool import Pool
@@ -277,7 +278,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         """The lease request for this kernel: kernelspec config, then saved preference, then policy."""
         pool = self.pool
         owner = self._owner()
-        prefs = pool.preference(owner) or {}
+        prefs = usable_preferences(pool.preference(owner), owner, self.log)  # a bad one is skipped, with a warning
         memory_text: str | int | None = self.memory or prefs.get("memory")
         if memory_text:
             try:

@@ -40,6 +40,8 @@ _SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
 _PERCENT_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*%\s*$")
 # Largest size we accept: no GPU has more than 1 PiB, and bigger numbers are typos.
 MAX_SIZE = 1024 * TIB
+#: Longest size or duration text we read: anything longer is a mistake, not a size.
+MAX_TEXT = 64
 
 
 def parse_size(text: str | float, *, gpu_memory: int | None = None) -> int:
@@ -47,14 +49,22 @@ def parse_size(text: str | float, *, gpu_memory: int | None = None) -> int:
 
     ``25%`` is a share of ``gpu_memory`` (the GPU the request is for, or the largest GPU).
     """
-    if isinstance(text, bool):
-        raise InvalidInput(f"invalid size {text!r}: expected {SIZE_FORMS}")
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise InvalidInput(f"invalid size {_shown(text)}: expected {SIZE_FORMS}")
     if isinstance(text, (int, float)):
-        value = float(text)
-        if not math.isfinite(value) or value <= 0 or value > MAX_SIZE:
-            raise InvalidInput(f"invalid size {text!r}: expected {SIZE_FORMS}")
-        return int(value)
+        # Compared as numbers, never converted first: a 400-digit int does not fit a float.
+        if isinstance(text, float) and not math.isfinite(text):
+            raise InvalidInput(f"invalid size {_shown(text)}: expected {SIZE_FORMS}")
+        if text <= 0:
+            raise InvalidInput(f"invalid size {_shown(text)}: a size must be above 0; expected {SIZE_FORMS}")
+        if text > MAX_SIZE:
+            raise InvalidInput(f"invalid size {_shown(text)}: must be at most 1 PiB; expected {SIZE_FORMS}")
+        return max(1, int(text))
     raw = str(text)
+    if len(raw) > MAX_TEXT:
+        raise InvalidInput(f"invalid size {_shown(raw)}: too long; expected {SIZE_FORMS}")
+    if raw.strip().startswith("-"):
+        raise InvalidInput(f"invalid size {raw!r}: a size must be above 0; expected {SIZE_FORMS}")
     percent = _PERCENT_RE.match(raw)
     if percent:
         share = float(percent.group("num"))
@@ -70,7 +80,7 @@ def parse_size(text: str | float, *, gpu_memory: int | None = None) -> int:
     if unit not in _SIZE_UNITS:
         raise InvalidInput(f"invalid size {raw!r}: unknown unit {match.group('unit')!r}; expected {SIZE_FORMS}")
     value = float(match.group("num")) * _SIZE_UNITS[unit]
-    if value < 1 or value > MAX_SIZE:
+    if not math.isfinite(value) or value < 1 or value > MAX_SIZE:
         raise InvalidInput(f"invalid size {raw!r}: must be between 1 byte and 1 PiB; expected {SIZE_FORMS}")
     return int(value)
 
@@ -78,16 +88,25 @@ def parse_size(text: str | float, *, gpu_memory: int | None = None) -> int:
 _DURATION_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|min|m|sec|s)", re.IGNORECASE)
 MAX_DURATION = 366 * 86400
+_DURATION_RANGE = "must be above 0 and at most 366 days"
 
 
 def parse_duration(text: str | float) -> float:
     """Return a positive number of seconds from ``text`` (``2h``, ``1h30m``, ``90``)."""
-    if isinstance(text, bool):
-        raise InvalidInput(f"invalid duration {text!r}: expected {DURATION_FORMS}")
-    if isinstance(text, (int, float)):
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise InvalidInput(f"invalid duration {_shown(text)}: expected {DURATION_FORMS}")
+    if isinstance(text, int):
+        if not 0 < text <= MAX_DURATION:  # compared as an int: a 400-digit one does not fit a float
+            raise InvalidInput(f"invalid duration {_shown(text)}: {_DURATION_RANGE}; expected {DURATION_FORMS}")
         seconds = float(text)
+    elif isinstance(text, float):
+        seconds = text
     else:
         raw = str(text).strip()
+        if len(raw) > MAX_TEXT:
+            raise InvalidInput(f"invalid duration {_shown(raw)}: too long; expected {DURATION_FORMS}")
+        if raw.startswith("-"):
+            raise InvalidInput(f"invalid duration {raw!r}: {_DURATION_RANGE}; expected {DURATION_FORMS}")
         if re.fullmatch(r"\d+(?:\.\d+)?", raw):
             seconds = float(raw)
         else:
@@ -97,8 +116,22 @@ def parse_duration(text: str | float) -> float:
                 raise InvalidInput(f"invalid duration {text!r}: expected {DURATION_FORMS}")
             seconds = sum(float(n) * _DURATION_UNITS[u.lower()] for n, u in parts)
     if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_DURATION:
-        raise InvalidInput(f"invalid duration {text!r}: must be above 0 and at most 366 days; expected {DURATION_FORMS}")
+        raise InvalidInput(f"invalid duration {_shown(text)}: {_DURATION_RANGE}; expected {DURATION_FORMS}")
     return seconds
+
+
+def _shown(value: object) -> str:
+    """``repr`` of a bad value, cut short: a message stays one readable line."""
+    text = repr(value) if not isinstance(value, int) or isinstance(value, bool) else _int_repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int_repr(value: int) -> str:
+    # str() of an int over 4300 digits raises ValueError; say how long it is instead.
+    if abs(value) < 10**30:
+        return str(value)
+    digits = int(abs(value).bit_length() * 0.30103) + 1
+    return f"a {'negative ' if value < 0 else ''}{digits}-digit number"
 
 
 def format_size(num_bytes: float | None) -> str:

@@ -130,6 +130,10 @@ def test_state_changed_elsewhere_shows_in_status(pool_env: PoolEnv, kernel_facto
         ("reserve 8GiB --for soon", "invalid duration 'soon'"),
         ("reserve 8GiB --gpus x", "invalid GPU count 'x': expected a whole number from 1 to 64"),
         ("keep forever", "invalid duration 'forever'"),
+        ("reserve -5GiB", "invalid size '-5GiB': a size must be above 0"),
+        ("reserve 8GiB --for -1h", "invalid duration '-1h': must be above 0"),
+        ("keep -1h", "invalid duration '-1h': must be above 0"),
+        ("reserve 12 parsecs", "invalid size '12 parsecs'"),
         ("frobnicate", "invalid choice: 'frobnicate'"),
         ("reserve 64GiB", "64 GiB"),  # more than any GPU has: refused, saying what fits
     ],
@@ -144,6 +148,13 @@ def test_bad_input_is_one_line_without_traceback(
     assert expected in message
     lease = penv.pool.get(penv.lease_id)
     assert lease.memory == 4 * GIB and lease.state is LeaseState.GRANTED  # nothing changed
+
+
+def test_a_size_in_two_words_is_read_as_over_rest(pool_env: PoolEnv, kernel_factory: Any) -> None:
+    """``12 GB`` means the same in the magic as over REST: one grammar (units.parse_size)."""
+    kernel = kernel_factory(pool_env.kernel_env())
+    kernel.run("%gpupool reserve 6 GB")
+    assert pool_env.pool.get(pool_env.lease_id).memory == 6 * GIB
 
 
 def test_help_lists_commands_and_forms(shared_kernel: tuple[PoolEnv, Kernel]) -> None:

@@ -15,10 +15,10 @@ from typing import Any
 
 from tornado import web
 
+from .. import validate
 from ..core.models import Activity, Lease, LeaseState, PriorityClass
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
 from ..httputil import JsonHandlerMixin
-from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
 from .auth import Forbidden, Identity, Unauthenticated
 from .interface import BrokerInterface
 
@@ -55,6 +55,16 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
 
     async def prepare(self) -> None:
         self.identity = await self.broker.identify(self)
+        self.check_path_arguments()
+
+    def query(self, name: str) -> str | None:
+        """A query argument (the last one given), bounded in length; None when absent."""
+        value = self.get_argument(name, None)
+        return None if value is None else validate.text(value, name)
+
+    def query_flag(self, name: str) -> bool:
+        value = self.query(name)
+        return validate.flag(value, name) if value is not None else False
 
     def check_xsrf_cookie(self) -> None:
         """Token and socket credentials only, never cookies: nothing for XSRF to forge."""
@@ -62,8 +72,6 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
     # --- helpers --------------------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:
         return await self.broker.run(fn, *args)
-
-
 
     def own(self, lease: Lease) -> Lease:
         """The lease if the caller may see and change it; else 403."""
@@ -168,12 +176,12 @@ class LeasesHandler(BrokerHandler):
 
     async def get(self) -> None:
         ident = self.identity
-        everyone = self.get_argument("all", "") in ("1", "true") and ident.admin
-        owner = self.get_argument("owner", None)
+        everyone = self.query_flag("all") and ident.admin
+        owner = self.query("owner")
         if owner is not None and owner != ident.name and not ident.admin:
             raise NotAuthorized("only pool admins may list another user's leases")
-        kernel_id = self.get_argument("kernel_id", None)
-        released = self.get_argument("released", "") in ("1", "true")
+        kernel_id = self.query("kernel_id")
+        released = self.query_flag("released")
 
         def leases() -> list[dict[str, Any]]:
             who = None if everyone and owner is None else (owner or ident.name)
@@ -183,10 +191,14 @@ class LeasesHandler(BrokerHandler):
         self.write_json(await self.run(leases))
 
     async def post(self) -> None:
-        body = self.json_body()
+        raw = self.json_body()
         ident = self.identity
 
-        data, created = await self.run(self.broker.request_lease, ident, body)
+        def request() -> tuple[dict[str, Any], bool]:
+            body = validate.lease_request_body(raw, self.broker.pool.policy.max_gpus_per_lease)
+            return self.broker.request_lease(ident, body)
+
+        data, created = await self.run(request)
         self.write_json(data, status=201 if created else 200)
 
 
@@ -202,14 +214,17 @@ class LeaseHandler(BrokerHandler):
         self.write_json(await self.run(get))
 
     async def delete(self, lease_id: str) -> None:
-        await release_lease(self, lease_id, self.get_argument("reason", ""))
+        await release_lease(self, lease_id, validate.text(self.get_argument("reason", ""), "reason", validate.MAX_TEXT))
 
 
 class LeaseReleaseHandler(BrokerHandler):
     """``POST .../leases/{id}/release`` ``{"reason": ...}``: the same as ``DELETE``, for clients without DELETE."""
 
     async def post(self, lease_id: str) -> None:
-        await release_lease(self, lease_id, str(self.json_body().get("reason") or ""))
+        reason = validate.optional(self.json_body(), "reason")
+        await release_lease(
+            self, lease_id, validate.text(reason, "reason", validate.MAX_TEXT) if reason is not None else ""
+        )
 
 
 async def release_lease(handler: BrokerHandler, lease_id: str, reason: str) -> None:
@@ -228,15 +243,11 @@ class LeaseResizeHandler(BrokerHandler):
     """``POST .../leases/{id}/resize`` ``{"memory": "12GiB" | bytes, "duration": "2h" | seconds}``."""
 
     async def post(self, lease_id: str) -> None:
-        body = self.json_body()
-        memory, duration = body.get("memory"), body.get("duration")
-        if memory is None and duration is None:
-            raise InvalidInput(f'give "memory" ({SIZE_FORMS}) and/or "duration" ({DURATION_FORMS})')
+        memory, seconds = validate.resize_body(self.json_body())
 
         def resize() -> dict[str, Any]:
             pool = self.broker.pool
             size = pool.parse_memory(memory) if memory is not None else None
-            seconds = parse_duration(duration) if duration is not None else None
             lease = self.owned(lease_id)
             return lease_json(pool.resize(lease.id, memory=size, duration=seconds))
 
@@ -250,9 +261,7 @@ class LeasePriorityHandler(BrokerHandler):
         body = self.json_body()
         if not self.identity.admin:
             raise NotAuthorized("only pool admins may re-prioritise a lease")
-        priority = body.get("priority")
-        if not isinstance(priority, str):
-            raise InvalidInput('give "priority": batch, normal or high')
+        priority = validate.priority(body.get("priority"))
 
         def set_priority() -> dict[str, Any]:
             return lease_json(self.broker.pool.set_priority(lease_id, priority))
@@ -262,9 +271,8 @@ class LeasePriorityHandler(BrokerHandler):
 
 def keep_seconds(body: dict[str, Any], pool: Any) -> float:
     """The hold a keepalive body asks for: its ``duration``, else one hour (within ``max_keep``)."""
-    if body.get("duration") is not None:
-        return parse_duration(body["duration"])
-    return float(min(DEFAULT_KEEP, pool.policy.max_keep))
+    seconds = validate.keep_body(body)
+    return seconds if seconds is not None else float(min(DEFAULT_KEEP, pool.policy.max_keep))
 
 
 class LeaseKeepHandler(BrokerHandler):
@@ -302,14 +310,11 @@ class LeaseWaitHandler(BrokerHandler):
     answers when granted or released, when the position is no longer ``P``, or after ``S`` seconds."""
 
     async def get(self, lease_id: str) -> None:
-        try:
-            timeout = min(MAX_WAIT, max(0.0, float(self.get_argument("timeout", "10"))))
-            raw_position = self.get_argument("position", "")
-            position = int(raw_position) if raw_position else None
-        except ValueError:
-            raise InvalidInput(
-                "timeout must be seconds and position a whole number, e.g. ?timeout=10&position=2"
-            ) from None
+        raw_timeout, raw_position = self.query("timeout"), self.query("position")
+        # Longer waits are cut to MAX_WAIT (a client asks again); a wrong type is a 400.
+        timeout = validate.number(raw_timeout, "timeout", 0.0, validate.MAX_TIME) if raw_timeout else 10.0
+        timeout = min(MAX_WAIT, timeout)
+        position = validate.whole_number(raw_position, "position", 0, validate.MAX_COUNT) if raw_position else None
         deadline = time.monotonic() + timeout
         pool = self.broker.pool
 
@@ -339,9 +344,11 @@ class ActivityHandler(BrokerHandler):
 
     async def post(self) -> None:
         raw = self.json_body().get("activities") or {}
-        if not isinstance(raw, dict):
-            raise InvalidInput('"activities" must map lease ids to {"busy": ..., "connections": ...}')
-        activities = {str(k): parse_activity(v) for k, v in raw.items()}
+        if not isinstance(raw, dict) or len(raw) > validate.MAX_ITEMS:
+            raise InvalidInput(
+                f'"activities" must map at most {validate.MAX_ITEMS} lease ids to {{"busy": ..., "connections": ...}}'
+            )
+        activities = {validate.text(k, "lease id"): parse_activity(v) for k, v in raw.items()}
 
         def report() -> None:
             self.broker.check_owned(self.identity, activities)
@@ -356,10 +363,7 @@ class HeartbeatHandler(BrokerHandler):
     """``POST /api/gpupool/heartbeat`` ``{"lease_ids": [...]}``."""
 
     async def post(self) -> None:
-        ids = self.json_body().get("lease_ids") or []
-        if not isinstance(ids, list):
-            raise InvalidInput('"lease_ids" must be a list of lease ids')
-        ids = [str(i) for i in ids]
+        ids = validate.text_list(self.json_body().get("lease_ids") or [], "lease_ids")
 
         def beat() -> None:
             self.broker.check_owned(self.identity, ids)
@@ -376,12 +380,11 @@ class ReconcileHandler(BrokerHandler):
 
     async def post(self) -> None:
         body = self.json_body()
-        try:
-            host = str(body["holder_host"])
-            pid = int(body["holder_pid"])
-            live = {str(k) for k in body.get("live_kernel_ids") or []}
-        except (KeyError, TypeError, ValueError):
-            raise InvalidInput('send {"holder_host": "...", "holder_pid": 123, "live_kernel_ids": [...]}') from None
+        if "holder_host" not in body or "holder_pid" not in body:
+            raise InvalidInput('send {"holder_host": "...", "holder_pid": 123, "live_kernel_ids": [...]}')
+        host = validate.text(body["holder_host"], "holder_host")
+        pid = validate.pid(body["holder_pid"])
+        live = set(validate.text_list(body.get("live_kernel_ids") or [], "live_kernel_ids"))
         ident = self.identity
 
         def reconcile() -> list[dict[str, Any]]:
@@ -441,15 +444,11 @@ class KernelReserveHandler(KernelHandlerBase):
     """``POST .../kernels/{kernel_id}/reserve`` ``{"memory": "12GiB", "duration": "2h"}``."""
 
     async def post(self, kernel_id: str) -> None:
-        body = self.json_body()
-        memory, duration = body.get("memory"), body.get("duration")
-        if memory is None and duration is None:
-            raise InvalidInput(f'give "memory" ({SIZE_FORMS}) and/or "duration" ({DURATION_FORMS})')
+        memory, seconds = validate.resize_body(self.json_body())
 
         def reserve() -> dict[str, Any]:
             pool = self.broker.pool
             size = pool.parse_memory(memory) if memory is not None else None
-            seconds = parse_duration(duration) if duration is not None else None
             lease = self.live_lease(kernel_id)
             return self.broker.kernel_status(kernel_id, pool.resize(lease.id, memory=size, duration=seconds))
 
@@ -488,13 +487,11 @@ class ReportHandler(BrokerHandler):
     seconds): admins see all rows, users their own rows of ``by=user``."""
 
     async def get(self) -> None:
-        by = self.get_argument("by", "user")
-        period = self.get_argument("period", "none")
-        try:
-            since = float(self.get_argument("since")) if self.get_argument("since", "") else None
-            until = float(self.get_argument("until")) if self.get_argument("until", "") else None
-        except ValueError:
-            raise InvalidInput("since and until must be POSIX seconds, e.g. ?since=1767225600") from None
+        by = validate.choice(self.query("by") or "user", "by", ("user", "group", "kernel"))
+        period = validate.choice(self.query("period") or "none", "period", ("none", "day", "week", "month"))
+        raw_since, raw_until = self.query("since"), self.query("until")
+        since = validate.timestamp(raw_since, "since (POSIX seconds)") if raw_since else None
+        until = validate.timestamp(raw_until, "until (POSIX seconds)") if raw_until else None
         ident = self.identity
         if not ident.admin and by != "user":
             raise NotAuthorized("only pool admins may see reports by group or kernel; ask for by=user")
@@ -515,7 +512,7 @@ class ReservationsHandler(BrokerHandler):
     async def post(self) -> None:
         if not self.identity.admin:
             raise NotAuthorized("only pool admins may book reservations")
-        spec = self.json_body()
+        spec = validate.reservation_body(self.json_body())
         reservation = await self.run(self.broker.pool.book_reservation, spec)
         self.write_json(reservation.to_json(), status=201)
 
@@ -538,11 +535,7 @@ class PreferencesHandler(BrokerHandler):
         self.write_json(await self.run(self.broker.pool.preference, self.identity.name))
 
     async def patch(self) -> None:
-        values = self.json_body()
-        allowed = {"memory", "num_gpus", "compute_share", "model", "priority"}
-        unknown = set(values) - allowed
-        if unknown:
-            raise InvalidInput(f"unknown preference(s) {sorted(unknown)}; use {', '.join(sorted(allowed))}")
+        values = validate.preferences(self.json_body(), self.broker.pool.policy.max_gpus_per_lease)
         name = self.identity.name
         await self.run(lambda: self.broker.pool.set_preference(name, **values))
         self.write_json(await self.run(self.broker.pool.preference, name))
@@ -552,10 +545,8 @@ class EventsHandler(BrokerHandler):
     """``GET /api/gpupool/events?after=SEQ``: decisions about the caller's leases (all for admins)."""
 
     async def get(self) -> None:
-        try:
-            after = int(self.get_argument("after", "0"))
-        except ValueError:
-            raise InvalidInput("after must be a whole number (the last seq you saw)") from None
+        raw_after = self.query("after")
+        after = validate.whole_number(raw_after, "after (the last seq you saw)", 0, 2**63 - 1) if raw_after else 0
         ident = self.identity
         events = await self.run(self.broker.pool.events, after)
         self.write_json([e for e in events if ident.admin or e["owner"] == ident.name])
@@ -585,21 +576,9 @@ class NotFoundHandler(BrokerHandler):
 
 
 def parse_activity(data: Any) -> Activity:
-    if not isinstance(data, dict):
-        raise InvalidInput(
-            'activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}'
-        )
-    try:
-        last = data.get("last_activity")
-        return Activity(
-            busy=bool(data.get("busy", False)),
-            last_activity=float(last) if last is not None else None,
-            connections=int(data.get("connections") or 0),
-        )
-    except (TypeError, ValueError):
-        raise InvalidInput(
-            'activity must be an object like {"busy": false, "last_activity": 1767225600, "connections": 1}'
-        ) from None
+    """A kernel's activity report, typed and bounded (see :func:`~jupyter_gpupool.validate.activity_fields`)."""
+    busy, last_activity, connections = validate.activity_fields(data)
+    return Activity(busy=busy, last_activity=last_activity, connections=connections)
 
 
 def parse_priority(value: Any) -> PriorityClass | None:
@@ -607,10 +586,7 @@ def parse_priority(value: Any) -> PriorityClass | None:
     for" (a ``staff: high`` group gets high). A user may ask for less, never for more."""
     if value in (None, ""):
         return None
-    try:
-        return PriorityClass(str(value).lower())
-    except ValueError:
-        raise InvalidInput(f"invalid priority {value!r}: expected batch, normal or high") from None
+    return PriorityClass(validate.priority(value))
 
 
 def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:

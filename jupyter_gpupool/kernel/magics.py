@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import shlex
 import sys
 import time
@@ -71,6 +72,11 @@ class _HelpShown(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that reports instead of exiting the kernel."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # "-5GiB" and "-1h" are (bad) values, not options: units.py says what is wrong with them.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message: str) -> Any:  # type: ignore[override]
         raise MagicError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
 
@@ -79,6 +85,13 @@ class _Parser(argparse.ArgumentParser):
 
     def print_help(self, file: Any = None) -> None:
         raise _HelpShown(self.format_help())
+
+
+class _JoinWords(argparse.Action):
+    """``12 GB`` typed as two words is one value (units.py reads it; one grammar with the REST API)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, " ".join(values) or None)
 
 
 def _gpu_count(text: str) -> int:
@@ -110,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="grow or shrink the slice, hold it through idle, or ask for one",
         description=f"Grow or shrink this kernel's slice, or ask for one. SIZE is {SIZE_FORMS}.",
     )
-    reserve.add_argument("size", nargs="?", help=_escape(f"memory per GPU: {SIZE_FORMS}"))
+    reserve.add_argument("size", nargs="*", action=_JoinWords, help=_escape(f"memory per GPU: {SIZE_FORMS}"))
     reserve.add_argument(
         "--for", dest="duration", metavar="DURATION", help=_escape(f"hold through idle this long: {DURATION_FORMS}")
     )
@@ -118,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("release", help="give the slice back to the pool")
     sub.add_parser("queue", help="the pool's GPUs and its queue")
     keep = sub.add_parser("keep", help="hold the slice through idle (default 1h)")
-    keep.add_argument("duration", nargs="?", default=None, help=_escape(f"{DURATION_FORMS} (default {DEFAULT_KEEP})"))
+    keep.add_argument("duration", nargs="*", action=_JoinWords, default=None, help=_escape(f"{DURATION_FORMS} (default {DEFAULT_KEEP})"))
     wait = sub.add_parser("wait", help="block until the slice is granted")
     wait.add_argument("--timeout", metavar="DURATION", help=_escape(f"give up after this long: {DURATION_FORMS}"))
     sub.add_parser("help", help="show this help")

@@ -44,6 +44,7 @@ from ..provisioner import (
     when_unavailable_from_env,
 )
 from ..views import kernel_status, kernel_status_without_pool
+from .handlers import default_handlers
 
 LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
@@ -284,8 +285,6 @@ class GpuPoolExtension(ExtensionApp):
         self._failed_call = False
 
     def initialize_handlers(self) -> None:
-        from .handlers import default_handlers
-
         self.handlers.extend(default_handlers)
 
     def _install_provisioner_default(self) -> None:

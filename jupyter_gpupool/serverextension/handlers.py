@@ -11,20 +11,35 @@ import asyncio
 import json
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
+from .. import validate
 from ..core.models import Lease
-from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
+from ..errors import GpuPoolError, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
 from ..httputil import JsonHandlerMixin
-from ..units import DURATION_FORMS, SIZE_FORMS, parse_duration
 
-if TYPE_CHECKING:
-    from .app import GpuPoolExtension
+
+class PoolExtension(Protocol):
+    """What the handlers use of the :class:`~jupyter_gpupool.serverextension.app.GpuPoolExtension`
+    (``settings["gpupool"]``): the app imports the handlers, never the other way round."""
+
+    pool: Any
+    owner: str
+    admin_users: list[str]
+    identity_is_owner: bool | None
+    keepalive_default: float
+
+    def kernel_status(self, kernel_id: str, lease: Lease | None) -> dict[str, Any]: ...
+
+    def emit(
+        self, action: str, lease: Lease, info: Any = None, message: str = "", deadline: float | None = None
+    ) -> None: ...
+
 
 ADMIN_SCOPE = "custom:gpupool:admin"
 _KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
@@ -42,7 +57,7 @@ class GpuPoolHandler(JsonHandlerMixin, ExtensionHandlerMixin, APIHandler):  # ty
     auth_resource = "gpupool:pool"
 
     @property
-    def ext(self) -> GpuPoolExtension:
+    def ext(self) -> PoolExtension:
         return self.settings["gpupool"]
 
     # --- identity ---------------------------------------------------------------------------------
@@ -74,6 +89,10 @@ class GpuPoolHandler(JsonHandlerMixin, ExtensionHandlerMixin, APIHandler):  # ty
             self.set_header("Content-Type", "application/json")
             self.finish(json.dumps({"message": str(exc)}))
             return
+        if status_code >= 500:  # never a traceback in a reply: it is in the server's log
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"message": "internal error in the GPU pool; see the Jupyter server's log"}))
+            return
         super().write_error(status_code, **kwargs)
 
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
@@ -81,8 +100,6 @@ class GpuPoolHandler(JsonHandlerMixin, ExtensionHandlerMixin, APIHandler):  # ty
             self.log.info("gpupool: %s %s: %s", self.request.method, self.request.path, value)
             return
         super().log_exception(typ, value, tb)
-
-
 
 
 class PoolHandler(GpuPoolHandler):
@@ -125,6 +142,7 @@ class KernelHandlerBase(GpuPoolHandler):
 
     def kernel_lease(self, kernel_id: str) -> Lease | None:
         """The kernel's newest lease (live, else the last released one); 404 / 403 as due."""
+        self.check_path_arguments()  # here, after @authenticated: a stranger learns nothing from a 400
         ext = self.ext
         in_server = kernel_id in self.kernel_manager
         try:
@@ -138,7 +156,9 @@ class KernelHandlerBase(GpuPoolHandler):
             raise LeaseNotFound(f"no kernel {kernel_id!r} on this server and no GPU lease for it")
         owner = lease.owner if lease is not None else ext.owner
         if owner != self.viewer() and not self.is_admin():
-            raise NotAuthorized(f"kernel {kernel_id} belongs to another user; only its owner or an admin may see or change its GPU slice")
+            raise NotAuthorized(
+                f"kernel {kernel_id} belongs to another user; only its owner or an admin may see or change its GPU slice"
+            )
         return lease
 
     def live_lease(self, kernel_id: str) -> Lease:
@@ -169,15 +189,11 @@ class ReserveHandler(KernelHandlerBase):
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:
-        body = self.json_body()
-        memory, duration = body.get("memory"), body.get("duration")
-        if memory is None and duration is None:
-            raise InvalidInput(f'give "memory" ({SIZE_FORMS}) and/or "duration" ({DURATION_FORMS})')
+        memory, seconds = validate.resize_body(self.json_body())
         pool = self.ext.pool
 
         def reserve() -> dict[str, Any]:
             size = pool.parse_memory(memory) if memory is not None else None
-            seconds = parse_duration(duration) if duration is not None else None
             lease = self.live_lease(kernel_id)
             updated = pool.resize(lease.id, memory=size, duration=seconds)
             return {"lease": updated, "status": self.ext.kernel_status(kernel_id, updated)}
@@ -212,14 +228,11 @@ class KeepaliveHandler(KernelHandlerBase):
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:
-        body = self.json_body()
+        asked = validate.keep_body(self.json_body())
         pool = self.ext.pool
 
         def keep() -> dict[str, Any]:
-            if body.get("duration") is not None:
-                seconds = parse_duration(body["duration"])
-            else:
-                seconds = min(self.ext.keepalive_default, pool.policy.max_keep)
+            seconds = asked if asked is not None else min(self.ext.keepalive_default, pool.policy.max_keep)
             lease = self.live_lease(kernel_id)
             kept = pool.keep(lease.id, seconds)
             return {"lease": kept, "status": self.ext.kernel_status(kernel_id, kept)}
