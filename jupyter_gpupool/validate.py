@@ -33,8 +33,8 @@ MAX_ID = 255
 MAX_TEXT = 1000
 #: Most items in a list or mapping of a body (lease ids, live kernels, activities).
 MAX_ITEMS = 10_000
-#: Largest count (connections of a kernel, a queue position, an event sequence number).
-MAX_COUNT = 2**53
+#: Largest count (connections of a kernel, a queue position).
+MAX_COUNT = 1_000_000
 #: Latest time accepted (POSIX seconds, year 2286): later is a typo, and keeps SQLite's REAL exact.
 MAX_TIME = 10_000_000_000.0
 #: Linux's own ceiling for pids (PID_MAX_LIMIT on 64-bit); /proc/sys/kernel/pid_max may be lower.
@@ -301,7 +301,7 @@ def activity_fields(data: Any) -> tuple[bool, float | None, int]:
     busy = flag(data.get("busy", False), "busy")
     last = data.get("last_activity")
     last_activity = timestamp(last, "last_activity") if last is not None else None
-    connections = whole_number(data.get("connections") or 0, "connections", 0, 1_000_000)
+    connections = whole_number(data.get("connections") or 0, "connections", 0, MAX_COUNT)
     return busy, last_activity, connections
 
 
