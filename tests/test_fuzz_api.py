@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import schemathesis
 import yaml
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
 
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-
-from jupyter_gpupool.core.models import LeaseRequest  # noqa: E402
-from jupyter_gpupool.units import GIB  # noqa: E402
+from jupyter_gpupool.core.models import LeaseRequest
+from jupyter_gpupool.units import GIB
 
 try:
     from broker_harness import BrokerHarness
@@ -124,7 +123,15 @@ def fuzz_operation(
 def lease_state(pool: Any) -> Any:
     """What a request could change: every lease's decisive fields, preferences, reservations."""
     leases = sorted(
-        (lease.id, lease.state.value, lease.memory, lease.num_gpus, lease.priority.value, lease.keep_until, lease.devices)
+        (
+            lease.id,
+            lease.state.value,
+            lease.memory,
+            lease.num_gpus,
+            lease.priority.value,
+            lease.keep_until,
+            lease.devices,
+        )
         for lease in pool.leases(include_released=True)
     )
     prefs = [pool.preference(name) for name in ("alice", "bob", "prof")]
@@ -221,8 +228,10 @@ def test_report_fuzz_totals() -> None:
     if not TOTALS:
         pytest.skip("no fuzz test ran in this session")
     for target, totals in sorted(TOTALS.items()):
-        print(f"\nschemathesis {target}: {totals['requests']} requests fuzzed, {totals['5xx']} x 5xx "
-              f"({totals['2xx']} 2xx, {totals['4xx']} 4xx), {EXAMPLES} examples per operation and mode")
+        print(
+            f"\nschemathesis {target}: {totals['requests']} requests fuzzed, {totals['5xx']} x 5xx "
+            f"({totals['2xx']} 2xx, {totals['4xx']} 4xx), {EXAMPLES} examples per operation and mode"
+        )
         assert totals["5xx"] == 0
     report = os.environ.get("GPUPOOL_FUZZ_REPORT")
     if report:

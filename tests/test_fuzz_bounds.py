@@ -33,7 +33,15 @@ BAD_NUMBERS: list[Any] = [HUGE, -HUGE, "1e400", "9" * 400, -1, 2**31, [1], {"a":
 
 def lease_state(pool: Any) -> Any:
     leases = sorted(
-        (lease.id, lease.state.value, lease.memory, lease.num_gpus, lease.priority.value, lease.keep_until, lease.holder_pid)
+        (
+            lease.id,
+            lease.state.value,
+            lease.memory,
+            lease.num_gpus,
+            lease.priority.value,
+            lease.keep_until,
+            lease.holder_pid,
+        )
         for lease in pool.leases(include_released=True)
     )
     return leases, [pool.preference(n) for n in ("alice", "prof")], sorted(r.name for r in pool.reservations())
@@ -41,7 +49,9 @@ def lease_state(pool: Any) -> Any:
 
 def raw_request(port: int, method: str, path: str, body: bytes, token: str) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request(method, path, body=body, headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+    conn.request(
+        method, path, body=body, headers={"Authorization": f"token {token}", "Content-Type": "application/json"}
+    )
     response = conn.getresponse()
     raw = response.read()
     conn.close()
@@ -197,7 +207,11 @@ def test_server_refuses_every_hostile_value_with_400_and_changes_nothing(
                 assert response.code == 400, (route, body, response.body)
                 message = json.loads(response.body)["message"]
                 assert "\n" not in message and "expected" in message or "give" in message, message
-        for raw in (NESTED, json.dumps({"memory": "1GiB", "x": "y"}).replace('"y"', "[" * 20 + "]" * 20), '{"memory": NaN}'):
+        for raw in (
+            NESTED,
+            json.dumps({"memory": "1GiB", "x": "y"}).replace('"y"', "[" * 20 + "]" * 20),
+            '{"memory": NaN}',
+        ):
             response = await gpupool_fetch("api", "gpupool", "kernels", "k-alice", "reserve", method="POST", body=raw)
             assert response.code == 400, response.body
         response = await gpupool_fetch(
