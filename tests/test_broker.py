@@ -143,7 +143,7 @@ def test_another_users_lease_is_403_and_an_admin_may(harness: BrokerHarness) -> 
         "POST",
         "api/gpupool/reconcile",
         ALICE,
-        {"holder_host": lease["holder_host"] or "", "holder_pid": lease["holder_pid"] or 0, "live_kernel_ids": []},
+        {"holder_host": lease["holder_host"] or "", "holder_pid": lease["holder_pid"] or 1, "live_kernel_ids": []},
     )
     assert status == 200 and released == []
     # A kernel id already leased by Bob cannot be claimed by Alice.
