@@ -59,3 +59,51 @@ def test_formatting():
     assert format_duration(None) == "unknown"
     assert format_duration(270) == "4 min 30 s"
     assert format_duration(3 * 3600 + 60) == "3 h 1 min"
+
+
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("-5GiB", "a size must be above 0"),
+        (" -5 GiB", "a size must be above 0"),
+        (10**400, "must be at most 1 PiB"),
+        (-(10**400), "a size must be above 0"),
+        ("9" * 400, "too long"),
+        ("1e400", "expected a size like"),
+        ([1], "expected a size like"),
+        (None, "expected a size like"),
+    ],
+)
+def test_negative_huge_and_wrong_typed_sizes_are_one_short_line(bad, expected):
+    with pytest.raises(InvalidInput, match=expected) as err:
+        parse_size(bad, gpu_memory=16 * GIB)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("-1h", "must be above 0"),
+        (-5, "must be above 0"),
+        (10**400, "a 401-digit number: must be above 0 and at most 366 days"),
+        (1e308, "at most 366 days"),
+        ("9" * 400, "too long"),
+        ({"h": 1}, "expected a duration like"),
+    ],
+)
+def test_negative_huge_and_wrong_typed_durations_are_one_short_line(bad, expected):
+    with pytest.raises(InvalidInput, match=expected) as err:
+        parse_duration(bad)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 200
+
+
+@pytest.mark.parametrize("text", ["12 GB", "12GB", "12 gib", " 12G "])
+def test_one_size_grammar_for_rest_magic_and_cli(text):
+    """REST bodies, the %gpupool magic and the CLI all read sizes with units.parse_size."""
+    from jupyter_gpupool import validate
+    from jupyter_gpupool.kernel.magics import build_parser
+
+    assert parse_size(text) == 12 * GIB
+    assert validate.size(text) == text  # accepted over REST as typed
+    args = build_parser().parse_args(["reserve", *text.split()])
+    assert parse_size(args.size) == 12 * GIB
