@@ -85,19 +85,6 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
         """Worker-thread helper: get (404) and check ownership (403)."""
         return self.own(self.broker.pool.get(lease_id))
 
-    def check_owned(self, lease_ids: Iterable[str]) -> None:
-        """Worker-thread helper: 403 if any of these live leases is another user's. Each id is looked
-        up by itself, so the answer never depends on how many other leases the pool holds."""
-        if self.identity.admin:
-            return
-        for lease_id in dict.fromkeys(lease_ids):
-            try:
-                lease = self.broker.pool.get(lease_id)
-            except LeaseNotFound:
-                continue  # unknown ids are skipped by the pool too
-            if lease.live and lease.owner != self.identity.name:
-                raise NotAuthorized(f"lease {lease_id} belongs to another user")
-
     # --- errors -----------------------------------------------------------------------------------
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
@@ -364,7 +351,7 @@ class ActivityHandler(BrokerHandler):
         activities = {validate.text(k, "lease id"): parse_activity(v) for k, v in raw.items()}
 
         def report() -> None:
-            self.check_owned(activities)
+            self.broker.check_owned(self.identity, activities)
             self.broker.pool.report_activities(activities)
 
         await self.run(report)
@@ -379,7 +366,7 @@ class HeartbeatHandler(BrokerHandler):
         ids = validate.text_list(self.json_body().get("lease_ids") or [], "lease_ids")
 
         def beat() -> None:
-            self.check_owned(ids)
+            self.broker.check_owned(self.identity, ids)
             self.broker.pool.heartbeat(ids)
 
         await self.run(beat)
