@@ -133,7 +133,7 @@ def test_broker_refuses_every_hostile_value_with_400_and_changes_nothing(broker:
     before = broker.on_broker(lease_state, broker.pool)
     cases = broker_cases(lease.id)
     for method, path, body in cases:
-        token = "tok-prof" if "reservations" in path or "priority" in path else "tok-alice"
+        token = "tok-prof" if any(w in path for w in ("reservations", "priority", "report")) else "tok-alice"
         status, payload = broker.http(method, path, token, body)
         assert status == 400, (method, path, str(body)[:120], status, payload)
         message = payload["message"]
