@@ -34,6 +34,11 @@ class PoolExtension(Protocol):
     identity_is_owner: bool | None
     keepalive_default: float
 
+    @property
+    def available(self) -> bool: ...
+
+    def availability(self) -> dict[str, Any]: ...
+
     def kernel_status(self, kernel_id: str, lease: Lease | None) -> dict[str, Any]: ...
 
     def emit(
