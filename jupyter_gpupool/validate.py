@@ -128,7 +128,7 @@ def _nesting(data: bytes) -> int:
 def whole_number(value: Any, field: str, low: int, high: int) -> int:
     """An int from ``low`` to ``high``: a JSON integer, an integral float, or digits in a string."""
     integral_float = isinstance(value, float) and math.isfinite(value) and value.is_integer()
-    digits = isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,20}\s*", value) is not None
+    digits = isinstance(value, str) and re.fullmatch(r" *-?[0-9]{1,20} *", value) is not None
     number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value

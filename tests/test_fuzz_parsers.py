@@ -182,6 +182,7 @@ preference_maps = st.dictionaries(
 @example({"num_gpus": "two"})
 @example({"priority": 5})
 @example({"model": ["A100"]})
+@example({"num_gpus": "0\x1f"})  # found by this test: int() refused what the regex let through
 def test_preferences_are_saved_only_in_their_accepted_form(values: dict[str, Any]) -> None:
     try:
         clean = validate.preferences(values, max_gpus=8)
