@@ -293,9 +293,7 @@ def test_server_matrix(
                 before = stored(pool)
                 status, payload = await call(caller, method, path, body, cookie)
                 cell = f"{caller} {method} {path}: {status} {str(payload)[:200]}"
-                may = caller in allowed or (
-                    caller == "cookie_only" and method == "GET" and "user_a" in allowed
-                )
+                may = caller in allowed or (caller == "cookie_only" and method == "GET" and "user_a" in allowed)
                 if may:
                     assert 200 <= status < 300, cell
                     if method != "GET":
