@@ -79,7 +79,7 @@ def test_a_deleted_broker_pool_file_answers_503_with_the_reason(harness):
     assert glob.glob(harness.db + ".rescued-*")
 
 
-def test_a_server_whose_pool_file_is_replaced_answers_503(arun, jp_serverapp, gpupool_fetch, gpupool_env, tmp_path):
+def test_a_server_whose_pool_file_is_replaced_says_unavailable(arun, jp_serverapp, gpupool_fetch, gpupool_env, tmp_path):
     from jupyter_gpupool.store import Store
 
     other = tmp_path / "other.sqlite"
@@ -89,8 +89,11 @@ def test_a_server_whose_pool_file_is_replaced_answers_503(arun, jp_serverapp, gp
         response = await gpupool_fetch("api", "gpupool", "pool")
         assert response.code == 200, response.body
         os.replace(other, gpupool_env["GPUPOOL_DB"])
+        # The pool view answers with the pool's state (the sidebar shows why), not an error.
         response = await gpupool_fetch("api", "gpupool", "pool")
-        assert response.code == 503, response.body
-        assert "replaced by another file while in use" in json.loads(response.body)["message"]
+        assert response.code == 200, response.body
+        view = json.loads(response.body)
+        assert view["state"] == "unavailable", view
+        assert "replaced by another file while in use" in view["reason"]
 
     arun(scenario())
