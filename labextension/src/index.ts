@@ -7,11 +7,12 @@
  */
 
 import {
+  ILabShell,
   ILayoutRestorer,
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import { ICommandPalette } from '@jupyterlab/apputils';
+import { ICommandPalette, IToolbarWidgetRegistry } from '@jupyterlab/apputils';
 import { IConsoleTracker } from '@jupyterlab/console';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
@@ -31,6 +32,9 @@ export { GpuPoolModel } from './model';
 export { IGpuPoolModel } from './tokens';
 
 const PLUGIN_ID = 'jupyter-gpupool:plugin';
+
+/** The top-bar item's name in the schema's `jupyter.lab.toolbars.TopBar`. */
+const TOP_BAR_ITEM = 'gpupool';
 
 namespace CommandIDs {
   export const open = 'gpupool:open-panel';
@@ -61,7 +65,9 @@ const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
     IStatusBar,
     ILayoutRestorer,
     ICommandPalette,
-    ISettingRegistry
+    ISettingRegistry,
+    IToolbarWidgetRegistry,
+    ILabShell
   ],
   activate: (
     app: JupyterFrontEnd,
@@ -70,7 +76,9 @@ const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
     statusBar: IStatusBar | null,
     restorer: ILayoutRestorer | null,
     palette: ICommandPalette | null,
-    settingRegistry: ISettingRegistry | null
+    settingRegistry: ISettingRegistry | null,
+    toolbarRegistry: IToolbarWidgetRegistry | null,
+    labShell: ILabShell | null
   ): GpuPoolModel => {
     const settings: ISettings = { ...DEFAULTS };
     const serverSettings = app.serviceManager.serverSettings;
@@ -141,6 +149,21 @@ const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
         rank: 3,
         isActive: () => item.hasText,
         activeStateChanged: model.changed
+      });
+    }
+
+    if (toolbarRegistry) {
+      // The page's top bar (schema: jupyter.lab.toolbars.TopBar): Notebook 7 has no status
+      // bar, so this is where its users see their kernel's slice, as with
+      // jupyter-resource-usage. JupyterLab shows the status-bar item instead.
+      const inTopBar = !labShell || !statusBar;
+      toolbarRegistry.addFactory('TopBar', TOP_BAR_ITEM, () => {
+        const item = new GpuPoolStatus(model, openPanel, { hideWhenEmpty: true });
+        item.addClass('jp-GpuPool-topBar');
+        if (!inTopBar) {
+          item.hide();
+        }
+        return item;
       });
     }
 
