@@ -436,7 +436,27 @@ def test_torch_cap_applies_at_once_when_cuda_is_already_up_and_follows_a_resize(
     assert torch.cuda.calls[-2:] == [(0.5, 0), (0.5, 1)]
     assert env["GPUPOOL_MEMORY_LIMIT"] == str(8 * GIB)
     assert env["CUPY_GPU_MEMORY_LIMIT"] == str(8 * GIB)
-    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5000"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.500"
+
+
+def test_a_resize_updates_every_memory_variable_the_kernel_holds() -> None:
+    """GPUPOOL_MEMORY_FRACTION and XLA's fraction follow the new slice, as the provisioner writes them."""
+    env: dict[str, str] = {
+        "GPUPOOL_MEMORY_LIMIT": str(4 * GIB),
+        "GPUPOOL_MEMORY_FRACTION": "0.250",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.250",
+        "CUPY_GPU_MEMORY_LIMIT": str(4 * GIB),
+    }
+    caps = FrameworkCaps(4 * GIB, env=env)
+    caps.set_limit(12 * GIB, gpu_memory=16 * GIB)
+    assert env == {
+        "GPUPOOL_MEMORY_LIMIT": str(12 * GIB),
+        "GPUPOOL_MEMORY_FRACTION": "0.750",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.750",
+        "CUPY_GPU_MEMORY_LIMIT": str(12 * GIB),
+    }
+    caps.set_limit(6 * GIB)  # no GPU size known: scaled from the old values
+    assert env["GPUPOOL_MEMORY_FRACTION"] == "0.375" and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.375"
 
 
 def test_torch_without_cuda_records_that_no_cap_is_needed() -> None:

@@ -27,6 +27,7 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import math
 import os
 import sys
 import threading
@@ -200,8 +201,13 @@ class FrameworkCaps:
         self.oom.uninstall()
         self._installed = False
 
-    def set_limit(self, limit: int | None) -> None:
-        """The slice changed (``%gpupool reserve``): update the env for child processes and re-cap."""
+    def set_limit(self, limit: int | None, gpu_memory: int | None = None) -> None:
+        """The slice changed (``%gpupool reserve``): update the env for child processes and re-cap.
+
+        ``gpu_memory`` is the smallest held GPU's memory; with it the fractions
+        (``GPUPOOL_MEMORY_FRACTION``, ``XLA_PYTHON_CLIENT_MEM_FRACTION``) are computed as the
+        provisioner computes them at start, else scaled from their old values.
+        """
         with self._lock:
             old = self.limit
             self.limit = limit
@@ -211,13 +217,11 @@ class FrameworkCaps:
         self.env["GPUPOOL_MEMORY_LIMIT"] = str(limit)
         if "CUPY_GPU_MEMORY_LIMIT" in self.env and not self.env["CUPY_GPU_MEMORY_LIMIT"].endswith("%"):
             self.env["CUPY_GPU_MEMORY_LIMIT"] = str(limit)
-        fraction = self.env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-        if fraction and old:
-            try:
-                self.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(1.0, float(fraction) * limit / old):.4f}"
-            except ValueError:
-                pass
-        # PyTorch and CuPy take a new limit at any time; TensorFlow does not.
+        for name in ("GPUPOOL_MEMORY_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+            fraction = _new_fraction(self.env.get(name), old, limit, gpu_memory)
+            if fraction is not None:
+                self.env[name] = fraction
+        # PyTorch and CuPy take a new limit at any time; TensorFlow and JAX (once started) do not.
         if "torch" in sys.modules:
             self._on_torch(sys.modules["torch"])
         if "cupy" in sys.modules:
@@ -227,6 +231,13 @@ class FrameworkCaps:
                 "tensorflow",
                 TOO_LATE,
                 f"still capped at {format_size(old)}: TensorFlow cannot change its limit; restart the kernel",
+            )
+        if "jax" in sys.modules and old != limit and self.env.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):
+            self._record(
+                "jax",
+                TOO_LATE,
+                f"XLA_PYTHON_CLIENT_MEM_FRACTION is now {self.env['XLA_PYTHON_CLIENT_MEM_FRACTION']}, but JAX reads it"
+                " only when its GPU backend starts; restart the kernel if JAX already used the GPU",
             )
 
     # -- per framework --------------------------------------------------------------------
@@ -368,6 +379,23 @@ class FrameworkCaps:
 # --------------------------------------------------------------------------------------------
 # Out-of-memory hint
 # --------------------------------------------------------------------------------------------
+
+
+def _new_fraction(current: str | None, old: int | None, limit: int, gpu_memory: int | None) -> str | None:
+    """A memory-fraction variable after a resize, formatted as the provisioner writes it (None: leave it)."""
+    if not current:
+        return None
+    if gpu_memory and gpu_memory > 0:
+        fraction = limit / gpu_memory
+    elif old:
+        try:
+            fraction = float(current) * limit / old
+        except ValueError:
+            return None
+    else:
+        return None
+    # As enforcement.memory_fraction: rounded down to 0.001, between 0.001 and 1.
+    return f"{max(0.001, min(1.0, math.floor(fraction * 1000) / 1000)):.3f}"
 
 
 def suggest_size(limit: int | None) -> str:

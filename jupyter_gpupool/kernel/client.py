@@ -182,7 +182,7 @@ class InProcessPoolClient(PoolClient):
 
     def _recap(self, lease: Lease) -> None:
         if self.caps is not None and lease.state is not LeaseState.RELEASED:
-            self.caps.set_limit(lease.memory)
+            self.caps.set_limit(lease.memory, gpu_memory=self._largest(lease) if lease.devices else None)
         elif lease.state is not LeaseState.RELEASED:
             self.env["GPUPOOL_MEMORY_LIMIT"] = str(lease.memory)
 
