@@ -64,7 +64,12 @@ def shared_kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Po
 
 def test_reserve_status_release_round_trip(pool_env: PoolEnv, kernel_factory: Any, tmp_path: Any) -> None:
     fakes = write_fake_frameworks(tmp_path / "fakes")
-    kernel = kernel_factory(pool_env.kernel_env(PYTHONPATH=with_path(fakes)))
+    # As the provisioner starts it: 4 GiB of the 16 GiB GPU.
+    kernel = kernel_factory(
+        pool_env.kernel_env(
+            PYTHONPATH=with_path(fakes), GPUPOOL_MEMORY_FRACTION="0.250", XLA_PYTHON_CLIENT_MEM_FRACTION="0.250"
+        )
+    )
     pool = pool_env.pool
     kernel.run("import torch; torch.cuda.init()")
 
@@ -75,9 +80,13 @@ def test_reserve_status_release_round_trip(pool_env: PoolEnv, kernel_factory: An
     assert "slice changed from 4 GiB to 8 GiB" in grown.plain()
     # The kernel re-capped PyTorch and updated the env its child processes get.
     result = kernel.run(
-        "import os; (torch.cuda.calls[-1], os.environ['GPUPOOL_MEMORY_LIMIT'], os.environ['CUPY_GPU_MEMORY_LIMIT'])"
+        "import os; (torch.cuda.calls[-1], os.environ['GPUPOOL_MEMORY_LIMIT'], os.environ['CUPY_GPU_MEMORY_LIMIT'],"
+        " os.environ['GPUPOOL_MEMORY_FRACTION'], os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
     )
-    assert result.value() == ((0.5, 0), str(8 * GIB), str(8 * GIB))
+    assert result.value() == ((0.5, 0), str(8 * GIB), str(8 * GIB), "0.500", "0.500")
+
+    spaced = kernel.run("%gpupool reserve 6 GB")  # the grammar REST and the CLI accept
+    assert pool.get(pool_env.lease_id).memory == 6 * GIB, spaced.plain()
 
     shrunk = kernel.run("%gpupool reserve 25%")  # of the 16 GiB GPU
     assert pool.get(pool_env.lease_id).memory == 4 * GIB
@@ -136,6 +145,8 @@ def test_state_changed_elsewhere_shows_in_status(pool_env: PoolEnv, kernel_facto
         ("reserve 12 parsecs", "invalid size '12 parsecs'"),
         ("frobnicate", "invalid choice: 'frobnicate'"),
         ("reserve 64GiB", "64 GiB"),  # more than any GPU has: refused, saying what fits
+        ("reserve 8GiB --gpus -2", "invalid GPU count '-2'"),
+        ("reserve 12 GB extra", "invalid size '12 GB extra'"),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(
@@ -146,6 +157,7 @@ def test_bad_input_is_one_line_without_traceback(
     message = one_line_error(result)
     assert message.startswith("gpupool: ")
     assert expected in message
+    assert "usage:" not in message and "[-h]" not in message
     lease = penv.pool.get(penv.lease_id)
     assert lease.memory == 4 * GIB and lease.state is LeaseState.GRANTED  # nothing changed
 

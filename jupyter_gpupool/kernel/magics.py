@@ -78,7 +78,7 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> Any:  # type: ignore[override]
-        raise MagicError(f"{message}; usage: {self.format_usage().strip().removeprefix('usage: ')}")
+        raise MagicError(f"{message}; {self.prog} --help shows the accepted forms")
 
     def exit(self, status: int = 0, message: str | None = None) -> Any:  # type: ignore[override]
         raise _HelpShown(message or "")
