@@ -20,7 +20,7 @@ from .core.models import LeaseState
 from .errors import GpuPoolError, PoolUnavailable
 from .kernel.client import DEFAULT_KEEP, PoolClient
 from .kernel.status import KernelStatus, unavailable_status
-from .units import format_duration, parse_duration
+from .units import format_duration, format_size, parse_duration
 
 _STATE_COLORS = {
     "granted": "#2e7d32",
@@ -69,6 +69,10 @@ class PoolStatus(widgets.VBox):
         )
         self.message = widgets.HTML(value="")
         self.keep_button.on_click(self._on_keep)
+        # The right-sizing hint (same rule as %gpupool status and the lab sidebar) and its action.
+        self.hint = widgets.HTML(value="")
+        self.shrink_button = widgets.Button(description="Shrink", icon="compress", layout=widgets.Layout(display="none"))
+        self.shrink_button.on_click(self._on_shrink)
         super().__init__(
             children=[
                 self.title,
@@ -76,6 +80,7 @@ class PoolStatus(widgets.VBox):
                 widgets.HBox([self.usage_bar, self.usage_text]),
                 self.queue,
                 self.idle,
+                widgets.HBox([self.hint, self.shrink_button]),
                 widgets.HBox([self.keep_button, self.message]),
             ],
             **kwargs,
@@ -135,6 +140,12 @@ class PoolStatus(widgets.VBox):
         self.idle.value = (
             html.escape(f"idle: {status.idle_text()}") if lease and lease.state is LeaseState.GRANTED else ""
         )
+        hint = status.hint()
+        self.hint.value = html.escape(hint.text) if hint else ""
+        self.shrink_button.description = hint.button if hint else "Shrink"
+        self.shrink_button.tooltip = f"%gpupool reserve {hint.memory}" if hint else ""
+        self.shrink_button.layout.display = "" if hint else "none"
+        self._hint_memory = hint.memory if hint else None
         self.keep_button.disabled = lease is None or lease.state is not LeaseState.GRANTED
         self.keep_button.button_style = "warning" if lease is not None and lease.reclaim_at is not None else ""
 
@@ -146,6 +157,18 @@ class PoolStatus(widgets.VBox):
             return
         until = time.strftime("%H:%M", time.localtime(lease.keep_until)) if lease.keep_until else "?"
         self.message.value = html.escape(f"kept through idle until {until}")
+        self.refresh()
+
+    def _on_shrink(self, _button: Any = None) -> None:
+        memory = getattr(self, "_hint_memory", None)
+        if memory is None:
+            return
+        try:
+            lease = self.client.reserve(memory)
+        except GpuPoolError as err:
+            self.message.value = _error_html(str(err))
+            return
+        self.message.value = html.escape(f"slice now {format_size(lease.memory)}")
         self.refresh()
 
     # -- background refresh ----------------------------------------------------------------

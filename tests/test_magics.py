@@ -121,6 +121,14 @@ def test_reserve_status_release_round_trip(pool_env: PoolEnv, kernel_factory: An
     assert kernel.run("import os; os.environ['GPUPOOL_LEASE_ID']").value() == new.id
 
 
+def test_status_gives_the_right_sizing_hint(pool_env: PoolEnv, kernel_factory: Any) -> None:
+    kernel = kernel_factory(pool_env.kernel_env())
+    assert "right size" not in kernel.run("%gpupool status").plain()  # nothing measured yet
+    pool_env.pool.report_usage({pool_env.lease_id: 1 * GIB})  # peak 1 GiB of a 4 GiB slice
+    status = kernel.run("%gpupool status").plain()
+    assert "peaked at 1 GiB of 4 — shrink to 2 GiB? %gpupool reserve 2GiB" in status
+
+
 def test_state_changed_elsewhere_shows_in_status(pool_env: PoolEnv, kernel_factory: Any) -> None:
     kernel = kernel_factory(pool_env.kernel_env())
     pool_env.pool.report_usage({pool_env.lease_id: 3 * GIB})

@@ -51,6 +51,21 @@ def test_granted_slice_shows_share_usage_idle_and_keep(pool_env: PoolEnv) -> Non
         widget.close()
 
 
+def test_a_slice_that_peaked_far_below_its_size_gets_the_right_sizing_hint(pool_env: PoolEnv) -> None:
+    """The lab sidebar's hint, from the one rule in kernel/status.py: the widget shows it and acts on it."""
+    pool_env.pool.report_usage({pool_env.lease_id: 1 * GIB})  # peak 1 GiB of a 4 GiB slice
+    widget = PoolStatus(client=client_for(pool_env), autostart=False)
+    try:
+        assert widget.hint.value == "peaked at 1 GiB of 4 — shrink to 2 GiB?"
+        assert widget.shrink_button.description == "Shrink to 2 GiB"
+        assert widget.shrink_button.layout.display == ""
+        widget.shrink_button.click()
+        assert pool_env.pool.get(pool_env.lease_id).memory == 2 * GIB
+        assert widget.hint.value == "" and widget.shrink_button.layout.display == "none"
+    finally:
+        widget.close()
+
+
 def test_queued_slice_shows_position_and_disables_keep(tmp_path: Path) -> None:
     penv = make_pool_env(tmp_path, memory=14 * GIB, owner="bob")
     queued = penv.pool.request(

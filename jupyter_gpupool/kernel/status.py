@@ -4,12 +4,55 @@ from __future__ import annotations
 
 import datetime as dt
 import html
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo
-from ..units import format_duration, format_size
+from ..units import GIB, MIB, format_duration, format_size
+
+
+@dataclass(frozen=True)
+class RightSizeHint:
+    """A suggestion to shrink a slice that peaked far below its size."""
+
+    text: str  # "peaked at 2.1 GiB of 8 — shrink to 3 GiB?"
+    memory: str  # the size to reserve, in a form every parser accepts: "3GiB"
+    button: str  # "Shrink to 3 GiB"
+
+
+def _unit(num_bytes: float) -> str:
+    return format_size(num_bytes).rsplit(" ", 1)[-1]
+
+
+def _size_argument(num_bytes: int) -> str:
+    if num_bytes % GIB == 0:
+        return f"{num_bytes // GIB}GiB"
+    if num_bytes % MIB == 0:
+        return f"{num_bytes // MIB}MiB"
+    return str(round(num_bytes))
+
+
+def right_size_hint(memory: float | None, peak: float | None) -> RightSizeHint | None:
+    """The right-sizing rule of ``%gpupool status``, the widget and the lab sidebar (view.ts, kept equal by a test).
+
+    Suggests the peak plus a quarter, rounded up to whole GiB (at least 1 GiB), and only
+    when that is at most half the slice and frees at least 1 GiB.
+    """
+    if not peak or peak <= 0 or not memory or memory <= 0:
+        return None
+    suggested = max(1, math.ceil(peak * 1.25 / GIB)) * GIB
+    if suggested > memory / 2 or memory - suggested < GIB:
+        return None
+    unit = _unit(memory)
+    slice_text = format_size(memory).replace(f" {unit}", "") if unit == _unit(peak) else format_size(memory)
+    target = format_size(suggested)
+    return RightSizeHint(
+        text=f"peaked at {format_size(peak)} of {slice_text} — shrink to {target}?",
+        memory=_size_argument(suggested),
+        button=f"Shrink to {target}",
+    )
 
 
 @dataclass
@@ -86,6 +129,13 @@ class KernelStatus:
             return None
         return used / capacity
 
+    def hint(self) -> RightSizeHint | None:
+        """The right-sizing hint of a granted slice that peaked far below its size, or None."""
+        lease = self.lease
+        if lease is None or lease.state is not LeaseState.GRANTED:
+            return None
+        return right_size_hint(lease.memory, lease.peak_memory)
+
     def queue_text(self) -> str:
         if self.lease is None or self.lease.state is not LeaseState.QUEUED:
             return "not queued"
@@ -124,6 +174,9 @@ class KernelStatus:
             if self.lease.state is LeaseState.QUEUED:
                 rows.append(("queue", self.queue_text()))
             rows.append(("idle", self.idle_text()))
+            hint = self.hint()
+            if hint is not None:
+                rows.append(("right size", f"{hint.text} %gpupool reserve {hint.memory}"))
             if self.lease.flagged:
                 rows.append(("flagged", self.lease.flagged))
         if self.lease is not None:

@@ -6,6 +6,7 @@ import { execFileSync } from 'child_process';
 import * as path from 'path';
 
 import { formatDuration, formatSize, parseDuration, parseSize } from '../src/units';
+import { rightSizeHint } from '../src/view';
 
 const REPO = path.resolve(__dirname, '..', '..');
 const PYTHON = process.env.PYTHON || 'python3';
@@ -13,12 +14,20 @@ const PYTHON = process.env.PYTHON || 'python3';
 const SIZES = ['8GiB', '8G', '8GB', '512MiB', '25%', '1.5g', '12 GiB', '0', '8XB', 'x', '100%', '101%', '1073741824', '1024TiB', '1025TiB', '3.7kb', ' 7 t '];
 const DURATIONS = ['90s', '30m', '2h', '1h30m', '1h 30m', '1d', '3600', '2ms', '1h30', '30min', '90sec', '0', '367d', '1.5h', 'soon', '2H'];
 const NUMBERS = [0, 1, 100, 1023, 1024, 1536, 3.1 * 1024 ** 3, 8 * 1024 ** 3, 80 * 1024 ** 3, 1.05 * 1024 ** 4, 123456789];
+const GB = 1024 ** 3;
+/** (slice, peak) pairs for the right-sizing hint, around each edge of the rule. */
+const HINTS: Array<[number, number | null]> = [
+  [8 * GB, 2.1 * GB], [8 * GB, 300 * 1024 ** 2], [8 * GB, 5 * GB], [8 * GB, 3.5 * GB], [8 * GB, 3.2 * GB],
+  [1.5 * GB, 0.1 * GB], [8 * GB, null], [8 * GB, 0], [80 * GB, 0.5 * GB], [2 * GB, 0.5 * GB], [3 * GB, 0.7 * GB],
+  [1.05 * 1024 ** 4, 3.3 * GB], [16 * GB, 6.4 * GB]
+];
 const SECONDS = [0, 1, 59, 60, 61, 270, 599, 600, 630, 3599, 3600, 5400, 86399, 172800, 3 * 86400 + 3600, 2.5];
 
 const SCRIPT = `
 import json, sys
 from jupyter_gpupool.units import parse_size, parse_duration, format_size, format_duration
 from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.kernel.status import right_size_hint
 data = json.load(sys.stdin)
 def run(fn, *a, **kw):
     try:
@@ -30,6 +39,7 @@ print(json.dumps({
     "durations": [run(parse_duration, s) for s in data["durations"]],
     "formatted": [format_size(n) for n in data["numbers"]],
     "durations_formatted": [format_duration(n) for n in data["seconds"]],
+    "hints": [h and {"text": h.text, "memory": h.memory, "button": h.button} for h in (right_size_hint(m, p) for m, p in data["hints"])],
 }))
 `;
 
@@ -37,7 +47,7 @@ function python(): any {
   const out = execFileSync(PYTHON, ['-c', SCRIPT], {
     cwd: REPO,
     env: { ...process.env, PYTHONPATH: REPO },
-    input: JSON.stringify({ sizes: SIZES, durations: DURATIONS, numbers: NUMBERS, seconds: SECONDS })
+    input: JSON.stringify({ sizes: SIZES, durations: DURATIONS, numbers: NUMBERS, seconds: SECONDS, hints: HINTS })
   });
   return JSON.parse(out.toString());
 }
@@ -59,6 +69,10 @@ describe('parity with jupyter_gpupool/units.py', () => {
 
   it('accepts and refuses the same durations, with the same messages', () => {
     expect(DURATIONS.map(s => ts(() => parseDuration(s)))).toEqual(expected.durations);
+  });
+
+  it('gives the same right-sizing hint as %gpupool status and the widget', () => {
+    expect(HINTS.map(([memory, peak]) => rightSizeHint(memory, peak))).toEqual(expected.hints);
   });
 
   it('formats sizes and durations the same', () => {
