@@ -235,6 +235,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     failure: str | None = None
     #: Why the kernel runs CPU-only (the pool was unavailable when it started); None if it has the pool.
     cpu_only_reason: str | None = None
+    #: The last word from the queue while waiting: the lease and its place, whose ``reason`` says
+    #: "pool unavailable, retrying in N s: ..." while the pool cannot be reached (None: not waiting).
+    queue_update: tuple[Lease, QueueInfo | None] | None = None
     #: A lease this kernel held before it fell back to CPU-only: released once the pool answers again.
     stale_lease_id: str | None = None
     _heartbeat_task: asyncio.Task[None] | None = None
@@ -335,6 +338,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     async def _wait(self, lease: Lease) -> Lease:
         self.phase = "waiting"
         info = self.pool.queue_info(lease.id)
+        self.queue_update = (lease, info)
         self._notify("queued", lease, info, self._queue_message(info))
         self.log.info("gpupool: kernel %s waits for a GPU slice: %s", self.kernel_id, self._queue_message(info))
         last: tuple[Any, ...] = ()
@@ -343,14 +347,23 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             nonlocal last
             if current.state is LeaseState.RELEASED:
                 raise LeaseWaitAborted(current.release_reason or "the queued GPU request was cancelled")
-            key = (current.state, qi.position if qi else None, qi.length if qi else None)
+            if current.state is LeaseState.QUEUED:
+                self.queue_update = (current, qi)
+            # The reason is part of what listeners hear: "pool unavailable, retrying in 4 s: ..." (an
+            # outage of the broker) changes nothing else, and the user must still see it.
+            key = (current.state, qi.position if qi else None, qi.length if qi else None, qi.reason if qi else None)
             if key != last and current.state is LeaseState.QUEUED:
                 last = key
                 self._notify("waiting", current, qi, self._queue_message(qi))
 
         timeout = self.wait_timeout or None
         try:
-            granted = await self.pool.await_grant(lease.id, timeout=timeout, poll=self.poll_interval, on_update=on_update)
+            try:
+                granted = await self.pool.await_grant(
+                    lease.id, timeout=timeout, poll=self.poll_interval, on_update=on_update
+                )
+            finally:
+                self.queue_update = None
         except (LeaseWaitAborted, RequestRefused) as err:
             # Released while queued: the kernel was shut down, or the request withdrawn.
             raise LeaseWaitAborted(f"kernel start cancelled while waiting for a GPU: {err}") from None

@@ -37,6 +37,31 @@ def kernel_status_without_pool(
     return body
 
 
+def queued_status_while_unreachable(
+    kernel_id: str, lease: Lease, info: Any, owner: str, now: float
+) -> dict[str, Any]:
+    """A queued kernel's body while the pool cannot be asked: its last known place in the queue,
+    and (``queue_reason``, ``reason``) what the provisioner last heard, e.g. "pool unavailable,
+    retrying in 4 s: ..."."""
+    body = _no_slice(kernel_id, owner, now)
+    reason = getattr(info, "reason", None) or None
+    body.update(
+        {
+            "lease_id": lease.id,
+            "state": LeaseState.QUEUED.value,
+            "memory": lease.memory,
+            "num_gpus": lease.num_gpus,
+            "queue_position": getattr(info, "position", None) or None,
+            "queue_length": getattr(info, "length", None) or None,
+            "queue_reason": reason,
+            "reason": reason,
+            "owner": lease.owner or owner,
+        }
+    )
+    body["enforcement"]["description"] = "queued: " + (reason or "waiting for a GPU")
+    return body
+
+
 def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> dict[str, Any]:
     return {
         "kernel_id": kernel_id,

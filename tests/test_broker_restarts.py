@@ -389,3 +389,38 @@ def test_a_second_broker_refuses_a_socket_or_port_still_served(
     assert os.path.exists(first.socket_path)
     first.start()
     assert RemotePool(first.socket_url).get(lease.id).state is LeaseState.GRANTED
+
+
+# --- a queued kernel's user sees the outage, not silence ------------------------------------------------
+@pytest.mark.slow
+def test_a_queued_kernel_says_pool_unavailable_retrying_over_rest_while_the_broker_is_down(
+    tmp_path: Path, hub: StandInHub, brokers: list[BrokerProcess]
+) -> None:
+    """The provisioner passes the broker client's retry notice on (it re-notified only on a new place in
+    the queue): the kernel's REST status stays queued, with "pool unavailable, retrying in N s: ..."."""
+    broker = BrokerProcess(tmp_path, hub, config='c.PoolPolicy.default_memory = "10GiB"\n').start()
+    brokers.append(broker)
+    server = JupyterServer(
+        tmp_path, "alice", broker.url, ALICE, config={"GpuPoolExtension": {"tick_interval": 0.5}}
+    )
+    try:
+        k1 = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        wait_until(lambda: (l := kernel_lease(broker, k1)) and l.state is LeaseState.GRANTED, what="k1's grant")
+        k2 = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        wait_until(
+            lambda: server.call("GET", f"api/gpupool/kernels/{k2}").get("state") == "queued", what="k2 to queue"
+        )
+        broker.kill()
+
+        def retrying() -> dict[str, Any] | None:
+            body = server.call("GET", f"api/gpupool/kernels/{k2}")
+            return body if str(body.get("queue_reason") or "").startswith("pool unavailable, retrying") else None
+
+        body = wait_until(retrying, timeout=60, what="the retry notice in k2's status")
+        assert body["state"] == "queued" and body["queue_position"] == 1, body
+        assert body["reason"] == body["queue_reason"]
+        broker.start()
+        wait_until(lambda: not retrying(), timeout=60, what="the notice to clear once the broker is back")
+        assert server.call("GET", f"api/gpupool/kernels/{k2}")["state"] == "queued"  # still in its turn
+    finally:
+        server.stop()

@@ -147,7 +147,8 @@ class WaitProgress:
         self.started = time.time()
 
     def __call__(self, lease: Lease, info: QueueInfo | None) -> None:
-        key = (lease.state, info.position if info else None, info.length if info else None)
+        # The reason counts: "pool unavailable, retrying in 4 s" changes nothing else.
+        key = (lease.state, info.position if info else None, info.length if info else None, info.reason if info else None)
         if key == self.last:
             return
         self.last = key

@@ -43,7 +43,7 @@ from ..provisioner import (
     one_line,
     when_unavailable_from_env,
 )
-from ..views import kernel_status, kernel_status_without_pool
+from ..views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from .handlers import default_handlers
 
 LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
@@ -757,6 +757,10 @@ class GpuPoolExtension(ExtensionApp):
             if self.available:
                 reason += " (the pool is available again: restart this kernel to get a GPU slice)"
             return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", reason, None)
+        if lease is None and prov is not None and prov.phase == "waiting" and prov.queue_update is not None:
+            # Queued, and the pool cannot be asked now: what the wait last heard ("pool unavailable, retrying").
+            queued, info = prov.queue_update
+            return queued_status_while_unreachable(kernel_id, queued, info, self.owner, now)
         if self._pool is None or (lease is None and not self.available):
             return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", self.availability()["reason"], None)
         return kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)

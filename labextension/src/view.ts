@@ -265,6 +265,20 @@ function kernelViewOf(input: IKernelInput): IKernelView {
     const text = `waiting for a GPU — ${where}, ${
       wait === null ? 'wait unknown' : formatWait(wait)
     }`;
+    // The server's wait cannot reach the pool (a broker restart): it keeps its place and retries.
+    const retrying = /^pool unavailable\b/i.test(status.queue_reason ?? '');
+    if (retrying) {
+      return {
+        ...EMPTY,
+        phase: 'queued',
+        statusText: 'GPU pool unavailable, retrying',
+        statusTitle: `${formatSize(memory)} requested, still in the queue (${where}); ${status.queue_reason}`,
+        summary: `${formatSize(memory)} requested; the GPU pool cannot be reached now, the request keeps its place and is retried.`,
+        queue: { text, reason: status.queue_reason ?? '' },
+        canRelease: true,
+        gpuMemory
+      };
+    }
     return {
       ...EMPTY,
       phase: 'queued',

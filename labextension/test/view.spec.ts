@@ -69,6 +69,18 @@ describe('kernelView', () => {
     expect(v.statusText).toBe('GPU queued #1');
   });
 
+  it('says the pool is unavailable and retried while a queued wait cannot reach it', () => {
+    const reason = 'pool unavailable, retrying in 4 s: the GPU pool broker is not reachable';
+    const v = view(
+      status({ state: 'queued', devices: [], queue_position: 2, queue_length: 2, queue_reason: reason })
+    );
+    expect(v.phase).toBe('queued');
+    expect(v.statusText).toBe('GPU pool unavailable, retrying');
+    expect(v.statusTitle).toContain(reason);
+    expect(v.queue).toEqual({ text: 'waiting for a GPU — position 2 of 2, wait unknown', reason });
+    expect(v.canRelease).toBe(true);
+  });
+
   it('counts down to an idle reclaim and offers Keep', () => {
     const v = view(
       status({ idle_seconds: 600, reclaim_at: NOW + 272, reclaim_reason: 'idle while 1 kernel waits' })
