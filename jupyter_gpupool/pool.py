@@ -460,7 +460,8 @@ class Pool:
             own = self.policy.quota_for_user(viewer)
             held_bytes, count = self.engine.holdings(state, owner=viewer)
             quota = {**own.to_json(), "held": held_bytes, "leases": count, "gib_hours_this_month": round(used_gib_hours, 3)}
-        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota=quota)
+        reservations = [{**r.to_json(), "active": r.active(now)} for r in state.reservations]
+        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota=quota, reservations=reservations)
 
     @staticmethod
     def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:

@@ -678,6 +678,7 @@ class RemotePool:
             queue=data["queue"],
             now=data["now"],
             quota=data.get("quota") or {},
+            reservations=list(data.get("reservations") or []),
         )
 
     @staticmethod

@@ -358,3 +358,25 @@ def test_watchdog_warns_then_stops_a_kernel_over_its_slice(arun, jp_serverapp, g
     actions = [e["action"] for e in events]
     assert "over_limit" in actions and "stopped" in actions, actions
     assert actions.index("over_limit") < actions.index("stopped")
+
+
+def test_the_pool_view_lists_reservations_with_whether_they_are_active(arun, gpupool_fetch, gpupool_ext):
+    """``GET /api/gpupool/pool`` carries the reservations the sidebar lists (they shape the queue)."""
+    now = time.time()
+    gpupool_ext.pool.book_reservation(
+        {"name": "exam", "groups": ["cs101"], "memory": "4GiB", "start": now - 60, "end": now + 3600}
+    )
+    gpupool_ext.pool.book_reservation(
+        {"name": "later", "users": ["bob"], "memory": "2GiB", "start": now + 7200, "end": now + 9000}
+    )
+
+    async def scenario() -> dict:
+        response = await gpupool_fetch("api", "gpupool", "pool")
+        return json.loads(response.body)
+
+    body = arun(scenario())
+    by_name = {r["name"]: r for r in body["reservations"]}
+    assert set(by_name) == {"exam", "later"}
+    assert by_name["exam"]["active"] is True and by_name["later"]["active"] is False
+    assert by_name["exam"]["memory"] == 4 * 1024**3 and by_name["exam"]["groups"] == ["cs101"]
+    assert by_name["later"]["users"] == ["bob"] and abs(by_name["later"]["start"] - (now + 7200)) < 1

@@ -139,6 +139,7 @@ class PoolHandler(BrokerHandler):
                 "queue": snap.queue,
                 "now": snap.now,
                 "quota": snap.quota,
+                "reservations": snap.reservations,
             }
             body["viewer"] = ident.to_json()
             body["backend"] = pool.backend.describe()

@@ -312,3 +312,5 @@ class PoolSnapshot:
     queue: list[dict[str, Any]]
     now: float
     quota: dict[str, Any] = field(default_factory=dict)
+    #: The pool's reservations (``Reservation.to_json()`` plus ``active`` now): they shape the queue.
+    reservations: list[dict[str, Any]] = field(default_factory=list)

@@ -160,6 +160,22 @@ function PoolSection(props: { pool: IPoolView | null; error: string | null }): J
             <span className="jp-GpuPool-swatch" /> {pool.admin ? 'others' : 'other users'}
           </div>
           <p className="jp-GpuPool-queueLength">Queue: {pool.queueText}</p>
+          {pool.reservations.length > 0 && (
+            <div className="jp-GpuPool-reservations">
+              <h4 className="jp-GpuPool-subheading">Reservations</h4>
+              <ul aria-label="Reservations">
+                {pool.reservations.map(r => (
+                  <li
+                    key={r.key}
+                    className={`jp-GpuPool-reservation${r.active ? ' jp-mod-active' : ''}`}
+                  >
+                    <strong>{r.name}</strong> ({r.who}): {r.memory}, {r.window}
+                    {r.active && <span className="jp-GpuPool-badge jp-mod-active">active now</span>}
+                  </li>
+                ))}
+              </ul>
+            </div>
+          )}
           {pool.quota.length > 0 && (
             <dl className="jp-GpuPool-quota" aria-label="Your quota and use">
               {pool.quota.map(line => (

@@ -67,12 +67,31 @@ export interface IQuota {
   gib_hours_this_month?: number | null;
 }
 
+/** A reservation in `GET /api/gpupool/pool`: capacity held for users or groups during a window. */
+export interface IReservation {
+  name: string;
+  memory: number;
+  users?: string[];
+  groups?: string[];
+  /** One-off window, epoch seconds. */
+  start?: number | null;
+  end?: number | null;
+  /** Weekly window: days (`tue`) and HH:MM in the pool host's local time. */
+  weekdays?: string[];
+  daily_start?: string;
+  daily_end?: string;
+  /** Whether the window is open now. */
+  active?: boolean;
+}
+
 /** `GET /api/gpupool/pool`. */
 export interface IPoolSnapshot {
   devices: IDevice[];
   leases: IPoolLease[];
   queue: Array<{ [key: string]: unknown }>;
   quota?: IQuota;
+  /** The pool's reservations (absent from older servers). */
+  reservations?: IReservation[];
   /** Who is looking (the server sends `viewer`; `user` is accepted too). */
   viewer?: { name: string; admin: boolean };
   user?: { name: string; admin: boolean };

@@ -3,7 +3,7 @@
  * show. Pure functions of their inputs (the server clock is passed in), tested with jest.
  */
 
-import { IKernelStatus, IPoolLease, IPoolSnapshot, IQuota } from './types';
+import { IKernelStatus, IPoolLease, IPoolSnapshot, IQuota, IReservation } from './types';
 import {
   formatCountdown,
   formatDuration,
@@ -445,6 +445,66 @@ export interface IDeviceView {
   healthy: boolean;
 }
 
+/** One reservation as the sidebar lists it. */
+export interface IReservationView {
+  key: string;
+  name: string;
+  /** `cs101, bob` (groups and users it is for). */
+  who: string;
+  memory: string;
+  /** `Tue 1 Dec 09:00–11:00` in the browser's local time, or `every Tue 09:00–11:00`. */
+  window: string;
+  active: boolean;
+}
+
+const DAY_NAMES = ['Sun', 'Mon', 'Tue', 'Wed', 'Thu', 'Fri', 'Sat'];
+const MONTH_NAMES = ['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun', 'Jul', 'Aug', 'Sep', 'Oct', 'Nov', 'Dec'];
+
+function twoDigits(value: number): string {
+  return String(value).padStart(2, '0');
+}
+
+/** `Tue 1 Dec 09:00` in local time. */
+function localDateTime(date: Date): string {
+  return (
+    `${DAY_NAMES[date.getDay()]} ${date.getDate()} ${MONTH_NAMES[date.getMonth()]} ` +
+    `${twoDigits(date.getHours())}:${twoDigits(date.getMinutes())}`
+  );
+}
+
+/** A reservation's window in words: one-off in local time, weekly as the server states it. */
+export function reservationWindow(reservation: IReservation): string {
+  const start = num(reservation.start);
+  const end = num(reservation.end);
+  if (start !== null && end !== null) {
+    const from = new Date(start * 1000);
+    const to = new Date(end * 1000);
+    const sameDay = from.toDateString() === to.toDateString();
+    return sameDay
+      ? `${localDateTime(from)}–${twoDigits(to.getHours())}:${twoDigits(to.getMinutes())}`
+      : `${localDateTime(from)} – ${localDateTime(to)}`;
+  }
+  const days = (reservation.weekdays ?? []).map(d => d.charAt(0).toUpperCase() + d.slice(1));
+  if (days.length && reservation.daily_start && reservation.daily_end) {
+    return `every ${days.join(', ')} ${reservation.daily_start}–${reservation.daily_end}`;
+  }
+  return 'no window';
+}
+
+/** The reservations, open ones first. */
+export function reservationViews(reservations: IReservation[] | null | undefined): IReservationView[] {
+  return (reservations ?? [])
+    .map((r, i) => ({
+      key: `${r.name}-${i}`,
+      name: r.name,
+      who: [...(r.groups ?? []), ...(r.users ?? [])].join(', ') || 'no one',
+      memory: formatSize(num(r.memory)),
+      window: reservationWindow(r),
+      active: !!r.active
+    }))
+    .sort((a, b) => Number(b.active) - Number(a.active));
+}
+
 /** The pool view. */
 export interface IPoolView {
   /** Set while the server cannot use the pool: what to say, and why. */
@@ -452,6 +512,8 @@ export interface IPoolView {
   devices: IDeviceView[];
   queueText: string;
   quota: Array<{ label: string; value: string }>;
+  /** Capacity held for users or groups, open ones first. */
+  reservations: IReservationView[];
   user: string;
   admin: boolean;
   /** The largest GPU's memory (for `25%` and upper bounds in the form). */
@@ -612,6 +674,7 @@ export function poolView(
     devices,
     queueText,
     quota: quotaLines(snapshot.quota),
+    reservations: reservationViews(snapshot.reservations),
     user: viewer?.name ?? '',
     admin,
     largestGpu: largest

@@ -1,6 +1,6 @@
 import { IKernelStatus, IPoolSnapshot } from '../src/types';
 import { GIB, MIB } from '../src/units';
-import { checkReserve, kernelView, poolView, quotaLines, rightSizeHint } from '../src/view';
+import { checkReserve, kernelView, poolView, quotaLines, reservationWindow, rightSizeHint } from '../src/view';
 
 const NOW = 1_700_000_000;
 const A100 = { index: 0, uuid: 'GPU-a', name: 'NVIDIA A100-SXM4-80GB', memory_total: 80 * GIB };
@@ -177,6 +177,36 @@ describe('rightSizeHint', () => {
   it('is shown for granted leases only', () => {
     expect(view(status({ peak_memory: 2.1 * GIB })).hint).not.toBeNull();
     expect(view(status({ state: 'suspended', peak_memory: 2.1 * GIB })).hint).toBeNull();
+  });
+});
+
+describe('reservations', () => {
+  const base: IPoolSnapshot = { devices: [], leases: [], queue: [], now: NOW };
+  // Windows built in the browser's local time, so the test holds in any time zone.
+  const at = (h: number, m = 0) => new Date(2026, 11, 1, h, m).getTime() / 1000; // Tue 1 Dec 2026
+
+  it('lists name, who, memory, window in local time and whether active, open ones first', () => {
+    const v = poolView(
+      {
+        ...base,
+        reservations: [
+          { name: 'later', memory: 2 * GIB, users: ['bob'], start: at(14), end: at(15, 30), active: false },
+          { name: 'lab', memory: 40 * GIB, groups: ['cs101'], weekdays: ['tue', 'thu'], daily_start: '09:00', daily_end: '11:00', active: true }
+        ]
+      },
+      null
+    )!;
+    expect(v.reservations.map(({ key, ...r }) => r)).toEqual([
+      { name: 'lab', who: 'cs101', memory: '40 GiB', window: 'every Tue, Thu 09:00–11:00', active: true },
+      { name: 'later', who: 'bob', memory: '2 GiB', window: 'Tue 1 Dec 14:00–15:30', active: false }
+    ]);
+  });
+
+  it('spells out both ends of a window across days, and copes with older servers', () => {
+    expect(reservationWindow({ name: 'x', memory: GIB, start: at(22), end: at(22) + 4 * 3600 })).toBe(
+      'Tue 1 Dec 22:00 – Wed 2 Dec 02:00'
+    );
+    expect(poolView(base, null)!.reservations).toEqual([]);
   });
 });
 
