@@ -5,7 +5,7 @@
 # in headless Chromium (/usr/bin/chromium, never downloaded), and stops the server.
 #
 #   bash labextension/ui-tests/run.sh                 # both suites
-#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | notebook7
+#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | notebook7 | unavailable
 #   GPUPOOL_UI_SCREENSHOTS=/tmp/shots bash ...        # screenshots (default ui-tests/screenshots)
 #
 # Needs: jupyter_gpupool importable (pip install -e .) and `npm ci` done in labextension/.
@@ -62,8 +62,9 @@ if ! "$PYTHON" -m jupyter labextension list 2>&1 | grep -q "jupyter-gpupool"; th
   echo "ui-tests: jupyter-gpupool is not installed as a lab extension; using $REPO/jupyter_gpupool/labextension"
 fi
 
-# run_suite SPEC [NAME=VALUE | --Server.option=value ...]: a fresh server with these
-# environment variables and options, then SPEC.
+# run_suite SPEC [NAME=VALUE | --Server.option=value | app=notebook | pool=corrupt ...]: a fresh
+# server with these environment variables and options, then SPEC. pool=corrupt starts it on a pool
+# file that is not a pool (the server then serves with the pool unavailable).
 run_suite() {
   local spec="$1"
   shift
@@ -111,6 +112,9 @@ JSON
   local envs=() module=jupyterlab
   for item in "$@"; do
     case "$item" in
+      pool=corrupt)
+        head -c 8192 /dev/urandom >"$WORK/pool.sqlite"
+        ;;
       app=notebook)
         module=notebook
         local kept=()
@@ -177,7 +181,7 @@ PY
 
 SUITES=("$@")
 if [ "${#SUITES[@]}" -eq 0 ]; then
-  SUITES=(gpupool idle)
+  SUITES=(gpupool idle unavailable)
   if "$PYTHON" -c "import notebook.app" 2>/dev/null && [ "$USE_CHECKOUT_BUILD" = 0 ]; then
     SUITES+=(notebook7)
   elif [ "$USE_CHECKOUT_BUILD" = 1 ]; then
@@ -201,7 +205,8 @@ for suite in "${SUITES[@]}"; do
       fi
       run_suite notebook7 app=notebook
       ;;
-    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, notebook7)" >&2; exit 2 ;;
+    unavailable) run_suite unavailable pool=corrupt ;;
+    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, notebook7, unavailable)" >&2; exit 2 ;;
   esac
 done
 echo "ui-tests: passed; screenshots in $GPUPOOL_UI_SCREENSHOTS"
