@@ -17,6 +17,7 @@ import { IConsoleTracker } from '@jupyterlab/console';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
+import { Widget } from '@lumino/widgets';
 
 import { GpuPoolClient } from './api';
 import { ISessionTracker, KernelFollower } from './follow';
@@ -158,11 +159,13 @@ const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
       // jupyter-resource-usage. JupyterLab shows the status-bar item instead.
       const inTopBar = !labShell || !statusBar;
       toolbarRegistry.addFactory('TopBar', TOP_BAR_ITEM, () => {
+        if (!inTopBar) {
+          const placeholder = new Widget();
+          placeholder.hide();
+          return placeholder;
+        }
         const item = new GpuPoolStatus(model, openPanel, { hideWhenEmpty: true });
         item.addClass('jp-GpuPool-topBar');
-        if (!inTopBar) {
-          item.hide();
-        }
         return item;
       });
     }
