@@ -31,7 +31,7 @@ def _size_argument(num_bytes: int) -> str:
         return f"{num_bytes // GIB}GiB"
     if num_bytes % MIB == 0:
         return f"{num_bytes // MIB}MiB"
-    return str(round(num_bytes))
+    return str(int(num_bytes))
 
 
 def right_size_hint(memory: float | None, peak: float | None) -> RightSizeHint | None:
