@@ -203,7 +203,7 @@ class Pool:
     def queue(self, now: float | None = None) -> list[Lease]:
         now = self._now(now)
         with self.store.transaction():
-            return self.engine.queue_order(self._load(now), now)
+            return [lease.copy() for lease in self.engine.queue_order(self._load(now), now)]
 
     def queue_info(self, lease_id: str, now: float | None = None) -> QueueInfo | None:
         now = self._now(now)

@@ -498,15 +498,22 @@ class Store:
     # --- leases -----------------------------------------------------------------------------------
     def live_leases(self) -> dict[str, Lease]:
         """Every lease not yet released (inside a transaction). Re-read only when another
-        connection committed since (``PRAGMA data_version``); the cache only ever holds
-        committed state (see :meth:`transaction`)."""
+        connection committed since (``PRAGMA data_version``).
+
+        Copy-on-write: the leases are the cache's own objects, not copies (copying every live
+        lease was most of a decision's time at a thousand leases). Whoever changes one must
+        save it with :meth:`save_leases` in the same transaction (the engine does: every change
+        goes through ``PoolState.touch``); a transaction that fails drops the whole cache, so
+        it never holds uncommitted state past its transaction (see :meth:`transaction`).
+        """
         version = self.conn.execute("PRAGMA data_version").fetchone()[0]
         if self._cache is not None and version == self._cache_version and not self._pending:
-            return {k: v.copy() for k, v in self._cache.items()}
+            return dict(self._cache)
         rows = self.conn.execute("SELECT data FROM leases WHERE state != 'released'").fetchall()
         leases = {lease.id: lease for lease in (self._lease(row[0]) for row in rows)}
         if not self._pending:  # nothing of ours uncommitted in what was just read
-            self._cache, self._cache_version = {k: v.copy() for k, v in leases.items()}, version
+            self._cache, self._cache_version = leases, version
+            return dict(leases)
         return leases
 
     def _lease(self, data: str) -> Lease:
@@ -533,8 +540,12 @@ class Store:
         if self._pending is None:  # outside a transaction (autocommit): simply forget the cache
             self._cache = None
             return
+        cached = self._cache if self._cache is not None else {}
         for lease in leases:
-            self._pending[lease.id] = None if lease.state is LeaseState.RELEASED else lease.copy()
+            if lease.state is LeaseState.RELEASED:
+                self._pending[lease.id] = None
+            else:  # the cache's own object (changed in place) stays; one from elsewhere is copied
+                self._pending[lease.id] = lease if cached.get(lease.id) is lease else lease.copy()
 
     @_locked
     def lease(self, lease_id: str) -> Lease | None:

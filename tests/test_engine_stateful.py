@@ -154,6 +154,17 @@ class PoolMachine(RuleBasedStateMachine):
             assert sum(1 for l in self.pool.leases(owner=user) if l.state is LeaseState.QUEUED) <= MAX_QUEUED
 
     @invariant()
+    def lease_cache_is_what_is_committed(self):
+        """The store hands the engine its cached leases (copy-on-write): every change must be
+        saved in its transaction, so the cache always equals a fresh read of the file."""
+        if not hasattr(self, "pool"):
+            return
+        with self.pool.store.transaction():
+            cached = self.pool.store.live_leases()
+        committed = {lease.id: lease.to_json() for lease in self.pool.leases()}
+        assert {lease_id: lease.to_json() for lease_id, lease in cached.items()} == committed
+
+    @invariant()
     def quotas_hold(self):
         if not hasattr(self, "pool") or not self.user_max:
             return
