@@ -59,7 +59,8 @@ class Pool:
 
     #: Seconds a backend inventory read is reused (NVML queries cost milliseconds).
     device_cache_seconds = 2.0
-    #: Seconds history statistics (typical hold, recent sizes, usage) are reused.
+    #: Seconds history statistics (typical hold, recent sizes, usage) may lag other processes'
+    #: decisions (this pool's own are applied as they commit).
     history_cache_seconds = 5.0
 
     def __init__(
@@ -77,7 +78,7 @@ class Pool:
         self.engine = Engine(self.policy)
         self.store = Store(db_path)
         self._devices: tuple[float, list[Device]] | None = None
-        self._history: tuple[float, dict[str, Any]] | None = None
+        self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
 
     @classmethod
     def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
@@ -105,27 +106,20 @@ class Pool:
             self._devices = (now, devices)
         return list(self._devices[1])
 
-    def _history_stats(self, now: float) -> dict[str, Any]:
-        mono = time.monotonic()
-        if self._history is None or mono - self._history[0] > self.history_cache_seconds:
-            stats = {
-                "usage": self.store.usage(now, self.policy.fair_share_half_life),
-                "typical_hold": self.store.typical_hold(),
-                "recent": self.store.recent_request_sizes(),
-                "reservations": [parse_reservation(r) for r in self.store.reservations()],
-            }
-            self._history = (mono, stats)
-        return self._history[1]
-
     def _load(self, now: float) -> PoolState:
-        stats = self._history_stats(now)
+        leases = self.store.live_leases()
+        # Kept up to date with this pool's own decisions; other processes' at most every history_cache_seconds.
+        stats = self.store.history(now, self.policy.fair_share_half_life, self.history_cache_seconds)
+        parsed = self._parsed_reservations
+        if parsed is None or parsed[0] is not stats["reservations"]:
+            parsed = self._parsed_reservations = (stats["reservations"], [parse_reservation(r) for r in stats["reservations"]])
         return PoolState(
             devices=self.devices(),
-            leases=self.store.live_leases(),
-            usage=dict(stats["usage"]),
+            leases=leases,
+            usage=stats["usage"],
             typical_hold=stats["typical_hold"],
-            reservations=self.policy.parsed_reservations() + list(stats["reservations"]),
-            recent_requests=list(stats["recent"]),
+            reservations=self.policy.parsed_reservations() + list(parsed[1]),
+            recent_requests=stats["recent"],
             now=now,
         )
 
@@ -138,8 +132,6 @@ class Pool:
                 # What each GPU was, for GPU-hours and prices after it leaves (a GPU already gone is left out).
                 info = [DeviceInfo.of(known[u]).to_json() for u in lease.devices if u in known]
                 self.store.record_interval(lease, self.policy.fair_share_half_life, info)
-        if state.released:
-            self._history = None
         if decisions:
             self.store.record_decisions(decisions)
 
@@ -555,14 +547,12 @@ class Pool:
             stored.pop("duration", None)
         with self.store.transaction():
             self.store.put_reservation(reservation.name, stored)
-        self._history = None
         return reservation
 
     def cancel_reservation(self, name: str) -> None:
         with self.store.transaction():
             if not self.store.delete_reservation(name):
                 raise LeaseNotFound(f"no reservation named {name!r}")
-        self._history = None
 
     def reservations(self) -> list[Reservation]:
         return self.policy.parsed_reservations() + [parse_reservation(r) for r in self.store.reservations()]

@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .core.metering import memory_segments
@@ -205,6 +205,12 @@ class Store:
         self._cache: dict[str, Lease] | None = None
         #: Lease writes of the open transaction, put in the cache only once COMMIT succeeded.
         self._pending: dict[str, Lease | None] | None = None
+        #: ``PRAGMA data_version`` as the last :meth:`live_leases` read it.
+        self._seen_version: int | None = None
+        #: History statistics (see :meth:`history`), kept up to date with our own commits.
+        self._history: _History | None = None
+        #: Changes to ``_history`` by the open transaction, applied only once COMMIT succeeded.
+        self._history_pending: list[Callable[[_History], None]] = []
         self._identity: tuple[int, int] | None = None
         self._failure: PoolUnavailable | None = None
         self._guard: PathGuard | None = None
@@ -474,12 +480,15 @@ class Store:
             except sqlite3.Error as err:
                 raise self.unavailable(err) from None
             self._pending = {}
+            self._history_pending = []
             try:
                 yield self.conn
                 self.conn.execute("COMMIT")
             except BaseException as exc:
                 self._cache = None  # it may have read writes that are now rolled back
                 self._pending = None
+                self._history = None
+                self._history_pending = []
                 if self.conn.in_transaction:
                     with contextlib.suppress(sqlite3.Error):
                         self.conn.execute("ROLLBACK")
@@ -487,6 +496,10 @@ class Store:
                     raise self.unavailable(exc) from None
                 raise
             pending, self._pending = self._pending, None
+            history_pending, self._history_pending = self._history_pending, []
+            if self._history is not None:
+                for change in history_pending:
+                    change(self._history)
             if self._cache is not None:
                 for lease_id, lease in pending.items():
                     if lease is None:
@@ -506,7 +519,7 @@ class Store:
         goes through ``PoolState.touch``); a transaction that fails drops the whole cache, so
         it never holds uncommitted state past its transaction (see :meth:`transaction`).
         """
-        version = self.conn.execute("PRAGMA data_version").fetchone()[0]
+        version = self._seen_version = self.conn.execute("PRAGMA data_version").fetchone()[0]
         if self._cache is not None and version == self._cache_version and not self._pending:
             return dict(self._cache)
         rows = self.conn.execute("SELECT data FROM leases WHERE state != 'released'").fetchall()
@@ -535,12 +548,18 @@ class Store:
         self.conn.executemany(
             "INSERT INTO leases(id, state, owner, kernel_id, created_at, data) VALUES (?,?,?,?,?,?) "
             "ON CONFLICT(id) DO UPDATE SET state=excluded.state, kernel_id=excluded.kernel_id, data=excluded.data",
-            [(l.id, l.state.value, l.owner, l.kernel_id, l.created_at, json.dumps(l.to_json())) for l in leases],
+            [(l.id, l.state.value, l.owner, l.kernel_id, l.created_at, l.to_json_text()) for l in leases],
         )
         if self._pending is None:  # outside a transaction (autocommit): simply forget the cache
             self._cache = None
             return
         cached = self._cache if self._cache is not None else {}
+        if self._history is not None:
+            if self._cache is None:
+                self._history_pending.append(_History.forget_recent)  # cannot tell new leases from old
+            else:
+                sizes = [(l.id, l.created_at, l.memory, l.id not in cached) for l in leases]
+                self._history_pending.append(lambda history: history.saw_sizes(sizes))
         for lease in leases:
             if lease.state is LeaseState.RELEASED:
                 self._pending[lease.id] = None
@@ -607,6 +626,36 @@ class Store:
         return self._lease(row[0]) if row else None
 
     # --- metering and fair share ------------------------------------------------------------------
+    def history(self, now: float, half_life: float, max_age: float) -> dict[str, Any]:
+        """What a decision needs of the history (inside a transaction, after :meth:`live_leases`):
+        ``usage`` (decayed GiB·hours per owner, as :meth:`usage`), ``typical_hold`` (as
+        :meth:`typical_hold`), ``recent`` (as :meth:`recent_request_sizes`) and the stored
+        ``reservations``. Kept up to date with this store's own commits, at O(what changed) a
+        decision; another process's commits are read again at most every ``max_age`` seconds."""
+        history = self._history
+        mono = time.monotonic()
+        if history is not None and history.version != self._seen_version and mono - history.read_at > max_age:
+            history = None
+        if history is None:
+            history = self._history = _History(self._seen_version, mono)
+        if history.usage_rows is None:
+            history.usage_rows = {owner: (value, at) for owner, value, at in self.conn.execute("SELECT owner, gib_hours, updated_at FROM usage")}
+        if history.typical_hold is _UNKNOWN:
+            history.typical_hold = self._typical_hold()
+        if history.recent is None:
+            rows = self.conn.execute(
+                "SELECT id, created_at, json_extract(data, '$.memory') FROM leases ORDER BY created_at DESC LIMIT ?", (_History.SAMPLE,)
+            ).fetchall()
+            history.recent = {lease_id: (created_at, int(memory or 0)) for lease_id, created_at, memory in reversed(rows)}
+        if history.reservations is None:
+            history.reservations = [json.loads(row[0]) for row in self.conn.execute("SELECT data FROM reservations ORDER BY name")]
+        return {
+            "usage": {owner: decay(value, now - at, half_life) for owner, (value, at) in history.usage_rows.items()},
+            "typical_hold": history.typical_hold,
+            "recent": [memory for _, memory in history.recent.values() if memory],
+            "reservations": history.reservations,
+        }
+
     def record_interval(self, lease: Lease, half_life: float, device_info: list[dict[str, Any]] | None = None) -> None:
         """Close a granted interval into the ledger and the owner's decayed usage; ``device_info``
         describes the lease's GPUs (see :class:`~jupyter_gpupool.core.metering.DeviceInfo`)."""
@@ -639,6 +688,8 @@ class Store:
             "INSERT INTO usage VALUES (?,?,?) ON CONFLICT(owner) DO UPDATE SET gib_hours=excluded.gib_hours, updated_at=excluded.updated_at",
             (lease.owner, previous + gib_hours, end),
         )
+        owner, row_now = lease.owner, (previous + gib_hours, end)
+        self._history_pending.append(lambda history: history.saw_interval(owner, row_now))
 
     @_locked
     def usage(self, now: float, half_life: float) -> dict[str, float]:
@@ -647,6 +698,9 @@ class Store:
     @_locked
     def typical_hold(self, sample: int = 200) -> float | None:
         """Median seconds the last ``sample`` leases were held; None without history."""
+        return self._typical_hold(sample)
+
+    def _typical_hold(self, sample: int = 200) -> float | None:
         rows = self.conn.execute("SELECT end - start FROM ledger ORDER BY end DESC LIMIT ?", (sample,)).fetchall()
         return statistics.median(r[0] for r in rows) if len(rows) >= 3 else None
 
@@ -706,8 +760,10 @@ class Store:
         self.conn.execute(
             "INSERT INTO reservations VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET data=excluded.data", (name, json.dumps(data))
         )
+        self._history_pending.append(_History.forget_reservations)
 
     def delete_reservation(self, name: str) -> bool:
+        self._history_pending.append(_History.forget_reservations)
         return self.conn.execute("DELETE FROM reservations WHERE name = ?", (name,)).rowcount > 0
 
     @_locked
@@ -732,6 +788,10 @@ class Store:
             removed["events"] = self.conn.execute("DELETE FROM events WHERE at < ?", (leases_before,)).rowcount
         if ledger_before is not None:
             removed["ledger"] = self.conn.execute("DELETE FROM ledger WHERE end < ?", (ledger_before,)).rowcount
+        if removed["leases"]:
+            self._history_pending.append(_History.forget_recent)
+        if removed["ledger"]:
+            self._history_pending.append(_History.forget_typical_hold)
         return removed
 
     def close(self) -> None:
@@ -740,6 +800,55 @@ class Store:
             conn.close()
         if self._guard is not None:
             self._guard.release()
+
+
+_UNKNOWN: Any = object()
+
+
+class _History:
+    """The history statistics a decision needs, as last read (see :meth:`Store.history`); a part
+    set to None (``_UNKNOWN`` for the typical hold) is read again from SQLite when next needed."""
+
+    SAMPLE = 200  # leases in the recent request sizes, as Store.recent_request_sizes
+
+    def __init__(self, version: int | None, read_at: float) -> None:
+        self.version, self.read_at = version, read_at
+        self.usage_rows: dict[str, tuple[float, float]] | None = None
+        self.typical_hold: Any = _UNKNOWN
+        self.recent: dict[str, tuple[float, int]] | None = None  # lease id → (created at, memory), oldest first
+        self.reservations: list[dict[str, Any]] | None = None
+
+    def saw_interval(self, owner: str, row: tuple[float, float]) -> None:
+        """A granted interval closed: the owner's usage row is ``row`` and the ledger grew."""
+        if self.usage_rows is not None:
+            self.usage_rows[owner] = row
+        self.typical_hold = _UNKNOWN
+
+    def saw_sizes(self, leases: list[tuple[str, float, int, bool]]) -> None:
+        """Leases saved: ``(id, created at, memory, new)``; a resize changes a recent size too."""
+        recent = self.recent
+        if recent is None:
+            return
+        for lease_id, created_at, memory, new in leases:
+            if lease_id in recent:
+                recent[lease_id] = (created_at, memory)
+            elif new:
+                newest = next(reversed(recent.values()))[0] if recent else float("-inf")
+                if created_at < newest:
+                    self.recent = None  # an older lease (explicit `now` in the past): read them again
+                    return
+                recent[lease_id] = (created_at, memory)
+                if len(recent) > self.SAMPLE:
+                    del recent[next(iter(recent))]
+
+    def forget_recent(self) -> None:
+        self.recent = None
+
+    def forget_typical_hold(self) -> None:
+        self.typical_hold = _UNKNOWN
+
+    def forget_reservations(self) -> None:
+        self.reservations = None
 
 
 def decay(value: float, elapsed: float, half_life: float) -> float:

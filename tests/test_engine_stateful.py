@@ -165,6 +165,20 @@ class PoolMachine(RuleBasedStateMachine):
         assert {lease_id: lease.to_json() for lease_id, lease in cached.items()} == committed
 
     @invariant()
+    def history_kept_up_to_date_is_what_sqlite_says(self):
+        """Usage, typical hold and recent sizes, updated as the pool commits, equal a full re-read."""
+        if not hasattr(self, "pool"):
+            return
+        store, half_life = self.pool.store, self.pool.policy.fair_share_half_life
+        with store.transaction():
+            store.live_leases()
+            kept = store.history(self.now, half_life, max_age=10**9)
+        assert kept["usage"] == store.usage(self.now, half_life)
+        assert kept["typical_hold"] == store.typical_hold()
+        assert sorted(kept["recent"]) == sorted(store.recent_request_sizes())
+        assert kept["reservations"] == store.reservations()
+
+    @invariant()
     def quotas_hold(self):
         if not hasattr(self, "pool") or not self.user_max:
             return

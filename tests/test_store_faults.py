@@ -435,3 +435,19 @@ def test_the_wait_histogram_counts_every_grant_however_many(tmp_path):
     pool.request(req("alice", 4))
     assert grants_counted() == 1201  # the next scrape adds only the new grant
     pool.close()
+
+
+def test_a_lease_is_stored_as_the_same_json_however_it_is_encoded():
+    """The store writes Lease.to_json_text() (the fast path); it must be json.dumps(to_json())."""
+    from jupyter_gpupool.core.models import Lease, PriorityClass
+    from jupyter_gpupool.store import lease_from_json
+
+    lease = Lease(
+        id="l-1", owner="ann", memory=GIB, state=LeaseState.GRANTED, created_at=1.5, groups=("staff", "ml"),
+        priority=PriorityClass.HIGH, devices=("GPU-a", "GPU-b"), granted_at=2.0, memory_history=((3.0, 2 * GIB),),
+        label="nb.ipynb", busy=True,
+    )
+    assert lease.to_json_text() == json.dumps(lease.to_json())
+    assert lease_from_json(json.loads(lease.to_json_text())) == lease
+    lease.extra = "not a field"  # type: ignore[attr-defined]
+    assert json.loads(lease.to_json_text()) == lease.to_json()  # never written to the row
