@@ -613,6 +613,59 @@ def fewest_gpus(
     return search
 
 
+def _run_one(settings: Settings, plans: list[SessionPlan], mode: str, gpus: str | tuple[str, int, int], config: Config | None) -> ModeResult:
+    """One mode on an inventory (a spec, or ``(model, memory, count)`` of the search): a worker's task."""
+    backend = SimulatedBackend.from_spec(gpus) if isinstance(gpus, str) else uniform_backend(*gpus)
+    return LabRun(settings, plans, mode, backend, config).run()
+
+
+def run_parallel(
+    settings: Settings,
+    plans: list[SessionPlan],
+    modes: list[str],
+    target: float | None,
+    max_gpus: int = 32,
+    jobs: int = 1,
+    config: Config | None = None,
+) -> tuple[dict[str, ModeResult], dict[str, SearchResult]]:
+    """Every mode, and (with ``target``) each mode's GPU-count search, in ``jobs`` processes.
+
+    The same tables as running them one by one: every run is independent and deterministic, and
+    the search tries counts in rounds of up to ``jobs`` per mode, keeping the first count that
+    meets the target (the counts tried past it are dropped, as the sequential search never ran them).
+    """
+    import concurrent.futures
+
+    name, memory = (inventory_model(settings.gpus)[:2]) if target is not None else ("", 0)
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as executor:
+        futures = {mode: executor.submit(_run_one, settings, plans, mode, settings.gpus, config) for mode in modes}
+        searches: dict[str, SearchResult] = {}
+        if target is not None:
+            searches = {mode: SearchResult(mode, name, target, None) for mode in modes}
+            next_count = {mode: 1 for mode in modes}
+            while True:
+                open_modes = [m for m in modes if searches[m].gpus is None and next_count[m] <= max_gpus]
+                if not open_modes:
+                    break
+                width = max(1, jobs // len(open_modes))
+                batch = {
+                    (mode, count): executor.submit(_run_one, settings, plans, mode, (name, memory, count), config)
+                    for mode in open_modes
+                    for count in range(next_count[mode], min(max_gpus, next_count[mode] + width - 1) + 1)
+                }
+                for mode in open_modes:
+                    counts = sorted(c for m, c in batch if m == mode)
+                    for count in counts:
+                        result = batch[(mode, count)].result()
+                        searches[mode].tried[count] = result.wait_p95
+                        if result.wait_p95 <= target:
+                            searches[mode].gpus, searches[mode].result = count, result
+                            break
+                    next_count[mode] = counts[-1] + 1
+        results = {mode: future.result() for mode, future in futures.items()}
+    return results, searches
+
+
 # --- presentation -----------------------------------------------------------------------------------
 def results_table(results: dict[str, ModeResult]) -> str:
     headers = ["mode", "leased", "used", "busy", "wait p50", "wait p95", "wait max", "served/day", "gave up/day", "reclaims", "Jain"]
@@ -669,6 +722,7 @@ class SimulateApp(GpuPoolBaseApp):
         "modes": "SimulateApp.modes",
         "target-p95-wait": "SimulateApp.target_p95_wait",
         "max-gpus": "SimulateApp.max_gpus",
+        "jobs": "SimulateApp.jobs",
         "store": "SimulateApp.store",
         "traces": "SimulateApp.traces",
         "placement": "PoolPolicy.placement",
@@ -691,6 +745,7 @@ class SimulateApp(GpuPoolBaseApp):
     modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim).").tag(config=True)
     target_p95_wait = Unicode("", help="Also find, per mode, the fewest GPUs of the model that keep p95 wait within this, e.g. 5m.").tag(config=True)
     max_gpus = Integer(32, help="Largest GPU count the --target-p95-wait search tries.").tag(config=True)
+    jobs = Integer(1, help="Processes running the modes and the GPU-count search in parallel (same tables as 1).").tag(config=True)
     store = Unicode("memory", help="SQLite store of the simulated pool: 'memory' or 'file' (a temporary file, WAL).").tag(config=True)
     traces = Unicode("", help="Folder of the public traces (default: $GPUPOOL_TRACES or ../shared/traces).").tag(config=True)
 
@@ -723,6 +778,8 @@ class SimulateApp(GpuPoolBaseApp):
             raise InvalidInput(f"invalid --max-leases {self.max_leases}: expected 0 (no limit) or more")
         if not 1 <= self.max_gpus <= 1024:
             raise InvalidInput(f"invalid --max-gpus {self.max_gpus}: expected 1 to 1024")
+        if not 1 <= self.jobs <= 256:
+            raise InvalidInput(f"invalid --jobs {self.jobs}: expected a whole number of processes from 1 to 256")
         patience = None if self.patience.strip().lower() in ("none", "never", "") else parse_duration(self.patience)
         settings = Settings(
             gpus=self.gpus,
@@ -751,11 +808,14 @@ class SimulateApp(GpuPoolBaseApp):
         workload = load_workload(self.traces or None)
         parse_session_length(settings.session_length, workload)  # fail before any run
         plans = make_plans(settings, workload)
-        results = {}
-        for mode in modes:
-            results[mode] = LabRun(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), self.config).run()
+        results: dict[str, ModeResult] = {}
         searches: dict[str, SearchResult] = {}
-        if target is not None:
+        if self.jobs > 1:
+            results, searches = run_parallel(settings, plans, modes, target, self.max_gpus, self.jobs, self.config)
+        else:
+            for mode in modes:
+                results[mode] = LabRun(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), self.config).run()
+        if target is not None and self.jobs <= 1:
             for mode in modes:
                 if not self.json:
                     print(f"searching GPU counts for {MODE_LABELS[mode]} ...", file=sys.stderr)

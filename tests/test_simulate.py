@@ -258,6 +258,7 @@ def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["--gpus", "1xA100-80GB,1xT4", "--target-p95-wait", "5m"], "needs one GPU model"),
         (["--traces", "/nonexistent/traces"], "no traces under"),
         (["--store", "disk"], "invalid --store 'disk'"),
+        (["--jobs", "0"], "invalid --jobs 0"),
         (["--quota", "much"], "invalid size 'much'"),
     ],
 )
@@ -292,3 +293,19 @@ def test_jupyter_gpupool_simulate_prints_a_table() -> None:
     assert proc.returncode == 0, proc.stderr
     for label in ("exclusive GPUs", "pooled", "pooled+reclaim", "wait p95", "Jain"):
         assert label in proc.stdout
+
+
+def test_jobs_give_the_same_tables_as_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--jobs 2` runs the modes and the GPU-count search in processes: same seed, same tables."""
+    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1",
+            "--memory-need", "30%", "--session-length", "30m", "--target-p95-wait", "2m", "--max-gpus", "4", "--json"]
+    tables = []
+    for jobs in ("1", "2"):
+        code, out, err = run_app([*argv, "--jobs", jobs], capsys)
+        assert code == 0, err
+        data = json.loads(out)
+        for result in [*data["results"].values(), *(s["result"] for s in data["search"].values() if s["result"])]:
+            result.pop("elapsed")
+        tables.append((data["results"], data["search"]))
+    assert tables[0] == tables[1]
+    assert any(len(s["p95_wait_by_gpus"]) > 1 for s in tables[0][1].values())  # the search tried several counts
