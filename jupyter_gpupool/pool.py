@@ -24,6 +24,7 @@ import psutil
 from traitlets.config import Config
 
 from .core.engine import Engine, PoolState, held_by_device
+from .core.index import LeaseIndex
 from .core.metering import PERIODS, REPORT_KEYS, DeviceInfo, Interval, check_choice, report_rows
 from .core.models import (
     Activity,
@@ -79,6 +80,8 @@ class Pool:
         self.store = Store(db_path)
         self._devices: tuple[float, list[Device]] | None = None
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
+        #: Derived state of the store's cached leases, and the cache generation it was built for.
+        self._index: tuple[int, LeaseIndex] | None = None
 
     @classmethod
     def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
@@ -113,6 +116,10 @@ class Pool:
         parsed = self._parsed_reservations
         if parsed is None or parsed[0] is not stats["reservations"]:
             parsed = self._parsed_reservations = (stats["reservations"], [parse_reservation(r) for r in stats["reservations"]])
+        generation = self.store.cache_generation
+        if self._index is None or self._index[0] != generation:
+            # The leases are other objects than last time: derive again (O(leases), then O(changes)).
+            self._index = (generation, LeaseIndex(leases.values()))
         return PoolState(
             devices=self.devices(),
             leases=leases,
@@ -121,6 +128,7 @@ class Pool:
             reservations=self.policy.parsed_reservations() + list(parsed[1]),
             recent_requests=stats["recent"],
             now=now,
+            index=self._index[1],
         )
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:

@@ -205,6 +205,9 @@ class Store:
         self._cache: dict[str, Lease] | None = None
         #: Lease writes of the open transaction, put in the cache only once COMMIT succeeded.
         self._pending: dict[str, Lease | None] | None = None
+        #: Changes whenever :meth:`live_leases` hands out other objects than last time (the cache was
+        #: re-read or dropped): whoever keeps state derived from them must rebuild it.
+        self.cache_generation = 0
         #: ``PRAGMA data_version`` as the last :meth:`live_leases` read it.
         self._seen_version: int | None = None
         #: History statistics (see :meth:`history`), kept up to date with our own commits.
@@ -524,6 +527,7 @@ class Store:
             return dict(self._cache)
         rows = self.conn.execute("SELECT data FROM leases WHERE state != 'released'").fetchall()
         leases = {lease.id: lease for lease in (self._lease(row[0]) for row in rows)}
+        self.cache_generation += 1
         if not self._pending:  # nothing of ours uncommitted in what was just read
             self._cache, self._cache_version = leases, version
             return dict(leases)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from pool_helpers import T0
 
-from jupyter_gpupool.core.engine import held_by_device
+from jupyter_gpupool.core.engine import PoolState, held_by_device
 from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass, model_matches
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
@@ -163,6 +163,50 @@ class PoolMachine(RuleBasedStateMachine):
             cached = self.pool.store.live_leases()
         committed = {lease.id: lease.to_json() for lease in self.pool.leases()}
         assert {lease_id: lease.to_json() for lease_id, lease in cached.items()} == committed
+
+    @invariant()
+    def derived_state_kept_up_to_date_equals_a_full_recomputation(self):
+        """Memory held per device, holdings per owner and group, the queue, pending reclaims,
+        flags and deadlines — updated lease by lease as decisions go — equal what a scan of
+        every live lease (read afresh from the file) gives."""
+        if not hasattr(self, "pool") or self.pool._index is None:
+            return
+        generation, index = self.pool._index
+        if generation != self.pool.store.cache_generation:
+            return  # stale: the next decision rebuilds it
+        live = self.pool.leases()
+        held = [l for l in live if l.state is LeaseState.GRANTED]
+        others = [l for l in live if l.state not in (LeaseState.QUEUED, LeaseState.RELEASED)]
+        owners, groups = {}, {}
+        for lease in others:
+            held_bytes = lease.memory * lease.num_gpus if lease.state is LeaseState.GRANTED else 0
+            for table, key in [(owners, lease.owner), *((groups, g) for g in set(lease.groups))]:
+                row = table.setdefault(key, [0, 0])
+                row[0] += held_bytes
+                row[1] += 1
+        beats, ends = {}, {}
+        for lease in live:
+            if lease.heartbeat_at is None:
+                continue
+            if lease.holder_pid is None and lease.duration is not None:
+                if lease.expected_end is not None:
+                    ends[lease.id] = lease.expected_end
+            else:
+                beats[lease.id] = lease.heartbeat_at
+        expected = {
+            "held": {uuid: b for uuid, b in held_by_device(live).items() if b},
+            "owners": {k: tuple(v) for k, v in owners.items()},
+            "groups": {k: tuple(v) for k, v in groups.items()},
+            "queued": {l.id for l in live if l.state is LeaseState.QUEUED},
+            "reclaiming": {l.id for l in held if l.reclaim_at is not None},
+            "flagged": sum(1 for l in held if l.flagged),
+            "beats": beats,
+            "ends": ends,
+            "earliest": (min(beats.values(), default=None), min(ends.values(), default=None)),
+        }
+        assert index.snapshot() == expected
+        for owner in USERS:
+            assert self.pool.engine.holdings(PoolState(devices=[], leases={l.id: l for l in live}), owner=owner) == index.holdings(owner=owner)
 
     @invariant()
     def history_kept_up_to_date_is_what_sqlite_says(self):

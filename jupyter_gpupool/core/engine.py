@@ -29,6 +29,7 @@ from .models import (
     model_matches,
     model_tokens,
 )
+from .index import LeaseIndex
 from .placement import Demand, GpuSlot, NodeView, PlacementPolicy, make_policy, typical_demands
 from .policy import PoolPolicy, Quota, Reservation
 
@@ -51,9 +52,20 @@ class PoolState:
     now: float = 0.0  # the time this state was loaded for
     changed: set[str] = field(default_factory=set)
     released: list[Lease] = field(default_factory=list)
+    #: Derived state of ``leases``, kept up to date by :meth:`touch` (the pool hands in one that
+    #: lives as long as its lease cache; built from ``leases`` on first use otherwise).
+    index: LeaseIndex | None = None
 
     def touch(self, lease: Lease) -> None:
+        """Record that ``lease`` changed (it is saved, and the index updated): call after every change."""
         self.changed.add(lease.id)
+        if self.index is not None:
+            self.index.update(lease)
+
+    def derived(self) -> LeaseIndex:
+        if self.index is None:
+            self.index = LeaseIndex(self.leases.values())
+        return self.index
 
 
 def held_by_device(leases: Iterable[Lease]) -> dict[str, int]:
@@ -180,7 +192,7 @@ class Engine:
 
     def _check_queue_limits(self, state: PoolState, request: LeaseRequest) -> None:
         """Refuse a request past the per-user (or per-group) limit on waiting requests."""
-        queued = [lease for lease in state.leases.values() if lease.state is LeaseState.QUEUED]
+        queued = [state.leases[lease_id] for lease_id in state.derived().queued]
         cap = self.policy.max_queued_per_user
         if cap:
             mine = sum(1 for lease in queued if lease.owner == request.owner)
@@ -223,7 +235,7 @@ class Engine:
             self._grant(state, lease, devices, now)
             decisions.append(self._decision(DecisionKind.GRANT, lease, f"granted {format_size(lease.memory)}", now))
 
-        waiting = [lease for lease in state.leases.values() if lease.state is LeaseState.QUEUED]
+        waiting = bool(state.derived().queued)
         decisions += self._plan_reservation_reclaims(state, now)
         decisions += self._plan_idle_reclaims(state, now, blocked if waiting else None)
         if blocked is not None:
@@ -232,7 +244,9 @@ class Engine:
 
     def queue_order(self, state: PoolState, now: float) -> list[Lease]:
         """Queued leases in service order: priority class (with aging), fair share, arrival."""
-        queued = [lease for lease in state.leases.values() if lease.state is LeaseState.QUEUED]
+        queued = [state.leases[lease_id] for lease_id in state.derived().queued]
+        if len(queued) < 2:
+            return queued  # nothing to order: no need for everyone's fair-share usage
         usage = self.fair_share_usage(state, now)
         return sorted(queued, key=lambda lease: (-self.effective_rank(lease, now), usage.get(lease.owner, 0.0), lease.created_at, lease.id))
 
@@ -271,7 +285,7 @@ class Engine:
     def free_by_device(self, state: PoolState, lease: Lease | None = None, reservations: bool = True) -> dict[str, int]:
         """Leasable bytes left per healthy device, as ``lease``'s owner sees it (reservations held back,
         unless ``reservations`` is False)."""
-        held = held_by_device(state.leases.values())
+        held = state.derived().held
         free = {d.uuid: d.leasable - held.get(d.uuid, 0) for d in state.devices if d.healthy}
         for reservation in state.reservations if reservations else ():
             if not reservation.active(state.now):
@@ -329,14 +343,8 @@ class Engine:
 
     def holdings(self, state: PoolState, owner: str | None = None, group: str | None = None) -> tuple[int, int]:
         """(bytes held, number of live non-queued leases) for an owner or a group."""
-        memory = count = 0
-        for lease in state.leases.values():
-            if lease.state in (LeaseState.QUEUED, LeaseState.RELEASED):
-                continue
-            if (owner is not None and lease.owner == owner) or (group is not None and group in lease.groups):
-                memory += lease.memory * lease.num_gpus if lease.state in HELD_STATES else 0
-                count += 1
-        return memory, count
+        return state.derived().holdings(owner=owner, group=group)
+
 
     def _quota_block_reason(self, state: PoolState, lease: Lease) -> str:
         """Why quota keeps this queued lease waiting, or ``""``."""
@@ -382,6 +390,8 @@ class Engine:
 
     # --- reclaim: idle and preemption -------------------------------------------------------------
     def _expire_heartbeats(self, state: PoolState, now: float) -> list[Decision]:
+        if state.derived().nothing_expires(now, self.policy.heartbeat_ttl):
+            return []
         decisions = []
         for lease in list(state.leases.values()):
             if lease.state is LeaseState.RELEASED or lease.heartbeat_at is None:
@@ -404,6 +414,9 @@ class Engine:
         admin destroyed, a GPU that vanished): their users are told, the lease is never moved."""
         lost = {d.uuid: d.health_reason or "GPU unhealthy" for d in state.devices if not d.healthy}
         present = {d.uuid for d in state.devices}
+        index = state.derived()
+        if not index.flagged and all(uuid in present and uuid not in lost for uuid in index.held):
+            return  # no held lease is flagged, and every GPU a lease holds is here and healthy
         gone = "GPU or MIG instance no longer present (the admin changed the layout, or the GPU fell off the bus)"
         for lease in state.leases.values():
             if lease.state in HELD_STATES:
@@ -422,6 +435,8 @@ class Engine:
         return True
 
     def _carry_out_due_reclaims(self, state: PoolState, now: float) -> list[Decision]:
+        if not state.derived().reclaiming:
+            return []
         decisions = []
         someone_waits = any(lease.state is LeaseState.QUEUED for lease in state.leases.values())
         for lease in list(state.leases.values()):

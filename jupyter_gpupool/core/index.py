@@ -1,0 +1,161 @@
+"""Derived state of the live leases, kept up to date lease by lease.
+
+Every decision needs the memory held per device, what each owner and group holds, which
+requests wait, which leases have a reclaim pending and when the next heartbeat or booked slice
+runs out. Recomputing those from every live lease made a decision cost what *exists*; the
+:class:`LeaseIndex` is updated by :meth:`~jupyter_gpupool.core.engine.PoolState.touch` as each
+lease changes, so a decision costs what *changed*. The pool keeps one index as long as its lease
+cache lives (see ``Pool._load``); :meth:`LeaseIndex.recompute` rebuilds it from scratch, and the
+state-machine tests check the two are equal after every step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from typing import Any
+
+from .models import Lease, LeaseState
+
+#: What one lease adds to the index: (state, owner, groups, memory, num_gpus, devices held,
+#: reclaim pending, flagged, heartbeat deadline key, booked-slice end).
+_Entry = tuple[LeaseState, str, tuple[str, ...], int, int, tuple[str, ...], bool, bool, "float | None", "float | None"]
+
+#: Seconds of slack when the heaps say nothing is due: float rounding of ``now - heartbeat`` vs
+#: ``heartbeat + ttl`` never matters, the exact test runs whenever something is near due.
+SLACK = 1e-3
+
+
+def _entry(lease: Lease) -> _Entry | None:
+    if lease.state is LeaseState.RELEASED:
+        return None
+    held = lease.state is LeaseState.GRANTED
+    beat = end = None
+    if lease.heartbeat_at is not None:
+        if lease.holder_pid is None and lease.duration is not None:
+            end = lease.expected_end  # a booked slice lasts its duration (None until granted)
+        else:
+            beat = lease.heartbeat_at
+    return (
+        lease.state,
+        lease.owner,
+        tuple(dict.fromkeys(lease.groups)),  # a group named twice counts once, as Engine.holdings
+        lease.memory,
+        lease.num_gpus,
+        tuple(lease.devices) if held else (),
+        held and lease.reclaim_at is not None,
+        held and bool(lease.flagged),
+        beat,
+        end,
+    )
+
+
+class LeaseIndex:
+    """Memory held per device, holdings per owner and group, the queued and reclaiming leases,
+    flagged leases and heartbeat / booked-slice deadlines of a set of live leases."""
+
+    def __init__(self, leases: Iterable[Lease] = ()) -> None:
+        self.entries: dict[str, _Entry] = {}
+        self.held: dict[str, int] = {}  # device uuid → bytes held by granted leases (no zeros)
+        self.owners: dict[str, list[int]] = {}  # owner → [bytes held, live non-queued leases]
+        self.groups: dict[str, list[int]] = {}  # group → [bytes held by members, their live non-queued leases]
+        self.queued: dict[str, None] = {}  # ids of queued leases
+        self.reclaiming: dict[str, None] = {}  # ids of held leases with a reclaim (idle or preemption) pending
+        self.flagged = 0  # held leases flagged (GPU lost)
+        self._beats: list[tuple[float, str]] = []  # (heartbeat_at, id), stale entries dropped lazily
+        self._ends: list[tuple[float, str]] = []  # (expected end, id) of booked slices
+        for lease in leases:
+            self.update(lease)
+
+    @classmethod
+    def recompute(cls, leases: Iterable[Lease]) -> LeaseIndex:
+        return cls(leases)
+
+    # --- upkeep -----------------------------------------------------------------------------------
+    def update(self, lease: Lease) -> None:
+        """Take ``lease`` as it is now (new, changed or released)."""
+        old = self.entries.pop(lease.id, None)
+        if old is not None:
+            self._apply(lease.id, old, -1)
+        new = _entry(lease)
+        if new is not None:
+            self.entries[lease.id] = new
+            self._apply(lease.id, new, +1)
+
+    def _apply(self, lease_id: str, entry: _Entry, sign: int) -> None:
+        state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end = entry
+        held_bytes = memory * num_gpus if state is LeaseState.GRANTED else 0
+        if state is LeaseState.QUEUED:
+            if sign > 0:
+                self.queued[lease_id] = None
+            else:
+                del self.queued[lease_id]
+        else:
+            for table, key in [(self.owners, owner), *((self.groups, group) for group in groups)]:
+                row = table.setdefault(key, [0, 0])
+                row[0] += sign * held_bytes
+                row[1] += sign
+                if row == [0, 0]:
+                    del table[key]
+        for uuid in devices:
+            total = self.held.get(uuid, 0) + sign * memory
+            if total:
+                self.held[uuid] = total
+            else:
+                self.held.pop(uuid, None)
+        if reclaiming:
+            if sign > 0:
+                self.reclaiming[lease_id] = None
+            else:
+                del self.reclaiming[lease_id]
+        self.flagged += sign * flagged
+        if sign > 0:
+            if beat is not None:
+                self._push(self._beats, (beat, lease_id))
+            if end is not None:
+                self._push(self._ends, (end, lease_id))
+
+    def _push(self, heap: list[tuple[float, str]], item: tuple[float, str]) -> None:
+        heapq.heappush(heap, item)
+        if len(heap) > 2 * len(self.entries) + 64:  # mostly stale entries: rebuild
+            position = 8 if heap is self._beats else 9
+            heap[:] = [(entry[position], lease_id) for lease_id, entry in self.entries.items() if entry[position] is not None]
+            heapq.heapify(heap)
+
+    def _earliest(self, heap: list[tuple[float, str]], position: int) -> float | None:
+        while heap:
+            key, lease_id = heap[0]
+            entry = self.entries.get(lease_id)
+            if entry is not None and entry[position] == key:
+                return key
+            heapq.heappop(heap)  # released or changed since
+        return None
+
+    # --- questions --------------------------------------------------------------------------------
+    def nothing_expires(self, now: float, heartbeat_ttl: float) -> bool:
+        """True when surely no heartbeat is older than ``heartbeat_ttl`` and no booked slice is over
+        at ``now`` (False means: look, something may be)."""
+        beat = self._earliest(self._beats, 8)
+        if beat is not None and now - beat > heartbeat_ttl - SLACK:
+            return False
+        end = self._earliest(self._ends, 9)
+        return end is None or end > now + SLACK
+
+    def holdings(self, owner: str | None = None, group: str | None = None) -> tuple[int, int]:
+        """As :meth:`Engine.holdings`: (bytes held, live non-queued leases) of an owner or a group."""
+        row = self.owners.get(owner or "") if owner is not None else self.groups.get(group or "") if group is not None else None
+        return (row[0], row[1]) if row else (0, 0)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the index answers, comparable with ``==`` (for the tests)."""
+        return {
+            "held": dict(self.held),
+            "owners": {k: tuple(v) for k, v in self.owners.items()},
+            "groups": {k: tuple(v) for k, v in self.groups.items()},
+            "queued": set(self.queued),
+            "reclaiming": set(self.reclaiming),
+            "flagged": self.flagged,
+            "beats": {lease_id: e[8] for lease_id, e in self.entries.items() if e[8] is not None},
+            "ends": {lease_id: e[9] for lease_id, e in self.entries.items() if e[9] is not None},
+            "earliest": (self._earliest(self._beats, 8), self._earliest(self._ends, 9)),
+        }
