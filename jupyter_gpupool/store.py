@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .core.metering import memory_segments
@@ -654,7 +654,7 @@ class Store:
         if history.reservations is None:
             history.reservations = [json.loads(row[0]) for row in self.conn.execute("SELECT data FROM reservations ORDER BY name")]
         return {
-            "usage": {owner: decay(value, now - at, half_life) for owner, (value, at) in history.usage_rows.items()},
+            "usage": DecayedUsage(history.usage_rows, now, half_life),
             "typical_hold": history.typical_hold,
             "recent": [memory for _, memory in history.recent.values() if memory],
             "reservations": history.reservations,
@@ -807,6 +807,28 @@ class Store:
 
 
 _UNKNOWN: Any = object()
+
+
+class DecayedUsage(Mapping[str, float]):
+    """Owners' usage rows decayed to ``now``, each when first asked for (a decision that orders
+    no queue asks for none). A snapshot: later commits do not change it."""
+
+    def __init__(self, rows: dict[str, tuple[float, float]], now: float, half_life: float) -> None:
+        self._rows, self._now, self._half_life = dict(rows), now, half_life
+        self._decayed: dict[str, float] = {}
+
+    def __getitem__(self, owner: str) -> float:
+        value = self._decayed.get(owner)
+        if value is None:
+            stored, at = self._rows[owner]
+            value = self._decayed[owner] = decay(stored, self._now - at, self._half_life)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 class _History:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InvalidInput, LeaseNotFound, RequestRefused
@@ -45,7 +45,7 @@ class PoolState:
 
     devices: list[Device]
     leases: dict[str, Lease]
-    usage: dict[str, float] = field(default_factory=dict)  # decayed past GiB·h per owner
+    usage: Mapping[str, float] = field(default_factory=dict)  # decayed past GiB·h per owner
     typical_hold: float | None = None  # median seconds a lease was held, from history
     reservations: list[Reservation] = field(default_factory=list)
     recent_requests: list[int] = field(default_factory=list)  # memory of recent requests (FGD's typical pods)

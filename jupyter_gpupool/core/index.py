@@ -74,10 +74,19 @@ class LeaseIndex:
     # --- upkeep -----------------------------------------------------------------------------------
     def update(self, lease: Lease) -> None:
         """Take ``lease`` as it is now (new, changed or released)."""
-        old = self.entries.pop(lease.id, None)
-        if old is not None:
-            self._apply(lease.id, old, -1)
         new = _entry(lease)
+        old = self.entries.get(lease.id)
+        if old is not None and new is not None and old[:8] == new[:8]:
+            # Only its deadlines moved (a heartbeat, an activity report): the common case.
+            self.entries[lease.id] = new
+            if new[8] is not None and new[8] != old[8]:
+                self._push(self._beats, (new[8], lease.id))
+            if new[9] is not None and new[9] != old[9]:
+                self._push(self._ends, (new[9], lease.id))
+            return
+        if old is not None:
+            del self.entries[lease.id]
+            self._apply(lease.id, old, -1)
         if new is not None:
             self.entries[lease.id] = new
             self._apply(lease.id, new, +1)

@@ -6,6 +6,7 @@ No Jupyter, no I/O. Times are POSIX seconds passed in explicitly by the caller.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -45,6 +46,7 @@ class Device:
         return data
 
 
+@functools.lru_cache(maxsize=1024)
 def normalize_model(name: str) -> str:
     """``NVIDIA A100-SXM4-80GB`` → ``A100-SXM4-80GB``: vendor prefixes dropped, upper case, spaces as ``-``."""
     text = name.strip()
