@@ -30,7 +30,8 @@ from jupyter_gpupool.units import GIB
 
 
 def open_pool(db: str | Path) -> Pool:
-    return Pool(SimulatedBackend.from_spec("1x16GiB"), str(db), PoolPolicy(heartbeat_ttl=10**9))
+    # No per-user queue cap: pool_with_leases queues thousands of one user's requests on purpose.
+    return Pool(SimulatedBackend.from_spec("1x16GiB"), str(db), PoolPolicy(heartbeat_ttl=10**9, max_queued_per_user=0))
 
 
 def pool_with_leases(db: Path, count: int = 1) -> list[str]:
