@@ -426,9 +426,14 @@ class Pool:
             order = self.engine.queue_order(state, now)
             month_start = dt.datetime.fromtimestamp(now).replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
             used_gib_hours = self._gib_hours(viewer, month_start, now) if viewer else 0.0
-        held = held_by_device(state.leases.values())
+            # The leases are the store's cached objects, changed in place by decisions of other
+            # threads once the lock is released: build the view from copies taken under it.
+            live = {lease_id: lease.copy() for lease_id, lease in state.leases.items()}
+            order = [live[lease.id] for lease in order]
+            held_bytes, count = self.engine.holdings(state, owner=viewer) if viewer else (0, 0)
+        held = held_by_device(live.values())
         used_by_device: dict[str, int] = {}
-        for lease in state.leases.values():
+        for lease in live.values():
             if lease.state is LeaseState.GRANTED and lease.used_memory and lease.devices:
                 share = lease.used_memory // len(lease.devices)
                 for uuid_ in lease.devices:
@@ -452,13 +457,12 @@ class Pool:
                 }
             )
         positions = {lease.id: i + 1 for i, lease in enumerate(order)}
-        leases = [self.view_lease(lease, viewer, admin, positions.get(lease.id)) for lease in state.leases.values()]
+        leases = [self.view_lease(lease, viewer, admin, positions.get(lease.id)) for lease in live.values()]
         leases.sort(key=lambda item: (item["state"] != "granted", item.get("queue_position") or 0))
         queue = [self.view_lease(lease, viewer, admin, positions[lease.id]) for lease in order]
         quota: dict[str, Any] = {}
         if viewer:
             own = self.policy.quota_for_user(viewer)
-            held_bytes, count = self.engine.holdings(state, owner=viewer)
             quota = {**own.to_json(), "held": held_bytes, "leases": count, "gib_hours_this_month": round(used_gib_hours, 3)}
         reservations = [{**r.to_json(), "active": r.active(now)} for r in state.reservations]
         return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota=quota, reservations=reservations)

@@ -205,6 +205,8 @@ class Store:
         self._cache: dict[str, Lease] | None = None
         #: Lease writes of the open transaction, put in the cache only once COMMIT succeeded.
         self._pending: dict[str, Lease | None] | None = None
+        #: Ids of the cached leases as last committed (what tells a new lease from a changed one).
+        self._committed_ids: set[str] | None = None
         #: Changes whenever :meth:`live_leases` hands out other objects than last time (the cache was
         #: re-read or dropped): whoever keeps state derived from them must rebuild it.
         self.cache_generation = 0
@@ -431,7 +433,7 @@ class Store:
 
     def _fail(self, message: str) -> None:
         self._failure = PoolUnavailable(message)
-        self._cache = None
+        self._cache = self._committed_ids = None
         raise self._failure
 
     def _rescue(self) -> str | None:
@@ -488,7 +490,7 @@ class Store:
                 yield self.conn
                 self.conn.execute("COMMIT")
             except BaseException as exc:
-                self._cache = None  # it may have read writes that are now rolled back
+                self._cache = self._committed_ids = None  # it may have read writes that are now rolled back
                 self._pending = None
                 self._history = None
                 self._history_pending = []
@@ -503,12 +505,14 @@ class Store:
             if self._history is not None:
                 for change in history_pending:
                     change(self._history)
-            if self._cache is not None:
+            if self._cache is not None and self._committed_ids is not None:
                 for lease_id, lease in pending.items():
                     if lease is None:
                         self._cache.pop(lease_id, None)
+                        self._committed_ids.discard(lease_id)
                     else:
                         self._cache[lease_id] = lease
+                        self._committed_ids.add(lease_id)
                 # Our own commits do not change data_version for this connection: the cache stays valid.
 
     # --- leases -----------------------------------------------------------------------------------
@@ -516,21 +520,22 @@ class Store:
         """Every lease not yet released (inside a transaction). Re-read only when another
         connection committed since (``PRAGMA data_version``).
 
-        Copy-on-write: the leases are the cache's own objects, not copies (copying every live
-        lease was most of a decision's time at a thousand leases). Whoever changes one must
-        save it with :meth:`save_leases` in the same transaction (the engine does: every change
-        goes through ``PoolState.touch``); a transaction that fails drops the whole cache, so
-        it never holds uncommitted state past its transaction (see :meth:`transaction`).
+        Copy-on-write: this is the cache itself, its leases the cache's own objects (copying
+        them was most of a decision's time at a thousand leases, copying the dict most of it at
+        ten thousand). Whoever adds or changes a lease must save it with :meth:`save_leases` in
+        the same transaction (the engine does: every change goes through ``PoolState.touch``);
+        a transaction that fails drops the whole cache, so it never holds uncommitted state past
+        its transaction (see :meth:`transaction`). Use it only under :attr:`lock` (inside the
+        transaction): decisions of other threads change it once the lock is released.
         """
         version = self._seen_version = self.conn.execute("PRAGMA data_version").fetchone()[0]
         if self._cache is not None and version == self._cache_version and not self._pending:
-            return dict(self._cache)
+            return self._cache
         rows = self.conn.execute("SELECT data FROM leases WHERE state != 'released'").fetchall()
         leases = {lease.id: lease for lease in (self._lease(row[0]) for row in rows)}
         self.cache_generation += 1
         if not self._pending:  # nothing of ours uncommitted in what was just read
-            self._cache, self._cache_version = leases, version
-            return dict(leases)
+            self._cache, self._cache_version, self._committed_ids = leases, version, set(leases)
         return leases
 
     def _lease(self, data: str) -> Lease:
@@ -555,14 +560,15 @@ class Store:
             [(l.id, l.state.value, l.owner, l.kernel_id, l.created_at, l.to_json_text()) for l in leases],
         )
         if self._pending is None:  # outside a transaction (autocommit): simply forget the cache
-            self._cache = None
+            self._cache = self._committed_ids = None
             return
         cached = self._cache if self._cache is not None else {}
         if self._history is not None:
-            if self._cache is None:
+            committed = self._committed_ids
+            if committed is None:
                 self._history_pending.append(_History.forget_recent)  # cannot tell new leases from old
             else:
-                sizes = [(l.id, l.created_at, l.memory, l.id not in cached) for l in leases]
+                sizes = [(l.id, l.created_at, l.memory, l.id not in committed) for l in leases]
                 self._history_pending.append(lambda history: history.saw_sizes(sizes))
         for lease in leases:
             if lease.state is LeaseState.RELEASED:
@@ -811,10 +817,11 @@ _UNKNOWN: Any = object()
 
 class DecayedUsage(Mapping[str, float]):
     """Owners' usage rows decayed to ``now``, each when first asked for (a decision that orders
-    no queue asks for none). A snapshot: later commits do not change it."""
+    no queue asks for none). It reads the store's rows as they are, without copying them: valid
+    for the decision (the transaction) it was made for."""
 
     def __init__(self, rows: dict[str, tuple[float, float]], now: float, half_life: float) -> None:
-        self._rows, self._now, self._half_life = dict(rows), now, half_life
+        self._rows, self._now, self._half_life = rows, now, half_life
         self._decayed: dict[str, float] = {}
 
     def __getitem__(self, owner: str) -> float:
