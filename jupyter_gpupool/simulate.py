@@ -619,6 +619,14 @@ def _run_one(settings: Settings, plans: list[SessionPlan], mode: str, gpus: str 
     return LabRun(settings, plans, mode, backend, config).run()
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished child processes (the --jobs workers)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def run_parallel(
     settings: Settings,
     plans: list[SessionPlan],
@@ -803,7 +811,7 @@ class SimulateApp(GpuPoolBaseApp):
         return settings, modes, target
 
     def run(self) -> None:
-        started, cpu_started = time.perf_counter(), time.process_time()
+        started, cpu_started = time.perf_counter(), _cpu_seconds()
         settings, modes, target = self.settings()
         workload = load_workload(self.traces or None)
         parse_session_length(settings.session_length, workload)  # fail before any run
@@ -830,7 +838,7 @@ class SimulateApp(GpuPoolBaseApp):
             "results": {mode: r.to_json() for mode, r in results.items()},
             "search": {mode: s.to_json() for mode, s in searches.items()},
             "elapsed_s": round(elapsed, 2),
-            "cpu_s": round(time.process_time() - cpu_started, 2),
+            "cpu_s": round(_cpu_seconds() - cpu_started, 2),  # --jobs workers included
         }
         lines = [
             (

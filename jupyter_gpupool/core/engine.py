@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidInput, LeaseNotFound, RequestRefused
 from ..units import GIB, MIB, format_duration, format_size
+from .index import LeaseIndex
 from .models import (
     MODEL_FORMS,
     Activity,
@@ -29,7 +30,6 @@ from .models import (
     model_matches,
     model_tokens,
 )
-from .index import LeaseIndex
 from .placement import Demand, GpuSlot, NodeView, PlacementPolicy, make_policy, typical_demands
 from .policy import PoolPolicy, Quota, Reservation
 

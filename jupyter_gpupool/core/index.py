@@ -128,7 +128,12 @@ class LeaseIndex:
         heapq.heappush(heap, item)
         if len(heap) > 2 * len(self.entries) + 64:  # mostly stale entries: rebuild
             position = 8 if heap is self._beats else 9
-            heap[:] = [(entry[position], lease_id) for lease_id, entry in self.entries.items() if entry[position] is not None]
+            rebuilt: list[tuple[float, str]] = []
+            for lease_id, entry in self.entries.items():
+                key = entry[position]
+                if isinstance(key, float | int) and not isinstance(key, bool):
+                    rebuilt.append((float(key), lease_id))
+            heap[:] = rebuilt
             heapq.heapify(heap)
 
     def _earliest(self, heap: list[tuple[float, str]], position: int) -> float | None:
