@@ -50,7 +50,7 @@ LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
 
 #: Release reasons (set by the engine) after which the kernel must go: its slice was taken back.
-RECLAIM_PREFIXES = ("reclaimed", "preempted")
+RECLAIM_PREFIXES = ("reclaimed", "preempted", "ended by Slurm")
 
 
 
@@ -299,6 +299,13 @@ class GpuPoolExtension(ExtensionApp):
             PROVISIONER_NAME,
             EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
         )
+        # A backend with its own provisioner (Slurm: kernels as jobs) makes that one the default.
+        provisioner_name = getattr(self.pool, "provisioner_name", PROVISIONER_NAME)
+        if provisioner_name != PROVISIONER_NAME:
+            KernelProvisionerFactory.provisioners.setdefault(
+                provisioner_name,
+                EntryPoint(provisioner_name, "jupyter_gpupool.slurm.provisioner:SlurmProvisioner", KernelProvisionerFactory.GROUP_NAME),
+            )
         assert self.serverapp is not None
         explicit = "default_provisioner_name" in self.serverapp.config.get("KernelProvisionerFactory", {})
         if not self.make_default_provisioner or explicit or os.environ.get(KernelProvisionerFactory.default_provisioner_name_env):
@@ -310,7 +317,7 @@ class GpuPoolExtension(ExtensionApp):
             spec = original(kernel_name, *args, **kwargs)
             metadata = spec.metadata if isinstance(spec.metadata, dict) else {}
             if "provisioner_name" not in metadata.get("kernel_provisioner", {}):
-                metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME, "config": {}}
+                metadata["kernel_provisioner"] = {"provisioner_name": provisioner_name, "config": {}}
                 spec.metadata = metadata
             return spec
 

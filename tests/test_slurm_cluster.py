@@ -1,0 +1,181 @@
+"""The Slurm backend against a real single-node Slurm cluster (``tests/slurm_cluster.py``):
+kernels started through a real ``jupyter server`` run as Slurm jobs on GRES shards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_process import Server, wait_for  # noqa: E402
+from slurm_cluster import SlurmCluster, skip_reason  # noqa: E402
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SlurmCluster]:
+    root = Path(tempfile.mkdtemp(prefix="gpupool-slurm-"))
+    running = SlurmCluster(root).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+        assert running.daemons_alive() == [], "the fixture left Slurm daemons running"
+
+
+@pytest.fixture
+def slurm(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    cluster.cancel_all()
+    yield cluster
+    cluster.cancel_all()
+
+
+def start_server(tmp: Path, cluster: SlurmCluster, name: str = "alice") -> Server:
+    config = tmp / name / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "jupyter_server_config.json").write_text(
+        json.dumps({"GpuPoolExtension": {"tick_interval": 0.5, "reconcile_interval": 1.0}, "SlurmPool": {"cache_seconds": 0.3, "poll_interval": 0.5}})
+    )
+    env = {
+        **cluster.env,
+        "GPUPOOL_BACKEND": "slurm",
+        "GPUPOOL_SLURM_STATE": str(tmp / "slurm-leases.sqlite"),
+        "GPUPOOL_DEFAULT_MEMORY": "80GiB",  # GPUs of 80 GiB with 8 shards each: 8 shards, one GPU's
+        "GPUPOOL_USER": name,
+        "GPUPOOL_DB": None,
+        "GPUPOOL_SIMULATE": None,
+        "GPUPOOL_URL": None,
+    }
+    return Server(tmp, name, env)
+
+
+def slice_of(server: Server, kernel_id: str) -> dict[str, Any]:
+    return server.call("GET", f"api/gpupool/kernels/{kernel_id}")
+
+
+def squeue(cluster: SlurmCluster) -> dict[str, str]:
+    out = cluster.run(["squeue", "-h", "-o", "%i %T"])
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
+def execute(server: Server, kernel_id: str, code: str, timeout: float = 60) -> str:
+    """Run ``code`` in the kernel through the server's websocket; its stdout (errors raise)."""
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    async def run() -> str:
+        url = f"ws://127.0.0.1:{server.port}/api/kernels/{kernel_id}/channels"
+        ws = await websocket_connect(HTTPRequest(url, headers={"Authorization": f"token {server.token}"}))
+        msg_id = uuid.uuid4().hex
+        await ws.write_message(
+            json.dumps(
+                {
+                    "header": {"msg_id": msg_id, "username": "t", "session": uuid.uuid4().hex, "msg_type": "execute_request", "version": "5.3"},
+                    "parent_header": {},
+                    "metadata": {},
+                    "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {}, "allow_stdin": False},
+                    "channel": "shell",
+                }
+            )
+        )
+        out: list[str] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            raw = await asyncio.wait_for(ws.read_message(), timeout=deadline - time.monotonic())
+            if raw is None:
+                raise AssertionError("the kernel's websocket closed")
+            msg = json.loads(raw)
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            if kind == "stream":
+                out.append(msg["content"]["text"])
+            elif kind in ("display_data", "execute_result"):
+                out.append(msg["content"]["data"].get("text/plain", ""))
+            elif kind == "error":
+                raise AssertionError("\n".join(msg["content"]["traceback"]))
+            elif kind == "execute_reply":
+                ws.close()
+                return "".join(out)
+        raise AssertionError(f"no reply within {timeout} s")
+
+    return asyncio.run(run())
+
+
+def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slurms_words(slurm, tmp_path):
+    server = start_server(tmp_path, slurm)
+    try:
+        kernels = [server.call("POST", "api/kernels", {"name": "python3"})["id"] for _ in range(3)]
+
+        def states() -> dict[str, str]:
+            return {k: slice_of(server, k)["state"] for k in kernels}
+
+        wait_for(lambda: sorted(states().values()) == ["granted", "granted", "queued"], 60, "two granted and one queued")
+        granted = [k for k, s in states().items() if s == "granted"]
+        queued = next(k for k, s in states().items() if s == "queued")
+        # Right after submission Slurm's reason is "None" until its scheduler has looked at the job.
+        view = wait_for(lambda: (v := slice_of(server, queued))["slurm"]["pending_reason"] != "None" and v, 30, "a pending reason")
+        assert view["state"] == "queued" and view["queue_position"] == 1 and view["queue_length"] == 1
+        assert "GPUs it needs are in use" in view["queue_reason"] and "Resources" in view["queue_reason"]
+        assert view["slurm"]["partition"] == "gpu" and view["slurm"]["position"] == 1
+        jobs = squeue(slurm)
+        assert jobs[view["slurm"]["job_id"]] == "PENDING"
+        running_views = [slice_of(server, k) for k in granted]
+        assert {jobs[v["slurm"]["job_id"]] for v in running_views} == {"RUNNING"}
+        assert all(v["slurm"]["gres"] == "shard:8" and v["memory"] == 80 * GIB for v in running_views)
+
+        # Inside a running kernel: Slurm's GPU and the slice's limit.
+        first = granted[0]
+        env = json.loads(
+            execute(
+                server,
+                first,
+                "import os, json; print(json.dumps({k: os.environ.get(k) for k in "
+                "('CUDA_VISIBLE_DEVICES', 'SLURM_SHARDS_ON_NODE', 'GPUPOOL_MEMORY_LIMIT', 'SLURM_JOB_ID')}))",
+            )
+        )
+        assert env["SLURM_SHARDS_ON_NODE"] == "8"
+        assert env["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+        assert env["GPUPOOL_MEMORY_LIMIT"] == str(80 * GIB)
+        assert env["SLURM_JOB_ID"] == running_views[0]["slurm"]["job_id"]
+
+        # %gpupool status in the kernel names the job and the partition.
+        status = execute(server, first, "get_ipython().run_line_magic('gpupool', 'status')")
+        assert f"job {env['SLURM_JOB_ID']}" in status and "partition gpu" in status
+
+        # Shutting a running kernel down cancels its job; the pending one starts and runs code.
+        first_job = running_views[0]["slurm"]["job_id"]
+        server.call("DELETE", f"api/kernels/{first}")
+        wait_for(lambda: first_job not in squeue(slurm), 30, "the first kernel's job to be cancelled")
+        wait_for(lambda: slice_of(server, queued)["state"] == "granted", 60, "the third kernel's job to start")
+        assert execute(server, queued, "print(6 * 7)").strip() == "42"
+
+        # scancel from outside: the kernel is gone, with the reason.
+        second = granted[1]
+        second_job = running_views[1]["slurm"]["job_id"]
+        slurm.run(["scancel", second_job])
+
+        def gone() -> bool:
+            return second not in {k["id"] for k in server.call("GET", "api/kernels")}
+
+        wait_for(gone, 30, "the cancelled kernel to be gone")
+        final = slice_of(server, second)
+        assert final["state"] == "released"
+        assert final["release_reason"] == f"ended by Slurm: job {second_job} was cancelled (scancel)"
+    finally:
+        server.stop()
