@@ -94,6 +94,7 @@ def execute(server: Server, kernel_id: str, code: str, timeout: float = 60) -> s
             )
         )
         out: list[str] = []
+        replied = idle = False
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             raw = await asyncio.wait_for(ws.read_message(), timeout=deadline - time.monotonic())
@@ -110,6 +111,10 @@ def execute(server: Server, kernel_id: str, code: str, timeout: float = 60) -> s
             elif kind == "error":
                 raise AssertionError("\n".join(msg["content"]["traceback"]))
             elif kind == "execute_reply":
+                replied = True
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                idle = True
+            if replied and idle:  # iopub and shell are not ordered with each other: wait for both
                 ws.close()
                 return "".join(out)
         raise AssertionError(f"no reply within {timeout} s")
@@ -179,3 +184,103 @@ def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slu
         assert final["release_reason"] == f"ended by Slurm: job {second_job} was cancelled (scancel)"
     finally:
         server.stop()
+
+
+def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_takes_its_kernel_along(slurm, tmp_path):
+    server = start_server(tmp_path, slurm)
+    try:
+        first = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        wait_for(lambda: slice_of(server, first)["state"] == "granted", 60, "the first kernel's job to run")
+        job = slice_of(server, first)["slurm"]["job_id"]
+        execute(server, first, "x = 1")
+        server.call("POST", f"api/kernels/{first}/restart")
+        assert execute(server, first, "print('x' in globals())").strip() == "False"  # a new kernel process ...
+        assert slice_of(server, first)["slurm"]["job_id"] == job  # ... in the same job, which never stopped
+        assert squeue(slurm)[job] == "RUNNING"
+        assert len(slurm.run(["sacct", "--completion", "-a", "-n", "-X", "-j", job, "-o", "JobID"]).split()) == 0
+
+        second = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        wait_for(lambda: slice_of(server, second)["state"] == "granted", 60, "the second kernel's job to run")
+        began = time.monotonic()
+        third = server.call("POST", "api/kernels", {"name": "python3"})
+        assert time.monotonic() - began < 10 and third["execution_state"] == "starting"  # pending kernels: no blocking
+        third_id = third["id"]
+        wait_for(lambda: slice_of(server, third_id)["state"] == "queued", 30, "the third kernel to pend")
+        time.sleep(6)  # nothing times a waiting kernel out: it is still there, still a pending job
+        assert slice_of(server, third_id)["state"] == "queued"
+        assert third_id in {k["id"] for k in server.call("GET", "api/kernels")}
+        assert squeue(slurm)[slice_of(server, third_id)["slurm"]["job_id"]] == "PENDING"
+
+        # The first job dies on its own (its holder killed): the kernel is gone with Slurm's word for it,
+        # and is not resubmitted; the pending kernel gets the GPU and runs.
+        slurm.run(["scancel", "--batch", "--signal=KILL", job])
+        wait_for(lambda: first not in {k["id"] for k in server.call("GET", "api/kernels")}, 30, "the first kernel to be gone")
+        wait_for(lambda: slice_of(server, first)["release_reason"].startswith(f"ended by Slurm: job {job} failed"), 20, "Slurm's reason")
+        wait_for(lambda: slice_of(server, third_id)["state"] == "granted", 60, "the third kernel's job to run")
+        assert execute(server, third_id, "print(6 * 7)").strip() == "42"
+        assert len([j for j, s in squeue(slurm).items() if s == "RUNNING"]) == 2  # nothing resubmitted for the first
+    finally:
+        server.stop()
+
+
+def test_the_lease_job_mapping_survives_a_server_killed_with_sigkill(slurm, tmp_path):
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    server = start_server(tmp_path, slurm)
+    kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+    wait_for(lambda: slice_of(server, kernel)["state"] == "granted", 60, "the kernel's job to run")
+    view = slice_of(server, kernel)
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    server.stop()
+    assert squeue(slurm)[view["slurm"]["job_id"]] == "RUNNING"  # the job outlives the server
+
+    state = str(tmp_path / "slurm-leases.sqlite")
+    pool = SlurmPool.from_env(environ={**os.environ, **slurm.env, "GPUPOOL_SLURM_STATE": state})
+    lease = pool.lease_for_kernel(kernel)
+    assert lease is not None and lease.id == view["lease_id"] and pool.job_of(lease.id)["job_id"] == view["slurm"]["job_id"]
+
+    # The next server on the same lease file finds the job of the dead server's kernel and cancels it.
+    again = start_server(tmp_path, slurm, name="alice-again")
+    try:
+        wait_for(lambda: view["slurm"]["job_id"] not in squeue(slurm), 30, "the orphaned job to be cancelled")
+        released = pool.get(lease.id)
+        assert released.state.value == "released" and "holder process" in released.release_reason
+    finally:
+        again.stop()
+        pool.close()
+
+
+def test_report_by_user_matches_sacct(slurm, tmp_path):
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    env = {**os.environ, **slurm.env, "GPUPOOL_BACKEND": "slurm", "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
+    pool = SlurmPool.from_env(environ=env)
+    small = pool.request(LeaseRequest(owner="alice", memory=20 * GIB, kernel_id="k-small"))  # shard:2
+    large = pool.request(LeaseRequest(owner="alice", memory=80 * GIB, kernel_id="k-large"))  # shard:8
+    wait_for(lambda: all(pool.get(x.id).state.value == "granted" for x in (small, large)), 30, "both jobs to run")
+    time.sleep(2.2)
+    for lease in (small, large):
+        pool.release(lease.id, "done")
+    jobs = {lease.id: pool.job_of(lease.id)["job_id"] for lease in (small, large)}
+    wait_for(lambda: not set(jobs.values()) & set(squeue(slurm)), 30, "both jobs to end")
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpupool.cli", "report", "--by", "user", "--format", "json"],
+        capture_output=True, text=True, env=env, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    rows = json.loads(out)
+
+    # What Slurm itself recorded (its job-completion log), computed here independently.
+    records = slurm.run(["sacct", "--completion", "-a", "-p", "-n", "-X", "-j", ",".join(jobs.values()), "-o", "JobID,User,ElapsedRaw"])
+    elapsed = {line.split("|")[0]: (line.split("|")[1].split("(")[0], int(line.split("|")[2])) for line in records.splitlines()}
+    assert set(elapsed) == set(jobs.values())
+    users = {user for user, _ in elapsed.values()}
+    assert [row["user"] for row in rows] == sorted(users)
+    seconds = {jobs[small.id]: (elapsed[jobs[small.id]][1], 20, 2 / 8), jobs[large.id]: (elapsed[jobs[large.id]][1], 80, 8 / 8)}
+    assert rows[0]["leases"] == 2
+    assert rows[0]["gib_hours_held"] == round(sum(s * gib for s, gib, _ in seconds.values()) / 3600, 4)
+    assert rows[0]["gpu_hours"] == round(sum(s * gpus for s, _, gpus in seconds.values()) / 3600, 4)
+    assert all(s >= 2 for s, _, _ in seconds.values())
+    pool.close()

@@ -70,6 +70,7 @@ END_STATES: dict[str, str] = {
     "BOOT_FAIL": "the node for its job failed to boot",
     "DEADLINE": "its job reached its deadline",
     "REVOKED": "its job was revoked",
+    "COMPLETING": "its job is ending",  # said until Slurm knows how it ended (then followed up)
 }
 
 
@@ -85,7 +86,7 @@ def end_sentence(job_id: str, state: str, reason: str = "") -> str:
     """A job's end state in words, e.g. ``ended by Slurm: job 12 was cancelled (scancel)``."""
     base = (state or "").split()[0].upper() if state else "ENDED"
     what = END_STATES.get(base, f"its job ended in state {base}").replace("its job", f"job {job_id}", 1)
-    extra = f"; {reason}" if reason and reason not in ("None", "(null)") else ""
+    extra = f" (Slurm: {reason})" if reason and reason not in ("None", "(null)") else ""
     return f"ended by Slurm: {what}{extra}"
 
 

@@ -354,21 +354,26 @@ class SlurmPool(LoggingConfigurable):
 
     def _refresh(self, rows: list[tuple[Lease, dict[str, Any]]]) -> list[tuple[Lease, dict[str, Any]]]:
         """Bring live leases up to date with their jobs (state, devices, end reason)."""
-        live = [(lease, job) for lease, job in rows if lease.live]
+        live = [(lease, job) for lease, job in rows if _followed(lease, job)]
         if not live:
             return rows
         records = self._jobs([str(job["job_id"]) for _, job in live])
         result = []
         for lease, job in rows:
-            if lease.live:
+            if _followed(lease, job):
                 lease, job = self._follow(lease, job, records.get(str(job["job_id"])))
             result.append((lease, job))
         return result
 
     def _follow(self, lease: Lease, job: dict[str, Any], record: JobRecord | None) -> tuple[Lease, dict[str, Any]]:
         job_id = str(job["job_id"])
-        before = (lease.state, lease.devices, job.get("reason"), job.get("start_time"))
-        if record is not None and record.pending:
+        before = (lease.state, lease.devices, job.get("reason"), job.get("start_time"), lease.release_reason)
+        if not lease.live:  # released while its job was still COMPLETING: say how it ended, once Slurm knows
+            state, reason = (record.state, record.reason) if record is not None else self._final_state(job_id)
+            if state != "COMPLETING":
+                lease.release_reason = end_sentence(job_id, state, reason if state != "CANCELLED" else "")
+                job.update(end_state=state)
+        elif record is not None and record.pending:
             lease.state = LeaseState.QUEUED
             job.update(reason=record.reason, start_time=record.start_time, priority=record.priority, partition=record.partition)
         elif record is not None and record.running and record.state != "COMPLETING":
@@ -386,7 +391,7 @@ class SlurmPool(LoggingConfigurable):
             lease.released_at = self.clock()
             lease.release_reason = end_sentence(job_id, state, reason if state != "CANCELLED" else "")
             job.update(end_state=state)
-        after = (lease.state, lease.devices, job.get("reason"), job.get("start_time"))
+        after = (lease.state, lease.devices, job.get("reason"), job.get("start_time"), lease.release_reason)
         if after != before:
             self._put(lease, job)
         return lease, job
@@ -724,6 +729,11 @@ class SlurmPool(LoggingConfigurable):
     def close(self) -> None:
         with self._lock, contextlib.suppress(sqlite3.Error):
             self._db.close()
+
+
+def _followed(lease: Lease, job: dict[str, Any]) -> bool:
+    """Leases whose job the pool still watches: live ones, and those whose job was still ending."""
+    return lease.live or job.get("end_state") == "COMPLETING"
 
 
 def _gpu_fraction(gres: str, shards_per_gpu: int) -> float:

@@ -37,7 +37,7 @@ from typing import Any
 from traitlets import Float, Unicode
 
 from ..core.models import Lease, LeaseRequest
-from ..provisioner import GpuPoolProvisioner, LeaseWaitAborted
+from ..provisioner import GpuPoolProvisioner, LeaseWaitAborted, server_binding
 from .pool import PROVISIONER_NAME, SlurmPool
 
 STEP_NAME = "gpupool-kernel"
@@ -212,6 +212,18 @@ class SlurmProvisioner(GpuPoolProvisioner):
             return None
         steps = [step for step, name in self.slurm_pool.commands.steps(self.job_id) if name == STEP_NAME]
         return max(steps, key=lambda s: int(s.split(".")[-1]) if s.split(".")[-1].isdigit() else -1, default=None)
+
+    async def poll(self) -> int | None:
+        """The ``srun`` step's exit code, except while the server is about to shut the kernel down
+        because Slurm ended its job: then the restarter must not restart it into a job that is gone."""
+        code = await super().poll()
+        if code is None or self.phase != "running" or not self.lease_id or server_binding(self) is None:
+            return code
+        with contextlib.suppress(Exception):
+            lease = await asyncio.to_thread(self.slurm_pool.get, self.lease_id)
+            if not lease.live and lease.release_reason.startswith(SLURM_END_PREFIX):
+                return None  # the server extension's tick shuts it down, with Slurm's reason
+        return code
 
     # --- signals and stopping -------------------------------------------------------------------
     def _signal_step(self, name: str) -> None:
