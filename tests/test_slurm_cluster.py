@@ -45,7 +45,7 @@ def slurm(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     cluster.cancel_all()
 
 
-def start_server(tmp: Path, cluster: SlurmCluster, name: str = "alice") -> Server:
+def start_server(tmp: Path, cluster: SlurmCluster, name: str = "alice", **extra_env: str) -> Server:
     config = tmp / name / "config"
     config.mkdir(parents=True, exist_ok=True)
     (config / "jupyter_server_config.json").write_text(
@@ -60,6 +60,8 @@ def start_server(tmp: Path, cluster: SlurmCluster, name: str = "alice") -> Serve
         "GPUPOOL_DB": None,
         "GPUPOOL_SIMULATE": None,
         "GPUPOOL_URL": None,
+        "GPUPOOL_IDLE_POLICY": "never",
+        **extra_env,
     }
     return SlurmServer(tmp, name, env)
 
@@ -254,6 +256,25 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
         wait_for(lambda: slice_of(server, third_id)["state"] == "granted", 60, "the third kernel's job to run")
         assert execute(server, third_id, "print(6 * 7)").strip() == "42"
         assert len([j for j, s in squeue(slurm).items() if s == "RUNNING"]) == 2  # nothing resubmitted for the first
+    finally:
+        server.stop()
+
+
+def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept(slurm, tmp_path):
+    server = start_server(tmp_path, slurm, GPUPOOL_IDLE_POLICY="pressure", GPUPOOL_IDLE_TIMEOUT="2", GPUPOOL_WARNING_PERIOD="2")
+    try:
+        kept, idle = (server.call("POST", "api/kernels", {"name": "python3"})["id"] for _ in range(2))
+        wait_for(lambda: {slice_of(server, k)["state"] for k in (kept, idle)} == {"granted"}, 60, "both kernels' jobs to run")
+        server.call("POST", f"api/gpupool/kernels/{kept}/keepalive", {"duration": "1h"})
+        waiting = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        warned = wait_for(lambda: (v := slice_of(server, idle))["reclaim_at"] and v, 30, "the idle kernel to be warned")
+        assert warned["reclaim_reason"].startswith("reclaimed: idle for") and "waited in partition gpu" in warned["reclaim_reason"]
+        job = warned["slurm"]["job_id"]
+        wait_for(lambda: idle not in {k["id"] for k in server.call("GET", "api/kernels")}, 30, "the idle kernel to be shut down")
+        assert slice_of(server, idle)["release_reason"].startswith("reclaimed: idle for")
+        assert job not in squeue(slurm)
+        wait_for(lambda: slice_of(server, waiting)["state"] == "granted", 60, "the waiting kernel's job to run")
+        assert slice_of(server, kept)["state"] == "granted" and slice_of(server, kept)["reclaim_at"] is None
     finally:
         server.stop()
 

@@ -534,7 +534,13 @@ class SlurmPool(LoggingConfigurable):
 
     def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
         lease, job = self._row(lease_id)
+        if seconds > self.policy.max_keep:
+            from ..units import format_duration
+
+            raise InvalidInput(f"can keep a slice through idle for at most {format_duration(self.policy.max_keep)}; asked {format_duration(seconds)}")
         lease.keep_until = (self.clock() if now is None else now) + seconds
+        lease.warned_at = lease.reclaim_at = None
+        lease.reclaim_reason = ""
         self._put(lease, job)
         return lease
 
@@ -580,7 +586,54 @@ class SlurmPool(LoggingConfigurable):
             elif lease.holder_host == HOSTNAME and lease.holder_pid and not _pid_alive(lease.holder_pid):
                 released = self.release(lease.id, f"released: its holder process {lease.holder_pid} exited", now)
                 decisions.append(Decision(DecisionKind.RELEASE, released.id, released.kernel_id, released.owner, released.release_reason, now))
+            elif lease.state is LeaseState.GRANTED:
+                decision = self._idle_step(lease, job, now)
+                if decision is not None:
+                    decisions.append(decision)
         return decisions
+
+    def _still_idle(self, lease: Lease, now: float) -> bool:
+        if lease.busy or (lease.keep_until is not None and lease.keep_until > now):
+            return False
+        return not (lease.warned_at is not None and lease.last_activity is not None and lease.last_activity > lease.warned_at)
+
+    def _idle_step(self, lease: Lease, job: dict[str, Any], now: float) -> Decision | None:
+        """The policy's idle reclaim, in Slurm's terms: with ``idle_policy = "pressure"`` a kernel
+        idle for ``idle_timeout`` while jobs pend in its partition is warned, and after
+        ``warning_period`` (unless kept or active again) its job is cancelled; ``"always"``
+        without waiting for pressure; ``"never"`` not at all."""
+        from ..core.models import DecisionKind
+        from ..units import format_duration
+
+        policy = self.policy.idle_policy
+        waiting = 0
+        if policy == "pressure":
+            with contextlib.suppress(GpuPoolError):
+                waiting = len(self._pending_in(str(job.get("partition") or "")))
+        pressure = policy == "always" or waiting > 0
+        if lease.reclaim_at is not None:
+            if policy == "never" or not pressure or not self._still_idle(lease, now):
+                lease.warned_at = lease.reclaim_at = None
+                lease.reclaim_reason = ""
+                self._put(lease, job)
+                return None
+            if lease.reclaim_at > now:
+                return None
+            reason = lease.reclaim_reason
+            released = self.release(lease.id, reason, now)
+            return Decision(DecisionKind.RECLAIM_IDLE, released.id, released.kernel_id, released.owner, reason, now)
+        if policy == "never" or not pressure or not self._still_idle(lease, now) or lease.idle_seconds(now) < self.policy.idle_timeout:
+            return None
+        idle_for = format_duration(lease.idle_seconds(now))
+        lease.warned_at = now
+        lease.reclaim_at = now + self.policy.warning_period
+        lease.reclaim_reason = (
+            f"reclaimed: idle for {idle_for} while {waiting} job(s) waited in partition {job.get('partition') or '(default)'}"
+            if policy == "pressure"
+            else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+        )
+        self._put(lease, job)
+        return Decision(DecisionKind.WARN_IDLE, lease.id, lease.kernel_id, lease.owner, f"idle for {idle_for}; its job is cancelled unless kept", now, lease.reclaim_at)
 
     def reconcile_kernels(self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None) -> list[Lease]:
         """Cancel the jobs of this holder's kernels that no longer exist."""
