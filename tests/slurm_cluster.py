@@ -125,8 +125,10 @@ class SlurmCluster:
                     "JobAcctGatherType=jobacct_gather/none",
                     "JobCompType=jobcomp/filetxt",
                     f"JobCompLoc={self.jobcomp}",
-                    f"NodeName={self.node} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname()} CPUs=8 "
-                    f"RealMemory=4096 Gres=gpu:{self.gpus},shard:{self.shards} State=UNKNOWN",
+                    (
+                        f"NodeName={self.node} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname()} CPUs=8 "
+                        f"RealMemory=4096 Gres=gpu:{self.gpus},shard:{self.shards} State=UNKNOWN"
+                    ),
                     f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
                     "",
                 ]
@@ -142,7 +144,9 @@ class SlurmCluster:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - closed with the process
         env = {**os.environ, **self.env}
-        self.processes[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.processes[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         log.close()
 
     def start(self, timeout: float = 30.0) -> SlurmCluster:
@@ -187,7 +191,9 @@ class SlurmCluster:
 
     def run(self, argv: list[str], check: bool = True) -> str:
         """Run a Slurm client command against this cluster; its stdout."""
-        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **self.env}, timeout=30, check=False)
+        done = subprocess.run(
+            argv, capture_output=True, text=True, env={**os.environ, **self.env}, timeout=30, check=False
+        )
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout

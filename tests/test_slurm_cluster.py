@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_process import Server, free_port, wait_for  # noqa: E402
-from slurm_cluster import SlurmCluster, skip_reason  # noqa: E402
+from server_process import Server, free_port, wait_for
+from slurm_cluster import SlurmCluster, skip_reason
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
 
@@ -49,7 +49,12 @@ def start_server(tmp: Path, cluster: SlurmCluster, name: str = "alice", **extra_
     config = tmp / name / "config"
     config.mkdir(parents=True, exist_ok=True)
     (config / "jupyter_server_config.json").write_text(
-        json.dumps({"GpuPoolExtension": {"tick_interval": 0.5, "reconcile_interval": 1.0}, "SlurmPool": {"cache_seconds": 0.3, "poll_interval": 0.5}})
+        json.dumps(
+            {
+                "GpuPoolExtension": {"tick_interval": 0.5, "reconcile_interval": 1.0},
+                "SlurmPool": {"cache_seconds": 0.3, "poll_interval": 0.5},
+            }
+        )
     )
     env = {
         **cluster.env,
@@ -74,7 +79,11 @@ class SlurmServer(Server):
         self.token = f"{user}-server-token"
         self.root = tmp / user
         self.root.mkdir(exist_ok=True)
-        environ = {**os.environ, "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"), "JUPYTER_CONFIG_DIR": str(self.root / "config")}
+        environ = {
+            **os.environ,
+            "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"),
+            "JUPYTER_CONFIG_DIR": str(self.root / "config"),
+        }
         for key, value in env.items():
             if value is None:
                 environ.pop(key, None)
@@ -82,7 +91,10 @@ class SlurmServer(Server):
                 environ[key] = value
         self.log_path = self.root / "server.log"
         self.log = open(self.log_path, "a")  # noqa: SIM115 (closed in stop)
-        only = {name: False for name in ("jupyter_server_terminals", "jupyterlab", "notebook", "notebook_shim", "jupyter_lsp")}
+        only = {
+            name: False
+            for name in ("jupyter_server_terminals", "jupyterlab", "notebook", "notebook_shim", "jupyter_lsp")
+        }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "server", f"--port={self.port}", "--no-browser", "--allow-root",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
@@ -122,10 +134,22 @@ def execute(server: Server, kernel_id: str, code: str, timeout: float = 60) -> s
         await ws.write_message(
             json.dumps(
                 {
-                    "header": {"msg_id": msg_id, "username": "t", "session": uuid.uuid4().hex, "msg_type": "execute_request", "version": "5.3"},
+                    "header": {
+                        "msg_id": msg_id,
+                        "username": "t",
+                        "session": uuid.uuid4().hex,
+                        "msg_type": "execute_request",
+                        "version": "5.3",
+                    },
                     "parent_header": {},
                     "metadata": {},
-                    "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {}, "allow_stdin": False},
+                    "content": {
+                        "code": code,
+                        "silent": False,
+                        "store_history": False,
+                        "user_expressions": {},
+                        "allow_stdin": False,
+                    },
                     "channel": "shell",
                 }
             )
@@ -167,11 +191,15 @@ def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slu
         def states() -> dict[str, str]:
             return {k: slice_of(server, k)["state"] for k in kernels}
 
-        wait_for(lambda: sorted(states().values()) == ["granted", "granted", "queued"], 60, "two granted and one queued")
+        wait_for(
+            lambda: sorted(states().values()) == ["granted", "granted", "queued"], 60, "two granted and one queued"
+        )
         granted = [k for k, s in states().items() if s == "granted"]
         queued = next(k for k, s in states().items() if s == "queued")
         # Right after submission Slurm's reason is "None" until its scheduler has looked at the job.
-        view = wait_for(lambda: (v := slice_of(server, queued))["slurm"]["pending_reason"] != "None" and v, 30, "a pending reason")
+        view = wait_for(
+            lambda: (v := slice_of(server, queued))["slurm"]["pending_reason"] != "None" and v, 30, "a pending reason"
+        )
         assert view["state"] == "queued" and view["queue_position"] == 1 and view["queue_length"] == 1
         assert "GPUs it needs are in use" in view["queue_reason"] and "Resources" in view["queue_reason"]
         assert view["slurm"]["partition"] == "gpu" and view["slurm"]["position"] == 1
@@ -251,55 +279,81 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
         # The first job dies on its own (its holder killed): the kernel is gone with Slurm's word for it,
         # and is not resubmitted; the pending kernel gets the GPU and runs.
         slurm.run(["scancel", "--batch", "--signal=KILL", job])
-        wait_for(lambda: first not in {k["id"] for k in server.call("GET", "api/kernels")}, 30, "the first kernel to be gone")
-        wait_for(lambda: slice_of(server, first)["release_reason"].startswith(f"ended by Slurm: job {job} failed"), 20, "Slurm's reason")
+        wait_for(
+            lambda: first not in {k["id"] for k in server.call("GET", "api/kernels")}, 30, "the first kernel to be gone"
+        )
+        wait_for(
+            lambda: slice_of(server, first)["release_reason"].startswith(f"ended by Slurm: job {job} failed"),
+            20,
+            "Slurm's reason",
+        )
         wait_for(lambda: slice_of(server, third_id)["state"] == "granted", 60, "the third kernel's job to run")
         assert execute(server, third_id, "print(6 * 7)").strip() == "42"
         assert len([j for j, s in squeue(slurm).items() if s == "RUNNING"]) == 2  # nothing resubmitted for the first
+
+        # Shutting down a kernel that still pends cancels its pending job at once.
+        fourth = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        pending_job = wait_for(
+            lambda: slice_of(server, fourth).get("slurm", {}).get("job_id"), 30, "the fourth kernel's job"
+        )
+        assert squeue(slurm)[pending_job] == "PENDING"
+        began = time.monotonic()
+        server.call("DELETE", f"api/kernels/{fourth}")
+        assert time.monotonic() - began < 10
+        wait_for(lambda: pending_job not in squeue(slurm), 20, "the pending job to be cancelled")
+        assert slice_of(server, fourth)["release_reason"] == "kernel shut down while queued"
     finally:
         server.stop()
 
 
-def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept(slurm, tmp_path):
-    server = start_server(tmp_path, slurm, GPUPOOL_IDLE_POLICY="pressure", GPUPOOL_IDLE_TIMEOUT="2", GPUPOOL_WARNING_PERIOD="2")
+def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_jobs_outlive_a_killed_server(
+    slurm, tmp_path
+):
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    server = start_server(
+        tmp_path, slurm, GPUPOOL_IDLE_POLICY="pressure", GPUPOOL_IDLE_TIMEOUT="2", GPUPOOL_WARNING_PERIOD="2"
+    )
     try:
         kept, idle = (server.call("POST", "api/kernels", {"name": "python3"})["id"] for _ in range(2))
-        wait_for(lambda: {slice_of(server, k)["state"] for k in (kept, idle)} == {"granted"}, 60, "both kernels' jobs to run")
+        wait_for(
+            lambda: {slice_of(server, k)["state"] for k in (kept, idle)} == {"granted"}, 60, "both kernels' jobs to run"
+        )
         server.call("POST", f"api/gpupool/kernels/{kept}/keepalive", {"duration": "1h"})
         waiting = server.call("POST", "api/kernels", {"name": "python3"})["id"]
         warned = wait_for(lambda: (v := slice_of(server, idle))["reclaim_at"] and v, 30, "the idle kernel to be warned")
-        assert warned["reclaim_reason"].startswith("reclaimed: idle for") and "waited in partition gpu" in warned["reclaim_reason"]
+        assert (
+            warned["reclaim_reason"].startswith("reclaimed: idle for")
+            and "waited in partition gpu" in warned["reclaim_reason"]
+        )
         job = warned["slurm"]["job_id"]
-        wait_for(lambda: idle not in {k["id"] for k in server.call("GET", "api/kernels")}, 30, "the idle kernel to be shut down")
+        wait_for(
+            lambda: idle not in {k["id"] for k in server.call("GET", "api/kernels")},
+            30,
+            "the idle kernel to be shut down",
+        )
         assert slice_of(server, idle)["release_reason"].startswith("reclaimed: idle for")
         assert job not in squeue(slurm)
         wait_for(lambda: slice_of(server, waiting)["state"] == "granted", 60, "the waiting kernel's job to run")
-        assert slice_of(server, kept)["state"] == "granted" and slice_of(server, kept)["reclaim_at"] is None
+        kept_view = slice_of(server, kept)
+        assert kept_view["state"] == "granted" and kept_view["reclaim_at"] is None
     finally:
+        server.proc.send_signal(signal.SIGKILL)  # no clean shutdown: the jobs stay behind
+        server.proc.wait()
         server.stop()
 
-
-def test_the_lease_job_mapping_survives_a_server_killed_with_sigkill(slurm, tmp_path):
-    from jupyter_gpupool.slurm.pool import SlurmPool
-
-    server = start_server(tmp_path, slurm)
-    kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-    wait_for(lambda: slice_of(server, kernel)["state"] == "granted", 60, "the kernel's job to run")
-    view = slice_of(server, kernel)
-    server.proc.send_signal(signal.SIGKILL)
-    server.proc.wait()
-    server.stop()
-    assert squeue(slurm)[view["slurm"]["job_id"]] == "RUNNING"  # the job outlives the server
-
+    # The lease <-> job mapping is in the lease file: the jobs outlive the server and are still known.
+    assert squeue(slurm)[kept_view["slurm"]["job_id"]] == "RUNNING"
     state = str(tmp_path / "slurm-leases.sqlite")
     pool = SlurmPool.from_env(environ={**os.environ, **slurm.env, "GPUPOOL_SLURM_STATE": state})
-    lease = pool.lease_for_kernel(kernel)
-    assert lease is not None and lease.id == view["lease_id"] and pool.job_of(lease.id)["job_id"] == view["slurm"]["job_id"]
+    lease = pool.lease_for_kernel(kept)
+    assert lease is not None and lease.id == kept_view["lease_id"]
+    assert pool.job_of(lease.id)["job_id"] == kept_view["slurm"]["job_id"]
 
-    # The next server on the same lease file finds the job of the dead server's kernel and cancels it.
+    # The next server on the same lease file finds the jobs of the dead server's kernels and cancels them.
     again = start_server(tmp_path, slurm, name="alice-again")
     try:
-        wait_for(lambda: view["slurm"]["job_id"] not in squeue(slurm), 30, "the orphaned job to be cancelled")
+        wait_for(lambda: not squeue(slurm), 30, "the orphaned jobs to be cancelled")
         released = pool.get(lease.id)
         assert released.state.value == "released" and "holder process" in released.release_reason
     finally:
@@ -311,7 +365,12 @@ def test_report_by_user_matches_sacct(slurm, tmp_path):
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.slurm.pool import SlurmPool
 
-    env = {**os.environ, **slurm.env, "GPUPOOL_BACKEND": "slurm", "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
+    env = {
+        **os.environ,
+        **slurm.env,
+        "GPUPOOL_BACKEND": "slurm",
+        "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite"),
+    }
     pool = SlurmPool.from_env(environ=env)
     small = pool.request(LeaseRequest(owner="alice", memory=20 * GIB, kernel_id="k-small"))  # shard:2
     large = pool.request(LeaseRequest(owner="alice", memory=80 * GIB, kernel_id="k-large"))  # shard:8
@@ -329,12 +388,19 @@ def test_report_by_user_matches_sacct(slurm, tmp_path):
     rows = json.loads(out)
 
     # What Slurm itself recorded (its job-completion log), computed here independently.
-    records = slurm.run(["sacct", "--completion", "-a", "-p", "-n", "-X", "-j", ",".join(jobs.values()), "-o", "JobID,User,ElapsedRaw"])
-    elapsed = {line.split("|")[0]: (line.split("|")[1].split("(")[0], int(line.split("|")[2])) for line in records.splitlines()}
+    records = slurm.run(
+        ["sacct", "--completion", "-a", "-p", "-n", "-X", "-j", ",".join(jobs.values()), "-o", "JobID,User,ElapsedRaw"]
+    )
+    elapsed = {
+        line.split("|")[0]: (line.split("|")[1].split("(")[0], int(line.split("|")[2])) for line in records.splitlines()
+    }
     assert set(elapsed) == set(jobs.values())
     users = {user for user, _ in elapsed.values()}
     assert [row["user"] for row in rows] == sorted(users)
-    seconds = {jobs[small.id]: (elapsed[jobs[small.id]][1], 20, 2 / 8), jobs[large.id]: (elapsed[jobs[large.id]][1], 80, 8 / 8)}
+    seconds = {
+        jobs[small.id]: (elapsed[jobs[small.id]][1], 20, 2 / 8),
+        jobs[large.id]: (elapsed[jobs[large.id]][1], 80, 8 / 8),
+    }
     assert rows[0]["leases"] == 2
     assert rows[0]["gib_hours_held"] == round(sum(s * gib for s, gib, _ in seconds.values()) / 3600, 4)
     assert rows[0]["gpu_hours"] == round(sum(s * gpus for s, _, gpus in seconds.values()) / 3600, 4)

@@ -29,8 +29,36 @@ GIB = 1 << 30
 
 
 def test_squeue_records_in_slurms_order_with_times_and_states():
-    line = SEP.join(["3", "gpupool-ab", "PENDING", "Resources", "4294901757", "gpu", "2026-11-30T17:00:00", "alice", "", "gres:shard:8", "2026-11-30T16:00:00"])
-    running = SEP.join(["1", "gpupool-cd", "RUNNING", "None", "4294901759", "gpu", "2026-11-30T16:00:01", "alice", "node0", "gres:shard:8", "N/A"])
+    line = SEP.join(
+        [
+            "3",
+            "gpupool-ab",
+            "PENDING",
+            "Resources",
+            "4294901757",
+            "gpu",
+            "2026-11-30T17:00:00",
+            "alice",
+            "",
+            "gres:shard:8",
+            "2026-11-30T16:00:00",
+        ]
+    )
+    running = SEP.join(
+        [
+            "1",
+            "gpupool-cd",
+            "RUNNING",
+            "None",
+            "4294901759",
+            "gpu",
+            "2026-11-30T16:00:01",
+            "alice",
+            "node0",
+            "gres:shard:8",
+            "N/A",
+        ]
+    )
     first, second = parse_squeue(line + "\n" + running + "\n\nnot a record\n")
     assert first.job_id == "3" and first.pending and not first.running and first.reason == "Resources"
     assert first.start_time == dt.datetime(2026, 11, 30, 17).timestamp() and first.priority == 4294901757
@@ -38,7 +66,10 @@ def test_squeue_records_in_slurms_order_with_times_and_states():
 
 
 def test_pending_reasons_become_sentences_and_unknown_codes_are_kept():
-    assert reason_sentence("Resources") == "the GPUs it needs are in use by other jobs; it starts when one of them ends (Slurm: Resources)"
+    assert (
+        reason_sentence("Resources")
+        == "the GPUs it needs are in use by other jobs; it starts when one of them ends (Slurm: Resources)"
+    )
     assert reason_sentence("Priority").startswith("jobs with a higher priority are ahead of it")
     assert "as many GPUs as your QOS allows" in reason_sentence("QOSMaxGRESPerUser")
     assert "unavailable" in reason_sentence("ReqNodeNotAvail, UnavailableNodes:node3")
@@ -49,14 +80,19 @@ def test_end_states_in_words():
     assert end_sentence("12", "CANCELLED") == "ended by Slurm: job 12 was cancelled (scancel)"
     assert end_sentence("12", "TIMEOUT") == "ended by Slurm: job 12 reached its time limit"
     assert end_sentence("12", "PREEMPTED") == "ended by Slurm: job 12 was preempted by a job with a higher priority"
-    assert end_sentence("12", "NODE_FAIL", "NodeDown") == "ended by Slurm: the node running job 12 failed (Slurm: NodeDown)"
+    assert (
+        end_sentence("12", "NODE_FAIL", "NodeDown")
+        == "ended by Slurm: the node running job 12 failed (Slurm: NodeDown)"
+    )
     assert end_sentence("12", "FAILED", "JobLaunchFailure") == "ended by Slurm: job 12 failed (Slurm: JobLaunchFailure)"
     assert end_sentence("12", "CANCELLED by 0") == "ended by Slurm: job 12 was cancelled (scancel)"
     assert end_sentence("12", "WEIRD") == "ended by Slurm: job 12 ended in state WEIRD"
 
 
 def test_scontrol_key_values_keep_values_with_spaces():
-    info = parse_key_values("NodeName=node0 Arch=x86_64 Gres=gpu:2,shard:16 OS=Linux 6.1 #1 SMP State=IDLE NodeAddr=10.0.0.5")
+    info = parse_key_values(
+        "NodeName=node0 Arch=x86_64 Gres=gpu:2,shard:16 OS=Linux 6.1 #1 SMP State=IDLE NodeAddr=10.0.0.5"
+    )
     assert info["Gres"] == "gpu:2,shard:16" and info["OS"] == "Linux 6.1 #1 SMP" and info["NodeAddr"] == "10.0.0.5"
 
 
@@ -79,7 +115,9 @@ def test_a_slice_in_shards_rounds_up_and_never_spans_gpus():
     assert shards_for(1, 10 * GIB, 8) == 1
     with pytest.raises(InvalidInput, match="more than one GPU's 8"):
         shards_for(81 * GIB, 10 * GIB, 8)
-    assert _gpu_fraction("shard:4", 8) == 0.5 and _gpu_fraction("gpu:2", 8) == 2.0 and _gpu_fraction("mps:100", 8) == 0.0
+    assert (
+        _gpu_fraction("shard:4", 8) == 0.5 and _gpu_fraction("gpu:2", 8) == 2.0 and _gpu_fraction("mps:100", 8) == 0.0
+    )
 
 
 def test_sacct_rows_and_steps():

@@ -304,7 +304,13 @@ class SlurmCommands:
         command = [self._path(argv[0]), *argv[1:]]
         try:
             done = subprocess.run(
-                command, capture_output=True, text=True, env=self.env, timeout=self.timeout, check=False, input=input_text
+                command,
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=self.timeout,
+                check=False,
+                input=input_text,
             )
         except FileNotFoundError:
             raise PoolUnavailable(

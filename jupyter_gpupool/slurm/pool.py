@@ -33,11 +33,30 @@ import psutil
 from traitlets import Float, Int, List, Unicode
 from traitlets.config import Config, LoggingConfigurable
 
-from ..core.models import Activity, Decision, Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, PriorityClass, QueueInfo
+from ..core.models import (
+    Activity,
+    Decision,
+    Device,
+    Lease,
+    LeaseRequest,
+    LeaseState,
+    PoolSnapshot,
+    PriorityClass,
+    QueueInfo,
+)
 from ..core.policy import PoolPolicy
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from ..units import GIB, SIZE_FORMS, format_size, parse_size
-from .commands import JobRecord, SlurmCommands, end_sentence, node_gpu_model, parse_detail_gres_indices, parse_node_gres, reason_sentence, shards_for
+from .commands import (
+    JobRecord,
+    SlurmCommands,
+    end_sentence,
+    node_gpu_model,
+    parse_detail_gres_indices,
+    parse_node_gres,
+    reason_sentence,
+    shards_for,
+)
 
 BACKEND_NAME = "slurm"
 PROVISIONER_NAME = "gpupool-slurm-provisioner"
@@ -102,8 +121,12 @@ class SlurmPool(LoggingConfigurable):
     remote = True
     provisioner_name = PROVISIONER_NAME
 
-    partition = Unicode("", config=True, help="Partition the kernels' jobs go to (sbatch --partition). Empty: Slurm's default.")
-    account = Unicode("", config=True, help="Account charged for the jobs (sbatch --account). Empty: the user's default.")
+    partition = Unicode(
+        "", config=True, help="Partition the kernels' jobs go to (sbatch --partition). Empty: Slurm's default."
+    )
+    account = Unicode(
+        "", config=True, help="Account charged for the jobs (sbatch --account). Empty: the user's default."
+    )
     qos = Unicode("", config=True, help="Quality of service of the jobs (sbatch --qos). Empty: the default.")
     time_limit = Unicode(
         "8:00:00",
@@ -196,14 +219,22 @@ class SlurmPool(LoggingConfigurable):
         from ..store import lease_from_json
 
         with self._lock:
-            rows = self._db.execute(f"SELECT lease, job FROM slurm_leases {where} ORDER BY created_at", args).fetchall()  # noqa: S608
+            rows = self._db.execute(f"SELECT lease, job FROM slurm_leases {where} ORDER BY created_at", args).fetchall()
         return [(lease_from_json(json.loads(lease)), json.loads(job)) for lease, job in rows]
 
     def _put(self, lease: Lease, job: dict[str, Any]) -> None:
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO slurm_leases (lease_id, job_id, kernel_id, owner, created_at, lease, job) VALUES (?,?,?,?,?,?,?)",
-                (lease.id, str(job["job_id"]), lease.kernel_id, lease.owner, lease.created_at, json.dumps(lease.to_json()), json.dumps(job)),
+                (
+                    lease.id,
+                    str(job["job_id"]),
+                    lease.kernel_id,
+                    lease.owner,
+                    lease.created_at,
+                    json.dumps(lease.to_json()),
+                    json.dumps(job),
+                ),
             )
 
     def _row(self, lease_id: str) -> tuple[Lease, dict[str, Any]]:
@@ -242,12 +273,16 @@ class SlurmPool(LoggingConfigurable):
             shards = self._shards_per_gpu()
         except GpuPoolError:
             shards = 0
-        per = f"{shards} shards of {format_size(self._gpu_memory() // shards)} per GPU" if shards else "whole GPUs (no shard GRES)"
+        per = (
+            f"{shards} shards of {format_size(self._gpu_memory() // shards)} per GPU"
+            if shards
+            else "whole GPUs (no shard GRES)"
+        )
         return f"{format_size(self._gpu_memory())} GPUs, {per}"
 
     def devices(self) -> list[Device]:
         """One device per GPU of the partition's nodes (uuid ``slurm:NODE:gpuI``)."""
-        devices = []
+        devices: list[Device] = []
         memory = self._gpu_memory()
         for node in self._node_records():
             name = node.get("NodeName", "?")
@@ -336,7 +371,14 @@ class SlurmPool(LoggingConfigurable):
             holder_host=req.holder_host,
             label=req.label,
         )
-        job = {"job_id": job_id, "partition": partition, "gres": gres, "account": account, "qos": qos, "time_limit": time_limit}
+        job = {
+            "job_id": job_id,
+            "partition": partition,
+            "gres": gres,
+            "account": account,
+            "qos": qos,
+            "time_limit": time_limit,
+        }
         self._put(lease, job)
         self._jobs_cache = None
         self._pending_cache = None
@@ -375,7 +417,9 @@ class SlurmPool(LoggingConfigurable):
                 job.update(end_state=state)
         elif record is not None and record.pending:
             lease.state = LeaseState.QUEUED
-            job.update(reason=record.reason, start_time=record.start_time, priority=record.priority, partition=record.partition)
+            job.update(
+                reason=record.reason, start_time=record.start_time, priority=record.priority, partition=record.partition
+            )
         elif record is not None and record.running and record.state != "COMPLETING":
             lease.state = LeaseState.SUSPENDED if record.state in ("SUSPENDED", "STOPPED") else LeaseState.GRANTED
             job.update(node=record.nodes, reason="", partition=record.partition)
@@ -466,7 +510,12 @@ class SlurmPool(LoggingConfigurable):
         wait = start - now if isinstance(start, (int, float)) and 0 < start - now < MAX_ESTIMATE else None
         if isinstance(start, (int, float)) and start <= now:
             wait = 0.0
-        return QueueInfo(position=position, length=max(len(ids), position), estimated_wait=wait, reason=reason_sentence(job.get("reason", "")))
+        return QueueInfo(
+            position=position,
+            length=max(len(ids), position),
+            estimated_wait=wait,
+            reason=reason_sentence(job.get("reason", "")),
+        )
 
     def lease_details(self, lease: Lease) -> dict[str, Any]:
         """What the views add for a Slurm lease: ``{"slurm": {job_id, partition, node, gres, state,
@@ -521,7 +570,9 @@ class SlurmPool(LoggingConfigurable):
         self._pending_cache = None
         return lease
 
-    def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None) -> Lease:
+    def resize(
+        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None
+    ) -> Lease:
         lease, job = self._row(lease_id)
         if memory is not None and memory != lease.memory:
             raise RequestRefused(
@@ -537,7 +588,9 @@ class SlurmPool(LoggingConfigurable):
         if seconds > self.policy.max_keep:
             from ..units import format_duration
 
-            raise InvalidInput(f"can keep a slice through idle for at most {format_duration(self.policy.max_keep)}; asked {format_duration(seconds)}")
+            raise InvalidInput(
+                f"can keep a slice through idle for at most {format_duration(self.policy.max_keep)}; asked {format_duration(seconds)}"
+            )
         lease.keep_until = (self.clock() if now is None else now) + seconds
         lease.warned_at = lease.reclaim_at = None
         lease.reclaim_reason = ""
@@ -545,7 +598,9 @@ class SlurmPool(LoggingConfigurable):
         return lease
 
     def set_priority(self, lease_id: str, priority: str, now: float | None = None) -> Lease:
-        raise RequestRefused("on the Slurm backend priorities are Slurm's: an admin changes them with scontrol update job")
+        raise RequestRefused(
+            "on the Slurm backend priorities are Slurm's: an admin changes them with scontrol update job"
+        )
 
     # --- activity, ticks, reconciliation -----------------------------------------------------------
     def report_activity(self, lease_id: str, activity: Activity, now: float | None = None) -> None:
@@ -580,12 +635,23 @@ class SlurmPool(LoggingConfigurable):
         for lease, job in self._rows():
             if not lease.live:
                 continue
-            (lease, job), = self._refresh([(lease, job)])
+            ((lease, job),) = self._refresh([(lease, job)])
             if not lease.live:
-                decisions.append(Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, lease.release_reason, now))
+                decisions.append(
+                    Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, lease.release_reason, now)
+                )
             elif lease.holder_host == HOSTNAME and lease.holder_pid and not _pid_alive(lease.holder_pid):
                 released = self.release(lease.id, f"released: its holder process {lease.holder_pid} exited", now)
-                decisions.append(Decision(DecisionKind.RELEASE, released.id, released.kernel_id, released.owner, released.release_reason, now))
+                decisions.append(
+                    Decision(
+                        DecisionKind.RELEASE,
+                        released.id,
+                        released.kernel_id,
+                        released.owner,
+                        released.release_reason,
+                        now,
+                    )
+                )
             elif lease.state is LeaseState.GRANTED:
                 decision = self._idle_step(lease, job, now)
                 if decision is not None:
@@ -595,7 +661,9 @@ class SlurmPool(LoggingConfigurable):
     def _still_idle(self, lease: Lease, now: float) -> bool:
         if lease.busy or (lease.keep_until is not None and lease.keep_until > now):
             return False
-        return not (lease.warned_at is not None and lease.last_activity is not None and lease.last_activity > lease.warned_at)
+        return not (
+            lease.warned_at is not None and lease.last_activity is not None and lease.last_activity > lease.warned_at
+        )
 
     def _idle_step(self, lease: Lease, job: dict[str, Any], now: float) -> Decision | None:
         """The policy's idle reclaim, in Slurm's terms: with ``idle_policy = "pressure"`` a kernel
@@ -622,7 +690,12 @@ class SlurmPool(LoggingConfigurable):
             reason = lease.reclaim_reason
             released = self.release(lease.id, reason, now)
             return Decision(DecisionKind.RECLAIM_IDLE, released.id, released.kernel_id, released.owner, reason, now)
-        if policy == "never" or not pressure or not self._still_idle(lease, now) or lease.idle_seconds(now) < self.policy.idle_timeout:
+        if (
+            policy == "never"
+            or not pressure
+            or not self._still_idle(lease, now)
+            or lease.idle_seconds(now) < self.policy.idle_timeout
+        ):
             return None
         idle_for = format_duration(lease.idle_seconds(now))
         lease.warned_at = now
@@ -633,13 +706,28 @@ class SlurmPool(LoggingConfigurable):
             else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
         )
         self._put(lease, job)
-        return Decision(DecisionKind.WARN_IDLE, lease.id, lease.kernel_id, lease.owner, f"idle for {idle_for}; its job is cancelled unless kept", now, lease.reclaim_at)
+        return Decision(
+            DecisionKind.WARN_IDLE,
+            lease.id,
+            lease.kernel_id,
+            lease.owner,
+            f"idle for {idle_for}; its job is cancelled unless kept",
+            now,
+            lease.reclaim_at,
+        )
 
-    def reconcile_kernels(self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None) -> list[Lease]:
+    def reconcile_kernels(
+        self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None
+    ) -> list[Lease]:
         """Cancel the jobs of this holder's kernels that no longer exist."""
         gone = []
         for lease, _ in self._live_rows():
-            if lease.holder_host == holder_host and lease.holder_pid == holder_pid and lease.kernel_id and lease.kernel_id not in live_kernel_ids:
+            if (
+                lease.holder_host == holder_host
+                and lease.holder_pid == holder_pid
+                and lease.kernel_id
+                and lease.kernel_id not in live_kernel_ids
+            ):
                 gone.append(self.release(lease.id, "released: its kernel is gone", now))
         return gone
 
@@ -714,7 +802,9 @@ class SlurmPool(LoggingConfigurable):
         queue = [self.view_lease(lease, viewer, admin, positions[lease.id]) for lease in order]
         return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota={})
 
-    def report(self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None) -> list[dict[str, Any]]:
+    def report(
+        self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None
+    ) -> list[dict[str, Any]]:
         """GiB·hours and GPU-hours per user, group or kernel, from Slurm's own records of our jobs:
         ``sacct`` (the job-completion log) for jobs that ended, ``squeue`` for those still running."""
         if by not in ("user", "group", "kernel"):
@@ -728,19 +818,28 @@ class SlurmPool(LoggingConfigurable):
         totals: dict[str, dict[str, Any]] = {}
         for job_id, (lease, job) in by_job.items():
             end_record = ended.get(job_id)
+            start: float | None
             if end_record is not None and end_record.start is not None and end_record.end is not None:
                 start, end, user, group = end_record.start, end_record.end, end_record.user, end_record.group
             elif job_id in running and running[job_id].running and running[job_id].start_time is not None:
                 start, end, user, group = running[job_id].start_time, now, running[job_id].user, ""
             else:
                 continue  # never ran, or Slurm has no record of it
+            assert start is not None
             start, end = max(start, since if since is not None else start), min(end, until)
             if end <= start:
                 continue
             hours = (end - start) / 3600
             gpus = _gpu_fraction(str(job.get("gres", "")), self._shards_per_gpu())
-            key = {"user": user or lease.owner, "group": group or "(no group)", "kernel": lease.kernel_id or f"(job {job_id})"}[by]
-            row = totals.setdefault(key, {by: key, "leases": 0, "jobs": [], "gib_hours_held": 0.0, "gib_hours_active": 0.0, "gpu_hours": 0.0})
+            key = {
+                "user": user or lease.owner,
+                "group": group or "(no group)",
+                "kernel": lease.kernel_id or f"(job {job_id})",
+            }[by]
+            row = totals.setdefault(
+                key,
+                {by: key, "leases": 0, "jobs": [], "gib_hours_held": 0.0, "gib_hours_active": 0.0, "gpu_hours": 0.0},
+            )
             row["leases"] += 1
             row["jobs"].append(job_id)
             row["gib_hours_held"] += lease.memory * max(1, lease.num_gpus) / GIB * hours
@@ -764,7 +863,9 @@ class SlurmPool(LoggingConfigurable):
         return []
 
     def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Any:
-        raise RequestRefused("on the Slurm backend reservations are Slurm's: an admin makes them with scontrol create reservation")
+        raise RequestRefused(
+            "on the Slurm backend reservations are Slurm's: an admin makes them with scontrol create reservation"
+        )
 
     def cancel_reservation(self, name: str) -> None:
         raise RequestRefused("on the Slurm backend reservations are Slurm's: scontrol delete reservation")

@@ -32,8 +32,9 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from jupyter_client.connect import KernelConnectionInfo
 from traitlets import Float, Unicode
 
 from ..core.models import Lease, LeaseRequest
@@ -66,7 +67,9 @@ class SlurmProvisioner(GpuPoolProvisioner):
     partition = Unicode("", config=True, help="Partition for this kernelspec's jobs. Empty: c.SlurmPool.partition.")
     account = Unicode("", config=True, help="Account for this kernelspec's jobs. Empty: c.SlurmPool.account.")
     qos = Unicode("", config=True, help="QOS for this kernelspec's jobs. Empty: c.SlurmPool.qos.")
-    time_limit = Unicode("", config=True, help="Time limit for this kernelspec's jobs (e.g. 2:00:00). Empty: c.SlurmPool.time_limit.")
+    time_limit = Unicode(
+        "", config=True, help="Time limit for this kernelspec's jobs (e.g. 2:00:00). Empty: c.SlurmPool.time_limit."
+    )
     connection_dir = Unicode(
         "",
         config=True,
@@ -79,7 +82,9 @@ class SlurmProvisioner(GpuPoolProvisioner):
         help="Seconds a kernel whose job already runs may take to write its connection file. (Waiting for the job "
         "to start has no limit.)",
     )
-    kernel_ip = Unicode("", config=True, help="Address the kernel binds on its node. Empty: the node's NodeAddr in Slurm.")
+    kernel_ip = Unicode(
+        "", config=True, help="Address the kernel binds on its node. Empty: the node's NodeAddr in Slurm."
+    )
 
     job_id: str | None = None
     step_id: str | None = None
@@ -97,7 +102,9 @@ class SlurmProvisioner(GpuPoolProvisioner):
     def build_request(self) -> SlurmLeaseRequest:
         base = super().build_request()
         values = {name: getattr(base, name) for name in LeaseRequest.__dataclass_fields__}
-        return SlurmLeaseRequest(**values, partition=self.partition, account=self.account, qos=self.qos, time_limit=self.time_limit)
+        return SlurmLeaseRequest(
+            **values, partition=self.partition, account=self.account, qos=self.qos, time_limit=self.time_limit
+        )
 
     async def acquire(self) -> Lease:
         """As on one host, except that a job Slurm ended is not resubmitted behind the user's back."""
@@ -180,7 +187,7 @@ class SlurmProvisioner(GpuPoolProvisioner):
         for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
             env.pop(key)
 
-    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> dict[str, Any]:
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         """Start the ``srun`` step, then read the connection file the kernel writes on its node."""
         await super().launch_kernel(cmd, **kwargs)
         assert self.kernel_connection_file is not None
@@ -270,7 +277,7 @@ class SlurmProvisioner(GpuPoolProvisioner):
         self.step_id = provisioner_info.get("gpupool_slurm_step_id")
 
 
-def _read_connection_file(path: Path) -> dict[str, Any] | None:
+def _read_connection_file(path: Path) -> KernelConnectionInfo | None:
     """The kernel's connection info, once the file is complete (``key`` as bytes), else None."""
     try:
         data = json.loads(path.read_text())
@@ -279,7 +286,7 @@ def _read_connection_file(path: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict) or not data.get("shell_port") or "key" not in data:
         return None
     data["key"] = str(data["key"]).encode()
-    return data
+    return cast(KernelConnectionInfo, data)
 
 
 __all__ = ["STEP_NAME", "SlurmLeaseRequest", "SlurmProvisioner"]
