@@ -23,7 +23,6 @@ from jupyter_gpupool.slurm.commands import (
     reason_sentence,
     shards_for,
 )
-from jupyter_gpupool.slurm.pool import _gpu_fraction
 
 GIB = 1 << 30
 
@@ -115,9 +114,6 @@ def test_a_slice_in_shards_rounds_up_and_never_spans_gpus():
     assert shards_for(1, 10 * GIB, 8) == 1
     with pytest.raises(InvalidInput, match="more than one GPU's 8"):
         shards_for(81 * GIB, 10 * GIB, 8)
-    assert (
-        _gpu_fraction("shard:4", 8) == 0.5 and _gpu_fraction("gpu:2", 8) == 2.0 and _gpu_fraction("mps:100", 8) == 0.0
-    )
 
 
 def test_sacct_rows_and_steps():

@@ -46,7 +46,7 @@ from ..core.models import (
 )
 from ..core.policy import PoolPolicy
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
-from ..units import GIB, SIZE_FORMS, format_size, parse_size
+from ..units import SIZE_FORMS, format_size, parse_size
 from .commands import (
     JobRecord,
     SlurmCommands,
@@ -803,54 +803,65 @@ class SlurmPool(LoggingConfigurable):
         return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota={})
 
     def report(
-        self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        by: str = "user",
+        now: float | None = None,
+        period: str = "none",
     ) -> list[dict[str, Any]]:
-        """GiB·hours and GPU-hours per user, group or kernel, from Slurm's own records of our jobs:
-        ``sacct`` (the job-completion log) for jobs that ended, ``squeue`` for those still running."""
-        if by not in ("user", "group", "kernel"):
-            raise InvalidInput(f"cannot group a report by {by!r}; use user, group or kernel")
+        """GPU-hours and GiB·hours per user, group or kernel (and period), from Slurm's own records
+        of our jobs: ``sacct`` for jobs that ended, ``squeue`` for those running. The user and group
+        are Slurm's (who the job ran as); the slice is the one the job's GRES stands for, recorded
+        with the lease (``sacct`` shows GRES only with slurmdbd: see docs/hpc.md). Each row also
+        lists its Slurm ``jobs``."""
+        from ..core.metering import PERIODS, REPORT_KEYS, DeviceInfo, Interval, check_choice, report_rows
+
+        check_choice(by, REPORT_KEYS, "by")
+        check_choice(period, PERIODS, "period")
         now = self.clock() if now is None else now
         until = now if until is None else until
-        rows = self._rows()
-        by_job = {str(job["job_id"]): (lease, job) for lease, job in rows}
+        by_job = {str(job["job_id"]): (lease, job) for lease, job in self._rows()}
         ended = {end.job_id: end for end in self.commands.sacct(list(by_job))}
         running = {r.job_id: r for r in self.commands.squeue(list(by_job))}
-        totals: dict[str, dict[str, Any]] = {}
-        for job_id, (lease, job) in by_job.items():
+        gpu_memory = self._gpu_memory()
+        intervals: list[Interval] = []
+        for job_id, (lease, _job) in by_job.items():
             end_record = ended.get(job_id)
+            record = running.get(job_id)
             start: float | None
             if end_record is not None and end_record.start is not None and end_record.end is not None:
                 start, end, user, group = end_record.start, end_record.end, end_record.user, end_record.group
-            elif job_id in running and running[job_id].running and running[job_id].start_time is not None:
-                start, end, user, group = running[job_id].start_time, now, running[job_id].user, ""
+            elif record is not None and record.running and record.start_time is not None:
+                start, end, user, group = record.start_time, now, record.user, ""
             else:
                 continue  # never ran, or Slurm has no record of it
-            assert start is not None
-            start, end = max(start, since if since is not None else start), min(end, until)
-            if end <= start:
-                continue
-            hours = (end - start) / 3600
-            gpus = _gpu_fraction(str(job.get("gres", "")), self._shards_per_gpu())
-            key = {
-                "user": user or lease.owner,
-                "group": group or "(no group)",
-                "kernel": lease.kernel_id or f"(job {job_id})",
-            }[by]
-            row = totals.setdefault(
-                key,
-                {by: key, "leases": 0, "jobs": [], "gib_hours_held": 0.0, "gib_hours_active": 0.0, "gpu_hours": 0.0},
+            gpus = max(1, lease.num_gpus)
+            devices = tuple(
+                DeviceInfo(uuid=f"slurm:{job_id}:{i}", model="", memory_total=gpu_memory) for i in range(gpus)
             )
-            row["leases"] += 1
-            row["jobs"].append(job_id)
-            row["gib_hours_held"] += lease.memory * max(1, lease.num_gpus) / GIB * hours
-            row["gpu_hours"] += gpus * hours
-        result = sorted(totals.values(), key=lambda r: -r["gib_hours_held"])
-        for row in result:
-            row["gib_hours_held"] = round(row["gib_hours_held"], 4)
-            row["gib_hours_active"] = None  # Slurm does not see kernel activity
-            row["gpu_hours"] = round(row["gpu_hours"], 4)
-            row["jobs"] = ",".join(row["jobs"])
-        return result
+            intervals.append(
+                Interval(
+                    lease_id=job_id,
+                    owner=user or lease.owner,
+                    groups=(group,) if group else tuple(lease.groups),
+                    kernel_id=lease.kernel_id,
+                    memory=lease.memory * gpus,
+                    start=start,
+                    end=end,
+                    active_seconds=0.0,  # Slurm does not see kernel activity
+                    devices=devices,
+                )
+            )
+        rows = report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
+        for row in rows:
+            jobs = [
+                i.lease_id
+                for i in intervals
+                if row[by] in i.keys(by) and i.start < until and (since is None or i.end > since)
+            ]
+            row["jobs"] = ",".join(jobs)
+        return rows
 
     # --- what the rest of the contract needs --------------------------------------------------
     def preference(self, owner: str | None = None) -> dict[str, Any]:
@@ -888,20 +899,6 @@ class SlurmPool(LoggingConfigurable):
 def _followed(lease: Lease, job: dict[str, Any]) -> bool:
     """Leases whose job the pool still watches: live ones, and those whose job was still ending."""
     return lease.live or job.get("end_state") == "COMPLETING"
-
-
-def _gpu_fraction(gres: str, shards_per_gpu: int) -> float:
-    """GPUs a GRES request amounts to: ``gpu:2`` → 2, ``shard:8`` of 16 per GPU → 0.5."""
-    kind, _, count = gres.partition(":")
-    try:
-        number = int(count.split(":")[-1])
-    except ValueError:
-        return 0.0
-    if kind == "gpu":
-        return float(number)
-    if kind == "shard" and shards_per_gpu:
-        return number / shards_per_gpu
-    return 0.0
 
 
 def _pid_alive(pid: int) -> bool:
