@@ -263,6 +263,25 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
         assert execute(server, first, "print('x' in globals())").strip() == "False"  # a new kernel process ...
         assert slice_of(server, first)["slurm"]["job_id"] == job  # ... in the same job, which never stopped
         assert squeue(slurm)[job] == "RUNNING"
+
+        # An interrupt reaches the kernel in its step (as a control message; a signal to srun would not).
+        import threading
+
+        outcome: list[str] = []
+
+        def long_cell() -> None:
+            try:
+                execute(server, first, "import time; time.sleep(60)")
+                outcome.append("finished")
+            except AssertionError as err:
+                outcome.append(str(err))
+
+        cell = threading.Thread(target=long_cell)
+        cell.start()
+        time.sleep(1.5)
+        server.call("POST", f"api/kernels/{first}/interrupt")
+        cell.join(20)
+        assert outcome and "KeyboardInterrupt" in outcome[0]
         assert len(slurm.run(["sacct", "--completion", "-a", "-n", "-X", "-j", job, "-o", "JobID"]).split()) == 0
 
         second = server.call("POST", "api/kernels", {"name": "python3"})["id"]
