@@ -114,6 +114,9 @@ class SlurmCluster:
                     "TaskPlugin=task/none",
                     "SchedulerType=sched/backfill",
                     "SchedulerParameters=bf_interval=1,sched_min_interval=100000",
+                    "PriorityType=priority/multifactor",  # sprio then reports the fair-share factor
+                    "PriorityWeightFairshare=1000",
+                    "PriorityWeightAge=100",
                     "MpiDefault=none",
                     "ReturnToService=2",
                     "SlurmdParameters=config_overrides",

@@ -203,6 +203,10 @@ def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slu
         assert view["state"] == "queued" and view["queue_position"] == 1 and view["queue_length"] == 1
         assert "GPUs it needs are in use" in view["queue_reason"] and "Resources" in view["queue_reason"]
         assert view["slurm"]["partition"] == "gpu" and view["slurm"]["position"] == 1
+        assert isinstance(view["slurm"]["fair_share"], float)  # sprio's factor (0 here: no slurmdbd, no usage)
+        # The backfill scheduler's expected start: when a running job reaches its 8 h time limit.
+        view = wait_for(lambda: (v := slice_of(server, queued))["estimated_wait"] and v, 20, "an expected start")
+        assert 7.9 * 3600 < view["estimated_wait"] <= 8 * 3600 and view["slurm"]["estimated_start"] > time.time()
         jobs = squeue(slurm)
         assert jobs[view["slurm"]["job_id"]] == "PENDING"
         running_views = [slice_of(server, k) for k in granted]

@@ -544,9 +544,10 @@ class SlurmPool(LoggingConfigurable):
         }
 
     def fair_share(self, job_id: str) -> float | None:
-        """The job's fair-share factor from ``sprio`` (None where priority/multifactor is not in use)."""
+        """The job's normalized fair-share factor (0..1) from ``sprio -n`` (None where priority/multifactor
+        is not in use; 0 for every job where no slurmdbd keeps the associations' usage)."""
         try:
-            out = self.commands.run(["sprio", "-h", "-j", job_id, "-o", "%F"], check=False)
+            out = self.commands.run(["sprio", "-h", "-n", "-j", job_id, "-o", "%F"], check=False)
         except GpuPoolError:
             return None
         text = out.strip().splitlines()
