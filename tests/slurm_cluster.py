@@ -123,6 +123,7 @@ class SlurmCluster:
                     "DefMemPerCPU=256",
                     "MinJobAge=600",
                     "KillWait=2",
+                    "MessageTimeout=2",  # a client facing a stopped controller gives up in seconds, not 18 s
                     "InactiveLimit=0",
                     "AccountingStorageType=accounting_storage/none",
                     "JobAcctGatherType=jobacct_gather/none",
@@ -176,6 +177,17 @@ class SlurmCluster:
             self.stop()
             raise
         return self
+
+    def stop_controller(self) -> None:
+        """Stop slurmctld only (an outage): jobs keep running on the node."""
+        proc = self.processes.pop("slurmctld")
+        proc.terminate()
+        proc.wait(timeout=20)
+
+    def start_controller(self, timeout: float = 30.0) -> None:
+        """Start slurmctld again from its saved state (without ``-i``: it recovers its jobs)."""
+        self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-f", str(self.conf)])
+        self._wait_for(self._node_ready, "slurmctld to answer again", timeout)
 
     def _node_ready(self) -> bool:
         for name, proc in self.processes.items():

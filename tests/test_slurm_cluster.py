@@ -430,3 +430,31 @@ def test_report_by_user_matches_sacct(slurm, tmp_path):
     assert rows[0]["gpu_hours"] == round(sum(s * gpus for s, _, gpus in seconds.values()) / 3600, 4)
     assert all(s >= 2 for s, _, _ in seconds.values())
     pool.close()
+
+
+def test_a_controller_outage_releases_nothing_and_says_so_in_one_line(slurm, tmp_path):
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.errors import PoolUnavailable
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    env = {**os.environ, **slurm.env, "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
+    pool = SlurmPool.from_env(environ=env)
+    pool.cache_seconds = 0.0
+    lease = pool.request(LeaseRequest(owner="alice", memory=80 * GIB, kernel_id="k-outage"))
+    wait_for(lambda: pool.get(lease.id).state.value == "granted", 30, "the job to run")
+    job = pool.job_of(lease.id)["job_id"]
+    slurm.stop_controller()
+    try:
+        with pytest.raises(PoolUnavailable, match="^squeue failed: .*Unable to contact slurm controller"):
+            pool.get(lease.id)
+        with pytest.raises(PoolUnavailable):
+            pool.tick()  # the server's loop logs this once; no lease is released
+        with pytest.raises(PoolUnavailable, match="^scancel failed"):
+            pool.release(lease.id, "shut down during the outage")
+    finally:
+        slurm.start_controller()
+    again = pool.get(lease.id)  # nothing was released while Slurm could not be asked
+    assert again.state.value == "granted" and squeue(slurm)[job] == "RUNNING"
+    pool.release(lease.id, "done")
+    wait_for(lambda: job not in squeue(slurm), 30, "the job to be cancelled")
+    pool.close()

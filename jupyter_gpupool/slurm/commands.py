@@ -24,6 +24,8 @@ SEP = "\x1f"
 #: ``squeue -o`` fields, in the order of :class:`JobRecord`'s constructor arguments.
 SQUEUE_FIELDS = ("%i", "%j", "%T", "%r", "%Q", "%P", "%S", "%u", "%N", "%b", "%V")
 
+#: What squeue/scontrol say about a job id slurmctld no longer (or never) knew.
+GONE = "Invalid job id specified"
 #: Job states in which the job holds its allocation (the kernel may run).
 RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING"})
 PENDING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})
@@ -299,8 +301,11 @@ class SlurmCommands:
             return os.path.join(self.bin_dir, name)
         return shutil.which(name, path=self.env.get("PATH")) or name
 
-    def run(self, argv: Sequence[str], check: bool = True, input_text: str | None = None) -> str:
-        """Run one command; its stdout. A failure raises PoolUnavailable naming the command."""
+    def run(
+        self, argv: Sequence[str], check: bool = True, input_text: str | None = None, empty_if: tuple[str, ...] = ()
+    ) -> str:
+        """Run one command; its stdout. A failure raises PoolUnavailable naming the command, unless
+        its message contains ``empty_if`` (then the answer is empty: e.g. every job asked about is gone)."""
         command = [self._path(argv[0]), *argv[1:]]
         try:
             done = subprocess.run(
@@ -318,6 +323,8 @@ class SlurmCommands:
             ) from None
         except subprocess.TimeoutExpired:
             raise PoolUnavailable(f"{argv[0]} did not answer within {self.timeout:g} s: is slurmctld up?") from None
+        if done.returncode != 0 and any(text in done.stderr for text in empty_if):
+            return ""
         if check and done.returncode != 0:
             message = (done.stderr or done.stdout).strip().splitlines()
             raise PoolUnavailable(f"{argv[0]} failed: {message[-1] if message else f'exit status {done.returncode}'}")
@@ -342,8 +349,9 @@ class SlurmCommands:
             argv += ["-p", partition]
         if states:
             argv += ["-t", states]
-        # squeue -j fails once every listed job is gone from slurmctld's memory: that is "none".
-        return parse_squeue(self.run(argv, check=job_ids is None))
+        # squeue -j fails once every listed job is gone from slurmctld's memory: that is "none";
+        # any other failure (controller down) must not read as "every job ended".
+        return parse_squeue(self.run(argv, empty_if=(GONE,)))
 
     def steps(self, job_id: str) -> list[tuple[str, str]]:
         return parse_steps(self.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"], check=False))
@@ -354,12 +362,14 @@ class SlurmCommands:
             argv.append(f"--signal={signal}")
         if batch:
             argv.append("--batch")
-        self.run([*argv, job_id], check=False)
+        # A job that is gone or already ending needs no cancelling; a controller that does not answer
+        # is an error (the caller must not think the job is cancelled).
+        self.run([*argv, job_id], empty_if=(GONE, "already completing or completed"))
 
     def show_job(self, job_id: str, detail: bool = False) -> tuple[dict[str, str], str]:
         """``scontrol show job`` as a dict (empty once Slurm forgot the job) and the raw text."""
         argv = ["scontrol", "show", "job", job_id] + (["-d"] if detail else [])
-        text = self.run(argv, check=False)
+        text = self.run(argv, empty_if=(GONE,))
         return parse_key_values(text), text
 
     def show_nodes(self) -> list[dict[str, str]]:
