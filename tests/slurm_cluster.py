@@ -268,21 +268,14 @@ class SlurmCluster:
                 psutil.wait_procs(victims, timeout=5)
 
     def _stepd_pids(self) -> list[int]:
-        """slurmstepd processes started for this cluster (their environment names our config)."""
+        """slurmstepd processes of this cluster (their environment is cleared: they are known by the
+        files of ours they hold open, slurmd's log)."""
+        import psutil
+
         pids = []
-        marker = f"SLURM_CONF={self.conf}".encode()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if Path(entry, "comm").read_text().strip() != "slurmstepd":
-                    continue
-                cmdline = Path(entry, "cmdline").read_bytes()
-                environ = Path(entry, "environ").read_bytes()
-            except OSError:
-                continue
-            if marker in environ or str(self.root).encode() in cmdline:
-                pids.append(int(entry.name))
+        for proc in psutil.process_iter(["name"]):
+            if proc.info["name"] == "slurmstepd" and _cluster_root(proc) == self.root:
+                pids.append(proc.pid)
         return pids
 
     def daemons_alive(self) -> list[str]:
@@ -294,34 +287,46 @@ class SlurmCluster:
         return alive + [f"slurmstepd {pid}" for pid in self._stepd_pids()]
 
 
+def _cluster_root(proc: object) -> Path | None:
+    """The ``gpupool-slurm-*`` folder a daemon or slurmstepd belongs to: named in its command line
+    or ``SLURM_CONF``, or among its open files."""
+    import psutil
+
+    words: list[str] = []
+    with contextlib.suppress(psutil.Error):
+        words += proc.cmdline()  # type: ignore[attr-defined]
+        words.append(proc.environ().get("SLURM_CONF", ""))  # type: ignore[attr-defined]
+        words += [f.path for f in proc.open_files()]  # type: ignore[attr-defined]
+    for word in words:
+        marker = word.find("/gpupool-slurm-")
+        if marker >= 0:
+            return Path(word[:marker]) / word[marker + 1 :].split("/")[0]
+    return None
+
+
 def reap_stale_clusters() -> list[int]:
     """SIGKILL the daemons and job processes of test clusters whose owner process is gone (a
     test run killed with SIGKILL cannot clean up after itself); their pids."""
     import psutil
 
     killed = []
-    for proc in psutil.process_iter(["name", "cmdline", "environ"]):
-        try:
-            if proc.info["name"] not in (*DAEMONS, "slurmstepd"):
-                continue
-            text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["environ"] or {}).get("SLURM_CONF", "")
-        except psutil.Error:
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] not in (*DAEMONS, "slurmstepd"):
             continue
-        for word in text.split():
-            if "/gpupool-slurm-" not in word:
-                continue
-            root = Path(word[: word.index("/gpupool-slurm-")]) / word[word.index("/gpupool-slurm-") + 1 :].split("/")[0]
-            owner = root / "owner.pid"
-            try:
-                alive = psutil.pid_exists(int(owner.read_text()))
-            except (OSError, ValueError):
-                alive = False
-            if not alive:
+        root = _cluster_root(proc)
+        if root is None:
+            continue
+        try:
+            alive = psutil.pid_exists(int((root / "owner.pid").read_text()))
+        except (OSError, ValueError):
+            alive = False
+        if alive:
+            continue
+        with contextlib.suppress(psutil.Error):
+            for victim in [proc, *proc.children(recursive=True)]:
                 with contextlib.suppress(psutil.Error):
-                    for victim in [proc, *proc.children(recursive=True)]:
-                        victim.kill()
-                        killed.append(victim.pid)
-            break
+                    victim.kill()
+                    killed.append(victim.pid)
     return killed
 
 
