@@ -388,6 +388,7 @@ def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_j
 def test_report_by_user_matches_sacct(slurm, tmp_path):
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.slurm.pool import SlurmPool
+    from jupyter_gpupool.slurm.provisioner import SlurmLeaseRequest
 
     env = {
         **os.environ,
@@ -396,13 +397,16 @@ def test_report_by_user_matches_sacct(slurm, tmp_path):
         "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite"),
     }
     pool = SlurmPool.from_env(environ=env)
-    small = pool.request(LeaseRequest(owner="alice", memory=20 * GIB, kernel_id="k-small"))  # shard:2
+    # A kernelspec's Slurm placement (SlurmProvisioner.time_limit, partition, ...) reaches sbatch.
+    small = pool.request(SlurmLeaseRequest(owner="alice", memory=20 * GIB, kernel_id="k-small", time_limit="0:30:00"))
     large = pool.request(LeaseRequest(owner="alice", memory=80 * GIB, kernel_id="k-large"))  # shard:8
     wait_for(lambda: all(pool.get(x.id).state.value == "granted" for x in (small, large)), 30, "both jobs to run")
     time.sleep(2.2)
     for lease in (small, large):
         pool.release(lease.id, "done")
     jobs = {lease.id: pool.job_of(lease.id)["job_id"] for lease in (small, large)}
+    assert pool.job_of(small.id)["gres"] == "shard:2"
+    assert "TimeLimit=00:30:00" in slurm.run(["scontrol", "show", "job", jobs[small.id]])
     wait_for(lambda: not set(jobs.values()) & set(squeue(slurm)), 30, "both jobs to end")
 
     out = subprocess.run(
