@@ -43,3 +43,15 @@ def selected_backend(config: Any = None, environ: Mapping[str, str] | None = Non
     if name not in BACKENDS:
         raise InvalidInput(f"GPUPOOL_BACKEND={name!r} is not a backend; use one of {', '.join(BACKENDS)}")
     return name
+
+
+def backend_provisioner(config: Any = None, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(entry point name, ``module:Class``) of the provisioner the selected backend's kernels use;
+    the single-host one when the selection is invalid (the pool then reports why it is unavailable)."""
+    try:
+        slurm = selected_backend(config, environ) == "slurm"
+    except InvalidInput:
+        slurm = False
+    if slurm:
+        return "gpupool-slurm-provisioner", "jupyter_gpupool.slurm.provisioner:SlurmProvisioner"
+    return "gpupool-provisioner", "jupyter_gpupool.provisioner:GpuPoolProvisioner"

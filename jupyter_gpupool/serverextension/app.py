@@ -30,6 +30,7 @@ from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Enum, Float, List, Unicode, default
 
+from ..backends import backend_provisioner
 from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
 from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
@@ -299,14 +300,12 @@ class GpuPoolExtension(ExtensionApp):
             PROVISIONER_NAME,
             EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
         )
-        # A backend with its own provisioner (Slurm: kernels as jobs) makes that one the default.
-        provisioner_name = getattr(self.pool, "provisioner_name", PROVISIONER_NAME)
-        if provisioner_name != PROVISIONER_NAME:
-            KernelProvisionerFactory.provisioners.setdefault(
-                provisioner_name,
-                EntryPoint(provisioner_name, "jupyter_gpupool.slurm.provisioner:SlurmProvisioner", KernelProvisionerFactory.GROUP_NAME),
-            )
         assert self.serverapp is not None
+        # A backend with its own provisioner (Slurm: kernels as jobs) makes that one the default.
+        provisioner_name, target = backend_provisioner(self.serverapp.config)
+        KernelProvisionerFactory.provisioners.setdefault(
+            provisioner_name, EntryPoint(provisioner_name, target, KernelProvisionerFactory.GROUP_NAME)
+        )
         explicit = "default_provisioner_name" in self.serverapp.config.get("KernelProvisionerFactory", {})
         if not self.make_default_provisioner or explicit or os.environ.get(KernelProvisionerFactory.default_provisioner_name_env):
             return

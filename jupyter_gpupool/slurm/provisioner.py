@@ -141,8 +141,11 @@ class SlurmProvisioner(GpuPoolProvisioner):
 
             km.ip = localhost()  # the last kernel's node address is not ours to check as local
         kwargs = await super().pre_launch(**kwargs)
+        if not self.lease_id or self.cpu_only_reason is not None:
+            # The pool (Slurm) could not be used: the kernel runs here, CPU-only, saying why (fail closed).
+            self.job_id = self.kernel_connection_file = None
+            return kwargs
         pool = self.slurm_pool
-        assert self.lease_id is not None
         job = await asyncio.to_thread(pool.job_of, self.lease_id)
         self.job_id = str(job["job_id"])
         node = str(job.get("node") or "")
@@ -189,8 +192,9 @@ class SlurmProvisioner(GpuPoolProvisioner):
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         """Start the ``srun`` step, then read the connection file the kernel writes on its node."""
-        await super().launch_kernel(cmd, **kwargs)
-        assert self.kernel_connection_file is not None
+        local = await super().launch_kernel(cmd, **kwargs)
+        if not self.job_id or not self.kernel_connection_file:
+            return local  # a CPU-only kernel on this host
         path = Path(self.kernel_connection_file)
         deadline = time.monotonic() + self.connect_timeout
         while True:
@@ -234,13 +238,15 @@ class SlurmProvisioner(GpuPoolProvisioner):
 
     # --- signals and stopping -------------------------------------------------------------------
     def _signal_step(self, name: str) -> None:
+        if not self.job_id:
+            return
         step = self.step_id or self._find_step()
         if step:
             self.slurm_pool.commands.scancel(step, signal=name)
 
     async def send_signal(self, signum: int) -> None:
         """Signals go to the kernel's step through Slurm (the local ``srun`` would not pass SIGINT on)."""
-        if signum == 0:
+        if signum == 0 or not self.job_id:
             await super().send_signal(signum)
             return
         name = signal.Signals(signum).name.removeprefix("SIG")
