@@ -436,7 +436,9 @@ def test_report_by_user_matches_sacct(slurm, tmp_path):
     pool.close()
 
 
-def test_a_controller_outage_releases_nothing_and_says_so_in_one_line(slurm, tmp_path):
+def test_a_controller_outage_releases_nothing_and_a_pending_wait_rides_it_out(slurm, tmp_path):
+    import threading
+
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.errors import PoolUnavailable
     from jupyter_gpupool.slurm.pool import SlurmPool
@@ -444,21 +446,41 @@ def test_a_controller_outage_releases_nothing_and_says_so_in_one_line(slurm, tmp
     env = {**os.environ, **slurm.env, "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
     pool = SlurmPool.from_env(environ=env)
     pool.cache_seconds = 0.0
-    lease = pool.request(LeaseRequest(owner="alice", memory=80 * GIB, kernel_id="k-outage"))
-    wait_for(lambda: pool.get(lease.id).state.value == "granted", 30, "the job to run")
-    job = pool.job_of(lease.id)["job_id"]
+    first, second, waiting = (
+        pool.request(LeaseRequest(owner="alice", memory=80 * GIB, kernel_id=f"k-{i}")) for i in range(3)
+    )
+    wait_for(
+        lambda: pool.get(waiting.id).state.value == "queued" and pool.get(first.id).state.value == "granted",
+        30,
+        "two jobs running, one pending",
+    )
+    job = pool.job_of(first.id)["job_id"]
+    outcome: list[str] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(pool.wait_for_grant(waiting.id, timeout=90).state.value)
+        except Exception as err:  # noqa: BLE001 - what ended the wait is the test's finding
+            outcome.append(f"{type(err).__name__}: {err}")
+
+    waiter = threading.Thread(target=wait)
     slurm.stop_controller()
     try:
+        waiter.start()
         with pytest.raises(PoolUnavailable, match="^squeue failed: .*Unable to contact slurm controller"):
-            pool.get(lease.id)
+            pool.get(first.id)
         with pytest.raises(PoolUnavailable):
             pool.tick()  # the server's loop logs this once; no lease is released
         with pytest.raises(PoolUnavailable, match="^scancel failed"):
-            pool.release(lease.id, "shut down during the outage")
+            pool.release(first.id, "shut down during the outage")
     finally:
         slurm.start_controller()
-    again = pool.get(lease.id)  # nothing was released while Slurm could not be asked
-    assert again.state.value == "granted" and squeue(slurm)[job] == "RUNNING"
-    pool.release(lease.id, "done")
-    wait_for(lambda: job not in squeue(slurm), 30, "the job to be cancelled")
+    assert pool.get(first.id).state.value == "granted" and squeue(slurm)[job] == "RUNNING"  # nothing released
+    assert waiter.is_alive() and not outcome  # the pending wait did not fail with the controller ...
+    assert pool.get(waiting.id).state.value == "queued"  # ... and its job still pends
+    pool.release(waiting.id, "withdrawn")  # (Slurm takes its time to schedule after a restart: end it here)
+    waiter.join(30)
+    assert outcome == ["RequestRefused: the request was withdrawn before it was granted"]
+    for lease in (first, second):
+        pool.release(lease.id, "done")
     pool.close()

@@ -749,7 +749,14 @@ class SlurmPool(LoggingConfigurable):
         """Block until the job runs (no timeout unless given: a pending job waits as long as Slurm says)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            lease, info = self._check(lease_id)
+            try:
+                lease, info = self._check(lease_id)
+            except PoolUnavailable as err:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                self.log.warning("gpupool: lease %s waits on, Slurm does not answer: %s", lease_id, err)
+                time.sleep(max(poll, self.poll_interval))
+                continue
             if lease.state is LeaseState.GRANTED:
                 return lease
             if on_update is not None:
@@ -768,7 +775,15 @@ class SlurmPool(LoggingConfigurable):
         """Async twin of :meth:`wait_for_grant` (each squeue call in a thread)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            lease, info = await asyncio.to_thread(self._check, lease_id)
+            try:
+                lease, info = await asyncio.to_thread(self._check, lease_id)
+            except PoolUnavailable as err:
+                # slurmctld does not answer: the job still pends there; keep waiting (no timeout kills a wait).
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                self.log.warning("gpupool: lease %s waits on, Slurm does not answer: %s", lease_id, err)
+                await asyncio.sleep(max(poll, self.poll_interval))
+                continue
             if lease.state is LeaseState.GRANTED:
                 return lease
             if on_update is not None:
