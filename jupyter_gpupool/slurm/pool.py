@@ -338,7 +338,10 @@ class SlurmPool(LoggingConfigurable):
         time_limit = getattr(req, "time_limit", "") or self.time_limit
         lease_id = new_lease_id()
         out_dir = self.job_output_dir or os.path.join(os.path.dirname(os.path.abspath(self.state_path)), "jobs")
-        os.makedirs(out_dir, exist_ok=True)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as err:
+            raise PoolUnavailable(f"cannot create the folder for the jobs' output {out_dir}: {err.strerror}") from None
         args = [
             f"--job-name=gpupool-{(req.kernel_id or lease_id)[:8]}",
             f"--gres={gres}",
