@@ -136,3 +136,18 @@ def test_backend_choice_from_config_or_environment():
     bad.GpuPool.backend = "lsf"
     with pytest.raises(InvalidInput, match="c.GpuPool.backend: expected one of local, slurm"):
         selected_backend(bad, {})
+
+
+def test_the_gres_of_a_slice_whole_gpus_and_a_model(tmp_path):
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    assert pool.gres_for(20 * GIB, 1) == ("shard:2", 20 * GIB)
+    assert pool.gres_for(75 * GIB, 1) == ("shard:8", 80 * GIB)
+    assert pool.gres_for(8 * GIB, 2) == ("gpu:2", 80 * GIB)
+    assert pool.gres_for(8 * GIB, 1, "A100") == ("gpu:a100:1", 80 * GIB)
+    with pytest.raises(InvalidInput, match="invalid GPU model 'a100:2'"):
+        pool.gres_for(8 * GIB, 1, "a100:2")
+    with pytest.raises(InvalidInput, match="more than one GPU's 8"):
+        pool.gres_for(90 * GIB, 1)
+    pool.close()

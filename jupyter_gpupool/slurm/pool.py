@@ -316,9 +316,14 @@ class SlurmPool(LoggingConfigurable):
         return {"name": default_owner(), "groups": [], "admin": False, "kind": "slurm"}
 
     # --- requests ---------------------------------------------------------------------------------
-    def gres_for(self, memory: int, num_gpus: int) -> tuple[str, int]:
-        """The GRES request for a slice (``shard:N``, or ``gpu:k`` for whole GPUs) and the memory it holds."""
+    def gres_for(self, memory: int, num_gpus: int, model: str | None = None) -> tuple[str, int]:
+        """The GRES request for a slice (``shard:N``, or ``gpu[:model]:k`` for whole GPUs, a model
+        constraint always asking for whole GPUs of that GRES type) and the memory it holds."""
         gpu_memory = self._gpu_memory()
+        if model:
+            if any(c in model for c in ":,= "):
+                raise InvalidInput(f"invalid GPU model {model!r}: give the GRES type of the GPUs, e.g. a100")
+            return f"gpu:{model.lower()}:{max(1, num_gpus)}", gpu_memory
         shards = self._shards_per_gpu()
         if num_gpus > 1 or not shards:
             return f"gpu:{max(1, num_gpus)}", gpu_memory
@@ -331,7 +336,7 @@ class SlurmPool(LoggingConfigurable):
         from ..pool import new_lease_id
 
         now = self.clock() if now is None else now
-        gres, memory = self.gres_for(req.memory, req.num_gpus)
+        gres, memory = self.gres_for(req.memory, req.num_gpus, req.model)
         partition = getattr(req, "partition", "") or self.partition
         account = getattr(req, "account", "") or self.account
         qos = getattr(req, "qos", "") or self.qos
