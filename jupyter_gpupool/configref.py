@@ -25,6 +25,9 @@ CONFIGURABLES: list[tuple[str, str]] = [
     ("jupyter_gpupool.watchdog.Watchdog", "The NVML watchdog"),
     ("jupyter_gpupool.broker.app.Broker", "The multi-user broker (JupyterHub service or systemd)"),
     ("jupyter_gpupool.broker.auth.HubIdentity", "Broker identity from JupyterHub tokens"),
+    ("jupyter_gpupool.backends.GpuPool", "Which backend kernels get their slices from (docs/hpc.md)"),
+    ("jupyter_gpupool.slurm.pool.SlurmPool", "The Slurm backend: each kernel a Slurm job on GPU shards (docs/hpc.md)"),
+    ("jupyter_gpupool.slurm.provisioner.SlurmProvisioner", "The Slurm backend's provisioner, per kernelspec or globally"),
 ]
 
 _SKIP = {"config", "parent", "log", "log_level", "log_datefmt", "log_format", "logging_config", "show_config", "show_config_json"}

@@ -792,6 +792,12 @@ def pool_from_env(config: Any = None, environ: Mapping[str, str] | None = None, 
     with ``GPUPOOL_URL`` set, an unreachable broker raises PoolUnavailable (at once with ``check``,
     else on first use)."""
     env = os.environ if environ is None else environ
+    from .backends import selected_backend
+
+    if selected_backend(config, env) == "slurm":  # kernels as Slurm jobs (docs/hpc.md)
+        from .slurm.pool import SlurmPool
+
+        return SlurmPool.from_env(config=config, environ=env)
     if (env.get("GPUPOOL_URL") or "").strip():
         remote = RemotePool.from_env(env)
         return remote.check() if check else remote

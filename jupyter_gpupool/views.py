@@ -99,7 +99,8 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
     devices = {d.uuid: d for d in pool.devices()}
     info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
     plan = plan_enforcement(lease, devices, enforcement)
-    return {
+    details = getattr(pool, "lease_details", None)  # a backend's own facts (Slurm: job id, partition, position)
+    return ({**details(lease)} if callable(details) else {}) | {
         "kernel_id": kernel_id,
         "lease_id": lease.id,
         "state": lease.state.value,

@@ -209,6 +209,7 @@ class InProcessPoolClient(PoolClient):
             local_usage=self.caps.local_usage() if self.caps is not None else None,
             now=time.time(),
             note="" if lease else "not started through the GPU pool",
+            backend=self.pool.lease_details(lease) if lease is not None and hasattr(self.pool, "lease_details") else {},
         )
 
     def reserve(self, memory: str | None, duration: str | None = None, num_gpus: int | None = None) -> Lease:
@@ -290,6 +291,10 @@ BROKER_CLIENT = "jupyter_gpupool.broker.client"
 def connect(env: MutableMapping[str, str] | None = None, caps: Any = None) -> PoolClient:
     """The client for this kernel: the broker's when ``GPUPOOL_URL`` is set, else in-process."""
     source: MutableMapping[str, str] = os.environ if env is None else env
+    if source.get("GPUPOOL_BACKEND", "").strip().lower() == "slurm":  # a kernel in its Slurm job
+        from ..slurm.pool import SlurmPool
+
+        return InProcessPoolClient(env=source, caps=caps, pool_factory=lambda: SlurmPool.from_env(environ=source))
     url = source.get("GPUPOOL_URL", "").strip()
     if not url:
         return InProcessPoolClient(env=source, caps=caps)

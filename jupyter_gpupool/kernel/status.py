@@ -69,6 +69,7 @@ class KernelStatus:
     now: float = field(default_factory=time.time)
     note: str = ""  # e.g. why there is no lease
     unavailable: str | None = None  # why the GPU pool cannot be used (this kernel then runs CPU-only)
+    backend: dict[str, Any] = field(default_factory=dict)  # a backend's own facts, e.g. {"slurm": {"job_id": ...}}
 
     # -- derived values, shared by text, HTML and the widget ---------------------------------
     @property
@@ -179,6 +180,12 @@ class KernelStatus:
                 rows.append(("right size", f"{hint.text} %gpupool reserve {hint.memory}"))
             if self.lease.flagged:
                 rows.append(("flagged", self.lease.flagged))
+        slurm = self.backend.get("slurm")
+        if slurm:
+            where = f"Slurm job {slurm.get('job_id')}, partition {slurm.get('partition') or '(default)'}"
+            where += f", node {slurm['node']}" if slurm.get("node") else ""
+            where += f", position {slurm['position']} among pending jobs" if slurm.get("position") else ""
+            rows.append(("slurm", where))
         if self.lease is not None:
             rows.append(("lease", f"{self.lease.id} (owner {self.lease.owner})"))
         if self.enforcement:

@@ -30,6 +30,7 @@ from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Enum, Float, List, Unicode, default
 
+from ..backends import backend_provisioner
 from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
 from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
@@ -50,7 +51,7 @@ LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
 
 #: Release reasons (set by the engine) after which the kernel must go: its slice was taken back.
-RECLAIM_PREFIXES = ("reclaimed", "preempted")
+RECLAIM_PREFIXES = ("reclaimed", "preempted", "ended by Slurm")
 
 
 
@@ -300,6 +301,11 @@ class GpuPoolExtension(ExtensionApp):
             EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
         )
         assert self.serverapp is not None
+        # A backend with its own provisioner (Slurm: kernels as jobs) makes that one the default.
+        provisioner_name, target = backend_provisioner(self.serverapp.config)
+        KernelProvisionerFactory.provisioners.setdefault(
+            provisioner_name, EntryPoint(provisioner_name, target, KernelProvisionerFactory.GROUP_NAME)
+        )
         explicit = "default_provisioner_name" in self.serverapp.config.get("KernelProvisionerFactory", {})
         if not self.make_default_provisioner or explicit or os.environ.get(KernelProvisionerFactory.default_provisioner_name_env):
             return
@@ -310,7 +316,7 @@ class GpuPoolExtension(ExtensionApp):
             spec = original(kernel_name, *args, **kwargs)
             metadata = spec.metadata if isinstance(spec.metadata, dict) else {}
             if "provisioner_name" not in metadata.get("kernel_provisioner", {}):
-                metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME, "config": {}}
+                metadata["kernel_provisioner"] = {"provisioner_name": provisioner_name, "config": {}}
                 spec.metadata = metadata
             return spec
 

@@ -306,6 +306,7 @@ function PanelBody(props: {
         <p className="jp-GpuPool-summary" role="status" aria-live="polite">
           {view.summary}
         </p>
+        {view.scheduler && <p className="jp-GpuPool-muted jp-GpuPool-scheduler">{view.scheduler}</p>}
         {view.queue && (
           <div className="jp-GpuPool-queue" role="status" aria-live="polite">
             <div className="jp-GpuPool-progress" aria-hidden="true" />

@@ -140,6 +140,21 @@ export interface IKernelStatus {
   now?: number | null;
   /** Why the kernel is `unavailable` (runs CPU-only) or `failed` (did not start). */
   reason?: string | null;
+  /** The Slurm backend's job behind the lease (docs/hpc.md): optional. */
+  slurm?: ISlurmJob | null;
+}
+
+/** A kernel's Slurm job, as `GET /api/gpupool/kernels/{kernel_id}` shows it on the Slurm backend. */
+export interface ISlurmJob {
+  job_id: string | null;
+  partition?: string | null;
+  node?: string | null;
+  gres?: string | null;
+  pending_reason?: string | null;
+  /** Among the pending jobs of its partition, in Slurm's priority order (1-based). */
+  position?: number | null;
+  estimated_start?: number | null;
+  end_state?: string | null;
 }
 
 /** An error answer of the API: `message` is the server's one-line text. */

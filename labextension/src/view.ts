@@ -56,6 +56,8 @@ export interface IKernelView {
   hint: { text: string; memory: string; button: string } | null;
   enforcement: { level: string; text: string } | null;
   queue: { text: string; reason: string } | null;
+  /** Where an external scheduler runs the kernel ("Slurm job 12 · partition gpu · …"), or null. */
+  scheduler: string | null;
   idle: {
     text: string;
     countdown: string;
@@ -103,6 +105,7 @@ const EMPTY: Omit<IKernelView, 'phase' | 'summary'> = {
   hint: null,
   enforcement: null,
   queue: null,
+  scheduler: null,
   idle: null,
   kept: null,
   overLimit: null,
@@ -152,6 +155,26 @@ export function rightSizeHint(
 }
 
 /** The panel's and status bar's view of the current kernel. */
+/** The Slurm job behind a lease in one line, or null on other backends. */
+export function schedulerLine(status: IKernelStatus): string | null {
+  const job = status.slurm;
+  if (!job || !job.job_id) {
+    return null;
+  }
+  const parts = [`Slurm job ${job.job_id}`];
+  if (job.partition) {
+    parts.push(`partition ${job.partition}`);
+  }
+  if (job.node) {
+    parts.push(`node ${job.node}`);
+  }
+  const position = num(job.position);
+  if (position !== null) {
+    parts.push(`position ${position} among pending jobs`);
+  }
+  return parts.join(' · ');
+}
+
 export function kernelView(input: IKernelInput): IKernelView {
   const view = kernelViewOf(input);
   const pool = input.pool;
@@ -171,7 +194,9 @@ export function kernelView(input: IKernelInput): IKernelView {
       statusTitle: `${title}: ${pool.reason || 'no reason given'}; ${kernels}`
     };
   }
-  return view;
+  return input.status && view.phase !== 'no-kernel' && view.phase !== 'loading'
+    ? { ...view, scheduler: schedulerLine(input.status) }
+    : view;
 }
 
 function kernelViewOf(input: IKernelInput): IKernelView {

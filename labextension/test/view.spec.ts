@@ -30,6 +30,15 @@ function view(s: IKernelStatus | null, extra: Partial<Parameters<typeof kernelVi
 }
 
 describe('kernelView', () => {
+  it('names the Slurm job, partition and position of a kernel on the Slurm backend', () => {
+    const slurm = { job_id: '12', partition: 'gpu', node: null, position: 1, pending_reason: 'Resources' };
+    const queued = view(status({ state: 'queued', devices: [], queue_position: 1, queue_length: 1, slurm }));
+    expect(queued.scheduler).toBe('Slurm job 12 · partition gpu · position 1 among pending jobs');
+    const running = view(status({ slurm: { job_id: '12', partition: 'gpu', node: 'node0', position: null } }));
+    expect(running.scheduler).toBe('Slurm job 12 · partition gpu · node node0');
+    expect(view(status({})).scheduler).toBeNull();
+  });
+
   it('shows a granted slice in the status bar as used / slice', () => {
     const v = view(status({ used_memory: 3.1 * GIB, peak_memory: 5 * GIB }));
     expect(v.phase).toBe('granted');

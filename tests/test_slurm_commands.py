@@ -1,0 +1,153 @@
+"""The Slurm command adapter's parsers and the backend choice: pure functions, no cluster."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from traitlets.config import Config
+
+from jupyter_gpupool.backends import selected_backend
+from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.slurm.commands import (
+    SEP,
+    end_sentence,
+    node_gpu_model,
+    parse_detail_gres_indices,
+    parse_key_values,
+    parse_node_gres,
+    parse_sacct,
+    parse_squeue,
+    parse_steps,
+    parse_time,
+    reason_sentence,
+    shards_for,
+)
+
+GIB = 1 << 30
+
+
+def test_squeue_records_in_slurms_order_with_times_and_states():
+    line = SEP.join(
+        [
+            "3",
+            "gpupool-ab",
+            "PENDING",
+            "Resources",
+            "4294901757",
+            "gpu",
+            "2026-11-30T17:00:00",
+            "alice",
+            "",
+            "gres:shard:8",
+            "2026-11-30T16:00:00",
+        ]
+    )
+    running = SEP.join(
+        [
+            "1",
+            "gpupool-cd",
+            "RUNNING",
+            "None",
+            "4294901759",
+            "gpu",
+            "2026-11-30T16:00:01",
+            "alice",
+            "node0",
+            "gres:shard:8",
+            "N/A",
+        ]
+    )
+    first, second = parse_squeue(line + "\n" + running + "\n\nnot a record\n")
+    assert first.job_id == "3" and first.pending and not first.running and first.reason == "Resources"
+    assert first.start_time == dt.datetime(2026, 11, 30, 17).timestamp() and first.priority == 4294901757
+    assert second.running and second.nodes == "node0" and second.submit_time is None
+
+
+def test_pending_reasons_become_sentences_and_unknown_codes_are_kept():
+    assert (
+        reason_sentence("Resources")
+        == "the GPUs it needs are in use by other jobs; it starts when one of them ends (Slurm: Resources)"
+    )
+    assert reason_sentence("Priority").startswith("jobs with a higher priority are ahead of it")
+    assert "as many GPUs as your QOS allows" in reason_sentence("QOSMaxGRESPerUser")
+    assert "unavailable" in reason_sentence("ReqNodeNotAvail, UnavailableNodes:node3")
+    assert reason_sentence("SomethingNew") == "Slurm says: SomethingNew"
+
+
+def test_end_states_in_words():
+    assert end_sentence("12", "CANCELLED") == "ended by Slurm: job 12 was cancelled (scancel)"
+    assert end_sentence("12", "TIMEOUT") == "ended by Slurm: job 12 reached its time limit"
+    assert end_sentence("12", "PREEMPTED") == "ended by Slurm: job 12 was preempted by a job with a higher priority"
+    assert (
+        end_sentence("12", "NODE_FAIL", "NodeDown")
+        == "ended by Slurm: the node running job 12 failed (Slurm: NodeDown)"
+    )
+    assert end_sentence("12", "FAILED", "JobLaunchFailure") == "ended by Slurm: job 12 failed (Slurm: JobLaunchFailure)"
+    assert end_sentence("12", "CANCELLED by 0") == "ended by Slurm: job 12 was cancelled (scancel)"
+    assert end_sentence("12", "WEIRD") == "ended by Slurm: job 12 ended in state WEIRD"
+
+
+def test_scontrol_key_values_keep_values_with_spaces():
+    info = parse_key_values(
+        "NodeName=node0 Arch=x86_64 Gres=gpu:2,shard:16 OS=Linux 6.1 #1 SMP State=IDLE NodeAddr=10.0.0.5"
+    )
+    assert info["Gres"] == "gpu:2,shard:16" and info["OS"] == "Linux 6.1 #1 SMP" and info["NodeAddr"] == "10.0.0.5"
+
+
+def test_gpu_indices_of_a_job_from_scontrol_detail():
+    text = "JobId=1\n   JOB_GRES=shard:8\n     Nodes=node0 CPU_IDs=0 Mem=256 GRES=shard:8(IDX:1)\n"
+    assert parse_detail_gres_indices(text) == {"node0": [1]}
+    assert parse_detail_gres_indices("     Nodes=n1 CPU_IDs=0-3 GRES=gpu:a100:3(IDX:0-1,3)") == {"n1": [0, 1, 3]}
+
+
+def test_node_gres_counts_and_model():
+    assert parse_node_gres("gpu:2,shard:16") == {"gpu": 2, "shard": 16}
+    assert parse_node_gres("gpu:a100:4(S:0-1),shard:a100:32") == {"gpu": 4, "shard": 32}
+    assert parse_node_gres("(null)") == {}
+    assert node_gpu_model("gpu:a100:4(S:0-1)") == "a100" and node_gpu_model("gpu:2") == ""
+
+
+def test_a_slice_in_shards_rounds_up_and_never_spans_gpus():
+    assert shards_for(80 * GIB, 10 * GIB, 8) == 8
+    assert shards_for(75 * GIB, 10 * GIB, 8) == 8
+    assert shards_for(1, 10 * GIB, 8) == 1
+    with pytest.raises(InvalidInput, match="more than one GPU's 8"):
+        shards_for(81 * GIB, 10 * GIB, 8)
+
+
+def test_sacct_rows_and_steps():
+    (row,) = parse_sacct("7|root(0)|root|CANCELLED by 0|gpu|2026-11-30T16:14:47|2026-11-30T16:14:51|4||\n")
+    assert (row.job_id, row.user, row.state, row.elapsed, row.partition) == ("7", "root", "CANCELLED", 4.0, "gpu")
+    assert row.end - row.start == 4
+    assert parse_steps("12.0|gpupool-kernel\n12.batch|batch\n") == [("12.0", "gpupool-kernel"), ("12.batch", "batch")]
+    assert parse_time("Unknown") is None and parse_time("N/A") is None
+
+
+def test_backend_choice_from_config_or_environment():
+    assert selected_backend(None, {}) == "local"
+    assert selected_backend(None, {"GPUPOOL_BACKEND": "Slurm"}) == "slurm"
+    config = Config()
+    config.GpuPool.backend = "slurm"
+    assert selected_backend(config, {}) == "slurm"
+    with pytest.raises(InvalidInput, match="is not a backend; use one of local, slurm"):
+        selected_backend(None, {"GPUPOOL_BACKEND": "kubernetes"})
+    bad = Config()
+    bad.GpuPool.backend = "lsf"
+    with pytest.raises(InvalidInput, match="c.GpuPool.backend: expected one of local, slurm"):
+        selected_backend(bad, {})
+
+
+def test_the_gres_of_a_slice_whole_gpus_and_a_model(tmp_path):
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    assert pool.gres_for(20 * GIB, 1) == ("shard:2", 20 * GIB)
+    assert pool.gres_for(75 * GIB, 1) == ("shard:8", 80 * GIB)
+    assert pool.gres_for(8 * GIB, 2) == ("gpu:2", 80 * GIB)
+    assert pool.gres_for(8 * GIB, 1, "A100") == ("gpu:a100:1", 80 * GIB)
+    with pytest.raises(InvalidInput, match="invalid GPU model 'a100:2'"):
+        pool.gres_for(8 * GIB, 1, "a100:2")
+    with pytest.raises(InvalidInput, match="more than one GPU's 8"):
+        pool.gres_for(90 * GIB, 1)
+    pool.close()
