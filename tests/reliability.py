@@ -117,12 +117,18 @@ STORM_WORKER = textwrap.dedent(
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.errors import RequestRefused
+    from jupyter_gpupool.errors import PoolUnavailable, RequestRefused
     from jupyter_gpupool.pool import HOSTNAME, Pool
     from jupyter_gpupool.units import GIB
 
     db, spec, journal_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9))
+    for attempt in range(5):  # the pool's own advice when others hold its lock for long: try again
+        try:
+            pool = Pool(SimulatedBackend.from_spec(spec), db, PoolPolicy(heartbeat_ttl=10**9))
+            break
+        except PoolUnavailable as err:
+            if "try again" not in str(err) or attempt == 4:
+                raise
     rng = random.Random(seed)
     journal = open(journal_path, "a", buffering=1)
     mine = []

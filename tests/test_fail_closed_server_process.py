@@ -137,7 +137,7 @@ def run_in_kernel(server: ServerProcess, kernel_id: str, code: str, timeout: flo
     """stdout of ``code`` run in the server's kernel (once it is idle), through its connection file."""
     connection = server.runtime / f"kernel-{kernel_id}.json"
     deadline = time.monotonic() + timeout
-    while not connection.exists():
+    while not connection.exists() or connection.stat().st_size == 0:  # created first, written a moment later
         assert time.monotonic() < deadline, f"no connection file for kernel {kernel_id}:\n{server.text()[-3000:]}"
         time.sleep(0.2)
     client = BlockingKernelClient(connection_file=str(connection))
