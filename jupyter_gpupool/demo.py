@@ -4,6 +4,7 @@ a queue and an idle reclaim. The main job on a machine without a GPU (and on Bin
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 from typing import Any
@@ -14,10 +15,26 @@ from traitlets import Bool, Integer, Unicode
 
 from .cli import GpuPoolBaseApp
 from .devices.simulated import parse_inventory
-from .errors import InvalidInput
-from .units import parse_duration, parse_size
+from .errors import InvalidInput, RequestRefused
+from .units import GIB, MIB, format_size, parse_duration, parse_size
 
 DEMO_NOTEBOOK = "gpupool-demo.ipynb"
+#: The demo's default slice is this share of its smallest GPU, so every GPU holds a few slices
+#: and the notebook's story (a grant, classmates filling the pool, a queue, a reclaim) works on any ``--gpus``.
+DEFAULT_SLICE_SHARE = 4
+
+
+def default_slice(inventory: str) -> str:
+    """A quarter of the smallest simulated GPU, rounded down to 256 MiB: ``"4GiB"`` for ``1x16GiB``."""
+    smallest = min(memory for _, memory in parse_inventory(inventory))
+    size = max(256 * MIB, smallest // DEFAULT_SLICE_SHARE // (256 * MIB) * (256 * MIB))
+    return f"{size // GIB}GiB" if size % GIB == 0 else f"{size // MIB}MiB"
+
+
+def cli_hint(env: dict[str, str]) -> str:
+    """The shell line that points ``jupyter gpupool`` at the demo's pool."""
+    return (f"GPUPOOL_DB={shlex.quote(env['GPUPOOL_DB'])} GPUPOOL_SIMULATE={shlex.quote(env['GPUPOOL_SIMULATE'])} "
+            "jupyter gpupool status")
 
 
 def demo_notebook() -> Any:
@@ -37,7 +54,12 @@ def demo_notebook() -> Any:
             "would). Within a few seconds the watchdog sees it: the panel's usage bar moves, and since the peak is "
             "far below the slice it suggests shrinking it."
         ),
-        new_code_cell("from jupyter_gpupool.devices.simulated import pretend_to_use\npretend_to_use('3GiB')"),
+        new_code_cell(
+            "import os\n"
+            "from jupyter_gpupool.devices.simulated import pretend_to_use\n"
+            "slice_bytes = int(os.environ['GPUPOOL_MEMORY_LIMIT'])\n"
+            "pretend_to_use(min(3 * 2**30, slice_bytes // 4))  # 3 GiB, or a quarter of a smaller slice"
+        ),
         new_markdown_cell(
             "## 2. Classmates fill the pool\n\nThese leases stand in for other users' kernels. They never run code, "
             "so they count as idle."
@@ -111,7 +133,9 @@ class DemoApp(GpuPoolBaseApp):
     }
 
     gpus = Unicode("2xA100-80GB", help="Simulated inventory, e.g. 1x16GiB or 4xRTX3090-24GB.").tag(config=True)
-    default_memory = Unicode("20GiB", help="Slice each kernel gets by default.").tag(config=True)
+    default_memory = Unicode(
+        "", help="Slice each kernel gets by default, e.g. 4GiB or 25%. Empty: a quarter of the smallest GPU (20GiB on 2xA100-80GB)."
+    ).tag(config=True)
     idle_timeout = Unicode("60s", help="Idle time before a slice may be reclaimed (short, for the demo).").tag(config=True)
     warning_period = Unicode("20s", help="Warning before an idle slice is reclaimed.").tag(config=True)
     directory = Unicode("", help="Folder for the demo notebook and pool file (default: ./gpupool-demo).").tag(config=True)
@@ -123,8 +147,14 @@ class DemoApp(GpuPoolBaseApp):
     def prepare(self) -> tuple[list[str], dict[str, str], str]:
         """Validate options, write the notebook; return (command, environment, folder)."""
         inventory = self.simulate or self.gpus
-        parse_inventory(inventory)
-        parse_size(self.default_memory, gpu_memory=1 << 40)
+        gpus = parse_inventory(inventory)
+        default_memory = self.default_memory or default_slice(inventory)
+        largest = max(memory for _, memory in gpus)
+        if parse_size(default_memory, gpu_memory=largest) > largest:
+            raise RequestRefused(
+                f"--default-memory {default_memory} is larger than the largest GPU of {inventory} ({format_size(largest)}), "
+                f"so no kernel could start; leave it out for {default_slice(inventory)} or ask for at most {format_size(largest)}"
+            )
         parse_duration(self.idle_timeout)
         parse_duration(self.warning_period)
         if not 0 <= self.port < 65536:
@@ -138,7 +168,7 @@ class DemoApp(GpuPoolBaseApp):
             **os.environ,
             "GPUPOOL_SIMULATE": inventory,
             "GPUPOOL_DB": self.db or os.path.join(folder, ".gpupool.sqlite"),
-            "GPUPOOL_DEFAULT_MEMORY": self.default_memory,
+            "GPUPOOL_DEFAULT_MEMORY": default_memory,
             "GPUPOOL_IDLE_TIMEOUT": self.idle_timeout,
             "GPUPOOL_WARNING_PERIOD": self.warning_period,
         }
@@ -156,8 +186,9 @@ class DemoApp(GpuPoolBaseApp):
 
     def run(self) -> None:
         command, env, folder = self.prepare()
-        print(f"jupyter-gpupool demo: simulated pool {env['GPUPOOL_SIMULATE']}, default slice {self.default_memory}, "
-              f"idle timeout {self.idle_timeout}; notebook in {folder}", file=sys.stderr)
+        print(f"jupyter-gpupool demo: simulated pool {env['GPUPOOL_SIMULATE']}, default slice {env['GPUPOOL_DEFAULT_MEMORY']}, "
+              f"idle timeout {self.idle_timeout}; notebook in {folder}\n"
+              f"  the CLI on this pool, from another terminal: {cli_hint(env)}", file=sys.stderr)
         if self.dry_run:
             print(" ".join(command))
             return

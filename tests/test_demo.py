@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import nbformat
 import pytest
 
-from jupyter_gpupool.demo import DEMO_NOTEBOOK, demo_notebook
+from jupyter_gpupool.demo import DEMO_NOTEBOOK, DemoApp, demo_notebook
 
 
 def test_dry_run_writes_the_notebook_and_prints_the_lab_command(tmp_path):
@@ -33,22 +34,43 @@ def test_bad_demo_options_are_one_line_errors(tmp_path, args, message):
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("gpus, default_slice", [("1x16GiB", "4GiB"), ("2xA100-80GB", "20GiB"), ("1x6GiB", "1536MiB")])
+def test_default_slice_is_a_quarter_of_the_smallest_gpu(tmp_path, gpus, default_slice):
+    """`--gpus 1x16GiB` (a README example) once kept a 20 GiB default: no kernel could start."""
+    _, env, _ = DemoApp(gpus=gpus, directory=str(tmp_path)).prepare()
+    assert env["GPUPOOL_DEFAULT_MEMORY"] == default_slice
+
+
+def test_a_default_slice_larger_than_every_gpu_is_refused(tmp_path):
+    result = subprocess.run(["jupyter", "gpupool", "demo", "--dry-run", f"--dir={tmp_path}", "--gpus=1x16GiB",
+                             "--default-memory=20GiB"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3 and "Traceback" not in result.stderr
+    assert "16 GiB" in result.stderr and "4GiB" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_printed_cli_line_shows_the_demo_pool(tmp_path):
+    """The demo says how to point `jupyter gpupool` at its pool; that line, pasted into a shell, works."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUPOOL_")}
+    result = subprocess.run(["jupyter", "gpupool", "demo", "--dry-run", "--no-browser", f"--dir={tmp_path}", "--gpus=1x16GiB"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    line = re.search(r"from another terminal: (.*jupyter gpupool status)$", result.stderr, re.MULTILINE)
+    assert line, result.stderr
+    status = subprocess.run(["bash", "-c", line.group(1)], capture_output=True, text=True, env=env, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "simulated 1x16GiB" in status.stdout and str(tmp_path / ".gpupool.sqlite") in status.stdout
+
+
 @pytest.mark.slow
-def test_demo_notebook_shows_grant_queue_and_reclaim(tmp_path):
-    """Run in its own process (as `jupyter nbconvert --execute`), so this test process's
+@pytest.mark.parametrize("gpus, classmates", [("1x16GiB", "3 classmates hold 12 GiB"), ("2xA100-80GB", "7 classmates hold 140 GiB")])
+def test_demo_notebook_shows_grant_queue_and_reclaim(tmp_path, gpus, classmates):
+    """The pool the demo command sets up (its default slice included) runs the notebook end to end.
+    Run in its own process (as `jupyter nbconvert --execute`), so this test process's
     provisioner factory stays untouched."""
-    env = {
-        **os.environ,
-        "GPUPOOL_SIMULATE": "1x16GiB",
-        "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),
-        "GPUPOOL_DEFAULT_MEMORY": "4GiB",
-        # The demo waits a minute for idleness; these make it seconds.
-        "GPUPOOL_IDLE_TIMEOUT": "3s",
-        "GPUPOOL_WARNING_PERIOD": "2s",
-        "JUPYTER_DEFAULT_PROVISIONER_NAME": "gpupool-provisioner",
-    }
+    # The demo waits a minute for idleness; these make it seconds.
+    _, demo_env, _ = DemoApp(gpus=gpus, directory=str(tmp_path), idle_timeout="3s", warning_period="2s").prepare()
+    env = {**demo_env, "JUPYTER_DEFAULT_PROVISIONER_NAME": "gpupool-provisioner"}
     source = tmp_path / DEMO_NOTEBOOK
-    nbformat.write(demo_notebook(), source)
     result = subprocess.run(
         [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(source),
          "--output", "executed.ipynb", "--ExecutePreprocessor.timeout=180"],
@@ -61,7 +83,7 @@ def test_demo_notebook_shows_grant_queue_and_reclaim(tmp_path):
         for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])
     )
     assert "granted" in text  # the kernel's own slice
-    assert "3 classmates hold 12 GiB" in text  # 16 GiB pool, the kernel holds 4
+    assert classmates in text  # the pool less the kernel's own slice, in default slices
     assert "queued" in text
     assert "reclaimed: idle for" in text and "late-student is now granted" in text
     # The demo kernel reported its own activity, so the reclaimed slice was a classmate's, not its own.
