@@ -6,7 +6,9 @@ A teacher offers "small" and "large" GPU kernels in the launcher::
     jupyter gpupool kernelspec install --name python3-gpu-16g --memory 16GiB --sys-prefix
 
 Each copies an existing kernelspec (``python3`` by default) and sets its provisioner to
-``gpupool-provisioner`` with the slice in the provisioner's config.
+``gpupool-provisioner`` with the slice in the provisioner's config. A slice no GPU of the pool
+this host is configured for can hold (the broker's with ``GPUPOOL_URL``, else the simulated or
+NVML GPUs) is refused with exit code 3; with no pool to ask, it is installed with a warning.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from jupyter_core.application import JupyterApp
 from traitlets import Bool, Unicode
 
 from .cli import GpuPoolBaseApp
-from .core.models import PriorityClass
-from .errors import InvalidInput
-from .units import GIB, SIZE_FORMS, parse_size
+from .core.models import Device, PriorityClass, model_matches
+from .errors import GpuPoolError, InvalidInput, RequestRefused
+from .units import GIB, SIZE_FORMS, format_size, parse_size
 
 PROVISIONER_NAME = "gpupool-provisioner"
 _NAME_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
@@ -101,6 +103,7 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             names = ", ".join(sorted(manager.find_kernel_specs()))
             raise InvalidInput(f"no kernelspec {self.base_kernel!r} to copy; installed: {names}") from None
         spec = gpu_kernelspec(base.to_dict(), self.memory, int(self.gpus), self.priority, self.model, self.display_name)
+        self.check_fits_the_pool(int(self.gpus))
         target = manager._get_destination_dir(self.kernel_name, user=self.user, prefix=self.prefix or None)
         if not self.replace and (os.path.exists(target) or self.kernel_name in manager.find_kernel_specs()):
             raise InvalidInput(f"a kernelspec named {self.kernel_name!r} exists; add --replace to overwrite it")
@@ -116,6 +119,59 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
                 staging, self.kernel_name, user=self.user, prefix=self.prefix or None, replace=True
             )
         self.emit({"name": self.kernel_name, "path": destination, "spec": spec}, f"installed {spec['display_name']!r} in {destination}")
+
+
+    def pool_devices(self) -> tuple[list[Device] | None, str]:
+        """The devices of the pool this host is configured for (the broker's with GPUPOOL_URL, else the
+        simulated or NVML inventory), and where they come from; ``None`` and why when none can be read.
+        Opens no pool file: installing a kernelspec must not create one."""
+        from .core.policy import PoolPolicy
+        from .devices import make_backend
+        from .remote import RemotePool
+
+        env = dict(os.environ)
+        if self.simulate:
+            env["GPUPOOL_SIMULATE"] = self.simulate
+        try:
+            if (env.get("GPUPOOL_URL") or "").strip():
+                env.setdefault("GPUPOOL_TIMEOUT", "10")
+                remote = RemotePool.from_env(env)
+                return remote.devices(), f"the broker at {remote.url}"
+            backend = make_backend(env.get("GPUPOOL_SIMULATE") or None)
+            try:
+                policy = PoolPolicy(config=self.config)
+                policy.apply_env(env)
+                devices = [
+                    Device(**{**d.__dict__, "overcommit": policy.overcommit_for(d.uuid, d.index)}) for d in backend.devices()
+                ]
+            finally:
+                backend.close()
+            return devices, backend.describe()
+        except (GpuPoolError, OSError) as err:
+            return None, str(err)
+
+    def check_fits_the_pool(self, num_gpus: int) -> None:
+        """Refuse (exit 3) a slice the pool can never hold; warn, and go on, when no pool can be read."""
+        devices, source = self.pool_devices()
+        if devices is None:
+            print(f"jupyter gpupool kernelspec install: warning: --memory {self.memory} could not be checked against a GPU "
+                  f"pool ({source}); installing it unchecked", file=sys.stderr)
+            return
+        candidates = [d for d in devices if not self.model or model_matches(self.model, d)]
+        if not candidates:
+            models = ", ".join(sorted({d.model for d in devices})) or "none"
+            raise RequestRefused(f"no GPU of model {self.model!r} in {source}; models here: {models}")
+        largest = max(candidates, key=lambda d: d.leasable)
+        memory = parse_size(self.memory, gpu_memory=largest.memory_total)
+        if memory > largest.leasable:
+            raise RequestRefused(
+                f"--memory {self.memory} is more than any GPU{' of model ' + self.model if self.model else ''} in "
+                f"{source} holds: the largest, GPU {largest.index} ({largest.name}), has {format_size(largest.leasable)}; "
+                f"ask for at most {format_size(largest.leasable)} (per GPU; --gpus N for more GPUs)"
+            )
+        if num_gpus > len(candidates):
+            raise RequestRefused(f"--gpus {num_gpus} is more than the {len(candidates)} GPU(s) in {source}; "
+                                 f"ask for at most {len(candidates)}")
 
 
 class KernelSpecApp(JupyterApp):

@@ -46,3 +46,46 @@ def test_refuses_bad_input_and_existing_names(tmp_path):
         assert result.returncode == 2, args
         assert expect in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "share/jupyter/kernels/x").exists()
+
+
+def test_a_slice_no_gpu_of_the_pool_holds_is_refused(tmp_path):
+    """`--memory 999TiB` once installed a kernelspec whose kernels could never start."""
+    result = install(tmp_path, "--name", "huge", "--memory", "999TiB")
+    assert result.returncode == 3 and "Traceback" not in result.stderr
+    error = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(error) == 1 and "GPU 0 (Simulated GPU 16GiB), has 16 GiB" in error[0] and "at most 16 GiB" in error[0]
+    for args, expect in [(["--memory", "8GiB", "--model", "A100"], "no GPU of model 'A100'"),
+                         (["--memory", "8GiB", "--gpus", "2"], "at most 1")]:
+        result = install(tmp_path, "--name", "huge", *args)
+        assert result.returncode == 3 and expect in result.stderr, result.stderr
+    assert not (tmp_path / "share/jupyter/kernels/huge").exists()
+    assert install(tmp_path, "--name", "whole", "--memory", "16GiB").returncode == 0
+    assert not (tmp_path / "p.sqlite").exists()  # checking the pool's GPUs creates no pool file
+
+
+def test_a_slice_is_checked_against_the_brokers_gpus(tmp_path):
+    """With GPUPOOL_URL set, the broker's GPUs count, not this host's (here: none)."""
+    from broker_harness import BrokerHarness
+
+    harness = BrokerHarness(tmp_path, simulate="2xA100-80GB").start()
+    try:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("GPUPOOL_")}
+        env["GPUPOOL_URL"] = harness.socket_url
+        run = lambda memory: subprocess.run(  # noqa: E731
+            ["jupyter", "gpupool", "kernelspec", "install", "--prefix", str(tmp_path), "--name", "k", "--replace", "--memory", memory],
+            capture_output=True, text=True, env=env, timeout=60)
+        assert run("80GiB").returncode == 0
+        refused = run("81GiB")
+        assert refused.returncode == 3 and "GPU 0 (A100-80GB), has 80 GiB" in refused.stderr and "broker" in refused.stderr
+    finally:
+        harness.stop()
+
+
+def test_without_a_pool_a_size_is_installed_with_a_warning(tmp_path):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GPUPOOL_")}
+    env["GPUPOOL_URL"] = "http://127.0.0.1:9"  # nothing listens: no pool to check against
+    result = subprocess.run(["jupyter", "gpupool", "kernelspec", "install", "--prefix", str(tmp_path), "--name", "k",
+                             "--memory", "999TiB"], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "warning: --memory 999TiB could not be checked" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "share/jupyter/kernels/k/kernel.json").exists()
