@@ -11,15 +11,14 @@ import sys
 import nbformat
 import pytest
 
-from jupyter_gpupool.demo import DEMO_NOTEBOOK, DemoApp, demo_notebook
+from jupyter_gpupool.demo import DEMO_NOTEBOOK, DemoApp
 
 
 def test_dry_run_writes_the_notebook_and_prints_the_lab_command(tmp_path):
     env = {**os.environ, "GPUPOOL_SIMULATE": ""}
     result = subprocess.run(
         ["jupyter", "gpupool", "demo", "--dry-run", "--no-browser", f"--dir={tmp_path}", "--gpus=1x16GiB", "--port=8899"],
-        capture_output=True, text=True, env=env, timeout=60,
-    )
+        capture_output=True, text=True, env=env, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert "lab" in result.stdout and "--ServerApp.port=8899" in result.stdout and "--no-browser" in result.stdout
     assert "simulated pool 1x16GiB" in result.stderr
@@ -30,7 +29,7 @@ def test_dry_run_writes_the_notebook_and_prints_the_lab_command(tmp_path):
                                            (["--idle-timeout=-1m"], "duration like")])
 def test_bad_demo_options_are_one_line_errors(tmp_path, args, message):
     result = subprocess.run(["jupyter", "gpupool", "demo", "--dry-run", f"--dir={tmp_path}", *args],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
@@ -43,7 +42,7 @@ def test_default_slice_is_a_quarter_of_the_smallest_gpu(tmp_path, gpus, default_
 
 def test_a_default_slice_larger_than_every_gpu_is_refused(tmp_path):
     result = subprocess.run(["jupyter", "gpupool", "demo", "--dry-run", f"--dir={tmp_path}", "--gpus=1x16GiB",
-                             "--default-memory=20GiB"], capture_output=True, text=True, timeout=60)
+                             "--default-memory=20GiB"], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 3 and "Traceback" not in result.stderr
     assert "16 GiB" in result.stderr and "4GiB" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
@@ -52,11 +51,11 @@ def test_the_printed_cli_line_shows_the_demo_pool(tmp_path):
     """The demo says how to point `jupyter gpupool` at its pool; that line, pasted into a shell, works."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("GPUPOOL_")}
     result = subprocess.run(["jupyter", "gpupool", "demo", "--dry-run", "--no-browser", f"--dir={tmp_path}", "--gpus=1x16GiB"],
-                            capture_output=True, text=True, env=env, timeout=60)
+                            capture_output=True, text=True, env=env, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     line = re.search(r"from another terminal: (.*jupyter gpupool status)$", result.stderr, re.MULTILINE)
     assert line, result.stderr
-    status = subprocess.run(["bash", "-c", line.group(1)], capture_output=True, text=True, env=env, timeout=60)
+    status = subprocess.run(["bash", "-c", line.group(1)], capture_output=True, text=True, env=env, timeout=60, check=False)
     assert status.returncode == 0, status.stderr
     assert "simulated 1x16GiB" in status.stdout and str(tmp_path / ".gpupool.sqlite") in status.stdout
 
@@ -74,8 +73,7 @@ def test_demo_notebook_shows_grant_queue_and_reclaim(tmp_path, gpus, classmates)
     result = subprocess.run(
         [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(source),
          "--output", "executed.ipynb", "--ExecutePreprocessor.timeout=180"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400,
-    )
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     notebook = nbformat.read(tmp_path / "executed.ipynb", as_version=4)
     text = "\n".join(
