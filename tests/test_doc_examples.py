@@ -24,8 +24,8 @@ How each kind runs:
   existing scopes, services and a ``GPUPOOL_URL`` that matches the service. JupyterHub blocks of
   one page run cumulatively, as one ``jupyterhub_config.py``. Other python: run in a subprocess
   against a simulated pool.
-- ``yaml``, ``json``, ``ini``: parsed (illustrations too); Z2JH values' ``GPUPOOL_*`` variables
-  must apply to the policy.
+- ``yaml``, ``json``, ``ini``, ``toml``, ``csv``: parsed (illustrations too; a CSV sample must be
+  rectangular); Z2JH values' ``GPUPOOL_*`` variables must apply to the policy.
 - ``%gpupool`` magics (a block of only magic lines): run, in order, in a real kernel started with
   the provisioner on a simulated pool.
 """
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import ast
 import configparser
+import csv
+import io
 import json
 import os
 import re
@@ -87,7 +89,7 @@ class Block:
             return "shell"
         if self.lang in {"python", "py"}:
             return "python"
-        if self.lang in {"yaml", "yml", "json", "ini"}:
+        if self.lang in {"yaml", "yml", "json", "ini", "toml", "csv"}:
             return "data"
         lines = [line.strip() for line in self.text.splitlines() if line.strip()]
         if self.lang in {"", "ipython"} and lines and all(line.startswith("%gpupool") for line in lines):
@@ -138,7 +140,7 @@ def test_every_block_runs_or_is_marked() -> None:
 def test_the_collector_sees_markers_and_indented_blocks(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("- item:\n\n  ```\n  %gpupool status\n  ```\n\n<!-- illustration: needs a JupyterHub here -->\n\n"
-                    "```bash\nsudo tljh-config reload\n```\n\n```toml\n[x]\n```\n")
+                    "```bash\nsudo tljh-config reload\n```\n\n```text\nsample output\n```\n")
     first, second, third = collect_blocks(page)
     assert (first.kind, first.text, first.illustration) == ("magics", "%gpupool status\n", None)
     assert (second.kind, second.illustration) == ("shell", "needs a JupyterHub here")
@@ -152,6 +154,13 @@ def check_data(block: Block) -> None:
     """Parse; Z2JH values: their GPUPOOL_* variables apply to the policy."""
     if block.lang == "json":
         json.loads(block.text)
+        return
+    if block.lang == "toml":
+        tomllib.loads(block.text)
+        return
+    if block.lang == "csv":  # a sample: one header, every row as wide
+        rows = list(csv.reader(io.StringIO(block.text.strip())))
+        assert len(rows) >= 2 and all(len(row) == len(rows[0]) for row in rows), f"{block.id}: ragged CSV"
         return
     if block.lang == "ini":
         parser = configparser.ConfigParser(interpolation=None, strict=False)
@@ -654,8 +663,15 @@ def _block(lang: str, text: str) -> Block:
     ("bash", 'pip install jupyter-gpu-pool\n', "not this project"),
     ("bash", 'jupyter gpupool simulate --gpus 4xA100-80GB --users 0\n', "--users"),
     ("bash", 'jupyter gpupool status --every\n', "exited 2"),
+    ("python", 'c.Watchdog.action = "explode"\n', "explode"),
+    ("python", 'c.GpuPoolExtension.reclaim_action = "suspend"\n', "suspend"),
+    ("bash", 'jupyter gpupool broker --port 8765 --hub maybe\n', "exited 2"),
+    ("bash", 'jupyter gpupool release LEASE_ID && jupyter gpupool release LEASE_ID  # exits 0\n', ""),
 ])
 def test_a_wrong_example_fails(lang: str, text: str, message: str, tmp_path: Path, venv_bin: Path) -> None:
+    if not message:  # the control: each LEASE_ID is a fresh lease of the user, so both releases work
+        test_doc_block(_block(lang, text), tmp_path, venv_bin)
+        return
     with pytest.raises(Exception) as caught:
         test_doc_block(_block(lang, text), tmp_path, venv_bin)
     assert message in str(caught.value)
