@@ -9,7 +9,8 @@ How each kind runs:
 - ``bash``/``sh``: each command runs as a subprocess in a sandbox (a temporary ``HOME``, Jupyter
   config/data/runtime dirs, ``GPUPOOL_DB``, ``GPUPOOL_SIMULATE=2xA100-80GB`` unless the command
   sets its own, and a throwaway virtual environment first on ``PATH`` so ``--sys-prefix`` lands
-  there) and must exit 0, or the code a trailing ``# exit N`` comment gives. Synopsis notation
+  there) and must exit 0, or the code a trailing ``# exits N`` comment gives. ``export X=1`` (or
+  ``X=1`` alone) sets a variable for the rest of the block; ``$X`` is expanded. Synopsis notation
   runs every form: ``[--json]`` with and without, ``user|group|kernel`` each alternative.
   ``LEASE_ID`` becomes the id of a lease made for that command. Long-running programs
   (``jupyter gpupool demo``/``broker``, ``jupyter lab``/``server``) must be alive and listening
@@ -395,6 +396,11 @@ def expand_synopsis(tokens: list[str]) -> list[list[str]]:
     return variants
 
 
+def expand_vars(text: str, env: dict[str, str]) -> str:
+    """``$VAR`` and ``${VAR}`` from the sandbox's environment (unknown ones stay as written)."""
+    return re.sub(r"\$(?:\{(\w+)\}|(\w+))", lambda m: env.get(m.group(1) or m.group(2), m.group(0)), text)
+
+
 def starts_with(argv: list[str], prefix: tuple[str, ...]) -> bool:
     return tuple(argv[: len(prefix)]) == prefix
 
@@ -502,9 +508,16 @@ def run_shell_block(block: Block, sandbox: Sandbox) -> None:
                 commands[-1].append(token)
         for command in commands:
             env = dict(sandbox.env)
+            block_wide = command[:1] == ["export"]
+            command = command[1:] if block_wide else command
             while command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", command[0]):
                 key, _, value = command.pop(0).partition("=")
-                env[key] = value
+                env[key] = expand_vars(value, env)
+                if block_wide or not command:  # `export X=1` or `X=1` alone: for the rest of the block
+                    sandbox.env[key] = env[key]
+            if not command:
+                continue
+            command = [expand_vars(token, env) for token in command]
             if command[0] == "cd":
                 cwd = cwd / command[1]
                 assert cwd.is_dir(), f"{block.id}: `cd {command[1]}`: no such folder in the checkout"
@@ -667,6 +680,8 @@ def _block(lang: str, text: str) -> Block:
     ("python", 'c.GpuPoolExtension.reclaim_action = "suspend"\n', "suspend"),
     ("bash", 'jupyter gpupool broker --port 8765 --hub maybe\n', "exited 2"),
     ("bash", 'jupyter gpupool release LEASE_ID && jupyter gpupool release LEASE_ID  # exits 0\n', ""),
+    ("bash", 'export GPUPOOL_SIMULATE=1x16GiB\njupyter gpupool request 20GiB  # exits 3\n', ""),
+    ("bash", 'GPUPOOL_SIMULATE=1x16GiB jupyter gpupool request 20GiB\n', "exited 3"),
 ])
 def test_a_wrong_example_fails(lang: str, text: str, message: str, tmp_path: Path, venv_bin: Path) -> None:
     if not message:  # the control: each LEASE_ID is a fresh lease of the user, so both releases work
