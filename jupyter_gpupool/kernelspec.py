@@ -121,6 +121,13 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
         self.emit({"name": self.kernel_name, "path": destination, "spec": spec}, f"installed {spec['display_name']!r} in {destination}")
 
 
+    def start(self) -> None:
+        try:
+            self.run()
+        except GpuPoolError as err:
+            print(f"jupyter gpupool kernelspec install: error: {err}", file=sys.stderr)
+            self.exit(err.exit_code)
+
     def pool_devices(self) -> tuple[list[Device] | None, str]:
         """The devices of the pool this host is configured for (the broker's with GPUPOOL_URL, else the
         simulated or NVML inventory), and where they come from; ``None`` and why when none can be read.
@@ -167,11 +174,21 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             raise RequestRefused(
                 f"--memory {self.memory} is more than any GPU{' of model ' + self.model if self.model else ''} in "
                 f"{source} holds: the largest, GPU {largest.index} ({largest.name}), has {format_size(largest.leasable)}; "
-                f"ask for at most {format_size(largest.leasable)} (per GPU; --gpus N for more GPUs)"
+                f"ask for at most {format_size(largest.leasable)} per GPU{_spread_hint(memory * num_gpus, candidates)}"
             )
         if num_gpus > len(candidates):
             raise RequestRefused(f"--gpus {num_gpus} is more than the {len(candidates)} GPU(s) in {source}; "
                                  f"ask for at most {len(candidates)}")
+
+
+def _spread_hint(total: int, devices: list[Device]) -> str:
+    """``", or --gpus 2 --memory 70GiB"``: the fewest GPUs that hold ``total`` between them, if any do."""
+    sizes = sorted((d.leasable for d in devices), reverse=True)
+    for count in range(2, len(sizes) + 1):
+        each = -(-total // count // GIB) * GIB  # whole GiB, rounded up
+        if each <= sizes[count - 1]:
+            return f", or --gpus {count} --memory {each // GIB}GiB"
+    return ""
 
 
 class KernelSpecApp(JupyterApp):

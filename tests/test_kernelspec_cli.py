@@ -79,6 +79,9 @@ def test_a_slice_is_checked_against_the_brokers_gpus(tmp_path):
         assert run("80GiB").returncode == 0
         refused = run("81GiB")
         assert refused.returncode == 3 and "GPU 0 (A100-80GB), has 80 GiB" in refused.stderr and "broker" in refused.stderr
+        assert refused.stderr.startswith("jupyter gpupool kernelspec install: error:")
+        spread = run("140GiB")  # more than one GPU holds: the error offers the GPUs that hold it between them
+        assert spread.returncode == 3 and "or --gpus 2 --memory 70GiB" in spread.stderr
     finally:
         harness.stop()
 
