@@ -57,7 +57,7 @@ def demo_notebook() -> Any:
         new_code_cell(
             "import os\n"
             "from jupyter_gpupool.devices.simulated import pretend_to_use\n"
-            "slice_bytes = int(os.environ['GPUPOOL_MEMORY_LIMIT'])\n"
+            "slice_bytes = int(os.environ.get('GPUPOOL_MEMORY_LIMIT', 12 * 2**30))  # set in a kernel holding a slice\n"
             "pretend_to_use(min(3 * 2**30, slice_bytes // 4))  # 3 GiB, or a quarter of a smaller slice"
         ),
         new_markdown_cell(
