@@ -293,6 +293,9 @@ def check_hub_config(c: Config) -> None:
     for service in services:
         command = service.get("command")
         if command and command[1:3] == ["-m", "jupyter_gpupool.broker"]:
+            import importlib.util
+
+            assert importlib.util.find_spec("jupyter_gpupool.broker.__main__"), "python -m jupyter_gpupool.broker runs nothing"
             parse_broker_args(list(command[3:]))
     url = resolved(c.Spawner.get("environment", {}), {}).get("GPUPOOL_URL")
     if url:
@@ -301,6 +304,33 @@ def check_hub_config(c: Config) -> None:
         RemotePool(url)  # a URL the clients accept
         service = next(s for s in services if s.get("url") and url.startswith(s["url"]))
         assert url.rstrip("/").endswith(f"/services/{service['name']}"), url
+
+
+def check_tljh_settings(block: Block) -> None:
+    """``tljh-config set gpupool.KEY VALUE`` lines (and the keys their comments offer): the TLJH plugin
+    accepts them, its broker accepts the values, and the hub config it writes is well-formed."""
+    from jupyter_gpupool.core.policy import PoolPolicy
+    from jupyter_gpupool.tljh import configure_hub
+
+    settings: dict[str, str] = {}
+    for line in logical_lines(block.text):
+        argv = shlex.split(line, comments=True)
+        argv = argv[1:] if argv[:1] == ["sudo"] else argv
+        if argv[:2] == ["tljh-config", "set"] and argv[2].startswith("gpupool."):
+            settings[argv[2].split(".", 1)[1]] = argv[3]
+            offered = re.search(r"#.*?:\s*(.*)$", line)
+            for key in (offered.group(1).split(",") if offered else []):
+                settings.setdefault(key.strip(), "")
+    if not settings:
+        return
+    c = Config()
+    configure_hub(c, settings)
+    check_hub_config(c)
+    broker_env = next(s.get("environment", {}) for s in c.JupyterHub.services if s["name"] == "gpupool")
+    policy = PoolPolicy()
+    policy.apply_env({key: value for key, value in broker_env.items() if key.startswith("GPUPOOL_")})
+    policy.validate_all()
+    policy.default_memory_bytes(16 << 30)
 
 
 # --- the shell sandbox ----------------------------------------------------------------------------
@@ -575,6 +605,7 @@ def test_doc_block(block: Block, tmp_path: Path, venv_bin: Path) -> None:
     if block.illustration is not None:
         if block.kind == "shell":
             subprocess.run(["bash", "-n"], input=block.text, text=True, check=True, timeout=30)
+            check_tljh_settings(block)
         return
     assert block.kind is not None, f"{block.id}: unrunnable block without an illustration marker"
     if block.kind == "shell":
@@ -690,3 +721,12 @@ def test_a_wrong_example_fails(lang: str, text: str, message: str, tmp_path: Pat
     with pytest.raises(Exception) as caught:
         test_doc_block(_block(lang, text), tmp_path, venv_bin)
     assert message in str(caught.value)
+
+
+def test_tljh_settings_in_an_illustration_are_checked(tmp_path: Path, venv_bin: Path) -> None:
+    block = Block(REPO / "docs" / "multi-user.md", 0, "bash", "sudo tljh-config set gpupool.default_memroy 8GiB\n", "needs TLJH as root")
+    with pytest.raises(ValueError, match="default_memroy"):
+        test_doc_block(block, tmp_path, venv_bin)
+    block.text = "sudo tljh-config set gpupool.idle_timeout soon\n"
+    with pytest.raises(Exception, match="soon"):
+        test_doc_block(block, tmp_path, venv_bin)
