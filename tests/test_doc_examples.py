@@ -29,6 +29,8 @@ How each kind runs:
   rectangular); Z2JH values' ``GPUPOOL_*`` variables must apply to the policy.
 - ``%gpupool`` magics (a block of only magic lines): run, in order, in a real kernel started with
   the provisioner on a simulated pool.
+- ``text`` right below a shell block: that command's sample output. Another test must run the
+  command (and compare its output, as tests/test_metering.py does); else mark it.
 """
 
 from __future__ import annotations
@@ -78,10 +80,13 @@ class Block:
     lang: str
     text: str
     illustration: str | None  # the marker's reason
+    after: Block | None = None  # the block just above, when only blank lines separate them
+    end_line: int = 0  # of the closing fence
 
     @property
     def id(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
+        path = self.path.relative_to(REPO) if self.path.is_relative_to(REPO) else self.path
+        return f"{path}:{self.line}"
 
     @property
     def kind(self) -> str | None:
@@ -95,6 +100,8 @@ class Block:
         lines = [line.strip() for line in self.text.splitlines() if line.strip()]
         if self.lang in {"", "ipython"} and lines and all(line.startswith("%gpupool") for line in lines):
             return "magics"
+        if self.lang in {"text", "console", "output"} and self.after is not None and self.after.kind == "shell":
+            return "output"
         return None
 
 
@@ -118,8 +125,10 @@ def collect_blocks(path: Path) -> list[Block]:
         while before >= 0 and not lines[before].strip():
             before -= 1
         marker = _MARKER.match(lines[before]) if before >= 0 else None
+        after = blocks[-1] if blocks and blocks[-1].end_line == before + 1 else None
         blocks.append(Block(path, index + 1, opening.group("info").strip().split(" ")[0].lower(), body + "\n",
-                            marker.group("reason") if marker else None))
+                            marker.group("reason") if marker else None, after))
+        blocks[-1].end_line = end + 1
         index = end + 1
     return blocks
 
@@ -141,11 +150,12 @@ def test_every_block_runs_or_is_marked() -> None:
 def test_the_collector_sees_markers_and_indented_blocks(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("- item:\n\n  ```\n  %gpupool status\n  ```\n\n<!-- illustration: needs a JupyterHub here -->\n\n"
-                    "```bash\nsudo tljh-config reload\n```\n\n```text\nsample output\n```\n")
-    first, second, third = collect_blocks(page)
+                    "```bash\nsudo tljh-config reload\n```\n\n```text\nsample output\n```\n\nprose\n\n```text\nx\n```\n")
+    first, second, third, fourth = collect_blocks(page)
     assert (first.kind, first.text, first.illustration) == ("magics", "%gpupool status\n", None)
     assert (second.kind, second.illustration) == ("shell", "needs a JupyterHub here")
-    assert third.kind is None and third.illustration is None  # a new kind without a marker fails the test above
+    assert third.kind == "output" and third.after is second  # sample output of the shell block above it
+    assert fourth.kind is None and fourth.illustration is None  # a kind it cannot run, unmarked: fails the test above
 
 
 # --- data blocks ----------------------------------------------------------------------------------
@@ -562,6 +572,18 @@ def run_shell_block(block: Block, sandbox: Sandbox) -> None:
                     sandbox.run(argv, env, expect)
 
 
+def check_sample_output(block: Block) -> None:
+    """A sample of the command above it: some other test must run that command (and compare), as
+    tests/test_metering.py does for the report sample; the command itself runs as its own block."""
+    assert block.after is not None
+    tests = "\n".join(p.read_text() for p in (REPO / "tests").glob("*.py") if p.name != Path(__file__).name)
+    for line in logical_lines(block.after.text):
+        command = line.split(" #")[0].strip()
+        assert command in tests, (
+            f"{block.id}: sample output of `{command}`, which no test under tests/ runs; have a test produce and "
+            "compare it, or mark the sample an illustration")
+
+
 # --- magics ---------------------------------------------------------------------------------------
 
 
@@ -612,6 +634,8 @@ def test_doc_block(block: Block, tmp_path: Path, venv_bin: Path) -> None:
         run_shell_block(block, Sandbox(tmp_path, venv_bin))
     elif block.kind == "magics":
         run_magics_block(block, Sandbox(tmp_path, venv_bin))
+    elif block.kind == "output":
+        check_sample_output(block)
     elif block.kind == "python":
         tree = ast.parse(block.text)
         if "c.JupyterHub" in block.text or "c.Spawner" in block.text:
@@ -730,3 +754,11 @@ def test_tljh_settings_in_an_illustration_are_checked(tmp_path: Path, venv_bin: 
     block.text = "sudo tljh-config set gpupool.idle_timeout soon\n"
     with pytest.raises(Exception, match="soon"):
         test_doc_block(block, tmp_path, venv_bin)
+
+
+def test_a_sample_no_test_produces_fails(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```bash\njupyter gpupool leases --released --json\n```\n\n```text\n[]\n```\n")
+    _, sample = collect_blocks(page)
+    with pytest.raises(AssertionError, match="no test under tests/ runs"):
+        check_sample_output(sample)
