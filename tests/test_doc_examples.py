@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import configparser
 import csv
+import functools
 import io
 import json
 import os
@@ -208,13 +209,30 @@ def parse_broker_args(args: list[str]) -> None:
 # --- python blocks --------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
 def our_configurables() -> dict[str, type]:
-    from jupyter_gpupool.broker.app import BrokerApp
-    from jupyter_gpupool.broker.auth import PeerCredIdentity
+    """Every configurable class of the package by name: the configuration reference's, and any other
+    ``Configurable`` a module of ``jupyter_gpupool`` defines (apps, identities, backends)."""
+    import importlib
+    import pkgutil
+
+    from traitlets.config import Configurable
+
+    import jupyter_gpupool
     from jupyter_gpupool.configref import CONFIGURABLES, _load
 
-    classes = [_load(path) for path, _ in CONFIGURABLES] + [PeerCredIdentity, BrokerApp]
-    return {cls.__name__: cls for cls in classes}
+    classes = {cls.__name__: cls for cls in (_load(path) for path, _ in CONFIGURABLES)}
+    for module_info in pkgutil.walk_packages(jupyter_gpupool.__path__, "jupyter_gpupool."):
+        if module_info.name.endswith("__main__") or ".labextension" in module_info.name:
+            continue
+        try:
+            module = importlib.import_module(module_info.name)
+        except ImportError:  # an optional dependency (e.g. of the TLJH plugin) is not installed
+            continue
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, Configurable) and value.__module__ == module.__name__:
+                classes.setdefault(value.__name__, value)
+    return classes
 
 
 HUB_SECTIONS = {"JupyterHub", "Spawner", "LocalProcessSpawner", "Authenticator", "ConfigurableHTTPProxy"}
@@ -256,6 +274,13 @@ def check_our_config(c: Config, tmp_path: Path, build_broker: bool = True) -> li
     Watchdog(config=c)
     GpuPoolExtension(config=c)
     GpuPoolProvisioner(config=c, kernel_id="doc-example", kernel_spec=None)
+    for section in checked:  # the others: every value set on an instance, so each trait validates it
+        cls = ours[section]
+        if cls in {PoolPolicy, EnforcementSettings, Watchdog, GpuPoolExtension, GpuPoolProvisioner}:
+            continue
+        probe = cls.__new__(cls)  # traitlets sets up the traits here; __init__ may need a pool or a hub
+        for name, value in c[section].items():
+            setattr(probe, name, resolved(value, getattr(probe, name)))
     if build_broker and {"Broker", "HubIdentity", "PeerCredIdentity", "BrokerApp", "PoolPolicy"} & set(checked):
         config_file = tmp_path / "doc_config.py"
         config_file.write_text("c = get_config()\n" + "".join(f"c.{s}.{k} = {v!r}\n" for s in checked for k, v in c[s].items()))
@@ -732,6 +757,8 @@ def _block(lang: str, text: str) -> Block:
     ("bash", 'jupyter gpupool simulate --gpus 4xA100-80GB --users 0\n', "--users"),
     ("bash", 'jupyter gpupool status --every\n', "exited 2"),
     ("python", 'c.Watchdog.action = "explode"\n', "explode"),
+    ("python", 'c.Broker.tick_interval = "soon"\n', "soon"),
+    ("python", 'c.HubIdentity.cache_seconds = "ten"\n', "ten"),
     ("python", 'c.GpuPoolExtension.reclaim_action = "suspend"\n', "suspend"),
     ("bash", 'jupyter gpupool broker --port 8765 --hub maybe\n', "exited 2"),
     ("bash", 'jupyter gpupool release LEASE_ID && jupyter gpupool release LEASE_ID  # exits 0\n', ""),
