@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 
+import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 
 
@@ -94,3 +95,21 @@ def test_without_a_pool_a_size_is_installed_with_a_warning(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "warning: --memory 999TiB could not be checked" in result.stderr and "Traceback" not in result.stderr
     assert (tmp_path / "share/jupyter/kernels/k/kernel.json").exists()
+
+
+def test_a_slice_is_checked_against_the_nvml_gpus(tmp_path, monkeypatch, capsys):
+    """Without GPUPOOL_SIMULATE or GPUPOOL_URL, the host's GPUs as NVML reports them count."""
+    from fake_pynvml import GIB, FakeGpu, FakeNvml
+
+    from jupyter_gpupool.kernelspec import KernelSpecInstallApp
+
+    FakeNvml([FakeGpu("NVIDIA A100-SXM4-40GB", 40 * GIB), FakeGpu("Tesla T4", 15 * GIB)]).install(monkeypatch)
+    for name in [name for name in os.environ if name.startswith("GPUPOOL_")]:
+        monkeypatch.delenv(name)
+    app = KernelSpecInstallApp()
+    app.initialize(["--prefix", str(tmp_path), "--name", "k", "--memory", "48GiB"])
+    with pytest.raises(SystemExit) as exit_:
+        app.start()
+    assert exit_.value.code == 3
+    assert "GPU 0 (NVIDIA A100-SXM4-40GB), has 40 GiB" in capsys.readouterr().err
+    assert not (tmp_path / "share/jupyter/kernels/k").exists()
