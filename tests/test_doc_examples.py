@@ -51,7 +51,7 @@ import sys
 import sysconfig
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ class Block:
     lang: str
     text: str
     illustration: str | None  # the marker's reason
-    after: Block | None = None  # the block just above, when only blank lines separate them
+    after: Block | None = field(default=None, repr=False, compare=False)  # the block just above, if only blank lines between
     end_line: int = 0  # of the closing fence
 
     @property
