@@ -387,6 +387,12 @@ def venv_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     commands, so ``--sys-prefix`` installs land in it, not in the shared interpreter."""
     root = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)], check=True, timeout=60)
+    # Inside a virtual environment (CI), --system-site-packages sees the base interpreter's packages,
+    # not this environment's: add this one's site-packages, .pth files (editable installs) included.
+    site_dirs = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+    venv_site = next((root / "lib").glob("python*/site-packages"))
+    (venv_site / "_outer_environment.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
     bin_dir = root / "bin"
     scripts = Path(sysconfig.get_path("scripts"))
     for script in scripts.glob("jupyter*"):
