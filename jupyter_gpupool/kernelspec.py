@@ -6,9 +6,10 @@ A teacher offers "small" and "large" GPU kernels in the launcher::
     jupyter gpupool kernelspec install --name python3-gpu-16g --memory 16GiB --sys-prefix
 
 Each copies an existing kernelspec (``python3`` by default) and sets its provisioner to
-``gpupool-provisioner`` with the slice in the provisioner's config. A slice no GPU of the pool
-this host is configured for can hold (the broker's with ``GPUPOOL_URL``, else the simulated or
-NVML GPUs) is refused with exit code 3; with no pool to ask, it is installed with a warning.
+``gpupool-provisioner`` with the slice in the provisioner's config. A slice the pool this host is
+configured for could never grant (the broker's with ``GPUPOOL_URL``, else the simulated or NVML
+GPUs; judged by the engine's own rules, so one larger than a GPU may span several) is refused
+with exit code 3; with no pool to ask, it is installed with a warning.
 """
 
 from __future__ import annotations
@@ -128,10 +129,10 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             print(f"jupyter gpupool kernelspec install: error: {err}", file=sys.stderr)
             self.exit(err.exit_code)
 
-    def pool_devices(self) -> tuple[list[Device] | None, str]:
-        """The devices of the pool this host is configured for (the broker's with GPUPOOL_URL, else the
-        simulated or NVML inventory), and where they come from; ``None`` and why when none can be read.
-        Opens no pool file: installing a kernelspec must not create one."""
+    def pool_devices(self) -> tuple[list[Device] | None, Any, str]:
+        """The devices and policy of the pool this host is configured for (the broker's with GPUPOOL_URL,
+        else the simulated or NVML inventory and the local policy), and where they come from; ``None``
+        and why when none can be read. Opens no pool file: installing a kernelspec must not create one."""
         from .core.policy import PoolPolicy
         from .devices import make_backend
         from .remote import RemotePool
@@ -143,7 +144,7 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             if (env.get("GPUPOOL_URL") or "").strip():
                 env.setdefault("GPUPOOL_TIMEOUT", "10")
                 remote = RemotePool.from_env(env)
-                return remote.devices(), f"the broker at {remote.url}"
+                return remote.devices(), remote.policy, f"the broker at {remote.url}"
             backend = make_backend(env.get("GPUPOOL_SIMULATE") or None)
             try:
                 policy = PoolPolicy(config=self.config)
@@ -153,42 +154,40 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
                 ]
             finally:
                 backend.close()
-            return devices, backend.describe()
+            return devices, policy, backend.describe()
         except (GpuPoolError, OSError) as err:
-            return None, str(err)
+            return None, None, str(err)
 
     def check_fits_the_pool(self, num_gpus: int) -> None:
-        """Refuse (exit 3) a slice the pool can never hold; warn, and go on, when no pool can be read."""
-        devices, source = self.pool_devices()
+        """Refuse (exit 3) a slice the pool would refuse as never fitting, by the engine's own rules (a
+        slice larger than one GPU may span several); warn, and go on, when no pool can be read."""
+        from .core.engine import Engine
+        from .core.models import LeaseRequest
+
+        devices, policy, source = self.pool_devices()
         if devices is None:
             print(f"jupyter gpupool kernelspec install: warning: --memory {self.memory} could not be checked against a GPU "
                   f"pool ({source}); installing it unchecked", file=sys.stderr)
             return
-        candidates = [d for d in devices if not self.model or model_matches(self.model, d)]
+        candidates = [d for d in devices if d.healthy and (not self.model or model_matches(self.model, d))]
         if not candidates:
             models = ", ".join(sorted({d.model for d in devices})) or "none"
             raise RequestRefused(f"no GPU of model {self.model!r} in {source}; models here: {models}")
         largest = max(candidates, key=lambda d: d.leasable)
         memory = parse_size(self.memory, gpu_memory=largest.memory_total)
-        if memory > largest.leasable:
+        request = LeaseRequest(owner="kernelspec", memory=memory, num_gpus=num_gpus, model=self.model or None)
+        try:
+            per_gpu, gpus = Engine(policy)._shape(request, candidates)
+        except RequestRefused as err:
             raise RequestRefused(
-                f"--memory {self.memory} is more than any GPU{' of model ' + self.model if self.model else ''} in "
-                f"{source} holds: the largest, GPU {largest.index} ({largest.name}), has {format_size(largest.leasable)}; "
-                f"ask for at most {format_size(largest.leasable)} per GPU{_spread_hint(memory * num_gpus, candidates)}"
-            )
-        if num_gpus > len(candidates):
-            raise RequestRefused(f"--gpus {num_gpus} is more than the {len(candidates)} GPU(s) in {source}; "
-                                 f"ask for at most {len(candidates)}")
-
-
-def _spread_hint(total: int, devices: list[Device]) -> str:
-    """``", or --gpus 2 --memory 70GiB"``: the fewest GPUs that hold ``total`` between them, if any do."""
-    sizes = sorted((d.leasable for d in devices), reverse=True)
-    for count in range(2, len(sizes) + 1):
-        each = -(-total // count // GIB) * GIB  # whole GiB, rounded up
-        if each <= sizes[count - 1]:
-            return f", or --gpus {count} --memory {each // GIB}GiB"
-    return ""
+                f"--memory {self.memory}{f' --gpus {num_gpus}' if num_gpus != 1 else ''} never fits {source}: {err} "
+                f"(the largest GPU{' of model ' + self.model if self.model else ''}, GPU {largest.index} ({largest.name}), "
+                f"has {format_size(largest.leasable)})"
+            ) from None
+        if gpus != num_gpus:
+            print(f"jupyter gpupool kernelspec install: note: --memory {self.memory} is more than GPU {largest.index} "
+                  f"({largest.name}, {format_size(largest.leasable)}) holds, so its kernels span {gpus} GPUs of "
+                  f"{source}, {format_size(per_gpu)} each", file=sys.stderr)
 
 
 class KernelSpecApp(JupyterApp):

@@ -78,11 +78,12 @@ def test_a_slice_is_checked_against_the_brokers_gpus(tmp_path):
             return subprocess.run([*argv, "--memory", memory], check=False, capture_output=True, text=True, env=env, timeout=60)
 
         assert run("80GiB").returncode == 0
-        refused = run("81GiB")
-        assert refused.returncode == 3 and "GPU 0 (A100-80GB), has 80 GiB" in refused.stderr and "broker" in refused.stderr
+        refused = run("200GiB")
+        assert refused.returncode == 3 and "broker" in refused.stderr and "at most 160 GiB" in refused.stderr
+        assert "GPU 0 (A100-80GB), has 80 GiB" in refused.stderr
         assert refused.stderr.startswith("jupyter gpupool kernelspec install: error:")
-        spread = run("140GiB")  # more than one GPU holds: the error offers the GPUs that hold it between them
-        assert spread.returncode == 3 and "or --gpus 2 --memory 70GiB" in spread.stderr
+        spread = run("140GiB")  # more than one GPU holds, as the engine grants it: spanning 2 GPUs
+        assert spread.returncode == 0 and "span 2 GPUs" in spread.stderr and "70 GiB each" in spread.stderr
     finally:
         harness.stop()
 
