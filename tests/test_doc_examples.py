@@ -342,8 +342,9 @@ def check_hub_config(c: Config) -> None:
 
 
 def check_tljh_settings(block: Block) -> None:
-    """``tljh-config set gpupool.KEY VALUE`` lines (and the keys their comments offer): the TLJH plugin
-    accepts them, its broker accepts the values, and the hub config it writes is well-formed."""
+    """What an illustrated shell block still lets us check: its ``pip install`` lines name this package
+    and its extras; ``tljh-config set gpupool.KEY VALUE`` lines (and the keys their comments offer)
+    are accepted by the TLJH plugin, its broker accepts the values, the hub config it writes is well-formed."""
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.tljh import configure_hub
 
@@ -351,6 +352,8 @@ def check_tljh_settings(block: Block) -> None:
     for line in logical_lines(block.text):
         argv = shlex.split(line, comments=True)
         argv = argv[1:] if argv[:1] == ["sudo"] else argv
+        if "pip" in argv[:3] and "install" in argv:  # illustrated installs still name this package
+            check_pip_install(argv, REPO)
         if argv[:2] == ["tljh-config", "set"] and argv[2].startswith("gpupool."):
             settings[argv[2].split(".", 1)[1]] = argv[3]
             offered = re.search(r"#.*?:\s*(.*)$", line)
@@ -786,6 +789,9 @@ def test_tljh_settings_in_an_illustration_are_checked(tmp_path: Path, venv_bin: 
         test_doc_block(block, tmp_path, venv_bin)
     block.text = "sudo tljh-config set gpupool.idle_timeout soon\n"
     with pytest.raises(Exception, match="soon"):
+        test_doc_block(block, tmp_path, venv_bin)
+    block.text = "sudo /opt/tljh/user/bin/python3 -m pip install jupyter-gpupool[gpu]\n"
+    with pytest.raises(AssertionError, match="no extras"):
         test_doc_block(block, tmp_path, venv_bin)
 
 
