@@ -757,7 +757,7 @@ def _block(lang: str, text: str) -> Block:
     ("python", 'c.PoolPolicy.idle_policy = "sometimes"\n', "idle_policy"),
     ("python", 'c.PoolPolicy.idle_timout = 60\n', "no option ['idle_timout']"),
     ("python", 'c.PoolPolicy.user_quotas = {"prof": {"guaranteed": "16GiB", "maximum": "8GiB"}}\n', "above maximum"),
-    ("python", 'c.GpuPool.tick = 1\n', "configures nothing"),
+    ("python", 'c.GpuPoolz.tick = 1\n', "configures nothing"),
     ("python", ('c.JupyterHub.services = [{"name": "gpupool", "url": "http://127.0.0.1:10101"}]\n'
                 'c.Spawner.server_token_scopes = ["access:services!service=gpupol"]\n'), "no service 'gpupol'"),
     ("python", 'c.Spawner.server_token_scopes = ["access:service"]\n', "does not exist"),
