@@ -18,7 +18,7 @@ def decided(pool, kind: DecisionKind) -> list[str]:
 
 
 def test_grant_then_queue_then_grant_on_release(tmp_path):
-    pool = make_pool(tmp_path)
+    pool = make_pool(tmp_path, idle_policy="never")
     a = pool.request(req("alice"), now=T0)
     b = pool.request(req("bob"), now=T0 + 1)
     c = pool.request(req("carol"), now=T0 + 2)
@@ -38,6 +38,29 @@ def test_estimated_wait_comes_from_expected_ends(tmp_path):
     waiting = pool.request(req("carol"), now=T0 + 60)
     info = pool.queue_info(waiting.id, now=T0 + 60)
     assert info.estimated_wait == pytest.approx(540)
+
+
+def test_estimated_wait_counts_idle_holders_the_policy_would_reclaim(tmp_path):
+    pool = make_pool(tmp_path, idle_timeout=600, warning_period=60, preemption=False)  # idle_policy "pressure"
+    holder = pool.request(req("alice", gib=16), now=T0)
+    pool.report_activity(holder.id, Activity(busy=True), now=T0 + 50)
+    waiting = pool.request(req("bob"), now=T0 + 60)
+    assert pool.queue_info(waiting.id, now=T0 + 60).estimated_wait is None  # a busy holder, no history: unknown
+    pool.report_activity(holder.id, Activity(busy=False, last_activity=T0 + 100), now=T0 + 100)
+    info = pool.queue_info(waiting.id, now=T0 + 300)
+    assert info.estimated_wait == pytest.approx(100 + 600 + 60 - 300)  # idle since 100, timeout, then the warning
+    pool.keep(holder.id, 3600, now=T0 + 400)  # kept through idle: reclaimable only when the keep runs out
+    assert pool.queue_info(waiting.id, now=T0 + 400).estimated_wait == pytest.approx(3600 + 60)
+
+
+def test_estimated_wait_uses_the_leases_whose_end_is_known(tmp_path):
+    pool = make_pool(tmp_path, idle_policy="never")
+    pool.request(req("alice", duration=600), now=T0)
+    pool.request(req("bob"), now=T0)  # no duration, no history, never reclaimed: holds on for good
+    waiting = pool.request(req("carol"), now=T0 + 60)
+    assert pool.queue_info(waiting.id, now=T0 + 60).estimated_wait == pytest.approx(540)
+    too_big = pool.request(req("dave", gib=16), now=T0 + 60)
+    assert pool.queue_info(too_big.id, now=T0 + 60).estimated_wait is None  # only bob's end would make room
 
 
 def test_requests_that_can_never_fit_are_refused_with_what_fits(tmp_path):
@@ -274,6 +297,26 @@ def test_resize_shrinks_and_grows_within_room(tmp_path):
     with pytest.raises(RequestRefused, match="ask for at most 12 GiB"):
         pool.resize(a.id, memory=13 * GIB, now=T0 + 2)
     assert pool.resize(a.id, memory=2 * GIB, now=T0 + 3).memory == 2 * GIB
+
+
+def test_resize_on_a_full_gpu_says_it_would_queue_not_what_is_already_held(tmp_path):
+    pool = make_pool(tmp_path, spec="2x80GiB")
+    a = pool.request(req("a", gib=40), now=T0)
+    b = pool.request(req("b", gib=40), now=T0)  # shares a's GPU: 0 B free there
+    pool.request(req("c", gib=50), now=T0)
+    with pytest.raises(RequestRefused) as refused:
+        pool.resize(a.id, memory=60 * GIB, now=T0 + 1)
+    assert str(refused.value) == (
+        "cannot grow to 60 GiB now: its GPU has no free memory, so the slice stays 40 GiB; "
+        "release and request 60 GiB again to queue for it (a GPU here holds at most 80 GiB)"
+    )
+    with pytest.raises(RequestRefused, match=r"ask for at most 80 GiB \(a new slice may span up to 160 GiB on 2 GPUs\)$"):
+        pool.resize(a.id, memory=999 * 1024 * GIB, now=T0 + 1)
+    pool.release(b.id, now=T0 + 2)
+    assert pool.request(req("b", gib=35), now=T0 + 3).devices == a.devices  # the other GPU has 30 GiB free
+    with pytest.raises(RequestRefused, match=r"its GPU has 5 GiB free; ask for at most 45 GiB now"):
+        pool.resize(a.id, memory=60 * GIB, now=T0 + 4)
+    assert pool.get(a.id).memory == 40 * GIB
 
 
 def test_heartbeat_ttl_and_dead_holder_release(tmp_path):

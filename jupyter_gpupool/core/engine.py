@@ -153,7 +153,7 @@ class Engine:
         if request.num_gpus == 1 and request.memory > largest:
             span = self.fewest_gpus(request.memory, sizes)
             if span is None:
-                most_k, most = max(((k, k * sizes[k - 1]) for k in range(1, min(len(sizes), self.policy.max_gpus_per_lease) + 1)), key=lambda item: item[1])
+                most_k, most = self._most_that_fits(sizes)
                 raise RequestRefused(
                     f"requested {format_size(request.memory)} but at most {format_size(most)} fits on this pool's GPUs{of_model} "
                     f"({most_k} × {format_size(most // most_k)}); ask for at most {format_size(most)}"
@@ -176,6 +176,10 @@ class Engine:
                 f"{format_size(fitting)} fits on {request.num_gpus} GPUs; ask for at most {format_size(fitting)} each"
             )
         return request.memory, request.num_gpus
+
+    def _most_that_fits(self, sizes: list[int]) -> tuple[int, int]:
+        """(GPUs, total bytes) of the largest single lease GPUs of ``sizes`` (largest first) can hold."""
+        return max(((k, k * sizes[k - 1]) for k in range(1, min(len(sizes), self.policy.max_gpus_per_lease) + 1)), key=lambda item: item[1])
 
     def fewest_gpus(self, memory: int, sizes: list[int]) -> tuple[int, int] | None:
         """(GPUs, bytes each) of the fewest equal shares of ``memory`` that fit on GPUs of ``sizes``
@@ -741,9 +745,15 @@ class Engine:
         if sizes and memory > sizes[0]:
             span = self.fewest_gpus(memory * lease.num_gpus, sizes) if lease.num_gpus == 1 else None
             if span is None:
+                most_k, most = self._most_that_fits(sizes)
+                spanning = (
+                    f" (a new slice may span up to {format_size(most)} on {most_k} GPUs)"
+                    if lease.num_gpus == 1 and most_k > 1 and self.policy.span_large_requests
+                    else ""
+                )
                 raise RequestRefused(
                     f"cannot grow to {format_size(memory)}: the largest GPU has {format_size(sizes[0])}; "
-                    f"ask for at most {format_size(sizes[0])}"
+                    f"ask for at most {format_size(sizes[0])}{spanning}"
                 )
             raise RequestRefused(
                 f"cannot grow to {format_size(memory)} in place: that spans {span[0]} GPUs ({format_size(span[1])} each), "
@@ -759,8 +769,15 @@ class Engine:
         free = self.free_by_device(state, lease)
         room = min(free.get(uuid, 0) for uuid in lease.devices) if lease.devices else 0
         if extra > room:
+            gpus = "its GPU has" if lease.num_gpus == 1 else f"its {lease.num_gpus} GPUs have"
+            if room == 0:
+                raise RequestRefused(
+                    f"cannot grow to {format_size(memory)} now: {gpus} no free memory, so the slice stays "
+                    f"{format_size(lease.memory)}; release and request {format_size(memory)} again to queue for it"
+                    + (f" (a GPU here holds at most {format_size(sizes[0])})" if sizes else "")
+                )
             raise RequestRefused(
-                f"cannot grow to {format_size(memory)}: its GPU has {format_size(room)} free; "
+                f"cannot grow to {format_size(memory)}: {gpus} {format_size(room)} free; "
                 f"ask for at most {format_size(lease.memory + room)} now, or release and request again to queue"
             )
         lease.memory = memory
@@ -840,20 +857,19 @@ class Engine:
         return QueueInfo(position=position, length=len(order), estimated_wait=self.estimate_wait(state, lease, order, now), reason=reason)
 
     def estimate_wait(self, state: PoolState, lease: Lease, order: list[Lease], now: float) -> float | None:
-        """Replay expected lease ends (their durations, else the typical hold) until ``lease`` fits."""
+        """Replay expected lease ends until ``lease`` fits; None when nothing known frees enough.
+
+        A held lease ends at its pending reclaim, else at the earliest of its duration's end (or,
+        without one, the typical hold from the ledger) and the moment the idle policy would take it
+        back. A lease with no known end is taken to hold its memory for good.
+        """
         ends: list[tuple[float, tuple[str, ...], int]] = []
         for other in state.leases.values():
             if other.state not in HELD_STATES:
                 continue
-            if other.reclaim_at is not None:
-                end = other.reclaim_at
-            elif other.expected_end is not None:
-                end = other.expected_end
-            elif state.typical_hold is not None and other.granted_at is not None:
-                end = other.granted_at + state.typical_hold
-            else:
-                return None
-            ends.append((max(end, now), other.devices, other.memory))
+            end = self._expected_release(state, other, now)
+            if end is not None:
+                ends.append((max(end, now), other.devices, other.memory))
         ends.sort(key=lambda item: item[0])
         free = self.free_by_device(state, lease)
         pending = order[: order.index(lease) + 1]
@@ -871,15 +887,36 @@ class Engine:
                 if head.id == lease.id:
                     return max(0.0, current - now)
                 hold = head.duration or state.typical_hold
-                if hold is None:
-                    return None
-                ends.append((current + hold, devices, head.memory))
-                ends.sort(key=lambda item: item[0])
+                if hold is not None:  # else it holds its memory for good, as far as we know
+                    ends.append((current + hold, devices, head.memory))
+                    ends.sort(key=lambda item: item[0])
             if not ends:
                 return None
             current, devices, memory = ends.pop(0)
             for uuid in devices:
                 free[uuid] = free.get(uuid, 0) + memory
+
+    def _expected_release(self, state: PoolState, lease: Lease, now: float) -> float | None:
+        """When held ``lease`` is expected to free its memory while someone waits; None if unknown."""
+        if lease.reclaim_at is not None:
+            return lease.reclaim_at
+        ends = []
+        if lease.expected_end is not None:
+            ends.append(lease.expected_end)
+        elif state.typical_hold is not None and lease.granted_at is not None:
+            ends.append(lease.granted_at + state.typical_hold)
+        idle_reclaim = self._idle_reclaim_time(lease, now)
+        if idle_reclaim is not None:
+            ends.append(idle_reclaim)
+        return min(ends) if ends else None
+
+    def _idle_reclaim_time(self, lease: Lease, now: float) -> float | None:
+        """When the idle policy would reclaim ``lease`` if it stays idle and someone waits; None if it won't."""
+        if self.policy.idle_policy == "never" or lease.busy or lease.state is not LeaseState.GRANTED:
+            return None
+        idle_since = lease.last_activity or lease.granted_at or lease.created_at
+        eligible = max(idle_since + self.policy.idle_timeout, lease.keep_until or 0.0, now)
+        return eligible + self.policy.warning_period
 
     # --- helpers ----------------------------------------------------------------------------------
     @staticmethod
