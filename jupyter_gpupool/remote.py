@@ -504,7 +504,10 @@ class RemotePool:
         return _lease(self.call("GET", f"{API}/leases/{_q(lease_id)}"))
 
     def _kernel_leases(self, kernel_id: str) -> list[Lease]:
-        items = self.call("GET", f"{API}/leases", query={"kernel_id": kernel_id, "released": 1})
+        """The kernel's leases, newest first: any owner's for a broker admin (so an admin's server can
+        act on another user's kernel, as the docs promise), the caller's own for everyone else (the
+        broker ignores ``all`` from non-admins)."""
+        items = self.call("GET", f"{API}/leases", query={"kernel_id": kernel_id, "released": 1, "all": 1})
         return [_lease(item) for item in items]
 
     def lease_for_kernel(self, kernel_id: str) -> Lease | None:

@@ -35,7 +35,7 @@ class Server:
     """`jupyter server` in its own folder under ``tmp``, its environment overridden by ``env``
     (a value of None removes the variable), reached with its own token."""
 
-    def __init__(self, tmp: Path, user: str, env: dict[str, str | None]) -> None:
+    def __init__(self, tmp: Path, user: str, env: dict[str, str | None], args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.token = f"{user}-server-token"
         self.root = tmp / user
@@ -51,7 +51,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "server", f"--port={self.port}", "--no-browser", "--allow-root",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-             "--ServerApp.jpserver_extensions={'jupyter_server_terminals': False}"],
+             "--ServerApp.jpserver_extensions={'jupyter_server_terminals': False}", *args],
             env=environ, stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60

@@ -5,6 +5,7 @@ kernels started through the REST API. The broker is the real one (tests/broker_h
 
 from __future__ import annotations
 
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -103,3 +104,52 @@ def test_broker_down_means_a_cpu_only_kernel_or_none_never_an_unpooled_gpu(tmp_p
     finally:
         alice.stop()
         bob.stop()
+
+
+def Hub_user_server(tmp: Path, user: str, broker_url: str, token: str, scopes: tuple[str, ...] = ()) -> BaseServer:
+    """A user's server as a hub runs it: its token is that user's, with the scopes the hub granted."""
+    tests_dir = str(Path(__file__).parent)
+    env: dict[str, str | None] = {"GPUPOOL_URL": broker_url, "GPUPOOL_TOKEN": token, "GPUPOOL_DB": None, "GPUPOOL_SIMULATE": None}
+    env["PYTHONPATH"] = os.pathsep.join([os.environ.get("PYTHONPATH", ""), tests_dir])
+    args = (
+        "--ServerApp.identity_provider_class=named_user_identity.NamedUserIdentityProvider",
+        f"--NamedUserIdentityProvider.username={user}",
+        *(f"--NamedUserIdentityProvider.scopes={scope}" for scope in scopes),
+    )
+    return BaseServer(tmp, user, env, args)
+
+
+def test_an_admins_own_server_sees_and_releases_another_users_kernel(tmp_path):
+    """The docs: admins may act on any kernel. Through their own server, by kernel id, the broker
+    deciding who is an admin; a non-admin's server still gets 403/404 for someone else's kernel."""
+    harness = BrokerHarness(tmp_path).start()
+    servers: list[BaseServer] = []
+    try:
+        harness.add_user("teacher-hub-token", "teacher", admin=True)
+        harness.add_user("bob-hub-token", "bob")
+        teacher = Hub_user_server(tmp_path, "teacher", harness.url, "teacher-hub-token", scopes=("custom:gpupool:admin",))
+        bob = Hub_user_server(tmp_path, "bob", harness.url, "bob-hub-token")
+        servers += [teacher, bob]
+        assert teacher.call("GET", "api/gpupool/pool")["viewer"] == {"name": "teacher", "admin": True}
+        bobs = bob.call("POST", "api/kernels", {"name": "python3"})["id"]
+        teachers = teacher.call("POST", "api/kernels", {"name": "python3"})["id"]
+
+        def lease_of(kernel_id: str) -> Any:
+            return harness.on_broker(harness.pool.lease_for_kernel, kernel_id)
+
+        wait_for(lambda: all((l := lease_of(k)) and l.state is LeaseState.GRANTED for k in (bobs, teachers)), what="grants")
+        status = teacher.call("GET", f"api/gpupool/kernels/{bobs}")  # 404 before: the broker was asked for teacher's only
+        assert status["state"] == "granted" and status["lease_id"] == lease_of(bobs).id
+        # Bob, no admin, learns nothing of the teacher's kernel through his server.
+        for method, path in (("GET", f"api/gpupool/kernels/{teachers}"), ("POST", f"api/gpupool/kernels/{teachers}/release")):
+            with pytest.raises(urllib.error.HTTPError) as denied:
+                bob.call(method, path)
+            assert denied.value.code in (403, 404)
+        assert lease_of(teachers).state is LeaseState.GRANTED
+        released = teacher.call("POST", f"api/gpupool/kernels/{bobs}/release")
+        assert released["state"] == "released"
+        assert harness.on_broker(harness.pool.last_lease_for_kernel, bobs).state is LeaseState.RELEASED
+    finally:
+        for server in servers:
+            server.stop()
+        harness.stop()
