@@ -28,8 +28,9 @@ from typing import Any
 FILE_NAME = "gpupool-broker.json"
 ENV_VAR = "GPUPOOL_BROKER_FILE"
 SYSTEM_DIR = "/etc/jupyter"
-#: Variables that choose a pool explicitly; with any of them set, discovery is not used.
-EXPLICIT_VARS = ("GPUPOOL_URL", "GPUPOOL_DB", "GPUPOOL_SIMULATE")
+#: Variables that choose a pool explicitly (GPUPOOL_BACKEND: another backend, e.g. Slurm); with any
+#: of them set, discovery is not used.
+EXPLICIT_VARS = ("GPUPOOL_URL", "GPUPOOL_DB", "GPUPOOL_SIMULATE", "GPUPOOL_BACKEND")
 
 log = logging.getLogger(__name__)
 

@@ -78,7 +78,8 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> Any:  # type: ignore[override]
-        raise MagicError(f"{message}; {self.prog} --help shows the accepted forms")
+        one_line = " ".join(message.split())  # argparse quotes what was typed, line breaks included
+        raise MagicError(f"{one_line}; {self.prog} --help shows the accepted forms")
 
     def exit(self, status: int = 0, message: str | None = None) -> Any:  # type: ignore[override]
         raise _HelpShown(message or "")
