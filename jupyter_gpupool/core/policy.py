@@ -133,7 +133,9 @@ def parse_quota(spec: dict[str, Any], where: str) -> Quota:
     maximum = parse_size(spec["maximum"]) if spec.get("maximum") else None
     max_leases = spec.get("max_leases")
     if max_leases is not None and (not isinstance(max_leases, int) or max_leases < 1):
-        raise InvalidInput(f"{where}: max_leases must be a whole number of at least 1, got {max_leases!r}")
+        shown = repr(max_leases)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."  # a hostile value must not flood the one line
+        raise InvalidInput(f"{where}: max_leases must be a whole number of at least 1, got {shown}")
     if maximum is not None and guaranteed > maximum:
         raise InvalidInput(f"{where}: guaranteed ({spec['guaranteed']}) is above maximum ({spec['maximum']})")
     return Quota(guaranteed=guaranteed, maximum=maximum, max_leases=max_leases)
