@@ -129,14 +129,15 @@ class Pool:
             recent_requests=stats["recent"],
             now=now,
             index=self._index[1],
+            host_memory=host_memory(),
         )
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
         changed = [state.leases[i] for i in state.changed if i in state.leases]
         self.store.save_leases(changed)
-        if state.released:
+        if state.released or state.closed_intervals:
             known = {d.uuid: d for d in state.devices}
-            for lease in state.released:
+            for lease in (*state.released, *state.closed_intervals):
                 # What each GPU was, for GPU-hours and prices after it leaves (a GPU already gone is left out).
                 info = [DeviceInfo.of(known[u]).to_json() for u in lease.devices if u in known]
                 self.store.record_interval(lease, self.policy.fair_share_half_life, info)
@@ -223,6 +224,50 @@ class Pool:
                 return lease  # already released: releasing twice is harmless
             lease = self.engine.release(state, lease_id, reason, now)
             decisions = [Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now)]
+            decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return lease.copy()
+
+    # --- suspend, resume, moves (two-phase: the engine decides, the holder's server does it) ------
+    def suspend(self, lease_id: str, reason: str = "suspended by its user", now: float | None = None) -> Lease:
+        """Ask for this lease's GPU memory to be parked in host RAM; its server carries it out and
+        confirms. Raises :class:`RequestRefused` saying why when it cannot be suspended."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            decisions = [self.engine.suspend(state, lease_id, reason, now)]
+            decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return state.leases[lease_id].copy()
+
+    def resume(self, lease_id: str, now: float | None = None) -> Lease:
+        """Queue a suspended lease to come back; granted by policy like any request."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            self.engine.resume(state, lease_id, now)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return state.leases[lease_id].copy()
+
+    def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
+        """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            lease = self.engine.confirm_transition(state, lease_id, now, parked_bytes)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return (state.leases.get(lease_id) or lease).copy()
+
+    def fail_transition(self, lease_id: str, error: str, still_running: bool, now: float | None = None) -> Lease:
+        """The holder's server could not finish a suspend, restore or move (see
+        :meth:`Engine.fail_transition`); returns the lease as it is now (released if the kernel must stop)."""
+        now = self._now(now)
+        with self.store.transaction():
+            state = self._load(now)
+            lease = self.engine.get(state, lease_id)
+            decisions = self.engine.fail_transition(state, lease_id, error, still_running, now)
             decisions += self.engine.schedule(state, now)
             self._save(state, decisions)
             return lease.copy()
@@ -611,6 +656,15 @@ def local_admin(db_path: str, uid: int | None = None) -> bool:
     except KeyError:
         return False
     return entry.pw_name in group.gr_mem or entry.pw_gid == group.gr_gid
+
+
+@functools.lru_cache(maxsize=1)
+def host_memory() -> int | None:
+    """Bytes of RAM on this host (the parked-slice budget is a share of it), None if unknown."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def new_lease_id() -> str:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .core.metering import memory_segments
-from .core.models import Decision, Lease, LeaseState, PriorityClass
+from .core.models import Decision, Lease, LeaseState, PriorityClass, Transition
 from .errors import PoolUnavailable
 
 #: Each entry upgrades the schema from version ``i`` to ``i + 1``.
@@ -122,6 +122,9 @@ def lease_from_json(data: dict[str, Any]) -> Lease:
     data["priority"] = PriorityClass(data["priority"])
     data["groups"] = tuple(data.get("groups", ()))
     data["devices"] = tuple(data.get("devices", ()))
+    data["home_devices"] = tuple(data.get("home_devices", ()))
+    data["migrate_from"] = tuple(data.get("migrate_from", ()))
+    data["transition"] = Transition(data.get("transition") or "")
     data["memory_history"] = tuple((float(at), int(memory)) for at, memory in data.get("memory_history", ()))
     known = Lease.__dataclass_fields__
     return Lease(**{k: v for k, v in data.items() if k in known})

@@ -12,10 +12,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pool_helpers import T0
 
 from jupyter_gpupool.core.engine import PoolState, held_by_device
-from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass, model_matches
+from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass, Transition, model_matches
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
 from jupyter_gpupool.pool import Pool
 from jupyter_gpupool.units import GIB
 
@@ -62,6 +62,9 @@ class PoolMachine(RuleBasedStateMachine):
             group_quotas={"staff": {"guaranteed": "16GiB"}},
             group_priorities={"staff": "high"},
             max_queued_per_user=MAX_QUEUED,
+            parked_memory_limit="48GiB",
+            transition_timeout=600,
+            defragment_min_idle=60,
         )
         if reserve:
             devices = SimulatedBackend.from_spec(spec).devices()
@@ -84,12 +87,19 @@ class PoolMachine(RuleBasedStateMachine):
         priority=st.sampled_from([None, PriorityClass.BATCH]),
         staff=st.booleans(),
         model=st.sampled_from([None, None, None, "A10", "A100", "A100-80GB", "L4", "A40"]),
+        suspendable=st.booleans(),
     )
-    def request(self, user, gib, gpus, priority, staff, model):
+    def request(self, user, gib, gpus, priority, staff, model, suspendable):
         try:
             lease = self.pool.request(
                 LeaseRequest(
-                    owner=user, memory=gib * GIB, num_gpus=gpus, priority=priority, groups=("staff",) if staff else (), model=model
+                    owner=user,
+                    memory=gib * GIB,
+                    num_gpus=gpus,
+                    priority=priority,
+                    groups=("staff",) if staff else (),
+                    model=model,
+                    suspendable=suspendable,
                 ),
                 now=self.now,
             )
@@ -119,6 +129,35 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), busy=st.booleans())
     def activity(self, data, busy):
         self.pool.report_activity(data.draw(st.sampled_from(self.ids)), Activity(busy=busy), now=self.now)
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def suspend(self, data):
+        try:
+            self.pool.suspend(data.draw(st.sampled_from(self.ids)), now=self.now)
+        except (RequestRefused, LeaseNotFound):
+            pass
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data())
+    def resume(self, data):
+        try:
+            self.pool.resume(data.draw(st.sampled_from(self.ids)), now=self.now)
+        except LeaseNotFound:
+            pass
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), parked_gib=st.sampled_from([0, 1, 8]), fail=st.booleans(), still_running=st.booleans())
+    def finish_transition(self, data, parked_gib, fail, still_running):
+        """The server's side of a suspend, restore or move: it succeeds, or fails either way."""
+        under_way = [l.id for l in self.pool.leases() if l.transition is not Transition.NONE]
+        if not under_way:
+            return
+        lease_id = data.draw(st.sampled_from(under_way))
+        if fail:
+            self.pool.fail_transition(lease_id, "driver error", still_running=still_running, now=self.now)
+        else:
+            self.pool.confirm_transition(lease_id, parked_bytes=parked_gib * GIB, now=self.now)
 
     @rule(seconds=st.sampled_from([1, 30, 200, 700, 3600]))
     def advance(self, seconds):
@@ -200,6 +239,8 @@ class PoolMachine(RuleBasedStateMachine):
             "queued": {l.id for l in live if l.state is LeaseState.QUEUED},
             "reclaiming": {l.id for l in held if l.reclaim_at is not None},
             "flagged": sum(1 for l in held if l.flagged),
+            "transitions": {l.id: l.transition for l in live if l.transition is not Transition.NONE},
+            "parked": sum(l.parked_memory for l in live),
             "beats": beats,
             "ends": ends,
             "earliest": (min(beats.values(), default=None), min(ends.values(), default=None)),
@@ -243,11 +284,13 @@ class PoolMachine(RuleBasedStateMachine):
         for first, second in zip(order, order[1:]):
             r1, r2 = engine.effective_rank(first, self.now), engine.effective_rank(second, self.now)
             assert r1 >= r2
-            if r1 == r2:
+            if r1 == r2 and first.resuming != second.resuming:
+                assert first.resuming  # a kernel coming back from a suspend goes first within its class
+            elif r1 == r2:
                 u1, u2 = usage.get(first.owner, 0.0), usage.get(second.owner, 0.0)
                 assert u1 <= u2
                 if u1 == u2:
-                    assert first.created_at <= second.created_at
+                    assert first.queued_since <= second.queued_since
 
     @invariant()
     def head_is_granted_when_capacity_frees(self):

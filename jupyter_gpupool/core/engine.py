@@ -26,6 +26,7 @@ from .models import (
     LeaseState,
     PriorityClass,
     QueueInfo,
+    Transition,
     model_family,
     model_matches,
     model_tokens,
@@ -55,6 +56,9 @@ class PoolState:
     #: Derived state of ``leases``, kept up to date by :meth:`touch` (the pool hands in one that
     #: lives as long as its lease cache; built from ``leases`` on first use otherwise).
     index: LeaseIndex | None = None
+    host_memory: int | None = None  # bytes of host RAM (the parked-slice budget is a share of it)
+    #: Granted intervals closed without a release (a suspend): metered like released leases.
+    closed_intervals: list[Lease] = field(default_factory=list)
 
     def touch(self, lease: Lease) -> None:
         """Record that ``lease`` changed (it is saved, and the index updated): call after every change."""
@@ -73,7 +77,7 @@ def held_by_device(leases: Iterable[Lease]) -> dict[str, int]:
     held: dict[str, int] = {}
     for lease in leases:
         if lease.state in HELD_STATES:
-            for uuid in lease.devices:
+            for uuid in (*lease.devices, *lease.migrate_from):  # a move holds both ends until done
                 held[uuid] = held.get(uuid, 0) + lease.memory
     return held
 
@@ -135,6 +139,7 @@ class Engine:
             label=request.label,
             heartbeat_at=now,
             last_activity=now,
+            suspendable=request.suspendable,
         )
         state.leases[lease.id] = lease
         state.touch(lease)
@@ -222,6 +227,7 @@ class Engine:
         decisions: list[Decision] = []
         decisions += self._expire_heartbeats(state, now)
         self._flag_unhealthy(state)
+        decisions += self._expire_transitions(state, now)
         decisions += self._carry_out_due_reclaims(state, now)
 
         queue = self.queue_order(state, now)
@@ -237,10 +243,17 @@ class Engine:
                     blocked = lease
                 continue
             self._grant(state, lease, devices, now)
-            decisions.append(self._decision(DecisionKind.GRANT, lease, f"granted {format_size(lease.memory)}", now))
+            restoring = lease.transition is Transition.RESTORING
+            moved = restoring and tuple(lease.devices) != tuple(lease.home_devices)
+            what = ("resumed: restoring " + ("onto another GPU of the same model" if moved else "on its GPU")) if restoring else "granted"
+            decisions.append(self._decision(DecisionKind.GRANT, lease, f"{what} {format_size(lease.memory)}", now))
 
         waiting = bool(state.derived().queued)
         decisions += self._plan_reservation_reclaims(state, now)
+        moves = self._plan_defragmentation(state, blocked, now) if blocked is not None else []
+        decisions += moves
+        if moves:
+            blocked = None  # moving idle kernels makes room: nobody loses their GPU for it
         decisions += self._plan_idle_reclaims(state, now, blocked if waiting else None)
         if blocked is not None:
             decisions += self._plan_preemption(state, blocked, now)
@@ -252,12 +265,21 @@ class Engine:
         if len(queued) < 2:
             return queued  # nothing to order: no need for everyone's fair-share usage
         usage = self.fair_share_usage(state, now)
-        return sorted(queued, key=lambda lease: (-self.effective_rank(lease, now), usage.get(lease.owner, 0.0), lease.created_at, lease.id))
+        return sorted(
+            queued,
+            key=lambda lease: (
+                -self.effective_rank(lease, now),
+                not lease.resuming,  # a kernel resuming after a suspend goes first within its class
+                usage.get(lease.owner, 0.0),
+                lease.queued_since,
+                lease.id,
+            ),
+        )
 
     def effective_rank(self, lease: Lease, now: float) -> float:
         rank = float(lease.priority.rank)
         if self.policy.aging_interval > 0:
-            rank += math.floor(max(0.0, now - lease.created_at) / self.policy.aging_interval)
+            rank += math.floor(max(0.0, now - lease.queued_since) / self.policy.aging_interval)
         return rank
 
     def fair_share_usage(self, state: PoolState, now: float) -> dict[str, float]:
@@ -275,6 +297,14 @@ class Engine:
     # --- placement --------------------------------------------------------------------------------
     def _candidate_devices(self, devices: list[Device], model: str | None) -> list[Device]:
         return [d for d in devices if d.healthy and (not model or model_matches(model, d))]
+
+    def _lease_candidates(self, state: PoolState, lease: Lease) -> list[Device]:
+        """Devices ``lease`` may be placed on: its model constraint, and for a kernel resuming after
+        a suspend only GPUs of the exact model it ran on (its memory image restores onto no other)."""
+        devices = self._candidate_devices(state.devices, lease.model)
+        if lease.resuming and lease.home_model:
+            devices = [d for d in devices if d.model == lease.home_model]
+        return devices
 
     def _placement_policy(self, state: PoolState) -> PlacementPolicy:
         sizes = tuple(sorted(set(state.recent_requests[-200:])))
@@ -313,9 +343,15 @@ class Engine:
 
     def _place(self, state: PoolState, lease: Lease, free: dict[str, int] | None = None) -> tuple[str, ...] | None:
         free = free if free is not None else self.free_by_device(state, lease)
+        candidates = self._lease_candidates(state, lease)
+        if lease.resuming and lease.home_devices:
+            # Back where it was when that GPU has room: a restore without a move.
+            usable = {d.uuid for d in candidates}
+            if all(u in usable and free.get(u, 0) >= lease.memory for u in lease.home_devices):
+                return lease.home_devices
         gpus = [
             GpuSlot(uuid=d.uuid, model=d.model, capacity=d.leasable, free=max(0, free.get(d.uuid, 0)), nvlink_peers=d.nvlink_peers)
-            for d in self._candidate_devices(state.devices, lease.model)
+            for d in candidates
         ]
         if len(gpus) < lease.num_gpus:
             return None
@@ -326,6 +362,10 @@ class Engine:
         return tuple(placement.gpus)
 
     def _grant(self, state: PoolState, lease: Lease, devices: tuple[str, ...], now: float) -> None:
+        if lease.resuming:  # its server restores the parked memory onto `devices`, then confirms
+            lease.resuming = False
+            lease.transition = Transition.RESTORING
+            lease.transition_at = now
         lease.state = LeaseState.GRANTED
         lease.devices = devices
         lease.granted_at = now
@@ -461,6 +501,12 @@ class Engine:
                 continue
             kind = DecisionKind.PREEMPT if preempting else DecisionKind.RECLAIM_IDLE
             reason = lease.reclaim_reason
+            why_not = self.suspend_refusal(state, lease)
+            if not why_not:
+                decisions.append(self._begin_suspend(state, lease, reason, now))
+                continue
+            if self.policy.reclaim_action == "suspend" and lease.suspendable:
+                reason += f" (not suspended: {why_not})"
             self.release(state, lease.id, reason, now)
             decisions.append(self._decision(kind, lease, reason, now))
         return decisions
@@ -475,6 +521,7 @@ class Engine:
             for lease in state.leases.values()
             if lease.state in HELD_STATES
             and lease.reclaim_at is None
+            and lease.transition is Transition.NONE
             and self._still_idle(lease, now)
             and lease.idle_seconds(now) >= self.policy.idle_timeout
             and (policy == "always" or not protected(lease))
@@ -485,11 +532,7 @@ class Engine:
             chosen = idle
         elif blocked is not None:
             # Longest idle first, only as many as make room for the request that cannot fit.
-            free = self.free_by_device(state, blocked)
-            for lease in state.leases.values():
-                if lease.reclaim_at is not None and lease.state in HELD_STATES:
-                    for uuid in lease.devices:
-                        free[uuid] = free.get(uuid, 0) + lease.memory
+            free = self._free_with_room_on_its_way(state, blocked)
             for lease in idle:
                 if self._place(state, blocked, free) is not None:
                     break
@@ -514,6 +557,224 @@ class Engine:
                 self._decision(DecisionKind.WARN_IDLE, lease, f"idle for {idle_for}; its slice goes back unless kept", now, lease.reclaim_at)
             )
         return decisions
+
+    def _free_with_room_on_its_way(self, state: PoolState, head: Lease) -> dict[str, int]:
+        """Free bytes per device as ``head`` sees them, plus what leases already on their way out
+        will free: warned leases, leases being suspended, and the GPUs moving leases leave."""
+        free = self.free_by_device(state, head)
+        index = state.derived()
+        for lease_id in (*index.reclaiming, *index.transitions):
+            lease = state.leases[lease_id]
+            if lease.transition is Transition.MIGRATING:
+                leaving: tuple[str, ...] = lease.migrate_from
+            elif lease.transition is Transition.RESTORING:
+                continue  # coming back, not leaving
+            else:
+                leaving = lease.devices
+            for uuid in leaving:
+                free[uuid] = free.get(uuid, 0) + lease.memory
+        return free
+
+    # --- suspend, resume and live moves ------------------------------------------------------------
+    def parked_budget(self, state: PoolState) -> int:
+        """Bytes of host RAM parked slices may take together."""
+        return self.policy.parked_budget(state.host_memory)
+
+    def suspend_refusal(self, state: PoolState, lease: Lease) -> str:
+        """Why ``lease`` cannot be suspended now (one clause for the user), or ``""`` if it can."""
+        if self.policy.reclaim_action != "suspend":
+            return "the pool's reclaim action is cull"
+        if not lease.suspendable:
+            return "its server cannot park GPU memory (no checkpoint support there)"
+        if lease.state is not LeaseState.GRANTED or lease.transition is not Transition.NONE:
+            return "it is not running on a GPU right now" if lease.state is not LeaseState.GRANTED else f"it is {lease.transition.value}"
+        if lease.flagged:
+            return f"its GPU is unusable ({lease.flagged})"
+        budget = self.parked_budget(state)
+        parked = state.derived().parked
+        needed = lease.memory * lease.num_gpus
+        if parked + needed > budget:
+            return (
+                f"parked slices would take {format_size(parked + needed)} of host RAM, over the limit of "
+                f"{format_size(budget)} (parked_memory_limit)"
+            )
+        return ""
+
+    def suspend(self, state: PoolState, lease_id: str, reason: str, now: float) -> Decision:
+        """Ask the holder's server to park this lease's GPU memory (a user's or an admin's wish);
+        raises :class:`RequestRefused` saying why when it cannot be."""
+        lease = self.get(state, lease_id)
+        why_not = self.suspend_refusal(state, lease)
+        if why_not:
+            raise RequestRefused(f"cannot suspend this kernel: {why_not}")
+        return self._begin_suspend(state, lease, reason, now)
+
+    def _begin_suspend(self, state: PoolState, lease: Lease, reason: str, now: float) -> Decision:
+        """Phase one of a suspend: the lease still holds its GPU memory until the server confirms."""
+        lease.transition = Transition.SUSPENDING
+        lease.transition_at = now
+        lease.suspend_reason = reason
+        lease.parked_memory = lease.memory * lease.num_gpus  # set aside now; the real figure on confirm
+        lease.warned_at = lease.reclaim_at = None
+        lease.reclaim_reason = ""
+        state.touch(lease)
+        return self._decision(DecisionKind.SUSPEND, lease, reason, now)
+
+    def resume(self, state: PoolState, lease_id: str, now: float) -> Lease:
+        """Queue a suspended lease to come back (its next cell, a Resume button). Harmless on a lease
+        that is already queued to resume, being restored, or running."""
+        lease = self.get(state, lease_id)
+        if lease.state is LeaseState.SUSPENDED:
+            lease.state = LeaseState.QUEUED
+            lease.resuming = True
+            lease.resume_asked_at = now
+            state.touch(lease)
+        return lease
+
+    def confirm_transition(self, state: PoolState, lease_id: str, now: float, parked_bytes: int | None = None) -> Lease:
+        """Phase two: the server finished the suspend (``parked_bytes`` now in host RAM), the
+        restore or the move. Raises :class:`InvalidInput` if nothing was under way."""
+        lease = self.get(state, lease_id)
+        step = lease.transition
+        if step is Transition.SUSPENDING:
+            # Metering: the granted interval ends here; a resume opens a new one.
+            state.closed_intervals.append(lease.copy(released_at=now))
+            lease.state = LeaseState.SUSPENDED
+            lease.home_devices = lease.devices
+            known = {d.uuid: d for d in state.devices}
+            lease.home_model = next((known[u].model for u in lease.devices if u in known), lease.home_model)
+            lease.devices = ()
+            lease.parked_memory = max(0, int(parked_bytes)) if parked_bytes is not None else lease.parked_memory
+            lease.suspended_at = now
+            lease.suspensions += 1
+            lease.busy = False
+            lease.memory_history = ()
+            lease.active_seconds = 0.0  # the closed interval carries it: a resumed one starts again
+        elif step is Transition.RESTORING:
+            if lease.suspended_at is not None:
+                lease.parked_seconds += max(0.0, now - lease.suspended_at)
+            lease.suspended_at = None
+            lease.parked_memory = 0
+            lease.home_devices = ()
+            lease.suspend_reason = ""
+            lease.last_activity = now
+        elif step is Transition.MIGRATING:
+            lease.migrate_from = ()
+            lease.parked_memory = 0
+            lease.suspend_reason = ""
+        else:
+            raise InvalidInput(f"lease {lease_id} is not being suspended, restored or moved")
+        lease.transition = Transition.NONE
+        lease.transition_at = None
+        state.touch(lease)
+        return lease
+
+    def fail_transition(self, state: PoolState, lease_id: str, error: str, still_running: bool, now: float) -> list[Decision]:
+        """The server could not finish a suspend, restore or move (``error``: why, one line).
+        ``still_running``: the kernel runs on as before (a checkpoint that failed and was undone).
+
+        A failed suspend for a reclaim falls back to culling; one the user asked for is called off;
+        a failed move is called off. A restore that failed, or anything that left the kernel
+        broken, stops it: its lease is released (and nothing is counted twice).
+        """
+        lease = self.get(state, lease_id)
+        step = lease.transition
+        if step is Transition.NONE:
+            raise InvalidInput(f"lease {lease_id} is not being suspended, restored or moved")
+        if still_running and step is Transition.SUSPENDING and lease.suspend_reason.startswith(("reclaimed", "preempted")):
+            kind = DecisionKind.PREEMPT if lease.suspend_reason.startswith("preempted") else DecisionKind.RECLAIM_IDLE
+            reason = f"{lease.suspend_reason} (suspending failed: {error}; so the kernel was shut down)"
+            self.release(state, lease_id, reason, now)
+            return [self._decision(kind, lease, reason, now)]
+        if still_running and step in (Transition.SUSPENDING, Transition.MIGRATING):
+            if step is Transition.MIGRATING:
+                lease.devices, lease.migrate_from = lease.migrate_from, ()
+            lease.transition = Transition.NONE
+            lease.transition_at = None
+            lease.parked_memory = 0
+            lease.suspend_reason = ""
+            state.touch(lease)
+            return []
+        what = {Transition.SUSPENDING: "suspending", Transition.RESTORING: "restoring", Transition.MIGRATING: "moving"}[step]
+        reason = f"stopped: {what} its GPU memory failed ({error})"
+        self.release(state, lease_id, reason, now)
+        return [self._decision(DecisionKind.RELEASE, lease, reason, now)]
+
+    def _expire_transitions(self, state: PoolState, now: float) -> list[Decision]:
+        """Give up on suspends, restores and moves that took longer than ``transition_timeout``."""
+        index = state.derived()
+        if not index.transitions:
+            return []
+        decisions: list[Decision] = []
+        limit = self.policy.transition_timeout
+        for lease_id, step in list(index.transitions.items()):
+            lease = state.leases[lease_id]
+            started = lease.transition_at if lease.transition_at is not None else now
+            if now - started <= limit:
+                continue
+            error = f"it did not finish within {format_duration(limit)}"
+            decisions += self.fail_transition(state, lease_id, error, still_running=step is Transition.SUSPENDING, now=now)
+        return decisions
+
+    def _plan_defragmentation(self, state: PoolState, head: Lease, now: float) -> list[Decision]:
+        """Make room for ``head`` by moving idle, suspendable kernels off one GPU onto others of the
+        same model (suspend there, restore here), when that alone lets it fit. One plan at a time."""
+        index = state.derived()
+        if not self.policy.defragment or head.num_gpus != 1 or self.policy.reclaim_action != "suspend":
+            return []
+        if any(step is Transition.MIGRATING for step in index.transitions.values()):
+            return []  # a move is under way: its room is coming
+        free = self._free_with_room_on_its_way(state, head)
+        if self._place(state, head, free) is not None:
+            return []
+        movable = [
+            lease
+            for lease in state.leases.values()
+            if lease.state is LeaseState.GRANTED
+            and lease.num_gpus == 1
+            and lease.reclaim_at is None
+            and self._still_idle(lease, now)
+            and lease.idle_seconds(now) >= self.policy.defragment_min_idle
+            and not self.suspend_refusal(state, lease)
+        ]
+        if not movable:
+            return []
+        known = {d.uuid: d for d in state.devices if d.healthy}
+        budget_left = self.parked_budget(state) - index.parked
+        targets = sorted(self._lease_candidates(state, head), key=lambda d: head.memory - free.get(d.uuid, 0))
+        for device in targets:
+            missing = head.memory - free.get(device.uuid, 0)
+            if device.leasable < head.memory or missing <= 0:
+                continue
+            room = {u: f for u, f in self.free_by_device(state, None, reservations=False).items() if u != device.uuid and u in known}
+            plan: list[tuple[Lease, str]] = []
+            gained = 0
+            parked = 0
+            for lease in sorted((m for m in movable if m.devices == (device.uuid,)), key=lambda m: -m.memory):
+                fits = [(f, u) for u, f in room.items() if f >= lease.memory and known[u].model == device.model]
+                if not fits or parked + lease.memory > budget_left:
+                    continue
+                _, target = min(fits)  # the tightest GPU that takes it
+                room[target] -= lease.memory
+                plan.append((lease, target))
+                gained += lease.memory
+                parked += lease.memory
+                if gained >= missing:
+                    break
+            if gained < missing:
+                continue
+            decisions = []
+            for lease, target in plan:
+                lease.transition = Transition.MIGRATING
+                lease.transition_at = now
+                lease.migrate_from = lease.devices
+                lease.devices = (target,)
+                lease.parked_memory = lease.memory  # passes through host RAM
+                lease.suspend_reason = f"moved to another GPU to make room for {format_size(head.memory)} for {head.owner}"
+                state.touch(lease)
+                decisions.append(self._decision(DecisionKind.MIGRATE, lease, lease.suspend_reason, now))
+            return decisions
+        return []
 
     # --- reservations -----------------------------------------------------------------------------
     @staticmethod
@@ -546,7 +807,7 @@ class Engine:
         needs = self.reservation_needs(state, now)
         if not needs:
             return []
-        held = held_by_device(state.leases.values())
+        held = state.derived().held
         free = sum(max(0, d.leasable - held.get(d.uuid, 0)) for d in state.devices if d.healthy)
         coming = sum(
             lease.memory * len(lease.devices)
@@ -563,6 +824,7 @@ class Engine:
             for lease in state.leases.values()
             if lease.state in HELD_STATES
             and lease.reclaim_at is None
+            and lease.transition is Transition.NONE
             and not any(r.applies_to(lease.owner, lease.groups) for r in active)
         ]
         decisions = []
@@ -669,6 +931,8 @@ class Engine:
         for lease in state.leases.values():
             if lease.state not in HELD_STATES or lease.owner == head.owner or lease.reclaim_at is not None:
                 continue
+            if lease.transition is not Transition.NONE:
+                continue
             if lease.granted_at is not None and now - lease.granted_at < self.policy.min_runtime:
                 continue
             if protected(lease):
@@ -680,13 +944,9 @@ class Engine:
             return []
         # Least cost first: idle before busy, over-quota before within, youngest before oldest.
         victims.sort(key=lambda v: (v.busy, not self.over_guarantee(state, v), -(v.granted_at or 0.0)))
-        free = self.free_by_device(state, head)
-        for lease in state.leases.values():
-            if lease.reclaim_at is not None and lease.state in HELD_STATES:
-                for uuid in lease.devices:
-                    free[uuid] = free.get(uuid, 0) + lease.memory
+        free = self._free_with_room_on_its_way(state, head)
         if self._place(state, head, free) is not None:
-            return []  # room is already on its way (warned leases)
+            return []  # room is already on its way (warned, suspending or moving leases)
         chosen = []
         for lease in victims:
             chosen.append(lease)
@@ -731,6 +991,10 @@ class Engine:
         lease = self.get(state, lease_id)
         if memory <= 0:
             raise InvalidInput("memory must be positive")
+        if lease.state is LeaseState.SUSPENDED or lease.resuming:
+            raise RequestRefused("cannot resize a suspended slice: resume it first (run a cell, or %gpupool resume)")
+        if lease.transition is not Transition.NONE:
+            raise RequestRefused(f"cannot resize the slice while it is {lease.transition.value}; try again in a moment")
         if lease.state is LeaseState.QUEUED:
             probe = LeaseRequest(owner=lease.owner, memory=memory, groups=lease.groups, num_gpus=lease.num_gpus, model=lease.model)
             shaped = self._check_fits_ever(state, probe)
@@ -849,7 +1113,13 @@ class Engine:
             self._quota_block_reason(state, lease)
             or self._reservation_wait_reason(state, lease, now)
             or (
-                (f"waits for a GPU of model {lease.model} with enough free memory" if lease.model else "waits for a GPU with enough free memory")
+                (
+                    f"resuming: waits for a {lease.home_model} GPU with {format_size(lease.memory)} free"
+                    if lease.resuming and lease.home_model
+                    else f"waits for a GPU of model {lease.model} with enough free memory"
+                    if lease.model
+                    else "waits for a GPU with enough free memory"
+                )
                 if position == 1
                 else f"{position - 1} request(s) ahead"
             )

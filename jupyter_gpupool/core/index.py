@@ -15,11 +15,14 @@ import heapq
 from collections.abc import Iterable
 from typing import Any
 
-from .models import Lease, LeaseState
+from .models import Lease, LeaseState, Transition
 
 #: What one lease adds to the index: (state, owner, groups, memory, num_gpus, devices held,
-#: reclaim pending, flagged, heartbeat deadline key, booked-slice end).
-_Entry = tuple[LeaseState, str, tuple[str, ...], int, int, tuple[str, ...], bool, bool, "float | None", "float | None"]
+#: reclaim pending, flagged, heartbeat deadline key, booked-slice end, transition under way,
+#: bytes parked in host RAM).
+_Entry = tuple[
+    LeaseState, str, tuple[str, ...], int, int, tuple[str, ...], bool, bool, "float | None", "float | None", Transition, int
+]
 
 #: Seconds of slack when the heaps say nothing is due: float rounding of ``now - heartbeat`` vs
 #: ``heartbeat + ttl`` never matters, the exact test runs whenever something is near due.
@@ -42,11 +45,13 @@ def _entry(lease: Lease) -> _Entry | None:
         tuple(dict.fromkeys(lease.groups)),  # a group named twice counts once, as Engine.holdings
         lease.memory,
         lease.num_gpus,
-        tuple(lease.devices) if held else (),
+        (tuple(lease.devices) + tuple(lease.migrate_from)) if held else (),  # a move holds both ends until done
         held and lease.reclaim_at is not None,
         held and bool(lease.flagged),
         beat,
         end,
+        lease.transition,
+        lease.parked_memory,
     )
 
 
@@ -62,6 +67,8 @@ class LeaseIndex:
         self.queued: dict[str, None] = {}  # ids of queued leases
         self.reclaiming: dict[str, None] = {}  # ids of held leases with a reclaim (idle or preemption) pending
         self.flagged = 0  # held leases flagged (GPU lost)
+        self.transitions: dict[str, Transition] = {}  # ids of leases being suspended, restored or moved
+        self.parked = 0  # bytes of host RAM parked (or set aside for) suspended slices
         self._beats: list[tuple[float, str]] = []  # (heartbeat_at, id), stale entries dropped lazily
         self._ends: list[tuple[float, str]] = []  # (expected end, id) of booked slices
         for lease in leases:
@@ -76,7 +83,7 @@ class LeaseIndex:
         """Take ``lease`` as it is now (new, changed or released)."""
         new = _entry(lease)
         old = self.entries.get(lease.id)
-        if old is not None and new is not None and old[:8] == new[:8]:
+        if old is not None and new is not None and old[:8] == new[:8] and old[10:] == new[10:]:
             # Only its deadlines moved (a heartbeat, an activity report): the common case.
             self.entries[lease.id] = new
             if new[8] is not None and new[8] != old[8]:
@@ -92,7 +99,7 @@ class LeaseIndex:
             self._apply(lease.id, new, +1)
 
     def _apply(self, lease_id: str, entry: _Entry, sign: int) -> None:
-        state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end = entry
+        state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked = entry
         held_bytes = memory * num_gpus if state is LeaseState.GRANTED else 0
         if state is LeaseState.QUEUED:
             if sign > 0:
@@ -118,6 +125,12 @@ class LeaseIndex:
             else:
                 del self.reclaiming[lease_id]
         self.flagged += sign * flagged
+        self.parked += sign * parked
+        if transition is not Transition.NONE:
+            if sign > 0:
+                self.transitions[lease_id] = transition
+            else:
+                del self.transitions[lease_id]
         if sign > 0:
             if beat is not None:
                 self._push(self._beats, (beat, lease_id))
@@ -169,6 +182,8 @@ class LeaseIndex:
             "queued": set(self.queued),
             "reclaiming": set(self.reclaiming),
             "flagged": self.flagged,
+            "transitions": dict(self.transitions),
+            "parked": self.parked,
             "beats": {lease_id: e[8] for lease_id, e in self.entries.items() if e[8] is not None},
             "ends": {lease_id: e[9] for lease_id, e in self.entries.items() if e[9] is not None},
             "earliest": (self._earliest(self._beats, 8), self._earliest(self._ends, 9)),

@@ -175,6 +175,22 @@ class LeaseRequest:
     holder_pid: int | None = None  # process that holds the lease (reconciled if it dies)
     holder_host: str | None = None
     label: str = ""  # free text: notebook path, "nbconvert", ...
+    #: The holder can park the kernel's GPU memory in host RAM and restore it (its server has a
+    #: working checkpoint backend); only such leases are suspended instead of culled.
+    suspendable: bool = False
+
+
+class Transition(str, enum.Enum):
+    """A move of a lease's GPU memory that its holder's server is carrying out (two-phase: the
+    engine decides, the server does it and confirms; memory stays counted until confirmed)."""
+
+    NONE = ""
+    SUSPENDING = "suspending"  # granted, being checkpointed to host RAM
+    RESTORING = "restoring"  # granted again after a suspend, being restored onto ``devices``
+    MIGRATING = "migrating"  # granted, being moved from ``migrate_from`` to ``devices``
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
@@ -216,6 +232,24 @@ class Lease:
     # (when, bytes per GPU held until then) for each resize while granted, so metering bills
     # each size for its own time, not the last size for the whole lease.
     memory_history: tuple[tuple[float, int], ...] = ()
+    suspendable: bool = False  # see LeaseRequest.suspendable
+    transition: Transition = Transition.NONE
+    transition_at: float | None = None  # when the transition was decided (it times out)
+    suspend_reason: str = ""  # why it is (being) suspended, for the user
+    suspended_at: float | None = None
+    parked_memory: int = 0  # bytes of host RAM its parked GPU memory takes (or is set aside for)
+    home_devices: tuple[str, ...] = ()  # uuids it ran on before it was suspended (restore maps from them)
+    home_model: str = ""  # exact model of those GPUs: it is restored onto that model only
+    resuming: bool = False  # queued to resume after a suspend
+    resume_asked_at: float | None = None
+    migrate_from: tuple[str, ...] = ()  # uuids it is moving off (held until the move is confirmed)
+    suspensions: int = 0
+    parked_seconds: float = 0.0  # total time spent suspended
+
+    @property
+    def queued_since(self) -> float:
+        """When it joined the queue: its request, or its ask to resume."""
+        return self.resume_asked_at if self.resuming and self.resume_asked_at is not None else self.created_at
 
     @property
     def expected_end(self) -> float | None:
@@ -247,6 +281,9 @@ class Lease:
         data = {name: getattr(self, name) for name in _LEASE_FIELDS}
         data["state"] = self.state.value
         data["priority"] = self.priority.value
+        data["transition"] = self.transition.value
+        data["home_devices"] = list(self.home_devices)
+        data["migrate_from"] = list(self.migrate_from)
         data["groups"] = list(self.groups)
         data["devices"] = list(self.devices)
         data["memory_history"] = [list(change) for change in self.memory_history]
@@ -276,11 +313,13 @@ class Activity:
 class DecisionKind(str, enum.Enum):
     GRANT = "grant"
     WARN_IDLE = "warn_idle"  # reclaim coming at lease.reclaim_at unless the user keeps it
-    RECLAIM_IDLE = "reclaim_idle"  # adapters cull (or later suspend) the kernel
+    RECLAIM_IDLE = "reclaim_idle"  # adapters cull the kernel (a suspend is a SUSPEND decision)
     PREEMPT_WARN = "preempt_warn"  # eviction decided, grace period running
     PREEMPT = "preempt"  # grace over: adapters stop the kernel now
     RELEASE = "release"  # released by the engine (expired holder, duration over, GPU lost)
     OVER_LIMIT = "over_limit"  # watchdog saw usage above the slice
+    SUSPEND = "suspend"  # adapters checkpoint the kernel's GPU memory to host RAM, then confirm
+    MIGRATE = "migrate"  # adapters move the kernel's GPU memory to other GPUs, then confirm
 
 
 @dataclass(frozen=True)

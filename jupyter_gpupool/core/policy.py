@@ -32,6 +32,9 @@ ENV_TRAITS: dict[str, str] = {
     "GPUPOOL_PREEMPTION": "preemption",
     "GPUPOOL_GRACE_PERIOD": "grace_period",
     "GPUPOOL_MAX_KEEP": "max_keep",
+    "GPUPOOL_RECLAIM_ACTION": "reclaim_action",
+    "GPUPOOL_PARKED_MEMORY_LIMIT": "parked_memory_limit",
+    "GPUPOOL_TRANSITION_TIMEOUT": "transition_timeout",
 }
 
 _DURATION_TRAITS = {
@@ -44,6 +47,8 @@ _DURATION_TRAITS = {
     "aging_interval",
     "fair_share_half_life",
     "backfill_max_head_wait",
+    "transition_timeout",
+    "defragment_min_idle",
 }
 
 WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -337,6 +342,54 @@ class PoolPolicy(Configurable):
         0.0,
         help="Metering ledger rows older than this many days are deleted (0, the default, keeps them forever).",
     ).tag(config=True)
+
+    reclaim_action = Enum(
+        ["suspend", "cull"],
+        "suspend",
+        help="What an idle reclaim or a preemption does to a kernel: 'suspend' parks its GPU memory in host RAM "
+        "(variables, models and tensors survive; it resumes on its next cell, on the same GPU or another of the "
+        "same model) where its server can checkpoint it (CUDA driver 570+ with cuda-core, or a simulated pool), "
+        "and culls it where not, saying why; 'cull' always shuts the kernel down. Env: GPUPOOL_RECLAIM_ACTION.",
+    ).tag(config=True)
+
+    parked_memory_limit = Unicode(
+        "40%",
+        help="Host RAM that suspended kernels' parked GPU memory may take together: a size (64GiB) or a share of "
+        "the host's RAM (40%). A reclaim that would go over it culls instead of suspending, and says so. "
+        "Env: GPUPOOL_PARKED_MEMORY_LIMIT.",
+    ).tag(config=True)
+
+    transition_timeout = Float(
+        300.0,
+        help="Seconds a suspend, restore or move of a kernel's GPU memory may take before the pool gives up on it: "
+        "a suspend that did not finish falls back to culling, a restore or move that did not finish stops the "
+        "kernel. Env: GPUPOOL_TRANSITION_TIMEOUT.",
+    ).tag(config=True)
+
+    defragment = Bool(
+        True,
+        help="When the request at the head of the queue fits on no single GPU but moving idle, suspendable kernels "
+        "to other GPUs of the same model would make room, move them (suspend, then restore elsewhere) instead "
+        "of reclaiming or preempting anyone.",
+    ).tag(config=True)
+
+    defragment_min_idle = Float(
+        60.0,
+        help="Seconds a kernel must have been idle before live defragmentation may move it.",
+    ).tag(config=True)
+
+    @validate("parked_memory_limit")
+    def _check_parked_memory_limit(self, proposal: Any) -> str:
+        value = str(proposal["value"]).strip()
+        if value != "0":
+            parse_size(value, gpu_memory=1 << 40)  # raises InvalidInput on a bad form
+        return value
+
+    def parked_budget(self, host_memory: int | None) -> int:
+        """Bytes of host RAM parked slices may take (a share is of ``host_memory``; 0 when unknown)."""
+        if self.parked_memory_limit == "0" or ("%" in self.parked_memory_limit and not host_memory):
+            return 0
+        return parse_size(self.parked_memory_limit, gpu_memory=host_memory)
 
     max_gpus_per_lease = Integer(
         8,

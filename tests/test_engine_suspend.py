@@ -1,0 +1,247 @@
+"""Suspend instead of cull, resume, and live moves, through the Pool facade on a real SQLite file
+with explicit time (the engine decides; these tests play the server that carries it out)."""
+
+from __future__ import annotations
+
+import pytest
+from pool_helpers import T0, make_pool, req
+
+from jupyter_gpupool.core.models import Activity, DecisionKind, LeaseState, Transition
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.units import GIB
+
+IDLE = {"idle_timeout": 600, "warning_period": 60, "preemption": False}
+
+
+def kinds(pool: Pool, lease_id: str) -> list[str]:
+    return [e["kind"] for e in pool.events() if e["lease_id"] == lease_id]
+
+
+def idle_holder_and_waiter(tmp_path, suspendable: bool = True, **policy):
+    """A 16 GiB GPU: alice (suspendable) idle since T0, bob busy, carol queued; alice is warned, then due."""
+    pool = make_pool(tmp_path, **{**IDLE, **policy})
+    alice = pool.request(req("alice", suspendable=suspendable, kernel_id="ka"), now=T0)
+    bob = pool.request(req("bob", kernel_id="kb"), now=T0)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1)
+    carol = pool.request(req("carol", kernel_id="kc"), now=T0 + 700)
+    pool.tick(now=T0 + 701)  # warned: idle 700 s > 600 s while carol waits
+    assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 761)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 770)
+    pool.tick(now=T0 + 770)  # due
+    return pool, alice, bob, carol
+
+
+def test_idle_reclaim_suspends_and_the_memory_frees_only_when_confirmed(tmp_path):
+    pool, alice, _, carol = idle_holder_and_waiter(tmp_path)
+    parked = pool.get(alice.id)
+    assert parked.state is LeaseState.GRANTED and parked.transition is Transition.SUSPENDING
+    assert parked.suspend_reason.startswith("reclaimed: idle for")
+    assert pool.get(carol.id).state is LeaseState.QUEUED  # the GPU memory is still alice's until parked
+    assert DecisionKind.SUSPEND.value in kinds(pool, alice.id)
+
+    done = pool.confirm_transition(alice.id, parked_bytes=3 * GIB, now=T0 + 775)
+    assert done.state is LeaseState.SUSPENDED and done.devices == () and done.parked_memory == 3 * GIB
+    assert done.home_devices and done.home_model and done.suspended_at == T0 + 775
+    assert pool.get(carol.id).state is LeaseState.GRANTED
+    assert pool.get(carol.id).devices == done.home_devices
+
+
+def test_resume_queues_then_restores_on_its_own_gpu_and_confirms(tmp_path):
+    pool, alice, bob, carol = idle_holder_and_waiter(tmp_path)
+    pool.confirm_transition(alice.id, parked_bytes=2 * GIB, now=T0 + 775)
+    dave = pool.request(req("dave"), now=T0 + 780)  # asked before alice asks to resume
+    back = pool.resume(alice.id, now=T0 + 800)
+    assert back.state is LeaseState.QUEUED and back.resuming
+    info = pool.queue_info(alice.id, now=T0 + 801)
+    assert (info.position, info.length) == (1, 2)  # a returning kernel goes first within its class
+    assert info.reason.startswith("resuming: waits for a")
+    assert pool.resume(alice.id, now=T0 + 802).state is LeaseState.QUEUED  # asking twice is harmless
+
+    pool.release(carol.id, now=T0 + 900)
+    restoring = pool.get(alice.id)
+    assert restoring.state is LeaseState.GRANTED and restoring.transition is Transition.RESTORING
+    assert restoring.devices == restoring.home_devices
+    assert pool.get(dave.id).state is LeaseState.QUEUED
+    running = pool.confirm_transition(alice.id, now=T0 + 905)
+    assert running.transition is Transition.NONE and running.parked_memory == 0
+    assert running.parked_seconds == pytest.approx(130)  # 775 → 905
+    with pytest.raises(InvalidInput, match="not being suspended"):
+        pool.confirm_transition(alice.id, now=T0 + 906)
+
+
+def test_a_kernel_its_server_cannot_checkpoint_is_culled_as_before(tmp_path):
+    pool, alice, _, carol = idle_holder_and_waiter(tmp_path, suspendable=False)
+    culled = pool.get(alice.id)
+    assert culled.state is LeaseState.RELEASED and "not suspended" not in culled.release_reason
+    assert pool.get(carol.id).state is LeaseState.GRANTED
+
+
+def test_reclaim_action_cull_never_suspends(tmp_path):
+    pool, alice, _, _ = idle_holder_and_waiter(tmp_path, reclaim_action="cull")
+    assert pool.get(alice.id).state is LeaseState.RELEASED
+    with pytest.raises(RequestRefused, match="reclaim action is cull"):
+        pool.suspend(pool.request(req("erin", gib=1, suspendable=True), now=T0 + 800).id, now=T0 + 801)
+
+
+def test_over_the_host_memory_budget_falls_back_to_cull_and_says_so(tmp_path):
+    pool, alice, bob, carol = idle_holder_and_waiter(tmp_path, parked_memory_limit="10GiB")
+    pool.confirm_transition(alice.id, parked_bytes=8 * GIB, now=T0 + 775)
+    assert pool.get(carol.id).state is LeaseState.GRANTED
+    # carol goes idle, suspendable; a new request waits; carol's reclaim would park 8 GiB more.
+    pool.release(carol.id, now=T0 + 776)
+    carol2 = pool.request(req("carol", suspendable=True), now=T0 + 777)
+    assert pool.get(carol2.id).state is LeaseState.GRANTED
+    waiter = pool.request(req("frank"), now=T0 + 1500)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1500)
+    pool.tick(now=T0 + 1501)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1570)
+    pool.tick(now=T0 + 1570)
+    culled = pool.get(carol2.id)
+    assert culled.state is LeaseState.RELEASED
+    assert "not suspended: parked slices would take 16 GiB of host RAM, over the limit of 10 GiB" in culled.release_reason
+    assert pool.get(waiter.id).state is LeaseState.GRANTED
+
+
+def test_the_budget_is_a_share_of_host_ram_by_default(tmp_path):
+    pool = make_pool(tmp_path, spec="1x16GiB")
+    from jupyter_gpupool.pool import host_memory
+
+    with pool.store.transaction():
+        state = pool._load(T0)
+    assert pool.engine.parked_budget(state) == int(0.4 * host_memory())
+
+
+def test_a_resuming_kernel_goes_first_within_its_class_only(tmp_path):
+    pool, alice, bob, carol = idle_holder_and_waiter(tmp_path, user_priorities={"prof": "high"})
+    pool.confirm_transition(alice.id, parked_bytes=0, now=T0 + 775)
+    grader = pool.request(req("grader", priority="batch"), now=T0 + 776)
+    student = pool.request(req("dave"), now=T0 + 777)
+    prof = pool.request(req("prof"), now=T0 + 790)
+    pool.resume(alice.id, now=T0 + 800)
+    order = [lease.id for lease in pool.queue(now=T0 + 801)]
+    assert order == [prof.id, alice.id, student.id, grader.id]
+
+
+def test_a_resuming_kernel_is_restored_only_onto_its_own_model(tmp_path):
+    pool = make_pool(tmp_path, spec="2xA100-16GiB,1xL4-24GiB", parked_memory_limit="64GiB", **IDLE)
+    a = pool.request(req("alice", gib=16, suspendable=True), now=T0)
+    pool.suspend(a.id, now=T0 + 1)
+    pool.confirm_transition(a.id, parked_bytes=GIB, now=T0 + 2)
+    home = pool.get(a.id).home_devices
+    filler = [pool.request(req(f"u{i}", gib=16, model="A100"), now=T0 + 3) for i in range(2)]
+    assert all(pool.get(f.id).state is LeaseState.GRANTED for f in filler)
+    pool.resume(a.id, now=T0 + 10)
+    assert pool.get(a.id).state is LeaseState.QUEUED  # the L4 is free, but its memory image is an A100's
+    other = next(f for f in filler if pool.get(f.id).devices != home)
+    pool.release(other.id, now=T0 + 20)
+    moved = pool.get(a.id)
+    assert moved.transition is Transition.RESTORING and moved.devices != home
+    assert moved.devices == pool.get(other.id).devices  # the other A100, not the L4
+
+
+def test_defragmentation_moves_an_idle_kernel_so_the_head_fits(tmp_path):
+    pool = make_pool(tmp_path, spec="2x16GiB", defragment_min_idle=60, **IDLE)
+    idle = pool.request(req("alice", suspendable=True), now=T0)  # 8 GiB
+    gone = pool.request(req("dave"), now=T0)  # packed beside alice: that GPU is full
+    busy = pool.request(req("bob"), now=T0)  # so bob goes to the other GPU
+    assert pool.get(gone.id).devices == pool.get(idle.id).devices != pool.get(busy.id).devices
+    pool.release(gone.id, now=T0 + 50)  # 8 GiB free on each GPU now
+    pool.report_activity(busy.id, Activity(busy=True), now=T0 + 100)
+    head = pool.request(req("carol", gib=12), now=T0 + 100)  # 8 GiB free on each GPU: fits on neither
+    assert pool.get(head.id).state is LeaseState.QUEUED
+    moving = pool.get(idle.id)
+    assert moving.transition is Transition.MIGRATING
+    assert moving.migrate_from == pool.get(idle.id).migrate_from != moving.devices
+    assert moving.devices == pool.get(busy.id).devices  # onto the GPU bob is on: room there
+    assert DecisionKind.MIGRATE.value in kinds(pool, idle.id)
+    assert DecisionKind.WARN_IDLE.value not in kinds(pool, idle.id)  # nobody loses their GPU for it
+    pool.tick(now=T0 + 101)
+    assert pool.get(head.id).state is LeaseState.QUEUED  # both ends held until the move is done
+    pool.confirm_transition(idle.id, now=T0 + 110)
+    granted = pool.get(head.id)
+    assert granted.state is LeaseState.GRANTED and granted.devices == moving.migrate_from
+
+
+def test_defragmentation_needs_an_idle_kernel_of_the_same_model(tmp_path):
+    pool = make_pool(tmp_path, spec="1xA100-16GiB,1xL4-16GiB", defragment_min_idle=60, **IDLE)
+    a = pool.request(req("alice", suspendable=True, model="A100"), now=T0)
+    b = pool.request(req("bob", model="L4"), now=T0)
+    pool.report_activity(b.id, Activity(busy=True), now=T0 + 100)
+    head = pool.request(req("carol", gib=12), now=T0 + 100)
+    assert pool.get(a.id).transition is Transition.NONE  # the only other GPU is an L4: no move
+    assert pool.get(head.id).state is LeaseState.QUEUED
+
+
+def test_a_failed_suspend_for_a_reclaim_culls_with_the_reason(tmp_path):
+    pool, alice, _, carol = idle_holder_and_waiter(tmp_path)
+    lease = pool.fail_transition(alice.id, "UVM memory cannot be checkpointed", still_running=True, now=T0 + 771)
+    assert lease.state is LeaseState.RELEASED
+    assert "suspending failed: UVM memory cannot be checkpointed; so the kernel was shut down" in lease.release_reason
+    assert lease.release_reason.startswith("reclaimed")  # the server's cull path acts on it
+    assert pool.get(carol.id).state is LeaseState.GRANTED
+
+
+def test_a_failed_suspend_the_user_asked_for_is_called_off(tmp_path):
+    pool = make_pool(tmp_path)
+    a = pool.request(req("alice", suspendable=True), now=T0)
+    assert pool.suspend(a.id, now=T0 + 1).transition is Transition.SUSPENDING
+    lease = pool.fail_transition(a.id, "the kernel was busy on the GPU", still_running=True, now=T0 + 2)
+    assert lease.state is LeaseState.GRANTED and lease.transition is Transition.NONE and lease.parked_memory == 0
+
+
+def test_a_failed_restore_stops_the_kernel_and_counts_nothing_twice(tmp_path):
+    pool = make_pool(tmp_path)
+    a = pool.request(req("alice", suspendable=True), now=T0)
+    pool.suspend(a.id, now=T0 + 1)
+    pool.confirm_transition(a.id, parked_bytes=GIB, now=T0 + 3600)
+    pool.resume(a.id, now=T0 + 7200)
+    pool.fail_transition(a.id, "restore failed: out of memory", still_running=False, now=T0 + 7210)
+    gone = pool.get(a.id)
+    assert gone.state is LeaseState.RELEASED and gone.release_reason.startswith("stopped: restoring its GPU memory failed")
+    rows = pool.report(by="user", now=T0 + 8000)
+    assert rows[0]["gib_hours_held"] == pytest.approx(8 * (3600 - 1 + 1) / 3600 + 8 * 10 / 3600, rel=1e-3)
+
+
+def test_metering_bills_granted_time_only_not_parked_time(tmp_path):
+    pool = make_pool(tmp_path)
+    a = pool.request(req("alice", suspendable=True), now=T0)
+    pool.suspend(a.id, now=T0 + 3600)
+    pool.confirm_transition(a.id, parked_bytes=GIB, now=T0 + 3600)
+    pool.resume(a.id, now=T0 + 7200)
+    pool.confirm_transition(a.id, now=T0 + 7200)
+    pool.release(a.id, now=T0 + 10800)
+    rows = pool.report(by="user", now=T0 + 11000)
+    assert rows[0]["gib_hours_held"] == pytest.approx(16.0)  # 8 GiB for 1 h, then again for 1 h
+
+
+def test_transitions_time_out(tmp_path):
+    pool, alice, _, carol = idle_holder_and_waiter(tmp_path, transition_timeout=30)
+    pool.tick(now=T0 + 790)
+    assert pool.get(alice.id).transition is Transition.SUSPENDING
+    pool.tick(now=T0 + 801)
+    lease = pool.get(alice.id)
+    assert lease.state is LeaseState.RELEASED and "did not finish within 30 s" in lease.release_reason
+    assert pool.get(carol.id).state is LeaseState.GRANTED
+
+
+def test_a_suspended_lease_survives_a_restart_of_the_pool(tmp_path):
+    pool, alice, _, _ = idle_holder_and_waiter(tmp_path)
+    pool.confirm_transition(alice.id, parked_bytes=5 * GIB, now=T0 + 775)
+    pool.close()
+    again = make_pool(tmp_path, **IDLE)
+    lease = again.get(alice.id)
+    assert lease.state is LeaseState.SUSPENDED and lease.parked_memory == 5 * GIB and lease.home_devices
+    with again.store.transaction():
+        assert again._load(T0 + 800).derived().parked == 5 * GIB
+
+
+def test_a_suspended_slice_cannot_be_resized(tmp_path):
+    pool = make_pool(tmp_path)
+    a = pool.request(req("alice", suspendable=True), now=T0)
+    pool.suspend(a.id, now=T0 + 1)
+    with pytest.raises(RequestRefused, match="while it is suspending"):
+        pool.resize(a.id, 4 * GIB, now=T0 + 2)
+    pool.confirm_transition(a.id, parked_bytes=0, now=T0 + 3)
+    with pytest.raises(RequestRefused, match="resume it first"):
+        pool.resize(a.id, 4 * GIB, now=T0 + 4)
