@@ -88,6 +88,34 @@ def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> di
         "owner": owner,
         "now": now,
         "reason": None,
+        **_NO_SUSPEND,
+    }
+
+
+#: The suspend fields of a body with no lease (see :func:`suspend_fields`).
+_NO_SUSPEND: dict[str, Any] = {
+    "transition": None,
+    "suspendable": False,
+    "resuming": False,
+    "suspend_reason": None,
+    "suspended_at": None,
+    "parked_memory": None,
+    "home_devices": [],
+}
+
+
+def suspend_fields(lease: Lease) -> dict[str, Any]:
+    """What a user sees of a suspend: ``transition`` (suspending, restoring, migrating or None),
+    ``resuming`` (queued to come back), why, since when and how much is parked in host RAM."""
+    parked = lease.state is LeaseState.SUSPENDED or lease.resuming or lease.transition.value in ("suspending", "restoring")
+    return {
+        "transition": lease.transition.value or None,
+        "suspendable": lease.suspendable,
+        "resuming": lease.resuming,
+        "suspend_reason": lease.suspend_reason or None,
+        "suspended_at": lease.suspended_at,
+        "parked_memory": lease.parked_memory if parked else None,
+        "home_devices": list(lease.home_devices),
     }
 
 
@@ -135,4 +163,5 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
         "owner": lease.owner,
         "now": now,
         "reason": None,
+        **suspend_fields(lease),
     }
