@@ -126,6 +126,9 @@ class ServerBinding:
     enforcement: EnforcementConfig
     listeners: list[LeaseListener] = field(default_factory=list)
     when_unavailable: Callable[[], str] = field(default=lambda: "cpu-only")
+    #: Whether this server can park its kernels' GPU memory in host RAM (then their leases are
+    #: ``suspendable``: a reclaim suspends them instead of shutting them down).
+    can_suspend: Callable[[], bool] = field(default=lambda: False)
 
     @property
     def pool(self) -> Pool:
@@ -313,7 +316,13 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             holder_pid=pid,
             holder_host=host,
             label=self.label or kernel_name,
+            suspendable=self._suspendable(),
         )
+
+    def _suspendable(self) -> bool:
+        """Only an IPython kernel of a server that can checkpoint: the kernel extension makes its next cell wait for the resume."""
+        binding = server_binding(self)
+        return binding is not None and self._is_ipython() and binding.can_suspend()
 
     async def acquire(self) -> Lease:
         """Get a granted lease for this kernel: reuse the live one (restart) or request and wait."""

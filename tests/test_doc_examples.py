@@ -768,7 +768,7 @@ def _block(lang: str, text: str) -> Block:
     ("python", 'c.Watchdog.action = "explode"\n', "explode"),
     ("python", 'c.Broker.tick_interval = "soon"\n', "soon"),
     ("python", 'c.HubIdentity.cache_seconds = "ten"\n', "ten"),
-    ("python", 'c.GpuPoolExtension.reclaim_action = "suspend"\n', "suspend"),
+    ("python", 'c.GpuPoolExtension.reclaim_action = "hibernate"\n', "hibernate"),
     ("bash", 'jupyter gpupool broker --port 8765 --hub maybe\n', "exited 2"),
     ("bash", 'jupyter gpupool release LEASE_ID && jupyter gpupool release LEASE_ID  # exits 0\n', ""),
     ("bash", 'export GPUPOOL_SIMULATE=1x16GiB\njupyter gpupool request 20GiB  # exits 3\n', ""),

@@ -3,7 +3,7 @@
 - makes ``gpupool-provisioner`` the default provisioner and turns on pending kernels, so a kernel
   start that waits in the queue never blocks the server or times out;
 - feeds the engine each kernel's activity, runs its scheduler and carries out its decisions
-  (idle and preemption reclaims: ``cull`` today, a seam for ``suspend``);
+  (idle and preemption reclaims: suspend where this host can checkpoint, else cull);
 - reconciles leases against live kernels (a kernel process that died frees its slice);
 - runs the NVML watchdog over each kernel's process tree;
 - serves the REST API (see ``openapi.yaml``) and emits ``lease`` events.
@@ -31,7 +31,7 @@ from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Enum, Float, List, Unicode, default
 
 from ..backends import backend_provisioner
-from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo
+from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Transition
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
 from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
 from ..provisioner import (
@@ -44,6 +44,7 @@ from ..provisioner import (
     one_line,
     when_unavailable_from_env,
 )
+from ..units import format_size
 from ..views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from .handlers import default_handlers
 
@@ -51,7 +52,7 @@ LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
 
 #: Release reasons (set by the engine) after which the kernel must go: its slice was taken back.
-RECLAIM_PREFIXES = ("reclaimed", "preempted", "ended by Slurm")
+RECLAIM_PREFIXES = ("reclaimed", "preempted", "ended by Slurm", "stopped")
 
 
 
@@ -108,11 +109,19 @@ class GpuPoolExtension(ExtensionApp):
     )
     watchdog_enabled = Bool(True, config=True, help="Run the NVML watchdog (interval and action: c.Watchdog.*).")
     reclaim_action = Enum(
-        ["cull"],
-        "cull",
+        ["suspend", "cull"],
+        "suspend",
         config=True,
-        help="What to do with a kernel whose slice the engine reclaimed or preempted: 'cull' shuts it down. "
-        "('suspend', parking GPU memory in host RAM, comes later.)",
+        help="What this server lets the pool do to its kernels when their slice is reclaimed (idle) or preempted: "
+        "'suspend' parks the kernel's GPU memory in host RAM where this host can (CUDA driver 570+ with "
+        "`pip install jupyter-gpupool[cuda]`, or a simulated pool) and culls it where not; 'cull' always shuts it "
+        "down. The pool's own c.PoolPolicy.reclaim_action can forbid suspends for everyone.",
+    )
+    checkpoint_timeout = Float(
+        30.0,
+        config=True,
+        help="Seconds a suspend waits for the kernel's running GPU work to finish before it gives up "
+        "(and the reclaim falls back to culling).",
     )
     when_unavailable = Enum(
         list(WHEN_UNAVAILABLE),
@@ -195,6 +204,9 @@ class GpuPoolExtension(ExtensionApp):
         self._acting: set[str] = set()
         self._warned: dict[str, float] = {}
         self._failed: dict[str, str] = {}
+        self._moving: set[str] = set()  # lease ids whose suspend, restore or move this server is carrying out
+        self._transition_tasks: set[asyncio.Future[None]] = set()
+        self._checkpointer: Any = None
         self._restarts: dict[str, asyncio.Future[Any]] = {}
         self._stopping = False
         self.tick_count = 0
@@ -216,6 +228,7 @@ class GpuPoolExtension(ExtensionApp):
             enforcement=self.enforcement,
             listeners=[self._on_lease],
             when_unavailable=lambda: self.when_unavailable,
+            can_suspend=self.can_suspend,
         )
         self.settings["gpupool"] = self
         self.open_pool()
@@ -526,7 +539,7 @@ class GpuPoolExtension(ExtensionApp):
         Each step on its own: whatever failed before (a pool that never opened), the server stops.
         """
         self._stopping = True
-        tasks, self._tasks = list(getattr(self, "_tasks", [])), []
+        tasks, self._tasks = list(getattr(self, "_tasks", [])) + list(getattr(self, "_transition_tasks", ())), []
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -644,18 +657,134 @@ class GpuPoolExtension(ExtensionApp):
             ):
                 self._warned.pop(lease.id, None)
                 action = "preempted" if lease.release_reason.startswith("preempted") else "reclaimed"
+                if lease.release_reason.startswith("stopped"):
+                    action = "stopped"
                 self.emit(action, lease, message=lease.release_reason)
                 await self.reclaim_kernel(kernel_id, lease)
+            elif lease.transition is not Transition.NONE and lease.id not in self._moving and prov.phase == "running":
+                self._moving.add(lease.id)
+                self._spawn(self._carry_out_transition(kernel_id, prov, lease))
+            elif lease.state is LeaseState.SUSPENDED and activities.get(lease.id, Activity(busy=False)).busy:
+                # Work arrived (a cell, from a client without our kernel extension): bring it back.
+                resumed = await asyncio.to_thread(self.pool.resume, lease.id)
+                self.emit("resuming", resumed, message="resuming: the kernel got work")
         self.tick_count += 1
         return decisions
 
-    async def reclaim_kernel(self, kernel_id: str, lease: Lease) -> None:
-        """Carry out the engine's reclaim of ``kernel_id``'s slice with :attr:`reclaim_action`.
+    # --- suspend, resume and moves ----------------------------------------------------------------
 
-        The seam for ``suspend``: a later action parks the GPU memory instead of shutting down.
-        """
-        handler = getattr(self, f"_reclaim_{self.reclaim_action}")
-        await handler(kernel_id, lease)
+    @property
+    def checkpointer(self) -> Any:
+        """This host's way to park and restore a kernel's GPU memory (see devices/checkpoint.py)."""
+        if self._checkpointer is None:
+            from ..devices.checkpoint import checkpointer_for
+
+            self._checkpointer = checkpointer_for(self.pool.backend)
+        return self._checkpointer
+
+    def can_suspend(self) -> bool:
+        """Whether kernels started now may be suspended instead of culled (told to the pool per lease)."""
+        if self.reclaim_action != "suspend" or self._pool is None:
+            return False
+        try:
+            return bool(self.checkpointer.probe().supported)
+        except Exception as err:  # noqa: BLE001 - a probe that breaks means: cull, as before
+            self.log.warning("gpupool: checkpoint support could not be probed: %s", err)
+            return False
+
+    def _spawn(self, coroutine: Any) -> None:
+        """Run a suspend, restore or move beside the tick (each takes seconds); stopped with the server."""
+        task = asyncio.ensure_future(coroutine)
+        self._transition_tasks.add(task)
+        task.add_done_callback(self._transition_tasks.discard)
+
+    async def _carry_out_transition(self, kernel_id: str, prov: GpuPoolProvisioner, lease: Lease) -> None:
+        """Do what the engine decided for this kernel's GPU memory, then confirm (or report the failure)."""
+        from ..devices.checkpoint import CheckpointError
+
+        process = getattr(prov, "process", None)
+        pid = getattr(process, "pid", None)
+        step = lease.transition
+        try:
+            if pid is None:
+                raise CheckpointError("the kernel has no process on this host")
+            if step is Transition.SUSPENDING:
+                await self._suspend(kernel_id, lease, pid)
+            elif step is Transition.RESTORING:
+                await self._restore(kernel_id, lease, pid, dict(zip(lease.home_devices, lease.devices)))
+            elif step is Transition.MIGRATING:
+                await self._move(kernel_id, lease, pid)
+        except CheckpointError as err:
+            self.log.warning("gpupool: %s of kernel %s failed: %s", step.value, kernel_id, err)
+        except GpuPoolError as err:  # the pool could not be told: the engine's timeout settles it
+            self.log.warning("gpupool: %s of kernel %s could not be confirmed: %s", step.value, kernel_id, err)
+        except Exception:
+            self.log.exception("gpupool: %s of kernel %s failed", step.value, kernel_id)
+        finally:
+            self._moving.discard(lease.id)
+
+    async def _suspend(self, kernel_id: str, lease: Lease, pid: int) -> None:
+        from ..devices.checkpoint import CheckpointError
+
+        refusal = self.checkpointer.supports_devices([d for d in self.pool.devices() if d.uuid in lease.devices])
+        try:
+            if refusal:
+                raise CheckpointError(refusal)
+            parked = await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
+        except CheckpointError as err:
+            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), True)
+            what = "the kernel was shut down instead" if after.state is LeaseState.RELEASED else "the kernel keeps running"
+            self.emit("suspend_failed", after, message=f"suspending failed: {err}; {what}")
+            raise
+        done = await asyncio.to_thread(self.pool.confirm_transition, lease.id, parked)
+        self.log.info("gpupool: kernel %s suspended (%s parked): %s", kernel_id, format_size(parked), lease.suspend_reason)
+        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM): {lease.suspend_reason}")
+
+    async def _restore(self, kernel_id: str, lease: Lease, pid: int, mapping: dict[str, str], action: str = "resumed") -> None:
+        from ..devices.checkpoint import CheckpointError
+
+        moved = {old: new for old, new in mapping.items() if old != new}
+        try:
+            await asyncio.to_thread(self.checkpointer.resume, pid, moved or None)
+        except CheckpointError as err:
+            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), False)
+            await self._stop_kernel(kernel_id, after)
+            raise
+        started = lease.transition_at or time.time()
+        done = await asyncio.to_thread(self.pool.confirm_transition, lease.id)
+        where = "onto another GPU of the same model" if moved else "on its GPU"
+        self.emit(action, done, message=f"{action} {where} after {time.time() - started:.1f} s")
+
+    async def _move(self, kernel_id: str, lease: Lease, pid: int) -> None:
+        """Live defragmentation: park the kernel's memory, restore it on the GPU the engine chose."""
+        from ..devices.checkpoint import CheckpointError
+
+        self.emit("migrating", lease, message=lease.suspend_reason)
+        try:
+            await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
+        except CheckpointError as err:
+            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), True)
+            self.emit("suspend_failed", after, message=f"moving failed: {err}; the kernel keeps running where it was")
+            raise
+        await self._restore(kernel_id, lease, pid, dict(zip(lease.migrate_from, lease.devices)), action="migrated")
+
+    async def _stop_kernel(self, kernel_id: str, lease: Lease) -> None:
+        """A kernel whose GPU memory could not be restored cannot go on: shut it down, saying why."""
+        self._culled[kernel_id] = lease.release_reason
+        self.emit("stopped", lease, message=lease.release_reason)
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        with contextlib.suppress(Exception):
+            km.get_kernel(kernel_id).reason = f"GPU slice {lease.release_reason}"
+        try:
+            await km.shutdown_kernel(kernel_id)
+        except Exception:
+            self.log.exception("gpupool: could not shut down kernel %s", kernel_id)
+
+    async def reclaim_kernel(self, kernel_id: str, lease: Lease) -> None:
+        """Carry out the engine's release of ``kernel_id``'s slice: shut the kernel down. (A reclaim
+        that suspends is a transition instead: see :meth:`_carry_out_transition`.)"""
+        await self._reclaim_cull(kernel_id, lease)
 
     async def _reclaim_cull(self, kernel_id: str, lease: Lease) -> None:
         assert self.serverapp is not None

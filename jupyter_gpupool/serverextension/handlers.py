@@ -247,10 +247,50 @@ class KeepaliveHandler(KernelHandlerBase):
         self.write_json(result["status"])
 
 
+class SuspendHandler(KernelHandlerBase):
+    """``POST .../suspend``: park the kernel's GPU memory in host RAM now; its next cell resumes it."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        pool = self.ext.pool
+        viewer = self.viewer()
+
+        def suspend() -> dict[str, Any]:
+            lease = self.live_lease(kernel_id)
+            who = "its user" if lease.owner == viewer else f"the admin {viewer}"
+            suspended = pool.suspend(lease.id, reason=f"suspended by {who}")
+            return {"lease": suspended, "status": self.ext.kernel_status(kernel_id, suspended)}
+
+        result = await asyncio.to_thread(suspend)
+        self.ext.emit("suspending", result["lease"], message=result["lease"].suspend_reason)
+        self.write_json(result["status"])
+
+
+class ResumeHandler(KernelHandlerBase):
+    """``POST .../resume``: bring a suspended kernel back; it queues for a GPU by policy."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        pool = self.ext.pool
+
+        def resume() -> dict[str, Any]:
+            lease = self.live_lease(kernel_id)
+            resumed = pool.resume(lease.id)
+            return {"lease": resumed, "status": self.ext.kernel_status(kernel_id, resumed)}
+
+        result = await asyncio.to_thread(resume)
+        self.ext.emit("resuming", result["lease"], message="resuming: asked by the user")
+        self.write_json(result["status"])
+
+
 default_handlers: list[tuple[str, type[GpuPoolHandler]]] = [
     (r"/api/gpupool/pool", PoolHandler),
     (rf"/api/gpupool/kernels/{_KERNEL_ID}", KernelStatusHandler),
     (rf"/api/gpupool/kernels/{_KERNEL_ID}/reserve", ReserveHandler),
     (rf"/api/gpupool/kernels/{_KERNEL_ID}/release", ReleaseHandler),
     (rf"/api/gpupool/kernels/{_KERNEL_ID}/keepalive", KeepaliveHandler),
+    (rf"/api/gpupool/kernels/{_KERNEL_ID}/suspend", SuspendHandler),
+    (rf"/api/gpupool/kernels/{_KERNEL_ID}/resume", ResumeHandler),
 ]
