@@ -335,6 +335,12 @@ class Pool:
                     lease.heartbeat_at = now
                     state.touch(lease)
 
+    def grace_after_outage(self, now: float | None = None) -> int:
+        """A fresh start for every live lease after an outage (see :meth:`Engine.grace_after_outage`)."""
+        now = self._now(now)
+        with self._decide(now) as state:
+            return self.engine.grace_after_outage(state, now)
+
     def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
         now = self._now(now)
         with self.store.transaction():

@@ -245,3 +245,31 @@ def test_a_suspended_slice_cannot_be_resized(tmp_path):
     pool.confirm_transition(a.id, parked_bytes=0, now=T0 + 3)
     with pytest.raises(RequestRefused, match="resume it first"):
         pool.resize(a.id, 4 * GIB, now=T0 + 4)
+
+
+def test_after_an_outage_passed_deadlines_start_over_instead_of_firing_at_once(tmp_path):
+    pool, alice, _, carol = idle_holder_and_waiter(tmp_path, transition_timeout=30)
+    # alice is suspending; bob's warning is due soon; the broker was down for 10 minutes.
+    lease = pool.get(alice.id)
+    assert lease.transition is Transition.SUSPENDING
+    touched = pool.grace_after_outage(now=T0 + 1400)
+    assert touched == 3
+    after = pool.get(alice.id)
+    assert after.transition is Transition.SUSPENDING and after.transition_at == T0 + 1400 and after.heartbeat_at == T0 + 1400
+    pool.tick(now=T0 + 1420)
+    assert pool.get(alice.id).transition is Transition.SUSPENDING  # not timed out at once
+
+
+def test_after_an_outage_a_warning_that_passed_is_given_again(tmp_path):
+    pool = make_pool(tmp_path, reclaim_action="cull", **IDLE)
+    alice = pool.request(req("alice"), now=T0)
+    pool.request(req("bob", gib=16), now=T0 + 700)
+    pool.tick(now=T0 + 701)
+    assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 761)
+    pool.grace_after_outage(now=T0 + 2000)  # the deadline passed while nobody could see the warning
+    warned = pool.get(alice.id)
+    assert warned.state is LeaseState.GRANTED and warned.reclaim_at == T0 + 2060 and warned.warned_at == T0 + 2000
+    pool.tick(now=T0 + 2001)
+    assert pool.get(alice.id).state is LeaseState.GRANTED
+    pool.tick(now=T0 + 2061)
+    assert pool.get(alice.id).state is LeaseState.RELEASED

@@ -575,6 +575,23 @@ class Engine:
                 free[uuid] = free.get(uuid, 0) + lease.memory
         return free
 
+    def grace_after_outage(self, state: PoolState, now: float) -> int:
+        """After the pool could not be reached (a broker restart): every live lease gets a fresh
+        heartbeat, warnings whose deadline passed or is near start over (their users could not
+        answer them), and suspends, restores and moves under way get a full ``transition_timeout``.
+        Returns how many leases were touched."""
+        for lease in state.leases.values():
+            lease.heartbeat_at = now
+            if lease.reclaim_at is not None:
+                period = self.policy.grace_period if lease.reclaim_reason.startswith("preempt") else self.policy.warning_period
+                if lease.reclaim_at < now + period:
+                    lease.warned_at = now
+                    lease.reclaim_at = now + period
+            if lease.transition is not Transition.NONE:
+                lease.transition_at = now
+            state.touch(lease)
+        return len(state.leases)
+
     # --- suspend, resume and live moves ------------------------------------------------------------
     def parked_budget(self, state: PoolState) -> int:
         """Bytes of host RAM parked slices may take together."""
