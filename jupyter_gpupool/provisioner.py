@@ -325,11 +325,14 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         return binding is not None and self._is_ipython() and binding.can_suspend()
 
     async def acquire(self) -> Lease:
-        """Get a granted lease for this kernel: reuse the live one (restart) or request and wait."""
+        """Get a granted lease for this kernel: reuse the live one (restart) or request and wait.
+
+        Every pool call runs in a thread: a broker that retries through an outage must never
+        stall the server's event loop (and every other user's kernels with it)."""
         pool = self.pool
         if self.lease_id:
             try:
-                kept: Lease | None = pool.get(self.lease_id)
+                kept: Lease | None = await asyncio.to_thread(pool.get, self.lease_id)
             except LeaseNotFound:
                 kept = None  # pruned: queue again (PoolUnavailable propagates: the lease may well be alive)
             if kept is not None and kept.state is LeaseState.GRANTED:
@@ -337,7 +340,8 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             if kept is not None and kept.state is LeaseState.QUEUED:
                 return await self._wait(kept)
             self.lease_id = None  # released while the kernel was down: queue again
-        lease = pool.request(self.build_request())
+        request = await asyncio.to_thread(self.build_request)
+        lease = await asyncio.to_thread(pool.request, request)
         self.lease_id = lease.id
         if lease.state is LeaseState.GRANTED:
             self._notify("granted", lease)
@@ -346,7 +350,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     async def _wait(self, lease: Lease) -> Lease:
         self.phase = "waiting"
-        info = self.pool.queue_info(lease.id)
+        info = await asyncio.to_thread(self.pool.queue_info, lease.id)
         self.queue_update = (lease, info)
         self._notify("queued", lease, info, self._queue_message(info))
         self.log.info("gpupool: kernel %s waits for a GPU slice: %s", self.kernel_id, self._queue_message(info))
@@ -440,7 +444,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         restarting = self.phase == "restarting"
         self.failure = None
         try:
-            self._open_pool()
+            await asyncio.to_thread(self._open_pool)
             lease = await self.acquire()
         except self.REFUSALS as err:
             self._fail(f"no GPU slice: {one_line(err)}")
@@ -458,7 +462,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             return await self._launch_cpu_only(reason, err, **kwargs)
         self.cpu_only_reason = None
         self.phase = "launching"
-        devices = {d.uuid: d for d in self.pool.devices()}
+        devices = {d.uuid: d for d in await asyncio.to_thread(self.pool.devices)}
         self.plan = plan_enforcement(lease, devices, self._enforcement())
         env = dict(kwargs.get("env") or os.environ)
         env.pop(UNAVAILABLE_ENV, None)
@@ -555,9 +559,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             with contextlib.suppress(BaseException):
                 await self._heartbeat_task
             self._heartbeat_task = None
-        self._release("kernel shut down")
+        await asyncio.to_thread(self._release, "kernel shut down")
         self.lease_id = None
-        self.release_stale("kernel shut down")
+        await asyncio.to_thread(self.release_stale, "kernel shut down")
 
     def release_stale(self, reason: str = "its kernel restarted CPU-only while the pool was unavailable") -> None:
         """Hand back the lease held before a CPU-only restart (best effort: the pool may still be down)."""

@@ -183,8 +183,10 @@ class PathGuard:
             self.fd = None
 
     def __del__(self) -> None:  # a Store dropped without close() must not leak the folder's descriptor
-        with contextlib.suppress(Exception):
+        try:  # no contextlib here: at interpreter exit module globals may already be None
             self.release()
+        except Exception:  # noqa: BLE001, S110 - nothing useful to do in a finalizer
+            pass
 
 
 class Store:

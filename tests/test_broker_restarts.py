@@ -424,3 +424,36 @@ def test_a_queued_kernel_says_pool_unavailable_retrying_over_rest_while_the_brok
         assert server.call("GET", f"api/gpupool/kernels/{k2}")["state"] == "queued"  # still in its turn
     finally:
         server.stop()
+
+
+# --- a kernel start during a broker outage never stalls the server's event loop -----------------------
+@pytest.mark.slow
+def test_a_kernel_start_while_the_broker_hangs_leaves_the_server_responsive(
+    tmp_path: Path, hub: StandInHub, brokers: list[BrokerProcess]
+) -> None:
+    import signal
+
+    broker = BrokerProcess(tmp_path, hub).start()
+    brokers.append(broker)
+    server = JupyterServer(
+        tmp_path, "alice", broker.url, ALICE, config={"GpuPoolExtension": {"tick_interval": 0.5, "reconcile_interval": 1}}
+    )
+    assert broker.proc is not None
+    try:
+        server.call("GET", "api/status")
+        broker.proc.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing: the worst outage
+        try:
+            kernel_id = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+            slowest = 0.0
+            deadline = time.monotonic() + 6
+            while time.monotonic() < deadline:
+                started = time.monotonic()
+                server.call("GET", "api/status")  # jupyter_server's own endpoint: no pool call in it
+                slowest = max(slowest, time.monotonic() - started)
+                time.sleep(0.1)
+            assert slowest < 1.0, f"the server's event loop stalled {slowest:.1f} s while a kernel waited on the broker"
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: (l := kernel_lease(broker, kernel_id)) and l.state is LeaseState.GRANTED, what="the grant")
+    finally:
+        server.stop()
