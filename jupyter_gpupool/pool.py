@@ -8,7 +8,6 @@ share one pool without a daemon.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import functools
@@ -42,6 +41,7 @@ from .devices import DeviceBackend, make_backend
 from .errors import InvalidInput, LeaseNotFound
 from .store import Store
 from .validate import preferences as validate_preferences
+from .waiting import GrantWaiting
 
 HOSTNAME = socket.gethostname()
 
@@ -55,7 +55,7 @@ def default_db_path() -> str:
     return os.path.join(jupyter_data_dir(), "gpupool", "pool.sqlite")
 
 
-class Pool:
+class Pool(GrantWaiting):
     """Who gets which slice of which GPU, who waits, and what is given back."""
 
     #: Seconds a backend inventory read is reused (NVML queries cost milliseconds).
@@ -410,46 +410,8 @@ class Pool:
             return [lease.copy() for lease in gone]
 
     # --- waiting ----------------------------------------------------------------------------------
-    def wait_for_grant(
-        self,
-        lease_id: str,
-        timeout: float | None = None,
-        poll: float = 0.5,
-        on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
-    ) -> Lease:
-        """Block until the lease is granted; heartbeats while waiting. Raises TimeoutError or
-        :class:`~jupyter_gpupool.errors.RequestRefused` if the lease is released meanwhile."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            lease, info = self._poll_grant(lease_id)
-            if lease.state is LeaseState.GRANTED:
-                return lease
-            if on_update is not None:
-                on_update(lease, info)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"still queued after {timeout:.0f} s (position {info.position if info else '?'})")
-            time.sleep(poll)
-
-    async def await_grant(
-        self,
-        lease_id: str,
-        timeout: float | None = None,
-        poll: float = 0.5,
-        on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
-    ) -> Lease:
-        """Async twin of :meth:`wait_for_grant`: SQLite work runs in a thread."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            lease, info = await asyncio.to_thread(self._poll_grant, lease_id)
-            if lease.state is LeaseState.GRANTED:
-                return lease
-            if on_update is not None:
-                on_update(lease, info)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"still queued after {timeout:.0f} s (position {info.position if info else '?'})")
-            await asyncio.sleep(poll)
-
-    def _poll_grant(self, lease_id: str) -> tuple[Lease, QueueInfo | None]:
+    def _look_at_request(self, lease_id: str, last: QueueInfo | None, deadline: float | None) -> tuple[Lease, QueueInfo | None]:
+        """Run the scheduler, heartbeat the waiting request, and say where it stands (see GrantWaiting)."""
         from .errors import RequestRefused
 
         now = self.clock()

@@ -30,7 +30,6 @@ broker answered the last call, since when not, and when the next try is.
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os
@@ -55,6 +54,7 @@ from .core.models import (
 )
 from .errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
 from .units import format_duration, parse_duration, parse_size
+from .waiting import GrantWaiting
 
 URL_FORMS = "http://HOST:PORT[/PREFIX], https://HOST[:PORT][/PREFIX] or unix:///PATH/TO/SOCKET"
 API = "api/gpupool"
@@ -241,7 +241,7 @@ class RemoteBackend:
         """Nothing to release: connections are per request."""
 
 
-class RemotePool:
+class RemotePool(GrantWaiting):
     """:class:`~jupyter_gpupool.pool.Pool`'s contract, served by a broker."""
 
     #: Adapters may check this to skip work the broker does itself (watchdog, scheduler loop).
@@ -599,77 +599,29 @@ class RemotePool:
             raise RequestRefused(f"the request was {lease.release_reason or 'released'} before it was granted")
         return lease, info
 
-    def wait_for_grant(
-        self,
-        lease_id: str,
-        timeout: float | None = None,
-        poll: float = 0.5,
-        on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
-    ) -> Lease:
-        """Block until granted (long-polling the broker, which heartbeats the request meanwhile).
+    # GrantWaiting: a look is one long poll (the broker heartbeats the request meanwhile); an outage
+    # of the broker is ridden out with backoff for up to ``outage_limit`` seconds, and the waiter
+    # hears "pool unavailable, retrying ..." with its last known place in the queue.
+    def _look_at_request(self, lease_id: str, last: QueueInfo | None, deadline: float | None) -> tuple[Lease, QueueInfo | None]:
+        return self._wait_step(lease_id, last.position if last else None, deadline)
 
-        An outage of the broker is ridden out with backoff for up to :attr:`outage_limit` seconds;
-        ``on_update`` then gets the last known lease with "pool unavailable, retrying" as the reason.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        position: int | None = None
-        backoff = _Backoff(self, self.outage_limit, deadline)
-        last: tuple[Lease, QueueInfo | None] | None = None
-        while True:
-            try:
-                lease, info = self._wait_step(lease_id, position, deadline)
-            except PoolUnavailable as err:
-                delay = backoff.delay(err)
-                self._outage_update(last, on_update)
-                if deadline is not None and time.monotonic() + delay >= deadline:
-                    raise TimeoutError(
-                        f"still queued after {timeout:.0f} s (the pool was unavailable: {err})"
-                    ) from None
-                time.sleep(delay)
-                continue
-            backoff.reset()
-            last = (lease, info)
-            if lease.state is LeaseState.GRANTED:
-                return lease
-            position = info.position if info else None
-            if on_update is not None:
-                on_update(lease, info)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"still queued after {timeout:.0f} s (position {position or '?'})")
+    def _pause_between_looks(self, poll: float) -> float:
+        return 0.0
 
-    async def await_grant(
+    def _outage_state(self, lease_id: str, deadline: float | None, poll: float) -> _Backoff:
+        return _Backoff(self, self.outage_limit, deadline)
+
+    def _on_outage(
         self,
-        lease_id: str,
-        timeout: float | None = None,
-        poll: float = 0.5,
-        on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
-    ) -> Lease:
-        """Async twin of :meth:`wait_for_grant`: each long poll runs in a thread, backoff sleeps on the loop."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        position: int | None = None
-        backoff = _Backoff(self, self.outage_limit, deadline)
-        last: tuple[Lease, QueueInfo | None] | None = None
-        while True:
-            try:
-                lease, info = await asyncio.to_thread(self._wait_step, lease_id, position, deadline)
-            except PoolUnavailable as err:
-                delay = backoff.delay(err)
-                self._outage_update(last, on_update)
-                if deadline is not None and time.monotonic() + delay >= deadline:
-                    raise TimeoutError(
-                        f"still queued after {timeout:.0f} s (the pool was unavailable: {err})"
-                    ) from None
-                await asyncio.sleep(delay)
-                continue
-            backoff.reset()
-            last = (lease, info)
-            if lease.state is LeaseState.GRANTED:
-                return lease
-            position = info.position if info else None
-            if on_update is not None:
-                on_update(lease, info)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"still queued after {timeout:.0f} s (position {position or '?'})")
+        err: PoolUnavailable,
+        outage: Any,
+        last: tuple[Lease, QueueInfo | None] | None,
+        on_update: Callable[[Lease, QueueInfo | None], None] | None,
+        deadline: float | None,
+    ) -> float:
+        delay = outage.delay(err)
+        self._outage_update(last, on_update)
+        return delay
 
     # --- views, metering, reservations, preferences --------------------------------------------
     def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:

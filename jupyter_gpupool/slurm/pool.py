@@ -17,7 +17,6 @@ survives a server restart: the next server still sees, reports and cancels the j
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import getpass
 import json
@@ -47,6 +46,7 @@ from ..core.models import (
 from ..core.policy import PoolPolicy
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from ..units import SIZE_FORMS, format_size, parse_size
+from ..waiting import GrantWaiting
 from .commands import (
     JobRecord,
     SlurmCommands,
@@ -114,7 +114,7 @@ class SlurmBackend:
         """Nothing to release."""
 
 
-class SlurmPool(LoggingConfigurable):
+class SlurmPool(GrantWaiting, LoggingConfigurable):
     """Leases as Slurm jobs on GPU shards; Slurm queues, orders and accounts."""
 
     #: Adapters skip what only a local pool does (watchdog over local processes, Prometheus collector).
@@ -747,58 +747,32 @@ class SlurmPool(LoggingConfigurable):
             raise RequestRefused(f"the request was {lease.release_reason or 'released'} before it was granted")
         return lease, (self.queue_info(lease_id) if lease.state is LeaseState.QUEUED else None)
 
-    def wait_for_grant(
-        self,
-        lease_id: str,
-        timeout: float | None = None,
-        poll: float = 0.5,
-        on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
-    ) -> Lease:
-        """Block until the job runs (no timeout unless given: a pending job waits as long as Slurm says)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                lease, info = self._check(lease_id)
-            except PoolUnavailable as err:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-                self.log.warning("gpupool: lease %s waits on, Slurm does not answer: %s", lease_id, err)
-                time.sleep(max(poll, self.poll_interval))
-                continue
-            if lease.state is LeaseState.GRANTED:
-                return lease
-            if on_update is not None:
-                on_update(lease, info)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"still pending after {timeout:.0f} s (position {info.position if info else '?'})")
-            time.sleep(max(poll, self.poll_interval))
+    # GrantWaiting: a pending job waits as long as Slurm says (no timeout unless given), and a
+    # slurmctld that does not answer is waited out: the job still pends there.
+    waiting_word = "pending"
 
-    async def await_grant(
+    def _look_at_request(self, lease_id: str, last: QueueInfo | None, deadline: float | None) -> tuple[Lease, QueueInfo | None]:
+        return self._check(lease_id)
+
+    def _pause_between_looks(self, poll: float) -> float:
+        return max(poll, self.poll_interval)
+
+    def _outage_state(self, lease_id: str, deadline: float | None, poll: float) -> tuple[str, float]:
+        return lease_id, max(poll, self.poll_interval)
+
+    def _on_outage(
         self,
-        lease_id: str,
-        timeout: float | None = None,
-        poll: float = 0.5,
-        on_update: Callable[[Lease, QueueInfo | None], None] | None = None,
-    ) -> Lease:
-        """Async twin of :meth:`wait_for_grant` (each squeue call in a thread)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                lease, info = await asyncio.to_thread(self._check, lease_id)
-            except PoolUnavailable as err:
-                # slurmctld does not answer: the job still pends there; keep waiting (no timeout kills a wait).
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-                self.log.warning("gpupool: lease %s waits on, Slurm does not answer: %s", lease_id, err)
-                await asyncio.sleep(max(poll, self.poll_interval))
-                continue
-            if lease.state is LeaseState.GRANTED:
-                return lease
-            if on_update is not None:
-                on_update(lease, info)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"still pending after {timeout:.0f} s (position {info.position if info else '?'})")
-            await asyncio.sleep(max(poll, self.poll_interval))
+        err: PoolUnavailable,
+        outage: Any,
+        last: tuple[Lease, QueueInfo | None] | None,
+        on_update: Callable[[Lease, QueueInfo | None], None] | None,
+        deadline: float | None,
+    ) -> float:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise err
+        lease_id, pause = outage
+        self.log.warning("gpupool: lease %s waits on, Slurm does not answer: %s", lease_id, err)
+        return float(pause)
 
     # --- views and metering -----------------------------------------------------------------------
     @staticmethod
