@@ -404,13 +404,20 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         return text
 
     def _release(self, reason: str) -> None:
-        if not self.lease_id:
-            return
-        try:
-            lease = self.pool.release(self.lease_id, reason=reason)
+        lease = self._release_quietly(reason)
+        if lease is not None:
             self._notify("released", lease, None, reason)
+
+    def _release_quietly(self, reason: str) -> Lease | None:
+        """Give the lease back without telling listeners (safe in a worker thread: listeners emit
+        events, which need the event loop); None if there was none or the pool did not answer."""
+        if not self.lease_id:
+            return None
+        try:
+            return self.pool.release(self.lease_id, reason=reason)
         except Exception as err:  # noqa: BLE001 - the pool is unavailable: its holder check or heartbeat timeout frees it
             self.log.debug("gpupool: release of %s: %s", self.lease_id, err)
+            return None
 
     # --- provisioner life cycle ---------------------------------------------------------------
 
@@ -559,21 +566,30 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             with contextlib.suppress(BaseException):
                 await self._heartbeat_task
             self._heartbeat_task = None
-        await asyncio.to_thread(self._release, "kernel shut down")
+        released = await asyncio.to_thread(self._release_quietly, "kernel shut down")
+        if released is not None:
+            self._notify("released", released, None, "kernel shut down")
         self.lease_id = None
-        await asyncio.to_thread(self.release_stale, "kernel shut down")
+        stale = await asyncio.to_thread(self._release_stale_quietly, "kernel shut down")
+        if stale is not None:
+            self._notify("released", stale, None, "kernel shut down")
 
     def release_stale(self, reason: str = "its kernel restarted CPU-only while the pool was unavailable") -> None:
         """Hand back the lease held before a CPU-only restart (best effort: the pool may still be down)."""
+        lease = self._release_stale_quietly(reason)
+        if lease is not None:
+            self._notify("released", lease, None, reason)
+
+    def _release_stale_quietly(self, reason: str) -> Lease | None:
         if not self.stale_lease_id:
-            return
+            return None
         try:
             lease = self.pool.release(self.stale_lease_id, reason=reason)
         except Exception as err:  # noqa: BLE001 - still unavailable: try again later (or the heartbeat timeout frees it)
             self.log.debug("gpupool: release of stale lease %s: %s", self.stale_lease_id, err)
-            return
+            return None
         self.stale_lease_id = None
-        self._notify("released", lease, None, reason)
+        return lease
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info = await super().get_provisioner_info()

@@ -632,15 +632,20 @@ class GpuPoolExtension(ExtensionApp):
 
         stale = [p for k in km.list_kernel_ids() if (p := self.provisioner_of(k)) is not None and p.stale_lease_id]
 
-        def step() -> tuple[list[Decision], dict[str, tuple[GpuPoolProvisioner, Lease]]]:
+        def step() -> tuple[list[Decision], dict[str, tuple[GpuPoolProvisioner, Lease]], list[tuple[GpuPoolProvisioner, Lease]]]:
             if activities:
                 self.pool.report_activities(activities)
             decisions = self.pool.tick()
+            handed_back = []
             for prov in stale:  # leases held before a CPU-only restart: the pool answers again, hand them back
-                prov.release_stale()
-            return decisions, self._kernel_leases()
+                lease = prov._release_stale_quietly("its kernel restarted CPU-only while the pool was unavailable")
+                if lease is not None:
+                    handed_back.append((prov, lease))
+            return decisions, self._kernel_leases(), handed_back
 
-        decisions, leases = await asyncio.to_thread(step)
+        decisions, leases, handed_back = await asyncio.to_thread(step)
+        for prov, lease in handed_back:  # told on the event loop: events need it
+            prov._notify("released", lease, None, lease.release_reason)
         # State, not decisions: another process sharing the pool file (nbconvert waiting for a
         # grant) may be the one whose scheduler run warned or reclaimed one of our kernels.
         for kernel_id, (prov, lease) in leases.items():
