@@ -748,3 +748,35 @@ def test_marker_files_are_json_the_lead_can_read(simpool):
         marker = json.load(handle)
     assert marker["state"] == "suspended" and marker["bytes"] == GIB
     assert LOCKED == 1  # the fake's numbering is the driver's CUprocessState
+
+
+# --- the GPU check drives the product's checkpointer ----------------------------------------------------
+
+
+def test_gpu_suspend_check_uses_the_product_checkpointer(host, sleepers):
+    """tests/gpu's suspend check goes through CudaCheckpointer when cuda.core is usable (here: the
+    fake), and its kernel code compiles; on a GPU it runs the same calls for real."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    try:
+        from gpucheck.checks import suspend as check
+    finally:
+        sys.path.pop(0)
+    nvml, fake, _ = host()
+    pid = sleepers.new()
+    fake.add_process(pid, {nvml.gpus[0].uuid: 8 * GIB})
+    mover = check._Mover(lambda message: None)
+    try:
+        assert mover.product is not None and mover.via.startswith("jupyter_gpupool CudaCheckpointer (CUDA checkpoint API")
+        assert mover.suspend(pid) == 8 * GIB
+        assert mover.state(pid) == "suspended" and nvml.gpus[0].memory_used == 0
+        mover.rescue(pid)  # the clean-up path resumes a kernel left suspended
+        assert mover.state(pid) == "running" and nvml.gpus[0].memory_used == 8 * GIB
+        assert fake.ops(pid) == ["lock", "checkpoint", "restore", "unlock"]
+        assert ("lock", pid, int(check.LOCK_TIMEOUT_S * 1000)) in fake.calls
+    finally:
+        mover.close()
+    for name, code in {"fill": check._fill(8), "while": check.WHILE_SUSPENDED, "verify": check.VERIFY}.items():
+        compile(code, name, "exec")
+    assert check.cell_blocks_through_the_server(None, "", None) is None  # the lead's hook, not filled yet
