@@ -254,7 +254,7 @@ class FakeCudaDriver:
         return raw.hex()
 
     def _nvml_uuid_by_hex(self, process: FakeCudaProcess) -> dict[str, str]:
-        return {self._as_uuid(uuid[4:] if uuid.startswith("GPU-") else uuid): uuid for uuid in process.host}
+        return {self._as_uuid(uuid.removeprefix("GPU-")): uuid for uuid in process.host}
 
     def lock(self, pid: int, timeout_ms: int) -> None:
         process = self._step("lock", pid, timeout_ms)

@@ -241,7 +241,7 @@ def test_a_checkpoint_failure_that_cannot_be_unlocked_reports_the_state(host, sl
 
 
 def test_lock_refused_by_the_driver(host, sleepers):
-    nvml, fake, checkpointer = host()
+    _nvml, _fake, checkpointer = host()
     pid = sleepers.new()  # no CUDA context at all
     with pytest.raises(CheckpointError) as error:
         checkpointer.suspend(pid)
@@ -261,7 +261,7 @@ def test_suspending_twice_says_it_is_already_suspended(host, sleepers):
 
 def test_mapping_must_name_every_gpu_it_was_suspended_from(host, sleepers):
     gpus = [FakeGpu("NVIDIA H100 80GB HBM3", 80 * GIB, uuid=hex_uuid(i), mig=False) for i in range(4)]
-    nvml, fake, checkpointer = host(gpus)
+    _nvml, fake, checkpointer = host(gpus)
     pid = sleepers.new()
     fake.add_process(pid, {gpus[0].uuid: GIB, gpus[1].uuid: GIB})
     checkpointer.suspend(pid)
@@ -340,7 +340,7 @@ def test_unlock_failure_after_restore_is_retried_by_the_next_resume(host, sleepe
 
 
 def test_a_process_that_exited_is_gone(host, sleepers):
-    nvml, fake, checkpointer = host()
+    _nvml, _fake, checkpointer = host()
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(10)
     assert checkpointer.state(proc.pid) == "gone"
@@ -363,7 +363,7 @@ def test_a_process_that_exited_is_gone(host, sleepers):
     ],
 )
 def test_bad_arguments_are_one_line_errors_that_touch_nothing(host, call, says):
-    nvml, fake, checkpointer = host()
+    _nvml, fake, checkpointer = host()
     with pytest.raises(CheckpointError) as error:
         call(checkpointer)
     assert says in one_line(error)
@@ -390,7 +390,7 @@ def test_probe_when_supported_names_the_driver_and_is_cached(host):
 
 
 def test_probe_without_cuda_core_says_how_to_install_it(host, monkeypatch):
-    nvml, fake, checkpointer = host()
+    _nvml, _fake, checkpointer = host()
     monkeypatch.setitem(sys.modules, "cuda.core.checkpoint", None)  # as if not installed
     support = checkpointer.probe()
     assert not support.supported and support.backend == "cuda"
@@ -403,7 +403,7 @@ def test_probe_without_cuda_core_says_how_to_install_it(host, monkeypatch):
 
 
 def test_probe_with_an_old_driver(host):
-    nvml, fake, checkpointer = host(driver="550.54.15", cuda=12040)
+    _nvml, fake, checkpointer = host(driver="550.54.15", cuda=12040)
     support = checkpointer.probe()
     assert support == CheckpointSupport(
         False,
@@ -416,12 +416,12 @@ def test_probe_with_an_old_driver(host):
 
 
 def test_probe_with_an_old_cuda_api(host):
-    nvml, fake, checkpointer = host(driver="570.00.01", cuda=12040)
+    _nvml, _fake, checkpointer = host(driver="570.00.01", cuda=12040)
     assert checkpointer.probe().reason.startswith("the NVIDIA driver offers CUDA 12.4, older than 12.8: ")
 
 
 def test_probe_when_cuda_core_says_the_driver_cannot(host):
-    nvml, fake, checkpointer = host(cuda=None, driver_version=(12, 4, 0))
+    _nvml, _fake, checkpointer = host(cuda=None, driver_version=(12, 4, 0))
     support = checkpointer.probe()
     assert not support.supported
     assert support.reason == (
@@ -431,7 +431,7 @@ def test_probe_when_cuda_core_says_the_driver_cannot(host):
 
 
 def test_probe_when_cuinit_fails(host):
-    nvml, fake, checkpointer = host()
+    _nvml, fake, checkpointer = host()
     fake.init_error = "CUDA_ERROR_NOT_INITIALIZED"
     support = checkpointer.probe()
     assert not support.supported and support.reason == "the CUDA driver cannot start here: cuInit failed: CUDA_ERROR_NOT_INITIALIZED"
@@ -442,7 +442,7 @@ def test_mig_instances_cannot_be_suspended(host):
         FakeGpu("NVIDIA A100-PCIE-40GB", 40 * GIB, uuid=hex_uuid(0), mig=True, mig_slots=[FakeMig("3g.20gb", 20 * GIB)]),
         FakeGpu("NVIDIA A100-PCIE-40GB", 40 * GIB, uuid=hex_uuid(1), mig=False),
     ]
-    nvml, fake, checkpointer = host(gpus)
+    _nvml, _fake, checkpointer = host(gpus)
     devices = checkpointer.backend.devices()
     mig = [d for d in devices if d.is_mig]
     whole = [d for d in devices if not d.is_mig]
@@ -454,7 +454,7 @@ def test_mig_instances_cannot_be_suspended(host):
 
 
 def test_supports_devices_gives_the_probe_reason_when_unsupported(host):
-    nvml, fake, checkpointer = host(driver="535.104.05")
+    _nvml, _fake, checkpointer = host(driver="535.104.05")
     assert checkpointer.supports_devices(checkpointer.backend.devices()).startswith("NVIDIA driver 535.104.05 is older than 570")
 
 
@@ -600,7 +600,7 @@ def test_resume_without_mapping_brings_the_usage_back_where_it_was(simpool):
 
 
 def test_a_kernel_that_used_no_gpu_memory_suspends_with_0_bytes_and_still_blocks(simpool):
-    backend, checkpointer, start = simpool
+    _backend, checkpointer, start = simpool
     kernel = start("0")
     assert checkpointer.suspend(kernel.pid) == 0
     kernel.use("1GiB")
@@ -616,8 +616,10 @@ def test_injected_suspend_failure_from_another_process_leaves_the_kernel_running
         [
             sys.executable,
             "-c",
-            "import sys; from jupyter_gpupool.devices.checkpoint import SimulatedCheckpointer as S; "
-            "S.fail_next(sys.argv[1], 'suspend', 'host RAM is full')",
+            (
+                "import sys; from jupyter_gpupool.devices.checkpoint import SimulatedCheckpointer as S; "
+                "S.fail_next(sys.argv[1], 'suspend', 'host RAM is full')"
+            ),
             backend.usage_dir,
         ],
         check=True,

@@ -57,7 +57,7 @@ def make_backend(spec: str | None) -> DeviceBackend:
     return NvmlBackend()
 
 
-from .checkpoint import Checkpointer, CheckpointError, CheckpointSupport, checkpointer_for  # noqa: E402
+from .checkpoint import Checkpointer, CheckpointError, CheckpointSupport, checkpointer_for
 
 __all__ = [
     "CheckpointError",

@@ -159,10 +159,9 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A zombie (exited, not yet reaped) counts as gone: it runs no more cells.
-    with contextlib.suppress(OSError, IndexError):
-        with open(f"/proc/{pid}/stat") as handle:
-            if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as handle:
+        if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
     return True
 
 
@@ -287,7 +286,7 @@ class SimulatedCheckpointer(Checkpointer):
         if not _alive(pid):
             raise _gone(pid, "suspend")
         paths = self._paths(pid)
-        with self._lock, _file_lock(paths["lock"], timeout) as locked:
+        with _file_lock(paths["lock"], timeout) as locked:  # per pid, across threads and processes
             if not locked:
                 raise CheckpointError(
                     f"could not suspend process {pid}: it was busy on the GPU for the whole {timeout:g} s "
@@ -318,7 +317,7 @@ class SimulatedCheckpointer(Checkpointer):
         mapping = _check_mapping(gpu_mapping)
         self._require_dir(pid, "resume")
         paths = self._paths(pid)
-        with self._lock, _file_lock(paths["lock"], 30.0):
+        with _file_lock(paths["lock"], 30.0):
             if not _alive(pid):
                 self._forget(pid)
                 raise _gone(pid, "resume")
@@ -333,7 +332,8 @@ class SimulatedCheckpointer(Checkpointer):
                     state="failed",
                 )
             parked = _read_json(paths["parked"]) or {}
-            in_process = self._parked_in_process.get(pid, {})
+            with self._lock:
+                in_process = dict(self._parked_in_process.get(pid, {}))
             used_on = set(parked) | set(in_process)
             if mapping:
                 missing = sorted(used_on - set(mapping))
@@ -393,7 +393,8 @@ class SimulatedCheckpointer(Checkpointer):
         for key in ("parked", "marker", "remap", "lock"):
             with contextlib.suppress(OSError):
                 os.remove(paths[key])
-        self._parked_in_process.pop(pid, None)
+        with self._lock:
+            self._parked_in_process.pop(pid, None)
 
     def _park_in_process(self, pid: int) -> dict[str, int]:
         backend = self.backend
@@ -405,11 +406,13 @@ class SimulatedCheckpointer(Checkpointer):
             for dev in parked:
                 del usage[(pid, dev)]
         if parked:
-            self._parked_in_process[pid] = parked
+            with self._lock:
+                self._parked_in_process[pid] = parked
         return parked
 
     def _unpark_in_process(self, pid: int, mapping: dict[str, str]) -> None:
-        parked = self._parked_in_process.pop(pid, {})
+        with self._lock:
+            parked = self._parked_in_process.pop(pid, {})
         for dev, amount in parked.items():
             self.backend.set_usage(pid, mapping.get(dev, dev), amount)
 
@@ -728,7 +731,7 @@ class CudaCheckpointer(Checkpointer):
         if not _alive(pid):
             raise _gone(pid, "suspend")
         held = self._held_bytes(pid)
-        timeout_ms = max(1, int(round(timeout * 1000)))
+        timeout_ms = max(1, round(timeout * 1000))
         try:
             process.lock(timeout_ms)
         except Exception as exc:  # noqa: BLE001
