@@ -709,6 +709,24 @@ def test_simulated_mapping_errors_leave_the_kernel_suspended(simpool):
     assert usage_of(backend, kernel.pid) == {gpu0: 12 * GIB}
 
 
+def test_resume_in_place_waits_while_others_took_the_gpu(simpool):
+    backend, checkpointer, start = simpool
+    gpu0 = backend.devices()[0].uuid
+    kernel = start("10GiB")
+    checkpointer.suspend(kernel.pid)
+    other = start("8GiB")  # takes the freed GPU meanwhile
+    with pytest.raises(CheckpointError) as error:
+        checkpointer.resume(kernel.pid)
+    assert one_line(error) == (
+        f"cannot resume process {kernel.pid} onto {gpu0}: it needs 10 GiB but the GPU has 8 GiB free; it stays suspended"
+    )
+    assert checkpointer.state(kernel.pid) == "suspended"
+    other.use("0")
+    assert (other.answer(timeout=10) or "").startswith("done")
+    checkpointer.resume(kernel.pid)
+    assert usage_of(backend, kernel.pid) == {gpu0: 10 * GIB}
+
+
 def test_in_process_usage_is_parked_too(tmp_path, sleepers):
     backend = SimulatedBackend.from_spec("1x16GiB")
     backend.usage_dir = str(tmp_path / "usage")

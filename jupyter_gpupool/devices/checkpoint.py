@@ -317,7 +317,11 @@ class SimulatedCheckpointer(Checkpointer):
         mapping = _check_mapping(gpu_mapping)
         self._require_dir(pid, "resume")
         paths = self._paths(pid)
-        with _file_lock(paths["lock"], 30.0):
+        with _file_lock(paths["lock"], 30.0) as locked:
+            if not locked:
+                raise CheckpointError(
+                    f"could not resume process {pid}: its lock file stayed taken for 30 s; try again", state=self.state(pid)
+                )
             if not _alive(pid):
                 self._forget(pid)
                 raise _gone(pid, "resume")
@@ -343,7 +347,7 @@ class SimulatedCheckpointer(Checkpointer):
                         f"missing {', '.join(missing)}",
                         state="suspended",
                     )
-                self._check_targets(pid, parked, in_process, mapping)
+            self._check_targets(pid, parked, in_process, mapping)
             fault = self._take_fault("resume")
             if fault is not None:
                 if fault["state"] == "failed":
@@ -417,7 +421,8 @@ class SimulatedCheckpointer(Checkpointer):
             self.backend.set_usage(pid, mapping.get(dev, dev), amount)
 
     def _check_targets(self, pid: int, parked: dict[str, Any], in_process: dict[str, int], mapping: dict[str, str]) -> None:
-        """With a known inventory: every target exists, is healthy and has room (as the driver checks)."""
+        """With a known inventory: every GPU it goes back to exists, is healthy and has room (as the
+        driver checks), whether it moves or returns to its own GPUs."""
         if self.backend is None:
             return
         devices = {d.uuid: d for d in self.backend.devices()}
@@ -425,7 +430,7 @@ class SimulatedCheckpointer(Checkpointer):
         for uuid, amount in [*parked.items(), *in_process.items()]:
             target = mapping.get(uuid, uuid)
             need[target] = need.get(target, 0) + int(amount)
-        for target in sorted(set(mapping.values())):
+        for target in sorted(set(mapping.values()) | set(need)):
             device = devices.get(target)
             if device is None:
                 raise CheckpointError(f"cannot resume process {pid} onto {target}: no such GPU in this pool", state="suspended")
