@@ -12,7 +12,9 @@ driver. ...")`` for a too-old driver or bindings and for ``CUDA_ERROR_NOT_SUPPOR
 ``cuda_core/cuda/core/_utils/cuda_utils.pyx`` (``CUDAError``, ``handle_return``), with the driver
 semantics of the CUDA driver API's ``cuCheckpointProcess*`` reference: a lock that times out
 returns ``CUDA_ERROR_NOT_READY`` and leaves the process running; each step needs the state before
-it (else ``CUDA_ERROR_ILLEGAL_STATE``); a restore ends locked; and, as NVIDIA/cuda-checkpoint
+it (else ``CUDA_ERROR_ILLEGAL_STATE``); a restore ends locked; a restore mapping must name every
+checkpointed GPU and, for a move, every GPU the driver shows (cuda.core's ``restore`` docstring),
+one to one (else ``CUDA_ERROR_INVALID_VALUE``); and, as NVIDIA/cuda-checkpoint
 issue 44 reports for driver 580, a restore that ran out of memory leaves the process checkpointed
 and every later restore fails with ``CUDA_ERROR_OPERATING_SYSTEM``.
 
@@ -286,8 +288,11 @@ class FakeCudaDriver:
         if process.restore_broken:
             self._raise("CUDA_ERROR_OPERATING_SYSTEM")
         by_hex = self._nvml_uuid_by_hex(process)
-        if pairs is not None and set(pairs) != set(by_hex):
-            self._raise("CUDA_ERROR_INVALID_VALUE")  # must name every checkpointed GPU
+        if pairs is not None:
+            host_gpus = {self._as_uuid(g.uuid.removeprefix("GPU-")) for g in (self.nvml.gpus if self.nvml else [])}
+            if not set(by_hex) <= set(pairs) or not host_gpus <= set(pairs) or len(set(pairs.values())) != len(pairs):
+                # every checkpointed GPU, and for a move every GPU the kernel-mode driver shows, one to one
+                self._raise("CUDA_ERROR_INVALID_VALUE")
         target_of: dict[str, str] = {}
         for old_hex, nvml_uuid in by_hex.items():
             new_hex = pairs[old_hex] if pairs else old_hex

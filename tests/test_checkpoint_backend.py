@@ -24,6 +24,7 @@ from jupyter_gpupool.devices.checkpoint import (
     CudaCheckpointer,
     NoCheckpointer,
     SimulatedCheckpointer,
+    complete_mapping,
 )
 from jupyter_gpupool.devices.nvml import NvmlBackend
 from jupyter_gpupool.devices.simulated import SimulatedBackend
@@ -175,7 +176,8 @@ def test_resume_onto_another_gpu_passes_the_mapping_in_the_drivers_uuid_form(hos
     checkpointer.resume(pid, {old: new})
 
     restore = next(c for c in fake.calls if c[0] == "restore")
-    assert restore == ("restore", pid, {old.removeprefix("GPU-"): new.removeprefix("GPU-")})
+    bare_old, bare_new = old.removeprefix("GPU-"), new.removeprefix("GPU-")
+    assert restore == ("restore", pid, {bare_old: bare_new, bare_new: bare_old})  # every GPU named, one to one
     assert nvml.gpus[0].memory_used == 0 and nvml.gpus[1].memory_used == 3 * GIB
     assert checkpointer.state(pid) == "running"
 
@@ -259,20 +261,46 @@ def test_suspending_twice_says_it_is_already_suspended(host, sleepers):
     assert one_line(error) == f"cannot suspend process {pid}: it is already suspended"
 
 
-def test_mapping_must_name_every_gpu_it_was_suspended_from(host, sleepers):
+def test_a_partial_mapping_is_completed_to_every_gpu_of_the_host(host, sleepers):
+    """The driver needs every GPU it shows named, one to one; the caller names only what moves."""
     gpus = [FakeGpu("NVIDIA H100 80GB HBM3", 80 * GIB, uuid=hex_uuid(i), mig=False) for i in range(4)]
+    _nvml, fake, checkpointer = host(gpus)
+    pid = sleepers.new()
+    fake.add_process(pid, {gpus[0].uuid: GIB, gpus[1].uuid: 2 * GIB})
+    checkpointer.suspend(pid)
+    checkpointer.resume(pid, {gpus[0].uuid: gpus[2].uuid})
+    bare = [g.uuid.removeprefix("GPU-") for g in gpus]
+    restore = next(c for c in fake.calls if c[0] == "restore")
+    assert restore[2] == {bare[0]: bare[2], bare[1]: bare[1], bare[2]: bare[0], bare[3]: bare[3]}
+    assert [g.memory_used for g in gpus] == [0, 2 * GIB, GIB, 0]
+
+
+@pytest.mark.parametrize(
+    ("mapping", "full"),
+    [
+        ({"a": "b"}, {"a": "b", "b": "a", "c": "c", "d": "d"}),
+        ({"a": "c", "b": "d"}, {"a": "c", "b": "d", "c": "a", "d": "b"}),
+        ({"a": "a"}, {"a": "a", "b": "b", "c": "c", "d": "d"}),
+        ({"a": "x"}, {"a": "x"}),  # names a GPU this host does not have: left for the driver to refuse
+        ({}, {}),
+    ],
+)
+def test_complete_mapping_is_one_to_one_over_the_host(mapping, full):
+    completed = complete_mapping(mapping, ["a", "b", "c", "d"])
+    assert completed == full
+    assert len(set(completed.values())) == len(completed)
+
+
+def test_a_mapping_that_sends_two_gpus_to_one_is_refused(host, sleepers):
+    gpus = [FakeGpu("NVIDIA H100 80GB HBM3", 80 * GIB, uuid=hex_uuid(i), mig=False) for i in range(3)]
     _nvml, fake, checkpointer = host(gpus)
     pid = sleepers.new()
     fake.add_process(pid, {gpus[0].uuid: GIB, gpus[1].uuid: GIB})
     checkpointer.suspend(pid)
     with pytest.raises(CheckpointError) as error:
-        checkpointer.resume(pid, {gpus[0].uuid: gpus[2].uuid})
-    assert one_line(error) == (
-        f"cannot resume process {pid}: gpu_mapping must name every GPU it was suspended from; missing {gpus[1].uuid}"
-    )
-    assert error.value.state == "suspended" and "restore" not in fake.ops(pid)
-    checkpointer.resume(pid, {gpus[0].uuid: gpus[2].uuid, gpus[1].uuid: gpus[3].uuid})
-    assert [g.memory_used for g in gpus] == [0, 0, GIB, GIB]
+        checkpointer.resume(pid, {gpus[0].uuid: gpus[2].uuid, gpus[1].uuid: gpus[2].uuid})
+    assert one_line(error) == f"invalid gpu_mapping: it sends {gpus[0].uuid} and {gpus[1].uuid} all to {gpus[2].uuid}; one GPU each"
+    assert "restore" not in fake.ops(pid) and checkpointer.state(pid) == "suspended"
 
 
 def test_resume_onto_a_gpu_without_room_is_refused_before_the_driver_tries(host, sleepers):
@@ -691,10 +719,8 @@ def test_simulated_mapping_errors_leave_the_kernel_suspended(simpool):
     other = start("10GiB", gpu=1)
     checkpointer.suspend(kernel.pid)
     with pytest.raises(CheckpointError) as error:
-        checkpointer.resume(kernel.pid, {gpu1: gpu0})
-    assert one_line(error) == (
-        f"cannot resume process {kernel.pid}: gpu_mapping must name every GPU it was suspended from; missing {gpu0}"
-    )
+        checkpointer.resume(kernel.pid, {gpu0: gpu1, gpu1: gpu1})
+    assert one_line(error) == f"invalid gpu_mapping: it sends {gpu0} and {gpu1} all to {gpu1}; one GPU each"
     with pytest.raises(CheckpointError) as error:
         checkpointer.resume(kernel.pid, {gpu0: "GPU-nowhere"})
     assert one_line(error) == f"cannot resume process {kernel.pid} onto GPU-nowhere: no such GPU in this pool"

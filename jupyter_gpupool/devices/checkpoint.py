@@ -120,9 +120,10 @@ class Checkpointer(abc.ABC):
 
     @abc.abstractmethod
     def resume(self, pid: int, gpu_mapping: dict[str, str] | None = None) -> None:
-        """Bring process ``pid``'s GPU memory back (onto other GPUs by ``gpu_mapping``, old → new
-        uuid, naming every GPU it was suspended from) and let it run; :class:`CheckpointError`
-        on failure, with the state the process is left in."""
+        """Bring process ``pid``'s GPU memory back and let it run; :class:`CheckpointError` on
+        failure, with the state the process is left in. ``gpu_mapping`` (old → new uuid, one GPU
+        each) moves it onto other GPUs; GPUs it does not name stay where they are (or, where
+        another GPU moves onto theirs, take the place left free), as the driver needs every GPU named."""
 
     @abc.abstractmethod
     def state(self, pid: int) -> str:
@@ -148,7 +149,32 @@ def _check_mapping(gpu_mapping: object) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) and k and v for k, v in gpu_mapping.items()
     ):
         raise CheckpointError("invalid gpu_mapping: expected a mapping of old GPU uuid to new GPU uuid (strings)")
+    sources_of: dict[str, list[str]] = {}
+    for old, new in gpu_mapping.items():
+        sources_of.setdefault(new, []).append(old)
+    for new, olds in sorted(sources_of.items()):
+        if len(olds) > 1:
+            raise CheckpointError(f"invalid gpu_mapping: it sends {' and '.join(sorted(olds))} all to {new}; one GPU each")
     return dict(gpu_mapping)
+
+
+def complete_mapping(mapping: dict[str, str], gpus: list[str]) -> dict[str, str]:
+    """A partial old → new mapping made a one-to-one mapping of all ``gpus`` (the driver wants
+    every GPU it shows named): a GPU not named stays where it is, unless another moves onto it;
+    then it takes a place left free. Unchanged if the mapping names GPUs outside ``gpus``."""
+    if not mapping or not set(mapping) | set(mapping.values()) <= set(gpus):
+        return dict(mapping)
+    full = dict(mapping)
+    taken = set(mapping.values())
+    unnamed = [g for g in gpus if g not in mapping]
+    for gpu in unnamed:
+        if gpu not in taken:
+            full[gpu] = gpu
+            taken.add(gpu)
+    free = [g for g in gpus if g not in taken]
+    for gpu in [g for g in unnamed if g not in full]:
+        full[gpu] = free.pop(0)
+    return full
 
 
 def _alive(pid: int) -> bool:
@@ -338,15 +364,8 @@ class SimulatedCheckpointer(Checkpointer):
             parked = _read_json(paths["parked"]) or {}
             with self._lock:
                 in_process = dict(self._parked_in_process.get(pid, {}))
-            used_on = set(parked) | set(in_process)
-            if mapping:
-                missing = sorted(used_on - set(mapping))
-                if missing:
-                    raise CheckpointError(
-                        f"cannot resume process {pid}: gpu_mapping must name every GPU it was suspended from; "
-                        f"missing {', '.join(missing)}",
-                        state="suspended",
-                    )
+            if mapping and self.backend is not None:
+                mapping = complete_mapping(mapping, [d.uuid for d in self.backend.devices()])
             self._check_targets(pid, parked, in_process, mapping)
             fault = self._take_fault("resume")
             if fault is not None:
@@ -807,14 +826,8 @@ class CudaCheckpointer(Checkpointer):
         if state != "locked":  # checkpointed, or unknown: restore
             with self._lock:
                 parked = dict(self._parked.get(pid, {}))
-            if mapping and parked:
-                missing = sorted(set(parked) - set(mapping))
-                if missing:
-                    raise CheckpointError(
-                        f"cannot resume process {pid}: gpu_mapping must name every GPU it was suspended from; "
-                        f"missing {', '.join(missing)}",
-                        state="suspended",
-                    )
+            if mapping:
+                mapping = complete_mapping(mapping, self._host_gpus())
             self._check_room(pid, parked, mapping)
             driver_mapping = {_driver_uuid(old): _driver_uuid(new) for old, new in mapping.items()} or None
             try:
@@ -843,6 +856,17 @@ class CudaCheckpointer(Checkpointer):
         with self._lock:
             self._parked.pop(pid, None)
         log.info("resumed process %s%s", pid, f" onto {mapping}" if mapping else "")
+
+    def _host_gpus(self) -> list[str]:
+        """Every whole GPU of the host (what a restore mapping has to name), or [] if unknown."""
+        devices_of = getattr(self.backend, "devices", None)
+        if devices_of is None:
+            return []
+        try:
+            return [d.uuid for d in devices_of() if not d.is_mig]
+        except Exception as exc:  # noqa: BLE001 - cannot tell: pass the mapping as given
+            log.warning("could not list the GPUs to complete a restore mapping: %s", exc)
+            return []
 
     def _check_room(self, pid: int, parked: dict[str, int], mapping: dict[str, str]) -> None:
         """Refuse a restore that would run out of GPU memory: a failed restore can leave a process
