@@ -3,14 +3,17 @@ REST and the sidebar's data see it (for demos, Binder and browser tests)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from test_server_extension import kernel_state, start_kernel
 
+from jupyter_gpupool.devices.checkpoint import SimulatedCheckpointer
 from jupyter_gpupool.devices.simulated import SimulatedBackend, pretend_to_use
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.pool import Pool
@@ -64,6 +67,48 @@ def test_kernel_usage_reaches_rest_through_the_watchdog(arun, jp_serverapp, gpup
         assert state["peak_memory"] == 3 * 1024**3
         pool = json.loads((await gpupool_fetch("api", "gpupool", "pool")).body)
         assert pool["devices"][0]["memory_used"] >= 3 * 1024**3
+
+    async def _granted(fetch, kernel_id):
+        return (await kernel_state(fetch, kernel_id))["state"] == "granted"
+
+    arun(scenario())
+
+
+def test_a_suspended_kernel_blocks_in_its_cell_until_resumed(arun, jp_serverapp, gpupool_fetch, gpupool_wait, kernel_exec):
+    """The simulated checkpointer with a real server kernel: suspending parks its usage (the pool
+    sees the GPU freed), a cell that touches the GPU waits, and it finishes once resumed."""
+
+    async def scenario() -> None:
+        kernel_id, _ = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: _granted(gpupool_fetch, kernel_id), what="a grant")
+        info = json.loads(
+            await kernel_exec(
+                kernel_id,
+                "import json, os\nfrom jupyter_gpupool.devices.simulated import pretend_to_use, usage_dir_for\n"
+                "pretend_to_use('2GiB')\nprint(json.dumps({'pid': os.getpid(), 'dir': usage_dir_for(os.environ['GPUPOOL_DB'])}))",
+            )
+        )
+        checkpointer = SimulatedCheckpointer(info["dir"])
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, checkpointer.suspend, info["pid"]) == 2 * 1024**3
+
+        async def device_used(expected: int) -> bool:
+            pool = json.loads((await gpupool_fetch("api", "gpupool", "pool")).body)
+            return pool["devices"][0]["memory_used"] == expected
+
+        await gpupool_wait(lambda: device_used(0), what="the pool to see the parked memory freed")
+        cell = asyncio.ensure_future(
+            kernel_exec(
+                kernel_id, "import time\npretend_to_use('3GiB')\nprint(time.time())"
+            )
+        )
+        await asyncio.sleep(1.5)
+        assert not cell.done(), "the cell ran on while its kernel was suspended"
+        resumed_at = time.time()
+        await loop.run_in_executor(None, checkpointer.resume, info["pid"])
+        went_on_at = float((await asyncio.wait_for(cell, 30)).strip())
+        assert went_on_at >= resumed_at - 0.05  # the cell went on only once resumed
+        await gpupool_wait(lambda: device_used(3 * 1024**3), what="the pool to see the kernel's usage again")
 
     async def _granted(fetch, kernel_id):
         return (await kernel_state(fetch, kernel_id))["state"] == "granted"

@@ -1,7 +1,8 @@
 """Device backends: where the pool learns which GPUs exist and how much memory processes use.
 
 Two backends share one interface: ``nvml`` (real GPUs through nvidia-ml-py) and
-``simulated`` (from a spec such as ``2xA100-80GB``), chosen by :func:`make_backend`.
+``simulated`` (from a spec such as ``2xA100-80GB``), chosen by :func:`make_backend`; :func:`checkpointer_for` gives the matching way to suspend a
+kernel's GPU memory to host RAM (see :mod:`.checkpoint`).
 """
 
 from __future__ import annotations
@@ -56,4 +57,15 @@ def make_backend(spec: str | None) -> DeviceBackend:
     return NvmlBackend()
 
 
-__all__ = ["Device", "DeviceBackend", "ProcessUsage", "make_backend"]
+from .checkpoint import Checkpointer, CheckpointError, CheckpointSupport, checkpointer_for
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointSupport",
+    "Checkpointer",
+    "Device",
+    "DeviceBackend",
+    "ProcessUsage",
+    "checkpointer_for",
+    "make_backend",
+]

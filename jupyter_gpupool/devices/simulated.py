@@ -167,8 +167,13 @@ def usage_dir_for(db_path: str) -> str:
 def pretend_to_use(size: str | int, pid: int | None = None) -> int:
     """Inside a kernel on a simulated pool: pretend this process now holds ``size`` of GPU memory
     (``"3GiB"``; ``0`` frees it), spread over its visible GPUs. The watchdog, the sidebar and
-    ``%gpupool status`` then show it, as they would real usage. Returns the bytes set."""
+    ``%gpupool status`` then show it, as they would real usage. Returns the bytes set.
+
+    While the pool has this kernel suspended it blocks until the kernel is resumed, as a CUDA
+    call does (interrupt the cell to stop waiting); after a resume onto other GPUs it uses those.
+    """
     from ..units import parse_size
+    from .checkpoint import apply_remap, wait_while_suspended
 
     db = os.environ.get("GPUPOOL_DB")
     if not os.environ.get("GPUPOOL_SIMULATE") or not db:
@@ -179,14 +184,19 @@ def pretend_to_use(size: str | int, pid: int | None = None) -> int:
         raise InvalidInput("this kernel holds no GPU slice to use (CUDA_VISIBLE_DEVICES names none)")
     folder = usage_dir_for(db)
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{pid or os.getpid()}.json")
-    if not amount:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-        return 0
-    share = {uuid: amount // len(visible) for uuid in visible}
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as handle:
-        json.dump(share, handle)
-    os.replace(temporary, path)  # readers never see half a file
+    owner = pid or os.getpid()
+    path = os.path.join(folder, f"{owner}.json")
+    with wait_while_suspended(folder, owner):
+        if not amount:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return 0
+        now_on = apply_remap(folder, owner, visible)
+        share: dict[str, int] = {}
+        for uuid in now_on:
+            share[uuid] = share.get(uuid, 0) + amount // len(visible)
+        temporary = f"{path}.tmp"
+        with open(temporary, "w") as handle:
+            json.dump(share, handle)
+        os.replace(temporary, path)  # readers never see half a file
     return amount
