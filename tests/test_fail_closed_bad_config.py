@@ -72,7 +72,9 @@ def start_server(tmp_path: Path, files: dict[str, str], args: tuple[str, ...] = 
 def kernel_env(server: Server, kernel_id: str, timeout: float = 60.0) -> dict[str, str]:
     """The environment of the server's kernel, read by running code in it."""
     connection = server.root / "runtime" / f"kernel-{kernel_id}.json"
-    wait_for(lambda: connection.exists() and connection.stat().st_size > 0, timeout, f"kernel {kernel_id}'s connection file")
+    wait_for(
+        lambda: connection.exists() and connection.stat().st_size > 0, timeout, f"kernel {kernel_id}'s connection file"
+    )
     client = BlockingKernelClient(connection_file=str(connection))
     client.load_connection_file()
     client.start_channels()
@@ -86,7 +88,9 @@ def kernel_env(server: Server, kernel_id: str, timeout: float = 60.0) -> dict[st
                 assert time.monotonic() < deadline, f"kernel {kernel_id} never answered"
         out: list[str] = []
         reply = client.execute_interactive(
-            ENV_CODE, timeout=timeout, output_hook=lambda m: out.append(m["content"].get("text", "")) if m["msg_type"] == "stream" else None
+            ENV_CODE,
+            timeout=timeout,
+            output_hook=lambda m: out.append(m["content"].get("text", "")) if m["msg_type"] == "stream" else None,
         )
         assert reply["content"]["status"] == "ok", reply["content"]
         return json.loads("".join(out))
@@ -151,7 +155,9 @@ def test_an_invalid_setting_starts_kernels_cpu_only_and_says_which(case: str, tm
         assert setting in pool["reason"] and accepted in pool["reason"], pool["reason"]
         kernel = server.call("POST", "api/kernels", {"name": "python3"})
         env = kernel_env(server, kernel["id"])
-        assert env["CUDA_VISIBLE_DEVICES"] == "" and env["NVIDIA_VISIBLE_DEVICES"] == "void", env.get("CUDA_VISIBLE_DEVICES")
+        assert env["CUDA_VISIBLE_DEVICES"] == "" and env["NVIDIA_VISIBLE_DEVICES"] == "void", env.get(
+            "CUDA_VISIBLE_DEVICES"
+        )
         assert "GPUPOOL_LEASE_ID" not in env and setting in env["GPUPOOL_UNAVAILABLE"]
         status = server.call("GET", f"api/gpupool/kernels/{kernel['id']}")
         assert status["state"] == "unavailable" and setting in status["reason"], status
@@ -223,6 +229,29 @@ def test_outside_a_server_an_invalid_value_still_raises() -> None:
     assert GpuPoolExtension(config=Config({"GpuPoolExtension": {"retry_interval": 0.3}})).retry_interval == 0.3
 
 
+def test_linked_to_a_server_each_value_loads_on_its_own() -> None:
+    """Once linked, an invalid value keeps its default and is recorded; the valid ones beside it
+    (an ``append`` too) still apply, where traitlets would have rolled them all back."""
+    extension = GpuPoolExtension()
+    extension._tolerate_invalid_config = True
+    config = Config()
+    config.GpuPoolExtension.when_unavailable = "refuse"
+    config.GpuPoolExtension.retry_interval = "soon"
+    config.GpuPoolExtension.admin_users.append("carol")
+    config.GpuPoolExtension.tick_interval = -1
+    extension.update_config(config)
+    assert extension.when_unavailable == "refuse" and extension.admin_users == ["carol"]
+    assert extension.retry_interval == 30.0 and extension.tick_interval == 5.0
+    assert [(p.trait, p.value) for p in extension.config_problems] == [
+        ("retry_interval", "'soon'"),
+        ("tick_interval", "-1"),
+    ]
+    extension.update_config(Config())  # loading again does not repeat them
+    assert len(extension.config_problems) == 2
+    with pytest.raises(InvalidConfig, match=r"c\.GpuPoolExtension\.retry_interval = 'soon' \(expected a float"):
+        extension.raise_for_invalid_config()
+
+
 def test_drop_invalid_removes_only_invalid_values_and_names_them() -> None:
     server_config = Config(
         {
@@ -233,10 +262,16 @@ def test_drop_invalid_removes_only_invalid_values_and_names_them() -> None:
     )
     extension_config = Config({"PoolPolicy": {"idle_timeout": "x"}})
     problems = drop_invalid([server_config, extension_config], [PoolPolicy, Watchdog])
-    assert [(p.section, p.trait) for p in problems] == [("PoolPolicy", "idle_timeout"), ("PoolPolicy", "overcommit"), ("Watchdog", "grace")]
+    assert [(p.section, p.trait) for p in problems] == [
+        ("PoolPolicy", "idle_timeout"),
+        ("PoolPolicy", "overcommit"),
+        ("Watchdog", "grace"),
+    ]
     assert problems[0].accepted == "expected a float, not the str 'x'"
     assert "between 1.0 and 4.0" in problems[1].accepted and "less than 0.0" in problems[2].accepted
-    assert dict(server_config.PoolPolicy) == {"default_memory": "8GiB"} and dict(server_config.Watchdog) == {"action": "warn"}
+    assert dict(server_config.PoolPolicy) == {"default_memory": "8GiB"} and dict(server_config.Watchdog) == {
+        "action": "warn"
+    }
     assert dict(extension_config.PoolPolicy) == {} and server_config.ServerApp.port == 1
     PoolPolicy(config=server_config).validate_all()  # what is left builds
     Watchdog(config=server_config)
@@ -251,6 +286,13 @@ def test_the_reason_is_one_bounded_line() -> None:
 
 def test_every_class_a_server_reads_is_checked() -> None:
     names = {cls.__name__ for cls in server_configurables()}
-    assert {"PoolPolicy", "GpuPoolProvisioner", "EnforcementSettings", "Watchdog", "GpuPool", "SlurmPool", "GpuPoolExtension"} <= names
+    assert {
+        "PoolPolicy",
+        "GpuPoolProvisioner",
+        "EnforcementSettings",
+        "Watchdog",
+        "GpuPool",
+        "SlurmPool",
+        "GpuPoolExtension",
+    } <= names
     assert not {"Broker", "HubIdentity"} & names
-

@@ -25,7 +25,7 @@ from typing import Any
 
 from traitlets import Enum, TraitError, validate
 from traitlets.config import Config, Configurable
-from traitlets.config.loader import DeferredConfig, LazyConfigValue
+from traitlets.config.loader import DeferredConfig
 
 from ..errors import GpuPoolError, PoolUnavailable
 
@@ -63,7 +63,7 @@ def _shown_value(raw: Any) -> str:
 
 def _accepted(trait: Any, err: BaseException) -> str:
     """What the trait accepts, from the trait and traitlets' (or our validator's) error."""
-    if isinstance(trait, Enum):
+    if isinstance(trait, Enum) and trait.values:
         return "must be one of " + ", ".join(repr(v) for v in trait.values)
     if not isinstance(err, (TraitError, GpuPoolError)):  # e.g. float("x") of a command-line value
         return f"must be {trait.info()}"
@@ -147,7 +147,9 @@ class FailClosedConfig:
                 known.add((problem.section, problem.trait))
                 self.config_problems.append(problem)
 
-    def _load_config(self, cfg: Config, section_names: list[str] | None = None, traits: dict[str, Any] | None = None) -> None:
+    def _load_config(
+        self, cfg: Config, section_names: list[str] | None = None, traits: dict[str, Any] | None = None
+    ) -> None:
         """As traitlets loads settings, but once linked to a server one value at a time: an invalid
         one keeps the default and is recorded (traitlets would raise and drop the valid ones too)."""
         if not self._tolerate_invalid_config:
