@@ -8,11 +8,12 @@
  * Run by `ui-tests/run.sh suspend` (GPUPOOL_RECLAIM_ACTION=suspend, GPUPOOL_PARKED_MEMORY_LIMIT=32GiB).
  *
  * The server's part of a suspend (checkpoint the kernel, confirm) and its suspend/resume
- * endpoints are built in parallel with this front end. Where the server does not carry a step out,
- * the test plays the server's part on the pool file (ui-tests/pool_steps.py) and says so in its
- * output ("PLAYED BY THE TEST"); the Resume click then shows the server's one-line error in the
- * panel (no endpoint), and the resume itself is done through the pool file. Once the endpoints
- * are there, the click is what resumes the kernel, and the test checks that through REST.
+ * endpoints were built in parallel with this front end. Where the server does not carry a step
+ * out (a kernel it cannot suspend, a suspend or restore it does not finish within 5 s), the test
+ * plays the server's part on the pool file (ui-tests/pool_steps.py) and says so in its output
+ * ("PLAYED BY THE TEST"). Without a resume endpoint the Resume click shows the server's one-line
+ * error in the panel and the resume is played too; with it, the click is what resumes the
+ * kernel, and the test checks that through REST.
  */
 import { APIRequestContext, expect, test } from '@playwright/test';
 import { execFileSync } from 'child_process';
@@ -51,6 +52,21 @@ function poolStep(...args: string[]): any {
 /** `GET /api/gpupool/kernels/{id}`. */
 async function kernelStatus(request: APIRequestContext, kernelId: string): Promise<any> {
   return (await api(request, `api/gpupool/kernels/${kernelId}`)).json();
+}
+
+/**
+ * Whether the server finishes the kernel's move of GPU memory (suspend, restore) within `ms`;
+ * where it does not (no checkpoint backend on this server yet), the test plays its part.
+ */
+async function serverFinishes(request: APIRequestContext, kernelId: string, ms = 5000): Promise<boolean> {
+  const deadline = Date.now() + ms;
+  while (Date.now() < deadline) {
+    if (!(await kernelStatus(request, kernelId)).transition) {
+      return true;
+    }
+    await new Promise(resolve => setTimeout(resolve, 250));
+  }
+  return false;
 }
 
 /** Whether the server routes `POST .../{action}` (asked on a running kernel, where it is harmless or refused). */
@@ -99,34 +115,36 @@ test('a suspended kernel shows in the sidebar, and its Resume button brings it b
       : 'NOTE: this server has no POST /api/gpupool/kernels/{id}/resume yet: the click shows its error, the resume is PLAYED BY THE TEST'
   );
 
-  // 1. A is suspended. With a server that can, by the Suspend button; else through the pool file,
-  //    which also shows the step in between (the server on main does not confirm suspends).
+  // 1. A is suspended: by the Suspend button where the server can suspend it (the lease is
+  //    `suspendable`), else through the pool file. Where the server does not carry the suspend
+  //    out, the panel shows the step in between and the test confirms it.
   const suspendButton = panel.getByRole('button', { name: 'Suspend', exact: true });
-  if (serverResumes && (await suspendButton.isVisible())) {
+  const byButton = serverResumes && (await suspendButton.isVisible());
+  let played = false;
+  if (byButton) {
     await suspendButton.click();
   } else {
+    console.log('NOTE: the server cannot suspend this kernel (not suspendable): the suspend is PLAYED BY THE TEST');
     poolStep('begin-suspend', kernelA, REASON);
-    if (!serverResumes) {
-      await expect(panel.locator('.jp-GpuPool-transitionText')).toHaveText(
-        'suspending — parking GPU memory in host RAM…'
-      );
-      await expect(status).toHaveText('GPU suspending…');
-      await expect(badge).toHaveText('suspending');
-      await screenshot(page, 'suspend-01-suspending');
-    }
+  }
+  if (!(await serverFinishes(request, kernelA))) {
+    await expect(panel.locator('.jp-GpuPool-transitionText')).toHaveText(
+      'suspending — parking GPU memory in host RAM…'
+    );
+    await expect(status).toHaveText('GPU suspending…');
+    await expect(badge).toHaveText('suspending');
+    await screenshot(page, 'suspend-01-suspending');
     poolStep('confirm', kernelA, String(Math.round(6.2 * GIB)));
+    played = true;
   }
   await expect(status).toHaveText('GPU suspended');
   await expect(badge).toHaveText('suspended');
   await expect(panel.locator('.jp-GpuPool-suspendedText')).toHaveText(
-    /^GPU suspended · [\d.]+ [KMGT]?i?B parked — resumes on your next cell$/
+    played
+      ? 'GPU suspended · 6.2 GiB parked — resumes on your next cell'
+      : /^GPU suspended( · [\d.]+ [KMGT]?i?B parked)? — resumes on your next cell$/
   );
-  if (!serverResumes) {
-    await expect(panel.locator('.jp-GpuPool-suspendedText')).toHaveText(
-      'GPU suspended · 6.2 GiB parked — resumes on your next cell'
-    );
-    await expect(panel.locator('.jp-GpuPool-suspendReason')).toHaveText(REASON);
-  }
+  await expect(panel.locator('.jp-GpuPool-suspendReason')).toHaveText(byButton ? /^suspended by / : REASON);
   await expect(panel.locator('.jp-GpuPool-meterRow')).toHaveCount(0); // no GPU bars while parked
   const suspended = await kernelStatus(request, kernelA);
   expect(suspended.state).toBe('suspended');
@@ -173,15 +191,16 @@ test('a suspended kernel shows in the sidebar, and its Resume button brings it b
   await expect
     .poll(async () => (await kernelStatus(request, kernelA)).state, { timeout: 20 * 1000 })
     .toBe('granted');
-  const granted = await kernelStatus(request, kernelA);
-  if (granted.transition === 'restoring' && !serverResumes) {
+  if (!(await serverFinishes(request, kernelA))) {
+    expect((await kernelStatus(request, kernelA)).transition).toBe('restoring');
     await expect(panel.locator('.jp-GpuPool-transitionText')).toHaveText('resuming — restoring GPU memory…');
     await expect(status).toHaveText('GPU resuming…');
     await screenshot(page, 'suspend-05-restoring');
+    console.log('NOTE: the server did not restore the kernel: the restore is PLAYED BY THE TEST');
     poolStep('confirm', kernelA);
   }
   await expect
-    .poll(async () => (await kernelStatus(request, kernelA)).transition, { timeout: 60 * 1000 })
+    .poll(async () => (await kernelStatus(request, kernelA)).transition, { timeout: 20 * 1000 })
     .toBeNull();
   record(await kernelStatus(request, kernelA));
   await expect(status).toHaveText(/^GPU (–|[\d.]+) \/ 8 GiB$/);
