@@ -4,6 +4,7 @@ Until the server carries out suspends and restores itself (issue 12: it checkpoi
 and confirms), the browser test plays the server's part here, on the same SQLite pool file, so
 the sidebar can be shown every state of a suspend on a real JupyterLab:
 
+    python pool_steps.py mark-suspendable KERNEL_ID       # as a server that can checkpoint asks
     python pool_steps.py begin-suspend KERNEL_ID REASON   # mark suspendable if needed, pool.suspend
     python pool_steps.py confirm KERNEL_ID [PARKED_BYTES]  # confirm_transition (harmless if done)
     python pool_steps.py resume KERNEL_ID                  # pool.resume (what POST .../resume does)
@@ -29,16 +30,21 @@ def lease_of(pool: Pool, kernel_id: str) -> Lease:
     return lease
 
 
-def begin_suspend(pool: Pool, kernel_id: str, reason: str) -> Lease:
-    """Phase one of a suspend. A server that cannot checkpoint yet asks for leases that are not
-    suspendable: mark this one so, as a server with the simulated checkpoint backend would."""
+def mark_suspendable(pool: Pool, kernel_id: str) -> Lease:
+    """A server that cannot checkpoint yet asks for leases that are not suspendable: mark this
+    one so, as a server with the simulated checkpoint backend would have asked for it."""
     lease = lease_of(pool, kernel_id)
     if not lease.suspendable:
         with pool._decide(pool.clock()) as state:
             held = state.leases[lease.id]
             held.suspendable = True
             state.touch(held)
-    return pool.suspend(lease.id, reason=reason)
+    return pool.get(lease.id)
+
+
+def begin_suspend(pool: Pool, kernel_id: str, reason: str) -> Lease:
+    """Phase one of a suspend (what ``POST .../suspend`` does), on a lease marked suspendable."""
+    return pool.suspend(mark_suspendable(pool, kernel_id).id, reason=reason)
 
 
 def confirm(pool: Pool, kernel_id: str, parked_bytes: int | None) -> Lease:
@@ -51,11 +57,16 @@ def confirm(pool: Pool, kernel_id: str, parked_bytes: int | None) -> Lease:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] not in ("begin-suspend", "confirm", "resume"):
-        sys.exit("usage: pool_steps.py begin-suspend KERNEL_ID REASON | confirm KERNEL_ID [PARKED_BYTES] | resume KERNEL_ID")
+    if len(argv) < 2 or argv[0] not in ("mark-suspendable", "begin-suspend", "confirm", "resume"):
+        sys.exit(
+            "usage: pool_steps.py mark-suspendable KERNEL_ID | begin-suspend KERNEL_ID REASON"
+            " | confirm KERNEL_ID [PARKED_BYTES] | resume KERNEL_ID"
+        )
     step, kernel_id = argv[0], argv[1]
     pool = Pool.from_env()
-    if step == "begin-suspend":
+    if step == "mark-suspendable":
+        lease = mark_suspendable(pool, kernel_id)
+    elif step == "begin-suspend":
         lease = begin_suspend(pool, kernel_id, argv[2] if len(argv) > 2 else "suspended by its user")
     elif step == "confirm":
         lease = confirm(pool, kernel_id, int(argv[2]) if len(argv) > 2 else None)
