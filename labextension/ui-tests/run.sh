@@ -217,8 +217,10 @@ for suite in "${SUITES[@]}"; do
   case "$suite" in
     gpupool) run_suite gpupool ;;
     idle)
+      # Culled, not suspended: this suite shows a reclaim that shuts the kernel down (the suspend
+      # suite shows the other kind), whether or not the server can checkpoint.
       run_suite idle GPUPOOL_IDLE_POLICY=always GPUPOOL_IDLE_TIMEOUT=3 GPUPOOL_WARNING_PERIOD=10 \
-        --GpuPoolExtension.tick_interval=1
+        GPUPOOL_RECLAIM_ACTION=cull --GpuPoolExtension.reclaim_action=cull --GpuPoolExtension.tick_interval=1
       ;;
     notebook7)
       if [ "$USE_CHECKOUT_BUILD" = 1 ]; then
