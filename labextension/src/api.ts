@@ -68,6 +68,28 @@ export class GpuPoolClient {
     return reply.data;
   }
 
+  /**
+   * Park the kernel's GPU memory in host RAM now (`POST .../suspend`); it resumes on its next
+   * cell. A refusal (409: no checkpoint support, the parked-memory budget is full) throws with
+   * the server's one-line reason.
+   */
+  async suspendKernel(kernelId: string): Promise<IKernelStatus | null> {
+    const reply = await this._request<IKernelStatus | null>(
+      `kernels/${encodeURIComponent(kernelId)}/suspend`,
+      { method: 'POST', body: '{}' }
+    );
+    return reply.data;
+  }
+
+  /** Bring a suspended kernel back (`POST .../resume`): it queues for a GPU by policy. */
+  async resumeKernel(kernelId: string): Promise<IKernelStatus | null> {
+    const reply = await this._request<IKernelStatus | null>(
+      `kernels/${encodeURIComponent(kernelId)}/resume`,
+      { method: 'POST', body: '{}' }
+    );
+    return reply.data;
+  }
+
   private async _request<T>(
     path: string,
     init: RequestInit = {}

@@ -41,6 +41,8 @@ namespace CommandIDs {
   export const open = 'gpupool:open-panel';
   export const keep = 'gpupool:keep';
   export const release = 'gpupool:release';
+  export const suspend = 'gpupool:suspend';
+  export const resume = 'gpupool:resume';
 }
 
 interface ISettings {
@@ -135,9 +137,30 @@ const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
         }
       }
     });
+    app.commands.addCommand(CommandIDs.suspend, {
+      label: "Suspend the Kernel's GPU Slice (Variables Kept)",
+      caption: 'Park the GPU memory in host RAM; the next cell resumes it',
+      isEnabled: () => model.view.canSuspend,
+      execute: async () => {
+        if (model.kernelId) {
+          await model.suspend(model.kernelId);
+        }
+      }
+    });
+    app.commands.addCommand(CommandIDs.resume, {
+      label: "Resume the Kernel's GPU Slice",
+      caption: 'Queue a suspended kernel for a GPU now',
+      isEnabled: () => model.view.canResume,
+      execute: async () => {
+        if (model.kernelId) {
+          await model.resume(model.kernelId);
+        }
+      }
+    });
     if (palette) {
       const category = 'GPU Pool';
-      for (const command of [CommandIDs.open, CommandIDs.keep, CommandIDs.release]) {
+      const commands = [CommandIDs.open, CommandIDs.keep, CommandIDs.release, CommandIDs.suspend, CommandIDs.resume];
+      for (const command of commands) {
         palette.addItem({ command, category });
       }
     }

@@ -178,6 +178,16 @@ export class GpuPoolModel implements IDisposable {
     this._apply(kernelId, await this.client.keepalive(kernelId, duration));
   }
 
+  /** `POST .../suspend`: park the GPU memory in host RAM. Throws GpuPoolRequestError (409: why not). */
+  async suspend(kernelId: string): Promise<void> {
+    this._apply(kernelId, await this.client.suspendKernel(kernelId));
+  }
+
+  /** `POST .../resume`: queue a suspended kernel to come back. Throws GpuPoolRequestError. */
+  async resume(kernelId: string): Promise<void> {
+    this._apply(kernelId, await this.client.resumeKernel(kernelId));
+  }
+
   get isDisposed(): boolean {
     return this._poll.isDisposed;
   }

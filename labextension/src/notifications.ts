@@ -85,7 +85,9 @@ export class GpuPoolNotifier implements IDisposable {
     if (view.idle && !this._idleId) {
       const keep = this._options.keepDuration();
       this._idleId = Notification.warning(
-        `${label}: idle GPU slice goes back to the pool in ${view.idle.countdown} (${view.idle.reason}).`,
+        view.idle.suspends
+          ? `${label}: idle kernel will be suspended (variables kept) in ${view.idle.countdown} (${view.idle.reason}).`
+          : `${label}: idle GPU slice goes back to the pool in ${view.idle.countdown} (${view.idle.reason}).`,
         {
           autoClose: false,
           actions: [

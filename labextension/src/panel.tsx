@@ -269,6 +269,20 @@ function PanelBody(props: {
     });
   };
 
+  const suspend = () =>
+    void act(
+      'Suspend',
+      () => model.suspend(kernelId!),
+      'Suspending: the GPU memory goes to host RAM; the next cell brings it back.'
+    );
+
+  const resume = () =>
+    void act(
+      'Resume',
+      () => model.resume(kernelId!),
+      'Resuming: the kernel waits for a GPU, then its memory is restored.'
+    );
+
   const release = async () => {
     const result = await showDialog({
       title: 'Release the GPU slice?',
@@ -301,12 +315,41 @@ function PanelBody(props: {
       >
         <h3 id="jp-GpuPool-leaseTitle" className="jp-GpuPool-heading">
           This kernel{' '}
-          <span className={`jp-GpuPool-badge jp-mod-${view.phase}`}>{phaseLabel(view.phase)}</span>
+          <span className={`jp-GpuPool-badge jp-mod-${view.phase}`}>
+            {view.badge ?? phaseLabel(view.phase)}
+          </span>
         </h3>
         <p className="jp-GpuPool-summary" role="status" aria-live="polite">
           {view.summary}
         </p>
         {view.scheduler && <p className="jp-GpuPool-muted jp-GpuPool-scheduler">{view.scheduler}</p>}
+        {view.transition && (
+          <div className="jp-GpuPool-queue jp-GpuPool-transition" role="status" aria-live="polite">
+            <div className="jp-GpuPool-progress" aria-hidden="true" />
+            <p className="jp-GpuPool-transitionText">{view.transition}</p>
+          </div>
+        )}
+        {view.suspended && (
+          <div className="jp-GpuPool-suspended">
+            <p className="jp-GpuPool-suspendedText">
+              <strong>{view.suspended.text}</strong>
+            </p>
+            {view.suspended.reason && (
+              <p className="jp-GpuPool-muted jp-GpuPool-suspendReason">{view.suspended.reason}</p>
+            )}
+            {view.canResume && (
+              <button
+                type="button"
+                className="jp-GpuPool-button jp-mod-accept"
+                disabled={busy}
+                onClick={resume}
+                title="Queue for a GPU now instead of waiting for the next cell"
+              >
+                Resume
+              </button>
+            )}
+          </div>
+        )}
         {view.queue && (
           <div className="jp-GpuPool-queue" role="status" aria-live="polite">
             <div className="jp-GpuPool-progress" aria-hidden="true" />
@@ -416,7 +459,7 @@ function PanelBody(props: {
               <button
                 type="submit"
                 className="jp-GpuPool-button jp-mod-accept"
-                disabled={busy || (touched && !check.ok)}
+                disabled={busy || !view.canReserve || (touched && !check.ok)}
               >
                 Reserve
               </button>
@@ -429,6 +472,17 @@ function PanelBody(props: {
                   title={`Hold the slice through idle for ${options.keepDuration()}`}
                 >
                   Keep {options.keepDuration()}
+                </button>
+              )}
+              {view.canSuspend && (
+                <button
+                  type="button"
+                  className="jp-GpuPool-button"
+                  disabled={busy}
+                  onClick={suspend}
+                  title="Park the GPU memory in host RAM now (variables kept); the next cell resumes it"
+                >
+                  Suspend
                 </button>
               )}
               <button

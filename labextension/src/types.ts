@@ -142,7 +142,27 @@ export interface IKernelStatus {
   reason?: string | null;
   /** The Slurm backend's job behind the lease (docs/hpc.md): optional. */
   slurm?: ISlurmJob | null;
+  /** A move of the kernel's GPU memory under way (null: none); absent from older servers. */
+  transition?: Transition | null;
+  /** Its server can park its GPU memory in host RAM: a reclaim suspends it instead of shutting it down. */
+  suspendable?: boolean;
+  /** Queued to come back after a suspend (`state` is then `queued`, with its position). */
+  resuming?: boolean;
+  /** Why it was suspended, e.g. `reclaimed: idle for 31 min while 2 request(s) waited for a GPU`. */
+  suspend_reason?: string | null;
+  /** When it was suspended (epoch s). */
+  suspended_at?: number | null;
+  /** Bytes of host RAM its parked GPU memory takes while suspended (or resuming). */
+  parked_memory?: number | null;
+  /** Uuids of the GPUs it ran on before the suspend. */
+  home_devices?: string[];
 }
+
+/**
+ * A move of a kernel's GPU memory: parked in host RAM (`suspending`), brought back after a
+ * resume (`restoring`), or moved to another GPU of the same model (`migrating`).
+ */
+export type Transition = 'suspending' | 'restoring' | 'migrating';
 
 /** A kernel's Slurm job, as `GET /api/gpupool/kernels/{kernel_id}` shows it on the Slurm backend. */
 export interface ISlurmJob {

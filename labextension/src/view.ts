@@ -63,13 +63,25 @@ export interface IKernelView {
     countdown: string;
     secondsLeft: number;
     reason: string;
+    /** The kernel is suspended (variables kept) rather than shut down when the countdown ends. */
+    suspends: boolean;
   } | null;
+  /** A suspended kernel: `GPU suspended · 6.2 GiB parked — resumes on your next cell`, and why. */
+  suspended: { text: string; reason: string } | null;
+  /** A move of the GPU memory under way (`suspending — parking GPU memory in host RAM…`), or null. */
+  transition: string | null;
+  /** The panel's badge when the phase alone says too little (`resuming`, `suspending`), else null. */
+  badge: string | null;
   kept: string | null;
   overLimit: string | null;
   released: string | null;
   canKeep: boolean;
   canRelease: boolean;
   canReserve: boolean;
+  /** A Suspend button: granted, nothing under way, and its server can park GPU memory. */
+  canSuspend: boolean;
+  /** A Resume button: suspended. */
+  canResume: boolean;
   /** Memory of the kernel's GPU, for `25%` in the reserve form. */
   gpuMemory: number | null;
 }
@@ -107,14 +119,40 @@ const EMPTY: Omit<IKernelView, 'phase' | 'summary'> = {
   queue: null,
   scheduler: null,
   idle: null,
+  suspended: null,
+  transition: null,
+  badge: null,
   kept: null,
   overLimit: null,
   released: null,
   canKeep: false,
   canRelease: false,
   canReserve: false,
+  canSuspend: false,
+  canResume: false,
   gpuMemory: null
 };
+
+/** What each move of a kernel's GPU memory is called: the line in the panel, the status bar, the badge. */
+const TRANSITIONS: { [step: string]: { text: string; status: string; badge: string } } = {
+  suspending: {
+    text: 'suspending — parking GPU memory in host RAM…',
+    status: 'GPU suspending…',
+    badge: 'suspending'
+  },
+  restoring: {
+    text: 'resuming — restoring GPU memory…',
+    status: 'GPU resuming…',
+    badge: 'resuming'
+  },
+  migrating: { text: 'moving to another GPU…', status: 'GPU moving…', badge: 'moving' }
+};
+
+/** `GPU suspended · 6.2 GiB parked` (without the size when the server did not say). */
+export function parkedText(status: IKernelStatus): string {
+  const parked = num(status.parked_memory);
+  return 'GPU suspended' + (parked !== null && parked > 0 ? ` · ${formatSize(parked)} parked` : '');
+}
 
 function clamp01(value: number): number {
   return !isFinite(value) ? 0 : Math.min(1, Math.max(0, value));
@@ -287,9 +325,10 @@ function kernelViewOf(input: IKernelInput): IKernelView {
         ? `position ${position}` + (length !== null ? ` of ${length}` : '')
         : 'in the queue';
     const wait = num(status.estimated_wait);
-    const text = `waiting for a GPU — ${where}, ${
-      wait === null ? 'wait unknown' : formatWait(wait)
-    }`;
+    const waitText = wait === null ? 'wait unknown' : formatWait(wait);
+    const text = status.resuming
+      ? `resuming — waiting for a GPU, ${where}, ${waitText}`
+      : `waiting for a GPU — ${where}, ${waitText}`;
     // The server's wait cannot reach the pool (a broker restart): it keeps its place and retries.
     const retrying = /^pool unavailable\b/i.test(status.queue_reason ?? '');
     if (retrying) {
@@ -299,6 +338,21 @@ function kernelViewOf(input: IKernelInput): IKernelView {
         statusText: 'GPU pool unavailable, retrying',
         statusTitle: `${formatSize(memory)} requested, still in the queue (${where}); ${status.queue_reason}`,
         summary: `${formatSize(memory)} requested; the GPU pool cannot be reached now, the request keeps its place and is retried.`,
+        queue: { text, reason: status.queue_reason ?? '' },
+        canRelease: true,
+        gpuMemory
+      };
+    }
+    if (status.resuming) {
+      // A suspended kernel coming back: queued like any request, its memory still parked.
+      const parked = parkedText(status);
+      return {
+        ...EMPTY,
+        phase: 'queued',
+        badge: 'resuming',
+        statusText: position !== null ? `Resuming #${position}` : 'Resuming',
+        statusTitle: `${parked}; ${text}`,
+        summary: `${parked} — resumes when a GPU is free; a cell run now waits, then runs.`,
         queue: { text, reason: status.queue_reason ?? '' },
         canRelease: true,
         gpuMemory
@@ -331,7 +385,25 @@ function kernelViewOf(input: IKernelInput): IKernelView {
     };
   }
 
-  // granted or suspended
+  const step = status.transition ? TRANSITIONS[status.transition] ?? null : null;
+  if (status.state === 'suspended' && !step) {
+    // Parked in host RAM: no GPU, no use to measure; the next cell (or Resume) brings it back.
+    const text = `${parkedText(status)} — resumes on your next cell`;
+    const reason = status.suspend_reason || '';
+    return {
+      ...EMPTY,
+      phase: 'suspended',
+      statusText: 'GPU suspended',
+      statusTitle: text + (reason ? ` (${reason})` : ''),
+      summary: `${formatSize(memory)} slice suspended: the kernel keeps its variables, its GPU memory waits in host RAM.`,
+      suspended: { text, reason },
+      canRelease: true,
+      canResume: true,
+      gpuMemory
+    };
+  }
+
+  // granted (possibly in the middle of a move of its memory)
   const gpu =
     devices.length === 0
       ? null
@@ -388,16 +460,20 @@ function kernelViewOf(input: IKernelInput): IKernelView {
   const reclaimAt = num(status.reclaim_at);
   const idleSeconds = num(status.idle_seconds);
   let idle: IKernelView['idle'] = null;
-  if (status.state === 'granted' && reclaimAt !== null) {
+  if (status.state === 'granted' && !step && reclaimAt !== null) {
     const secondsLeft = Math.max(0, reclaimAt - now);
     const countdown = formatCountdown(secondsLeft);
+    const suspends = !!status.suspendable;
     idle = {
       text:
         (idleSeconds ? `idle for ${formatDuration(idleSeconds)} — ` : '') +
-        `slice goes back to the pool in ${countdown} unless you keep it`,
+        (suspends
+          ? `the kernel will be suspended (variables kept) in ${countdown} unless you keep it`
+          : `slice goes back to the pool in ${countdown} unless you keep it`),
       countdown,
       secondsLeft,
-      reason: status.reclaim_reason || 'others are waiting for a GPU'
+      reason: status.reclaim_reason || 'others are waiting for a GPU',
+      suspends
     };
   }
   const keepUntil = num(status.keep_until);
@@ -416,35 +492,36 @@ function kernelViewOf(input: IKernelInput): IKernelView {
         ' — free memory or reserve more, or the kernel may be stopped'
       : null;
 
-  const statusText =
-    status.state === 'suspended'
-      ? 'GPU suspended'
-      : `GPU ${formatSizePair(used ?? (memory > 0 ? null : 0), memory)}` +
-        (idle ? ` · ${idle.countdown}` : '');
+  const statusText = step
+    ? step.status
+    : `GPU ${formatSizePair(used ?? (memory > 0 ? null : 0), memory)}` +
+      (idle ? ` · ${idle.countdown}` : '');
+  const running = status.state === 'granted' && !step;
   return {
     ...EMPTY,
     phase: status.state === 'suspended' ? 'suspended' : 'granted',
+    badge: step ? step.badge : null,
     statusText,
     statusTitle:
+      (step ? `${step.text}; ` : '') +
       `${formatSize(memory)}${perGpu}` +
       (gpu ? ` on ${gpu}` : '') +
       (used !== null ? `, using ${formatSize(used)}` : '') +
       (idle ? `; ${idle.text}` : ''),
-    summary:
-      status.state === 'suspended'
-        ? `${formatSize(memory)} slice suspended (parked in host memory).`
-        : `${formatSize(memory)}${perGpu} granted` + (gpu ? ` on ${gpu}` : ''),
+    summary: `${formatSize(memory)}${perGpu} granted` + (gpu ? ` on ${gpu}` : ''),
+    transition: step ? step.text : null,
     gpu,
     slice,
     usage,
-    hint: status.state === 'granted' ? rightSizeHint(memory, peak) : null,
+    hint: running ? rightSizeHint(memory, peak) : null,
     enforcement,
     idle,
     kept,
     overLimit,
-    canKeep: status.state === 'granted',
+    canKeep: running,
     canRelease: true,
-    canReserve: true,
+    canReserve: !step,
+    canSuspend: running && !!status.suspendable,
     gpuMemory
   };
 }

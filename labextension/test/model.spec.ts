@@ -48,6 +48,28 @@ class FakeClient {
     this.kernels.set(id, kept);
     return kept;
   }
+
+  /** Why a suspend is refused (409), or null to accept it. */
+  refuseSuspend: string | null = null;
+
+  async suspendKernel(id: string): Promise<IKernelStatus> {
+    this.calls.push(`suspend:${id}`);
+    if (this.refuseSuspend) {
+      throw new GpuPoolRequestError(this.refuseSuspend, 409);
+    }
+    const current = this.kernels.get(id) as IKernelStatus;
+    const suspending: IKernelStatus = { ...current, transition: 'suspending' };
+    this.kernels.set(id, suspending);
+    return suspending;
+  }
+
+  async resumeKernel(id: string): Promise<IKernelStatus> {
+    this.calls.push(`resume:${id}`);
+    const current = this.kernels.get(id) as IKernelStatus;
+    const resuming: IKernelStatus = { ...current, state: 'queued', resuming: true, queue_position: 1, queue_length: 1 };
+    this.kernels.set(id, resuming);
+    return resuming;
+  }
 }
 
 class FakeEvents {
@@ -198,5 +220,29 @@ describe('GpuPoolModel', () => {
     await s.model.keep('k', '1h');
     expect(s.client.calls).toContain('keep:k:1h');
     expect(s.model.view.kept).toMatch(/^kept through idle for another (59 min|1 h)/);
+  });
+
+  it('suspends and resumes, showing each answer at once, and passes a refusal on as one line', async () => {
+    const s = setup(60 * 1000);
+    model = s.model;
+    s.client.kernels.set('k', { ...granted('k'), suspendable: true });
+    s.model.setKernel('k', 'k.ipynb');
+    await until(() => s.model.view.canSuspend);
+
+    s.client.refuseSuspend = 'cannot suspend this kernel: the pool’s reclaim action is cull';
+    await expect(s.model.suspend('k')).rejects.toThrow(s.client.refuseSuspend);
+    expect(s.model.view.phase).toBe('granted'); // a refusal changes nothing
+    expect(s.model.view.transition).toBeNull();
+
+    s.client.refuseSuspend = null;
+    await s.model.suspend('k');
+    expect(s.model.view.statusText).toBe('GPU suspending…');
+
+    s.client.kernels.set('k', { ...granted('k'), state: 'suspended', devices: [], parked_memory: 6 * GIB });
+    await s.model.refresh();
+    await until(() => s.model.view.canResume);
+    await s.model.resume('k');
+    expect(s.model.view.statusText).toBe('Resuming #1');
+    expect(s.client.calls.filter(c => /^(suspend|resume):/.test(c))).toEqual(['suspend:k', 'suspend:k', 'resume:k']);
   });
 });

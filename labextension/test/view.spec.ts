@@ -98,7 +98,8 @@ describe('kernelView', () => {
       text: 'idle for 10 min — slice goes back to the pool in 4:32 unless you keep it',
       countdown: '4:32',
       secondsLeft: 272,
-      reason: 'idle while 1 kernel waits'
+      reason: 'idle while 1 kernel waits',
+      suspends: false
     });
     expect(v.statusText).toBe('GPU – / 8 GiB · 4:32');
     expect(v.canKeep).toBe(true);
@@ -159,6 +160,121 @@ describe('kernelView', () => {
     expect(v.gpu).toBe('GPU ? · unknown GPU');
     expect(v.slice).toBeNull();
     expect(v.statusText).toBe('GPU – / 8 GiB');
+  });
+});
+
+describe('kernelView of a suspended kernel', () => {
+  const REASON = 'reclaimed: idle for 31 min while 2 request(s) waited for a GPU';
+  const suspended = (overrides: Partial<IKernelStatus> = {}) =>
+    status({
+      state: 'suspended',
+      devices: [],
+      suspendable: true,
+      suspend_reason: REASON,
+      suspended_at: NOW - 60,
+      parked_memory: 6.2 * GIB,
+      home_devices: ['GPU-a'],
+      ...overrides
+    });
+
+  it('says how much is parked, that the next cell resumes it, and why; offers Resume', () => {
+    const v = view(suspended());
+    expect(v.phase).toBe('suspended');
+    expect(v.suspended).toEqual({
+      text: 'GPU suspended · 6.2 GiB parked — resumes on your next cell',
+      reason: REASON
+    });
+    expect(v.statusText).toBe('GPU suspended');
+    expect(v.statusTitle).toBe(`GPU suspended · 6.2 GiB parked — resumes on your next cell (${REASON})`);
+    expect(v.summary).toBe('8 GiB slice suspended: the kernel keeps its variables, its GPU memory waits in host RAM.');
+    expect(v.canResume).toBe(true);
+    expect(v.canSuspend || v.canKeep || v.canReserve).toBe(false);
+    expect(v.canRelease).toBe(true);
+    // No GPU while parked: no bars, no idle countdown, no hint.
+    expect([v.slice, v.usage, v.idle, v.hint, v.transition, v.queue]).toEqual([null, null, null, null, null, null]);
+  });
+
+  it('leaves the size out when the server does not say how much is parked, and the reason when none', () => {
+    const v = view(suspended({ parked_memory: null, suspend_reason: null }));
+    expect(v.suspended).toEqual({ text: 'GPU suspended — resumes on your next cell', reason: '' });
+    expect(v.statusTitle).toBe('GPU suspended — resumes on your next cell');
+  });
+
+  it('shows a kernel waiting to resume like a queued one, with its position, wait and reason', () => {
+    const v = view(
+      suspended({
+        state: 'queued',
+        resuming: true,
+        queue_position: 2,
+        queue_length: 3,
+        estimated_wait: 240,
+        queue_reason: 'pool full'
+      })
+    );
+    expect(v.phase).toBe('queued');
+    expect(v.badge).toBe('resuming');
+    expect(v.queue).toEqual({
+      text: 'resuming — waiting for a GPU, position 2 of 3, about 4 min',
+      reason: 'pool full'
+    });
+    expect(v.statusText).toBe('Resuming #2');
+    expect(v.statusTitle).toBe('GPU suspended · 6.2 GiB parked; resuming — waiting for a GPU, position 2 of 3, about 4 min');
+    expect(v.summary).toBe('GPU suspended · 6.2 GiB parked — resumes when a GPU is free; a cell run now waits, then runs.');
+    expect(v.suspended).toBeNull();
+    expect(v.canResume || v.canSuspend || v.canKeep).toBe(false);
+    expect(v.canRelease).toBe(true);
+  });
+
+  it('says "Resuming" without a position when the server gives none', () => {
+    const v = view(suspended({ state: 'queued', resuming: true }));
+    expect(v.statusText).toBe('Resuming');
+    expect(v.queue!.text).toBe('resuming — waiting for a GPU, in the queue, wait unknown');
+  });
+
+  it('names each move of the GPU memory in the panel, the status bar and the badge', () => {
+    const cases: Array<[IKernelStatus['transition'], string, string, string]> = [
+      ['suspending', 'suspending — parking GPU memory in host RAM…', 'GPU suspending…', 'suspending'],
+      ['restoring', 'resuming — restoring GPU memory…', 'GPU resuming…', 'resuming'],
+      ['migrating', 'moving to another GPU…', 'GPU moving…', 'moving']
+    ];
+    for (const [transition, text, statusText, badge] of cases) {
+      const v = view(status({ transition, suspendable: true, reclaim_at: NOW + 30, peak_memory: 2.1 * GIB }));
+      expect([v.transition, v.statusText, v.badge]).toEqual([text, statusText, badge]);
+      expect(v.phase).toBe('granted');
+      expect(v.statusTitle).toBe(`${text}; 8 GiB on GPU 0 · NVIDIA A100-SXM4-80GB`);
+      // Nothing to act on while the memory moves, but Release.
+      expect(v.canSuspend || v.canKeep || v.canReserve || v.canResume).toBe(false);
+      expect(v.canRelease).toBe(true);
+      expect(v.idle).toBeNull();
+      expect(v.hint).toBeNull();
+    }
+  });
+
+  it('offers Suspend only for a running kernel whose server can park GPU memory', () => {
+    expect(view(status({ suspendable: true })).canSuspend).toBe(true);
+    expect(view(status({ suspendable: false })).canSuspend).toBe(false);
+    expect(view(status({})).canSuspend).toBe(false); // an older server says nothing
+    expect(view(status({ suspendable: true, transition: 'migrating' })).canSuspend).toBe(false);
+    expect(view(status({ state: 'queued', devices: [], suspendable: true })).canSuspend).toBe(false);
+    const plain = view(status({ suspendable: true }));
+    expect([plain.transition, plain.badge, plain.suspended]).toEqual([null, null, null]);
+  });
+
+  it('warns that an idle suspendable kernel will be suspended (variables kept), not shut down', () => {
+    const v = view(
+      status({ suspendable: true, idle_seconds: 600, reclaim_at: NOW + 272, reclaim_reason: 'idle while 1 kernel waits' })
+    );
+    expect(v.idle).toEqual({
+      text: 'idle for 10 min — the kernel will be suspended (variables kept) in 4:32 unless you keep it',
+      countdown: '4:32',
+      secondsLeft: 272,
+      reason: 'idle while 1 kernel waits',
+      suspends: true
+    });
+    expect(v.statusText).toBe('GPU – / 8 GiB · 4:32');
+    const preempted = view(status({ suspendable: true, reclaim_at: NOW + 60, reclaim_reason: 'preempted for a high-priority request' }));
+    expect(preempted.idle!.text).toBe('the kernel will be suspended (variables kept) in 1:00 unless you keep it');
+    expect(view(status({ suspendable: false, reclaim_at: NOW + 60 })).idle!.suspends).toBe(false);
   });
 });
 

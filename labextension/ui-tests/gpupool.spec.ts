@@ -5,32 +5,12 @@
  * Keep and Release actions act. Screenshots of each step go to $GPUPOOL_UI_SCREENSHOTS
  * (default ui-tests/screenshots).
  */
-import { APIRequestContext, expect, test } from '@playwright/test';
+import { expect, test } from '@playwright/test';
 
-import { openLab, openNotebook, screenshot, TOKEN } from './helpers';
+import { kernelOf, openLab, openNotebook, screenshot, TOKEN } from './helpers';
 
 /** How long the third kernel may take to be granted after a shutdown. */
 const GRANT_WITHIN_MS = Number(process.env.GPUPOOL_UI_GRANT_WITHIN_MS || 10000);
-
-function api(request: APIRequestContext, url: string) {
-  return request.get(url, { headers: { Authorization: `token ${TOKEN}` } });
-}
-
-/** The kernel id of the session of `notebook`, once there is one. */
-async function kernelOf(request: APIRequestContext, notebook: string): Promise<string> {
-  let id = '';
-  await expect
-    .poll(
-      async () => {
-        const sessions = (await (await api(request, 'api/sessions')).json()) as any[];
-        id = sessions.find(s => s.path === notebook)?.kernel?.id ?? '';
-        return id;
-      },
-      { message: `a kernel for ${notebook}` }
-    )
-    .not.toBe('');
-  return id;
-}
 
 test('sidebar and status bar follow grants, the queue, Keep and Release', async ({ page, request }) => {
 

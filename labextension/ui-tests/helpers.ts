@@ -1,5 +1,5 @@
 /** Shared steps of the browser tests. */
-import { expect, Page } from '@playwright/test';
+import { APIRequestContext, expect, Page } from '@playwright/test';
 import * as fs from 'fs';
 import * as path from 'path';
 
@@ -39,4 +39,25 @@ export async function screenshot(page: Page, name: string): Promise<void> {
   const file = path.join(SHOTS, `${name}.png`);
   await page.screenshot({ path: file });
   console.log(`screenshot: ${file}`);
+}
+
+/** `GET` an API path of the server with the token. */
+export function api(request: APIRequestContext, url: string) {
+  return request.get(url, { headers: { Authorization: `token ${TOKEN}` } });
+}
+
+/** The kernel id of the session of `notebook`, once there is one. */
+export async function kernelOf(request: APIRequestContext, notebook: string): Promise<string> {
+  let id = '';
+  await expect
+    .poll(
+      async () => {
+        const sessions = (await (await api(request, 'api/sessions')).json()) as any[];
+        id = sessions.find(s => s.path === notebook)?.kernel?.id ?? '';
+        return id;
+      },
+      { message: `a kernel for ${notebook}` }
+    )
+    .not.toBe('');
+  return id;
 }

@@ -5,7 +5,7 @@
 # in headless Chromium (/usr/bin/chromium, never downloaded), and stops the server.
 #
 #   bash labextension/ui-tests/run.sh                 # both suites
-#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | notebook7 | unavailable
+#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | notebook7 | unavailable
 #   GPUPOOL_UI_SCREENSHOTS=/tmp/shots bash ...        # screenshots (default ui-tests/screenshots)
 #
 # Needs: jupyter_gpupool importable (pip install -e .) and `npm ci` done in labextension/.
@@ -52,14 +52,35 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# The labextension: the installed one, else this checkout's build (before `pip install`).
+# The labextension: this checkout's build (jupyter_gpupool/labextension, from `npm run build`)
+# whenever it differs from the installed one, so the browser runs the code under test and not
+# whatever another checkout installed; else the installed one; else build this checkout.
 USE_CHECKOUT_BUILD=0
-if ! "$PYTHON" -m jupyter labextension list 2>&1 | grep -q "jupyter-gpupool"; then
-  if [ ! -f "$REPO/jupyter_gpupool/labextension/package.json" ]; then
-    (cd "$EXT" && npm run build:prod >/dev/null)
-  fi
+BUILD="$REPO/jupyter_gpupool/labextension"
+installed_build="$("$PYTHON" - <<'PY' 2>/dev/null || true
+import json, os
+from jupyter_core.paths import jupyter_path
+for folder in jupyter_path("labextensions"):
+    package = os.path.join(folder, "jupyter-gpupool", "package.json")
+    if os.path.isfile(package):
+        with open(package, encoding="utf-8") as f:
+            print(json.load(f)["jupyterlab"]["_build"]["load"])
+        break
+PY
+)"
+checkout_build=""
+if [ -f "$BUILD/package.json" ]; then
+  checkout_build="$("$PYTHON" -c 'import json,sys; print(json.load(open(sys.argv[1]))["jupyterlab"]["_build"]["load"])' "$BUILD/package.json" 2>/dev/null || true)"
+fi
+if [ -z "$installed_build" ] && [ -z "$checkout_build" ]; then
+  (cd "$EXT" && npm run build:prod >/dev/null)
   USE_CHECKOUT_BUILD=1
-  echo "ui-tests: jupyter-gpupool is not installed as a lab extension; using $REPO/jupyter_gpupool/labextension"
+  echo "ui-tests: jupyter-gpupool is not installed as a lab extension; built $BUILD"
+elif [ -n "$checkout_build" ] && [ "$checkout_build" != "$installed_build" ]; then
+  USE_CHECKOUT_BUILD=1
+  echo "ui-tests: using this checkout's build $BUILD ($checkout_build; installed: ${installed_build:-none})"
+else
+  echo "ui-tests: using the installed jupyter-gpupool lab extension (${installed_build})"
 fi
 
 # run_suite SPEC [NAME=VALUE | --Server.option=value | app=notebook | pool=corrupt ...]: a fresh
@@ -172,7 +193,9 @@ while True:
     time.sleep(0.2)
 PY
 
-  (cd "$EXT" && GPUPOOL_UI_URL="$url" GPUPOOL_UI_TOKEN="$token" \
+  # The pool file and a Python that imports this checkout, for specs that act on the pool directly.
+  (cd "$EXT" && GPUPOOL_UI_URL="$url" GPUPOOL_UI_TOKEN="$token" GPUPOOL_UI_DB="$WORK/pool.sqlite" \
+    GPUPOOL_UI_PYTHON="$PYTHON" GPUPOOL_UI_REPO="$REPO" \
     npx playwright test -c ui-tests/playwright.config.ts "ui-tests/$spec.spec.ts")
   stop_server
   rm -rf "$WORK"
@@ -181,11 +204,11 @@ PY
 
 SUITES=("$@")
 if [ "${#SUITES[@]}" -eq 0 ]; then
-  SUITES=(gpupool idle unavailable)
+  SUITES=(gpupool idle suspend unavailable)
   if "$PYTHON" -c "import notebook.app" 2>/dev/null && [ "$USE_CHECKOUT_BUILD" = 0 ]; then
     SUITES+=(notebook7)
   elif [ "$USE_CHECKOUT_BUILD" = 1 ]; then
-    echo "ui-tests: the extension is not installed: the notebook7 suite does not run"
+    echo "ui-tests: the lab suites use this checkout's build, which Notebook 7 does not load: the notebook7 suite does not run"
   else
     echo "ui-tests: Notebook 7 is not installed (pip install notebook): the notebook7 suite does not run"
   fi
@@ -194,8 +217,10 @@ for suite in "${SUITES[@]}"; do
   case "$suite" in
     gpupool) run_suite gpupool ;;
     idle)
+      # Culled, not suspended: this suite shows a reclaim that shuts the kernel down (the suspend
+      # suite shows the other kind), whether or not the server can checkpoint.
       run_suite idle GPUPOOL_IDLE_POLICY=always GPUPOOL_IDLE_TIMEOUT=3 GPUPOOL_WARNING_PERIOD=10 \
-        --GpuPoolExtension.tick_interval=1
+        GPUPOOL_RECLAIM_ACTION=cull --GpuPoolExtension.reclaim_action=cull --GpuPoolExtension.tick_interval=1
       ;;
     notebook7)
       if [ "$USE_CHECKOUT_BUILD" = 1 ]; then
@@ -205,8 +230,9 @@ for suite in "${SUITES[@]}"; do
       fi
       run_suite notebook7 app=notebook
       ;;
+    suspend) run_suite suspend GPUPOOL_RECLAIM_ACTION=suspend GPUPOOL_PARKED_MEMORY_LIMIT=32GiB ;;
     unavailable) run_suite unavailable pool=corrupt ;;
-    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, notebook7, unavailable)" >&2; exit 2 ;;
+    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, notebook7, unavailable)" >&2; exit 2 ;;
   esac
 done
 echo "ui-tests: passed; screenshots in $GPUPOOL_UI_SCREENSHOTS"
