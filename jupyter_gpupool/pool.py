@@ -129,8 +129,15 @@ class Pool(GrantWaiting):
             recent_requests=stats["recent"],
             now=now,
             index=self._index[1],
-            host_memory=host_memory(),
+            host_memory=self._host_memory(),
         )
+
+    def _host_memory(self) -> int | None:
+        """This host's RAM; a simulated pool stands for a GPU server, whose RAM is taken to be twice
+        its GPUs' memory (the usual build), so its parked-slice budget is that of such a server."""
+        if getattr(self.backend, "name", "") == "simulated":
+            return 2 * sum(d.memory_total for d in self.devices())
+        return host_memory()
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
         changed = [state.leases[i] for i in state.changed if i in state.leases]

@@ -164,4 +164,6 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
         "now": now,
         "reason": None,
         **suspend_fields(lease),
+        # A reclaim suspends it only if the pool allows suspends too (else the warning must say "shut down").
+        "suspendable": lease.suspendable and getattr(getattr(pool, "policy", None), "reclaim_action", "suspend") == "suspend",
     }

@@ -109,7 +109,8 @@ def test_the_budget_is_a_share_of_host_ram_by_default(tmp_path):
 
     with pool.store.transaction():
         state = pool._load(T0)
-    assert pool.engine.parked_budget(state) == int(0.4 * host_memory())
+    assert pool.engine.parked_budget(state) == int(0.5 * 2 * 16 * GIB)  # a simulated host: twice its GPU memory in RAM
+    assert host_memory() and host_memory() > 0
 
 
 def test_a_resuming_kernel_goes_first_within_its_class_only(tmp_path):
@@ -273,3 +274,17 @@ def test_after_an_outage_a_warning_that_passed_is_given_again(tmp_path):
     assert pool.get(alice.id).state is LeaseState.GRANTED
     pool.tick(now=T0 + 2061)
     assert pool.get(alice.id).state is LeaseState.RELEASED
+
+
+def test_a_restore_that_failed_with_the_memory_still_parked_is_tried_once_more(tmp_path):
+    pool = make_pool(tmp_path)
+    a = pool.request(req("alice", suspendable=True), now=T0)
+    pool.suspend(a.id, now=T0 + 1)
+    pool.confirm_transition(a.id, parked_bytes=GIB, now=T0 + 2)
+    pool.resume(a.id, now=T0 + 10)
+    again = pool.fail_transition(a.id, "device busy", still_running=True, now=T0 + 11)
+    assert again.state is LeaseState.SUSPENDED and again.parked_memory == GIB and "next try restores it" in again.suspend_reason
+    pool.resume(a.id, now=T0 + 20)
+    assert pool.get(a.id).transition is Transition.RESTORING
+    gone = pool.fail_transition(a.id, "device busy", still_running=True, now=T0 + 21)
+    assert gone.state is LeaseState.RELEASED and gone.release_reason.startswith("stopped: restoring its GPU memory failed")

@@ -230,7 +230,7 @@ def test_rest_auth_errors_restart_and_release(arun, jp_serverapp, gpupool_fetch,
     arun(scenario())
 
 
-@pytest.mark.gpupool_env(GPUPOOL_IDLE_TIMEOUT="1", GPUPOOL_WARNING_PERIOD="1")
+@pytest.mark.gpupool_env(GPUPOOL_IDLE_TIMEOUT="1", GPUPOOL_WARNING_PERIOD="1", GPUPOOL_RECLAIM_ACTION="cull")  # the cull path; suspends: test_suspend_server.py
 def test_idle_reclaim_only_under_pressure(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec):
     """Idle kernels keep their slices while nobody waits; a queued kernel gets one reclaimed."""
     events = record_events(jp_serverapp)

@@ -668,6 +668,7 @@ class Engine:
             lease.memory_history = ()
             lease.active_seconds = 0.0  # the closed interval carries it: a resumed one starts again
         elif step is Transition.RESTORING:
+            lease.restore_failures = 0
             if lease.suspended_at is not None:
                 lease.parked_seconds += max(0.0, now - lease.suspended_at)
             lease.suspended_at = None
@@ -688,11 +689,13 @@ class Engine:
 
     def fail_transition(self, state: PoolState, lease_id: str, error: str, still_running: bool, now: float) -> list[Decision]:
         """The server could not finish a suspend, restore or move (``error``: why, one line).
-        ``still_running``: the kernel runs on as before (a checkpoint that failed and was undone).
+        ``still_running``: the kernel is as it was before (a checkpoint that failed and was undone, or a
+        restore that failed with the memory still parked).
 
         A failed suspend for a reclaim falls back to culling; one the user asked for is called off;
-        a failed move is called off. A restore that failed, or anything that left the kernel
-        broken, stops it: its lease is released (and nothing is counted twice).
+        a failed move is called off; a restore that failed with the memory still parked goes back to
+        suspended once (the next try restores it). A second restore failure in a row, or anything
+        that left the kernel broken, stops it: its lease is released (and nothing is counted twice).
         """
         lease = self.get(state, lease_id)
         step = lease.transition
@@ -703,6 +706,18 @@ class Engine:
             reason = f"{lease.suspend_reason} (suspending failed: {error}; so the kernel was shut down)"
             self.release(state, lease_id, reason, now)
             return [self._decision(kind, lease, reason, now)]
+        if still_running and step is Transition.RESTORING and lease.restore_failures < 1:
+            # The memory is still parked, intact: back to suspended; the next cell (or Resume) tries again.
+            state.closed_intervals.append(lease.copy(released_at=now))  # granted for the try: metered
+            lease.state = LeaseState.SUSPENDED
+            lease.devices = ()
+            lease.transition = Transition.NONE
+            lease.transition_at = None
+            lease.restore_failures += 1
+            lease.suspend_reason = f"restoring failed ({error}); it stays suspended and the next try restores it"
+            lease.memory_history = ()
+            state.touch(lease)
+            return []
         if still_running and step in (Transition.SUSPENDING, Transition.MIGRATING):
             if step is Transition.MIGRATING:
                 lease.devices, lease.migrate_from = lease.migrate_from, ()

@@ -245,6 +245,7 @@ class Lease:
     migrate_from: tuple[str, ...] = ()  # uuids it is moving off (held until the move is confirmed)
     suspensions: int = 0
     parked_seconds: float = 0.0  # total time spent suspended
+    restore_failures: int = 0  # restores in a row that failed and left the memory parked
 
     @property
     def queued_since(self) -> float:

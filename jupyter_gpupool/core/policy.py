@@ -353,9 +353,9 @@ class PoolPolicy(Configurable):
     ).tag(config=True)
 
     parked_memory_limit = Unicode(
-        "40%",
+        "50%",
         help="Host RAM that suspended kernels' parked GPU memory may take together: a size (64GiB) or a share of "
-        "the host's RAM (40%). A reclaim that would go over it culls instead of suspending, and says so. "
+        "the host's RAM (50%). A reclaim that would go over it culls instead of suspending, and says so. "
         "Env: GPUPOOL_PARKED_MEMORY_LIMIT.",
     ).tag(config=True)
 

@@ -739,7 +739,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 raise CheckpointError(refusal)
             parked = await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
         except CheckpointError as err:
-            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), True)
+            running = getattr(err, "state", "running") in ("running", "")  # a failed checkpoint is undone where it can be
+            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), running)
             what = "the kernel was shut down instead" if after.state is LeaseState.RELEASED else "the kernel keeps running"
             self.emit("suspend_failed", after, message=f"suspending failed: {err}; {what}")
             raise
@@ -754,8 +755,12 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         try:
             await asyncio.to_thread(self.checkpointer.resume, pid, moved or None)
         except CheckpointError as err:
-            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), False)
-            await self._stop_kernel(kernel_id, after)
+            parked = getattr(err, "state", "") == "suspended"  # nothing lost: it may be tried again
+            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), parked)
+            if after.state is LeaseState.RELEASED:
+                await self._stop_kernel(kernel_id, after)
+            else:
+                self.emit("suspend_failed", after, message=after.suspend_reason)
             raise
         started = lease.transition_at or time.time()
         done = await asyncio.to_thread(self.pool.confirm_transition, lease.id)
@@ -770,8 +775,12 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         try:
             await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
         except CheckpointError as err:
-            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), True)
-            self.emit("suspend_failed", after, message=f"moving failed: {err}; the kernel keeps running where it was")
+            running = getattr(err, "state", "running") in ("running", "")
+            after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), running)
+            if after.state is LeaseState.RELEASED:
+                await self._stop_kernel(kernel_id, after)
+            else:
+                self.emit("suspend_failed", after, message=f"moving failed: {err}; the kernel keeps running where it was")
             raise
         await self._restore(kernel_id, lease, pid, dict(zip(lease.migrate_from, lease.devices)), action="migrated")
 

@@ -1,0 +1,197 @@
+"""Suspend, don't kill — with a real jupyter_server and real kernels on a simulated 1x16GiB pool.
+
+Kernel A goes idle holding 8 GiB; B and C start; C queues; A is *suspended* (its process lives on,
+its variables too) and C is granted; running ``print(x)`` in A then waits until a slice frees and
+prints ``42``. The REST state of A goes granted → suspended → queued (resuming, with a position)
+→ granted. Also: a suspend that fails falls back to culling, a restore that fails stops the kernel,
+and the Suspend / Resume endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from typing import Any
+
+import pytest
+
+from jupyter_gpupool.core.models import LeaseState, Transition
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_TIMEOUT="2", GPUPOOL_WARNING_PERIOD="1"),
+    pytest.mark.gpupool_config({"PoolPolicy": {"preemption": False}}),
+]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().split(")")[-1].split()[0] != "Z"
+
+
+async def _start(gpupool_fetch: Any) -> str:
+    response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
+    assert response.code == 201, response.body
+    return json.loads(response.body)["id"]
+
+
+async def _status(gpupool_fetch: Any, kernel_id: str, user: str = "alice") -> dict[str, Any]:
+    response = await gpupool_fetch("api", "gpupool", "kernels", kernel_id, user=user)
+    assert response.code == 200, response.body
+    return json.loads(response.body)
+
+
+def _pid(jp_serverapp: Any, kernel_id: str) -> int | None:
+    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    return getattr(getattr(kernel.provisioner, "process", None), "pid", None)
+
+
+def test_an_idle_kernel_is_suspended_for_a_waiting_one_and_its_next_cell_waits_then_prints_42(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        a = await _start(gpupool_fetch)
+        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        assert (await kernel_exec(a, "x = 42\nprint('set')")).strip() == "set"
+        assert (await _status(gpupool_fetch, a))["suspendable"] is True
+        pid_a = _pid(jp_serverapp, a)
+        seen: list[str] = []
+
+        async def watch() -> None:  # A's REST state as the sidebar sees it
+            while True:
+                body = await _status(gpupool_fetch, a)
+                label = body["state"] + (" resuming" if body["resuming"] else "")
+                if body["queue_position"]:
+                    label += f" #{body['queue_position']}"
+                if not seen or seen[-1] != label:
+                    seen.append(label)
+                await asyncio.sleep(0.1)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.sleep(2.5)  # A idles past the idle timeout
+            b = await _start(gpupool_fetch)
+            await gpupool_wait(lambda: (lease := pool.lease_for_kernel(b)) and lease.state is LeaseState.GRANTED, what="B's grant")
+            c = await _start(gpupool_fetch)
+            await gpupool_wait(lambda: pool.lease_for_kernel(c) is not None, what="C's request")
+            await gpupool_wait(
+                lambda: pool.lease_for_kernel(a).state is LeaseState.SUSPENDED, timeout=30, what="A to be suspended"
+            )
+            suspended = await _status(gpupool_fetch, a)
+            assert suspended["suspend_reason"].startswith("reclaimed: idle for"), suspended
+            assert suspended["parked_memory"] is not None and suspended["home_devices"]
+            assert _alive(pid_a) and a in jp_serverapp.kernel_manager  # suspended, not shut down
+            await gpupool_wait(lambda: pool.lease_for_kernel(c).state is LeaseState.GRANTED, what="C's grant")
+
+            # Keep B and C busy, so the only way back for A is a slice that frees.
+            busy_b = asyncio.ensure_future(kernel_exec(b, "import time; time.sleep(6); print('b done')", timeout=60))
+            busy_c = asyncio.ensure_future(kernel_exec(c, "import time; time.sleep(8); print('c done')", timeout=60))
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            cell = asyncio.ensure_future(kernel_exec(a, "print(x)", timeout=90))
+            await gpupool_wait(lambda: pool.lease_for_kernel(a).state is LeaseState.QUEUED, timeout=15, what="A to queue to resume")
+            queued = await _status(gpupool_fetch, a)
+            assert queued["resuming"] is True and queued["queue_position"] == 1, queued
+            await asyncio.sleep(2)
+            assert not cell.done(), "A's cell ran while its GPU memory was parked and no slice was free"
+            await busy_b
+            # B finished its cell and idles: it is suspended in turn, and A comes back.
+            out = await asyncio.wait_for(cell, 60)
+            waited = time.monotonic() - started
+            assert out.strip().splitlines()[-1] == "42", out
+            assert waited > 3, waited
+            await busy_c
+            await gpupool_wait(lambda: pool.lease_for_kernel(a).transition is Transition.NONE, what="A's restore")
+            back = pool.lease_for_kernel(a)
+            assert back.state is LeaseState.GRANTED and back.suspensions == 1 and back.parked_memory == 0
+        finally:
+            watcher.cancel()
+        assert seen[0].startswith("granted"), seen
+        path = [label.split(" #")[0] for label in seen]
+        for step in ("suspended", "queued resuming", "granted"):
+            assert step in path, seen
+        assert path.index("suspended") < path.index("queued resuming") < len(path) - 1 - path[::-1].index("granted"), seen
+        assert any(label.startswith("queued resuming #") for label in seen), seen
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="16GiB", GPUPOOL_IDLE_TIMEOUT="1", GPUPOOL_WARNING_PERIOD="0.5")
+def test_a_failed_suspend_falls_back_to_culling_with_the_reason(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext):
+    from jupyter_gpupool.devices.checkpoint import SimulatedCheckpointer
+
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        a = await _start(gpupool_fetch)
+        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        SimulatedCheckpointer.fail_next(pool.backend.usage_dir, "suspend", reason="UVM memory cannot be checkpointed")
+        await asyncio.sleep(1.5)
+        await _start(gpupool_fetch)
+        await gpupool_wait(lambda: a not in jp_serverapp.kernel_manager, timeout=30, what="A to be shut down")
+        lease = pool.last_lease_for_kernel(a)
+        assert lease.state is LeaseState.RELEASED
+        assert re.search(r"\(suspending failed: .*UVM memory cannot be checkpointed; so the kernel was shut down\)$", lease.release_reason), (
+            lease.release_reason
+        )
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never")
+def test_suspend_and_resume_endpoints_and_a_failed_restore_stops_the_kernel(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    from jupyter_gpupool.devices.checkpoint import SimulatedCheckpointer
+
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        a = await _start(gpupool_fetch)
+        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        await kernel_exec(a, "y = 7")
+        response = await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST", user="bob")
+        assert response.code in (403, 404), response.body  # not bob's kernel
+        response = await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST")
+        assert response.code == 200, response.body
+        assert json.loads(response.body)["transition"] == "suspending"
+        await gpupool_wait(lambda: pool.lease_for_kernel(a).state is LeaseState.SUSPENDED, what="A to be suspended")
+        again = await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST")
+        assert again.code == 409 and "not running on a GPU" in json.loads(again.body)["message"], again.body
+        response = await gpupool_fetch("api", "gpupool", "kernels", a, "resume", method="POST")
+        assert response.code == 200, response.body
+        await gpupool_wait(lambda: (l := pool.lease_for_kernel(a)) and l.state is LeaseState.GRANTED and l.transition is Transition.NONE, what="A back")
+        assert (await kernel_exec(a, "print(y)")).strip() == "7"
+
+        # A restore that fails with the memory still parked goes back to suspended, and the next try works.
+        await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST")
+        await gpupool_wait(lambda: pool.lease_for_kernel(a).state is LeaseState.SUSPENDED, what="A suspended again")
+        SimulatedCheckpointer.fail_next(pool.backend.usage_dir, "resume", reason="device busy")
+        await gpupool_fetch("api", "gpupool", "kernels", a, "resume", method="POST")
+        await gpupool_wait(lambda: pool.lease_for_kernel(a).restore_failures == 1, what="the failed restore")
+        body = await _status(gpupool_fetch, a)
+        assert body["state"] == "suspended" and "restoring failed" in body["suspend_reason"], body
+        await gpupool_fetch("api", "gpupool", "kernels", a, "resume", method="POST")
+        await gpupool_wait(lambda: (l := pool.lease_for_kernel(a)) and l.state is LeaseState.GRANTED and l.transition is Transition.NONE, what="A back")
+        assert (await kernel_exec(a, "print(y)")).strip() == "7"
+
+        # A restore that leaves the kernel broken stops it, with the reason.
+        await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST")
+        await gpupool_wait(lambda: pool.lease_for_kernel(a).state is LeaseState.SUSPENDED, what="A suspended a third time")
+        SimulatedCheckpointer.fail_next(pool.backend.usage_dir, "resume", reason="device lost", state="failed")
+        await gpupool_fetch("api", "gpupool", "kernels", a, "resume", method="POST")
+        await gpupool_wait(lambda: a not in jp_serverapp.kernel_manager, timeout=30, what="A to be stopped")
+        lease = pool.last_lease_for_kernel(a)
+        assert lease.release_reason.startswith("stopped: restoring its GPU memory failed ("), lease.release_reason
+        assert "device lost" in lease.release_reason
+
+    arun(scenario())
