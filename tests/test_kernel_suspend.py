@@ -334,3 +334,55 @@ def test_progress_lines() -> None:
     granted = lease.copy(state=LeaseState.GRANTED, resuming=False)
     assert progress_text(granted.copy(transition=Transition.RESTORING), None) == "gpupool: restoring GPU memory…"
     assert "another GPU" in progress_text(granted.copy(transition=Transition.MIGRATING), None)
+
+
+# --- the broker client: the paths it calls ------------------------------------------------------------
+
+
+def test_the_broker_client_posts_suspend_and_resume_to_the_lease_routes(penv: PoolEnv) -> None:
+    """The broker's routes are another change; a stand-in HTTP server checks what the client sends
+    and that a 409 refusal reaches the user as the pool's one line."""
+    import http.server
+    import json
+
+    from jupyter_gpupool.broker.client import HttpPoolClient
+    from jupyter_gpupool.errors import RequestRefused
+
+    seen: list[tuple[str, str, Any]] = []
+    lease_json = penv.pool.get(penv.lease_id).to_json()
+
+    class StandIn(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 -- http.server's name
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+            seen.append(("POST", self.path, body))
+            if self.path.endswith("/suspend") and sum(path.endswith("/suspend") for _, path, _ in seen) > 1:
+                status, payload = 409, {"error": "RequestRefused", "message": "cannot suspend this kernel: it is suspending"}
+            else:
+                status, payload = 200, lease_json
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/services/gpupool"
+        client = HttpPoolClient.from_env({"GPUPOOL_URL": url, "GPUPOOL_TOKEN": "t", "GPUPOOL_LEASE_ID": penv.lease_id})
+        client.current = lambda: penv.pool.get(penv.lease_id)  # type: ignore[method-assign]  # GET is not under test
+        assert client.resume().id == penv.lease_id
+        assert client.suspend().id == penv.lease_id
+        with pytest.raises(RequestRefused, match="^cannot suspend this kernel: it is suspending$"):
+            client.suspend()
+    finally:
+        server.shutdown()
+        server.server_close()
+    route = f"/services/gpupool/api/gpupool/leases/{penv.lease_id}"
+    assert seen[0] == ("POST", f"{route}/resume", {})
+    assert seen[1] == ("POST", f"{route}/suspend", {"reason": "suspended by its user with %gpupool suspend"})
