@@ -27,7 +27,7 @@ from jupyter_gpupool.pool import Pool
 from jupyter_gpupool.units import GIB
 
 try:
-    from test_kernel_extension import Kernel, PoolEnv, Result, kernel_factory, strip_ansi  # noqa: F401
+    from test_kernel_extension import Kernel, PoolEnv, Result, kernel_factory, strip_ansi
 except ImportError:  # tests as a package
     from tests.test_kernel_extension import Kernel, PoolEnv, Result, kernel_factory, strip_ansi  # noqa: F401
 
@@ -77,11 +77,11 @@ class PlayServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> PlayServer:
+    def __enter__(self) -> PlayServer:  # noqa: PYI034 -- a test helper, never subclassed
         self._thread.start()
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
 
@@ -192,8 +192,10 @@ def test_interrupt_while_waiting_stops_the_cell_in_one_line_and_keeps_the_place(
     assert result.status == "error"
     lines = [strip_ansi(line) for error in result.errors for line in error["traceback"]]
     assert lines == [
-        "gpupool: stopped waiting for a GPU; this kernel stays queued to resume, and your next cell waits again"
-        " (%gpupool status shows its place)"
+        (
+            "gpupool: stopped waiting for a GPU; this kernel stays queued to resume, and your next cell waits again"
+            " (%gpupool status shows its place)"
+        )
     ]
     assert result.stream("stderr") == ""
     lease = penv.pool.get(penv.lease_id)
@@ -201,7 +203,7 @@ def test_interrupt_while_waiting_stops_the_cell_in_one_line_and_keeps_the_place(
 
     status = kernel.run("%gpupool status").plain()  # a magic-only cell does not wait
     assert "resuming — waiting for a GPU, position 1 of 1" in status, status
-    assert re.search(r"^\s*state\s+resuming$", status, re.M), status
+    assert re.search(r"^\s*state\s+resuming$", status, re.MULTILINE), status
 
     with PlayServer(penv.env, penv.lease_id):
         penv.pool.release(other.id)
@@ -352,7 +354,7 @@ def test_the_broker_client_posts_suspend_and_resume_to_the_lease_routes(penv: Po
     lease_json = penv.pool.get(penv.lease_id).to_json()
 
     class StandIn(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 -- http.server's name
+        def do_POST(self) -> None:  # http.server's name
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
             seen.append(("POST", self.path, body))
             if self.path.endswith("/suspend") and sum(path.endswith("/suspend") for _, path, _ in seen) > 1:

@@ -218,7 +218,7 @@ class ResumeOnRun:
 def _where(client: PoolClient, lease: Lease) -> str:
     """``GPU 0`` or ``GPUs 0, 1``: the indices of the lease's devices (uuids when unknown)."""
     try:
-        devices = {d.uuid: d.index for d in getattr(client, "pool").devices()}
+        devices = {d.uuid: d.index for d in client.pool.devices()}  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 -- a label only
         devices = {}
     names = [str(devices.get(uuid, uuid)) for uuid in lease.devices]
