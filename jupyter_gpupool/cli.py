@@ -272,17 +272,35 @@ def device_rows(snapshot: Any) -> list[list[str]]:
     return rows
 
 
+def lease_state_text(item: dict[str, Any]) -> str:
+    """``granted``, ``suspended``, ``resuming`` (queued to come back), ``granted, restoring``."""
+    if item["state"] == "queued" and item.get("resuming"):
+        return "resuming"
+    if item.get("transition"):
+        return f"{item['state']}, {item['transition']}"
+    return str(item["state"])
+
+
+def lease_place_text(item: dict[str, Any]) -> str:
+    """Where a lease is: its queue position, its parked host RAM, or its GPUs."""
+    if item["state"] == "queued":
+        return str(item.get("queue_position") or "")
+    if item["state"] == "suspended":
+        return f"{format_size(item.get('parked_memory') or 0)} parked in host RAM"
+    return ",".join(u[:12] for u in item["devices"])
+
+
 def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
     rows = []
     for item in leases:
-        since = item.get("granted_at") or item.get("created_at") or now
+        since = (item.get("suspended_at") if item["state"] == "suspended" else None) or item.get("granted_at") or item.get("created_at") or now
         rows.append(
             [
                 item.get("id") or "-",
                 item.get("owner") or "(another user)",
-                item["state"],
+                lease_state_text(item),
                 format_size(item["memory"]) + (f" x{item['num_gpus']}" if item.get("num_gpus", 1) > 1 else ""),
-                str(item.get("queue_position") or "") if item["state"] == "queued" else ",".join(u[:12] for u in item["devices"]),
+                lease_place_text(item),
                 format_duration(now - since),
                 (item.get("kernel_id") or item.get("label") or "")[:36],
             ]
@@ -468,6 +486,76 @@ class ReleaseApp(GpuPoolBaseApp):
             raise NotAuthorized(f"lease {lease.id} belongs to another user; only its owner or a pool admin may release it")
         released = pool.release(lease.id, reason=f"released by {user} from the command line")
         self.emit(released.to_json(), f"released {released.id} ({format_size(released.memory)})")
+
+
+class _TransitionApp(GpuPoolBaseApp):
+    """``suspend`` and ``resume``: one lease id; its owner or a pool admin (a broker decides for itself)."""
+
+    verb = ""
+
+    def lease_for_caller(self) -> tuple[Any, Lease]:
+        if len(self.extra_args) != 1:
+            raise InvalidInput(
+                f"give exactly one lease id: jupyter gpupool {self.verb} LEASE_ID (see `jupyter gpupool leases`)"
+            )
+        from .pool import local_admin
+
+        pool = self.make_pool()
+        lease = pool.get(self.extra_args[0])
+        if not getattr(pool, "remote", False) and lease.owner != current_user() and not local_admin(pool.db_path):
+            raise NotAuthorized(
+                f"lease {lease.id} belongs to another user; only its owner or a pool admin may {self.verb} it"
+            )
+        return pool, lease
+
+
+class SuspendApp(_TransitionApp):
+    name = "jupyter-gpupool-suspend"
+    description = (
+        "Suspend a kernel: park its GPU memory in host RAM and free the GPU; its next cell resumes it. "
+        "jupyter gpupool suspend LEASE_ID"
+    )
+    verb = "suspend"
+
+    def run(self) -> None:
+        pool, lease = self.lease_for_caller()
+        reason = f"suspended by {current_user()} from the command line"
+        if getattr(pool, "remote", False):
+            from .broker.client import remote_suspend
+
+            changed = remote_suspend(pool, lease.id, reason)
+        else:
+            changed = pool.suspend(lease.id, reason=reason)  # RequestRefused says why not (exit 3)
+        self.emit(
+            changed.to_json(),
+            f"suspending {changed.id} ({format_size(changed.memory)}): its server parks the GPU memory in host RAM;"
+            " the kernel's next cell resumes it",
+        )
+
+
+class ResumeApp(_TransitionApp):
+    name = "jupyter-gpupool-resume"
+    description = "Queue a suspended kernel to come back onto a GPU: jupyter gpupool resume LEASE_ID"
+    verb = "resume"
+
+    def run(self) -> None:
+        pool, lease = self.lease_for_caller()
+        if lease.state is LeaseState.RELEASED:
+            raise InvalidInput(f"lease {lease.id} was released ({lease.release_reason or 'no reason given'}); nothing to resume")
+        if getattr(pool, "remote", False):
+            from .broker.client import remote_resume
+
+            changed = remote_resume(pool, lease.id)
+        else:
+            changed = pool.resume(lease.id)
+        if changed.state is LeaseState.QUEUED and changed.resuming:
+            position = getattr(pool.queue_info(changed.id), "position", None)
+            text = f"{changed.id} is queued to resume" + (f", position {position}" if position else "")
+        elif lease.state is LeaseState.SUSPENDED:
+            text = f"{changed.id} is being restored onto {','.join(u[:12] for u in changed.devices)}"
+        else:
+            text = f"{changed.id} is not suspended ({lease_state_text(changed.to_json())}); nothing to resume"
+        self.emit(changed.to_json(), text)
 
 
 class PriorityApp(GpuPoolBaseApp):
@@ -678,6 +766,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "queue": ("jupyter_gpupool.cli.QueueApp", QueueApp.description),
     "release": ("jupyter_gpupool.cli.ReleaseApp", ReleaseApp.description),
     "priority": ("jupyter_gpupool.cli.PriorityApp", PriorityApp.description),
+    "suspend": ("jupyter_gpupool.cli.SuspendApp", SuspendApp.description),
+    "resume": ("jupyter_gpupool.cli.ResumeApp", ResumeApp.description),
     "report": ("jupyter_gpupool.cli.ReportApp", ReportApp.description),
     "reserve": ("jupyter_gpupool.cli.ReserveApp", ReserveApp.description),
     "request": ("jupyter_gpupool.cli.RequestApp", RequestApp.description),

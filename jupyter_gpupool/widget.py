@@ -16,7 +16,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from .core.models import LeaseState
+from .core.models import LeaseState, Transition
 from .errors import GpuPoolError, PoolUnavailable
 from .kernel.client import DEFAULT_KEEP, PoolClient
 from .kernel.status import KernelStatus, unavailable_status
@@ -26,6 +26,10 @@ _STATE_COLORS = {
     "granted": "#2e7d32",
     "queued": "#ef6c00",
     "suspended": "#6a1b9a",
+    "resuming": "#6a1b9a",
+    "suspending": "#6a1b9a",
+    "restoring": "#6a1b9a",
+    "migrating": "#1565c0",
     "released": "#757575",
     "none": "#757575",
     "unavailable": "#c62828",
@@ -33,7 +37,8 @@ _STATE_COLORS = {
 
 
 class PoolStatus(widgets.VBox):
-    """Share, usage bar, queue position and idle countdown of this kernel's slice, with a Keep button.
+    """Share, usage bar, queue position and idle countdown of this kernel's slice, with a Keep button,
+    and Suspend / Resume buttons (a suspended kernel's GPU memory is parked in host RAM).
 
     A background thread refreshes it every ``interval`` seconds; :meth:`close` stops the thread.
     """
@@ -69,6 +74,21 @@ class PoolStatus(widgets.VBox):
         )
         self.message = widgets.HTML(value="")
         self.keep_button.on_click(self._on_keep)
+        self.suspend_button = widgets.Button(
+            description="Suspend",
+            tooltip="park this kernel's GPU memory in host RAM and free the GPU; your next cell resumes it",
+            icon="pause",
+            layout=widgets.Layout(display="none"),
+        )
+        self.suspend_button.on_click(self._on_suspend)
+        self.resume_button = widgets.Button(
+            description="Resume",
+            tooltip="bring this kernel back onto a GPU now (your next cell would too)",
+            icon="play",
+            button_style="info",
+            layout=widgets.Layout(display="none"),
+        )
+        self.resume_button.on_click(self._on_resume)
         # The right-sizing hint (same rule as %gpupool status and the lab sidebar) and its action.
         self.hint = widgets.HTML(value="")
         self.shrink_button = widgets.Button(description="Shrink", icon="compress", layout=widgets.Layout(display="none"))
@@ -81,7 +101,7 @@ class PoolStatus(widgets.VBox):
                 self.queue,
                 self.idle,
                 widgets.HBox([self.hint, self.shrink_button]),
-                widgets.HBox([self.keep_button, self.message]),
+                widgets.HBox([self.keep_button, self.suspend_button, self.resume_button, self.message]),
             ],
             **kwargs,
         )
@@ -148,6 +168,21 @@ class PoolStatus(widgets.VBox):
         self._hint_memory = hint.memory if hint else None
         self.keep_button.disabled = lease is None or lease.state is not LeaseState.GRANTED
         self.keep_button.button_style = "warning" if lease is not None and lease.reclaim_at is not None else ""
+        self._show_suspend_resume(status)
+
+    def _show_suspend_resume(self, status: KernelStatus) -> None:
+        """Suspend while it runs on a GPU (enabled where its server can park memory); Resume while parked."""
+        lease = status.lease
+        running = lease is not None and lease.state is LeaseState.GRANTED
+        parked = lease is not None and lease.state is LeaseState.SUSPENDED
+        resuming = status.state == "resuming"
+        self.suspend_button.layout.display = "" if running else "none"
+        self.suspend_button.disabled = not (running and lease is not None and lease.suspendable and lease.transition is Transition.NONE)
+        if running and lease is not None and not lease.suspendable:
+            self.suspend_button.tooltip = "this kernel's server cannot park GPU memory (no checkpoint support there)"
+        self.resume_button.layout.display = "" if parked or resuming else "none"
+        self.resume_button.disabled = not parked
+        self.resume_button.description = "Resuming…" if resuming else "Resume"
 
     def _on_keep(self, _button: Any = None) -> None:
         try:
@@ -157,6 +192,24 @@ class PoolStatus(widgets.VBox):
             return
         until = time.strftime("%H:%M", time.localtime(lease.keep_until)) if lease.keep_until else "?"
         self.message.value = html.escape(f"kept through idle until {until}")
+        self.refresh()
+
+    def _on_suspend(self, _button: Any = None) -> None:
+        try:
+            self.client.suspend()
+        except GpuPoolError as err:
+            self.message.value = _error_html(str(err))
+            return
+        self.message.value = html.escape("GPU memory will be parked in host RAM; your next cell resumes it")
+        self.refresh()
+
+    def _on_resume(self, _button: Any = None) -> None:
+        try:
+            self.client.resume()  # queued: the widget shows the position; the next cell waits for the GPU
+        except GpuPoolError as err:
+            self.message.value = _error_html(str(err))
+            return
+        self.message.value = html.escape("queued to resume; your next cell waits for the GPU")
         self.refresh()
 
     def _on_shrink(self, _button: Any = None) -> None:

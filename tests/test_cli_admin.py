@@ -340,3 +340,83 @@ def test_help_of_every_subcommand_runs(tmp_path: Path) -> None:
         assert result.returncode == 0, (name, result.stderr)
         assert "Traceback" not in result.stderr, (name, result.stderr)
         assert result.stdout.strip(), name
+
+
+# --- suspend and resume (issue 12) ------------------------------------------------------------------
+
+
+def test_suspend_and_resume_a_lease_from_the_command_line(tmp_path: Path) -> None:
+    env = sim_env(tmp_path, GPUPOOL_SIMULATE="1x16GiB", GPUPOOL_PARKED_MEMORY_LIMIT="64GiB", GPUPOOL_RECLAIM_ACTION="suspend")
+    pool = Pool.from_env(environ=env)
+    try:
+        kernel = pool.request(LeaseRequest(owner="alice", memory=8 * GIB, kernel_id="k-a", suspendable=True))
+        plain = pool.request(LeaseRequest(owner="bob", memory=4 * GIB, kernel_id="k-b"))
+
+        suspended = cli(["suspend", kernel.id], env)
+        assert suspended.returncode == 0, suspended.stderr
+        assert suspended.stdout.strip() == (
+            f"suspending {kernel.id} (8 GiB): its server parks the GPU memory in host RAM; the kernel's next cell resumes it"
+        )
+        lease = pool.get(kernel.id)
+        assert lease.transition.value == "suspending" and lease.suspend_reason.endswith("from the command line")
+
+        refused = cli(["suspend", plain.id], env)
+        assert refused.returncode == 3
+        assert one_line(refused) == (
+            "jupyter gpupool suspend: error: cannot suspend this kernel: its server cannot park GPU memory"
+            " (no checkpoint support there)"
+        )
+        assert one_line(cli(["suspend"], env)).endswith("give exactly one lease id: jupyter gpupool suspend LEASE_ID (see `jupyter gpupool leases`)")
+        assert cli(["resume", "no-such-lease"], env).returncode == 4
+
+        pool.confirm_transition(kernel.id, parked_bytes=int(6.2 * GIB))  # what the kernel's server does
+        table = cli(["leases", "--all"], env).stdout
+        row = next(line for line in table.splitlines() if line.startswith(kernel.id))
+        assert " suspended " in row and "6.2 GiB parked in host RAM" in row, table
+        listed = {item["id"]: item for item in json.loads(cli(["leases", "--all", "--json"], env).stdout)}
+        assert listed[kernel.id]["state"] == "suspended" and listed[kernel.id]["parked_memory"] == int(6.2 * GIB)
+
+        filler = pool.request(LeaseRequest(owner="carol", memory=12 * GIB))  # the GPU is full now
+        resumed = cli(["resume", kernel.id], env)
+        assert resumed.returncode == 0, resumed.stderr
+        assert resumed.stdout.strip() == f"{kernel.id} is queued to resume, position 1"
+        row = next(line for line in cli(["leases", "--all"], env).stdout.splitlines() if line.startswith(kernel.id))
+        assert " resuming " in row, row
+        pool.release(filler.id)
+        assert pool.get(kernel.id).transition.value == "restoring"
+        again = cli(["resume", kernel.id], env)
+        assert again.stdout.strip() == f"{kernel.id} is not suspended (granted, restoring); nothing to resume"
+    finally:
+        pool.close()
+
+
+def test_only_the_owner_or_an_admin_suspends_a_lease(tmp_path: Path) -> None:
+    """alice (uid 1000 in a user namespace, really not root) may not suspend bob's kernel on a shared pool."""
+    try:
+        from test_cli import user_namespace_available
+    except ImportError:
+        from tests.test_cli import user_namespace_available
+    if os.geteuid() != 0 or not user_namespace_available():
+        pytest.skip("needs root and user namespaces")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    env = sim_env(tmp_path, GPUPOOL_SIMULATE="1x16GiB", GPUPOOL_DB=str(shared / "pool.sqlite"), GPUPOOL_PARKED_MEMORY_LIMIT="64GiB")
+    pool = Pool.from_env(environ=env)
+    theirs = pool.request(LeaseRequest(owner="bob", memory=8 * GIB, suspendable=True))
+    pool.close()
+    os.chmod(shared, 0o777)
+    for path in shared.iterdir():
+        os.chmod(path, 0o666)
+    os.chown(shared, 65534, 65534)  # the folder's owner is the pool admin; alice is not it
+    for verb in ("suspend", "resume"):
+        result = subprocess.run(
+            ["unshare", "-U", "--map-user=1000", "--map-group=1000", "jupyter", "gpupool", verb, theirs.id],
+            capture_output=True, text=True, timeout=60, check=False, env={**env, "USER": "alice", "LOGNAME": "alice"},
+        )
+        assert result.returncode == 5, result.stderr
+        assert one_line(result).endswith(f"lease {theirs.id} belongs to another user; only its owner or a pool admin may {verb} it")
+    pool = Pool.from_env(environ=env)
+    try:
+        assert pool.get(theirs.id).transition.value == ""
+    finally:
+        pool.close()

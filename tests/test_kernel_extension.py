@@ -509,11 +509,28 @@ def test_extension_loads_in_a_real_kernel_and_reports_the_granted_slice(pool_env
     html = "\n".join(result.data("text/html"))
     assert "<table>" in html and "4 GiB on GPU 0" in html
     # Loading the extension did not open the pool before it was needed, nor import any framework.
+    # (A silent request runs no pre_run_cell hook; a cell does open the pool: it checks whether
+    # the kernel is suspended, see kernel/resume.py.)
     fresh = kernel_factory(pool_env.kernel_env())
-    modules = fresh.run(
-        "import sys; sorted(m for m in ('torch', 'tensorflow', 'jupyter_gpupool.pool') if m in sys.modules)"
-    )
-    assert modules.value() == []
+    probe = "sorted(m for m in ('torch', 'tensorflow', 'jupyter_gpupool.pool') if m in sys.modules)"
+    assert loaded_modules(fresh, probe) == []
+    # A kernel the pool did not start (no lease) never opens it, whatever its cells do.
+    unpooled = kernel_factory({k: v for k, v in pool_env.kernel_env().items() if k != "GPUPOOL_LEASE_ID"})
+    unpooled.run("x = 1")
+    assert loaded_modules(unpooled, probe) == []
+
+
+def loaded_modules(kernel: Kernel, expression: str) -> Any:
+    """``expression`` evaluated by a silent request (no cell hooks run), with ``sys`` imported."""
+    import ast
+
+    msg_id = kernel.kc.execute("import sys", silent=True, user_expressions={"probe": expression})
+    reply = kernel.kc.get_shell_msg(timeout=60)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kernel.kc.get_shell_msg(timeout=60)
+    value = reply["content"]["user_expressions"]["probe"]
+    assert value["status"] == "ok", value
+    return ast.literal_eval(value["data"]["text/plain"])
 
 
 def test_fake_torch_and_tensorflow_are_capped_on_import_and_oom_gets_the_hint(

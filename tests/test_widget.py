@@ -11,7 +11,7 @@ from typing import Any
 import ipywidgets
 import pytest
 
-from jupyter_gpupool.core.models import LeaseRequest, LeaseState
+from jupyter_gpupool.core.models import LeaseRequest, LeaseState, Transition
 from jupyter_gpupool.errors import PoolUnavailable
 from jupyter_gpupool.kernel.client import InProcessPoolClient
 from jupyter_gpupool.units import GIB
@@ -127,6 +127,59 @@ def test_background_refresh_follows_the_pool_and_close_stops_it(pool_env: PoolEn
     widget._stop.wait(0.3)  # would be several refreshes if the thread were still running
     assert widget.refresh_count == count
     assert widget.comm is None  # closed: the front end drops the view
+
+
+def test_suspend_and_resume_buttons_follow_the_lease(tmp_path: Path) -> None:
+    try:
+        from test_kernel_suspend import PARKED, make_suspendable_env
+    except ImportError:  # tests as a package
+        from tests.test_kernel_suspend import PARKED, make_suspendable_env
+    penv = make_suspendable_env(tmp_path)
+    pool = penv.pool
+    widget = PoolStatus(client=client_for(penv), autostart=False)
+    try:
+        assert widget.suspend_button.layout.display == "" and not widget.suspend_button.disabled
+        assert widget.resume_button.layout.display == "none"
+        widget.suspend_button.click()
+        assert pool.get(penv.lease_id).transition is Transition.SUSPENDING
+        assert "GPU memory will be parked in host RAM; your next cell resumes it" in widget.message.value
+        assert "suspending" in widget.title.value and widget.suspend_button.disabled
+
+        pool.confirm_transition(penv.lease_id, parked_bytes=PARKED)  # what the kernel's server does
+        widget.refresh()
+        assert "suspended" in widget.title.value
+        assert widget.share.value == "8 GiB suspended (6.2 GiB parked in host RAM) — resumes on your next cell"
+        assert widget.suspend_button.layout.display == "none"
+        assert widget.resume_button.layout.display == "" and not widget.resume_button.disabled
+        assert widget.usage_bar.value == 0 and widget.usage_text.value == "—"
+
+        other = pool.request(
+            LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), holder_host=socket.gethostname())
+        )
+        widget.resume_button.click()
+        lease = pool.get(penv.lease_id)
+        assert lease.state is LeaseState.QUEUED and lease.resuming
+        assert "resuming" in widget.title.value
+        assert "resuming — waiting for a GPU, position 1 of 1" in widget.queue.value
+        assert widget.resume_button.disabled and widget.resume_button.description == "Resuming…"
+
+        pool.release(other.id)
+        pool.confirm_transition(penv.lease_id)  # restored
+        widget.refresh()
+        assert "granted" in widget.title.value and widget.resume_button.layout.display == "none"
+        assert not widget.suspend_button.disabled
+    finally:
+        widget.close()
+        pool.close()
+
+
+def test_suspend_is_disabled_where_the_server_cannot_park_memory(pool_env: PoolEnv) -> None:
+    widget = PoolStatus(client=client_for(pool_env), autostart=False)
+    try:
+        assert widget.suspend_button.layout.display == "" and widget.suspend_button.disabled
+        assert "cannot park GPU memory" in widget.suspend_button.tooltip
+    finally:
+        widget.close()
 
 
 def test_interval_must_be_positive(pool_env: PoolEnv) -> None:

@@ -12,8 +12,9 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
+from ..core.models import Lease
 from ..kernel.client import InProcessPoolClient
-from ..remote import RemotePool
+from ..remote import API, RemotePool, _lease, _q
 
 
 class HttpPoolClient(InProcessPoolClient):
@@ -24,5 +25,21 @@ class HttpPoolClient(InProcessPoolClient):
         source: MutableMapping[str, str] = os.environ if env is None else env
         return cls(env=source, pool_factory=lambda: RemotePool.from_env(source), caps=caps)
 
+    def _pool_suspend(self, lease_id: str, reason: str) -> Lease:
+        return remote_suspend(self.pool, lease_id, reason)
 
-__all__ = ["HttpPoolClient"]
+    def _pool_resume(self, lease_id: str) -> Lease:
+        return remote_resume(self.pool, lease_id)
+
+
+def remote_suspend(pool: RemotePool, lease_id: str, reason: str) -> Lease:
+    """``POST .../leases/{id}/suspend``: the broker begins a suspend (409 with its reason when refused)."""
+    return _lease(pool.call("POST", f"{API}/leases/{_q(lease_id)}/suspend", {"reason": reason}, idempotent=False))
+
+
+def remote_resume(pool: RemotePool, lease_id: str) -> Lease:
+    """``POST .../leases/{id}/resume``: queue a suspended lease to come back (harmless to repeat)."""
+    return _lease(pool.call("POST", f"{API}/leases/{_q(lease_id)}/resume", {}))
+
+
+__all__ = ["HttpPoolClient", "remote_resume", "remote_suspend"]

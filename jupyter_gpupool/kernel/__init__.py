@@ -1,9 +1,10 @@
 """IPython extension loaded in pooled kernels (``--ext=jupyter_gpupool.kernel``).
 
 On load it caps PyTorch / TensorFlow / CuPy at this kernel's slice when they are imported
-(see :mod:`.caps`), adds a hint to out-of-memory errors, and registers the ``%gpupool``
-magic. The pool itself is opened only when a magic or the widget needs it, so the kernel
-starts as fast as without the extension.
+(see :mod:`.caps`), adds a hint to out-of-memory errors, registers the ``%gpupool``
+magic, and makes a cell wait while the kernel is suspended (see :mod:`.resume`). The pool
+itself is opened only when a cell, a magic or the widget needs it, so the kernel starts as
+fast as without the extension.
 
 Load it by hand in any IPython session with ``%load_ext jupyter_gpupool.kernel``.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from .activity import ActivityReporter
 from .caps import FrameworkCaps
 from .client import PoolClient, connect
+from .resume import ResumeOnRun
 
 _state: dict[str, Any] = {}
 
@@ -37,7 +39,7 @@ def get_client() -> PoolClient:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Install the framework caps, the out-of-memory hint and the ``%gpupool`` magic."""
+    """Install the framework caps, the out-of-memory hint, the ``%gpupool`` magic and the waiting cell."""
     from .magics import GpuPoolMagics
 
     if _state.get("shell") is ipython:
@@ -46,16 +48,19 @@ def load_ipython_extension(ipython: Any) -> None:
     caps.install(ipython)
     ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
     _state["shell"] = ipython
+    waiting = _state["resume"] = ResumeOnRun(get_client)  # costs nothing until the kernel has a lease
+    waiting.start(ipython)
     if os.environ.get("GPUPOOL_LEASE_ID"):
         reporter = _state["activity"] = ActivityReporter(lambda: get_client().lease_id, lambda: get_client().pool)
         reporter.start(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """Remove the import hooks, the OOM hint and the magic; close the pool client."""
-    reporter = _state.pop("activity", None)
-    if reporter is not None:
-        reporter.stop(ipython)
+    """Remove the import hooks, the OOM hint, the magic and the waiting cell; close the pool client."""
+    for name in ("activity", "resume"):
+        hook = _state.pop(name, None)
+        if hook is not None:
+            hook.stop(ipython)
     caps = _state.pop("caps", None)
     if caps is not None:
         caps.uninstall()

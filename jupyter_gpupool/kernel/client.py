@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-from ..core.models import Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, PriorityClass, QueueInfo
+from ..core.models import Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, PriorityClass, QueueInfo, Transition
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from ..units import parse_duration, parse_size
 from .status import KernelStatus
@@ -69,10 +69,35 @@ class PoolClient(abc.ABC):
     def wait_for_grant(self, timeout: float | None = None, on_update: UpdateCallback | None = None) -> Lease:
         """Block until the lease is granted (or released), calling ``on_update`` as the queue moves."""
 
+    @abc.abstractmethod
+    def current(self) -> Lease | None:
+        """This kernel's lease as the pool has it now (one read), or None when it has none."""
+
+    @abc.abstractmethod
+    def suspend(self) -> Lease:
+        """Ask for this kernel's GPU memory to be parked in host RAM (its server carries it out).
+
+        Raises RequestRefused with the pool's reason when it cannot be suspended.
+        """
+
+    @abc.abstractmethod
+    def resume(self) -> Lease:
+        """Queue a suspended kernel to come back (harmless when it is already resuming or running)."""
+
+    @abc.abstractmethod
+    def wait_until_running(self, timeout: float | None = None, on_update: UpdateCallback | None = None) -> Lease:
+        """Block until the lease is granted with no transition under way, resuming it if it is suspended.
+
+        Calls ``on_update`` as the queue moves and while a transition runs; raises TimeoutError,
+        or RequestRefused / LeaseNotFound when the lease is released meanwhile (with the reason).
+        """
+
     def close(self) -> None:
         """Release connections and file handles."""
 
 
+#: What the pool records as the reason when a kernel's user suspends it from the kernel.
+SUSPEND_REASON = "suspended by its user with %gpupool suspend"
 DEFAULT_KEEP = "1h"
 
 
@@ -268,6 +293,47 @@ class InProcessPoolClient(PoolClient):
         lease = self._live()
         return self.pool.keep(lease.id, seconds)
 
+    def suspend(self) -> Lease:
+        lease = self._live()
+        return self._pool_suspend(lease.id, SUSPEND_REASON)
+
+    def resume(self) -> Lease:
+        lease = self._live()
+        return self._pool_resume(lease.id)
+
+    def _pool_suspend(self, lease_id: str, reason: str) -> Lease:
+        """The pool's suspend (the broker client sends it over HTTP instead)."""
+        lease: Lease = self.pool.suspend(lease_id, reason=reason)
+        return lease
+
+    def _pool_resume(self, lease_id: str) -> Lease:
+        """The pool's resume (the broker client sends it over HTTP instead)."""
+        lease: Lease = self.pool.resume(lease_id)
+        return lease
+
+    def wait_until_running(
+        self, timeout: float | None = None, on_update: UpdateCallback | None = None, poll: float = 0.5
+    ) -> Lease:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            lease = self._live()
+            if lease.state is LeaseState.GRANTED and lease.transition is Transition.NONE:
+                self._recap(lease)
+                return lease
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"this kernel's GPU slice is still {_phase(lease)} after {timeout:.0f} s")
+            if lease.state is LeaseState.SUSPENDED:
+                self._pool_resume(lease.id)
+                continue
+            if lease.state is LeaseState.QUEUED:
+                # The pool's own wait: heartbeats, schedules and reports the queue position.
+                self.pool.wait_for_grant(lease.id, timeout=left, on_update=on_update)
+                continue
+            if on_update is not None:  # granted, with a suspend, restore or move still under way
+                on_update(lease, None)
+            time.sleep(poll if left is None else max(0.0, min(poll, left)))
+
     def snapshot(self) -> PoolSnapshot:
         lease = self.current()
         return self.pool.snapshot(viewer=lease.owner if lease else _owner_from_env(self.env))
@@ -283,6 +349,15 @@ class InProcessPoolClient(PoolClient):
         closer = getattr(pool, "close", None)
         if callable(closer):
             closer()
+
+
+def _phase(lease: Lease) -> str:
+    """One word for where a lease stands: ``queued to resume``, ``restoring``, ``suspended``."""
+    if lease.state is LeaseState.QUEUED:
+        return "queued to resume" if lease.resuming else "queued"
+    if lease.transition is not Transition.NONE:
+        return lease.transition.value
+    return lease.state.value
 
 
 BROKER_CLIENT = "jupyter_gpupool.broker.client"

@@ -17,6 +17,7 @@ from ..core.models import Lease, LeaseState, QueueInfo
 from ..errors import GpuPoolError, PoolUnavailable
 from ..units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size
 from .client import DEFAULT_KEEP, PoolClient
+from .resume import ProgressLine, needs_waiting, progress_text
 from .status import QueueReport, Report, status_report, unavailable_status
 
 DESCRIPTION = (
@@ -31,6 +32,9 @@ See and manage this kernel's slice of the GPU pool.
   %gpupool queue                       the pool's GPUs and who waits
   %gpupool keep [1h]                   hold the slice through idle (default 1h)
   %gpupool wait [--timeout 10m]        block until the slice is granted, showing the queue position
+  %gpupool suspend                     park this kernel's GPU memory in host RAM and free the GPU;
+                                       your variables stay, and your next cell resumes it
+  %gpupool resume [--timeout 10m]      bring a suspended kernel back now, waiting for a GPU
   %gpupool help                        this text
 
 Sizes: """
@@ -135,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     keep.add_argument("duration", nargs="*", action=_JoinWords, default=None, help=_escape(f"{DURATION_FORMS} (default {DEFAULT_KEEP})"))
     wait = sub.add_parser("wait", help="block until the slice is granted")
     wait.add_argument("--timeout", metavar="DURATION", help=_escape(f"give up after this long: {DURATION_FORMS}"))
+    sub.add_parser("suspend", help="park the GPU memory in host RAM; the next cell resumes it")
+    resume = sub.add_parser("resume", help="bring a suspended kernel back now, waiting for a GPU")
+    resume.add_argument("--timeout", metavar="DURATION", help=_escape(f"stop waiting after this long: {DURATION_FORMS}"))
     sub.add_parser("help", help="show this help")
     return parser
 
@@ -275,6 +282,47 @@ class GpuPoolMagics(Magics):
             progress.handle.update(report)
         else:
             display(report)
+
+
+    def _do_suspend(self, args: argparse.Namespace) -> None:
+        lease = self.client.suspend()  # RequestRefused carries the pool's one-line reason
+        if lease.state is LeaseState.SUSPENDED:
+            title = "gpupool: suspended"
+        else:
+            title = "gpupool: suspending"
+        display(
+            Report(
+                title,
+                [("GPU slice", f"{format_size(lease.memory)} on {len(lease.devices) or lease.num_gpus} GPU(s)")],
+                "GPU memory will be parked in host RAM; your next cell resumes it",
+            )
+        )
+
+    def _do_resume(self, args: argparse.Namespace) -> None:
+        from ..units import parse_duration
+
+        timeout = parse_duration(args.timeout) if args.timeout else None
+        client = self.client
+        if not needs_waiting(client.current()):
+            display(status_report(client.status(), "gpupool: this kernel is not suspended; nothing to resume"))
+            return
+        progress = ProgressLine()
+        started = time.time()
+
+        def on_update(lease: Lease, info: QueueInfo | None) -> None:
+            progress.show(progress_text(lease, info))
+
+        try:
+            on_update(client.resume(), None)
+            client.wait_until_running(timeout=timeout, on_update=on_update)
+        except KeyboardInterrupt:
+            raise MagicError("stopped waiting; this kernel stays queued to resume (%gpupool status shows its place)") from None
+        except TimeoutError:
+            raise MagicError(
+                f"not resumed after {format_duration(timeout)}; it stays queued to resume (%gpupool status shows its place)"
+            ) from None
+        status = client.status()
+        progress.show(f"gpupool: resumed on {status.devices_text()} after {format_duration(time.time() - started)}")
 
 
 def _free_framework_caches() -> None:

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo
+from ..core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo, Transition
 from ..units import GIB, MIB, format_duration, format_size
 
 
@@ -74,9 +74,26 @@ class KernelStatus:
     # -- derived values, shared by text, HTML and the widget ---------------------------------
     @property
     def state(self) -> str:
+        """``granted``, ``queued``, ``suspended``, ``released``; ``resuming`` for a suspended kernel
+        queued to come back; ``suspending``, ``restoring`` or ``migrating`` while its server moves it."""
         if self.lease is None and self.unavailable:
             return "unavailable"
-        return self.lease.state.value if self.lease else "none"
+        if self.lease is None:
+            return "none"
+        if self.lease.state is LeaseState.QUEUED and self.lease.resuming:
+            return "resuming"
+        if self.lease.state is LeaseState.GRANTED and self.lease.transition is not Transition.NONE:
+            return self.lease.transition.value
+        return self.lease.state.value
+
+    @property
+    def parked_text(self) -> str:
+        """``6.2 GiB parked in host RAM`` (the whole slice when the server has not said yet)."""
+        lease = self.lease
+        if lease is None:
+            return ""
+        parked = lease.parked_memory or lease.memory * max(1, lease.num_gpus)
+        return f"{format_size(parked)} parked in host RAM"
 
     @property
     def used(self) -> int | None:
@@ -88,8 +105,8 @@ class KernelStatus:
     @property
     def capacity(self) -> int | None:
         """Bytes the slice spans over all its GPUs."""
-        if self.lease is None or self.lease.state is LeaseState.RELEASED:
-            return None
+        if self.lease is None or self.lease.state in (LeaseState.RELEASED, LeaseState.SUSPENDED):
+            return None  # a suspended kernel holds no GPU memory
         return self.lease.memory * max(1, self.lease.num_gpus)
 
     def share_text(self) -> str:
@@ -101,11 +118,20 @@ class KernelStatus:
         size = format_size(lease.memory)
         per = f"{lease.num_gpus} × {size}" if lease.num_gpus > 1 else size
         if lease.state is LeaseState.GRANTED:
-            return f"{per} on {self.devices_text()}"
+            on = f"{per} on {self.devices_text()}"
+            if lease.transition is Transition.SUSPENDING:
+                return f"{on}, being suspended: its GPU memory is being parked in host RAM"
+            if lease.transition is Transition.RESTORING:
+                return f"{on}, restoring its GPU memory from host RAM"
+            if lease.transition is Transition.MIGRATING:
+                return f"{on}, moving there from another GPU"
+            return on
+        if lease.state is LeaseState.QUEUED and lease.resuming:
+            return f"{per} resuming — waiting for a GPU ({self.parked_text})"
         if lease.state is LeaseState.QUEUED:
             return f"{per} requested, waiting in the queue"
         if lease.state is LeaseState.SUSPENDED:
-            return f"{per} suspended (GPU memory parked in host RAM)"
+            return f"{per} suspended ({self.parked_text}) — resumes on your next cell"
         reason = f": {lease.release_reason}" if lease.release_reason else ""
         return f"released{reason}; ask for a slice with %gpupool reserve SIZE"
 
@@ -140,11 +166,21 @@ class KernelStatus:
     def queue_text(self) -> str:
         if self.lease is None or self.lease.state is not LeaseState.QUEUED:
             return "not queued"
+        prefix = "resuming — waiting for a GPU, " if self.lease.resuming else ""
         if self.queue is None:
-            return "queued"
+            return prefix.rstrip(", ") or "queued"
         wait = f", estimated wait {format_duration(self.queue.estimated_wait)}" if self.queue.estimated_wait else ""
         reason = f" ({self.queue.reason})" if self.queue.reason else ""
-        return f"position {self.queue.position} of {self.queue.length}{wait}{reason}"
+        return f"{prefix}position {self.queue.position} of {self.queue.length}{wait}{reason}"
+
+    def suspended_text(self) -> str:
+        """Why and since when a suspended kernel is parked, and how it comes back."""
+        lease = self.lease
+        if lease is None or lease.state is not LeaseState.SUSPENDED:
+            return ""
+        why = lease.suspend_reason or "suspended"
+        since = f" {format_duration(self.now - lease.suspended_at)} ago" if lease.suspended_at else ""
+        return f"{why}{since}; your next cell resumes it (or %gpupool resume)"
 
     def idle_text(self) -> str:
         lease = self.lease
@@ -174,7 +210,10 @@ class KernelStatus:
             rows.append(("usage", self.usage_text()))
             if self.lease.state is LeaseState.QUEUED:
                 rows.append(("queue", self.queue_text()))
-            rows.append(("idle", self.idle_text()))
+            if self.lease.state is LeaseState.SUSPENDED:
+                rows.append(("suspended", self.suspended_text()))
+            else:
+                rows.append(("idle", self.idle_text()))
             hint = self.hint()
             if hint is not None:
                 rows.append(("right size", f"{hint.text} %gpupool reserve {hint.memory}"))
