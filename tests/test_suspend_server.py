@@ -195,3 +195,89 @@ def test_suspend_and_resume_endpoints_and_a_failed_restore_stops_the_kernel(
         assert "device lost" in lease.release_reason
 
     arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_SIMULATE="2x16GiB", GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never")
+@pytest.mark.gpupool_config({"PoolPolicy": {"preemption": False, "defragment_min_idle": 1}})
+def test_live_defragmentation_moves_an_idle_kernel_so_a_large_request_fits(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    """8 GiB free on each of two 16 GiB GPUs, a 12 GiB request: the server moves the idle kernel
+    to the other GPU (suspend, restore there) and the request is granted — nobody lost a GPU."""
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.provisioner import holder_identity
+    from jupyter_gpupool.units import GIB
+
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        a = await _start(gpupool_fetch)
+        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        await kernel_exec(a, "z = [1, 2, 3]")
+        host, me = holder_identity()
+        filler = pool.request(LeaseRequest(owner="dave", memory=8 * GIB, holder_pid=me, holder_host=host))
+        home = pool.lease_for_kernel(a).devices
+        assert filler.devices == home  # packed beside A
+        b = await _start(gpupool_fetch)
+        await gpupool_wait(lambda: (l := pool.lease_for_kernel(b)) and l.state is LeaseState.GRANTED, what="B's grant")
+        assert pool.lease_for_kernel(b).devices != home
+        busy_b = asyncio.ensure_future(kernel_exec(b, "import time; time.sleep(12)", timeout=60))
+        pool.release(filler.id)  # 8 GiB free on each GPU now
+        await asyncio.sleep(1.5)  # A idles past defragment_min_idle
+        big = pool.request(LeaseRequest(owner="erin", memory=12 * GIB, holder_pid=me, holder_host=host))
+        assert big.state is LeaseState.QUEUED
+        granted = await gpupool_wait(
+            lambda: (l := pool.get(big.id)).state is LeaseState.GRANTED and l, timeout=30, what="the 12 GiB grant"
+        )
+        moved = pool.lease_for_kernel(a)
+        assert moved.state is LeaseState.GRANTED and moved.transition is Transition.NONE
+        assert moved.devices != home and granted.devices == home
+        assert moved.suspensions == 0 and a in jp_serverapp.kernel_manager
+        kinds = [e["kind"] for e in pool.events() if e["lease_id"] == moved.id]
+        assert "migrate" in kinds and "warn_idle" not in kinds
+        assert (await kernel_exec(a, "print(sum(z))")).strip() == "6"
+        await busy_b
+
+    arun(scenario())
+
+
+def test_a_suspended_kernel_of_a_killed_server_is_reconciled_not_leaked(tmp_path):
+    """SIGKILL the server of a suspended kernel: the next server on the pool file releases the lease,
+    and its parked memory no longer counts against the budget."""
+    import signal
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from server_process import Server, wait_for
+
+    from jupyter_gpupool.pool import Pool
+
+    env = {
+        "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),
+        "GPUPOOL_SIMULATE": "1x16GiB",
+        "GPUPOOL_DEFAULT_MEMORY": "8GiB",
+        "GPUPOOL_USER": "alice",
+        "GPUPOOL_HEARTBEAT_TTL": "5",
+        "GPUPOOL_URL": None,
+    }
+    first = Server(tmp_path, "first", env, args=("--GpuPoolExtension.tick_interval=0.25", "--GpuPoolExtension.reconcile_interval=0.5"))
+    try:
+        kernel_id = first.call("POST", "api/kernels", {"name": "python3"})["id"]
+        wait_for(lambda: first.call("GET", f"api/gpupool/kernels/{kernel_id}")["state"] == "granted", what="the grant")
+        first.call("POST", f"api/gpupool/kernels/{kernel_id}/suspend")
+        wait_for(lambda: first.call("GET", f"api/gpupool/kernels/{kernel_id}")["state"] == "suspended", what="the suspend")
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(20)
+    finally:
+        first.stop()
+    pool = Pool.from_env(environ={k: v for k, v in env.items() if v is not None})
+    lease = pool.last_lease_for_kernel(kernel_id)
+    assert lease is not None and lease.state is LeaseState.SUSPENDED and lease.parked_memory is not None
+    second = Server(tmp_path, "second", env, args=("--GpuPoolExtension.tick_interval=0.25",))
+    try:
+        wait_for(lambda: pool.last_lease_for_kernel(kernel_id).state is LeaseState.RELEASED, timeout=60, what="the release")
+        with pool.store.transaction():
+            assert pool._load(time.time()).derived().parked == 0
+    finally:
+        second.stop()
+        pool.close()
