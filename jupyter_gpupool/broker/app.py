@@ -104,6 +104,7 @@ class Broker(LoggingConfigurable):
         self._roots: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._registry: Any = None
+        self._collector: Any = None
 
     # --- plumbing ---------------------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:
@@ -253,6 +254,7 @@ class Broker(LoggingConfigurable):
             holder_pid=holder_pid,
             holder_host=str(body["holder_host"]) if body.get("holder_host") else None,
             label=str(body.get("label") or "")[:200],
+            suspendable=bool(body.get("suspendable")),
         )
 
     def request_lease(self, identity: Identity, body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -280,12 +282,24 @@ class Broker(LoggingConfigurable):
         """The ``GET /api/gpupool/kernels/{kernel_id}`` body, exactly as the single-user server gives it."""
         return kernel_status(self.pool, kernel_id, lease, self.enforcement, lease.owner, self.pool.clock())
 
-    def render_metrics(self) -> tuple[bytes, str]:
-        from ..metrics import make_registry, render
+    def _metrics(self) -> Any:
+        """The pool's collector and its registry, made on first use."""
+        from ..metrics import PoolCollector, make_registry
 
         if self._registry is None:
-            self._registry = make_registry(self.pool)
+            self._collector = PoolCollector(self.pool)
+            self._registry = make_registry(self.pool, self._collector)
+        return self._collector
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        from ..metrics import render
+
+        self._metrics()
         return render(self._registry)
+
+    def observe_restore(self, seconds: float) -> None:
+        """A restore after a suspend took ``seconds`` from its grant to its confirmation (for /metrics)."""
+        self._metrics().observe_restore(seconds)
 
     # --- watchdog -----------------------------------------------------------------------------------
     def watchdog_step(self) -> Any:
