@@ -99,6 +99,13 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("LeasePriorityHandler", "POST"): ("leases/{lease}/priority", {"priority": "batch"}, ADMIN),
     ("LeaseActivityHandler", "POST"): ("leases/{lease}/activity", {"busy": True}, OWNER),
     ("LeaseWaitHandler", "GET"): ("leases/{lease}/wait?timeout=0", None, OWNER),
+    ("LeaseSuspendHandler", "POST"): ("leases/{lease}/suspend", {"reason": "r"}, OWNER),
+    ("LeaseResumeHandler", "POST"): ("leases/{lease}/resume", {}, OWNER),
+    ("LeaseTransitionHandler", "POST"): (
+        "leases/{lease}/transition",
+        {"outcome": "done", "transition": "suspending", "parked_bytes": 0},
+        OWNER,
+    ),
     ("ActivityHandler", "POST"): ("activity", {"activities": {"{lease}": {"busy": True}}}, OWNER),
     ("HeartbeatHandler", "POST"): ("heartbeat", {"lease_ids": ["{lease}"]}, OWNER),
     ("ReconcileHandler", "POST"): ("reconcile", {"holder_host": "h", "holder_pid": 1, "live_kernel_ids": []}, ALL),
@@ -121,6 +128,32 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("MetricsHandler", "GET"): ("/metrics", None, ADMIN),
     ("NotFoundHandler", "GET"): ("no-such-route", None, frozenset()),  # 404 for the known, 401/403 first
 }
+
+
+#: Rows whose cells each need a fresh lease of A in a given state: "suspendable" (granted, its server
+#: can checkpoint), "suspending" (a suspend under way: confirming it frees GPU memory), "suspended".
+BROKER_ROW_TARGETS: dict[tuple[str, str], str] = {
+    ("LeaseSuspendHandler", "POST"): "suspendable",
+    ("LeaseTransitionHandler", "POST"): "suspending",
+    ("LeaseResumeHandler", "POST"): "suspended",
+}
+
+
+def fresh_target(harness: BrokerHarness, kind: str) -> Any:
+    """A new 1 MiB lease of A's in the state ``kind`` names (see :data:`BROKER_ROW_TARGETS`)."""
+    fresh_target.made += 1  # type: ignore[attr-defined]
+    kernel_id = f"k-a-suspendable-{fresh_target.made}"  # type: ignore[attr-defined]
+    lease = harness.remote("tok-alice").request(
+        LeaseRequest(owner="", memory=MIB, kernel_id=kernel_id, suspendable=True)
+    )
+    if kind in ("suspending", "suspended"):
+        harness.on_broker(harness.pool.suspend, lease.id)
+    if kind == "suspended":
+        harness.on_broker(harness.pool.confirm_transition, lease.id)
+    return harness.on_broker(harness.pool.get, lease.id)
+
+
+fresh_target.made = 0  # type: ignore[attr-defined]
 
 
 def test_every_broker_route_has_a_row() -> None:
@@ -183,6 +216,9 @@ def test_broker_matrix(broker: dict[str, Any], row: tuple[str, str]) -> None:
     method = row[1]
     target = targets[0]
     for caller in CALLERS:
+        kind = BROKER_ROW_TARGETS.get(row)
+        if kind is not None:
+            target = fresh_target(harness, kind)
         if "reservations/r-held" in template:
             harness.http(
                 "POST",
@@ -201,7 +237,7 @@ def test_broker_matrix(broker: dict[str, Any], row: tuple[str, str]) -> None:
         cell = f"{caller} {method} {path}: {status} {str(payload)[:200]}"
         if caller in allowed:
             assert 200 <= status < 300, cell
-            if method != "GET":  # it may have released or changed A's lease: the next caller gets a fresh one
+            if method != "GET" and kind is None:  # it may have changed A's lease: the next caller gets a fresh one
                 targets.pop(0)
                 target = targets[0]
             continue
