@@ -209,7 +209,19 @@ def test_dashboard_and_alerts_use_only_exposed_metrics(pool: Pool) -> None:
         "GpuPoolGpuMemoryUsedAbove90Percent",
         "GpuPoolRequestQueuedTooLong",
         "GpuPoolGpuUnhealthy",
+        "GpuPoolParkedMemoryNearLimit",
     }
+    # Suspended kernels (issue 12) have their panels: counts, host RAM, restore time.
+    shown = " ".join(exprs)
+    for name in (
+        "gpupool_suspends_total",
+        "gpupool_resumes_total",
+        "gpupool_migrations_total",
+        "gpupool_parked_memory_bytes",
+        "gpupool_parked_seconds_total",
+        "gpupool_restore_seconds_bucket",
+    ):
+        assert name in shown, f"no dashboard panel shows {name}"
     assert "gpupool_memory_leased_bytes" in alerts["GpuPoolMemoryAbove90Percent"]
     assert "gpupool_device_memory_used_bytes" in alerts["GpuPoolGpuMemoryUsedAbove90Percent"]
 
@@ -238,6 +250,11 @@ def test_alerts_fire_on_used_and_on_leased_memory_in_promtool_unit_tests() -> No
     little leased, the leased one on a pool 94% leased with little in use, and not the other way."""
     folder = Path(__file__).resolve().parent / "prometheus"
     result = subprocess.run(
-        ["promtool", "test", "rules", "alerts_test.yml"], check=False, capture_output=True, text=True, timeout=60, cwd=folder
+        ["promtool", "test", "rules", "alerts_test.yml"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=folder,
     )
     assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
