@@ -114,6 +114,8 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("KernelReserveHandler", "POST"): ("kernels/{kernel}/reserve", {"memory": "2MiB"}, OWNER),
     ("KernelReleaseHandler", "POST"): ("kernels/{kernel}/release", {}, OWNER),
     ("KernelKeepaliveHandler", "POST"): ("kernels/{kernel}/keepalive", {}, OWNER),
+    ("KernelSuspendHandler", "POST"): ("kernels/{kernel}/suspend", {}, OWNER),
+    ("KernelResumeHandler", "POST"): ("kernels/{kernel}/resume", {}, OWNER),
     ("ReportHandler", "GET"): ("report?by=group", None, ADMIN),
     ("ReservationsHandler", "GET"): ("reservations", None, ALL),
     ("ReservationsHandler", "POST"): (
@@ -136,6 +138,8 @@ BROKER_ROW_TARGETS: dict[tuple[str, str], str] = {
     ("LeaseSuspendHandler", "POST"): "suspendable",
     ("LeaseTransitionHandler", "POST"): "suspending",
     ("LeaseResumeHandler", "POST"): "suspended",
+    ("KernelSuspendHandler", "POST"): "suspendable",
+    ("KernelResumeHandler", "POST"): "suspended",
 }
 
 

@@ -120,6 +120,25 @@ def test_a_lease_whose_server_cannot_checkpoint_is_refused_with_the_reason(harne
     assert stored(harness) == before
 
 
+def test_the_kernel_routes_suspend_and_resume_as_the_single_user_api(harness: BrokerHarness) -> None:
+    alice = harness.remote(ALICE)
+    lease = suspendable_lease(alice, "k-alice")
+    status, body = harness.http("POST", "api/gpupool/kernels/k-alice/suspend", BOB, {})
+    assert status == 403 and alice.get(lease.id).transition is Transition.NONE
+    status, body = harness.http("POST", "api/gpupool/kernels/k-alice/suspend", ALICE, {"reason": "lunch"})
+    assert status == 200 and body["state"] == "granted" and body["transition"] == "suspending", body
+    assert body["suspend_reason"] == "lunch"
+    alice.confirm_transition(lease.id, parked_bytes=GIB)
+    status, body = harness.http("GET", "api/gpupool/kernels/k-alice", ALICE)
+    assert body["state"] == "suspended" and body["parked_memory"] == GIB
+    status, body = harness.http("POST", "api/gpupool/kernels/k-alice/resume", BOB, {})
+    assert status == 403 and alice.get(lease.id).state is LeaseState.SUSPENDED
+    status, body = harness.http("POST", "api/gpupool/kernels/k-alice/resume", ALICE, {})
+    assert status == 200 and body["transition"] == "restoring", body  # room: granted at once to restore
+    status, body = harness.http("POST", "api/gpupool/kernels/k-nobody/suspend", ALICE, {})
+    assert status == 404
+
+
 # --- who may --------------------------------------------------------------------------------------------
 def test_bob_cannot_suspend_resume_confirm_or_fail_alices_lease(harness: BrokerHarness) -> None:
     alice, bob, admin = harness.remote(ALICE), harness.remote(BOB), harness.remote(ADMIN)

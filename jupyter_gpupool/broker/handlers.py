@@ -570,6 +570,35 @@ class KernelKeepaliveHandler(KernelHandlerBase):
         self.write_json(await self.run(keep))
 
 
+class KernelSuspendHandler(KernelHandlerBase):
+    """``POST .../kernels/{kernel_id}/suspend`` ``{"reason": "..."}``: as the single-user API's (the
+    kernel's server carries it out); 409 saying why when it cannot be suspended."""
+
+    async def post(self, kernel_id: str) -> None:
+        reason = validate.suspend_reason(self.json_body())
+        ident = self.identity
+
+        def suspend() -> dict[str, Any]:
+            lease = self.live_lease(kernel_id)
+            why = reason if lease.owner == ident.name else f"{reason} (by admin {ident.name})"
+            return self.broker.kernel_status(kernel_id, self.broker.pool.suspend(lease.id, reason=why))
+
+        self.write_json(await self.run(suspend))
+
+
+class KernelResumeHandler(KernelHandlerBase):
+    """``POST .../kernels/{kernel_id}/resume``: queue a suspended kernel to come back (the Resume button)."""
+
+    async def post(self, kernel_id: str) -> None:
+        self.json_body()
+
+        def resume() -> dict[str, Any]:
+            lease = self.live_lease(kernel_id)
+            return self.broker.kernel_status(kernel_id, self.broker.pool.resume(lease.id))
+
+        self.write_json(await self.run(resume))
+
+
 # --- metering, reservations, preferences, events --------------------------------------------------------
 class ReportHandler(BrokerHandler):
     """``GET /api/gpupool/report?since=&until=&by=user|group|kernel&period=none|day|week|month`` (POSIX
@@ -706,6 +735,8 @@ def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
         (rf"{api}/kernels/{_KERNEL}/reserve", KernelReserveHandler),
         (rf"{api}/kernels/{_KERNEL}/release", KernelReleaseHandler),
         (rf"{api}/kernels/{_KERNEL}/keepalive", KernelKeepaliveHandler),
+        (rf"{api}/kernels/{_KERNEL}/suspend", KernelSuspendHandler),
+        (rf"{api}/kernels/{_KERNEL}/resume", KernelResumeHandler),
         (rf"{api}/report", ReportHandler),
         (rf"{api}/reservations", ReservationsHandler),
         (rf"{api}/reservations/(?P<name>[^/]+)", ReservationHandler),
