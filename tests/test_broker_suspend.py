@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import BrokerHarness
+from broker_harness import BrokerHarness, BrokerProcess, StandInHub
 from prometheus_client.parser import text_string_to_metric_families
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState, Transition
@@ -388,3 +388,36 @@ def test_a_bad_suspend_reason_is_refused(harness: BrokerHarness) -> None:
     status, payload = harness.http("POST", "api/gpupool/leases/no-such-lease/suspend", ALICE, {})
     assert status == 404, payload
     assert stored(harness) == before
+
+
+# --- a real broker process ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_suspended_lease_survives_a_broker_sigkill_and_resumes(tmp_path: Path) -> None:
+    """``python -m jupyter_gpupool.broker`` as a process, killed with SIGKILL while alice's kernel is
+    suspended: started again on the same pool file, the lease is still suspended with its parked
+    memory, bob still cannot touch it, and alice's server resumes it and confirms the restore."""
+    hub = StandInHub().start()
+    hub.add_user(ALICE, "alice")
+    hub.add_user(BOB, "bob")
+    broker = BrokerProcess(tmp_path, hub, config="c.PoolPolicy.heartbeat_ttl = 3600\n")
+    try:
+        broker.start()
+        alice, bob = RemotePool(broker.url, token=ALICE, timeout=15), RemotePool(broker.url, token=BOB, timeout=15)
+        lease = suspendable_lease(alice, "k-alice")
+        alice.suspend(lease.id)
+        alice.confirm_transition(lease.id, parked_bytes=5 * GIB)
+        broker.kill()
+        broker.start()
+        kept = alice.get(lease.id)
+        assert kept.state is LeaseState.SUSPENDED and kept.parked_memory == 5 * GIB and kept.suspendable
+        for call in (lambda: bob.resume(lease.id), lambda: bob.suspend(lease.id)):
+            with pytest.raises(NotAuthorized):
+                call()
+        alice.resume(lease.id)
+        assert alice.wait_for_grant(lease.id, timeout=20).transition is Transition.RESTORING
+        running = alice.confirm_transition(lease.id)
+        assert running.state is LeaseState.GRANTED and running.transition is Transition.NONE
+        assert [x.state for x in broker.leases()] == [LeaseState.GRANTED], "one lease, nothing leaked"
+    finally:
+        broker.stop()
+        hub.stop()
