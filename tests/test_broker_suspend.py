@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -418,6 +419,29 @@ def test_a_suspended_lease_survives_a_broker_sigkill_and_resumes(tmp_path: Path)
         running = alice.confirm_transition(lease.id)
         assert running.state is LeaseState.GRANTED and running.transition is Transition.NONE
         assert [x.state for x in broker.leases()] == [LeaseState.GRANTED], "one lease, nothing leaked"
+    finally:
+        broker.stop()
+        hub.stop()
+
+
+@pytest.mark.slow
+def test_a_suspend_under_way_when_the_broker_dies_gets_its_full_timeout_after_the_restart(tmp_path: Path) -> None:
+    """The server could not report while the broker was down: a restarted broker must not give up on
+    the suspend at once (calling it off while the memory is parked) because its timeout passed."""
+    hub = StandInHub().start()
+    hub.add_user(ALICE, "alice")
+    broker = BrokerProcess(tmp_path, hub, config="c.PoolPolicy.transition_timeout = 4.0\n")
+    try:
+        broker.start()
+        alice = RemotePool(broker.url, token=ALICE, timeout=15)
+        lease = suspendable_lease(alice, "k-alice")
+        alice.suspend(lease.id)
+        broker.kill()
+        time.sleep(5)  # longer than transition_timeout, all of it while the broker was down
+        broker.start()
+        time.sleep(1)  # a few scheduler ticks
+        assert alice.get(lease.id).transition is Transition.SUSPENDING, "the suspend is still the server's to report"
+        assert alice.confirm_transition(lease.id, parked_bytes=GIB).state is LeaseState.SUSPENDED
     finally:
         broker.stop()
         hub.stop()

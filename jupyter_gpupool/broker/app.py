@@ -139,18 +139,19 @@ class Broker(LoggingConfigurable):
         self.executor.shutdown(wait=True)
 
     def grace_after_restart(self) -> int:
-        """Heartbeat every live lease now (see :meth:`start`); returns how many got one.
+        """A fresh start for every live lease now (see :meth:`start` and
+        :meth:`~jupyter_gpupool.pool.Pool.grace_after_outage`); returns how many got one.
 
         Dead holders are still reclaimed at once (their pid is gone); a holder that is alive but
-        was cut off gets a full ``heartbeat_ttl`` to report again.
+        was cut off gets a full ``heartbeat_ttl`` to report again, a warning whose deadline passed
+        while nobody could see it starts over, and a suspend, restore or move under way gets a full
+        ``transition_timeout`` for its server to report it (the server could not while we were down).
         """
         try:
-            with self.pool.store.transaction():  # every live lease: no listing limit may leave one out
-                live = list(self.pool.store.live_leases())
-            if live:
-                self.pool.heartbeat(live)
-                self.log.info("gpupool broker: %d live lease(s) from the pool file get a fresh heartbeat", len(live))
-            return len(live)
+            touched = int(self.pool.grace_after_outage())
+            if touched:
+                self.log.info("gpupool broker: %d live lease(s) from the pool file get a fresh start", touched)
+            return touched
         except Exception:  # the scheduler loop reports a broken store on its own
             self.log.exception("gpupool broker: could not refresh the heartbeats of the live leases")
             return 0
