@@ -265,6 +265,8 @@ SERVER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("ReserveHandler", "POST"): ("kernels/{kernel}/reserve", {"memory": "2MiB"}, OWNER),
     ("ReleaseHandler", "POST"): ("kernels/{kernel}/release", {}, OWNER),
     ("KeepaliveHandler", "POST"): ("kernels/{kernel}/keepalive", {}, OWNER),
+    ("SuspendHandler", "POST"): ("kernels/{kernel}/suspend", {}, OWNER),
+    ("ResumeHandler", "POST"): ("kernels/{kernel}/resume", {}, OWNER),
 }
 
 
@@ -284,7 +286,10 @@ def test_server_matrix(
 ) -> None:
     pool = gpupool_ext.pool
     pool.policy.heartbeat_ttl = 3600.0
-    targets = [pool.request(LeaseRequest(owner="alice", memory=MIB, kernel_id=f"k-a-{i}")) for i in range(12)]
+    targets = [  # suspendable: the suspend row's allowed cells succeed (a server that can checkpoint)
+        pool.request(LeaseRequest(owner="alice", memory=MIB, kernel_id=f"k-a-{i}", suspendable=True))
+        for i in range(16)
+    ]
     add_other_leases(pool)
     provider = jp_serverapp.identity_provider
     provider.users["expired-token"] = "alice"
