@@ -343,8 +343,8 @@ class LeaseTransitionHandler(BrokerHandler):
             if step is not None and lease.transition.value != step:
                 if already_finished(lease, step, outcome):
                     return lease_json(lease)
-                now = lease.transition.value or lease.state.value
-                raise RequestRefused(f"lease {lease.id} is not {step} (it is {now}); nothing was changed")
+                where = lease.transition.value or lease.state.value
+                raise RequestRefused(f"lease {lease.id} is not {step} (it is {where}); nothing was changed")
             restoring_since = lease.transition_at if lease.transition is Transition.RESTORING else None
             if outcome == "done":
                 now = pool.clock()
