@@ -276,6 +276,8 @@ class RemotePool(GrantWaiting):
         self._policy: Any = None
         #: Set while the broker cannot be reached (the last call failed); None once a call got an answer.
         self.outage: Outage | None = None
+        #: lease id → the step (suspending, restoring, migrating) of a transition report not answered.
+        self._unanswered_steps: dict[str, str] = {}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RemotePool:
@@ -485,6 +487,7 @@ class RemotePool(GrantWaiting):
             "holder_pid": req.holder_pid,
             "holder_host": req.holder_host,
             "label": req.label,
+            "suspendable": req.suspendable,
         }
         # Naming its kernel makes the request idempotent: the broker answers the kernel's live lease
         # if an earlier try was committed but its answer lost. Without a kernel it is repeated only
@@ -535,6 +538,55 @@ class RemotePool(GrantWaiting):
     def set_priority(self, lease_id: str, priority: str, now: float | None = None) -> Lease:
         """Admins: re-prioritise a lease (``batch``, ``normal``, ``high``)."""
         return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/priority", {"priority": priority}))
+
+    # --- suspend, resume and the server's confirmations ---------------------------------------------
+    def suspend(self, lease_id: str, reason: str = "suspended by its user", now: float | None = None) -> Lease:
+        """Ask for this lease's GPU memory to be parked in host RAM; its server carries it out and
+        confirms. Raises :class:`RequestRefused` saying why when it cannot be suspended."""
+        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/suspend", {"reason": reason}))
+
+    def resume(self, lease_id: str, now: float | None = None) -> Lease:
+        """Queue a suspended lease to come back (harmless if already resuming or running)."""
+        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/resume", {}))
+
+    def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
+        """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move.
+
+        It names the step it finishes (read from the lease first), so a retry after a lost answer
+        finds it done and gets the lease back instead of an error, and a late report never finishes
+        a later step. Raises :class:`InvalidInput` when nothing is under way (as the local pool does)."""
+        body: dict[str, Any] = {"outcome": "done"}
+        if parked_bytes is not None:
+            body["parked_bytes"] = int(parked_bytes)
+        return self._finish_transition(lease_id, body)
+
+    def fail_transition(self, lease_id: str, error: str, still_running: bool, now: float | None = None) -> Lease:
+        """The holder's server could not finish a suspend, restore or move (``error``: why, one line);
+        returns the lease as it is now (released if the kernel must stop)."""
+        line = " ".join(str(error).split())[:500] or "unknown error"
+        return self._finish_transition(
+            lease_id, {"outcome": "failed", "error": line, "still_running": bool(still_running)}
+        )
+
+    def _finish_transition(self, lease_id: str, body: dict[str, Any]) -> Lease:
+        """POST ``.../transition`` naming the step under way. A report whose answer never came (the
+        broker was unreachable) is remembered, and its next try names the same step whatever the lease
+        shows now: the broker answers the lease if that step was done, and refuses (409) if another
+        step is under way by then, so a late report can never finish a later suspend (which would
+        free GPU memory still in use)."""
+        step = self._unanswered_steps.get(lease_id) or self.get(lease_id).transition.value
+        if not step:
+            raise InvalidInput(f"lease {lease_id} is not being suspended, restored or moved")
+        self._unanswered_steps[lease_id] = step
+        try:
+            result = _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/transition", {**body, "transition": step}))
+        except PoolUnavailable:
+            raise  # no answer: remembered for the next try
+        except GpuPoolError:
+            self._unanswered_steps.pop(lease_id, None)
+            raise
+        self._unanswered_steps.pop(lease_id, None)
+        return result
 
     def resize(
         self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None

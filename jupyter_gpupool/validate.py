@@ -333,6 +333,46 @@ def reservation_body(body: Mapping[str, Any]) -> dict[str, Any]:
     return clean
 
 
+#: Longest reason a server gives for a failed suspend, restore or move (one line).
+MAX_TRANSITION_ERROR = 500
+#: Steps of a suspend, restore or move a server can finish (``Lease.transition`` values).
+TRANSITION_STEPS = ("suspending", "restoring", "migrating")
+TRANSITION_OUTCOMES = ("done", "failed")
+
+
+def suspend_reason(body: Mapping[str, Any], default: str = "suspended by its user") -> str:
+    """The optional one-line ``reason`` of a suspend (at most :data:`MAX_TEXT` characters)."""
+    value = optional(body, "reason")
+    return default if value is None else text(value, "reason", MAX_TEXT)
+
+
+def transition_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``POST .../leases/{id}/transition``: ``{"outcome": "done" | "failed", "transition"?: step,
+    "parked_bytes"?: bytes >= 0, "error"?: one line, "still_running"?: bool}``, checked together
+    (``parked_bytes`` only with ``done``; ``error`` required with ``failed`` and refused with ``done``)."""
+    example = '{"outcome": "done", "transition": "suspending", "parked_bytes": 8589934592}'
+    if "outcome" not in body:
+        raise InvalidInput(f'say how it went: send {example} or {{"outcome": "failed", "error": "...", "still_running": true}}')
+    clean: dict[str, Any] = {"outcome": choice(body.get("outcome"), "outcome", TRANSITION_OUTCOMES)}
+    step = optional(body, "transition")
+    clean["transition"] = choice(step, "transition", TRANSITION_STEPS) if step is not None else None
+    parked = body.get("parked_bytes")
+    error = body.get("error")
+    running = body.get("still_running")
+    if clean["outcome"] == "done":
+        if error is not None or running is not None:
+            raise InvalidInput('"error" and "still_running" go with "outcome": "failed" only')
+        clean["parked_bytes"] = whole_number(parked, "parked_bytes", 0, MAX_SIZE) if parked is not None else None
+    else:
+        if parked is not None:
+            raise InvalidInput('"parked_bytes" goes with "outcome": "done" only')
+        if error is None:
+            raise InvalidInput('a failed transition needs "error": one line saying why (at most 500 characters)')
+        clean["error"] = text(error, "error", MAX_TRANSITION_ERROR, allow_empty=False)
+        clean["still_running"] = flag(running, "still_running") if running is not None else False
+    return clean
+
+
 # --- saved preferences ------------------------------------------------------------------------------
 
 
@@ -411,9 +451,11 @@ __all__ = [
     "reservation_body",
     "resize_body",
     "size",
+    "suspend_reason",
     "text",
     "text_list",
     "timestamp",
+    "transition_body",
     "usable_preferences",
     "whole_number",
 ]

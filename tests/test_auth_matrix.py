@@ -99,6 +99,13 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("LeasePriorityHandler", "POST"): ("leases/{lease}/priority", {"priority": "batch"}, ADMIN),
     ("LeaseActivityHandler", "POST"): ("leases/{lease}/activity", {"busy": True}, OWNER),
     ("LeaseWaitHandler", "GET"): ("leases/{lease}/wait?timeout=0", None, OWNER),
+    ("LeaseSuspendHandler", "POST"): ("leases/{lease}/suspend", {"reason": "r"}, OWNER),
+    ("LeaseResumeHandler", "POST"): ("leases/{lease}/resume", {}, OWNER),
+    ("LeaseTransitionHandler", "POST"): (
+        "leases/{lease}/transition",
+        {"outcome": "done", "transition": "suspending", "parked_bytes": 0},
+        OWNER,
+    ),
     ("ActivityHandler", "POST"): ("activity", {"activities": {"{lease}": {"busy": True}}}, OWNER),
     ("HeartbeatHandler", "POST"): ("heartbeat", {"lease_ids": ["{lease}"]}, OWNER),
     ("ReconcileHandler", "POST"): ("reconcile", {"holder_host": "h", "holder_pid": 1, "live_kernel_ids": []}, ALL),
@@ -107,6 +114,8 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("KernelReserveHandler", "POST"): ("kernels/{kernel}/reserve", {"memory": "2MiB"}, OWNER),
     ("KernelReleaseHandler", "POST"): ("kernels/{kernel}/release", {}, OWNER),
     ("KernelKeepaliveHandler", "POST"): ("kernels/{kernel}/keepalive", {}, OWNER),
+    ("KernelSuspendHandler", "POST"): ("kernels/{kernel}/suspend", {}, OWNER),
+    ("KernelResumeHandler", "POST"): ("kernels/{kernel}/resume", {}, OWNER),
     ("ReportHandler", "GET"): ("report?by=group", None, ADMIN),
     ("ReservationsHandler", "GET"): ("reservations", None, ALL),
     ("ReservationsHandler", "POST"): (
@@ -121,6 +130,34 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("MetricsHandler", "GET"): ("/metrics", None, ADMIN),
     ("NotFoundHandler", "GET"): ("no-such-route", None, frozenset()),  # 404 for the known, 401/403 first
 }
+
+
+#: Rows whose cells each need a fresh lease of A in a given state: "suspendable" (granted, its server
+#: can checkpoint), "suspending" (a suspend under way: confirming it frees GPU memory), "suspended".
+BROKER_ROW_TARGETS: dict[tuple[str, str], str] = {
+    ("LeaseSuspendHandler", "POST"): "suspendable",
+    ("LeaseTransitionHandler", "POST"): "suspending",
+    ("LeaseResumeHandler", "POST"): "suspended",
+    ("KernelSuspendHandler", "POST"): "suspendable",
+    ("KernelResumeHandler", "POST"): "suspended",
+}
+
+
+def fresh_target(harness: BrokerHarness, kind: str) -> Any:
+    """A new 1 MiB lease of A's in the state ``kind`` names (see :data:`BROKER_ROW_TARGETS`)."""
+    fresh_target.made += 1  # type: ignore[attr-defined]
+    kernel_id = f"k-a-suspendable-{fresh_target.made}"  # type: ignore[attr-defined]
+    lease = harness.remote("tok-alice").request(
+        LeaseRequest(owner="", memory=MIB, kernel_id=kernel_id, suspendable=True)
+    )
+    if kind in ("suspending", "suspended"):
+        harness.on_broker(harness.pool.suspend, lease.id)
+    if kind == "suspended":
+        harness.on_broker(harness.pool.confirm_transition, lease.id)
+    return harness.on_broker(harness.pool.get, lease.id)
+
+
+fresh_target.made = 0  # type: ignore[attr-defined]
 
 
 def test_every_broker_route_has_a_row() -> None:
@@ -183,6 +220,9 @@ def test_broker_matrix(broker: dict[str, Any], row: tuple[str, str]) -> None:
     method = row[1]
     target = targets[0]
     for caller in CALLERS:
+        kind = BROKER_ROW_TARGETS.get(row)
+        if kind is not None:
+            target = fresh_target(harness, kind)
         if "reservations/r-held" in template:
             harness.http(
                 "POST",
@@ -201,7 +241,7 @@ def test_broker_matrix(broker: dict[str, Any], row: tuple[str, str]) -> None:
         cell = f"{caller} {method} {path}: {status} {str(payload)[:200]}"
         if caller in allowed:
             assert 200 <= status < 300, cell
-            if method != "GET":  # it may have released or changed A's lease: the next caller gets a fresh one
+            if method != "GET" and kind is None:  # it may have changed A's lease: the next caller gets a fresh one
                 targets.pop(0)
                 target = targets[0]
             continue
@@ -225,6 +265,8 @@ SERVER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("ReserveHandler", "POST"): ("kernels/{kernel}/reserve", {"memory": "2MiB"}, OWNER),
     ("ReleaseHandler", "POST"): ("kernels/{kernel}/release", {}, OWNER),
     ("KeepaliveHandler", "POST"): ("kernels/{kernel}/keepalive", {}, OWNER),
+    ("SuspendHandler", "POST"): ("kernels/{kernel}/suspend", {}, OWNER),
+    ("ResumeHandler", "POST"): ("kernels/{kernel}/resume", {}, OWNER),
 }
 
 
@@ -244,7 +286,10 @@ def test_server_matrix(
 ) -> None:
     pool = gpupool_ext.pool
     pool.policy.heartbeat_ttl = 3600.0
-    targets = [pool.request(LeaseRequest(owner="alice", memory=MIB, kernel_id=f"k-a-{i}")) for i in range(12)]
+    targets = [  # suspendable: the suspend row's allowed cells succeed (a server that can checkpoint)
+        pool.request(LeaseRequest(owner="alice", memory=MIB, kernel_id=f"k-a-{i}", suspendable=True))
+        for i in range(16)
+    ]
     add_other_leases(pool)
     provider = jp_serverapp.identity_provider
     provider.users["expired-token"] = "alice"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jupyter_gpupool.core.models import LeaseRequest
-from jupyter_gpupool.metrics import METRIC_NAMES, fragmentation, make_registry, render
+from jupyter_gpupool.core.models import Activity, LeaseRequest, Transition
+from jupyter_gpupool.metrics import METRIC_NAMES, PoolCollector, fragmentation, make_registry, render
 from jupyter_gpupool.pool import Pool
 from jupyter_gpupool.units import GIB
 
@@ -85,6 +85,74 @@ def test_collector_reports_capacity_leases_queue_and_counters(pool: Pool) -> Non
     pool.release(queued.id)
 
 
+def test_suspend_resume_parked_memory_and_restore_time(pool: Pool) -> None:
+    collector = PoolCollector(pool)
+    registry = make_registry(pool, collector)
+    clock = pool.clock
+    lease = pool.request(LeaseRequest(owner="alice", memory=8 * GIB, kernel_id="ka", suspendable=True))
+    values = scrape(registry)
+    assert values[("gpupool_suspends_total", ())] == 0 and values[("gpupool_resumes_total", ())] == 0
+    assert values[("gpupool_parked_memory_bytes", ())] == 0 and values[("gpupool_parked_seconds_total", ())] == 0
+    assert values[("gpupool_parked_memory_limit_bytes", ())] > 0  # 40% of this host's RAM
+
+    pool.suspend(lease.id)
+    values = scrape(registry)
+    assert values[("gpupool_suspends_total", ())] == 1
+    assert values[("gpupool_transitions", (("transition", "suspending"),))] == 1
+    assert values[("gpupool_parked_memory_bytes", ())] == 8 * GIB, "set aside while the suspend is under way"
+    clock.now += 2  # type: ignore[attr-defined]
+    pool.confirm_transition(lease.id, parked_bytes=6 * GIB)
+    clock.now += 100  # type: ignore[attr-defined]
+    values = scrape(registry)
+    assert values[("gpupool_leases", (("state", "suspended"),))] == 1
+    assert values[("gpupool_transitions", (("transition", "suspending"),))] == 0
+    assert values[("gpupool_parked_memory_bytes", ())] == 6 * GIB
+    assert values[("gpupool_parked_seconds_total", ())] == pytest.approx(100)
+
+    clock.now += 30  # type: ignore[attr-defined]
+    assert pool.resume(lease.id).transition is Transition.RESTORING  # room: granted at once
+    values = scrape(registry)
+    assert values[("gpupool_resumes_total", ())] == 1
+    assert values[("gpupool_transitions", (("transition", "restoring"),))] == 1
+    clock.now += 4  # type: ignore[attr-defined]
+    pool.confirm_transition(lease.id)
+    collector.observe_restore(4.0)  # what the broker does when the server confirms the restore
+    values = scrape(registry)
+    assert values[("gpupool_parked_seconds_total", ())] == pytest.approx(134)  # parked until restored
+    assert values[("gpupool_parked_memory_bytes", ())] == 0
+    assert values[("gpupool_resumes_total", ())] == 1, "one resume, however often scraped"
+    assert values[("gpupool_resume_wait_seconds_count", ())] == 1
+    assert values[("gpupool_restore_seconds_count", ())] == 1
+    assert values[("gpupool_restore_seconds_sum", ())] == 4.0
+    assert values[("gpupool_restore_seconds_bucket", (("le", "2.0"),))] == 0
+    assert values[("gpupool_restore_seconds_bucket", (("le", "5.0"),))] == 1
+    assert values[("gpupool_wait_seconds_count", ())] == 1, "the resume's grant is not a second first wait"
+
+    pool.release(lease.id)
+    values = scrape(registry)
+    assert values[("gpupool_parked_seconds_total", ())] == pytest.approx(134), "a counter keeps released leases' time"
+    # A collector started later counts the resume it finds, never as a first wait.
+    later = scrape(make_registry(pool))
+    assert later[("gpupool_resumes_total", ())] == 1 and later[("gpupool_wait_seconds_count", ())] == 0
+
+
+def test_a_live_move_is_counted(tmp_path: Path) -> None:
+    from pool_helpers import T0, make_pool, req
+
+    pool = make_pool(tmp_path, spec="2x16GiB", defragment_min_idle=60, idle_timeout=600, preemption=False)
+    idle = pool.request(req("alice", suspendable=True), now=T0)
+    gone = pool.request(req("dave"), now=T0)
+    busy = pool.request(req("bob"), now=T0)
+    pool.release(gone.id, now=T0 + 50)
+    pool.report_activity(busy.id, Activity(busy=True), now=T0 + 100)
+    pool.request(req("carol", gib=12), now=T0 + 100)  # fits on no GPU: alice's idle kernel moves
+    assert pool.get(idle.id).transition is Transition.MIGRATING
+    values = scrape(make_registry(pool))
+    assert values[("gpupool_migrations_total", ())] == 1
+    assert values[("gpupool_transitions", (("transition", "migrating"),))] == 1
+    assert values[("gpupool_suspends_total", ())] == 0
+
+
 def test_unhealthy_device_is_reported(pool: Pool) -> None:
     uuid = pool.devices()[1].uuid
     pool.backend.set_health(uuid, False, "GPU is lost")  # type: ignore[attr-defined]
@@ -141,7 +209,19 @@ def test_dashboard_and_alerts_use_only_exposed_metrics(pool: Pool) -> None:
         "GpuPoolGpuMemoryUsedAbove90Percent",
         "GpuPoolRequestQueuedTooLong",
         "GpuPoolGpuUnhealthy",
+        "GpuPoolParkedMemoryNearLimit",
     }
+    # Suspended kernels (issue 12) have their panels: counts, host RAM, restore time.
+    shown = " ".join(exprs)
+    for name in (
+        "gpupool_suspends_total",
+        "gpupool_resumes_total",
+        "gpupool_migrations_total",
+        "gpupool_parked_memory_bytes",
+        "gpupool_parked_seconds_total",
+        "gpupool_restore_seconds_bucket",
+    ):
+        assert name in shown, f"no dashboard panel shows {name}"
     assert "gpupool_memory_leased_bytes" in alerts["GpuPoolMemoryAbove90Percent"]
     assert "gpupool_device_memory_used_bytes" in alerts["GpuPoolGpuMemoryUsedAbove90Percent"]
 
@@ -170,6 +250,11 @@ def test_alerts_fire_on_used_and_on_leased_memory_in_promtool_unit_tests() -> No
     little leased, the leased one on a pool 94% leased with little in use, and not the other way."""
     folder = Path(__file__).resolve().parent / "prometheus"
     result = subprocess.run(
-        ["promtool", "test", "rules", "alerts_test.yml"], check=False, capture_output=True, text=True, timeout=60, cwd=folder
+        ["promtool", "test", "rules", "alerts_test.yml"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=folder,
     )
     assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr

@@ -135,3 +135,32 @@ def test_kernel_client_magics_work_through_the_broker(broker: BrokerHarness) -> 
     assert released.state is LeaseState.RELEASED
     renewed = client.reserve("2GiB")
     assert renewed.owner == "alice" and renewed.kernel_id == "kern-1" and renewed.state is LeaseState.GRANTED
+
+
+@pytest.mark.parametrize("method", ["suspend", "resume", "confirm_transition", "fail_transition"])
+def test_remote_suspend_methods_take_the_local_pools_arguments(method: str) -> None:
+    """The server calls these on whichever pool it has: the same parameters, defaults included."""
+    import inspect
+
+    assert inspect.signature(getattr(RemotePool, method)) == inspect.signature(getattr(Pool, method))
+
+
+def test_remote_suspend_errors_are_the_local_pools(broker: BrokerHarness) -> None:
+    from jupyter_gpupool.core.models import Transition
+    from jupyter_gpupool.errors import LeaseNotFound, RequestRefused
+
+    pool = broker.remote("tok-alice")
+    plain = pool.request(LeaseRequest(owner="", memory=4 * GIB, kernel_id="k-plain"))
+    able = pool.request(LeaseRequest(owner="", memory=4 * GIB, kernel_id="k-able", suspendable=True))
+    assert able.suspendable and not plain.suspendable, "the request carries suspendable to the broker"
+    with pytest.raises(RequestRefused, match="cannot suspend this kernel: its server cannot park GPU memory"):
+        pool.suspend(plain.id)
+    for call in (pool.suspend, pool.resume, pool.confirm_transition):
+        with pytest.raises(LeaseNotFound):
+            call("l-no-such-lease")
+    with pytest.raises(InvalidInput, match="not being suspended, restored or moved"):
+        pool.fail_transition(able.id, "boom", still_running=True)
+    assert pool.suspend(able.id, reason="lunch").transition is Transition.SUSPENDING
+    with pytest.raises(RequestRefused, match="it is suspending"):
+        pool.suspend(able.id)
+    assert pool.fail_transition(able.id, "x" * 800 + "\nmore", still_running=True).state is LeaseState.GRANTED

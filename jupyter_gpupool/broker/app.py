@@ -104,6 +104,7 @@ class Broker(LoggingConfigurable):
         self._roots: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._registry: Any = None
+        self._collector: Any = None
 
     # --- plumbing ---------------------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:
@@ -138,18 +139,19 @@ class Broker(LoggingConfigurable):
         self.executor.shutdown(wait=True)
 
     def grace_after_restart(self) -> int:
-        """Heartbeat every live lease now (see :meth:`start`); returns how many got one.
+        """A fresh start for every live lease now (see :meth:`start` and
+        :meth:`~jupyter_gpupool.pool.Pool.grace_after_outage`); returns how many got one.
 
         Dead holders are still reclaimed at once (their pid is gone); a holder that is alive but
-        was cut off gets a full ``heartbeat_ttl`` to report again.
+        was cut off gets a full ``heartbeat_ttl`` to report again, a warning whose deadline passed
+        while nobody could see it starts over, and a suspend, restore or move under way gets a full
+        ``transition_timeout`` for its server to report it (the server could not while we were down).
         """
         try:
-            with self.pool.store.transaction():  # every live lease: no listing limit may leave one out
-                live = list(self.pool.store.live_leases())
-            if live:
-                self.pool.heartbeat(live)
-                self.log.info("gpupool broker: %d live lease(s) from the pool file get a fresh heartbeat", len(live))
-            return len(live)
+            touched = int(self.pool.grace_after_outage())
+            if touched:
+                self.log.info("gpupool broker: %d live lease(s) from the pool file get a fresh start", touched)
+            return touched
         except Exception:  # the scheduler loop reports a broken store on its own
             self.log.exception("gpupool broker: could not refresh the heartbeats of the live leases")
             return 0
@@ -253,6 +255,7 @@ class Broker(LoggingConfigurable):
             holder_pid=holder_pid,
             holder_host=str(body["holder_host"]) if body.get("holder_host") else None,
             label=str(body.get("label") or "")[:200],
+            suspendable=bool(body.get("suspendable")),
         )
 
     def request_lease(self, identity: Identity, body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -280,12 +283,24 @@ class Broker(LoggingConfigurable):
         """The ``GET /api/gpupool/kernels/{kernel_id}`` body, exactly as the single-user server gives it."""
         return kernel_status(self.pool, kernel_id, lease, self.enforcement, lease.owner, self.pool.clock())
 
-    def render_metrics(self) -> tuple[bytes, str]:
-        from ..metrics import make_registry, render
+    def _metrics(self) -> Any:
+        """The pool's collector and its registry, made on first use."""
+        from ..metrics import PoolCollector, make_registry
 
         if self._registry is None:
-            self._registry = make_registry(self.pool)
+            self._collector = PoolCollector(self.pool)
+            self._registry = make_registry(self.pool, self._collector)
+        return self._collector
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        from ..metrics import render
+
+        self._metrics()
         return render(self._registry)
+
+    def observe_restore(self, seconds: float) -> None:
+        """A restore after a suspend took ``seconds`` from its grant to its confirmation (for /metrics)."""
+        self._metrics().observe_restore(seconds)
 
     # --- watchdog -----------------------------------------------------------------------------------
     def watchdog_step(self) -> Any:

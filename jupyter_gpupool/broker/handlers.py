@@ -16,7 +16,7 @@ from typing import Any
 from tornado import web
 
 from .. import validate
-from ..core.models import Activity, Lease, LeaseState, PriorityClass
+from ..core.models import Activity, Lease, LeaseState, PriorityClass, Transition
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
 from ..httputil import JsonHandlerMixin
 from .auth import Forbidden, Identity, Unauthenticated
@@ -197,6 +197,8 @@ class LeasesHandler(BrokerHandler):
 
         def request() -> tuple[dict[str, Any], bool]:
             body = validate.lease_request_body(raw, self.broker.pool.policy.max_gpus_per_lease)
+            if (suspendable := validate.optional(raw, "suspendable")) is not None:
+                body["suspendable"] = validate.flag(suspendable, "suspendable")  # its server can checkpoint it
             return self.broker.request_lease(ident, body)
 
         data, created = await self.run(request)
@@ -268,6 +270,92 @@ class LeasePriorityHandler(BrokerHandler):
             return lease_json(self.broker.pool.set_priority(lease_id, priority))
 
         self.write_json(await self.run(set_priority))
+
+
+# --- suspend, resume and their confirmations ---------------------------------------------------------------
+class LeaseSuspendHandler(BrokerHandler):
+    """``POST .../leases/{id}/suspend`` ``{"reason": "..."}``: ask the holder's server to park the
+    lease's GPU memory in host RAM (owner or admin); 409 saying why when it cannot be suspended."""
+
+    async def post(self, lease_id: str) -> None:
+        reason = validate.suspend_reason(self.json_body())
+        ident = self.identity
+
+        def suspend() -> dict[str, Any]:
+            lease = self.owned(lease_id)
+            why = reason if lease.owner == ident.name else f"{reason} (by admin {ident.name})"
+            return lease_json(self.broker.pool.suspend(lease.id, reason=why))
+
+        self.write_json(await self.run(suspend))
+
+
+class LeaseResumeHandler(BrokerHandler):
+    """``POST .../leases/{id}/resume``: queue a suspended lease to come back (owner or admin); harmless
+    on a lease already queued to resume, being restored, or running."""
+
+    async def post(self, lease_id: str) -> None:
+        self.json_body()  # a body, if any, must still be a JSON object
+
+        def resume() -> dict[str, Any]:
+            pool = self.broker.pool
+            lease = pool.resume(self.owned(lease_id).id)
+            return lease_json(lease, pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None)
+
+        self.write_json(await self.run(resume))
+
+
+#: Where a lease stands once each step was confirmed: a retried confirmation that finds it there was
+#: already applied (its first answer was lost), so it answers the lease and changes nothing.
+_AFTER_CONFIRM: dict[str, frozenset[LeaseState]] = {
+    "suspending": frozenset({LeaseState.SUSPENDED, LeaseState.QUEUED}),
+    "restoring": frozenset({LeaseState.GRANTED}),
+    "migrating": frozenset({LeaseState.GRANTED}),
+}
+
+
+def already_finished(lease: Lease, step: str, outcome: str) -> bool:
+    """Whether ``lease`` shows ``step`` already finished with ``outcome`` (a repeated report)."""
+    if lease.transition is not Transition.NONE:
+        return False
+    if outcome == "failed":
+        return True  # a failure was called off (running again) or ended the lease: nothing left to fail
+    return lease.state in _AFTER_CONFIRM[step] and (lease.state is not LeaseState.QUEUED or lease.resuming)
+
+
+class LeaseTransitionHandler(BrokerHandler):
+    """``POST .../leases/{id}/transition`` ``{"outcome": "done"|"failed", "transition"?, "parked_bytes"?,
+    "error"?, "still_running"?}``: the holder's server reports a suspend, restore or move it carried out.
+
+    Only the lease's owner (its server, which holds the user's identity) or an admin: confirming someone
+    else's suspend would free GPU memory still in use. Naming the ``transition`` being finished makes a
+    report safe to repeat: one already applied answers the lease unchanged (200); one about another
+    step than the lease's is refused (409). Without it, the step under way is finished (400 when none).
+    """
+
+    async def post(self, lease_id: str) -> None:
+        body = validate.transition_body(self.json_body())
+        step, outcome = body["transition"], body["outcome"]
+        ident = self.identity
+
+        def finish() -> dict[str, Any]:
+            pool = self.broker.pool
+            lease = self.owned(lease_id)
+            if step is not None and lease.transition.value != step:
+                if already_finished(lease, step, outcome):
+                    return lease_json(lease)
+                where = lease.transition.value or lease.state.value
+                raise RequestRefused(f"lease {lease.id} is not {step} (it is {where}); nothing was changed")
+            restoring_since = lease.transition_at if lease.transition is Transition.RESTORING else None
+            if outcome == "done":
+                now = pool.clock()
+                done = pool.confirm_transition(lease.id, parked_bytes=body["parked_bytes"], now=now)
+                if restoring_since is not None:
+                    self.broker.observe_restore(max(0.0, now - restoring_since))
+                return lease_json(done)
+            error = body["error"] if lease.owner == ident.name else f"{body['error']} (reported by admin {ident.name})"
+            return lease_json(pool.fail_transition(lease.id, error, body["still_running"]))
+
+        self.write_json(await self.run(finish))
 
 
 def keep_seconds(body: dict[str, Any], pool: Any) -> float:
@@ -482,6 +570,35 @@ class KernelKeepaliveHandler(KernelHandlerBase):
         self.write_json(await self.run(keep))
 
 
+class KernelSuspendHandler(KernelHandlerBase):
+    """``POST .../kernels/{kernel_id}/suspend`` ``{"reason": "..."}``: as the single-user API's (the
+    kernel's server carries it out); 409 saying why when it cannot be suspended."""
+
+    async def post(self, kernel_id: str) -> None:
+        reason = validate.suspend_reason(self.json_body())
+        ident = self.identity
+
+        def suspend() -> dict[str, Any]:
+            lease = self.live_lease(kernel_id)
+            why = reason if lease.owner == ident.name else f"{reason} (by admin {ident.name})"
+            return self.broker.kernel_status(kernel_id, self.broker.pool.suspend(lease.id, reason=why))
+
+        self.write_json(await self.run(suspend))
+
+
+class KernelResumeHandler(KernelHandlerBase):
+    """``POST .../kernels/{kernel_id}/resume``: queue a suspended kernel to come back (the Resume button)."""
+
+    async def post(self, kernel_id: str) -> None:
+        self.json_body()
+
+        def resume() -> dict[str, Any]:
+            lease = self.live_lease(kernel_id)
+            return self.broker.kernel_status(kernel_id, self.broker.pool.resume(lease.id))
+
+        self.write_json(await self.run(resume))
+
+
 # --- metering, reservations, preferences, events --------------------------------------------------------
 class ReportHandler(BrokerHandler):
     """``GET /api/gpupool/report?since=&until=&by=user|group|kernel&period=none|day|week|month`` (POSIX
@@ -607,6 +724,9 @@ def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
         (rf"{api}/leases/{_ID}/priority", LeasePriorityHandler),
         (rf"{api}/leases/{_ID}/activity", LeaseActivityHandler),
         (rf"{api}/leases/{_ID}/wait", LeaseWaitHandler),
+        (rf"{api}/leases/{_ID}/suspend", LeaseSuspendHandler),
+        (rf"{api}/leases/{_ID}/resume", LeaseResumeHandler),
+        (rf"{api}/leases/{_ID}/transition", LeaseTransitionHandler),
         (rf"{api}/activity", ActivityHandler),
         (rf"{api}/heartbeat", HeartbeatHandler),
         (rf"{api}/reconcile", ReconcileHandler),
@@ -615,6 +735,8 @@ def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
         (rf"{api}/kernels/{_KERNEL}/reserve", KernelReserveHandler),
         (rf"{api}/kernels/{_KERNEL}/release", KernelReleaseHandler),
         (rf"{api}/kernels/{_KERNEL}/keepalive", KernelKeepaliveHandler),
+        (rf"{api}/kernels/{_KERNEL}/suspend", KernelSuspendHandler),
+        (rf"{api}/kernels/{_KERNEL}/resume", KernelResumeHandler),
         (rf"{api}/report", ReportHandler),
         (rf"{api}/reservations", ReservationsHandler),
         (rf"{api}/reservations/(?P<name>[^/]+)", ReservationHandler),

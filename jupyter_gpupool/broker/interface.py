@@ -57,5 +57,8 @@ class BrokerInterface(Protocol):
     def render_metrics(self) -> tuple[bytes, str]:
         """Prometheus exposition and its content type."""
 
+    def observe_restore(self, seconds: float) -> None:
+        """Record how long a confirmed restore took (the ``gpupool_restore_seconds`` histogram)."""
+
 
 __all__ = ["BrokerInterface"]
