@@ -176,14 +176,52 @@ class _Mover:
             self._backend.close()
 
 
-def cell_blocks_through_the_server(server: JupyterServer, kernel_id: str, kernel: KernelSession) -> dict[str, Any] | None:
-    """TODO(lead): the same as the direct check below, but driven through the server: suspend the
-    kernel with the server's suspend action (REST, once the engine has it), run a cell through
-    the server while it is suspended, see it wait and complete after the server resumes it
-    (and the lease's state/memory in ``GET /api/gpupool/kernels/{id}`` follow). Return the
-    measurements as a dict, or None while the server has no suspend action (the check then
-    reports the direct, kernel-level version only)."""
-    return None
+def cell_blocks_through_the_server(server: JupyterServer, kernel_id: str, kernel: KernelSession) -> dict[str, Any]:
+    """The product path end to end: ``POST /api/gpupool/kernels/{id}/suspend`` makes the server park
+    the kernel's GPU memory (the lease goes ``suspended``, NVML shows the process's memory gone); a
+    cell then sent to the kernel waits in the kernel extension's resume hook until the server has
+    restored the memory, and only then runs and reads its tensors. Returns the measurements; a
+    ``problems`` list names what did not hold."""
+    problems: list[str] = []
+    pid = kernel.pid or -1
+    held = nvml_process_memory({pid}).get(pid, 0)
+    code, body = server.api("POST", f"api/gpupool/kernels/{kernel_id}/suspend")
+    if code != 200:
+        return {"refused": code, "message": (body or {}).get("message") if isinstance(body, dict) else body, "problems": [f"suspend refused ({code})"]}
+    t0 = time.monotonic()
+    status, waited = poll_until(lambda: (s := server.gpupool_kernel(kernel_id)[1]) and s.get("state") == "suspended" and s, timeout=180)
+    if not status:
+        return {"problems": ["the server did not suspend the kernel within 180 s"], "last": server.gpupool_kernel(kernel_id)[1]}
+    result: dict[str, Any] = {"suspend_s": round(waited, 3), "parked_memory": status.get("parked_memory"), "held_before": held}
+    result["process_bytes_suspended"] = nvml_process_memory({pid}).get(pid, 0)
+    if held and result["process_bytes_suspended"] > 0.05 * held:
+        problems.append(f"NVML still shows {result['process_bytes_suspended'] / GIB:.2f} GiB for the kernel while suspended")
+    sent = time.time()
+    waiting = kernel.submit(WHILE_SUSPENDED)
+    states: list[str] = []
+    back, _ = poll_until(
+        lambda: (s := server.gpupool_kernel(kernel_id)[1]) is not None
+        and (states.append(f"{s.get('state')}/{s.get('transition')}") or True)
+        and s.get("state") == "granted"
+        and not s.get("transition"),
+        timeout=300,
+    )
+    restored_at = time.time()
+    result["states_seen"] = sorted(set(states))
+    result["resume_s"] = round(restored_at - sent, 3)
+    if not back:
+        problems.append("the server did not restore the kernel within 300 s of a cell")
+    cell = kernel.collect(waiting, timeout=300)
+    if not cell.ok:
+        problems.append(f"the cell run while suspended failed: {cell.brief()}")
+    else:
+        timing = cell.last()
+        result["cell_started_after_send_s"] = round(timing["started"] - sent, 3)
+        if timing["started"] < restored_at - 1.0:
+            problems.append("the cell ran before the server had restored its GPU memory")
+    result["total_s"] = round(time.monotonic() - t0, 3)
+    result["problems"] = problems
+    return result
 
 
 def run(ctx: Context) -> Result:
@@ -256,7 +294,9 @@ def run(ctx: Context) -> Result:
             }
             if timing["finished"] < resumed_at - 0.05:
                 problems.append("a cell run while suspended finished before the resume (the kernel was not blocked)")
-        data["through_server"] = cell_blocks_through_the_server(server, kid, kernel) or "TODO: no server suspend action yet"
+        through = cell_blocks_through_the_server(server, kid, kernel)
+        data["through_server"] = through
+        problems += [f"through the server: {problem}" for problem in through.get("problems", [])]
         suspend_s, resume_s = t1 - t0, t3 - t2
         data["seconds"] = {"suspend": round(suspend_s, 3), "resume": round(resume_s, 3)}
         data["suspend_gb_per_s"] = round(held / suspend_s / 1e9, 2)
