@@ -206,6 +206,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._warned: dict[str, float] = {}
         self._failed: dict[str, str] = {}
         self._moving: set[str] = set()  # lease ids whose suspend, restore or move this server is carrying out
+        #: Steps done here whose confirmation the pool did not get (an outage): confirmed again, never redone.
+        self._unconfirmed: dict[str, tuple[Transition, int | None]] = {}
         self._transition_tasks: set[asyncio.Future[None]] = set()
         self._checkpointer: Any = None
         self._restarts: dict[str, asyncio.Future[Any]] = {}
@@ -682,12 +684,34 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
 
     @property
     def checkpointer(self) -> Any:
-        """This host's way to park and restore a kernel's GPU memory (see devices/checkpoint.py)."""
+        """This host's way to park and restore a kernel's GPU memory (see devices/checkpoint.py).
+
+        The server checkpoints its own kernels, whoever keeps the books: with a broker, the kind of
+        GPUs is the broker's (NVML: this host's driver; simulated: files beside the server)."""
         if self._checkpointer is None:
             from ..devices.checkpoint import checkpointer_for
 
-            self._checkpointer = checkpointer_for(self.pool.backend)
+            backend = self.pool.backend
+            if getattr(backend, "name", "") == "remote":
+                backend = self._local_backend_like(backend)
+            self._checkpointer = checkpointer_for(backend)
         return self._checkpointer
+
+    def _local_backend_like(self, remote: Any) -> Any:
+        """A device backend of this host of the broker's kind, for checkpoints only."""
+        kind = str(self.pool.info().get("backend", {}).get("name", "")) if hasattr(self.pool, "info") else ""
+        if kind == "nvml":
+            from ..devices.nvml import NvmlBackend
+
+            return NvmlBackend()
+        if kind == "simulated":
+            from ..devices.simulated import SimulatedBackend
+
+            local = SimulatedBackend.from_spec(getattr(remote, "spec", "") or "1x16GiB")
+            runtime = getattr(self.serverapp, "runtime_dir", None) or os.getcwd()
+            local.usage_dir = os.path.join(runtime, "gpupool-usage")
+            return local
+        return remote
 
     def can_suspend(self) -> bool:
         """Whether kernels started now may be suspended instead of culled (told to the pool per lease)."""
@@ -713,6 +737,12 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         pid = getattr(process, "pid", None)
         step = lease.transition
         try:
+            pending = self._unconfirmed.get(lease.id)
+            if pending is not None and pending[0] is step:  # done already: only the pool's answer was lost
+                done = await asyncio.to_thread(self.pool.confirm_transition, lease.id, pending[1])
+                self._unconfirmed.pop(lease.id, None)
+                self.emit({Transition.SUSPENDING: "suspended", Transition.MIGRATING: "migrated"}.get(step, "resumed"), done)
+                return
             if pid is None:
                 raise CheckpointError("the kernel has no process on this host")
             if step is Transition.SUSPENDING:
@@ -744,7 +774,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             what = "the kernel was shut down instead" if after.state is LeaseState.RELEASED else "the kernel keeps running"
             self.emit("suspend_failed", after, message=f"suspending failed: {err}; {what}")
             raise
-        done = await asyncio.to_thread(self.pool.confirm_transition, lease.id, parked)
+        done = await self._confirm(lease, parked)
         self.log.info("gpupool: kernel %s suspended (%s parked): %s", kernel_id, format_size(parked), lease.suspend_reason)
         self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM): {lease.suspend_reason}")
 
@@ -763,9 +793,17 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 self.emit("suspend_failed", after, message=after.suspend_reason)
             raise
         started = lease.transition_at or time.time()
-        done = await asyncio.to_thread(self.pool.confirm_transition, lease.id)
+        done = await self._confirm(lease, None)
         where = "onto another GPU of the same model" if moved else "on its GPU"
         self.emit(action, done, message=f"{action} {where} after {time.time() - started:.1f} s")
+
+    async def _confirm(self, lease: Lease, parked: int | None) -> Lease:
+        """Tell the pool the step is done; if it cannot be told, remember it (the next tick confirms
+        again instead of checkpointing a process that is already parked)."""
+        self._unconfirmed[lease.id] = (lease.transition, parked)
+        done = await asyncio.to_thread(self.pool.confirm_transition, lease.id, parked)
+        self._unconfirmed.pop(lease.id, None)
+        return done
 
     async def _move(self, kernel_id: str, lease: Lease, pid: int) -> None:
         """Live defragmentation: park the kernel's memory, restore it on the GPU the engine chose."""
