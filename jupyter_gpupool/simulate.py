@@ -993,7 +993,7 @@ class SimulateApp(GpuPoolBaseApp):
     session_length = Unicode("trace", help="How long a session stays open: 'trace' (Philly run times, 5 min-8 h), 45m, or 30m-2h.").tag(config=True)
     idle_timeout = Unicode("30m", help="Idle time after which pooled+reclaim may take a slice back while others wait.").tag(config=True)
     suspend_idle_timeout = Unicode(
-        format_duration(SUSPEND_IDLE_TIMEOUT),
+        f"{SUSPEND_IDLE_TIMEOUT / 60:g}m",
         help="Idle time after which pooled+suspend may park a slice in host RAM while others wait (nothing is lost, so it can be short).",
     ).tag(config=True)
     parked_memory_limit = Unicode(
@@ -1049,9 +1049,16 @@ class SimulateApp(GpuPoolBaseApp):
             raise InvalidInput(f"invalid --jobs {self.jobs}: expected a whole number of processes from 1 to 256")
         if not 0.01 <= self.checkpoint_rate <= 10_000 or not math.isfinite(self.checkpoint_rate):
             raise InvalidInput(f"invalid --checkpoint-rate {self.checkpoint_rate:g}: expected GB/s from 0.01 to 10000, like 25")
-        if "%" in self.parked_memory_limit:
-            raise InvalidInput(f"invalid --parked-memory-limit {self.parked_memory_limit!r}: expected a size of host RAM like 512GiB, or 0")
-        parked_limit = 0 if self.parked_memory_limit.strip() == "0" else parse_size(self.parked_memory_limit)
+        parked_limit = 0
+        if self.parked_memory_limit.strip() != "0":
+            try:
+                if "%" in self.parked_memory_limit:
+                    raise InvalidInput("a share")
+                parked_limit = parse_size(self.parked_memory_limit)
+            except InvalidInput:
+                raise InvalidInput(
+                    f"invalid --parked-memory-limit {self.parked_memory_limit[:40]!r}: expected a size of host RAM like 512GiB, or 0"
+                ) from None
         patience = None if self.patience.strip().lower() in ("none", "never", "") else parse_duration(self.patience)
         settings = Settings(
             gpus=self.gpus,

@@ -343,7 +343,7 @@ def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["--jobs", "0"], "invalid --jobs 0"),
         (["--quota", "much"], "invalid size 'much'"),
         (["--parked-memory-limit", "40%"], "invalid --parked-memory-limit '40%'"),
-        (["--parked-memory-limit", "lots"], "invalid size 'lots'"),
+        (["--parked-memory-limit", "lots"], "invalid --parked-memory-limit 'lots': expected a size of host RAM"),
         (["--checkpoint-rate", "0"], "invalid --checkpoint-rate 0"),
         (["--suspend-idle-timeout", "soon"], "invalid duration 'soon'"),
         (["--modes", "suspended"], "invalid mode 'suspended': choose from exclusive, pooled, reclaim, suspend"),
