@@ -396,3 +396,21 @@ def test_jobs_give_the_same_tables_as_one_process(capsys: pytest.CaptureFixture[
         tables.append((data["results"], data["search"]))
     assert tables[0] == tables[1]
     assert any(len(s["p95_wait_by_gpus"]) > 1 for s in tables[0][1].values())  # the search tried several counts
+
+
+def test_lab_sim_prints_pooled_suspend_beside_the_other_modes() -> None:
+    """bench/lab_sim.py (the Markdown of bench/RESULTS.md): one row per mode, pooled+suspend's columns."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "lab_sim.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--scenario", "class", "--days", "0.42", "--target", "", "--jobs", "2"],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| mode |"))
+    assert header.endswith("| Jain | suspends | resume wait p95 | parked peak / p95 | work lost |")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| pooled", "| exclusive"))]
+    assert [row.split(" | ")[0] for row in rows] == ["| exclusive GPUs", "| pooled", "| pooled+reclaim", "| pooled+suspend"]
+    assert all(len(row.split(" | ")) == len(header.split(" | ")) for row in rows)
+    assert "--jobs 2" in proc.stdout and "pooled+suspend: idle timeout 5 min" in proc.stdout
