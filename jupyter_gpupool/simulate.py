@@ -6,13 +6,21 @@ server extension would: sessions request a slice, wait in the pool's queue, repo
 activity and heartbeats every tick, and release their slice when they leave. Grants, warnings and
 reclaims are read back from the pool's own event log.
 
-Three modes are compared on the same arrivals (common random numbers):
+Four modes are compared on the same arrivals (common random numbers):
 
 ``exclusive``   one kernel per whole GPU: every request asks for a full GPU; idle policy ``never``.
 ``pooled``      each session asks for its need rounded up to a GiB; idle policy ``never``.
 ``reclaim``     pooled, with idle policy ``pressure``: idle slices go back while others wait. A
                 reclaimed user comes back when their idle spell ends and requests again (that
                 wait counts too).
+``suspend``     pooled, idle policy ``pressure`` with a short idle timeout, sessions' requests
+                ``suspendable``, ``reclaim_action = "suspend"``: an idle slice is parked in host RAM
+                (nothing is lost) within the host-RAM budget ``parked_memory_limit``, else culled.
+                The simulator plays each kernel's server: it confirms a suspend after the checkpoint
+                time (used memory ÷ :data:`CHECKPOINT_BYTES_PER_SECOND`), resumes a suspended session
+                when its next busy phase starts (``pool.resume``; the wait until the memory is
+                restored is a *resume wait*), confirms a restore after the restore time, and a live
+                move (``MIGRATE``) after a suspend plus a restore.
 
 The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
 upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.
@@ -26,7 +34,16 @@ What the table reports:
   requests given up after ``--patience`` (counted at the patience) and requests still queued
   when the run ends (counted until the end).
 * **served/day** — sessions that finished their work; **gave up/day** — users who stopped waiting.
-* **reclaims** — idle slices the pool took back (its ``reclaim_idle`` events).
+* **reclaims** — idle slices the pool took back by shutting the kernel down (its ``reclaim_idle``
+  events: culls); **suspends** — slices parked in host RAM instead (its ``suspend`` events).
+* **resume wait** — from a suspended session's next busy phase (or from a cell blocked by a suspend
+  or a move) until its memory is back on a GPU: queueing plus restore time. These waits are also in
+  the wait columns.
+* **work lost** — GPU-busy time that culled kernels had computed before they were shut down: their
+  variables and models are gone (the simulation does not make the user re-run it; it only counts it).
+* **parked peak / p95** — host RAM held by parked slices (set aside when a suspend or move begins,
+  returned when the restore or move is done or the session ends): the peak over the run, and the
+  p95 over the ticks of the open hours.
 * **Jain** — Jain's index over users of (time holding a slice) ÷ (time holding + time waiting).
 """
 
@@ -54,9 +71,32 @@ from .errors import InvalidInput, RequestRefused
 from .units import GIB, format_duration, format_size, parse_duration, parse_size
 from .workload import MemoryNeed, Workload, load_workload, parse_memory_need, parse_session_length
 
-MODES = ("exclusive", "pooled", "reclaim")
-MODE_LABELS = {"exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim"}
-MODE_ALIASES = {"exclusive": "exclusive", "pooled": "pooled", "reclaim": "reclaim", "pooled+reclaim": "reclaim"}
+MODES = ("exclusive", "pooled", "reclaim", "suspend")
+MODE_LABELS = {"exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend"}
+MODE_ALIASES = {
+    "exclusive": "exclusive",
+    "pooled": "pooled",
+    "reclaim": "reclaim",
+    "pooled+reclaim": "reclaim",
+    "suspend": "suspend",
+    "pooled+suspend": "suspend",
+}
+
+#: Effective rate, bytes per second, at which a kernel's GPU memory is copied to host RAM (suspend)
+#: or back (restore). The physical floor is the host link: PCIe Gen5 x16 moves ≈ 63 GB/s a
+#: direction; cuda-checkpoint was reported at ~15 s per GPU on 8×H100 (../shared/DESIGN.md), which
+#: for a full 80 GB GPU is ≈ 5 GB/s including the driver's own work. 25 GB/s (≈ 40% of the link)
+#: is in between: a 37 GiB trace session parks in 1.6 s. ``--checkpoint-rate`` tries others.
+CHECKPOINT_BYTES_PER_SECOND = 25e9
+
+#: Idle time after which pooled+suspend may park a slice while someone waits. Nothing is lost, so
+#: it can be far shorter than the 30 min a cull needs. In the GenAI trace three idle spells in four
+#: are under 4.8 min (median 1.9 min), so with 5 min (plus the 2 min warning) a user between two cells
+#: is rarely parked, while spells over 5 min hold 92% of all idle slice-time: that is what it frees.
+SUSPEND_IDLE_TIMEOUT = 300.0
+
+#: Host RAM that parked slices may take in pooled+suspend: a lab server's share, not this machine's.
+PARKED_MEMORY_LIMIT = 512 * GIB
 SHAPE_FORMS = "flat, workday, class, or hour ranges with weights like 9-11:1,13-17:0.4"
 
 #: Named day shapes: arrival weight per hour of the day (the peak is 1).
@@ -126,6 +166,9 @@ class Settings:
     memory_need: MemoryNeed = field(default_factory=lambda: MemoryNeed("trace"))
     session_length: str = "trace"
     idle_timeout: float = 1800.0
+    suspend_idle_timeout: float = SUSPEND_IDLE_TIMEOUT  # pooled+suspend's idle timeout
+    parked_limit: int = PARKED_MEMORY_LIMIT  # host RAM for parked slices in pooled+suspend (0: none)
+    checkpoint_rate: float = CHECKPOINT_BYTES_PER_SECOND  # bytes/s copied by a suspend or a restore
     tick: float = 30.0
     patience: float | None = 3600.0  # a queued user gives up after this long (None: never)
     quota_max: int | None = None  # bytes a user may hold
@@ -206,6 +249,17 @@ class ModeResult:
     days: float
     pool_calls: int
     elapsed: float
+    suspends: int = 0  # suspend decisions (slices parked in host RAM instead of culled)
+    resumes: int = 0  # suspended sessions whose memory was restored onto a GPU
+    moves: int = 0  # live moves (MIGRATE) to make room for the head of the queue
+    resume_waits: int = 0
+    resume_wait_p50: float = 0.0
+    resume_wait_p95: float = 0.0
+    resume_wait_max: float = 0.0
+    parked_peak: int = 0  # bytes of host RAM held by parked slices, at most
+    parked_p95: int = 0  # ... p95 over the ticks of the open hours
+    parked_limit: int = 0  # the host-RAM budget of the run (0 outside pooled+suspend)
+    work_lost: float = 0.0  # busy seconds culled kernels had computed (their state is gone; not replayed)
 
     @property
     def served_per_day(self) -> float:
@@ -215,7 +269,10 @@ class ModeResult:
         data = asdict(self)
         data["served_per_day"] = round(self.served_per_day, 2)
         data["abandoned_per_day"] = round(self.abandoned / self.days, 2)
-        for key in ("leased_pct", "used_pct", "busy_pct", "jain", "wait_p50", "wait_p95", "wait_max", "wait_mean", "elapsed"):
+        for key in (
+            "leased_pct", "used_pct", "busy_pct", "jain", "wait_p50", "wait_p95", "wait_max", "wait_mean", "elapsed",
+            "resume_wait_p50", "resume_wait_p95", "resume_wait_max", "work_lost",
+        ):
             data[key] = round(data[key], 4)
         return data
 
@@ -238,15 +295,20 @@ def jain_index(values: Iterable[float]) -> float:
 
 
 # --- one run ----------------------------------------------------------------------------------------
-_ARRIVE, _PHASE, _GIVEUP, _TICK = 0, 1, 2, 3
+_ARRIVE, _PHASE, _GIVEUP, _TICK, _TRANSITION_DONE = 0, 1, 2, 3, 4
 
 
 class _Session:
-    __slots__ = ("attempt", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "phase", "plan", "request", "request_at", "state", "used")
+    __slots__ = (
+        "attempt", "blocked_since", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "parked",
+        "phase", "phase_end", "plan", "remaining", "request", "request_at", "resume_at", "state", "tgen", "transition", "used",
+        "work_done",
+    )
 
     def __init__(self, plan: SessionPlan, request: int, used: int) -> None:
         self.plan = plan
-        self.state = "pending"  # queued | running | away | done | abandoned | refused
+        # queued | running | away | done | abandoned | refused; pooled+suspend: suspended | resuming
+        self.state = "pending"
         self.lease_id: str | None = None
         self.request = request
         self.used = used
@@ -258,6 +320,15 @@ class _Session:
         self.granted_at = 0.0
         self.gen = 0
         self.attempt = 0
+        self.phase_end = 0.0
+        # pooled+suspend: the server's work under way ("suspending", "migrating", "restoring") and its generation
+        self.transition: str | None = None
+        self.tgen = 0
+        self.parked = 0  # bytes of host RAM this session's parked memory holds
+        self.blocked_since: float | None = None  # a cell waits on the GPU since (a suspend or move under way)
+        self.remaining: float | None = None  # seconds left of a busy phase a suspend or move paused
+        self.resume_at = 0.0  # when the user first needed the GPU back
+        self.work_done = 0.0  # busy seconds this kernel has computed: what a cull throws away
 
 
 class LabRun:
@@ -270,8 +341,11 @@ class LabRun:
             raise InvalidInput(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.settings, self.plans, self.mode = settings, plans, mode
         policy = PoolPolicy(config=config)
-        policy.idle_policy = "pressure" if mode == "reclaim" else "never"
-        policy.idle_timeout = settings.idle_timeout
+        policy.idle_policy = "pressure" if mode in ("reclaim", "suspend") else "never"
+        policy.idle_timeout = settings.suspend_idle_timeout if mode == "suspend" else settings.idle_timeout
+        policy.reclaim_action = "suspend" if mode == "suspend" else "cull"
+        self.parked_limit = settings.parked_limit if mode == "suspend" else 0
+        policy.parked_memory_limit = str(self.parked_limit)  # a byte count ("0": nothing may be parked)
         if settings.quota_max is not None or settings.max_leases is not None:
             quota: dict[str, Any] = {}
             if settings.quota_max is not None:
@@ -305,9 +379,17 @@ class LabRun:
         self.seq = 0
         self.event_seq = 0
         self.waits: list[float] = []
+        self.resume_waits: list[float] = []
+        self.work_lost = 0.0
+        self.parked_total = 0  # bytes of host RAM held by parked slices now
+        self.parked_peak = 0
+        self.parked_samples: list[int] = []  # parked_total at each tick of the open hours (pooled+suspend)
         self.user_wait: dict[str, float] = {}
         self.user_held: dict[str, float] = {}
-        self.counts = {"served": 0, "abandoned": 0, "refused": 0, "reclaims": 0, "warnings": 0, "preemptions": 0, "expired": 0}
+        self.counts = {
+            "served": 0, "abandoned": 0, "refused": 0, "reclaims": 0, "warnings": 0, "preemptions": 0, "expired": 0,
+            "suspends": 0, "resumes": 0, "moves": 0,
+        }
         self.samples = [0.0, 0.0, 0.0, 0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count
         self.calls = 0
         self._draining = False
@@ -342,8 +424,10 @@ class LabRun:
                 self._request(session, t)
             elif kind == _PHASE and gen == session.gen:
                 self._phase_end(session, t)
-            elif kind == _GIVEUP and gen == session.gen and session.state == "queued":
+            elif kind == _GIVEUP and gen == session.gen and session.state in ("queued", "resuming"):
                 self._give_up(session, t)
+            elif kind == _TRANSITION_DONE and gen == session.tgen and session.transition is not None:
+                self._transition_done(session, t)
         self.now = horizon
         result = self._result(horizon, time.perf_counter() - started)
         self.pool.close()
@@ -372,8 +456,16 @@ class LabRun:
                     session = self.by_lease.get(event["lease_id"])
                     if session is None:
                         continue
-                    if kind == "grant":
+                    if kind == "grant" and session.state == "resuming":
+                        self._restore(session, at)
+                    elif kind == "grant":
                         self._granted(session, at)
+                    elif kind == "suspend":
+                        self.counts["suspends"] += 1
+                        self._begin_transition(session, "suspending", at, session.used / self.settings.checkpoint_rate)
+                    elif kind == "migrate":
+                        self.counts["moves"] += 1
+                        self._begin_transition(session, "migrating", at, 2 * session.used / self.settings.checkpoint_rate)
                     elif kind in ("reclaim_idle", "preempt", "release"):
                         self.counts[{"reclaim_idle": "reclaims", "preempt": "preemptions", "release": "expired"}[kind]] += 1
                         self._lost(session, at)
@@ -384,7 +476,13 @@ class LabRun:
     def _request(self, session: _Session, t: float) -> None:
         session.attempt += 1
         plan = session.plan
-        request = LeaseRequest(owner=plan.user, memory=session.request, kernel_id=f"k{plan.index}-{session.attempt}", label=f"session {plan.index}")
+        request = LeaseRequest(
+            owner=plan.user,
+            memory=session.request,
+            kernel_id=f"k{plan.index}-{session.attempt}",
+            label=f"session {plan.index}",
+            suspendable=self.mode == "suspend",
+        )
         self.calls += 1
         try:
             lease = self.pool.request(request, now=t)
@@ -400,19 +498,26 @@ class LabRun:
         self._drain()
 
     def _granted(self, session: _Session, t: float) -> None:
-        wait = t - session.request_at
-        self.waits.append(wait)
-        user = session.plan.user
-        self.user_wait[user] = self.user_wait.get(user, 0.0) + wait
+        self._count_wait(session, t - session.request_at)
         session.state, session.granted_at = "running", t
         session.gen += 1
         self._start_phase(session, t)
 
-    def _start_phase(self, session: _Session, t: float) -> None:
-        busy, length = session.plan.phases[session.phase]
+    def _count_wait(self, session: _Session, wait: float, resume: bool = False) -> None:
+        self.waits.append(wait)
+        if resume:
+            self.resume_waits.append(wait)
+        user = session.plan.user
+        self.user_wait[user] = self.user_wait.get(user, 0.0) + wait
+
+    def _start_phase(self, session: _Session, t: float, length: float | None = None) -> None:
+        """Start the session's current phase (``length``: what is left of a paused one)."""
+        busy, planned = session.plan.phases[session.phase]
+        length = planned if length is None else length
         session.busy = busy
         if busy:
             session.busy_since = t
+        session.phase_end = t + length
         self._push(t + length, _PHASE, session.plan.index, session.gen)
 
     def _phase_end(self, session: _Session, t: float) -> None:
@@ -425,21 +530,113 @@ class LabRun:
             else:
                 self._push(self._distinct(t, session), _ARRIVE, session.plan.index)
             return
+        if session.state == "suspended":  # parked during this idle spell: the user's next cell resumes it
+            session.phase += 1
+            if last:
+                self._finish(session, t)
+            else:
+                self._resume(session, t, t)
+            return
         if session.state != "running":
             return
         if session.busy:
             session.last_busy_end = t
             session.busy = False
+            session.work_done += t - session.busy_since
         session.phase += 1
         if last:
             self._end_lease(session, t)
-            session.state = "done"
-            self.counts["served"] += 1
-            self.calls += 1
-            self.pool.release(session.lease_id or "", reason="session ended", now=t)
-            self._drain()
+            self._finish(session, t)
+        elif session.transition is not None:
+            session.blocked_since = t  # the next cell waits until the suspend or move is done
         else:
             self._start_phase(session, t)
+
+    def _finish(self, session: _Session, t: float) -> None:
+        """The session's work is done: it leaves and its lease goes back (parked memory too)."""
+        self.by_lease.pop(session.lease_id or "", None)
+        self._unpark(session, t)
+        session.state = "done"
+        session.transition = None
+        self.counts["served"] += 1
+        self.calls += 1
+        self.pool.release(session.lease_id or "", reason="session ended", now=t)
+        self._drain()
+
+    # --- pooled+suspend: the simulator plays each kernel's server ----------------------------------
+    def _park(self, session: _Session, t: float) -> None:
+        if session.parked == 0:
+            session.parked = session.used
+            self.parked_total += session.used
+            self.parked_peak = max(self.parked_peak, self.parked_total)
+
+    def _unpark(self, session: _Session, t: float) -> None:
+        self.parked_total -= session.parked
+        session.parked = 0
+
+    def _begin_transition(self, session: _Session, step: str, t: float, seconds: float) -> None:
+        """The engine decided a suspend or a move: the server starts copying (done in ``seconds``)."""
+        if session.state != "running" or session.transition is not None:
+            return
+        if session.busy:  # a cell ran when the engine decided (ticks are 30 s apart): it waits
+            session.work_done += t - session.busy_since
+            session.remaining = max(0.0, session.phase_end - t)
+            session.busy = False
+            session.gen += 1  # its phase end no longer stands: it resumes with what is left
+            session.blocked_since = t
+        session.transition = step
+        session.tgen += 1
+        self._park(session, t)  # set aside when the copy begins, as the engine does
+        self._push(t + seconds, _TRANSITION_DONE, session.plan.index, session.tgen)
+
+    def _transition_done(self, session: _Session, t: float) -> None:
+        """The server finished a suspend, restore or move and confirms it to the pool."""
+        step, session.transition = session.transition, None
+        self.calls += 1
+        if step == "suspending":
+            self.pool.confirm_transition(session.lease_id or "", parked_bytes=session.used, now=t)
+            self._end_lease(session, t, keep=True)
+            session.state = "suspended"
+            if session.blocked_since is not None:  # a cell has been waiting since the suspend began
+                self._resume(session, t, session.blocked_since)
+                return
+        elif step == "restoring":
+            self.pool.confirm_transition(session.lease_id or "", now=t)
+            self._unpark(session, t)
+            self.counts["resumes"] += 1
+            self._count_wait(session, t - session.resume_at, resume=True)
+            session.state, session.granted_at = "running", t
+            self._continue(session, t)
+        else:  # migrating: the kernel runs on, on its new GPU
+            self.pool.confirm_transition(session.lease_id or "", now=t)
+            self._unpark(session, t)
+            if session.blocked_since is not None:
+                self._count_wait(session, t - session.blocked_since, resume=True)
+                self._continue(session, t)
+        self._drain()
+
+    def _continue(self, session: _Session, t: float) -> None:
+        """Run on after a wait on the GPU: the paused busy phase, or the next one."""
+        session.gen += 1
+        length, session.remaining, session.blocked_since = session.remaining, None, None
+        self._start_phase(session, t, length)
+
+    def _resume(self, session: _Session, t: float, asked_at: float) -> None:
+        """The user needs the GPU again (since ``asked_at``): ask the pool to bring the memory back."""
+        session.state, session.resume_at = "resuming", asked_at
+        session.gen += 1
+        self.calls += 1
+        self.pool.resume(session.lease_id or "", now=t)
+        if self.settings.patience is not None:
+            self._push(max(t, asked_at + self.settings.patience), _GIVEUP, session.plan.index, session.gen)
+        self._drain()
+
+    def _restore(self, session: _Session, t: float) -> None:
+        """A resuming lease was granted: the server restores the parked memory, then confirms."""
+        session.gen += 1  # the user no longer gives up
+        session.transition = "restoring"
+        session.tgen += 1
+        self._push(t + session.used / self.settings.checkpoint_rate, _TRANSITION_DONE, session.plan.index, session.tgen)
 
     @staticmethod
     def _distinct(t: float, session: _Session) -> float:
@@ -448,9 +645,11 @@ class LabRun:
         return t + 1e-6 * (1 + session.plan.index)
 
     def _give_up(self, session: _Session, t: float) -> None:
-        wait = t - session.request_at
-        self.waits.append(wait)
-        self.user_wait[session.plan.user] = self.user_wait.get(session.plan.user, 0.0) + wait
+        if session.state == "resuming":
+            self._count_wait(session, t - session.resume_at, resume=True)
+            self._unpark(session, t)
+        else:
+            self._count_wait(session, t - session.request_at)
         self.by_lease.pop(session.lease_id or "", None)
         session.state = "abandoned"
         self.counts["abandoned"] += 1
@@ -459,37 +658,55 @@ class LabRun:
         self._drain()
 
     def _lost(self, session: _Session, t: float) -> None:
-        """The pool took the slice back (idle reclaim, preemption or expiry)."""
-        self._end_lease(session, t)
-        if session.busy:  # only on preemption or expiry: the user notices at once and asks again
-            session.busy = False
+        """The pool took the slice back (idle reclaim, preemption or expiry): the kernel is gone."""
+        holding = session.state == "running" and session.transition != "restoring"
+        if holding:
+            self._end_lease(session, t)
+        else:
+            self.by_lease.pop(session.lease_id or "", None)
+        if session.state == "resuming":
+            self._count_wait(session, t - session.resume_at, resume=True)
+        self.work_lost += session.work_done + (t - session.busy_since if session.busy else 0.0)
+        session.work_done = 0.0
+        self._unpark(session, t)
+        session.transition = None
+        session.tgen += 1
+        needs_gpu = session.busy or session.blocked_since is not None or session.state == "resuming"
+        session.busy, session.blocked_since, session.remaining = False, None, None
+        if needs_gpu:  # the user notices at once and asks again (the work of this phase starts over)
             session.gen += 1
             self._push(self._distinct(t, session), _ARRIVE, session.plan.index)
         else:
             session.state = "away"  # back when this idle spell ends (its phase event still stands)
 
-    def _end_lease(self, session: _Session, t: float) -> None:
-        self.by_lease.pop(session.lease_id or "", None)
+    def _end_lease(self, session: _Session, t: float, keep: bool = False) -> None:
+        """The session stops holding GPU memory (``keep``: its lease lives on, suspended)."""
+        if not keep:
+            self.by_lease.pop(session.lease_id or "", None)
         user = session.plan.user
         self.user_held[user] = self.user_held.get(user, 0.0) + (t - session.granted_at)
 
     # --- ticks ------------------------------------------------------------------------------------
     def _tick(self, t: float) -> None:
+        open_hour = self.settings.shape.weight(t) > 0
+        if open_hour and self.mode == "suspend":
+            self.parked_samples.append(self.parked_total)
         if not self.by_lease:
-            if self.settings.shape.weight(t) > 0:
+            if open_hour:
                 self.samples[3] += 1
             return
         activities: dict[str, Activity] = {}
         leased = used = busy = 0
         for lease_id, session in self.by_lease.items():
-            if session.state == "running":
-                activities[lease_id] = Activity(busy=session.busy, last_activity=None if session.busy else session.last_busy_end, connections=1)
+            if session.state == "running" and session.transition != "restoring":
+                computing = session.busy and session.transition is None
+                activities[lease_id] = Activity(busy=computing, last_activity=None if computing else session.last_busy_end, connections=1)
                 leased += session.request
                 used += session.used
-                busy += session.used if session.busy else 0
+                busy += session.used if computing else 0
             else:
                 activities[lease_id] = Activity(busy=False)
-        if self.settings.shape.weight(t) > 0:
+        if open_hour:
             self.samples[0] += leased
             self.samples[1] += used
             self.samples[2] += busy
@@ -506,9 +723,10 @@ class LabRun:
                 self._end_lease(session, horizon)
             elif session.state == "queued":
                 still += 1
-                wait = horizon - session.request_at
-                self.waits.append(wait)
-                self.user_wait[session.plan.user] = self.user_wait.get(session.plan.user, 0.0) + wait
+                self._count_wait(session, horizon - session.request_at)
+            elif session.state == "resuming":
+                still += 1
+                self._count_wait(session, horizon - session.resume_at, resume=True)
         users = set(self.user_wait) | set(self.user_held)
         shares = []
         for user in sorted(users):
@@ -542,6 +760,17 @@ class LabRun:
             days=self.settings.days,
             pool_calls=self.calls,
             elapsed=elapsed,
+            suspends=self.counts["suspends"],
+            resumes=self.counts["resumes"],
+            moves=self.counts["moves"],
+            resume_waits=len(self.resume_waits),
+            resume_wait_p50=percentile(self.resume_waits, 50),
+            resume_wait_p95=percentile(self.resume_waits, 95),
+            resume_wait_max=max(self.resume_waits, default=0.0),
+            parked_peak=self.parked_peak,
+            parked_p95=int(percentile([float(b) for b in self.parked_samples], 95)),
+            parked_limit=self.parked_limit,
+            work_lost=self.work_lost,
         )
 
 
@@ -676,7 +905,11 @@ def run_parallel(
 
 # --- presentation -----------------------------------------------------------------------------------
 def results_table(results: dict[str, ModeResult]) -> str:
+    """One row per mode; with pooled+suspend, also its suspends, resume waits and parked host RAM."""
+    suspending = any(r.mode == "suspend" for r in results.values())
     headers = ["mode", "leased", "used", "busy", "wait p50", "wait p95", "wait max", "served/day", "gave up/day", "reclaims", "Jain"]
+    if suspending:
+        headers += ["suspends", "resume wait p95", "parked peak / p95", "work lost"]
     rows = [
         [
             MODE_LABELS[r.mode],
@@ -690,10 +923,20 @@ def results_table(results: dict[str, ModeResult]) -> str:
             f"{r.abandoned / r.days:.1f}",
             str(r.reclaims),
             f"{r.jain:.3f}",
+            *(suspend_columns(r) if suspending else []),
         ]
         for r in results.values()
     ]
     return table(headers, rows)
+
+
+def suspend_columns(r: ModeResult) -> list[str]:
+    """Suspends, p95 resume wait and parked host RAM (peak / p95) of a pooled+suspend result (dashes for
+    the other modes), and every mode's work lost: GPU-busy time culled kernels had computed."""
+    lost = f"{r.work_lost / 3600:.1f} h"
+    if r.mode != "suspend":
+        return ["-", "-", "-", lost]
+    return [str(r.suspends), format_duration(r.resume_wait_p95), f"{format_size(r.parked_peak)} / {format_size(r.parked_p95)}", lost]
 
 
 def search_table(searches: dict[str, SearchResult]) -> str:
@@ -705,7 +948,7 @@ def search_table(searches: dict[str, SearchResult]) -> str:
 
 
 class SimulateApp(GpuPoolBaseApp):
-    """What-if for admins: exclusive GPUs vs pooled vs pooled with idle reclaim, in virtual time."""
+    """What-if for admins: exclusive GPUs vs pooled vs pooled with idle reclaim or suspend, in virtual time."""
 
     name = "jupyter-gpupool-simulate"
     description = (
@@ -723,6 +966,9 @@ class SimulateApp(GpuPoolBaseApp):
         "memory-need": "SimulateApp.memory_need",
         "session-length": "SimulateApp.session_length",
         "idle-timeout": "SimulateApp.idle_timeout",
+        "suspend-idle-timeout": "SimulateApp.suspend_idle_timeout",
+        "parked-memory-limit": "SimulateApp.parked_memory_limit",
+        "checkpoint-rate": "SimulateApp.checkpoint_rate",
         "tick": "SimulateApp.tick",
         "patience": "SimulateApp.patience",
         "quota": "SimulateApp.quota",
@@ -746,11 +992,24 @@ class SimulateApp(GpuPoolBaseApp):
                           "'trace-bytes', a size like 8GiB, a share like 25%, or a range like 2GiB-8GiB.").tag(config=True)
     session_length = Unicode("trace", help="How long a session stays open: 'trace' (Philly run times, 5 min-8 h), 45m, or 30m-2h.").tag(config=True)
     idle_timeout = Unicode("30m", help="Idle time after which pooled+reclaim may take a slice back while others wait.").tag(config=True)
+    suspend_idle_timeout = Unicode(
+        f"{SUSPEND_IDLE_TIMEOUT / 60:g}m",
+        help="Idle time after which pooled+suspend may park a slice in host RAM while others wait (nothing is lost, so it can be short).",
+    ).tag(config=True)
+    parked_memory_limit = Unicode(
+        "512GiB",
+        help="Simulated host RAM that pooled+suspend's parked slices may take together, e.g. 512GiB; over it a reclaim culls ('0': never park).",
+    ).tag(config=True)
+    checkpoint_rate = Float(
+        CHECKPOINT_BYTES_PER_SECOND / 1e9,
+        help="GB/s (decimal) at which a suspend copies GPU memory to host RAM and a restore copies it back "
+        "(PCIe Gen5 x16 is ~63 GB/s a direction; cuda-checkpoint was reported at ~15 s per 80 GB H100).",
+    ).tag(config=True)
     tick = Unicode("30s", help="Virtual time between engine ticks (activity reports, reclaims, grants).").tag(config=True)
     patience = Unicode("1h", help="A queued user gives up after waiting this long ('none': never).").tag(config=True)
     quota = Unicode("", help="Most memory one user may hold at once, e.g. 40GiB (default: no limit).").tag(config=True)
     max_leases = Integer(0, help="Most concurrent leases per user (0: no limit).").tag(config=True)
-    modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim).").tag(config=True)
+    modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim), suspend (pooled+suspend).").tag(config=True)
     target_p95_wait = Unicode("", help="Also find, per mode, the fewest GPUs of the model that keep p95 wait within this, e.g. 5m.").tag(config=True)
     max_gpus = Integer(32, help="Largest GPU count the --target-p95-wait search tries.").tag(config=True)
     jobs = Integer(1, help="Processes running the modes and the GPU-count search in parallel (same tables as 1).").tag(config=True)
@@ -777,7 +1036,7 @@ class SimulateApp(GpuPoolBaseApp):
         for item in self.modes.split(","):
             key = MODE_ALIASES.get(item.strip().lower())
             if key is None:
-                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from exclusive, pooled, reclaim")
+                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from exclusive, pooled, reclaim, suspend")
             if key not in modes:
                 modes.append(key)
         if self.store not in ("memory", "file"):
@@ -788,6 +1047,18 @@ class SimulateApp(GpuPoolBaseApp):
             raise InvalidInput(f"invalid --max-gpus {self.max_gpus}: expected 1 to 1024")
         if not 1 <= self.jobs <= 256:
             raise InvalidInput(f"invalid --jobs {self.jobs}: expected a whole number of processes from 1 to 256")
+        if not 0.01 <= self.checkpoint_rate <= 10_000 or not math.isfinite(self.checkpoint_rate):
+            raise InvalidInput(f"invalid --checkpoint-rate {self.checkpoint_rate:g}: expected GB/s from 0.01 to 10000, like 25")
+        parked_limit = 0
+        if self.parked_memory_limit.strip() != "0":
+            try:
+                if "%" in self.parked_memory_limit:
+                    raise InvalidInput("a share")
+                parked_limit = parse_size(self.parked_memory_limit)
+            except InvalidInput:
+                raise InvalidInput(
+                    f"invalid --parked-memory-limit {self.parked_memory_limit[:40]!r}: expected a size of host RAM like 512GiB, or 0"
+                ) from None
         patience = None if self.patience.strip().lower() in ("none", "never", "") else parse_duration(self.patience)
         settings = Settings(
             gpus=self.gpus,
@@ -799,6 +1070,9 @@ class SimulateApp(GpuPoolBaseApp):
             memory_need=parse_memory_need(self.memory_need),
             session_length=self.session_length,
             idle_timeout=parse_duration(self.idle_timeout),
+            suspend_idle_timeout=parse_duration(self.suspend_idle_timeout),
+            parked_limit=parked_limit,
+            checkpoint_rate=self.checkpoint_rate * 1e9,
             tick=parse_duration(self.tick),
             patience=patience,
             quota_max=parse_size(self.quota) if self.quota else None,
@@ -849,6 +1123,17 @@ class SimulateApp(GpuPoolBaseApp):
             (
                 f"Idle timeout {format_duration(settings.idle_timeout)}, tick {format_duration(settings.tick)}, "
                 f"users give up after {format_duration(settings.patience) if settings.patience else 'never'}"
+            ),
+            *(
+                [
+                    (
+                        f"pooled+suspend: idle timeout {format_duration(settings.suspend_idle_timeout)}, host RAM for parked "
+                        f"slices {format_size(settings.parked_limit) if settings.parked_limit else 'none'}, "
+                        f"suspend/restore at {settings.checkpoint_rate / 1e9:g} GB/s"
+                    )
+                ]
+                if "suspend" in modes
+                else []
             ),
             "Workload: " + "; ".join(f"{k}: {v}" for k, v in workload.sources.items()),
             "",

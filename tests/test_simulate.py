@@ -45,7 +45,7 @@ def synthetic(share: float, busy: float, idle: float, length: float) -> Workload
     return Workload(session_length=Fixed(length), profiles=(profile,), sources={"test": "synthetic"})
 
 
-# --- behaviour of the three modes ---------------------------------------------------------------------
+# --- behaviour of the modes ---------------------------------------------------------------------
 def test_pooled_serves_more_sessions_than_exclusive_on_the_same_gpus() -> None:
     settings = Settings(gpus="1x24GiB", users=10, rate=6, shape=parse_shape("flat"), days=0.25, patience=1800)
     results = simulate(settings, ("exclusive", "pooled"), synthetic(0.25, 600, 600, 3600))
@@ -149,6 +149,88 @@ def test_exclusive_requests_a_whole_gpu_and_pooled_its_need() -> None:
     assert {s.used for s in pooled.sessions} == {int(0.2 * 24 * GIB)}
     exclusive.pool.close()
     pooled.pool.close()
+
+
+# --- pooled+suspend ----------------------------------------------------------------------------------
+#: Work 10 minutes, then sit idle for hours holding half a 24 GiB GPU: where taking slices back matters.
+LONG_IDLE = (0.5, 600, 3 * 3600, 4 * 3600)
+SUSPEND_SETTINGS = Settings(gpus="1x24GiB", users=12, rate=4, shape=parse_shape("flat"), days=0.25, idle_timeout=600, patience=None)
+
+
+def test_suspend_parks_idle_slices_and_culls_nobody_when_host_ram_is_ample() -> None:
+    results = simulate(SUSPEND_SETTINGS, ("reclaim", "suspend"), synthetic(*LONG_IDLE))
+    reclaim, suspend = results["reclaim"], results["suspend"]
+    assert suspend.suspends > 0 and suspend.reclaims == 0  # every reclaim parked the slice: nobody culled
+    assert suspend.work_lost == 0 and reclaim.work_lost > 0  # a cull throws the kernel's work away
+    assert suspend.resumes > 0 and suspend.resume_waits >= suspend.resumes
+    assert suspend.expired == 0  # every suspend and restore was confirmed in time: none failed
+    # Resume waits are in the wait statistics too.
+    assert suspend.requests >= suspend.resume_waits and suspend.resume_wait_max <= suspend.wait_max
+    # Host RAM: the parked slices were counted, within the budget, and all returned at the end.
+    assert 0 < suspend.parked_p95 <= suspend.parked_peak <= suspend.parked_limit == 512 * GIB
+    assert suspend.parked_peak % int(0.5 * 24 * GIB) == 0  # whole sessions' used memory, parked
+    assert reclaim.suspends == 0 and reclaim.parked_peak == 0
+    assert suspend.wait_p95 < reclaim.wait_p95  # the short idle timeout is safe, and it frees memory sooner
+
+
+def test_suspend_culls_when_the_host_ram_budget_is_tiny() -> None:
+    work = synthetic(*LONG_IDLE)
+    tiny = simulate(replace(SUSPEND_SETTINGS, parked_limit=GIB), ("suspend",), work)["suspend"]
+    assert tiny.suspends == 0 and tiny.reclaims > 0  # no 12 GiB slice fits in 1 GiB of host RAM: culled
+    assert tiny.parked_peak == 0 and tiny.work_lost > 0
+    none = simulate(replace(SUSPEND_SETTINGS, parked_limit=0), ("suspend",), work)["suspend"]
+    assert none.suspends == 0 and none.reclaims == tiny.reclaims
+
+
+def test_suspend_mode_is_deterministic_and_store_kind_does_not_matter() -> None:
+    work = synthetic(*LONG_IDLE)
+    runs = [
+        simulate(SUSPEND_SETTINGS, ("suspend",), work)["suspend"].to_json(),
+        simulate(SUSPEND_SETTINGS, ("suspend",), work)["suspend"].to_json(),
+        simulate(replace(SUSPEND_SETTINGS, store="file"), ("suspend",), work)["suspend"].to_json(),
+    ]
+    for data in runs:
+        data.pop("elapsed")
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0]["suspends"] > 0
+    other = simulate(replace(SUSPEND_SETTINGS, seed=7), ("suspend",), work)["suspend"].to_json()
+    other.pop("elapsed")
+    assert other != runs[0]
+
+
+def test_a_resume_waits_at_least_the_restore_time() -> None:
+    work = synthetic(*LONG_IDLE)
+    used = int(0.5 * 24 * GIB)
+    restore = 200.0  # within the engine's transition_timeout (300 s): slow, but not given up on
+    slow = simulate(replace(SUSPEND_SETTINGS, checkpoint_rate=used / restore), ("suspend",), work)["suspend"]
+    fast = simulate(SUSPEND_SETTINGS, ("suspend",), work)["suspend"]
+    assert slow.resumes > 0 and slow.expired == 0
+    assert slow.resume_wait_p50 >= restore  # every resume waits for its memory to be copied back
+    assert fast.resume_wait_p50 < slow.resume_wait_p50
+
+
+def test_suspend_moves_idle_kernels_to_make_room_and_confirms_the_moves() -> None:
+    # Mixed slice sizes on two GPUs fragment them: the engine plans live moves (MIGRATE).
+    settings = Settings(gpus="2x24GiB", users=10, rate=6, shape=parse_shape("flat"), days=0.2, seed=1,
+                        memory_need=MemoryNeed("range", 4 * GIB, 14 * GIB), patience=None)
+    result = simulate(settings, ("suspend",), synthetic(0.3, 300, 2400, 3 * 3600))["suspend"]
+    assert result.moves > 0 and result.suspends > 0
+    assert result.expired == 0 and result.reclaims == 0  # every move and suspend finished: nobody stopped
+
+
+def test_suspend_mode_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--gpus", "1x24GiB", "--users", "12", "--rate", "4", "--shape", "flat", "--days", "0.25", "--memory-need", "50%",
+            "--session-length", "4h", "--modes", "reclaim,pooled+suspend", "--suspend-idle-timeout", "2m",
+            "--parked-memory-limit", "64GiB", "--checkpoint-rate", "10"]
+    code, out, err = run_app(argv, capsys)
+    assert code == 0, err
+    assert "pooled+suspend: idle timeout 2 min, host RAM for parked slices 64 GiB, suspend/restore at 10 GB/s" in out
+    for label in ("pooled+reclaim", "pooled+suspend", "suspends", "resume wait p95", "parked peak / p95", "work lost"):
+        assert label in out
+    code, out, err = run_app([*argv, "--json"], capsys)
+    data = json.loads(out)["results"]["suspend"]
+    assert data["parked_limit"] == 64 * GIB and data["parked_peak"] <= 64 * GIB
+    assert json.loads(out)["settings"]["suspend_idle_timeout"] == 120
 
 
 # --- workload from the traces -------------------------------------------------------------------------
@@ -260,6 +342,11 @@ def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["--store", "disk"], "invalid --store 'disk'"),
         (["--jobs", "0"], "invalid --jobs 0"),
         (["--quota", "much"], "invalid size 'much'"),
+        (["--parked-memory-limit", "40%"], "invalid --parked-memory-limit '40%'"),
+        (["--parked-memory-limit", "lots"], "invalid --parked-memory-limit 'lots': expected a size of host RAM"),
+        (["--checkpoint-rate", "0"], "invalid --checkpoint-rate 0"),
+        (["--suspend-idle-timeout", "soon"], "invalid duration 'soon'"),
+        (["--modes", "suspended"], "invalid mode 'suspended': choose from exclusive, pooled, reclaim, suspend"),
     ],
 )
 def test_cli_rejects_bad_input_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -291,7 +378,7 @@ def test_jupyter_gpupool_simulate_prints_a_table() -> None:
         check=False, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    for label in ("exclusive GPUs", "pooled", "pooled+reclaim", "wait p95", "Jain"):
+    for label in ("exclusive GPUs", "pooled", "pooled+reclaim", "pooled+suspend", "wait p95", "Jain", "suspends"):
         assert label in proc.stdout
 
 
@@ -309,3 +396,21 @@ def test_jobs_give_the_same_tables_as_one_process(capsys: pytest.CaptureFixture[
         tables.append((data["results"], data["search"]))
     assert tables[0] == tables[1]
     assert any(len(s["p95_wait_by_gpus"]) > 1 for s in tables[0][1].values())  # the search tried several counts
+
+
+def test_lab_sim_prints_pooled_suspend_beside_the_other_modes() -> None:
+    """bench/lab_sim.py (the Markdown of bench/RESULTS.md): one row per mode, pooled+suspend's columns."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "lab_sim.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--scenario", "class", "--days", "0.42", "--target", "", "--jobs", "2"],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| mode |"))
+    assert header.endswith("| Jain | suspends | resume wait p95 | parked peak / p95 | work lost |")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| pooled", "| exclusive"))]
+    assert [row.split(" | ")[0] for row in rows] == ["| exclusive GPUs", "| pooled", "| pooled+reclaim", "| pooled+suspend"]
+    assert all(len(row.split(" | ")) == len(header.split(" | ")) for row in rows)
+    assert "--jobs 2" in proc.stdout and "pooled+suspend: idle timeout 5 min" in proc.stdout
