@@ -504,7 +504,7 @@ def test_checkpointer_for_each_backend(tmp_path):
     remote = checkpointer_for(Remote())
     assert isinstance(remote, NoCheckpointer)
     assert remote.probe() == CheckpointSupport(
-        False, "none", "this pool is served by a broker: the broker's host suspends kernels, not this server"
+        False, "none", "a broker's device backend is not on this host: give the server a local backend of its kind"
     )
     assert checkpointer_for(Odd()).probe().reason == "the odd device backend cannot suspend kernels"
     with pytest.raises(CheckpointError) as error:

@@ -915,7 +915,7 @@ def checkpointer_for(backend: DeviceBackend | Any) -> Checkpointer:
     if name == "nvml":
         return CudaCheckpointer(backend)
     if name == "remote":
-        return NoCheckpointer("this pool is served by a broker: the broker's host suspends kernels, not this server")
+        return NoCheckpointer("a broker's device backend is not on this host: give the server a local backend of its kind")
     if name == "slurm":
         return NoCheckpointer("GPUs here are allocated by Slurm, which has no suspend to host RAM")
     return NoCheckpointer(f"the {name or 'unknown'} device backend cannot suspend kernels")
