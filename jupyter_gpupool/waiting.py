@@ -40,16 +40,23 @@ class Pause:
 WaitLoop = Generator["Step | Pause", Any, Lease]
 
 
+def _advance(loop: WaitLoop, reply: Any, error: BaseException | None) -> tuple[Step | Pause | None, Lease | None]:
+    """Hand the last answer (or the pool's error) to the loop: its next order, or (None, the lease) when done."""
+    try:
+        return (loop.throw(error) if error is not None else loop.send(reply)), None
+    except StopIteration as done:
+        return None, done.value
+
+
 def run_blocking(loop: WaitLoop) -> Lease:
     """Drive a wait loop in this thread."""
     reply: Any = None
     error: BaseException | None = None
     while True:
-        try:
-            order = loop.throw(error) if error is not None else loop.send(reply)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+        order, lease = _advance(loop, reply, error)
         reply, error = None, None
+        if order is None:
+            return lease  # type: ignore[return-value]
         if isinstance(order, Pause):
             time.sleep(order.seconds)
             continue
@@ -64,11 +71,10 @@ async def run_async(loop: WaitLoop) -> Lease:
     reply: Any = None
     error: BaseException | None = None
     while True:
-        try:
-            order = loop.throw(error) if error is not None else loop.send(reply)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+        order, lease = _advance(loop, reply, error)
         reply, error = None, None
+        if order is None:
+            return lease  # type: ignore[return-value]
         if isinstance(order, Pause):
             await asyncio.sleep(order.seconds)
             continue

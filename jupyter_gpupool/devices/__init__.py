@@ -8,6 +8,8 @@ kernel's GPU memory to host RAM (see :mod:`.checkpoint`).
 from __future__ import annotations
 
 import abc
+import contextlib
+import os
 from dataclasses import dataclass
 
 from ..core.models import Device
@@ -41,6 +43,21 @@ class DeviceBackend(abc.ABC):
 
     def close(self) -> None:
         """Release driver handles (NVML shutdown)."""
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (another user's counts; a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped) counts as gone: it runs no more cells.
+    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as handle:
+        if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
 
 
 def make_backend(spec: str | None) -> DeviceBackend:

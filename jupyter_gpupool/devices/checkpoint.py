@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.models import Device
 from ..errors import GpuPoolError
 from ..units import format_size
+from . import process_alive as _alive
 
 if TYPE_CHECKING:
     from . import DeviceBackend
@@ -175,20 +176,6 @@ def complete_mapping(mapping: dict[str, str], gpus: list[str]) -> dict[str, str]
     for gpu in [g for g in unnamed if g not in full]:
         full[gpu] = free.pop(0)
     return full
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped) counts as gone: it runs no more cells.
-    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as handle:
-        if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
 
 
 def _gone(pid: int, action: str) -> CheckpointError:

@@ -13,6 +13,7 @@ from ..core.models import Device
 from ..errors import InvalidInput
 from ..units import GIB, parse_size
 from . import DeviceBackend, ProcessUsage
+from . import process_alive as _alive
 
 SPEC_FORMS = "a spec like 1x16GiB, 2xA100-80GB or 4xRTX3090-24GB,1xT4-16GB"
 
@@ -147,16 +148,6 @@ class SimulatedBackend(DeviceBackend):
 
     def describe(self) -> str:
         return f"simulated {self.spec}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def usage_dir_for(db_path: str) -> str:
