@@ -85,4 +85,5 @@ __all__ = [
     "ProcessUsage",
     "checkpointer_for",
     "make_backend",
+    "process_alive",
 ]
