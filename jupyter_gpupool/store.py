@@ -7,6 +7,7 @@ memory twice. The schema is versioned; :data:`MIGRATIONS` brings an old file up 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import hashlib
@@ -656,7 +657,9 @@ class Store:
         if history.usage_rows is None:
             history.usage_rows = {owner: (value, at) for owner, value, at in self.conn.execute("SELECT owner, gib_hours, updated_at FROM usage")}
         if history.typical_hold is _UNKNOWN:
-            history.typical_hold = self._typical_hold()
+            rows = self.conn.execute("SELECT end, end - start FROM ledger ORDER BY end DESC LIMIT ?", (_History.SAMPLE,)).fetchall()
+            history.holds = collections.deque(reversed(rows), maxlen=_History.SAMPLE)
+            history.typical_hold = _median_hold(history.holds)
         if history.recent is None:
             rows = self.conn.execute(
                 "SELECT id, created_at, json_extract(data, '$.memory') FROM leases ORDER BY created_at DESC LIMIT ?", (_History.SAMPLE,)
@@ -704,7 +707,7 @@ class Store:
             (lease.owner, previous + gib_hours, end),
         )
         owner, row_now = lease.owner, (previous + gib_hours, end)
-        self._history_pending.append(lambda history: history.saw_interval(owner, row_now))
+        self._history_pending.append(lambda history: history.saw_interval(owner, row_now, end, end - start))
 
     @_locked
     def usage(self, now: float, half_life: float) -> dict[str, float]:
@@ -820,6 +823,11 @@ class Store:
 _UNKNOWN: Any = object()
 
 
+def _median_hold(holds: Any) -> float | None:
+    """As :meth:`Store.typical_hold`: the median of the newest holds, None with fewer than three."""
+    return statistics.median(held for _, held in holds) if len(holds) >= 3 else None
+
+
 class DecayedUsage(Mapping[str, float]):
     """Owners' usage rows decayed to ``now``, each when first asked for (a decision that orders
     no queue asks for none). It reads the store's rows as they are, without copying them: valid
@@ -853,14 +861,22 @@ class _History:
         self.version, self.read_at = version, read_at
         self.usage_rows: dict[str, tuple[float, float]] | None = None
         self.typical_hold: Any = _UNKNOWN
+        self.holds: collections.deque[tuple[float, float]] | None = None  # (end, seconds held) of the newest intervals, oldest first
         self.recent: dict[str, tuple[float, int]] | None = None  # lease id → (created at, memory), oldest first
         self.reservations: list[dict[str, Any]] | None = None
 
-    def saw_interval(self, owner: str, row: tuple[float, float]) -> None:
-        """A granted interval closed: the owner's usage row is ``row`` and the ledger grew."""
+    def saw_interval(self, owner: str, row: tuple[float, float], end: float, held: float) -> None:
+        """A granted interval closed: the owner's usage row is ``row`` and the ledger grew by one
+        interval that ended at ``end`` after ``held`` seconds (the typical hold follows without a
+        query, unless the interval is older than the newest known: then it is read again)."""
         if self.usage_rows is not None:
             self.usage_rows[owner] = row
-        self.typical_hold = _UNKNOWN
+        holds = self.holds
+        if self.typical_hold is _UNKNOWN or holds is None or (holds and end < holds[-1][0]):
+            self.forget_typical_hold()
+            return
+        holds.append((end, held))
+        self.typical_hold = _median_hold(holds)
 
     def saw_sizes(self, leases: list[tuple[str, float, int, bool]]) -> None:
         """Leases saved: ``(id, created at, memory, new)``; a resize changes a recent size too."""
@@ -884,6 +900,7 @@ class _History:
 
     def forget_typical_hold(self) -> None:
         self.typical_hold = _UNKNOWN
+        self.holds = None
 
     def forget_reservations(self) -> None:
         self.reservations = None
