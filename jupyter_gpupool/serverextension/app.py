@@ -197,8 +197,40 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         """Make the provisioner the default, turn on pending kernels, bind, and open the pool.
 
         Never fails because of the pool: a pool that cannot be opened leaves the extension in its
-        degraded mode (kernels CPU-only or refused, REST says why) and is tried again later.
+        degraded mode (kernels CPU-only or refused, REST says why) and is tried again later. And
+        never fails open: if starting the extension itself breaks (a bug, a broken install), the
+        kernels it would have pooled start with every GPU hidden, and the log says why.
         """
+        try:
+            self._initialize_settings()
+        except Exception as err:
+            from ..provisioner import one_line
+
+            reason = f"the gpupool server extension failed to start: {one_line(err)}"
+            self.log.error("gpupool: %s; kernels of this server start CPU-only until it is fixed", reason, exc_info=True)
+            self._hide_gpus_from_pooled_kernels(reason)
+
+    def _hide_gpus_from_pooled_kernels(self, reason: str) -> None:
+        """The last line of defence: kernelspecs this server would have pooled get
+        ``CUDA_VISIBLE_DEVICES=""`` (a kernelspec that names another provisioner is an admin's opt-out)."""
+        from ..provisioner import UNAVAILABLE_ENV
+
+        assert self.serverapp is not None
+        ksm = self.serverapp.kernel_spec_manager
+        original = ksm.get_kernel_spec
+        pooled_by_default = self.make_default_provisioner
+
+        def get_kernel_spec(kernel_name: str, *args: Any, **kwargs: Any) -> Any:
+            spec = original(kernel_name, *args, **kwargs)
+            metadata = spec.metadata if isinstance(spec.metadata, dict) else {}
+            named = metadata.get("kernel_provisioner", {}).get("provisioner_name")
+            if named == PROVISIONER_NAME or (named is None and pooled_by_default):
+                spec.env = {**(spec.env or {}), "CUDA_VISIBLE_DEVICES": "", UNAVAILABLE_ENV: reason}
+            return spec
+
+        ksm.get_kernel_spec = get_kernel_spec
+
+    def _initialize_settings(self) -> None:
         assert self.serverapp is not None
         self._tasks = []
         self._culled: dict[str, str] = {}
