@@ -18,7 +18,7 @@ from jupyter_gpupool.units import GIB
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.filterwarnings("error::jupyter_server.utils.JupyterServerAuthWarning"),
-    pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="16GiB"),
+    pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="16GiB", GPUPOOL_RECLAIM_ACTION="cull"),  # the cull path (suspends: below)
     pytest.mark.gpupool_config({"PoolPolicy": {"min_runtime": 0, "grace_period": 1, "group_priorities": {"staff": "high"}}}),
 ]
 
@@ -82,5 +82,23 @@ def test_a_kernel_preempted_for_an_open_reservation_is_shut_down(arun, jp_server
         host, me = holder_identity()
         prof = pool.request(LeaseRequest(owner="prof", memory=8 * GIB, holder_pid=me, holder_host=host))
         assert prof.state is LeaseState.GRANTED
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="16GiB")
+def test_by_default_a_preempted_kernel_is_suspended_not_shut_down(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext):
+    """Where the host can park GPU memory, preemption suspends: the process lives on, the slice is freed."""
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel_id, pid = await _holding_kernel(jp_serverapp, gpupool_fetch, gpupool_wait, pool)
+        host, me = holder_identity()
+        prof = pool.request(LeaseRequest(owner="prof", groups=("staff",), memory=8 * GIB, holder_pid=me, holder_host=host))
+        await gpupool_wait(lambda: pool.get(prof.id).state is LeaseState.GRANTED, timeout=30, what="prof's grant")
+        victim = pool.lease_for_kernel(kernel_id)
+        assert victim.state is LeaseState.SUSPENDED, victim
+        assert victim.suspend_reason.startswith("preempted for a higher-priority request"), victim.suspend_reason
+        assert _alive(pid) and kernel_id in jp_serverapp.kernel_manager
 
     arun(scenario())

