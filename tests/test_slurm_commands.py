@@ -151,3 +151,21 @@ def test_the_gres_of_a_slice_whole_gpus_and_a_model(tmp_path):
     with pytest.raises(InvalidInput, match="more than one GPU's 8"):
         pool.gres_for(90 * GIB, 1)
     pool.close()
+
+
+def test_a_slice_asks_for_the_smallest_mig_type_that_holds_it(tmp_path):
+    from traitlets import TraitError
+
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    profiles = {"3g.40gb": "40GiB", "1g.10gb": "10GiB", "2g.20gb": "20GiB"}
+    pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", mig_profiles=profiles, state_path=str(tmp_path / "leases.sqlite"))
+    assert pool.gres_for(8 * GIB, 1) == ("gpu:1g.10gb:1", 10 * GIB)
+    assert pool.gres_for(10 * GIB, 1) == ("gpu:1g.10gb:1", 10 * GIB)
+    assert pool.gres_for(12 * GIB, 1) == ("gpu:2g.20gb:1", 20 * GIB)
+    assert pool.gres_for(60 * GIB, 1) == ("shard:6", 60 * GIB)  # larger than every MIG type: shards as before
+    assert pool.gres_for(8 * GIB, 2) == ("gpu:2", 80 * GIB)
+    pool.close()
+    for bad, message in [({"1g:10gb": "10GiB"}, "is not a GRES type"), ({"1g.10gb": "ten"}, "ten")]:
+        with pytest.raises((InvalidInput, TraitError), match=message):
+            SlurmPool(mig_profiles=bad, state_path=str(tmp_path / "other.sqlite"))

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
-from traitlets import Float, Int, List, Unicode
+from traitlets import Dict, Float, Int, List, Unicode, validate
 from traitlets.config import Config, LoggingConfigurable
 
 from ..core.models import (
@@ -144,6 +144,25 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         config=True,
         help="GRES shards per GPU. 0: read from the nodes' Gres (shard count / gpu count).",
     )
+    mig_profiles = Dict(
+        {},
+        config=True,
+        help="MIG GRES types of the partition and each one's memory, e.g. {'1g.10gb': '10GiB', '3g.40gb': '40GiB'} "
+        "(what AutoDetect=nvml lists as gpu:<type>). A one-GPU slice then asks for the smallest type that holds it "
+        "(--gres=gpu:3g.40gb:1): a hard memory limit, where shards are only a share. A slice larger than every "
+        "type gets shards or a whole GPU as before. Empty: no MIG.",
+    )
+
+    @validate("mig_profiles")
+    def _check_mig_profiles(self, proposal: Any) -> dict[str, str]:
+        checked = {}
+        for name, size in dict(proposal["value"]).items():
+            if not str(name) or any(c in str(name) for c in ":,= "):
+                raise InvalidInput(f"c.SlurmPool.mig_profiles: {name!r} is not a GRES type (e.g. 1g.10gb)")
+            parse_size(str(size))  # raises InvalidInput naming the forms
+            checked[str(name)] = str(size)
+        return checked
+
     sbatch_args = List(
         Unicode(),
         config=True,
@@ -324,6 +343,11 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
             if any(c in model for c in ":,= "):
                 raise InvalidInput(f"invalid GPU model {model!r}: give the GRES type of the GPUs, e.g. a100")
             return f"gpu:{model.lower()}:{max(1, num_gpus)}", gpu_memory
+        if num_gpus <= 1 and self.mig_profiles:
+            fitting = sorted((parse_size(size), name) for name, size in self.mig_profiles.items() if parse_size(size) >= memory)
+            if fitting:
+                size, name = fitting[0]
+                return f"gpu:{name}:1", size
         shards = self._shards_per_gpu()
         if num_gpus > 1 or not shards:
             return f"gpu:{max(1, num_gpus)}", gpu_memory
