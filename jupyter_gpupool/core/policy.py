@@ -378,13 +378,6 @@ class PoolPolicy(Configurable):
         help="Seconds a kernel must have been idle before live defragmentation may move it.",
     ).tag(config=True)
 
-    @validate("parked_memory_limit")
-    def _check_parked_memory_limit(self, proposal: Any) -> str:
-        value = str(proposal["value"]).strip()
-        if value != "0":
-            parse_size(value, gpu_memory=1 << 40)  # raises InvalidInput on a bad form
-        return value
-
     def parked_budget(self, host_memory: int | None) -> int:
         """Bytes of host RAM parked slices may take (a share is of ``host_memory``; 0 when unknown)."""
         if self.parked_memory_limit == "0" or ("%" in self.parked_memory_limit and not host_memory):
@@ -458,10 +451,11 @@ class PoolPolicy(Configurable):
             raise InvalidInput(f"{proposal['trait'].name} must be 0 or more, got {value}")
         return value
 
-    @validate("default_memory")
-    def _check_default_memory(self, proposal: Any) -> str:
-        value = str(proposal["value"])
-        parse_size(value, gpu_memory=1 << 40)  # raises InvalidInput on a bad form
+    @validate("default_memory", "parked_memory_limit")
+    def _check_size_or_share(self, proposal: Any) -> str:
+        value = str(proposal["value"]).strip()
+        if not (value == "0" and proposal["trait"].name == "parked_memory_limit"):  # "0": never park
+            parse_size(value, gpu_memory=1 << 40)  # raises InvalidInput on a bad form
         return value
 
     @validate("placement")
