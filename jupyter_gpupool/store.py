@@ -7,6 +7,7 @@ memory twice. The schema is versioned; :data:`MIGRATIONS` brings an old file up 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import fcntl
@@ -659,7 +660,8 @@ class Store:
         if history.typical_hold is _UNKNOWN:
             rows = self.conn.execute("SELECT end, end - start FROM ledger ORDER BY end DESC LIMIT ?", (_History.SAMPLE,)).fetchall()
             history.holds = collections.deque(reversed(rows), maxlen=_History.SAMPLE)
-            history.typical_hold = _median_hold(history.holds)
+            history.held_sorted = sorted(held for _, held in history.holds)
+            history.typical_hold = _median_hold(history.held_sorted)
         if history.recent is None:
             rows = self.conn.execute(
                 "SELECT id, created_at, json_extract(data, '$.memory') FROM leases ORDER BY created_at DESC LIMIT ?", (_History.SAMPLE,)
@@ -823,9 +825,13 @@ class Store:
 _UNKNOWN: Any = object()
 
 
-def _median_hold(holds: Any) -> float | None:
-    """As :meth:`Store.typical_hold`: the median of the newest holds, None with fewer than three."""
-    return statistics.median(held for _, held in holds) if len(holds) >= 3 else None
+def _median_hold(held_sorted: list[float]) -> float | None:
+    """As :meth:`Store.typical_hold`: the median of the newest holds (sorted), None with fewer than three."""
+    count = len(held_sorted)
+    if count < 3:
+        return None
+    middle = count // 2
+    return held_sorted[middle] if count % 2 else (held_sorted[middle - 1] + held_sorted[middle]) / 2
 
 
 class DecayedUsage(Mapping[str, float]):
@@ -862,6 +868,7 @@ class _History:
         self.usage_rows: dict[str, tuple[float, float]] | None = None
         self.typical_hold: Any = _UNKNOWN
         self.holds: collections.deque[tuple[float, float]] | None = None  # (end, seconds held) of the newest intervals, oldest first
+        self.held_sorted: list[float] = []  # the same seconds held, sorted (the median without a sort)
         self.recent: dict[str, tuple[float, int]] | None = None  # lease id → (created at, memory), oldest first
         self.reservations: list[dict[str, Any]] | None = None
 
@@ -875,8 +882,11 @@ class _History:
         if self.typical_hold is _UNKNOWN or holds is None or (holds and end < holds[-1][0]):
             self.forget_typical_hold()
             return
+        if len(holds) == holds.maxlen:  # the oldest leaves the sample
+            del self.held_sorted[bisect.bisect_left(self.held_sorted, holds[0][1])]
         holds.append((end, held))
-        self.typical_hold = _median_hold(holds)
+        bisect.insort(self.held_sorted, held)
+        self.typical_hold = _median_hold(self.held_sorted)
 
     def saw_sizes(self, leases: list[tuple[str, float, int, bool]]) -> None:
         """Leases saved: ``(id, created at, memory, new)``; a resize changes a recent size too."""

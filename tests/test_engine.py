@@ -441,3 +441,21 @@ def test_old_released_leases_and_events_are_pruned_but_the_ledger_is_kept(tmp_pa
     gone = keep_all.request(req(), now=T0)
     keep_all.release(gone.id, now=T0 + 1)
     assert keep_all.prune(now=T0 + 10**8) == {"leases": 0, "events": 0, "ledger": 0}
+
+
+def test_the_kept_typical_hold_is_what_the_ledger_says_past_its_sample(tmp_path):
+    """The typical hold follows each release in place (no ledger query): past the 200-interval
+    sample the oldest leave it, and the kept median stays the one SQLite gives."""
+    import random
+
+    pool = make_pool(tmp_path, spec="1x80GiB", idle_policy="never")
+    rng = random.Random(7)
+    now = T0
+    for _ in range(260):
+        lease = pool.request(req("alice", gib=1), now=now)
+        now += rng.choice([1, 5, 60, 600, 3600])
+        pool.release(lease.id, now=now)
+        with pool.store.transaction():
+            pool.store.live_leases()
+            kept = pool.store.history(now, 86400, max_age=10**9)["typical_hold"]
+        assert kept == pool.store.typical_hold()
