@@ -672,7 +672,7 @@ class Store:
         return {
             "usage": DecayedUsage(history.usage_rows, now, half_life),
             "typical_hold": history.typical_hold,
-            "recent": [memory for _, memory in history.recent.values() if memory],
+            "recent": history.recent_sizes(),
             "reservations": history.reservations,
         }
 
@@ -870,6 +870,8 @@ class _History:
         self.holds: collections.deque[tuple[float, float]] | None = None  # (end, seconds held) of the newest intervals, oldest first
         self.held_sorted: list[float] = []  # the same seconds held, sorted (the median without a sort)
         self.recent: dict[str, tuple[float, int]] | None = None  # lease id → (created at, memory), oldest first
+        self._recent_changes = 0
+        self._sizes: tuple[Any, int, list[int]] | None = None
         self.reservations: list[dict[str, Any]] | None = None
 
     def saw_interval(self, owner: str, row: tuple[float, float], end: float, held: float) -> None:
@@ -888,6 +890,15 @@ class _History:
         bisect.insort(self.held_sorted, held)
         self.typical_hold = _median_hold(self.held_sorted)
 
+    def recent_sizes(self) -> list[int]:
+        """The recent request sizes, oldest first (made again only after they changed)."""
+        recent = self.recent
+        if recent is None:
+            return []
+        if self._sizes is None or self._sizes[0] is not recent or self._sizes[1] != self._recent_changes:
+            self._sizes = (recent, self._recent_changes, [memory for _, memory in recent.values() if memory])
+        return self._sizes[2]
+
     def saw_sizes(self, leases: list[tuple[str, float, int, bool]]) -> None:
         """Leases saved: ``(id, created at, memory, new)``; a resize changes a recent size too."""
         recent = self.recent
@@ -895,13 +906,16 @@ class _History:
             return
         for lease_id, created_at, memory, new in leases:
             if lease_id in recent:
-                recent[lease_id] = (created_at, memory)
+                if recent[lease_id] != (created_at, memory):
+                    recent[lease_id] = (created_at, memory)
+                    self._recent_changes += 1
             elif new:
                 newest = next(reversed(recent.values()))[0] if recent else float("-inf")
                 if created_at < newest:
                     self.recent = None  # an older lease (explicit `now` in the past): read them again
                     return
                 recent[lease_id] = (created_at, memory)
+                self._recent_changes += 1
                 if len(recent) > self.SAMPLE:
                     del recent[next(iter(recent))]
 

@@ -459,3 +459,27 @@ def test_the_kept_typical_hold_is_what_the_ledger_says_past_its_sample(tmp_path)
             pool.store.live_leases()
             kept = pool.store.history(now, 86400, max_age=10**9)["typical_hold"]
         assert kept == pool.store.typical_hold()
+
+
+def test_a_report_that_says_nothing_new_writes_nothing_while_the_heartbeat_is_fresh(tmp_path):
+    """Most kernels are idle: rewriting their leases every report was most of a report's cost. An
+    unchanged report changes nothing until the stored heartbeat is a quarter of the TTL old; busy
+    time between heartbeats is still counted in full."""
+    pool = make_pool(tmp_path, heartbeat_ttl=120, idle_policy="never")
+    lease = pool.request(req("alice"), now=T0)
+    idle = Activity(busy=False, last_activity=T0, connections=1)
+    pool.report_activity(lease.id, idle, now=T0 + 1)
+    assert pool.get(lease.id).heartbeat_at == T0 + 1
+    version = pool.store.conn.total_changes
+    pool.report_activity(lease.id, idle, now=T0 + 20)  # nothing new, heartbeat 19 s old < 30 s
+    assert pool.store.conn.total_changes == version
+    assert pool.get(lease.id).heartbeat_at == T0 + 1
+    pool.report_activity(lease.id, idle, now=T0 + 40)  # 39 s old: written again
+    assert pool.get(lease.id).heartbeat_at == T0 + 40
+    pool.report_activity(lease.id, Activity(busy=False, last_activity=T0 + 41, connections=1), now=T0 + 42)
+    assert pool.get(lease.id).last_activity == T0 + 41  # news is never skipped
+    busy = Activity(busy=True, connections=1)
+    pool.report_activity(lease.id, busy, now=T0 + 50)
+    pool.report_activity(lease.id, busy, now=T0 + 60)  # skipped
+    pool.report_activity(lease.id, busy, now=T0 + 90)  # written: counts 50 → 90
+    assert pool.get(lease.id).active_seconds == pytest.approx(40)

@@ -143,7 +143,7 @@ class Engine:
         )
         state.leases[lease.id] = lease
         state.touch(lease)
-        state.recent_requests.append(memory)
+        state.recent_requests = [*state.recent_requests, memory]  # a new list: the store may share the one it handed in
         return lease
 
     def _shape(self, request: LeaseRequest, candidates: list[Device]) -> tuple[int, int]:
@@ -1098,7 +1098,20 @@ class Engine:
         return lease
 
     def report_activity(self, state: PoolState, lease_id: str, activity: Activity, now: float) -> Lease:
+        """Take a kernel's activity (and heartbeat). A report that says nothing new (still idle since
+        the same moment, or still busy, with the same connections) changes nothing while the
+        heartbeat on file is fresh (younger than a quarter of the TTL): rewriting every kernel's
+        lease every few seconds was most of a report's cost, and of a simulated day's."""
         lease = self.get(state, lease_id)
+        if (
+            activity.busy == lease.busy
+            and activity.connections == lease.connections
+            # busy, it stays "active now"; idle, its last activity is what the lease says
+            and (activity.busy or activity.last_activity is None or activity.last_activity <= (lease.last_activity or 0.0))
+            and lease.heartbeat_at is not None
+            and 0.0 <= now - lease.heartbeat_at < self.policy.heartbeat_ttl / 4
+        ):
+            return lease  # the busy time since the heartbeat is counted at the next write
         previous = lease.heartbeat_at or now
         if lease.busy and lease.state in HELD_STATES:
             lease.active_seconds += max(0.0, now - previous)
