@@ -35,3 +35,15 @@ def test_system_bench_rejects_bad_sizes() -> None:
     proc = run_bench("--sizes", "ten")
     assert proc.returncode == 2
     assert "--sizes 'ten'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_profile_decision_smoke() -> None:
+    """bench/README.md's `python bench/profile_decision.py --live 1000 --cycles 300`, smaller."""
+    script = BENCH.parent / "profile_decision.py"
+    proc = subprocess.run([sys.executable, str(script), "--live", "50", "--cycles", "20"], check=False, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith("grants+releases/s at 50 live leases (unprofiled, 20 cycles)"), lines[0]
+    shares = [float(line.split("%")[0]) for line in lines[1:]]
+    assert shares and all(0 <= share <= 100 for share in shares) and sum(shares) <= 100.5
+    assert any("core/engine.py" in line for line in lines[1:])
