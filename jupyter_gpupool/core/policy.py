@@ -454,8 +454,17 @@ class PoolPolicy(Configurable):
     @validate("default_memory", "parked_memory_limit")
     def _check_size_or_share(self, proposal: Any) -> str:
         value = str(proposal["value"]).strip()
-        if not (value == "0" and proposal["trait"].name == "parked_memory_limit"):  # "0": never park
+        name = proposal["trait"].name
+        if value == "0" and name == "parked_memory_limit":  # never park: reclaims cull
+            return value
+        try:
             parse_size(value, gpu_memory=1 << 40)  # raises InvalidInput on a bad form
+        except InvalidInput:
+            if name == "parked_memory_limit":
+                raise InvalidInput(
+                    f"invalid parked_memory_limit {value!r}: give a size (256GiB), a share of the host's RAM (50%), or 0 to never park"
+                ) from None
+            raise
         return value
 
     @validate("placement")
