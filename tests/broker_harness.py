@@ -474,3 +474,25 @@ __all__ = [
     "user_model",
     "wait_until",
 ]
+
+
+def read_http_message(sock: socket.socket) -> bytes:
+    """One HTTP message (headers and a Content-Length body) read from ``sock`` (for proxies that drop answers)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body

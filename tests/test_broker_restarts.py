@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import BrokerProcess, JupyterServer, StandInHub, wait_until
+from broker_harness import BrokerProcess, JupyterServer, StandInHub, read_http_message, wait_until
 
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.errors import PoolUnavailable
@@ -231,9 +231,9 @@ class DropFirstAnswer:
         client.settimeout(10)
         upstream.settimeout(10)
         try:
-            request = _read_http_message(client)
+            request = read_http_message(client)
             upstream.sendall(request)
-            answer = _read_http_message(upstream)
+            answer = read_http_message(upstream)
             if not drop_answer:
                 client.sendall(answer)
         finally:
@@ -242,27 +242,6 @@ class DropFirstAnswer:
 
     def close(self) -> None:
         self.listener.close()
-
-
-def _read_http_message(sock: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value.strip())
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return head + b"\r\n\r\n" + body
 
 
 def test_a_kernel_request_retried_after_a_lost_answer_gets_the_same_lease(

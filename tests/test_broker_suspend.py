@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import BrokerHarness, BrokerProcess, StandInHub
+from broker_harness import BrokerHarness, BrokerProcess, StandInHub, read_http_message
 from prometheus_client.parser import text_string_to_metric_families
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState, Transition
@@ -250,9 +250,9 @@ class DropFirstAnswers:
 
     def _relay(self, client: socket.socket) -> None:
         with client, socket.create_connection(("127.0.0.1", self.target)) as upstream:
-            request = _read_http(client)
+            request = read_http_message(client)
             upstream.sendall(request)
-            answer = _read_http(upstream)
+            answer = read_http_message(upstream)
             if self.match in request.split(b"\r\n", 1)[0] and self.dropped < self.drop:
                 self.dropped += 1
                 client.shutdown(socket.SHUT_RDWR)  # the answer is lost
@@ -261,28 +261,6 @@ class DropFirstAnswers:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def _read_http(conn: socket.socket) -> bytes:
-    """One HTTP message (headers and a Content-Length body) from ``conn``."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value.strip())
-    while len(body) < length:
-        chunk = conn.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return head + b"\r\n\r\n" + body
 
 
 @pytest.fixture
