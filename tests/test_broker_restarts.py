@@ -436,3 +436,32 @@ def test_a_kernel_start_while_the_broker_hangs_leaves_the_server_responsive(
         wait_until(lambda: (l := kernel_lease(broker, kernel_id)) and l.state is LeaseState.GRANTED, what="the grant")
     finally:
         server.stop()
+
+
+# --- a SIGTERM as soon as the broker's port answers stops it cleanly -----------------------------------
+def test_a_sigterm_right_after_the_port_answers_stops_the_broker_cleanly(tmp_path: Path) -> None:
+    """The signal handlers used to be installed after the port listened: a supervisor (or a test) that
+    stopped the broker the moment it answered killed it mid-start (exit -15), leaving its socket."""
+    import signal
+    import subprocess
+    import sys
+
+    from server_process import free_port
+
+    for attempt in range(3):
+        port = free_port()
+        env = {**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / f"p{attempt}.sqlite")}
+        env.pop("JUPYTERHUB_API_TOKEN", None)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_gpupool.broker", f"--port={port}", "--ip=127.0.0.1", "--hub=off"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, "the broker exited while starting"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

@@ -586,6 +586,12 @@ class BrokerApp(GpuPoolBaseApp):
         asyncio.run(self._serve(broker, mode))
 
     async def _serve(self, broker: Broker, socket_mode: int) -> None:
+        # Before anything listens: a SIGTERM that comes as soon as the port answers must stop the
+        # broker cleanly (socket removed, pool closed), not kill it mid-start.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         app = make_app(broker, self._base_url())
         server = httpserver.HTTPServer(app, xheaders=False)
         ip, port = self._listen_address()
@@ -623,10 +629,6 @@ class BrokerApp(GpuPoolBaseApp):
             "jupyter-gpupool broker %s: %s on %s", __version__, broker.pool.backend.describe(), ", ".join(where)
         )
         self.log.info("pool database: %s; recorded for `jupyter gpupool` in %s", broker.pool.db_path, recorded or "no file")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         self.log.info("jupyter-gpupool broker: stopping")
         server.stop()
