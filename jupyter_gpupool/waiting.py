@@ -91,9 +91,15 @@ class GrantWaiting:
     #: How a waiting request is called in a timeout's message ("queued", or "pending" for a Slurm job).
     waiting_word = "queued"
 
-    def _look_at_request(self, lease_id: str, last: QueueInfo | None, deadline: float | None) -> tuple[Lease, QueueInfo | None]:
-        """The lease and its place in the queue now; raises RequestRefused if it was released."""
-        raise NotImplementedError
+    #: ``(lease_id, last QueueInfo or None, deadline) -> (lease, QueueInfo or None)``: the lease and its
+    #: place in the queue now, raising RequestRefused if it was released. Every pool defines it
+    #: (checked when the class is made, so a pool without it never imports).
+    _look_at_request: Callable[[str, QueueInfo | None, float | None], tuple[Lease, QueueInfo | None]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not callable(getattr(cls, "_look_at_request", None)):
+            raise TypeError(f"{cls.__name__} waits for grants (GrantWaiting) but defines no _look_at_request")
 
     def _pause_between_looks(self, poll: float) -> float:
         """Seconds between two looks (0 where a look itself waits, as a broker's long poll does)."""
