@@ -109,6 +109,23 @@ class Pool(GrantWaiting):
             self._devices = (now, devices)
         return list(self._devices[1])
 
+    def _cached_devices(self) -> list[Device]:
+        """The device list ``_load`` uses: the cached one, read afresh only if there is none yet."""
+        return list(self._devices[1]) if self._devices is not None else self.devices()
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The store's write transaction, entered only after the device inventory is fresh.
+
+        A device query can block: NVML in a kernel whose process a CUDA checkpoint has locked
+        waits until the kernel is restored. Made under the pool's write lock, that wait would
+        stall every other process on the pool file, the server that must do the restore
+        included; so the inventory is read first, and ``_load`` only reads the cache.
+        """
+        self.devices()
+        with self.store.transaction():
+            yield
+
     def _load(self, now: float) -> PoolState:
         leases = self.store.live_leases()
         # Kept up to date with this pool's own decisions; other processes' at most every history_cache_seconds.
@@ -121,7 +138,7 @@ class Pool(GrantWaiting):
             # The leases are other objects than last time: derive again (O(leases), then O(changes)).
             self._index = (generation, LeaseIndex(leases.values()))
         return PoolState(
-            devices=self.devices(),
+            devices=self._cached_devices(),
             leases=leases,
             usage=stats["usage"],
             typical_hold=stats["typical_hold"],
@@ -136,7 +153,7 @@ class Pool(GrantWaiting):
         """This host's RAM; a simulated pool stands for a GPU server, whose RAM is taken to be twice
         its GPUs' memory (the usual build), so its parked-slice budget is that of such a server."""
         if getattr(self.backend, "name", "") == "simulated":
-            return 2 * sum(d.memory_total for d in self.devices())
+            return 2 * sum(d.memory_total for d in self._cached_devices())
         return host_memory()
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
@@ -153,7 +170,7 @@ class Pool(GrantWaiting):
 
     @contextmanager
     def _decide(self, now: float) -> Iterator[PoolState]:
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             yield state
             self._save(state)
@@ -179,7 +196,7 @@ class Pool(GrantWaiting):
         """Queue a request and grant it at once if it fits; raises RequestRefused if it never can."""
         check_holder_pid(req.holder_pid)
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             lease = self.engine.admit(state, new_lease_id(), req, now)
             decisions = self.engine.schedule(state, now)
@@ -210,12 +227,12 @@ class Pool(GrantWaiting):
 
     def queue(self, now: float | None = None) -> list[Lease]:
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             return [lease.copy() for lease in self.engine.queue_order(self._load(now), now)]
 
     def queue_info(self, lease_id: str, now: float | None = None) -> QueueInfo | None:
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             if lease_id not in state.leases:
                 self.get(lease_id)  # 404 for unknown ids
@@ -224,7 +241,7 @@ class Pool(GrantWaiting):
 
     def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             if lease_id not in state.leases:
                 lease = self.get(lease_id)
@@ -240,7 +257,7 @@ class Pool(GrantWaiting):
         """Ask for this lease's GPU memory to be parked in host RAM; its server carries it out and
         confirms. Raises :class:`RequestRefused` saying why when it cannot be suspended."""
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             decisions = [self.engine.suspend(state, lease_id, reason, now)]
             decisions += self.engine.schedule(state, now)
@@ -250,7 +267,7 @@ class Pool(GrantWaiting):
     def resume(self, lease_id: str, now: float | None = None) -> Lease:
         """Queue a suspended lease to come back; granted by policy like any request."""
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             self.engine.resume(state, lease_id, now)
             decisions = self.engine.schedule(state, now)
@@ -260,7 +277,7 @@ class Pool(GrantWaiting):
     def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
         """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move."""
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             lease = self.engine.confirm_transition(state, lease_id, now, parked_bytes)
             decisions = self.engine.schedule(state, now)
@@ -271,7 +288,7 @@ class Pool(GrantWaiting):
         """The holder's server could not finish a suspend, restore or move (see
         :meth:`Engine.fail_transition`); returns the lease as it is now (released if the kernel must stop)."""
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             lease = self.engine.get(state, lease_id)
             decisions = self.engine.fail_transition(state, lease_id, error, still_running, now)
@@ -282,7 +299,7 @@ class Pool(GrantWaiting):
     def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None) -> Lease:
         """Grow or shrink a lease; ``duration`` holds it through idle that long."""
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             lease = self.engine.get(state, lease_id)
             held_before = lease.memory if lease.state is LeaseState.GRANTED else None
@@ -307,7 +324,7 @@ class Pool(GrantWaiting):
         except ValueError:
             raise InvalidInput(f"invalid priority class {priority!r}: use batch, normal or high") from None
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             lease = self.engine.get(state, lease_id)
             lease.priority = cls
@@ -350,7 +367,7 @@ class Pool(GrantWaiting):
 
     def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             decisions = self.engine.report_usage(state, usage, now)
             self._save(state, [d for d in decisions if d.kind is DecisionKind.OVER_LIMIT and self._first_over(state, d)])
@@ -381,7 +398,7 @@ class Pool(GrantWaiting):
         now = self._now(now)
         if now - getattr(self, "_last_prune", float("-inf")) >= self.prune_interval:
             self.prune(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             decisions: list[Decision] = []
             for lease in list(state.leases.values()):
@@ -396,7 +413,7 @@ class Pool(GrantWaiting):
     def reconcile_kernels(self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None) -> list[Lease]:
         """Release live leases of this holder whose kernel no longer exists."""
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             gone = [
                 lease
@@ -422,7 +439,7 @@ class Pool(GrantWaiting):
         from .errors import RequestRefused
 
         now = self.clock()
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             lease = state.leases.get(lease_id)
             if lease is not None and lease.state is LeaseState.QUEUED:
@@ -441,7 +458,7 @@ class Pool(GrantWaiting):
     def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:
         """Devices, leases and queue as ``viewer`` may see them (others anonymous unless admin)."""
         now = self._now(now)
-        with self.store.transaction():
+        with self._locked():
             state = self._load(now)
             order = self.engine.queue_order(state, now)
             month_start = dt.datetime.fromtimestamp(now).replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()

@@ -99,6 +99,10 @@ class PoolClient(abc.ABC):
 #: What the pool records as the reason when a kernel's user suspends it from the kernel.
 SUSPEND_REASON = "suspended by its user with %gpupool suspend"
 DEFAULT_KEEP = "1h"
+#: How long a kernel reuses its read of the GPU inventory. The server keeps the live one; a kernel
+#: needs it for sizes and labels, and a driver query made while a CUDA checkpoint has locked the
+#: kernel's process waits until the kernel is restored, so the kernel asks the driver rarely.
+KERNEL_DEVICE_CACHE_SECONDS = 300.0
 
 
 def _owner_from_env(env: Mapping[str, str]) -> str:
@@ -138,7 +142,9 @@ class InProcessPoolClient(PoolClient):
                 else:
                     from ..pool import Pool
 
-                    self._pool = Pool.from_env()
+                    pool = Pool.from_env()
+                    pool.device_cache_seconds = KERNEL_DEVICE_CACHE_SECONDS
+                    self._pool = pool
             except GpuPoolError:
                 raise
             except Exception as err:
