@@ -258,6 +258,30 @@ def _append_logs(log_path: Path, name: str, workdir: Path) -> None:
 # --- the whole run ---------------------------------------------------------------------------------
 
 
+def _commit() -> dict[str, str]:
+    """The tree's commit, marked when the tree has changes not committed (the results are of those)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(
+                ["git", *args],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).resolve().parents[3],
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return {}
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit + (" with uncommitted changes" if changed else "")}
+
+
 def run_meta(probe: Probe, args: argparse.Namespace, selected: list[str]) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -275,19 +299,7 @@ def run_meta(probe: Probe, args: argparse.Namespace, selected: list[str]) -> dic
             meta["gpus"] = "; ".join(" ".join(row) for row in nvidia_smi_query("index,name,memory.total"))
         except Exception as exc:  # noqa: BLE001
             meta["gpus"] = f"nvidia-smi failed: {exc}"
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parents[3],
-            check=False,
-        )
-        if commit.returncode == 0:
-            meta["commit"] = commit.stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    meta.update(_commit())
     versions = {k: v for k, v in probe.frameworks.items() if v}
     if versions:
         meta["frameworks"] = ", ".join(f"{k} {v}" for k, v in versions.items())

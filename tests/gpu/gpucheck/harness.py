@@ -301,6 +301,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+STACKS_ON_SIGUSR2 = """import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
+"""
+
+
 def server_extension_config() -> dict[str, Any]:
     """What the wheel's auto-enable file holds (read from the repository), merged into one dict."""
     config: dict[str, Any] = {}
@@ -372,10 +377,24 @@ class JupyterServer:
         for sub in ("config", "data/kernels", "runtime", "ipython", "root"):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         (self.workdir / "config" / "jupyter_server_config.json").write_text(json.dumps(self.config, indent=1))
+        # SIGUSR2 prints every thread's stack into the log (server and kernels): see dump_stacks.
+        (self.workdir / "config" / "jupyter_server_config.py").write_text(STACKS_ON_SIGUSR2)
+        startup = self.workdir / "ipython" / "profile_default" / "startup"
+        startup.mkdir(parents=True, exist_ok=True)
+        (startup / "00-gpucheck-stacks.py").write_text(STACKS_ON_SIGUSR2)
         for name, spec in self.kernelspecs.items():
             folder = self.workdir / "data" / "kernels" / name
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "kernel.json").write_text(json.dumps(spec, indent=1))
+
+    def dump_stacks(self, *pids: int) -> None:
+        """Have the server and the given kernel processes print all their threads' stacks into the
+        log (for a check that found something stuck; ``checks.log`` then shows where)."""
+        for pid in (self.proc.pid if self.proc else None, *pids):
+            if pid and pid > 0:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGUSR2)
+        time.sleep(1.0)
 
     def start(self, timeout: float = 60.0) -> JupyterServer:
         self._write_environment()
@@ -429,7 +448,7 @@ class JupyterServer:
     # REST
     def api(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req = urllib.request.Request(f"{self.url}/{path.lstrip('/')}", data=data, method=method)
         req.add_header("Authorization", f"token {self.token}")
         if data is not None:
             req.add_header("Content-Type", "application/json")
