@@ -70,7 +70,9 @@ def penv(tmp_path: Path) -> Iterator[PoolEnv]:
 class PlayServer:
     """What the kernel's server does about transitions: confirm a suspend (``parked`` bytes) or a restore."""
 
-    def __init__(self, env: dict[str, str], lease_id: str, parked: int = PARKED, restore_delay: float = 0.3) -> None:
+    def __init__(self, env: dict[str, str], lease_id: str, parked: int = PARKED, restore_delay: float = 1.5) -> None:
+        # restore_delay: longer than the kernel's 0.5 s poll, so its "restoring GPU memory…" line is
+        # always seen (at 0.3 s a loaded machine's kernel could look only after the restore).
         self.env, self.lease_id, self.parked, self.restore_delay = env, lease_id, parked, restore_delay
         self.restored = 0
         self.suspended = 0
