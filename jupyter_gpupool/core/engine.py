@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InvalidInput, LeaseNotFound, RequestRefused
@@ -264,7 +264,7 @@ class Engine:
         queued = [state.leases[lease_id] for lease_id in state.derived().queued]
         if len(queued) < 2:
             return queued  # nothing to order: no need for everyone's fair-share usage
-        usage = self.fair_share_usage(state, now)
+        usage = self.fair_share_usage(state, now, owners={lease.owner for lease in queued})
         return sorted(
             queued,
             key=lambda lease: (
@@ -282,11 +282,15 @@ class Engine:
             rank += math.floor(max(0.0, now - lease.queued_since) / self.policy.aging_interval)
         return rank
 
-    def fair_share_usage(self, state: PoolState, now: float) -> dict[str, float]:
-        """GiB·hours per owner: decayed history plus what live leases have held so far."""
-        usage = dict(state.usage)
+    def fair_share_usage(self, state: PoolState, now: float, owners: Collection[str] | None = None) -> dict[str, float]:
+        """GiB·hours per owner: decayed history plus what live leases have held so far; only for
+        ``owners`` when given (ordering a queue needs its owners', not everyone's)."""
+        if owners is None:
+            usage = dict(state.usage)
+        else:
+            usage = {owner: state.usage[owner] for owner in owners if owner in state.usage}
         for lease in state.leases.values():
-            if lease.state in HELD_STATES and lease.granted_at is not None:
+            if lease.state in HELD_STATES and lease.granted_at is not None and (owners is None or lease.owner in owners):
                 held = lease.memory * lease.num_gpus / GIB * max(0.0, now - lease.granted_at) / 3600
                 usage[lease.owner] = usage.get(lease.owner, 0.0) + held
         return usage
