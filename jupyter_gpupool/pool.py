@@ -343,12 +343,15 @@ class Pool(GrantWaiting):
                 self.engine.report_activity(state, lease_id, activity, now)
 
     def report_activities(self, activities: dict[str, Activity], now: float | None = None) -> None:
-        """Many kernels' activity in one transaction (the server's periodic report)."""
+        """Many kernels' activity in one transaction (see :meth:`tick` to report and schedule in one)."""
         now = self._now(now)
         with self._decide(now) as state:
-            for lease_id, activity in activities.items():
-                if lease_id in state.leases:
-                    self.engine.report_activity(state, lease_id, activity, now)
+            self._take_activities(state, activities, now)
+
+    def _take_activities(self, state: PoolState, activities: dict[str, Activity], now: float) -> None:
+        for lease_id, activity in activities.items():
+            if lease_id in state.leases:
+                self.engine.report_activity(state, lease_id, activity, now)
 
     def heartbeat(self, lease_ids: list[str], now: float | None = None) -> None:
         now = self._now(now)
@@ -392,14 +395,18 @@ class Pool(GrantWaiting):
         self._last_prune = now
         return removed
 
-    def tick(self, now: float | None = None) -> list[Decision]:
+    def tick(self, now: float | None = None, activities: dict[str, Activity] | None = None) -> list[Decision]:
         """Run the scheduler once; also release leases whose holder process on this host died,
-        and now and then prune rows past their retention."""
+        and now and then prune rows past their retention. ``activities`` (kernels' activity, as
+        :meth:`report_activities` takes it) are taken first, in the same transaction: a server's
+        periodic round costs one transaction, not two."""
         now = self._now(now)
         if now - getattr(self, "_last_prune", float("-inf")) >= self.prune_interval:
             self.prune(now)
         with self._locked():
             state = self._load(now)
+            if activities:
+                self._take_activities(state, activities, now)
             decisions: list[Decision] = []
             for lease in list(state.leases.values()):
                 if lease.holder_pid and lease.holder_host == HOSTNAME and not _pid_alive(lease.holder_pid):

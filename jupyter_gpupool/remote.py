@@ -613,7 +613,10 @@ class RemotePool(GrantWaiting):
         """No-op: in multi-user mode the broker's watchdog measures every process on the host."""
         return []
 
-    def tick(self, now: float | None = None) -> list[Decision]:
+    def tick(self, now: float | None = None, activities: dict[str, Activity] | None = None) -> list[Decision]:
+        """The broker's scheduler run, after reporting ``activities`` (as :meth:`Pool.tick`)."""
+        if activities:
+            self.report_activities(activities, now)
         return [_decision(item) for item in self.call("POST", f"{API}/tick", {})]
 
     def reconcile_kernels(

@@ -225,6 +225,53 @@ def test_activity_or_keep_cancels_an_idle_warning(tmp_path):
         pool.keep(a.id, 9 * 3600, now=T0 + 1800)
 
 
+def test_a_tick_with_activities_decides_as_a_report_then_a_tick_in_one_transaction(tmp_path):
+    """The server's (and the simulator's) round: activity taken and the scheduler run in one
+    transaction, with the same outcome as the two calls one after the other."""
+    transactions: list[str] = []
+
+    def round_trip(pool, one_call: bool) -> tuple[list, int]:
+        a = pool.request(req("a", gib=16), now=T0)
+        pool.request(req("b", gib=8), now=T0 + 1000)  # a, idle since its grant, is warned
+        assert pool.get(a.id).reclaim_at is not None
+        pool.prune(T0 + 1000)  # not due again in the round below
+        activities = {a.id: Activity(busy=True, connections=1)}
+        begin, before = pool.store.transaction, len(transactions)
+        pool.store.transaction = lambda: transactions.append("begin") or begin()
+        if one_call:
+            decisions = pool.tick(now=T0 + 1001, activities=activities)
+        else:
+            pool.report_activities(activities, now=T0 + 1001)
+            decisions = pool.tick(now=T0 + 1001)
+        pool.store.transaction = begin
+        assert pool.get(a.id).reclaim_at is None  # its reported work cancelled the warning in this round
+        leases = sorted(pool.store.live_leases().values(), key=lambda lease: lease.owner)
+        state = [lease.to_json_text().replace(lease.id, lease.owner) for lease in leases]  # ids differ between pools
+        return [(d.kind, d.owner, d.message) for d in decisions] + state, len(transactions) - before
+
+    policy = {"spec": "1x16GiB", "idle_timeout": 600, "warning_period": 60, "preemption": False}
+    outcome, one_call = round_trip(make_pool(tmp_path, name="one.sqlite", **policy), one_call=True)
+    expected, two_calls = round_trip(make_pool(tmp_path, name="two.sqlite", **policy), one_call=False)
+    assert (one_call, two_calls) == (1, 2)
+    assert outcome == expected
+
+
+def test_fair_share_usage_of_some_owners_is_theirs_in_the_full_usage(tmp_path):
+    """Ordering a queue reads only its owners' fair-share usage: the same numbers as everyone's."""
+    pool = make_pool(tmp_path, spec="2x16GiB", fair_share_half_life=3600)
+    for i, owner in enumerate(["a", "b", "c", "a"]):  # history: closed intervals
+        lease = pool.request(req(owner, gib=4), now=T0 + i)
+        pool.release(lease.id, now=T0 + 600 + 100 * i)
+    for owner in ["a", "b", "d"]:  # and slices held now
+        pool.request(req(owner, gib=4), now=T0 + 1000)
+    with pool._locked():
+        state = pool._load(T0 + 4000)
+        everyone = pool.engine.fair_share_usage(state, T0 + 4000)
+        some = pool.engine.fair_share_usage(state, T0 + 4000, owners={"a", "d", "nobody"})
+    assert set(everyone) == {"a", "b", "c", "d"} and everyone["a"] > everyone["b"] > 0
+    assert some == {owner: everyone[owner] for owner in ("a", "d")}
+
+
 def test_idle_policy_always_and_never(tmp_path):
     always = make_pool(tmp_path, name="always.sqlite", idle_policy="always", idle_timeout=60, warning_period=10)
     lease = always.request(req(), now=T0)

@@ -669,9 +669,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         stale = [p for k in km.list_kernel_ids() if (p := self.provisioner_of(k)) is not None and p.stale_lease_id]
 
         def step() -> tuple[list[Decision], dict[str, tuple[GpuPoolProvisioner, Lease]], list[tuple[GpuPoolProvisioner, Lease]]]:
-            if activities:
-                self.pool.report_activities(activities)
-            decisions = self.pool.tick()
+            decisions = self.pool.tick(activities=activities)
             handed_back = []
             for prov in stale:  # leases held before a CPU-only restart: the pool answers again, hand them back
                 lease = prov._release_stale_quietly("its kernel restarted CPU-only while the pool was unavailable")

@@ -658,12 +658,15 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
     def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
         return []
 
-    def tick(self, now: float | None = None) -> list[Decision]:
+    def tick(self, now: float | None = None, activities: dict[str, Activity] | None = None) -> list[Decision]:
         """Follow every live job (a job that ended releases its lease with Slurm's reason), and
-        cancel the jobs of holders on this host that died (a server killed with SIGKILL)."""
+        cancel the jobs of holders on this host that died (a server killed with SIGKILL).
+        ``activities`` are reported first (as :meth:`report_activities`)."""
         from ..core.models import DecisionKind
 
         now = self.clock() if now is None else now
+        if activities:
+            self.report_activities(activities, now)
         decisions = []
         for lease, job in self._rows():
             if not lease.live:
