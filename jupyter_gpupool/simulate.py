@@ -711,9 +711,8 @@ class LabRun:
             self.samples[1] += used
             self.samples[2] += busy
             self.samples[3] += 1
-        self.calls += 2
-        self.pool.report_activities(activities, now=t)
-        self.pool.tick(now=t)
+        self.calls += 1
+        self.pool.tick(now=t, activities=activities)
         self._drain()
 
     def _result(self, horizon: float, elapsed: float) -> ModeResult:
@@ -867,39 +866,67 @@ def run_parallel(
 ) -> tuple[dict[str, ModeResult], dict[str, SearchResult]]:
     """Every mode, and (with ``target``) each mode's GPU-count search, in ``jobs`` processes.
 
-    The same tables as running them one by one: every run is independent and deterministic, and
-    the search tries counts in rounds of up to ``jobs`` per mode, keeping the first count that
-    meets the target (the counts tried past it are dropped, as the sequential search never ran them).
+    The same tables as running them one by one: every run is independent and deterministic, and a
+    mode's search keeps the first count, from 1 up, that meets the target. To keep every process
+    busy, counts past those still running are tried ahead (round-robin over the modes still
+    searching); a result past a mode's answer is dropped, as the sequential search never ran it.
     """
     import concurrent.futures
 
     name, memory = (inventory_model(settings.gpus)[:2]) if target is not None else ("", 0)
+    searches = {mode: SearchResult(mode, name, target, None) for mode in modes} if target is not None else {}
+    done_runs: dict[tuple[str, int], ModeResult] = {}  # (mode, GPU count) -> result, until the search uses it
+    next_count = dict.fromkeys(searches, 1)
+    closed: set[str] = set()  # modes whose search has its answer or ran out of counts
+
+    def settle(mode: str) -> None:
+        """Walk the mode's finished counts in order from the lowest untried; stop at the answer."""
+        search = searches[mode]
+        count = len(search.tried) + 1
+        while (mode, count) in done_runs:
+            result = done_runs.pop((mode, count))
+            search.tried[count] = result.wait_p95
+            if result.wait_p95 <= search.target:
+                search.gpus, search.result = count, result
+                break
+            count += 1
+        if search.gpus is not None or len(search.tried) >= max_gpus:
+            closed.add(mode)
+
+    def next_task() -> tuple[str, int] | None:
+        """The next count to try: the mode with the fewest counts handed out goes first."""
+        open_modes = [m for m in searches if m not in closed and next_count[m] <= max_gpus]
+        if not open_modes:
+            return None
+        mode = min(open_modes, key=lambda m: (next_count[m], modes.index(m)))
+        next_count[mode] += 1
+        return mode, next_count[mode] - 1
+
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as executor:
-        futures = {mode: executor.submit(_run_one, settings, plans, mode, settings.gpus, config) for mode in modes}
-        searches: dict[str, SearchResult] = {}
-        if target is not None:
-            searches = {mode: SearchResult(mode, name, target, None) for mode in modes}
-            next_count = {mode: 1 for mode in modes}
-            while True:
-                open_modes = [m for m in modes if searches[m].gpus is None and next_count[m] <= max_gpus]
-                if not open_modes:
-                    break
-                width = max(1, jobs // len(open_modes))
-                batch = {
-                    (mode, count): executor.submit(_run_one, settings, plans, mode, (name, memory, count), config)
-                    for mode in open_modes
-                    for count in range(next_count[mode], min(max_gpus, next_count[mode] + width - 1) + 1)
-                }
-                for mode in open_modes:
-                    counts = sorted(c for m, c in batch if m == mode)
-                    for count in counts:
-                        result = batch[(mode, count)].result()
-                        searches[mode].tried[count] = result.wait_p95
-                        if result.wait_p95 <= target:
-                            searches[mode].gpus, searches[mode].result = count, result
-                            break
-                    next_count[mode] = counts[-1] + 1
-        results = {mode: future.result() for mode, future in futures.items()}
+        bases = {mode: executor.submit(_run_one, settings, plans, mode, settings.gpus, config) for mode in modes}
+        running: dict[concurrent.futures.Future[ModeResult], tuple[str, int]] = {}
+        while True:
+            in_flight = {*running, *(f for f in bases.values() if not f.done())}
+            while len(in_flight) < jobs and (task := next_task()):
+                mode, count = task
+                future = executor.submit(_run_one, settings, plans, mode, (name, memory, count), config)
+                running[future] = task
+                in_flight.add(future)
+            if not in_flight:
+                break
+            finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                if future not in running:  # a mode's run on the configured inventory
+                    continue
+                mode, count = running.pop(future)
+                if mode not in closed:
+                    done_runs[(mode, count)] = future.result()
+                    settle(mode)
+                    if mode in closed:  # its answer is known: counts past it will not be used
+                        for other, (other_mode, _) in list(running.items()):
+                            if other_mode == mode and other.cancel():
+                                running.pop(other)
+        results = {mode: future.result() for mode, future in bases.items()}
     return results, searches
 
 
