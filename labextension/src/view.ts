@@ -192,7 +192,6 @@ export function rightSizeHint(
   };
 }
 
-/** The panel's and status bar's view of the current kernel. */
 /** The Slurm job behind a lease in one line, or null on other backends. */
 export function schedulerLine(status: IKernelStatus): string | null {
   const job = status.slurm;
@@ -213,6 +212,7 @@ export function schedulerLine(status: IKernelStatus): string | null {
   return parts.join(' · ');
 }
 
+/** The panel's and status bar's view of the current kernel. */
 export function kernelView(input: IKernelInput): IKernelView {
   const view = kernelViewOf(input);
   const pool = input.pool;
@@ -232,9 +232,19 @@ export function kernelView(input: IKernelInput): IKernelView {
       statusTitle: `${title}: ${pool.reason || 'no reason given'}; ${kernels}`
     };
   }
-  return input.status && view.phase !== 'no-kernel' && view.phase !== 'loading'
-    ? { ...view, scheduler: schedulerLine(input.status) }
-    : view;
+  const scheduler =
+    input.status && view.phase !== 'no-kernel' && view.phase !== 'loading'
+      ? schedulerLine(input.status)
+      : null;
+  if (!scheduler) {
+    return view;
+  }
+  // The status bar's tooltip (and accessible name) names the job too, not only the panel.
+  return {
+    ...view,
+    scheduler,
+    statusTitle: view.statusTitle ? `${view.statusTitle}; ${scheduler}` : scheduler
+  };
 }
 
 function kernelViewOf(input: IKernelInput): IKernelView {

@@ -39,6 +39,22 @@ describe('kernelView', () => {
     expect(view(status({})).scheduler).toBeNull();
   });
 
+  it('names the Slurm job in the status bar tooltip too, after what it said before', () => {
+    const slurm = { job_id: '12', partition: 'gpu', node: null, position: 1, pending_reason: 'Resources' };
+    const queued = view(status({ state: 'queued', devices: [], queue_position: 1, queue_length: 1, slurm }));
+    expect(queued.statusText).toBe('GPU queued #1');
+    expect(queued.statusTitle).toBe(
+      '8 GiB requested; waiting for a GPU — position 1 of 1, wait unknown; ' +
+        'Slurm job 12 · partition gpu · position 1 among pending jobs'
+    );
+    const running = view(status({ slurm: { job_id: '12', partition: 'gpu', node: 'node0', position: null } }));
+    expect(running.statusTitle).toBe(
+      '8 GiB on GPU 0 · NVIDIA A100-SXM4-80GB; Slurm job 12 · partition gpu · node node0'
+    );
+    // Other backends: the tooltip is unchanged.
+    expect(view(status({})).statusTitle).toBe('8 GiB on GPU 0 · NVIDIA A100-SXM4-80GB');
+  });
+
   it('shows a granted slice in the status bar as used / slice', () => {
     const v = view(status({ used_memory: 3.1 * GIB, peak_memory: 5 * GIB }));
     expect(v.phase).toBe('granted');
