@@ -3,9 +3,12 @@
 # For each suite it starts `jupyter lab` on a free port with token auth and a throw-away
 # config (GPUPOOL_SIMULATE=1x16GiB, GPUPOOL_DEFAULT_MEMORY=8GiB), runs the Playwright test
 # in headless Chromium (/usr/bin/chromium, never downloaded), and stops the server.
+# The slurm suite (not run by default: it needs root and Debian's slurm-wlm and munge) puts
+# the server on the Slurm backend and starts a real single-node Slurm cluster for it
+# (slurm_cluster_steps.py, tests/slurm_cluster.py), which is stopped whatever happens.
 #
 #   bash labextension/ui-tests/run.sh                 # both suites
-#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | notebook7 | unavailable
+#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | notebook7 | unavailable | slurm
 #   GPUPOOL_UI_SCREENSHOTS=/tmp/shots bash ...        # screenshots (default ui-tests/screenshots)
 #
 # Needs: jupyter_gpupool importable (pip install -e .) and `npm ci` done in labextension/.
@@ -30,6 +33,9 @@ fi
 
 WORK=""
 SERVER_PID=""
+SLURM_PID=""
+SLURM_ROOT=""
+SLURM_FAILED=0
 stop_server() {
   if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
     kill -TERM "$SERVER_PID" 2>/dev/null || true
@@ -38,9 +44,39 @@ stop_server() {
   fi
   SERVER_PID=""
 }
+# Stop the Slurm cluster (after the server, whose kernels are its jobs): SIGTERM to its owner,
+# which cancels the jobs and stops the daemons by pid; SIGKILL if it hangs, and then a reap of
+# whatever daemon or slurmstepd a killed owner left running.
+stop_slurm() {
+  if [ -n "$SLURM_PID" ]; then
+    if kill -0 "$SLURM_PID" 2>/dev/null; then
+      kill -TERM "$SLURM_PID" 2>/dev/null || true
+      for _ in $(seq 1 200); do kill -0 "$SLURM_PID" 2>/dev/null || break; sleep 0.2; done
+      kill -KILL "$SLURM_PID" 2>/dev/null || true
+    fi
+    wait "$SLURM_PID" 2>/dev/null || SLURM_FAILED=1
+    "$PYTHON" "$HERE/slurm_cluster_steps.py" reap || true
+  fi
+  SLURM_PID=""
+  if [ -n "$SLURM_ROOT" ]; then
+    if [ "$SLURM_FAILED" = 1 ] || [ "${status:-0}" -ne 0 ]; then
+      echo "---- Slurm daemons' logs ($SLURM_ROOT/log) ----" >&2
+      for log in "$SLURM_ROOT"/log/*; do echo "--- $log" >&2; tail -n 20 "$log" >&2 || true; done
+      cat "$SLURM_ROOT/steps.log" >&2 2>/dev/null || true
+    else
+      rm -rf "$SLURM_ROOT"
+    fi
+  fi
+  SLURM_ROOT=""
+}
 cleanup() {
   status=$?
   stop_server
+  stop_slurm
+  if [ "$SLURM_FAILED" = 1 ] && [ "$status" -eq 0 ]; then
+    echo "ui-tests: the Slurm cluster did not stop cleanly" >&2
+    status=1
+  fi
   if [ "$status" -ne 0 ] && [ -n "$WORK" ] && [ -f "$WORK/server.log" ]; then
     echo "---- last lines of the server log ($WORK/server.log) ----" >&2
     tail -n 60 "$WORK/server.log" >&2 || true
@@ -83,9 +119,10 @@ else
   echo "ui-tests: using the installed jupyter-gpupool lab extension (${installed_build})"
 fi
 
-# run_suite SPEC [NAME=VALUE | --Server.option=value | app=notebook | pool=corrupt ...]: a fresh
-# server with these environment variables and options, then SPEC. pool=corrupt starts it on a pool
-# file that is not a pool (the server then serves with the pool unavailable).
+# run_suite SPEC [NAME=VALUE | unset=NAME | --Server.option=value | app=notebook | pool=corrupt |
+# slurm=cluster ...]: a fresh server with these environment variables and options, then SPEC.
+# pool=corrupt starts it on a pool file that is not a pool (the server then serves with the pool
+# unavailable); slurm=cluster starts a Slurm cluster first and gives the server its SLURM_CONF.
 run_suite() {
   local spec="$1"
   shift
@@ -130,9 +167,15 @@ JSON
     ln -s "$REPO/jupyter_gpupool/labextension" "$WORK/labextensions/jupyter-gpupool"
     args+=(--LabApp.extra_labextensions_path="$WORK/labextensions")
   fi
-  local envs=() module=jupyterlab
+  local envs=() unsets=() module=jupyterlab slurm_conf=""
   for item in "$@"; do
     case "$item" in
+      unset=*) unsets+=("${item#unset=}") ;;
+      slurm=cluster)
+        start_slurm
+        slurm_conf="$SLURM_CONF_OF_CLUSTER"
+        envs+=("SLURM_CONF=$slurm_conf")
+        ;;
       pool=corrupt)
         head -c 8192 /dev/urandom >"$WORK/pool.sqlite"
         ;;
@@ -166,6 +209,7 @@ JSON
     export JUPYTERLAB_WORKSPACES_DIR="$WORK/workspaces"
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
     for assignment in ${envs[@]+"${envs[@]}"}; do export "$assignment"; done
+    for name in ${unsets[@]+"${unsets[@]}"}; do unset "$name"; done
     exec "$PYTHON" -m "$module" "${args[@]}"
   ) >"$WORK/server.log" 2>&1 &
   SERVER_PID=$!
@@ -195,11 +239,44 @@ PY
 
   # The pool file and a Python that imports this checkout, for specs that act on the pool directly.
   (cd "$EXT" && GPUPOOL_UI_URL="$url" GPUPOOL_UI_TOKEN="$token" GPUPOOL_UI_DB="$WORK/pool.sqlite" \
-    GPUPOOL_UI_PYTHON="$PYTHON" GPUPOOL_UI_REPO="$REPO" \
+    GPUPOOL_UI_PYTHON="$PYTHON" GPUPOOL_UI_REPO="$REPO" GPUPOOL_UI_SLURM_CONF="$slurm_conf" \
     npx playwright test -c ui-tests/playwright.config.ts "ui-tests/$spec.spec.ts")
   stop_server
+  stop_slurm
+  if [ "$SLURM_FAILED" = 1 ]; then
+    echo "ui-tests[$spec]: the Slurm cluster did not stop cleanly" >&2
+    exit 1
+  fi
   rm -rf "$WORK"
   WORK=""
+}
+
+# Start a Slurm cluster in a fresh gpupool-slurm-* folder; SLURM_CONF_OF_CLUSTER says where its
+# slurm.conf is once its node is idle.
+start_slurm() {
+  local reason
+  if ! reason="$("$PYTHON" "$HERE/slurm_cluster_steps.py" check)"; then
+    echo "ui-tests: no Slurm cluster can run here: $reason" >&2
+    exit 1
+  fi
+  SLURM_ROOT="$(mktemp -d -t gpupool-slurm-XXXXXX)"
+  "$PYTHON" "$HERE/slurm_cluster_steps.py" serve "$SLURM_ROOT" >"$SLURM_ROOT/steps.log" 2>&1 &
+  SLURM_PID=$!
+  for _ in $(seq 1 300); do
+    [ -f "$SLURM_ROOT/cluster.env" ] && break
+    if ! kill -0 "$SLURM_PID" 2>/dev/null; then
+      echo "ui-tests: the Slurm cluster did not start:" >&2
+      cat "$SLURM_ROOT/steps.log" >&2
+      exit 1
+    fi
+    sleep 0.2
+  done
+  if [ ! -f "$SLURM_ROOT/cluster.env" ]; then
+    echo "ui-tests: the Slurm cluster did not start within 60 s" >&2
+    exit 1
+  fi
+  SLURM_CONF_OF_CLUSTER="$(sed -n 's/^SLURM_CONF=//p' "$SLURM_ROOT/cluster.env")"
+  echo "ui-tests: Slurm cluster up (SLURM_CONF=$SLURM_CONF_OF_CLUSTER)"
 }
 
 SUITES=("$@")
@@ -232,7 +309,15 @@ for suite in "${SUITES[@]}"; do
       ;;
     suspend) run_suite suspend GPUPOOL_RECLAIM_ACTION=suspend GPUPOOL_PARKED_MEMORY_LIMIT=32GiB ;;
     unavailable) run_suite unavailable pool=corrupt ;;
-    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, notebook7, unavailable)" >&2; exit 2 ;;
+    slurm)
+      # Kernels as Slurm jobs on 8-shard slices (80 GiB of an 80 GiB GPU with 8 shards): two run
+      # on the 16-shard node, a third pends. Short caches so the sidebar follows Slurm in seconds.
+      run_suite slurm slurm=cluster GPUPOOL_BACKEND=slurm GPUPOOL_DEFAULT_MEMORY=80GiB GPUPOOL_IDLE_POLICY=never \
+        unset=GPUPOOL_SIMULATE unset=GPUPOOL_DB unset=GPUPOOL_URL \
+        --GpuPoolExtension.tick_interval=0.5 --GpuPoolExtension.reconcile_interval=1 \
+        --SlurmPool.cache_seconds=0.3 --SlurmPool.poll_interval=0.5
+      ;;
+    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, notebook7, unavailable, slurm)" >&2; exit 2 ;;
   esac
 done
 echo "ui-tests: passed; screenshots in $GPUPOOL_UI_SCREENSHOTS"
