@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from slurm_cluster import skip_reason as slurm_skip_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 EXT = ROOT / "labextension"
@@ -17,6 +21,9 @@ NODE_MODULES = EXT / "node_modules"
 needs_node = pytest.mark.skipif(
     shutil.which("npm") is None or not NODE_MODULES.is_dir(),
     reason="front-end tests need Node.js and `npm ci` in labextension/ (.ci/run does both)",
+)
+needs_chromium = pytest.mark.skipif(
+    not Path("/usr/bin/chromium").exists(), reason="needs Debian chromium (.ci/run installs it)"
 )
 
 
@@ -51,7 +58,7 @@ def test_browser_check_passes_without_node_in_path(tmp_path):
 
 @pytest.mark.browser
 @needs_node
-@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="needs Debian chromium (.ci/run installs it)")
+@needs_chromium
 def test_sidebar_and_status_bar_in_headless_chromium(tmp_path):
     """Two notebooks granted, a third queued at position 1, granted after a shutdown; Keep and Release act;
     an idle slice counts down; a suspended kernel shows with its Resume button, which brings it back
@@ -62,3 +69,44 @@ def test_sidebar_and_status_bar_in_headless_chromium(tmp_path):
     print(result.stdout[-6000:])
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     assert any(shots.glob("*.png")), "the browser test saves a screenshot of each step"
+
+
+SLURM_SHOTS = ("slurm-01-first-running", "slurm-02-second-running", "slurm-03-third-pending",
+               "slurm-04-third-running-after-shutdown")  # fmt: skip
+
+
+@pytest.mark.browser
+@needs_node
+@needs_chromium
+@pytest.mark.skipif(
+    slurm_skip_reason() is not None,
+    reason=f"the slurm browser suite runs a real Slurm cluster: {slurm_skip_reason()}",
+)
+def test_sidebar_shows_slurm_job_partition_and_queue_position_in_headless_chromium(tmp_path):
+    """Issue 13: JupyterLab on the Slurm backend against a real single-node Slurm cluster; the
+    sidebar and the status bar name each kernel's job and partition (checked against squeue), a
+    third kernel's pending job its position and Slurm's reason in words, and follow it when it
+    starts (run.sh's slurm suite, which starts and always stops the cluster)."""
+    shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
+    env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
+    run = subprocess.Popen(
+        ["bash", str(EXT / "ui-tests" / "run.sh"), "slurm"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = run.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        # SIGTERM to the whole group: run.sh's trap stops the server, the cluster's owner stops Slurm.
+        os.killpg(run.pid, signal.SIGTERM)
+        try:
+            output, _ = run.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            output, _ = run.communicate()
+        reap = [sys.executable, str(EXT / "ui-tests" / "slurm_cluster_steps.py"), "reap"]
+        subprocess.run(reap, timeout=60, check=False)
+        pytest.fail("the slurm browser suite ran past 15 min:\n" + output[-6000:])
+    print(output[-6000:])
+    assert run.returncode == 0, output[-6000:]
+    for name in SLURM_SHOTS:
+        assert (shots / f"{name}.png").is_file(), f"no screenshot {name}.png"
