@@ -22,13 +22,18 @@ interface ISqueueJob {
   reason: string;
 }
 
-/** `squeue` of the suite's cluster: job id → state, partition, reason. */
-function squeue(): Map<string, ISqueueJob> {
-  const out = execFileSync('squeue', ['-h', '-o', '%i|%T|%P|%r'], {
+/** Run `squeue` with these arguments against the suite's cluster; its stdout. */
+function runSqueue(args: string[]): string {
+  return execFileSync('squeue', ['-h', ...args], {
     env: { ...process.env, SLURM_CONF },
     encoding: 'utf-8',
     timeout: 30 * 1000
   });
+}
+
+/** `squeue` of the suite's cluster: job id → state, partition, reason. */
+function squeue(): Map<string, ISqueueJob> {
+  const out = runSqueue(['-o', '%i|%T|%P|%r']);
   const jobs = new Map<string, ISqueueJob>();
   for (const line of out.split('\n')) {
     const [id, state, partition, reason] = line.trim().split('|');
@@ -37,6 +42,14 @@ function squeue(): Map<string, ISqueueJob> {
     }
   }
   return jobs;
+}
+
+/** Ids of the pending jobs in Slurm's priority order, as the backend counts positions. */
+function pendingInSlurmOrder(): string[] {
+  return runSqueue(['-t', 'PD', '--sort=-p,i', '-o', '%i'])
+    .split('\n')
+    .map(line => line.trim())
+    .filter(line => line !== '');
 }
 
 /** The kernel's `slurm` object from `GET /api/gpupool/kernels/{id}`, once it has a job id. */
@@ -56,16 +69,14 @@ async function slurmJob(request: APIRequestContext, kernelId: string): Promise<a
 }
 
 /** Wait until `squeue` shows `jobId` in `state` (in partition gpu). */
-async function expectJobState(jobId: string, state: string): Promise<ISqueueJob> {
+async function expectJobState(jobId: string, state: string): Promise<void> {
   await expect
     .poll(() => squeue().get(jobId)?.state ?? 'not in squeue', {
       message: `squeue shows job ${jobId} ${state}`,
       timeout: KERNEL_START_MS
     })
     .toBe(state);
-  const job = squeue().get(jobId)!;
-  expect(job.partition).toBe('gpu');
-  return job;
+  expect(squeue().get(jobId)?.partition).toBe('gpu');
 }
 
 /** The status bar item's tooltip (its title attribute). */
@@ -126,7 +137,7 @@ test('the sidebar and status bar show the Slurm job, partition, queue position a
   const third = await kernelOf(request, 'c.ipynb');
   const thirdJob = String((await slurmJob(request, third)).job_id);
   expect([first.jobId, second.jobId]).not.toContain(thirdJob);
-  const pending = await expectJobState(thirdJob, 'PENDING');
+  await expectJobState(thirdJob, 'PENDING');
   await expect(status).toHaveText('GPU queued #1');
   await expect(leaseBadge).toHaveText('queued');
   await expect(scheduler).toHaveText(`Slurm job ${thirdJob} · partition gpu · position 1 among pending jobs`);
@@ -137,8 +148,12 @@ test('the sidebar and status bar show the Slurm job, partition, queue position a
     { timeout: 30 * 1000 }
   );
   await expect.poll(() => squeue().get(thirdJob)?.reason, { message: 'squeue says Resources' }).toBe('Resources');
-  expect(pending.partition).toBe('gpu');
-  await expectStatusTitle(status, new RegExp(`Slurm job ${thirdJob} · partition gpu · position 1 among pending jobs`));
+  // Position 1 as Slurm orders its pending jobs (squeue -t PD --sort=-p,i): the only one, first.
+  expect(pendingInSlurmOrder()).toEqual([thirdJob]);
+  await expectStatusTitle(
+    status,
+    new RegExp(`Slurm job ${thirdJob} · partition gpu · position 1 among pending jobs`)
+  );
   await screenshot(page, 'slurm-03-third-pending');
 
   // 4. Shut the first kernel down: its job is cancelled, the third job starts and the panel follows.
