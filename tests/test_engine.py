@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 import pytest
 from pool_helpers import T0, make_pool, req
@@ -270,6 +271,28 @@ def test_fair_share_usage_of_some_owners_is_theirs_in_the_full_usage(tmp_path):
         some = pool.engine.fair_share_usage(state, T0 + 4000, owners={"a", "d", "nobody"})
     assert set(everyone) == {"a", "b", "c", "d"} and everyone["a"] > everyone["b"] > 0
     assert some == {owner: everyone[owner] for owner in ("a", "d")}
+
+
+def test_busy_time_not_yet_written_is_metered_when_the_slice_is_released(tmp_path):
+    """Reports that only say "still busy" are not written while the heartbeat is fresh; the busy
+    time since must still reach the ledger when the interval closes (it was lost before)."""
+    pool = make_pool(tmp_path, heartbeat_ttl=180)
+    lease = pool.request(req("a", gib=4, holder_pid=os.getpid()), now=T0)
+    pool.report_activity(lease.id, Activity(busy=True), now=T0 + 10)  # written: busy from here
+    for t in (20, 30, 40):  # fresh heartbeat: not written
+        pool.report_activity(lease.id, Activity(busy=True), now=T0 + t)
+    pool.release(lease.id, now=T0 + 40)
+    (row,) = [r for r in pool.store.ledger() if r["lease_id"] == lease.id]
+    assert row["active_seconds"] == pytest.approx(30.0)
+
+
+def test_a_silent_busy_holder_is_metered_only_until_its_next_report_was_due(tmp_path):
+    pool = make_pool(tmp_path, heartbeat_ttl=180)
+    lease = pool.request(req("a", gib=4, holder_pid=os.getpid()), now=T0)
+    pool.report_activity(lease.id, Activity(busy=True), now=T0 + 10)
+    pool.tick(now=T0 + 10 + 200)  # no report since: released for the missing heartbeat
+    (row,) = [r for r in pool.store.ledger() if r["lease_id"] == lease.id]
+    assert row["active_seconds"] == pytest.approx(45.0)  # a quarter of the TTL, not the 200 s of silence
 
 
 def test_idle_policy_always_and_never(tmp_path):

@@ -353,12 +353,12 @@ class Engine:
             usable = {d.uuid for d in candidates}
             if all(u in usable and free.get(u, 0) >= lease.memory for u in lease.home_devices):
                 return lease.home_devices
+        if sum(1 for d in candidates if free.get(d.uuid, 0) >= lease.memory) < lease.num_gpus:
+            return None  # too few GPUs with room: no placement policy finds one (the queue's head, tick after tick)
         gpus = [
             GpuSlot(uuid=d.uuid, model=d.model, capacity=d.leasable, free=max(0, free.get(d.uuid, 0)), nvlink_peers=d.nvlink_peers)
             for d in candidates
         ]
-        if len(gpus) < lease.num_gpus:
-            return None
         node = NodeView(name="host", gpus=gpus)
         placement = self._placement_policy(state).place([node], Demand(per_gpu=lease.memory, num_gpus=lease.num_gpus))
         if placement is None:
@@ -659,6 +659,7 @@ class Engine:
         step = lease.transition
         if step is Transition.SUSPENDING:
             # Metering: the granted interval ends here; a resume opens a new one.
+            self._count_unwritten_busy_time(lease, now)
             state.closed_intervals.append(lease.copy(released_at=now))
             lease.state = LeaseState.SUSPENDED
             lease.home_devices = lease.devices
@@ -1014,6 +1015,7 @@ class Engine:
 
     def release(self, state: PoolState, lease_id: str, reason: str, now: float) -> Lease:
         lease = self.get(state, lease_id)
+        self._count_unwritten_busy_time(lease, now)
         lease.state = LeaseState.RELEASED
         lease.released_at = now
         lease.release_reason = reason
@@ -1128,6 +1130,16 @@ class Engine:
         lease.heartbeat_at = now
         state.touch(lease)
         return lease
+
+    def _count_unwritten_busy_time(self, lease: Lease, now: float) -> None:
+        """Before an interval closes, add the busy time since the heartbeat on file: reports that
+        said only "still busy" while it was fresh were not written (see :meth:`report_activity`).
+        Counted up to ``now``, but not past the moment such a report would have been written (a
+        holder silent since then may have died busy)."""
+        if lease.busy and lease.state in HELD_STATES and lease.heartbeat_at is not None:
+            until = min(now, lease.heartbeat_at + self.policy.heartbeat_ttl / 4)
+            lease.active_seconds += max(0.0, until - lease.heartbeat_at)
+            lease.heartbeat_at = max(lease.heartbeat_at, until)
 
     def report_usage(self, state: PoolState, usage: dict[str, int], now: float) -> list[Decision]:
         decisions = []
