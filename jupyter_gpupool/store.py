@@ -561,6 +561,8 @@ class Store:
             ) from None
 
     def save_leases(self, leases: list[Lease]) -> None:
+        if not leases:
+            return
         self.conn.executemany(
             "INSERT INTO leases(id, state, owner, kernel_id, created_at, data) VALUES (?,?,?,?,?,?) "
             "ON CONFLICT(id) DO UPDATE SET state=excluded.state, kernel_id=excluded.kernel_id, data=excluded.data",
