@@ -133,22 +133,34 @@ STORM_WORKER = textwrap.dedent(
     journal = open(journal_path, "a", buffering=1)
     mine = []
     print("ready", flush=True)
+
+    def attempt(call):
+        # A lock held past the busy timeout while processes die all around: the call changed
+        # nothing (its transaction never began, or was rolled back), and the pool says try again.
+        while True:
+            try:
+                return call()
+            except PoolUnavailable as err:
+                if "try again" not in str(err):
+                    raise
+
     while True:
         if mine and rng.random() < 0.45:
             lease_id = mine.pop(rng.randrange(len(mine)))
-            pool.release(lease_id, reason="worker released it")
+            attempt(lambda: pool.release(lease_id, reason="worker released it"))
             journal.write("released " + lease_id + "\\n")
         else:
             kernel_id = str(uuid.uuid4())
+            request = LeaseRequest(owner="user%d" % rng.randrange(6), memory=rng.choice([1, 2, 4, 6]) * GIB,
+                                   kernel_id=kernel_id, holder_pid=os.getpid(), holder_host=HOSTNAME)
             try:
-                lease = pool.request(LeaseRequest(owner="user%d" % rng.randrange(6), memory=rng.choice([1, 2, 4, 6]) * GIB,
-                                                  kernel_id=kernel_id, holder_pid=os.getpid(), holder_host=HOSTNAME))
+                lease = attempt(lambda: pool.request(request))
             except RequestRefused:  # past PoolPolicy.max_queued_per_user: nothing was committed
                 lease = None
             if lease is not None:
                 journal.write("requested " + lease.id + " " + kernel_id + "\\n")
                 mine.append(lease.id)
-        pool.tick()
+        attempt(pool.tick)
     """
 )
 
