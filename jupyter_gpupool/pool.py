@@ -361,10 +361,8 @@ class Pool(GrantWaiting):
         now = self._now(now)
         with self._decide(now) as state:
             for lease_id in lease_ids:
-                lease = state.leases.get(lease_id)
-                if lease is not None:
-                    lease.heartbeat_at = now
-                    state.touch(lease)
+                if lease_id in state.leases:
+                    self.engine.heartbeat(state, lease_id, now)
 
     def grace_after_outage(self, now: float | None = None) -> int:
         """A fresh start for every live lease after an outage (see :meth:`Engine.grace_after_outage`)."""
@@ -454,8 +452,7 @@ class Pool(GrantWaiting):
             state = self._load(now)
             lease = state.leases.get(lease_id)
             if lease is not None and lease.state is LeaseState.QUEUED:
-                lease.heartbeat_at = now
-                state.touch(lease)
+                self.engine.heartbeat(state, lease_id, now)
             decisions = self.engine.schedule(state, now)
             self._save(state, decisions)
             lease = state.leases.get(lease_id)

@@ -553,3 +553,27 @@ def test_a_report_that_says_nothing_new_writes_nothing_while_the_heartbeat_is_fr
     pool.report_activity(lease.id, busy, now=T0 + 60)  # skipped
     pool.report_activity(lease.id, busy, now=T0 + 90)  # written: counts 50 → 90
     assert pool.get(lease.id).active_seconds == pytest.approx(40)
+
+
+def test_a_waiting_request_rewrites_its_lease_only_when_its_heartbeat_gets_old(tmp_path):
+    """A kernel waiting for a GPU looks twice a second; each look used to rewrite its lease, which
+    made every other process on the pool file read all live leases again. Now a look writes only
+    once the heartbeat on file is older than a quarter of the TTL, as an activity report does."""
+    pool = make_pool(tmp_path, heartbeat_ttl=180)
+    clock = [T0]
+    pool.clock = lambda: clock[0]
+    pool.request(req("a", gib=16, holder_pid=os.getpid()), now=T0)
+    waiting = pool.request(req("b", gib=16, holder_pid=os.getpid()), now=T0)
+
+    def stored() -> str:
+        return pool.store.conn.execute("SELECT data FROM leases WHERE id = ?", (waiting.id,)).fetchone()[0]
+
+    before = stored()
+    for look in range(1, 60):  # 30 s of looks, every 0.5 s
+        clock[0] = T0 + look / 2
+        lease, info = pool._look_at_request(waiting.id, None, None)
+        assert lease.state is LeaseState.QUEUED and info is not None and info.position == 1
+    assert stored() == before  # fresh heartbeat: not one write
+    clock[0] = T0 + 46  # past a quarter of the TTL
+    pool._look_at_request(waiting.id, None, None)
+    assert pool.get(waiting.id).heartbeat_at == T0 + 46

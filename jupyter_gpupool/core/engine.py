@@ -1114,13 +1114,10 @@ class Engine:
             and activity.connections == lease.connections
             # busy, it stays "active now"; idle, its last activity is what the lease says
             and (activity.busy or activity.last_activity is None or activity.last_activity <= (lease.last_activity or 0.0))
-            and lease.heartbeat_at is not None
-            and 0.0 <= now - lease.heartbeat_at < self.policy.heartbeat_ttl / 4
+            and self._heartbeat_fresh(lease, now)
         ):
             return lease  # the busy time since the heartbeat is counted at the next write
-        previous = lease.heartbeat_at or now
-        if lease.busy and lease.state in HELD_STATES:
-            lease.active_seconds += max(0.0, now - previous)
+        self._count_busy_time(lease, now)
         lease.busy = activity.busy
         if activity.last_activity is not None:
             lease.last_activity = max(lease.last_activity or 0.0, activity.last_activity)
@@ -1130,6 +1127,27 @@ class Engine:
         lease.heartbeat_at = now
         state.touch(lease)
         return lease
+
+    def heartbeat(self, state: PoolState, lease_id: str, now: float) -> Lease:
+        """A holder's sign of life with nothing else to say (a waiting request's look, a client's
+        heartbeat): written only once the heartbeat on file is no longer fresh, as a report that
+        says nothing new. A kernel waiting for a GPU looks twice a second; writing its lease each
+        time made every other process on the pool file read all live leases again."""
+        lease = self.get(state, lease_id)
+        if not self._heartbeat_fresh(lease, now):
+            self._count_busy_time(lease, now)
+            lease.heartbeat_at = now
+            state.touch(lease)
+        return lease
+
+    def _heartbeat_fresh(self, lease: Lease, now: float) -> bool:
+        """Whether the heartbeat on file is younger than a quarter of the TTL."""
+        return lease.heartbeat_at is not None and 0.0 <= now - lease.heartbeat_at < self.policy.heartbeat_ttl / 4
+
+    def _count_busy_time(self, lease: Lease, now: float) -> None:
+        """Add the busy time since the heartbeat on file (called just before the heartbeat moves)."""
+        if lease.busy and lease.state in HELD_STATES:
+            lease.active_seconds += max(0.0, now - (lease.heartbeat_at or now))
 
     def _count_unwritten_busy_time(self, lease: Lease, now: float) -> None:
         """Before an interval closes, add the busy time since the heartbeat on file: reports that
