@@ -79,7 +79,7 @@ class Pool(GrantWaiting):
         self.engine = Engine(self.policy)
         self.store = Store(db_path)
         self._devices: tuple[float, list[Device]] | None = None
-        self._simulated_host_memory: tuple[list[Device], int] | None = None  # (the device list it is of, bytes)
+        self._simulated_host_memory: int | None = None  # of the cached device list (forgotten when it is read again)
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
         #: Derived state of the store's cached leases, and the cache generation it was built for.
         self._index: tuple[int, LeaseIndex] | None = None
@@ -108,6 +108,7 @@ class Pool(GrantWaiting):
                 Device(**{**d.__dict__, "overcommit": self.policy.overcommit_for(d.uuid, d.index)}) for d in self.backend.devices()
             ]
             self._devices = (now, devices)
+            self._simulated_host_memory = None
         return list(self._devices[1])
 
     def _cached_devices(self) -> list[Device]:
@@ -154,10 +155,9 @@ class Pool(GrantWaiting):
         """This host's RAM; a simulated pool stands for a GPU server, whose RAM is taken to be twice
         its GPUs' memory (the usual build), so its parked-slice budget is that of such a server."""
         if getattr(self.backend, "name", "") == "simulated":
-            devices = self._devices[1] if self._devices is not None else self.devices()
-            if self._simulated_host_memory is None or self._simulated_host_memory[0] is not devices:
-                self._simulated_host_memory = (devices, 2 * sum(d.memory_total for d in devices))
-            return self._simulated_host_memory[1]
+            if self._simulated_host_memory is None:
+                self._simulated_host_memory = 2 * sum(d.memory_total for d in self._cached_devices())
+            return self._simulated_host_memory
         return host_memory()
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:

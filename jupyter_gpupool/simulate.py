@@ -877,7 +877,11 @@ def run_parallel(
     searches = {mode: SearchResult(mode, name, target, None) for mode in modes} if target is not None else {}
     done_runs: dict[tuple[str, int], ModeResult] = {}  # (mode, GPU count) -> result, until the search uses it
     next_count = dict.fromkeys(searches, 1)
-    closed: set[str] = set()  # modes whose search has its answer or ran out of counts
+
+    def closed(mode: str) -> bool:
+        """The mode's search has its answer, or has tried every count."""
+        search = searches[mode]
+        return search.gpus is not None or len(search.tried) >= max_gpus
 
     def settle(mode: str) -> None:
         """Walk the mode's finished counts in order from the lowest untried; stop at the answer."""
@@ -890,12 +894,10 @@ def run_parallel(
                 search.gpus, search.result = count, result
                 break
             count += 1
-        if search.gpus is not None or len(search.tried) >= max_gpus:
-            closed.add(mode)
 
     def next_task() -> tuple[str, int] | None:
         """The next count to try: the mode with the fewest counts handed out goes first."""
-        open_modes = [m for m in searches if m not in closed and next_count[m] <= max_gpus]
+        open_modes = [m for m in searches if not closed(m) and next_count[m] <= max_gpus]
         if not open_modes:
             return None
         mode = min(open_modes, key=lambda m: (next_count[m], modes.index(m)))
@@ -919,10 +921,10 @@ def run_parallel(
                 if future not in running:  # a mode's run on the configured inventory
                     continue
                 mode, count = running.pop(future)
-                if mode not in closed:
+                if not closed(mode):
                     done_runs[(mode, count)] = future.result()
                     settle(mode)
-                    if mode in closed:  # its answer is known: counts past it will not be used
+                    if closed(mode):  # its answer is known: counts past it will not be used
                         for other, (other_mode, _) in list(running.items()):
                             if other_mode == mode and other.cancel():
                                 running.pop(other)

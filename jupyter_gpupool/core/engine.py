@@ -1144,19 +1144,19 @@ class Engine:
         """Whether the heartbeat on file is younger than a quarter of the TTL."""
         return lease.heartbeat_at is not None and 0.0 <= now - lease.heartbeat_at < self.policy.heartbeat_ttl / 4
 
-    def _count_busy_time(self, lease: Lease, now: float) -> None:
-        """Add the busy time since the heartbeat on file (called just before the heartbeat moves)."""
+    def _count_busy_time(self, lease: Lease, until: float) -> None:
+        """Add the busy time from the heartbeat on file to ``until`` (called before the heartbeat moves)."""
         if lease.busy and lease.state in HELD_STATES:
-            lease.active_seconds += max(0.0, now - (lease.heartbeat_at or now))
+            lease.active_seconds += max(0.0, until - (lease.heartbeat_at or until))
 
     def _count_unwritten_busy_time(self, lease: Lease, now: float) -> None:
         """Before an interval closes, add the busy time since the heartbeat on file: reports that
         said only "still busy" while it was fresh were not written (see :meth:`report_activity`).
         Counted up to ``now``, but not past the moment such a report would have been written (a
         holder silent since then may have died busy)."""
-        if lease.busy and lease.state in HELD_STATES and lease.heartbeat_at is not None:
+        if lease.heartbeat_at is not None:
             until = min(now, lease.heartbeat_at + self.policy.heartbeat_ttl / 4)
-            lease.active_seconds += max(0.0, until - lease.heartbeat_at)
+            self._count_busy_time(lease, until)
             lease.heartbeat_at = max(lease.heartbeat_at, until)
 
     def report_usage(self, state: PoolState, usage: dict[str, int], now: float) -> list[Decision]:
