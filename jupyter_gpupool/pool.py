@@ -162,7 +162,8 @@ class Pool(GrantWaiting):
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
         changed = [state.leases[i] for i in state.changed if i in state.leases]
-        self.store.save_leases(changed)
+        beats = [state.leases[i] for i in state.beats if i not in state.changed and i in state.leases]
+        self.store.save_leases(changed, beats)
         if state.released or state.closed_intervals:
             known = {d.uuid: d for d in state.devices}
             for lease in (*state.released, *state.closed_intervals):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .core.metering import memory_segments
-from .core.models import Decision, Lease, LeaseState, PriorityClass, Transition
+from .core.models import Decision, Lease, LeaseState, PriorityClass, Transition, split_json_text
 from .errors import PoolUnavailable
 
 #: Each entry upgrades the schema from version ``i`` to ``i + 1``.
@@ -214,6 +214,10 @@ class Store:
         self._pending: dict[str, Lease | None] | None = None
         #: Ids of the cached leases as last committed (what tells a new lease from a changed one).
         self._committed_ids: set[str] | None = None
+        #: For cached leases, their stored JSON text before and after the liveness fields, with the
+        #: object they are the text of (see :meth:`save_leases`); and those of the open transaction.
+        self._texts: dict[str, tuple[Lease, str, str]] = {}
+        self._texts_pending: dict[str, tuple[Lease, str, str]] = {}
         #: Changes whenever :meth:`live_leases` hands out other objects than last time (the cache was
         #: re-read or dropped): whoever keeps state derived from them must rebuild it.
         self.cache_generation = 0
@@ -441,6 +445,7 @@ class Store:
     def _fail(self, message: str) -> None:
         self._failure = PoolUnavailable(message)
         self._cache = self._committed_ids = None
+        self._texts = {}
         raise self._failure
 
     def _rescue(self) -> str | None:
@@ -492,6 +497,7 @@ class Store:
             except sqlite3.Error as err:
                 raise self.unavailable(err) from None
             self._pending = {}
+            self._texts_pending = {}
             self._history_pending = []
             try:
                 yield self.conn
@@ -499,6 +505,7 @@ class Store:
             except BaseException as exc:
                 self._cache = self._committed_ids = None  # it may have read writes that are now rolled back
                 self._pending = None
+                self._texts, self._texts_pending = {}, {}
                 self._history = None
                 self._history_pending = []
                 if self.conn.in_transaction:
@@ -508,6 +515,7 @@ class Store:
                     raise self.unavailable(exc) from None
                 raise
             pending, self._pending = self._pending, None
+            texts, self._texts_pending = self._texts_pending, {}
             history_pending, self._history_pending = self._history_pending, []
             if self._history is not None:
                 for change in history_pending:
@@ -517,9 +525,11 @@ class Store:
                     if lease is None:
                         self._cache.pop(lease_id, None)
                         self._committed_ids.discard(lease_id)
+                        self._texts.pop(lease_id, None)
                     else:
                         self._cache[lease_id] = lease
                         self._committed_ids.add(lease_id)
+                self._texts.update(texts)
                 # Our own commits do not change data_version for this connection: the cache stays valid.
 
     # --- leases -----------------------------------------------------------------------------------
@@ -543,6 +553,7 @@ class Store:
         self.cache_generation += 1
         if not self._pending:  # nothing of ours uncommitted in what was just read
             self._cache, self._cache_version, self._committed_ids = leases, version, set(leases)
+            self._texts = {}
         return leases
 
     def _lease(self, data: str) -> Lease:
@@ -560,18 +571,50 @@ class Store:
                 + "); upgrade jupyter-gpupool if a newer version wrote it, else restore the file from a backup"
             ) from None
 
-    def save_leases(self, leases: list[Lease]) -> None:
+    def save_leases(self, leases: list[Lease], beats: Iterable[Lease] = ()) -> None:
+        """Write ``leases``, and ``beats``: cached leases whose liveness fields alone changed since
+        this store last wrote them (``PoolState.touch_liveness``). A beat's text is its stored text
+        with the new liveness fields put in, not encoded again: most writes are such reports."""
+        cached = self._cache if self._cache is not None else {}
+        kept = self._cache is not None and self._pending is not None
+        rows = []
+        for lease in leases:
+            text = lease.to_json_text()
+            rows.append((lease.id, lease.state.value, lease.owner, lease.kernel_id, lease.created_at, text))
+            self._texts.pop(lease.id, None)  # its text around the liveness fields may have changed
+            if kept and lease.state is not LeaseState.RELEASED:
+                self._keep_text(lease if cached.get(lease.id) is lease else None, text)
+        beat_rows = []
+        for lease in beats:
+            known = self._texts_pending.get(lease.id) or self._texts.get(lease.id)
+            if known is not None and known[0] is lease:
+                text = known[1] + lease.liveness_json_text() + known[2]
+            else:
+                text = lease.to_json_text()
+                if kept and cached.get(lease.id) is lease:
+                    self._keep_text(lease, text)
+            beat_rows.append((lease, text))
+        if beat_rows:
+            # A beat's row exists and keeps its state and kernel: a plain UPDATE, which leaves the
+            # indexes alone, costs a third of the upsert. A row that is missing all the same
+            # (which no cached lease's should be) is written whole below instead.
+            before = self.conn.total_changes
+            self.conn.executemany("UPDATE leases SET data=? WHERE id=?", [(text, lease.id) for lease, text in beat_rows])
+            if self.conn.total_changes - before != len(beat_rows):
+                rows += [(l.id, l.state.value, l.owner, l.kernel_id, l.created_at, text) for l, text in beat_rows]
+            leases = [*leases, *(lease for lease, _ in beat_rows)]
+        if rows:
+            self.conn.executemany(
+                "INSERT INTO leases(id, state, owner, kernel_id, created_at, data) VALUES (?,?,?,?,?,?) "
+                "ON CONFLICT(id) DO UPDATE SET state=excluded.state, kernel_id=excluded.kernel_id, data=excluded.data",
+                rows,
+            )
         if not leases:
             return
-        self.conn.executemany(
-            "INSERT INTO leases(id, state, owner, kernel_id, created_at, data) VALUES (?,?,?,?,?,?) "
-            "ON CONFLICT(id) DO UPDATE SET state=excluded.state, kernel_id=excluded.kernel_id, data=excluded.data",
-            [(l.id, l.state.value, l.owner, l.kernel_id, l.created_at, l.to_json_text()) for l in leases],
-        )
         if self._pending is None:  # outside a transaction (autocommit): simply forget the cache
             self._cache = self._committed_ids = None
+            self._texts = {}
             return
-        cached = self._cache if self._cache is not None else {}
         if self._history is not None:
             committed = self._committed_ids
             if committed is None:
@@ -584,6 +627,16 @@ class Store:
                 self._pending[lease.id] = None
             else:  # the cache's own object (changed in place) stays; one from elsewhere is copied
                 self._pending[lease.id] = lease if cached.get(lease.id) is lease else lease.copy()
+
+    def _keep_text(self, lease: Lease | None, text: str) -> None:
+        """Remember the cached ``lease``'s text around its liveness fields, for its next beat."""
+        if lease is None:
+            return
+        parts = split_json_text(text)
+        # Only if the cut is exactly where this lease's liveness text is (it always is for text
+        # Lease.to_json_text wrote; the check keeps a beat's text right whatever wrote it).
+        if parts is not None and text[len(parts[0]) : len(text) - len(parts[1])] == lease.liveness_json_text():
+            self._texts_pending[lease.id] = (lease, parts[0], parts[1])
 
     @_locked
     def lease(self, lease_id: str) -> Lease | None:

@@ -126,9 +126,11 @@ class PoolMachine(RuleBasedStateMachine):
             pass
 
     @precondition(lambda self: self.ids)
-    @rule(data=st.data(), busy=st.booleans())
-    def activity(self, data, busy):
-        self.pool.report_activity(data.draw(st.sampled_from(self.ids)), Activity(busy=busy), now=self.now)
+    @rule(data=st.data(), busy=st.booleans(), active_now=st.booleans(), connections=st.sampled_from([0, 1, 2]))
+    def activity(self, data, busy, active_now, connections):
+        """A report: only the lease's liveness fields change, so the store rewrites only them."""
+        last = self.now if active_now and not busy else None
+        self.pool.report_activity(data.draw(st.sampled_from(self.ids)), Activity(busy=busy, last_activity=last, connections=connections), now=self.now)
 
     @precondition(lambda self: self.ids)
     @rule(data=st.data())

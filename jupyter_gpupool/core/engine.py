@@ -52,6 +52,8 @@ class PoolState:
     recent_requests: list[int] = field(default_factory=list)  # memory of recent requests (FGD's typical pods)
     now: float = 0.0  # the time this state was loaded for
     changed: set[str] = field(default_factory=set)
+    #: Leases whose liveness fields alone changed (see :meth:`touch_liveness`); ``changed`` wins.
+    beats: set[str] = field(default_factory=set)
     released: list[Lease] = field(default_factory=list)
     #: Derived state of ``leases``, kept up to date by :meth:`touch` (the pool hands in one that
     #: lives as long as its lease cache; built from ``leases`` on first use otherwise).
@@ -63,6 +65,13 @@ class PoolState:
     def touch(self, lease: Lease) -> None:
         """Record that ``lease`` changed (it is saved, and the index updated): call after every change."""
         self.changed.add(lease.id)
+        if self.index is not None:
+            self.index.update(lease)
+
+    def touch_liveness(self, lease: Lease) -> None:
+        """As :meth:`touch`, for a change confined to the lease's ``LIVENESS_FIELDS`` (an activity
+        report, a heartbeat): the store then rewrites only their part of the lease's text."""
+        self.beats.add(lease.id)
         if self.index is not None:
             self.index.update(lease)
 
@@ -1125,7 +1134,7 @@ class Engine:
             lease.last_activity = now
         lease.connections = activity.connections
         lease.heartbeat_at = now
-        state.touch(lease)
+        state.touch_liveness(lease)
         return lease
 
     def heartbeat(self, state: PoolState, lease_id: str, now: float) -> Lease:
@@ -1137,7 +1146,7 @@ class Engine:
         if not self._heartbeat_fresh(lease, now):
             self._count_busy_time(lease, now)
             lease.heartbeat_at = now
-            state.touch(lease)
+            state.touch_liveness(lease)
         return lease
 
     def _heartbeat_fresh(self, lease: Lease, now: float) -> bool:

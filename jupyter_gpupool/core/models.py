@@ -298,10 +298,54 @@ class Lease:
             return json.dumps(self.to_json())
         return _LEASE_ENCODER.encode(fields)
 
+    def liveness_json_text(self) -> str:
+        """The part of :meth:`to_json_text` that holds the :data:`LIVENESS_FIELDS`, exactly as it
+        writes them (``"heartbeat_at": 12.5, "busy": false, ...``)."""
+        j = _scalar_json
+        return (
+            f'"heartbeat_at": {j(self.heartbeat_at)}, "busy": {j(self.busy)}, "last_activity": {j(self.last_activity)}, '
+            f'"connections": {j(self.connections)}, "active_seconds": {j(self.active_seconds)}'
+        )
+
 
 _LEASE_FIELDS = tuple(Lease.__dataclass_fields__)
 #: ``json.dumps``'s text, without its check for cycles (a lease's fields hold none): ~20 % faster.
 _LEASE_ENCODER = json.JSONEncoder(check_circular=False)
+
+#: What a kernel's activity report or heartbeat changes, and nothing else does as often: fields
+#: next to each other in a lease, so in its JSON text. A lease whose change is confined to them
+#: is written by putting their new text between the unchanged text before and after them (see
+#: :func:`split_json_text` and ``Store.save_leases``): most writes of a pool are such reports.
+LIVENESS_FIELDS = ("heartbeat_at", "busy", "last_activity", "connections", "active_seconds")
+_first = _LEASE_FIELDS.index(LIVENESS_FIELDS[0])
+assert _LEASE_FIELDS[_first : _first + len(LIVENESS_FIELDS)] == LIVENESS_FIELDS, "liveness fields must be adjacent"
+_LIVENESS_START = f', "{LIVENESS_FIELDS[0]}": '
+_LIVENESS_END = f', "{_LEASE_FIELDS[_first + len(LIVENESS_FIELDS)]}": '
+
+
+def _scalar_json(value: Any) -> str:
+    """``json.dumps(value)`` for a liveness field's value (None, a bool, a number), without its overhead."""
+    kind = type(value)
+    if kind is float:
+        return float.__repr__(value) if value - value == 0.0 else _LEASE_ENCODER.encode(value)  # not inf, nan
+    if kind is int:
+        return int.__repr__(value)
+    return _SCALARS.get(value, "") if kind is bool or value is None else _LEASE_ENCODER.encode(value)
+
+
+_SCALARS = {None: "null", True: "true", False: "false"}
+
+
+def split_json_text(text: str) -> tuple[str, str] | None:
+    """``(before, after)``: a lease's JSON text around its liveness fields, so that ``before +
+    lease.liveness_json_text() + after`` is the text with new liveness values. None if the text
+    does not hold them in that order. (A key's opening quote is never escaped, a quote inside a
+    string value always is: the markers cannot match inside a value.)"""
+    start = text.find(_LIVENESS_START)
+    end = text.find(_LIVENESS_END, start)
+    if start < 0 or end < 0:
+        return None
+    return text[: start + 2], text[end:]
 
 
 @dataclass(frozen=True)
