@@ -22,10 +22,13 @@ in :attr:`Workload.sources`.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
+import hashlib
 import io
 import itertools
+import json
 import math
 import os
 import random
@@ -33,9 +36,10 @@ import re
 import statistics
 import tarfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from .errors import InvalidInput
 from .units import GIB, parse_duration, parse_size
@@ -187,12 +191,53 @@ def _has_traces(folder: Path) -> bool:
     )
 
 
+T = TypeVar("T")
+
+#: Bump when what is derived from the traces changes: older cached copies are then ignored.
+CACHE_FORMAT = 1
+
+
+def cache_folder() -> Path:
+    """Where what is derived from the traces is kept between runs: ``$GPUPOOL_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jupyter-gpupool`` (``~/.cache/jupyter-gpupool``)."""
+    if os.environ.get("GPUPOOL_CACHE_DIR"):
+        return Path(os.environ["GPUPOOL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jupyter-gpupool"
+
+
+def _derived_from(sources: list[Path], name: str, build: Callable[[], Any], decode: Callable[[Any], T]) -> T:
+    """``decode(build())``, with ``build()``'s JSON-ready value kept in :func:`cache_folder` under a
+    key of the ``sources`` files (path, size, modification time) and the constants that shape it:
+    an admin's what-if runs read the traces once, not on every run. A missing, stale, damaged or
+    unwritable cache only means building again."""
+    stats = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in sources]
+    constants = [CACHE_FORMAT, BUSY_DUTY_THRESHOLD, TRACE_SAMPLE_SECONDS, SESSION_MIN, SESSION_MAX, MIN_HELD]
+    key = hashlib.sha256(json.dumps([name, stats, constants]).encode()).hexdigest()[:20]
+    path = cache_folder() / f"{name}-{key}.json"
+    try:
+        return decode(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    value = build()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(value))
+        os.replace(partial, path)  # whole or not at all, even with two runs at once
+    return decode(value)
+
+
 @functools.lru_cache(maxsize=4)
 def philly_session_lengths(traces: Path) -> tuple[float, ...]:
     """Philly run times between :data:`SESSION_MIN` and :data:`SESSION_MAX` seconds."""
-    with open(traces / "runtimes" / "philly_runtime.csv", newline="") as handle:
-        values = (float(row["runtime"]) for row in csv.DictReader(handle))
-        return tuple(v for v in values if SESSION_MIN <= v <= SESSION_MAX)
+    source = traces / "runtimes" / "philly_runtime.csv"
+
+    def build() -> list[float]:
+        with open(source, newline="") as handle:
+            values = (float(row["runtime"]) for row in csv.DictReader(handle))
+            return [v for v in values if SESSION_MIN <= v <= SESSION_MAX]
+
+    return _derived_from([source], "philly-session-lengths", build, lambda values: tuple(map(float, values)))
 
 
 def _read_tar_csv(path: Path) -> dict[str, list[tuple[float, float]]]:
@@ -234,6 +279,21 @@ def _runs(flags: Sequence[bool]) -> tuple[list[float], list[float]]:
 def genai_profiles(traces: Path) -> tuple[ActivityProfile, ...]:
     """One :class:`ActivityProfile` per pod present in both GenAI series that held GPU memory."""
     folder = traces / "alibaba-genai-v2026"
+    sources = [folder / "pod_gpu_memory_used_bytes_anon.tar.gz", folder / "pod_gpu_duty_cycle_anon.tar.gz"]
+
+    def build() -> list[list[Any]]:
+        return [[p.memory_held, list(p.busy_runs), list(p.idle_runs), p.busy_fraction] for p in _read_genai_profiles(folder)]
+
+    def decode(rows: list[list[Any]]) -> tuple[ActivityProfile, ...]:
+        return tuple(
+            ActivityProfile(memory_held=float(held), busy_runs=tuple(map(float, busy)), idle_runs=tuple(map(float, idle)), busy_fraction=float(fraction))
+            for held, busy, idle, fraction in rows
+        )
+
+    return _derived_from(sources, "genai-profiles", build, decode)
+
+
+def _read_genai_profiles(folder: Path) -> list[ActivityProfile]:
     memory = _read_tar_csv(folder / "pod_gpu_memory_used_bytes_anon.tar.gz")
     duty = _read_tar_csv(folder / "pod_gpu_duty_cycle_anon.tar.gz")
     profiles = []
@@ -251,7 +311,7 @@ def genai_profiles(traces: Path) -> tuple[ActivityProfile, ...]:
                 busy_fraction=sum(flags) / len(flags),
             )
         )
-    return tuple(profiles)
+    return profiles
 
 
 # --- the fallback (only when the traces are absent) ------------------------------------------------

@@ -60,6 +60,12 @@ def broker_file_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("GPUPOOL_BROKER_FILE", str(tmp_path_factory.mktemp("discovery") / "gpupool-broker.json"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def simulator_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What the simulator derives from the traces is kept in a temporary folder, not in ~/.cache."""
+    os.environ.setdefault("GPUPOOL_CACHE_DIR", str(tmp_path_factory.mktemp("gpupool-cache")))
+
+
 # --- the pool of one test -----------------------------------------------------------------------
 
 

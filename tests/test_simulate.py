@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import random
 import subprocess
 import sys
+import tarfile
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -246,6 +249,68 @@ def test_workload_comes_from_the_traces_when_present() -> None:
     # The trace's point: memory stays held while compute is mostly idle.
     assert 0.1 < work.busy_fraction() < 0.5
     assert any(not p.busy_runs for p in work.profiles)
+
+
+def write_tiny_traces(folder: Path) -> Path:
+    """Traces of the real layout and columns, small: 6 run times and 3 pods (one below MIN_HELD)."""
+    (folder / "runtimes").mkdir(parents=True)
+    (folder / "runtimes" / "philly_runtime.csv").write_text("jobid,runtime\n" + "".join(f"j{i},{v}\n" for i, v in enumerate([10, 400, 900, 3600, 20000, 40000])))
+    genai = folder / "alibaba-genai-v2026"
+    genai.mkdir()
+    memory = {"10.0.0.1": [0, 8 * GIB, 8 * GIB, 9 * GIB], "10.0.0.2": [2 * GIB] * 4, "10.0.0.3": [1024] * 4}
+    duty = {"10.0.0.1": [50, 0, 0, 30], "10.0.0.2": [0, 0, 0, 0], "10.0.0.3": [90] * 4}
+    for name, series in (("pod_gpu_memory_used_bytes_anon", memory), ("pod_gpu_duty_cycle_anon", duty)):
+        rows = "container_ip,timestamp_anon,value\n" + "".join(f"{ip},{57 * i},{v}\n" for ip, values in series.items() for i, v in enumerate(values))
+        data = rows.encode()
+        with tarfile.open(genai / f"{name}.tar.gz", "w:gz") as tar:
+            member = tarfile.TarInfo(f"{name}.csv")
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    return folder
+
+
+def test_what_the_traces_give_is_kept_between_runs_and_read_again_when_they_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    traces = write_tiny_traces(tmp_path / "traces")
+    monkeypatch.setenv("GPUPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    workload_module.genai_profiles.cache_clear()
+    workload_module.philly_session_lengths.cache_clear()
+    first = load_workload(str(traces))
+    assert first.session_length.values == (400.0, 900.0, 3600.0, 20000.0)
+    assert [p.memory_held for p in first.profiles] == [8 * GIB, 2 * GIB]
+    assert first.profiles[0].busy_runs == (57.0, 57.0) and first.profiles[1].busy_runs == ()
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 2
+
+    # A second run (a new process: no in-memory copy) reads the kept copy, not the traces.
+    workload_module.genai_profiles.cache_clear()
+    workload_module.philly_session_lengths.cache_clear()
+    monkeypatch.setattr(workload_module, "_read_tar_csv", lambda path: pytest.fail("read the traces again"))
+    again = load_workload(str(traces))
+    assert again.profiles == first.profiles and again.session_length == first.session_length
+    monkeypatch.undo()
+    monkeypatch.setenv("GPUPOOL_CACHE_DIR", str(tmp_path / "cache"))
+
+    # A damaged copy is built again; so is one for a trace file that changed.
+    for kept in (tmp_path / "cache").glob("genai-profiles-*.json"):
+        kept.write_text('[[1, "not a list"')
+    workload_module.genai_profiles.cache_clear()
+    assert load_workload(str(traces)).profiles == first.profiles
+    runtimes = traces / "runtimes" / "philly_runtime.csv"
+    runtimes.write_text(runtimes.read_text() + "j9,7200\n")
+    workload_module.philly_session_lengths.cache_clear()
+    assert load_workload(str(traces)).session_length.values == (400.0, 900.0, 3600.0, 20000.0, 7200.0)
+    workload_module.genai_profiles.cache_clear()
+    workload_module.philly_session_lengths.cache_clear()
+
+
+def test_an_unwritable_cache_only_means_reading_the_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    traces = write_tiny_traces(tmp_path / "traces")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GPUPOOL_CACHE_DIR", str(blocker / "cache"))  # under a file: can never be made
+    workload_module.philly_session_lengths.cache_clear()
+    assert load_workload(str(traces)).session_length.values == (400.0, 900.0, 3600.0, 20000.0)
+    workload_module.philly_session_lengths.cache_clear()
+    workload_module.genai_profiles.cache_clear()
 
 
 def test_fallback_is_used_and_labelled_only_without_traces(monkeypatch: pytest.MonkeyPatch) -> None:
