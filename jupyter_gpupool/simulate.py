@@ -688,6 +688,7 @@ class LabRun:
 
     # --- ticks ------------------------------------------------------------------------------------
     def _tick(self, t: float) -> None:
+        """What a server's periodic round does: report every kernel's activity and run the scheduler."""
         open_hour = self.settings.shape.weight(t) > 0
         if open_hour and self.mode == "suspend":
             self.parked_samples.append(self.parked_total)
@@ -705,7 +706,7 @@ class LabRun:
                 used += session.used
                 busy += session.used if computing else 0
             else:
-                activities[lease_id] = Activity(busy=False)
+                activities[lease_id] = _NOT_RUNNING
         if open_hour:
             self.samples[0] += leased
             self.samples[1] += used
@@ -771,6 +772,10 @@ class LabRun:
             parked_limit=self.parked_limit,
             work_lost=self.work_lost,
         )
+
+
+#: The activity of a kernel that waits for its slice, or for its restore: no kernel runs yet.
+_NOT_RUNNING = Activity(busy=False)
 
 
 def uniform_backend(name: str, memory: int, count: int) -> SimulatedBackend:

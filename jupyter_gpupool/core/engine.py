@@ -73,7 +73,7 @@ class PoolState:
         report, a heartbeat): the store then rewrites only their part of the lease's text."""
         self.beats.add(lease.id)
         if self.index is not None:
-            self.index.update(lease)
+            self.index.update_liveness(lease)
 
     def derived(self) -> LeaseIndex:
         if self.index is None:
@@ -469,11 +469,11 @@ class Engine:
     def _flag_unhealthy(self, state: PoolState) -> None:
         """Flag held leases whose GPU is unhealthy or gone from the inventory (a MIG instance the
         admin destroyed, a GPU that vanished): their users are told, the lease is never moved."""
+        index = state.derived()
+        if not index.flagged and {d.uuid for d in state.devices if d.healthy}.issuperset(index.held):
+            return  # no held lease is flagged, and every GPU a lease holds is here and healthy
         lost = {d.uuid: d.health_reason or "GPU unhealthy" for d in state.devices if not d.healthy}
         present = {d.uuid for d in state.devices}
-        index = state.derived()
-        if not index.flagged and all(uuid in present and uuid not in lost for uuid in index.held):
-            return  # no held lease is flagged, and every GPU a lease holds is here and healthy
         gone = "GPU or MIG instance no longer present (the admin changed the layout, or the GPU fell off the bus)"
         for lease in state.leases.values():
             if lease.state in HELD_STATES:

@@ -98,6 +98,17 @@ class LeaseIndex:
             self.entries[lease.id] = new
             self._apply(lease.id, new, +1)
 
+    def update_liveness(self, lease: Lease) -> None:
+        """As :meth:`update`, for a lease whose liveness fields alone changed (an activity report,
+        a heartbeat): at most its heartbeat deadline moved."""
+        old = self.entries.get(lease.id)
+        beat = lease.heartbeat_at
+        if old is None or old[8] is None or beat is None:
+            self.update(lease)  # a first heartbeat, or a booked slice's: the long way
+        elif beat != old[8]:
+            self.entries[lease.id] = (*old[:8], beat, *old[9:])
+            self._push(self._beats, (beat, lease.id))
+
     def _apply(self, lease_id: str, entry: _Entry, sign: int) -> None:
         state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked = entry
         held_bytes = memory * num_gpus if state is LeaseState.GRANTED else 0
