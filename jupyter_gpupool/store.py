@@ -582,8 +582,8 @@ class Store:
             text = lease.to_json_text()
             rows.append((lease.id, lease.state.value, lease.owner, lease.kernel_id, lease.created_at, text))
             self._texts.pop(lease.id, None)  # its text around the liveness fields may have changed
-            if kept and lease.state is not LeaseState.RELEASED:
-                self._keep_text(lease if cached.get(lease.id) is lease else None, text)
+            if kept and cached.get(lease.id) is lease and lease.state is not LeaseState.RELEASED:
+                self._keep_text(lease, text)
         beat_rows = []
         for lease in beats:
             known = self._texts_pending.get(lease.id) or self._texts.get(lease.id)
@@ -628,10 +628,8 @@ class Store:
             else:  # the cache's own object (changed in place) stays; one from elsewhere is copied
                 self._pending[lease.id] = lease if cached.get(lease.id) is lease else lease.copy()
 
-    def _keep_text(self, lease: Lease | None, text: str) -> None:
+    def _keep_text(self, lease: Lease, text: str) -> None:
         """Remember the cached ``lease``'s text around its liveness fields, for its next beat."""
-        if lease is None:
-            return
         parts = split_json_text(text)
         # Only if the cut is exactly where this lease's liveness text is (it always is for text
         # Lease.to_json_text wrote; the check keeps a beat's text right whatever wrote it).
