@@ -35,6 +35,7 @@ import random
 import re
 import statistics
 import tarfile
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -221,9 +222,15 @@ def _derived_from(sources: list[Path], name: str, build: Callable[[], Any], deco
     value = build()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(value))
-        os.replace(partial, path)  # whole or not at all, even with two runs at once
+        # A new file of a random name (never one planted there), then renamed: whole or not at
+        # all, even with two runs at once.
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as partial:
+            partial.write(json.dumps(value))
+        try:
+            os.replace(partial.name, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial.name)
     return decode(value)
 
 
