@@ -65,10 +65,34 @@ def test_sidebar_and_status_bar_in_headless_chromium(tmp_path):
     (run.sh's suites gpupool, idle, suspend and unavailable, on this checkout's build when it has one)."""
     shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
     env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
-    result = subprocess.run(["bash", str(EXT / "ui-tests" / "run.sh")], capture_output=True, text=True, env=env, timeout=1200)
-    print(result.stdout[-6000:])
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    returncode, output = run_suites([], env, timeout=1200)
+    print(output[-6000:])
+    assert returncode == 0, output[-6000:]
     assert any(shots.glob("*.png")), "the browser test saves a screenshot of each step"
+
+
+def run_suites(suites: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """``ui-tests/run.sh`` with ``suites`` in a process group of its own: past ``timeout`` the whole
+    group (run.sh, jupyter lab, Chromium, a Slurm cluster's owner) gets SIGTERM, so run.sh's traps
+    stop what it started, then SIGKILL; nothing is left running, and the test fails with the output."""
+    run = subprocess.Popen(
+        ["bash", str(EXT / "ui-tests" / "run.sh"), *suites],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGTERM)
+        try:
+            output, _ = run.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            output, _ = run.communicate()
+        if "slurm" in suites:  # a cluster whose owner was killed too: stop its daemons
+            reap = [sys.executable, str(EXT / "ui-tests" / "slurm_cluster_steps.py"), "reap"]
+            subprocess.run(reap, timeout=60, check=False)
+        pytest.fail(f"the browser suites {suites or 'default'} ran past {timeout:.0f} s:\n" + output[-6000:])
+    return run.returncode, output
 
 
 SLURM_SHOTS = ("slurm-01-first-running", "slurm-02-second-running", "slurm-03-third-pending",
@@ -89,24 +113,8 @@ def test_sidebar_shows_slurm_job_partition_and_queue_position_in_headless_chromi
     starts (run.sh's slurm suite, which starts and always stops the cluster)."""
     shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
     env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
-    run = subprocess.Popen(
-        ["bash", str(EXT / "ui-tests" / "run.sh"), "slurm"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = run.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        # SIGTERM to the whole group: run.sh's trap stops the server, the cluster's owner stops Slurm.
-        os.killpg(run.pid, signal.SIGTERM)
-        try:
-            output, _ = run.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(run.pid, signal.SIGKILL)
-            output, _ = run.communicate()
-        reap = [sys.executable, str(EXT / "ui-tests" / "slurm_cluster_steps.py"), "reap"]
-        subprocess.run(reap, timeout=60, check=False)
-        pytest.fail("the slurm browser suite ran past 15 min:\n" + output[-6000:])
+    returncode, output = run_suites(["slurm"], env, timeout=900)
     print(output[-6000:])
-    assert run.returncode == 0, output[-6000:]
+    assert returncode == 0, output[-6000:]
     for name in SLURM_SHOTS:
         assert (shots / f"{name}.png").is_file(), f"no screenshot {name}.png"
