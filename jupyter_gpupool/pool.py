@@ -13,9 +13,10 @@ import datetime as dt
 import functools
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,6 +84,10 @@ class Pool(GrantWaiting):
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
         #: Derived state of the store's cached leases, and the cache generation it was built for.
         self._index: tuple[int, LeaseIndex] | None = None
+        #: The second connection views read through (see :meth:`_viewing`), and its derived state.
+        self._view_store: Store | None = None
+        self._view_index: tuple[int, LeaseIndex] | None = None
+        self._view_store_lock = threading.Lock()
 
     @classmethod
     def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
@@ -128,17 +133,26 @@ class Pool(GrantWaiting):
         with self.store.transaction():
             yield
 
-    def _load(self, now: float) -> PoolState:
-        leases = self.store.live_leases()
-        # Kept up to date with this pool's own decisions; other processes' at most every history_cache_seconds.
-        stats = self.store.history(now, self.policy.fair_share_half_life, self.history_cache_seconds)
+    def _load(self, now: float, store: Store | None = None) -> PoolState:
+        """The state a decision works on; or, read through the views' ``store``, a view."""
+        store = store or self.store
+        viewing = store is not self.store
+        leases = store.live_leases()
+        # Kept up to date with this pool's own decisions; other processes' at most every
+        # history_cache_seconds (a view's, whenever the file changed: it never decides).
+        stats = store.history(now, self.policy.fair_share_half_life, 0.0 if viewing else self.history_cache_seconds)
         parsed = self._parsed_reservations
         if parsed is None or parsed[0] is not stats["reservations"]:
             parsed = self._parsed_reservations = (stats["reservations"], [parse_reservation(r) for r in stats["reservations"]])
-        generation = self.store.cache_generation
-        if self._index is None or self._index[0] != generation:
+        generation = store.cache_generation
+        index = self._view_index if viewing else self._index
+        if index is None or index[0] != generation:
             # The leases are other objects than last time: derive again (O(leases), then O(changes)).
-            self._index = (generation, LeaseIndex(leases.values()))
+            index = (generation, LeaseIndex(leases.values()))
+            if viewing:
+                self._view_index = index
+            else:
+                self._index = index
         return PoolState(
             devices=self._cached_devices(),
             leases=leases,
@@ -147,9 +161,41 @@ class Pool(GrantWaiting):
             reservations=self.policy.parsed_reservations() + list(parsed[1]),
             recent_requests=stats["recent"],
             now=now,
-            index=self._index[1],
+            index=index[1],
             host_memory=self._host_memory(),
         )
+
+    @contextmanager
+    def _viewing(self, now: float) -> Iterator[tuple[PoolState, Store]]:
+        """The state a view (status, queue, a queued kernel's place) reads, without the write
+        lock, and the store it was read from (for more reads in the same transaction).
+
+        Views read through a second connection to the pool file, in a read transaction: in WAL
+        mode that never waits for a writer, so a decision stuck behind another process's write
+        lock (a CLI stopped with Ctrl-Z mid-decision, a frozen kernel) leaves every sidebar and
+        status view answering. An in-memory pool has one connection and takes the lock as before.
+        """
+        self.devices()
+        reader = self._reader()
+        if reader is None:
+            with self.store.transaction():
+                yield self._load(now), self.store
+            return
+        with reader.read_transaction():
+            yield self._load(now, reader), reader
+
+    def _reads(self) -> Store:
+        """The store a plain read (a lease, a kernel's lease, a listing) goes to: the views' connection."""
+        return self._reader() or self.store
+
+    def _reader(self) -> Store | None:
+        """The views' connection to the pool file, opened on first use (None for ``:memory:``)."""
+        if self.store.path == ":memory:":
+            return None
+        with self._view_store_lock:
+            if self._view_store is None:
+                self._view_store = Store(self.store.path, timeout=self.store.timeout, reader_of=self.store)
+            return self._view_store
 
     def _host_memory(self) -> int | None:
         """This host's RAM; a simulated pool stands for a GPU server, whose RAM is taken to be twice
@@ -209,48 +255,49 @@ class Pool(GrantWaiting):
             return state.leases[lease.id].copy()
 
     def get(self, lease_id: str) -> Lease:
-        lease = self.store.lease(lease_id)
+        return self._found(self._reads().lease(lease_id), lease_id)
+
+    @staticmethod
+    def _found(lease: Lease | None, lease_id: str) -> Lease:
         if lease is None:
             raise LeaseNotFound(f"no lease {lease_id!r}; list them with `jupyter gpupool leases`")
         return lease
 
     def lease_for_kernel(self, kernel_id: str) -> Lease | None:
-        lease = self.store.latest_for_kernel(kernel_id)
+        lease = self._reads().latest_for_kernel(kernel_id)
         return lease if lease is not None and lease.live else None
 
     def last_lease_for_kernel(self, kernel_id: str) -> Lease | None:
         """The newest lease of a kernel, released or not (to say why it was reclaimed)."""
-        return self.store.latest_for_kernel(kernel_id)
+        return self._reads().latest_for_kernel(kernel_id)
 
     def leases(self, owner: str | None = None, include_released: bool = False, kernel_id: str | None = None) -> list[Lease]:
         """Every matching lease, newest first (filtered in SQL, never cut short)."""
-        return self.store.leases(owner=owner, include_released=include_released, kernel_id=kernel_id)
+        return self._reads().leases(owner=owner, include_released=include_released, kernel_id=kernel_id)
 
     def lease_owners(self, lease_ids: list[str]) -> dict[str, str]:
         """``{lease id: owner}`` for the ids that exist: authorization by id, not by listing."""
-        return self.store.lease_owners(lease_ids)
+        return self._reads().lease_owners(lease_ids)
 
     def queue(self, now: float | None = None) -> list[Lease]:
         now = self._now(now)
-        with self._locked():
-            return [lease.copy() for lease in self.engine.queue_order(self._load(now), now)]
+        with self._viewing(now) as (state, _):
+            return [lease.copy() for lease in self.engine.queue_order(state, now)]
 
     def queue_info(self, lease_id: str, now: float | None = None) -> QueueInfo | None:
         now = self._now(now)
-        with self._locked():
-            state = self._load(now)
-            if lease_id not in state.leases:
-                self.get(lease_id)  # 404 for unknown ids
-                return None
-            return self.engine.queue_info(state, lease_id, now)
+        with self._viewing(now) as (state, _):
+            if lease_id in state.leases:
+                return self.engine.queue_info(state, lease_id, now)
+        self.get(lease_id)  # 404 for unknown ids
+        return None
 
     def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
         now = self._now(now)
         with self._locked():
             state = self._load(now)
             if lease_id not in state.leases:
-                lease = self.get(lease_id)
-                return lease  # already released: releasing twice is harmless
+                return self._found(self.store.lease(lease_id), lease_id)  # already released: releasing twice is harmless
             lease = self.engine.release(state, lease_id, reason, now)
             decisions = [Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now)]
             decisions += self.engine.schedule(state, now)
@@ -458,7 +505,7 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             lease = state.leases.get(lease_id)
             if lease is None:
-                released = self.get(lease_id)
+                released = self._found(self.store.lease(lease_id), lease_id)
                 raise RequestRefused(f"the request was {released.release_reason or 'released'} before it was granted")
             info = self.engine.queue_info(state, lease_id, now) if lease.state is LeaseState.QUEUED else None
             return lease.copy(), info
@@ -467,11 +514,10 @@ class Pool(GrantWaiting):
     def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:
         """Devices, leases and queue as ``viewer`` may see them (others anonymous unless admin)."""
         now = self._now(now)
-        with self._locked():
-            state = self._load(now)
+        with self._viewing(now) as (state, store):
             order = self.engine.queue_order(state, now)
             month_start = dt.datetime.fromtimestamp(now).replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
-            used_gib_hours = self._gib_hours(viewer, month_start, now) if viewer else 0.0
+            used_gib_hours = self._gib_hours(viewer, month_start, now, state, store) if viewer else 0.0
             # The leases are the store's cached objects, changed in place by decisions of other
             # threads once the lock is released: build the view from copies taken under it.
             live = {lease_id: lease.copy() for lease_id, lease in state.leases.items()}
@@ -524,8 +570,10 @@ class Pool(GrantWaiting):
                 data[key] = None if key not in ("groups",) else []
         return data
 
-    def _gib_hours(self, owner: str, since: float, now: float) -> float:
-        rows = self.report(since, now, by="user", now=now)
+    def _gib_hours(self, owner: str, since: float, now: float, state: PoolState, store: Store) -> float:
+        """``owner``'s GiB·hours held since ``since``: the ledger's closed intervals and the open
+        ones of ``state``, read in the same transaction of ``store`` (as :meth:`_viewing` hands them)."""
+        rows = self._report_rows(store.ledger(since, now), state.leases.values(), since, now, "user", "none", now)
         return next((row["gib_hours_held"] for row in rows if row["user"] == owner), 0.0)
 
     # --- metering ---------------------------------------------------------------------------------
@@ -544,8 +592,14 @@ class Pool(GrantWaiting):
         check_choice(period, PERIODS, "period")
         now = self._now(now)
         until = now if until is None else until
-        rows = self.store.ledger(since, until)
-        live = [lease for lease in self.store.leases() if lease.state is LeaseState.GRANTED and lease.granted_at is not None]
+        store = self._reads()
+        return self._report_rows(store.ledger(since, until), store.leases(), since, until, by, period, now)
+
+    def _report_rows(
+        self, rows: list[dict[str, Any]], leases: Iterable[Lease], since: float | None, until: float, by: str, period: str, now: float
+    ) -> list[dict[str, Any]]:
+        """:meth:`report` of ledger ``rows`` and the open intervals of the granted ones of ``leases``."""
+        live = [lease for lease in leases if lease.state is LeaseState.GRANTED and lease.granted_at is not None]
         # Rows record their GPUs; older rows and open intervals take them from the inventory.
         unrecorded = any(row.get("device_info") is None for row in rows)
         inventory = self._inventory() if live or unrecorded else {}
@@ -613,10 +667,10 @@ class Pool(GrantWaiting):
                 raise LeaseNotFound(f"no reservation named {name!r}")
 
     def reservations(self) -> list[Reservation]:
-        return self.policy.parsed_reservations() + [parse_reservation(r) for r in self.store.reservations()]
+        return self.policy.parsed_reservations() + [parse_reservation(r) for r in self._reads().reservations()]
 
     def preference(self, owner: str) -> dict[str, Any]:
-        return self.store.preference(owner)
+        return self._reads().preference(owner)
 
     def set_preference(self, owner: str, **values: Any) -> None:
         """Save ``owner``'s defaults; a value not in its accepted form is an InvalidInput, saving nothing."""
@@ -627,10 +681,12 @@ class Pool(GrantWaiting):
             self.store.set_preference(owner, current)
 
     def events(self, after_seq: int = 0) -> list[dict[str, Any]]:
-        return self.store.events(after_seq)
+        return self._reads().events(after_seq)
 
     def close(self) -> None:
         self.store.close()
+        if self._view_store is not None:
+            self._view_store.close()
         self.backend.close()
 
 

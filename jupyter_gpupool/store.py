@@ -101,6 +101,21 @@ RECOVER = (
 )
 
 
+def _deleted_while_in_use(path: str, rescued: str | None) -> str:
+    saved = f"its last state was saved as {rescued}; " if rescued else ""
+    return (
+        f"the pool database {path} was deleted or moved while in use, so this process stopped granting "
+        f"GPU memory; {saved}stop every Jupyter server and broker using it, put the file back and start them again"
+    )
+
+
+def _replaced_while_in_use(path: str) -> str:
+    return (
+        f"the pool database {path} was replaced by another file while in use, so this process stopped "
+        "granting GPU memory; stop every Jupyter server and broker using it and start them again"
+    )
+
+
 def _locked(method: Any) -> Any:
     """Run a Store method under the store's lock, after checking the file is still ours; SQLite
     errors become :class:`PoolUnavailable` with a one-line message."""
@@ -205,9 +220,12 @@ class Store:
 
     conn: sqlite3.Connection
 
-    def __init__(self, path: str, timeout: float = 30.0) -> None:
+    def __init__(self, path: str, timeout: float = 30.0, reader_of: Store | None = None) -> None:
         self.path = path
         self.timeout = timeout
+        #: A reader is a second connection to the very file ``reader_of`` (a Store of this process)
+        #: opened, checked and migrated: it only reads, in :meth:`read_transaction`.
+        self.reader_of = reader_of
         self._cache_version: int | None = None
         self._cache: dict[str, Lease] | None = None
         #: Lease writes of the open transaction, put in the cache only once COMMIT succeeded.
@@ -259,6 +277,8 @@ class Store:
         assert self._guard is not None
         path = self.path
         if not os.path.lexists(path):
+            if self.reader_of is not None:
+                raise self.reader_of._failure or PoolUnavailable(_deleted_while_in_use(path, None))
             self._create(path)
         try:
             before = os.stat(path)
@@ -271,7 +291,10 @@ class Store:
         self._guard.hold()
         try:
             self.conn = self._connect(path)
-            self._adopt(created=False)
+            if self.reader_of is not None:
+                self._check_reader(before)
+            else:
+                self._adopt(created=False)
         except sqlite3.Error as err:
             raise PoolUnavailable(f"cannot open the pool database {path}: {err}; {self._hint(err)}") from None
         try:
@@ -392,6 +415,20 @@ class Store:
                 conn.execute("ROLLBACK")
             raise
 
+    def _check_reader(self, opened: os.stat_result) -> None:
+        """A reader opens a file its process's writing Store already checked and migrated: it
+        only makes sure the path still names that very file (it writes nothing, so it never
+        waits for the write lock, not even to open)."""
+        writer = self.reader_of
+        assert writer is not None
+        if writer._failure is not None:
+            raise writer._failure
+        if writer._identity is not None and (opened.st_dev, opened.st_ino) != writer._identity:
+            raise PoolUnavailable(_replaced_while_in_use(self.path))
+        application_id, version, _ = self._identify(self.conn)
+        if application_id != APPLICATION_ID or version != SCHEMA_VERSION:
+            raise PoolUnavailable(f"the pool database {self.path} changed under this process (schema {version}); restart it")
+
     @staticmethod
     def _identify(conn: sqlite3.Connection) -> tuple[int, int, set[str]]:
         """The file's application id, schema version and table names (read only)."""
@@ -420,12 +457,8 @@ class Store:
         try:
             now = os.stat(self.path)
         except FileNotFoundError:
-            rescued = self._rescue()
-            saved = f"its last state was saved as {rescued}; " if rescued else ""
-            self._fail(
-                f"the pool database {self.path} was deleted or moved while in use, so this process stopped granting "
-                f"GPU memory; {saved}stop every Jupyter server and broker using it, put the file back and start them again"
-            )
+            rescued = self._rescue() if self.reader_of is None else None  # the writer saves it
+            self._fail(_deleted_while_in_use(self.path, rescued))
         except OSError as err:
             raise PoolUnavailable(f"cannot check the pool database {self.path}: {err.strerror}") from None
         else:
@@ -435,10 +468,7 @@ class Store:
                 if not self.conn.in_transaction:
                     with contextlib.suppress(sqlite3.Error):
                         self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                self._fail(
-                    f"the pool database {self.path} was replaced by another file while in use, so this process stopped "
-                    "granting GPU memory; stop every Jupyter server and broker using it and start them again"
-                )
+                self._fail(_replaced_while_in_use(self.path))
             if now.st_size == 0:
                 self._fail(f"the pool database {self.path} was truncated to 0 bytes while in use; {RECOVER}")
 
@@ -531,6 +561,29 @@ class Store:
                         self._committed_ids.add(lease_id)
                 self._texts.update(texts)
                 # Our own commits do not change data_version for this connection: the cache stays valid.
+
+    @contextlib.contextmanager
+    def read_transaction(self) -> Iterator[sqlite3.Connection]:
+        """A deferred ``BEGIN``: what :meth:`live_leases` and :meth:`history` read is one commit's
+        state, and in WAL mode reading never waits for a writer (another process's decision, or a
+        thread of this one waiting for the write lock on another connection). Nothing may be
+        written in it."""
+        with self.lock:
+            if self.reader_of is not None and self.reader_of._failure is not None:
+                raise self.reader_of._failure  # the writer found the file gone or replaced
+            self.check_file()
+            try:
+                self.conn.execute("BEGIN")
+            except sqlite3.Error as err:
+                raise self.unavailable(err) from None
+            try:
+                yield self.conn
+            except sqlite3.Error as err:
+                raise self.unavailable(err) from None
+            finally:
+                if self.conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self.conn.execute("ROLLBACK")
 
     # --- leases -----------------------------------------------------------------------------------
     def live_leases(self) -> dict[str, Lease]:
