@@ -169,3 +169,57 @@ def test_a_slice_asks_for_the_smallest_mig_type_that_holds_it(tmp_path):
     for bad, message in [({"1g:10gb": "10GiB"}, "is not a GRES type"), ({"1g.10gb": "ten"}, "ten")]:
         with pytest.raises((InvalidInput, TraitError), match=message):
             SlurmPool(mig_profiles=bad, state_path=str(tmp_path / "other.sqlite"))
+
+
+def test_a_shutdown_is_not_mistaken_for_slurm_ending_the_job(tmp_path):
+    """A kernel shut down while its job pends: another thread (a tick, a status view) that read the
+    lease as live just before, and asks squeue just after the scancel, finds the job gone. The
+    lease must keep the shutdown's reason, not "ended by Slurm: cancelled". Under load the real
+    cluster test hit this ordering; here it is forced, with Slurm's answers scripted."""
+    from jupyter_gpupool.core.models import Lease, LeaseState
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    lease = Lease(id="l-1", owner="alice", memory=8 * GIB, state=LeaseState.QUEUED, created_at=1.0, kernel_id="k-1")
+    pool._put(lease, {"job_id": "7", "gres": "shard:1"})
+    stale = pool._row("l-1")  # what the other thread read while the lease was live
+
+    class ScriptedSlurm:
+        cancelled: list[str] = []
+
+        def scancel(self, job_id: str) -> None:
+            self.cancelled.append(job_id)
+            # The other thread now follows its stale copy: squeue no longer lists job 7.
+            followed, _ = pool._follow(*stale, None)
+            assert followed.release_reason == "kernel shut down while queued"
+
+        def show_job(self, job_id: str, detail: bool = False) -> tuple[dict[str, str], str]:
+            return {"JobState": "CANCELLED", "Reason": "None"}, ""
+
+    pool.commands = ScriptedSlurm()  # type: ignore[assignment]
+    released = pool.release("l-1", reason="kernel shut down while queued")
+    assert ScriptedSlurm.cancelled == ["7"]
+    assert released.release_reason == pool._row("l-1")[0].release_reason == "kernel shut down while queued"
+    pool.close()
+
+
+def test_a_release_whose_scancel_fails_keeps_the_lease_live(tmp_path):
+    """The controller does not answer: the job may still run, so its lease does too (and says why not)."""
+    from jupyter_gpupool.core.models import Lease, LeaseState
+    from jupyter_gpupool.errors import PoolUnavailable
+    from jupyter_gpupool.slurm.pool import SlurmPool
+
+    pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    lease = Lease(id="l-1", owner="alice", memory=8 * GIB, state=LeaseState.GRANTED, created_at=1.0, kernel_id="k-1")
+    pool._put(lease, {"job_id": "7", "gres": "shard:1"})
+
+    class SilentController:
+        def scancel(self, job_id: str) -> None:
+            raise PoolUnavailable("scancel: Unable to contact slurm controller (connect failure)")
+
+    pool.commands = SilentController()  # type: ignore[assignment]
+    with pytest.raises(PoolUnavailable, match="Unable to contact"):
+        pool.release("l-1", reason="kernel shut down")
+    kept, job = pool._row("l-1")
+    assert kept.state is LeaseState.GRANTED and kept.release_reason == "" and "end_state" not in job
+    pool.close()

@@ -256,6 +256,16 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
                 ),
             )
 
+    def _put_unless_released(self, lease: Lease, job: dict[str, Any]) -> bool:
+        """Write what was seen of a lease's job, unless the lease was released meanwhile (by a
+        shutdown in another thread or process, whose reason stands): False then."""
+        with self._lock:
+            cursor = self._db.execute(
+                "UPDATE slurm_leases SET lease = ?, job = ? WHERE lease_id = ? AND json_extract(lease, '$.state') != 'released'",
+                (json.dumps(lease.to_json()), json.dumps(job), lease.id),
+            )
+        return cursor.rowcount == 1
+
     def _row(self, lease_id: str) -> tuple[Lease, dict[str, Any]]:
         rows = self._rows("WHERE lease_id = ?", (lease_id,))
         if not rows:
@@ -469,7 +479,10 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
             job.update(end_state=state)
         after = (lease.state, lease.devices, job.get("reason"), job.get("start_time"), lease.release_reason)
         if after != before:
-            self._put(lease, job)
+            if before[0] is LeaseState.RELEASED:  # a released lease's job that was still ending
+                self._put(lease, job)
+            elif not self._put_unless_released(lease, job):  # released meanwhile: that record stands
+                return self._row(lease.id)
         return lease, job
 
     def _final_state(self, job_id: str) -> tuple[str, str]:
@@ -593,14 +606,23 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         lease, job = self._row(lease_id)
         if not lease.live:
             return lease
-        self.commands.scancel(str(job["job_id"]))
+        held = lease.copy(), dict(job)
         lease.state = LeaseState.RELEASED
         lease.released_at = self.clock() if now is None else now
         lease.release_reason = reason
         job["end_state"] = "CANCELLED"
+        # The release is recorded before the job is cancelled: whoever sees the job gone from then
+        # on (a tick, a status view in another thread) finds it released with this reason, and
+        # does not say Slurm ended it.
         self._put(lease, job)
-        self._jobs_cache = None
-        self._pending_cache = None
+        try:
+            self.commands.scancel(str(job["job_id"]))
+        except BaseException:
+            self._put(*held)  # the job still runs: so does its lease
+            raise
+        finally:
+            self._jobs_cache = None
+            self._pending_cache = None
         return lease
 
     def resize(
