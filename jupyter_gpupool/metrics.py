@@ -7,7 +7,8 @@ those of the shared store (every process of the pool), not of one process' memor
 histogram is built from the grant times of leases, each counted once per collector; resumes are
 grants at or after a lease's ``resume_asked_at`` (its restore), each grant counted once. The
 restore-time histogram needs the moment a restore is confirmed, which a lease does not keep: the
-broker feeds it from its ``.../transition`` route (:meth:`PoolCollector.observe_restore`).
+process that confirms it feeds it (:meth:`PoolCollector.observe_restore`): the broker from its
+``.../transition`` route, a single-user server from its own restore.
 
 Metric names (all prefixed ``gpupool_``) are listed in :data:`METRIC_NAMES`; the Grafana dashboard
 (``deploy/grafana-dashboard.json``) and alert rules (``deploy/prometheus-alerts.yml``) use them.
@@ -298,7 +299,7 @@ class PoolCollector(Collector):
             )
             yield self._restores.family(
                 "gpupool_restore_seconds",
-                "Seconds from a resumed kernel's grant to its server confirming the restore (as the broker saw them).",
+                "Seconds from a resumed kernel's grant to its server confirming the restore (as the pool's server saw them: the broker, or a single-user server).",
             )
 
             event_counts = self.pool.store.event_counts()

@@ -113,6 +113,10 @@ def test_an_idle_kernel_is_suspended_for_a_waiting_one_and_its_next_cell_waits_t
             await gpupool_wait(lambda: pool.lease_for_kernel(a).transition is Transition.NONE, what="A's restore")
             back = pool.lease_for_kernel(a)
             assert back.state is LeaseState.GRANTED and back.suspensions == 1 and back.parked_memory == 0
+            # The restore is counted on this server's own /metrics (there is no broker here).
+            metrics = (await gpupool_fetch("metrics")).body.decode()
+            count = next(line for line in metrics.splitlines() if line.startswith("gpupool_restore_seconds_count"))
+            assert float(count.split()[-1]) >= 1.0, count
         finally:
             watcher.cancel()
         assert seen[0].startswith("granted"), seen

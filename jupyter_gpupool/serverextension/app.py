@@ -771,6 +771,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             if pending is not None and pending[0] is step:  # done already: only the pool's answer was lost
                 done = await asyncio.to_thread(self.pool.confirm_transition, lease.id, pending[1])
                 self._unconfirmed.pop(lease.id, None)
+                if step is Transition.RESTORING:
+                    self._observe_restore(lease)
                 self.emit({Transition.SUSPENDING: "suspended", Transition.MIGRATING: "migrated"}.get(step, "resumed"), done)
                 return
             if pid is None:
@@ -824,8 +826,17 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             raise
         started = lease.transition_at or time.time()
         done = await self._confirm(lease, None)
+        if lease.transition is Transition.RESTORING:
+            self._observe_restore(lease)
         where = "onto another GPU of the same model" if moved else "on its GPU"
         self.emit(action, done, message=f"{action} {where} after {time.time() - started:.1f} s")
+
+    def _observe_restore(self, lease: Lease) -> None:
+        """Count a confirmed restore in ``gpupool_restore_seconds`` (from the resumed kernel's grant
+        to now), on this server's /metrics, as the broker counts those it confirms."""
+        collector = type(self)._metrics_collector
+        if collector is not None and lease.transition_at is not None:
+            collector.observe_restore(max(0.0, time.time() - lease.transition_at))
 
     async def _confirm(self, lease: Lease, parked: int | None) -> Lease:
         """Tell the pool the step is done; if it cannot be told, remember it (the next tick confirms
