@@ -175,12 +175,12 @@ class Pool(GrantWaiting):
         lock (a CLI stopped with Ctrl-Z mid-decision, a frozen kernel) leaves every sidebar and
         status view answering. An in-memory pool has one connection and takes the lock as before.
         """
-        self.devices()
         reader = self._reader()
         if reader is None:
-            with self.store.transaction():
+            with self._locked():
                 yield self._load(now), self.store
             return
+        self.devices()
         with reader.read_transaction():
             yield self._load(now, reader), reader
 
@@ -190,8 +190,8 @@ class Pool(GrantWaiting):
 
     def _reader(self) -> Store | None:
         """The views' connection to the pool file, opened on first use (None for ``:memory:``)."""
-        if self.store.path == ":memory:":
-            return None
+        if self._view_store is not None or self.store.path == ":memory:":
+            return self._view_store
         with self._view_store_lock:
             if self._view_store is None:
                 self._view_store = Store(self.store.path, timeout=self.store.timeout, reader_of=self.store)

@@ -452,6 +452,8 @@ class Store:
         (deleted, moved, replaced, truncated to nothing): from then on this store only refuses."""
         if self._failure is not None:
             raise self._failure
+        if self.reader_of is not None and self.reader_of._failure is not None:
+            raise self.reader_of._failure  # the writer found the file gone or replaced
         if self._identity is None:
             return
         try:
@@ -569,8 +571,6 @@ class Store:
         thread of this one waiting for the write lock on another connection). Nothing may be
         written in it."""
         with self.lock:
-            if self.reader_of is not None and self.reader_of._failure is not None:
-                raise self.reader_of._failure  # the writer found the file gone or replaced
             self.check_file()
             try:
                 self.conn.execute("BEGIN")

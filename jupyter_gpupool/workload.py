@@ -55,6 +55,8 @@ TRACE_SAMPLE_SECONDS = 57.0
 SESSION_MIN, SESSION_MAX = 300.0, 8 * 3600.0
 #: Pods holding less than this are not using the GPU and are left out.
 MIN_HELD = 256 * 1024**2
+#: The GenAI trace's two series, under ``alibaba-genai-v2026``: GPU memory used, GPU duty cycle.
+GENAI_TARBALLS = ("pod_gpu_memory_used_bytes_anon.tar.gz", "pod_gpu_duty_cycle_anon.tar.gz")
 
 MEMORY_NEED_FORMS = (
     "'trace' (share of its GPU a GenAI-trace pod held), 'trace-bytes' (the bytes it held), "
@@ -188,7 +190,7 @@ def find_traces(explicit: str | None = None) -> Path | None:
 def _has_traces(folder: Path) -> bool:
     genai = folder / "alibaba-genai-v2026"
     return (folder / "runtimes" / "philly_runtime.csv").is_file() and all(
-        (genai / name).is_file() for name in ("pod_gpu_memory_used_bytes_anon.tar.gz", "pod_gpu_duty_cycle_anon.tar.gz")
+        (genai / name).is_file() for name in GENAI_TARBALLS
     )
 
 
@@ -211,7 +213,7 @@ def _derived_from(sources: list[Path], name: str, build: Callable[[], Any], deco
     key of the ``sources`` files (path, size, modification time) and the constants that shape it:
     an admin's what-if runs read the traces once, not on every run. A missing, stale, damaged or
     unwritable cache only means building again."""
-    stats = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in sources]
+    stats = [(str(path.resolve()), info.st_size, info.st_mtime_ns) for path in sources for info in [path.stat()]]
     constants = [CACHE_FORMAT, BUSY_DUTY_THRESHOLD, TRACE_SAMPLE_SECONDS, SESSION_MIN, SESSION_MAX, MIN_HELD]
     key = hashlib.sha256(json.dumps([name, stats, constants]).encode()).hexdigest()[:20]
     path = cache_folder() / f"{name}-{key}.json"
@@ -286,10 +288,10 @@ def _runs(flags: Sequence[bool]) -> tuple[list[float], list[float]]:
 def genai_profiles(traces: Path) -> tuple[ActivityProfile, ...]:
     """One :class:`ActivityProfile` per pod present in both GenAI series that held GPU memory."""
     folder = traces / "alibaba-genai-v2026"
-    sources = [folder / "pod_gpu_memory_used_bytes_anon.tar.gz", folder / "pod_gpu_duty_cycle_anon.tar.gz"]
+    memory, duty = (folder / name for name in GENAI_TARBALLS)
 
     def build() -> list[list[Any]]:
-        return [[p.memory_held, list(p.busy_runs), list(p.idle_runs), p.busy_fraction] for p in _read_genai_profiles(folder)]
+        return [[p.memory_held, list(p.busy_runs), list(p.idle_runs), p.busy_fraction] for p in _read_genai_profiles(memory, duty)]
 
     def decode(rows: list[list[Any]]) -> tuple[ActivityProfile, ...]:
         return tuple(
@@ -297,12 +299,12 @@ def genai_profiles(traces: Path) -> tuple[ActivityProfile, ...]:
             for held, busy, idle, fraction in rows
         )
 
-    return _derived_from(sources, "genai-profiles", build, decode)
+    return _derived_from([memory, duty], "genai-profiles", build, decode)
 
 
-def _read_genai_profiles(folder: Path) -> list[ActivityProfile]:
-    memory = _read_tar_csv(folder / "pod_gpu_memory_used_bytes_anon.tar.gz")
-    duty = _read_tar_csv(folder / "pod_gpu_duty_cycle_anon.tar.gz")
+def _read_genai_profiles(memory_tarball: Path, duty_tarball: Path) -> list[ActivityProfile]:
+    memory = _read_tar_csv(memory_tarball)
+    duty = _read_tar_csv(duty_tarball)
     profiles = []
     for pod in sorted(set(memory) & set(duty)):
         held = [v for _, v in memory[pod] if v > 0]
