@@ -170,17 +170,25 @@ class Pool(GrantWaiting):
         """The state a view (status, queue, a queued kernel's place) reads, without the write
         lock, and the store it was read from (for more reads in the same transaction).
 
-        Views read through a second connection to the pool file, in a read transaction: in WAL
-        mode that never waits for a writer, so a decision stuck behind another process's write
-        lock (a CLI stopped with Ctrl-Z mid-decision, a frozen kernel) leaves every sidebar and
-        status view answering. An in-memory pool has one connection and takes the lock as before.
+        Views read in a read transaction, which in WAL mode never waits for a writer; when this
+        process's connection is busy with a decision, through a second connection to the pool
+        file. So a decision stuck behind another process's write lock (a CLI stopped with Ctrl-Z
+        mid-decision, a frozen kernel) leaves every sidebar and status view answering. An
+        in-memory pool has one connection: its views wait for its decisions.
         """
-        reader = self._reader()
-        if reader is None:
-            with self._locked():
-                yield self._load(now), self.store
-            return
         self.devices()
+        reader = self._reader()
+        # The writer's connection, whose lease cache is up to date with this process's decisions,
+        # unless a decision holds it now (it may be waiting for the write lock): then the reader's,
+        # which reads every live lease again whenever the file changed.
+        if reader is None or self.store.lock.acquire(blocking=False):
+            try:
+                with self.store.read_transaction():
+                    yield self._load(now), self.store
+            finally:
+                if reader is not None:
+                    self.store.lock.release()
+            return
         with reader.read_transaction():
             yield self._load(now, reader), reader
 
