@@ -94,6 +94,8 @@ def bench_size(live: int, decisions: int, ticks: int) -> dict[str, Any]:
         grant_times: list[float] = []
         release_times: list[float] = []
         tick_times: list[float] = []
+        place_times: list[float] = []
+        snapshot_times: list[float] = []
         started = time.perf_counter()
         for i in range(decisions):
             now += 0.01
@@ -111,6 +113,17 @@ def bench_size(live: int, decisions: int, ticks: int) -> dict[str, Any]:
             t = time.perf_counter()
             pool.tick(now=now)
             tick_times.append(time.perf_counter() - t)
+        # A view right after a decision (the sidebar's poll; a queued kernel's place), ticks times.
+        for i in range(ticks):
+            now += 0.01
+            lease = pool.request(LeaseRequest(owner=f"bench{i % 7}", memory=SLICE, kernel_id=f"kv-{i}"), now=now)
+            t = time.perf_counter()
+            pool.queue_info(lease.id, now=now)
+            place_times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            pool.snapshot(viewer=f"bench{i % 7}", now=now)
+            snapshot_times.append(time.perf_counter() - t)
+            pool.release(lease.id, now=now)
         assert len(pool.store.live_leases()) == live
         size = os.path.getsize(os.path.join(folder, "pool.sqlite"))
         pool.close()
@@ -121,6 +134,8 @@ def bench_size(live: int, decisions: int, ticks: int) -> dict[str, Any]:
         "request_grant": ms(grant_times),
         "release": ms(release_times),
         "tick": ms(tick_times),
+        "queue_info_after_decision": ms(place_times),
+        "snapshot_after_decision": ms(snapshot_times),
         "db_bytes": size,
     }
 
@@ -202,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,1000,10000", help="live-lease counts to measure, comma-separated")
     parser.add_argument("--decisions", type=int, default=200, help="grant+release cycles per size")
-    parser.add_argument("--ticks-per-size", type=int, default=50, help="tick() calls timed per size")
+    parser.add_argument("--ticks-per-size", type=int, default=50, help="tick() calls timed per size, and views (queue_info, snapshot) timed right after a decision")
     parser.add_argument("--kernels", type=int, default=200, help="kernels of the long-running pool")
     parser.add_argument("--ticks", type=int, default=5000, help="ticks (30 s of virtual time each) of the long-running pool")
     parser.add_argument("--churn", type=int, default=1, help="kernels that end (and are replaced) each tick")
@@ -233,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{live:>6} live: {row['grants_releases_per_s']:>8.1f} grants+releases/s  "
                 f"request p50 {row['request_grant']['p50_ms']:.2f} ms p99 {row['request_grant']['p99_ms']:.2f} ms  "
                 f"release p50 {row['release']['p50_ms']:.2f} ms p99 {row['release']['p99_ms']:.2f} ms  "
-                f"tick p50 {row['tick']['p50_ms']:.2f} ms p99 {row['tick']['p99_ms']:.2f} ms",
+                f"tick p50 {row['tick']['p50_ms']:.2f} ms p99 {row['tick']['p99_ms']:.2f} ms  "
+                f"views after a decision p50: queue_info {row['queue_info_after_decision']['p50_ms']:.2f} ms, "
+                f"snapshot {row['snapshot_after_decision']['p50_ms']:.1f} ms",
                 flush=True,
             )
     if args.json:
