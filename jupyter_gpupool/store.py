@@ -518,16 +518,20 @@ class Store:
             self._failure = failure
         return failure
 
+    def _begin(self, statement: str) -> None:
+        """Start a transaction on the file this store opened (checked first)."""
+        self.check_file()
+        try:
+            self.conn.execute(statement)
+        except sqlite3.Error as err:
+            raise self.unavailable(err) from None
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """``BEGIN IMMEDIATE``: the writer lock is taken up front, so decisions never interleave.
         The lease cache learns this transaction's writes only once its ``COMMIT`` succeeded."""
         with self.lock:
-            self.check_file()
-            try:
-                self.conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as err:
-                raise self.unavailable(err) from None
+            self._begin("BEGIN IMMEDIATE")
             self._pending = {}
             self._texts_pending = {}
             self._history_pending = []
@@ -571,11 +575,7 @@ class Store:
         thread of this one waiting for the write lock on another connection). Nothing may be
         written in it."""
         with self.lock:
-            self.check_file()
-            try:
-                self.conn.execute("BEGIN")
-            except sqlite3.Error as err:
-                raise self.unavailable(err) from None
+            self._begin("BEGIN")
             try:
                 yield self.conn
             except sqlite3.Error as err:
