@@ -257,7 +257,8 @@ def negative_values_as_values(argv: list[str], aliases: Any) -> list[str]:
 def device_rows(snapshot: Any) -> list[list[str]]:
     rows = []
     for d in snapshot.devices:
-        free = d["memory_leasable"] - d["memory_leased"]
+        outside = int(d.get("memory_unpooled") or 0)
+        free = max(0, d["memory_leasable"] - d["memory_leased"] - outside)
         rows.append(
             [
                 str(d["index"]),
@@ -265,11 +266,36 @@ def device_rows(snapshot: Any) -> list[list[str]]:
                 format_size(d["memory_total"]),
                 format_size(d["memory_leased"]),
                 format_size(d["memory_used"]),
+                format_size(outside) if outside else "-",
                 format_size(free),
                 "ok" if d["healthy"] else f"UNHEALTHY: {d['health_reason']}",
             ]
         )
     return rows
+
+
+def unpooled_section(snapshot: Any) -> list[str]:
+    """Lines on GPU memory held outside the pool (whose, where the viewer may see it)."""
+    if not snapshot.unpooled:
+        return []
+    index = {d["uuid"]: str(d["index"]) for d in snapshot.devices}
+    rows = [
+        [
+            index.get(item["device"], item["device"]),
+            format_size(item["bytes"]),
+            str(item["pid"]) if item.get("pid") is not None else "(hidden)",
+            item.get("user") or "-",
+            item["why"],
+            (item.get("command") or "")[:40],
+        ]
+        for item in snapshot.unpooled
+    ]
+    total = sum(int(item["bytes"]) for item in snapshot.unpooled)
+    return [
+        "",
+        f"Outside the pool ({format_size(total)} held by processes without a granted lease; the pool does not grant it):",
+        table(["GPU", "memory", "pid", "user", "why", "command"], rows),
+    ]
 
 
 def lease_state_text(item: dict[str, Any]) -> str:
@@ -404,12 +430,14 @@ class StatusApp(GpuPoolBaseApp):
             "queue": snapshot.queue,
             "quota": snapshot.quota,
             "reservations": [reservation_json(r, snapshot.now) for r in reservations],
+            "unpooled": snapshot.unpooled,
         }
         text = "\n".join(
             [
                 f"Pool: {pool.backend.describe()}  (db {pool.db_path})",
                 "",
-                table(["GPU", "name", "total", "leased", "used", "free", "health"], device_rows(snapshot)),
+                table(["GPU", "name", "total", "leased", "used", "outside pool", "free", "health"], device_rows(snapshot)),
+                *unpooled_section(snapshot),
                 "",
                 f"Leases ({sum(1 for l in snapshot.leases if l['state'] != 'queued')} held, {len(snapshot.queue)} queued):",
                 table(["lease", "user", "state", "memory", "GPU/pos", "for", "kernel"], lease_rows(snapshot.leases, snapshot.now)),

@@ -49,6 +49,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "gpupool_device_memory_leased_bytes",
     "gpupool_device_memory_used_bytes",
     "gpupool_device_healthy",
+    "gpupool_unpooled_bytes",
     "gpupool_memory_total_bytes",
     "gpupool_memory_leased_bytes",
     "gpupool_memory_used_bytes",
@@ -203,6 +204,11 @@ class PoolCollector(Collector):
                 "healthy": GaugeMetricFamily(
                     "gpupool_device_healthy", "1 if the device is healthy, 0 if lost or failing.", labels=labels
                 ),
+                "unpooled": GaugeMetricFamily(
+                    "gpupool_unpooled_bytes",
+                    "GPU memory per device held by processes outside any granted lease (never granted).",
+                    labels=labels,
+                ),
             }
             totals = {"memory_total": 0, "memory_leasable": 0, "memory_leased": 0, "memory_used": 0}
             frees: list[int] = []
@@ -212,6 +218,7 @@ class PoolCollector(Collector):
                     families[key].add_metric(values, float(d[key]))
                     totals[key] += int(d[key])
                 families["healthy"].add_metric(values, 1.0 if d["healthy"] else 0.0)
+                families["unpooled"].add_metric(values, float(d.get("memory_unpooled") or 0))
                 if d["healthy"]:
                     frees.append(int(d["memory_leasable"]) - int(d["memory_leased"]))
             yield from families.values()

@@ -36,11 +36,14 @@ from .core.models import (
     LeaseState,
     PoolSnapshot,
     QueueInfo,
+    Transition,
 )
 from .core.policy import PoolPolicy, Reservation, parse_reservation
 from .devices import DeviceBackend, make_backend
-from .errors import InvalidInput, LeaseNotFound
+from .errors import InvalidInput, LeaseNotFound, RequestRefused
+from .units import format_size
 from .store import Store
+from .unpooled import UnpooledUse, held_by_lease, unpooled_line
 from .validate import preferences as validate_preferences
 from .waiting import GrantWaiting
 
@@ -163,7 +166,16 @@ class Pool(GrantWaiting):
             now=now,
             index=index[1],
             host_memory=self._host_memory(),
+            unpooled=self._unpooled_by_device(store.unpooled(now)),
         )
+
+    def _unpooled_by_device(self, rows: list[dict[str, Any]]) -> dict[str, int]:
+        """Bytes of unpooled use per device uuid, each device's at most its memory."""
+        totals: dict[str, int] = {}
+        for row in rows:
+            totals[row["device"]] = totals.get(row["device"], 0) + max(0, int(row["bytes"]))
+        capacity = {d.uuid: d.memory_total for d in self._cached_devices()}
+        return {uuid: min(total, capacity.get(uuid, total)) for uuid, total in totals.items() if total}
 
     @contextmanager
     def _viewing(self, now: float) -> Iterator[tuple[PoolState, Store]]:
@@ -334,8 +346,47 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return state.leases[lease_id].copy()
 
+    #: Seconds a suspend's or move's confirmation waits for the driver to show the memory freed.
+    confirm_wait = 2.0
+
+    def _held_after(self, lease_id: str) -> tuple[dict[int, int], tuple[str, ...]]:
+        """Pid → bytes the driver shows a suspending (or moving) lease's processes still holding on
+        the GPUs that step frees, and those GPUs; nothing where this pool cannot see the lease's host
+        (a server elsewhere, Slurm): there the holder's word is taken."""
+        lease = self.get(lease_id)
+        if lease.transition is Transition.SUSPENDING:
+            devices = lease.devices
+        elif lease.transition is Transition.MIGRATING:
+            devices = tuple(u for u in lease.migrate_from if u not in lease.devices)
+        else:
+            return {}, ()
+        if not devices or lease.holder_host not in (None, HOSTNAME) or getattr(self.backend, "name", "") not in ("nvml", "simulated"):
+            return {}, ()
+        return held_by_lease(self.backend.process_usage(), lease, devices), devices
+
+    def _check_memory_freed(self, lease_id: str) -> None:
+        """Refuse a suspend's or move's confirmation while the GPU still shows the kernel's memory."""
+        deadline = time.monotonic() + self.confirm_wait
+        while True:
+            held, devices = self._held_after(lease_id)
+            if not held:
+                return
+            if time.monotonic() >= deadline:
+                pids = ", ".join(str(pid) for pid in sorted(held))
+                step = "suspend" if self.get(lease_id).transition is Transition.SUSPENDING else "move"
+                raise RequestRefused(
+                    f"the GPU still shows {format_size(sum(held.values()))} held by this kernel's process {pids}: a {step} "
+                    "is confirmed once the driver shows that memory freed; nothing was changed"
+                )
+            time.sleep(0.1)
+
     def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
-        """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move."""
+        """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move.
+
+        A suspend or a move is taken only once the driver shows the kernel's memory gone from the
+        GPUs it frees (where this pool sees the lease's host), so no report can free memory that
+        a process still holds."""
+        self._check_memory_freed(lease_id)
         now = self._now(now)
         with self._locked():
             state = self._load(now)
@@ -434,6 +485,42 @@ class Pool(GrantWaiting):
             self._save(state, [d for d in decisions if d.kind is DecisionKind.OVER_LIMIT and self._first_over(state, d)])
             return decisions
 
+    #: Seconds a watcher's sighting of unpooled use counts: a watcher that stopped looking (it died)
+    #: stops holding memory back after this long.
+    unpooled_ttl = 30.0
+
+    def report_unpooled(self, uses: list[UnpooledUse], reporter: str | None = None, ttl: float | None = None,
+                        now: float | None = None) -> list[Decision]:
+        """The host's watcher saw ``uses`` (its whole sighting: it replaces the last one). Memory
+        they hold is not granted to anyone while the sighting lasts (``ttl`` seconds); use first
+        seen now is recorded as an event. Only the process that owns the GPUs calls this: a
+        client's word about unpooled use is never taken (see RemotePool)."""
+        now = self._now(now)
+        ttl = self.unpooled_ttl if ttl is None else ttl
+        reporter = reporter or f"{HOSTNAME}:{os.getpid()}"
+        with self._locked():
+            earlier = {(row["host"], row["device"], row["pid"]) for row in self.store.unpooled(now) if row["reporter"] == reporter}
+            rows = [{**use.to_json(), "expires_at": now + ttl} for use in uses]
+            self.store.replace_unpooled(reporter, rows, now)
+            decisions = [
+                Decision(DecisionKind.UNPOOLED, "", None, use.user or "", unpooled_line(use), now)
+                for use in uses
+                if (use.host, use.device, use.pid) not in earlier
+            ]
+            self.store.record_decisions(decisions)
+            if earlier or rows:  # memory taken or given back outside the pool changes who fits: decide again
+                state = self._load(now)
+                scheduled = self.engine.schedule(state, now)
+                self._save(state, scheduled)
+                decisions += scheduled
+            return decisions
+
+    def unpooled(self, now: float | None = None) -> list[dict[str, Any]]:
+        """Unexpired unpooled use on this pool's hosts, one row per (host, GPU, pid)."""
+        now = self._now(now)
+        with self._viewing(now) as (_, store):
+            return store.unpooled(now)
+
     @staticmethod
     def _first_over(state: PoolState, decision: Decision) -> bool:
         lease = state.leases.get(decision.lease_id)
@@ -531,6 +618,8 @@ class Pool(GrantWaiting):
             live = {lease_id: lease.copy() for lease_id, lease in state.leases.items()}
             order = [live[lease.id] for lease in order]
             held_bytes, count = self.engine.holdings(state, owner=viewer) if viewer else (0, 0)
+            outside = store.unpooled(now)
+            unpooled_by_device = dict(state.unpooled)
         held = held_by_device(live.values())
         used_by_device: dict[str, int] = {}
         for lease in live.values():
@@ -550,7 +639,8 @@ class Pool(GrantWaiting):
                     "memory_total": d.memory_total,
                     "memory_leasable": d.leasable,
                     "memory_leased": held.get(d.uuid, 0),
-                    "memory_used": max(measured or 0, used_by_device.get(d.uuid, 0)),
+                    "memory_used": max(measured or 0, used_by_device.get(d.uuid, 0) + unpooled_by_device.get(d.uuid, 0)),
+                    "memory_unpooled": unpooled_by_device.get(d.uuid, 0),
                     "healthy": d.healthy,
                     "health_reason": d.health_reason,
                     "is_mig": d.is_mig,
@@ -565,7 +655,22 @@ class Pool(GrantWaiting):
             own = self.policy.quota_for_user(viewer)
             quota = {**own.to_json(), "held": held_bytes, "leases": count, "gib_hours_this_month": round(used_gib_hours, 3)}
         reservations = [{**r.to_json(), "active": r.active(now)} for r in state.reservations]
-        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota=quota, reservations=reservations)
+        unpooled = [self.view_unpooled(row, viewer, admin) for row in outside]
+        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota=quota, reservations=reservations,
+                            unpooled=unpooled)
+
+    @staticmethod
+    def view_unpooled(row: dict[str, Any], viewer: str | None, admin: bool) -> dict[str, Any]:
+        """Unpooled use as ``viewer`` may see it: that memory is taken, and whose only for admins
+        and for the viewer's own processes."""
+        mine = viewer is not None and row.get("user") == viewer
+        keys = ("device", "bytes", "why", "since")
+        item = {key: row[key] for key in keys}
+        for key in ("pid", "user", "command", "host", "lease_id"):
+            item[key] = row.get(key) if admin or mine else None
+        item["stoppable"] = bool(row.get("stoppable"))
+        item["mine"] = mine
+        return item
 
     @staticmethod
     def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:

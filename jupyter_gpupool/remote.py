@@ -689,6 +689,7 @@ class RemotePool(GrantWaiting):
             now=data["now"],
             quota=data.get("quota") or {},
             reservations=list(data.get("reservations") or []),
+            unpooled=list(data.get("unpooled") or []),
         )
 
     @staticmethod

@@ -86,6 +86,28 @@ MIGRATIONS: list[str] = [
     ALTER TABLE ledger ADD COLUMN device_info TEXT;
     ALTER TABLE ledger ADD COLUMN memory_history TEXT
     """,
+    # Unpooled use: GPU memory NVML shows held by processes that belong to no granted lease, as
+    # the watcher that owns the host's GPUs (a server's watchdog, the broker's) last saw it. Rows
+    # expire, so a dead watcher's figures stop counting; every process deciding on the file plans
+    # around the live ones. ``reporter`` is the watcher ("host:pid"), which replaces its rows whole.
+    """
+    CREATE TABLE unpooled_use (
+        reporter TEXT NOT NULL,
+        host TEXT NOT NULL,
+        device TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        bytes INTEGER NOT NULL,
+        user TEXT,
+        command TEXT NOT NULL,
+        lease_id TEXT,
+        why TEXT NOT NULL,
+        since REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        stoppable INTEGER NOT NULL,
+        PRIMARY KEY (reporter, host, device, pid)
+    );
+    CREATE INDEX unpooled_expiry ON unpooled_use(expires_at)
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -860,6 +882,34 @@ class Store:
             item["memory_history"] = [(float(at), int(memory)) for at, memory in json.loads(item["memory_history"] or "[]")]
             rows.append(item)
         return rows
+
+    # --- unpooled use ---------------------------------------------------------------------------------
+    #: Columns of an ``unpooled_use`` row, in table order.
+    UNPOOLED_COLUMNS = ("reporter", "host", "device", "pid", "bytes", "user", "command", "lease_id", "why", "since",
+                        "expires_at", "stoppable")
+
+    def replace_unpooled(self, reporter: str, rows: Iterable[Mapping[str, Any]], now: float) -> None:
+        """Put ``reporter``'s latest sighting of unpooled use in place of its earlier one (and drop
+        everyone's expired rows). Call inside a transaction."""
+        self.conn.execute("DELETE FROM unpooled_use WHERE reporter = ? OR expires_at <= ?", (reporter, now))
+        self.conn.executemany(
+            f"INSERT OR REPLACE INTO unpooled_use VALUES ({','.join('?' * len(self.UNPOOLED_COLUMNS))})",
+            [tuple(bool(row[key]) if key == "stoppable" else row[key] if key != "reporter" else reporter
+                   for key in self.UNPOOLED_COLUMNS) for row in rows],
+        )
+
+    def unpooled(self, now: float) -> list[dict[str, Any]]:
+        """Unexpired unpooled use, one row per (host, device, pid): the largest figure when two
+        watchers saw the same process (a server's and the broker's)."""
+        rows = self.conn.execute(
+            "SELECT * FROM unpooled_use WHERE expires_at > ? ORDER BY host, device, pid, bytes DESC", (now,)
+        ).fetchall()
+        seen: dict[tuple[str, str, int], dict[str, Any]] = {}
+        for row in rows:
+            item = dict(zip(self.UNPOOLED_COLUMNS, row))
+            item["stoppable"] = bool(item["stoppable"])
+            seen.setdefault((item["host"], item["device"], item["pid"]), item)
+        return list(seen.values())
 
     # --- events, reservations, preferences --------------------------------------------------------
     def record_decisions(self, decisions: list[Decision]) -> None:

@@ -18,17 +18,20 @@ Two layers:
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 import psutil
-from traitlets import Bool, Enum, Float, Int
+from traitlets import Bool, Enum, Float, Int, List, Unicode
 from traitlets.config import LoggingConfigurable
 
-from .core.models import Decision
+from .core.models import Decision, Lease
 from .devices import DeviceBackend, ProcessUsage
+from .unpooled import SYSTEM_PROCESSES, UnpooledUse, attribute, tell_terminal, terminate_tree, unpooled_line
 from .units import MIB, format_duration, format_size
 
 Action = Literal["warn", "interrupt", "stop"]
@@ -118,6 +121,12 @@ class WatchdogReport:
     decisions: list[Decision]  # what ``pool.report_usage`` returned
     over: dict[str, float]  # lease id -> since when it is over its limit
     error: str = ""  # why the backend could not be read this time (the step did nothing)
+    #: GPU memory held outside any granted lease (checked only when the step was given the leases).
+    unpooled: list[UnpooledUse] = field(default_factory=list)
+    #: What was decided about it: (kind "warn"/"act", the use, action, one line for its user).
+    unpooled_events: list[tuple[str, UnpooledUse, str, str]] = field(default_factory=list)
+    #: Lease id → kernel pid of every lease whose processes were found (the watcher's own and others').
+    roots: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,6 +143,14 @@ class UsageSink(Protocol):
 
 
 ActCallback = Callable[[str, str], Any]  # (lease_id, "interrupt" | "stop")
+ProcessCallback = Callable[[UnpooledUse, str], Any]  # (the use, "interrupt" | "stop")
+
+
+class UnpooledSink(Protocol):
+    """The part of a local :class:`~jupyter_gpupool.pool.Pool` that takes unpooled use."""
+
+    def report_unpooled(self, uses: list[UnpooledUse], reporter: str | None = None, ttl: float | None = None,
+                        now: float | None = None) -> list[Decision]: ...
 
 
 class Watchdog(LoggingConfigurable):
@@ -174,6 +191,25 @@ class Watchdog(LoggingConfigurable):
         False,
         help="With action 'interrupt': stop the kernel if it is still over its slice one grace period after an interrupt.",
     ).tag(config=True)
+    unpooled_action = Enum(
+        ["", "warn", "interrupt", "stop"],
+        default_value="",
+        help=(
+            "What to do with a process that holds GPU memory outside any granted lease (a kernel started "
+            "without the pool, a terminal's python, a kernel whose lease is suspended) once 'grace' seconds "
+            "have passed: 'warn' (log, event, the admin's status), 'interrupt' (SIGINT) or 'stop' (SIGTERM, "
+            "then SIGKILL). Its memory is never granted to anyone either way. Empty: 'warn' on a single-user "
+            "server, 'stop' under the broker. Processes the watcher may not signal are only shown."
+        ),
+    ).tag(config=True)
+    system_processes = List(
+        Unicode(),
+        default_value=[],
+        help=(
+            "More process names whose GPU memory is the system's, not a user's, besides "
+            f"{', '.join(SYSTEM_PROCESSES)}: never counted as unpooled use."
+        ),
+    ).tag(config=True)
 
     def __init__(
         self,
@@ -186,7 +222,14 @@ class Watchdog(LoggingConfigurable):
         self.backend = backend
         self.pool = pool
         self.act = act
+        #: How to act on an unpooled process (default: signal it); the server stops its own kernels its way.
+        self.act_on_process: ProcessCallback = self._signal_process
+        #: The action for unpooled use when ``unpooled_action`` is empty (the owner's default).
+        self.default_unpooled_action = "warn"
         self._episodes: dict[str, _Episode] = {}
+        self._unpooled_episodes: dict[tuple[str, int], _Episode] = {}
+        #: Lease id → kernel pid as the last step found them.
+        self.last_roots: dict[str, int] = {}
 
     # --- pure part ------------------------------------------------------------------------------
     def threshold(self, limit: int) -> int:
@@ -256,11 +299,58 @@ class Watchdog(LoggingConfigurable):
         return WatchdogEvent(kind=kind, lease_id=lease_id, action=action, used=used, limit=limit, at=now,
                              deadline=deadline, message=message)
 
+    @property
+    def effective_unpooled_action(self) -> Action:
+        return (self.unpooled_action or self.default_unpooled_action)  # type: ignore[return-value]
+
+    def evaluate_unpooled(self, uses: list[UnpooledUse], now: float) -> list[tuple[str, UnpooledUse, str, str]]:
+        """Warn about each unpooled use first seen; once it lasted ``grace``, the action (only for
+        processes the watcher may signal). Updates only this object's memory of them."""
+        action = self.effective_unpooled_action
+        current = {(use.device, use.pid): use for use in uses}
+        for key in list(self._unpooled_episodes):
+            if key not in current:
+                del self._unpooled_episodes[key]
+        decided: list[tuple[str, UnpooledUse, str, str]] = []
+        for key, use in current.items():
+            episode = self._unpooled_episodes.get(key)
+            acting = action != "warn" and use.stoppable
+            if episode is None:
+                deadline = now + self.grace if acting else None
+                episode = self._unpooled_episodes[key] = _Episode(over_since=now, deadline=deadline)
+                then = f"; it will be {_PAST[action]} in {format_duration(self.grace)}" if acting else ""
+                decided.append(("warn", use, action, f"{unpooled_line(use)}{then}"))
+            if acting and episode.deadline is not None and now >= episode.deadline:
+                episode.actions += 1
+                episode.deadline = now + self.grace
+                decided.append((
+                    "act", use, action,
+                    f"process {use.pid} {_PAST[action]}: it held {format_size(use.bytes)} of a GPU outside the pool "
+                    f"({use.why}) for {format_duration(now - episode.over_since)}; GPUs are used through a pooled kernel",
+                ))
+        return decided
+
+    def first_seen(self) -> dict[tuple[str, int], float]:
+        """(device, pid) → when that unpooled use was first seen."""
+        return {key: episode.over_since for key, episode in self._unpooled_episodes.items()}
+
+    def _signal_process(self, use: UnpooledUse, action: str) -> None:
+        if action == "interrupt":
+            os.kill(use.pid, signal.SIGINT)
+        elif action == "stop":
+            terminate_tree(use.pid)
+
     # --- one step with the world ----------------------------------------------------------------
-    def check(self, roots: Mapping[str, int], limits: Mapping[str, int | None], now: float | None = None) -> WatchdogReport:
+    def check(self, roots: Mapping[str, int], limits: Mapping[str, int | None], now: float | None = None,
+              leases: Mapping[str, Lease] | None = None, host: str = "", env_var: str = "GPUPOOL_LEASE_ID") -> WatchdogReport:
         """One watchdog step: read the backend, sum per lease, report to the pool, decide, act.
 
         ``roots``: lease id → kernel pid; ``limits``: lease id → bytes allowed (memory × GPUs).
+        With ``leases`` (every live lease of the pool), the step also sets NVML's per-process
+        figures against them (see :mod:`jupyter_gpupool.unpooled`): usage counts for a lease only
+        on its own GPUs, the rest is unpooled use, reported to the pool (which then never grants
+        that memory) and acted on by ``unpooled_action``.
+
         Errors reading the backend are logged and leave every lease as it was; errors from the
         pool or the action callback are logged, never raised, so the loop keeps running.
         Blocking (NVML, /proc): run it in a thread from an event loop.
@@ -273,13 +363,36 @@ class Watchdog(LoggingConfigurable):
         except Exception as exc:  # noqa: BLE001 - a failing driver must not kill the loop
             self.log.warning("GPU watchdog could not read process usage: %s", exc)
             return WatchdogReport(usage={}, events=[], decisions=[], over=self.over_since(), error=str(exc))
-        usage = usage_by_root_pid(processes, roots)
+        unpooled: list[UnpooledUse] = []
+        found_roots = dict(roots)
+        if leases is None:
+            usage = usage_by_root_pid(processes, roots)
+        else:
+            system = (*SYSTEM_PROCESSES, *self.system_processes)
+            seen = attribute(processes, leases, host, roots, env_var, system, now, self.first_seen())
+            usage, unpooled, found_roots = seen.usage, seen.unpooled, {**seen.roots, **roots}
+        self.last_roots = found_roots  # what the action callbacks of this step look kernels up in
         decisions: list[Decision] = []
         if self.pool is not None:
             try:
                 decisions = list(self.pool.report_usage(usage, now=now))
             except Exception as exc:  # noqa: BLE001
                 self.log.warning("GPU watchdog could not report usage to the pool: %s", exc)
+            report_unpooled = getattr(self.pool, "report_unpooled", None)
+            if leases is not None and report_unpooled is not None:
+                try:
+                    report_unpooled(unpooled, ttl=max(30.0, 6 * self.interval), now=now)
+                except Exception as exc:  # noqa: BLE001
+                    self.log.warning("GPU watchdog could not report unpooled GPU use to the pool: %s", exc)
+        unpooled_events = self.evaluate_unpooled(unpooled, now) if leases is not None else []
+        for kind, use, action, line in unpooled_events:
+            self.log.warning("GPU memory outside the pool: %s", line)
+            if kind == "act":
+                tell_terminal(use.pid, line)
+                try:
+                    self.act_on_process(use, action)
+                except Exception as exc:  # noqa: BLE001
+                    self.log.error("GPU watchdog could not %s process %s: %s", action, use.pid, exc)
         events = self.evaluate(usage, limits, now)
         for event in events:
             if event.kind == "warn":
@@ -291,7 +404,8 @@ class Watchdog(LoggingConfigurable):
                         self.act(event.lease_id, event.action)
                     except Exception as exc:  # noqa: BLE001
                         self.log.error("GPU watchdog could not %s the kernel of lease %s: %s", event.action, event.lease_id, exc)
-        return WatchdogReport(usage=usage, events=events, decisions=decisions, over=self.over_since())
+        return WatchdogReport(usage=usage, events=events, decisions=decisions, over=self.over_since(),
+                              unpooled=unpooled, unpooled_events=unpooled_events, roots=found_roots)
 
 
-__all__ = ["UsageSink", "Watchdog", "WatchdogEvent", "WatchdogReport", "usage_by_root_pid"]
+__all__ = ["UnpooledSink", "UsageSink", "Watchdog", "WatchdogEvent", "WatchdogReport", "usage_by_root_pid"]

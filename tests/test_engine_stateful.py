@@ -243,6 +243,7 @@ class PoolMachine(RuleBasedStateMachine):
             "flagged": sum(1 for l in held if l.flagged),
             "transitions": {l.id: l.transition for l in live if l.transition is not Transition.NONE},
             "parked": sum(l.parked_memory for l in live),
+            "kernels": {l.kernel_id: l.id for l in live if l.kernel_id},
             "beats": beats,
             "ends": ends,
             "earliest": (min(beats.values(), default=None), min(ends.values(), default=None)),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pwd
 import signal
 import socket
 import stat
@@ -25,7 +24,6 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import psutil
 from tornado import httpserver, netutil, web
 from traitlets import Bool, Float, Integer, Unicode
 from traitlets.config import LoggingConfigurable
@@ -38,6 +36,8 @@ from ..enforcement import EnforcementSettings
 from ..errors import InvalidInput, NotAuthorized, RequestRefused
 from ..units import parse_duration
 from ..views import kernel_status
+from ..pool import HOSTNAME
+from ..unpooled import find_kernel_roots, terminate_tree
 from ..watchdog import Watchdog
 from .auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
 from .handlers import NotFoundHandler, lease_json, parse_priority, routes
@@ -307,15 +307,14 @@ class Broker(LoggingConfigurable):
         """Find each granted lease's kernel among the GPU processes' ancestors, then check usage."""
         assert self.watchdog is not None
         pool = self.pool
-        granted = {lease.id: lease for lease in pool.leases() if lease.state is LeaseState.GRANTED}
-        try:
-            processes = pool.backend.process_usage()
-        except Exception as exc:  # noqa: BLE001 - a failing driver must not kill the loop
-            self.log.warning("gpupool broker: cannot read GPU processes: %s", exc)
-            return None
-        self._roots = find_kernel_roots((p.pid for p in processes), granted, self.lease_env_var)
+        live = {lease.id: lease for lease in pool.leases()}
+        granted = {lease_id: lease for lease_id, lease in live.items() if lease.state is LeaseState.GRANTED}
         limits = {lease_id: lease.memory * lease.num_gpus for lease_id, lease in granted.items()}
-        report = self.watchdog.check(self._roots, limits)
+        self.watchdog.default_unpooled_action = "stop"  # a multi-user host: GPUs are used through the pool
+        report = self.watchdog.check({}, limits, leases=live, host=HOSTNAME, env_var=self.lease_env_var)
+        if report.error:
+            return None
+        self._roots = report.roots
         idle = {
             lease_id: 0 for lease_id, lease in granted.items() if lease_id not in report.usage and lease.used_memory
         }
@@ -324,7 +323,7 @@ class Broker(LoggingConfigurable):
         return report
 
     def _act(self, lease_id: str, action: str) -> None:
-        pid = self._roots.get(lease_id)
+        pid = (self.watchdog.last_roots if self.watchdog is not None else self._roots).get(lease_id)
         if pid is None:
             return
         if action == "interrupt":
@@ -350,63 +349,6 @@ def socket_answers(path: str) -> bool:
 def as_interface(broker: Broker) -> BrokerInterface:
     """The broker as its handlers see it (and a static check that it offers all they use)."""
     return broker
-
-
-def find_kernel_roots(
-    pids: Iterable[int], leases: Mapping[str, Lease], env_var: str = "GPUPOOL_LEASE_ID"
-) -> dict[str, int]:
-    """Lease id → kernel pid, for the leases whose processes (or their descendants) use a GPU.
-
-    For each GPU process we walk up its ancestors; the topmost consecutive ancestor whose
-    environment names a granted lease is that lease's kernel. A child that dropped the variable
-    (``env -i python train.py``) still counts for its kernel. A process counts only if its owner
-    is the lease owner's Unix user (when the owner has one) or root, so nobody can charge their
-    usage to another user's lease by copying the variable.
-    """
-    environ_cache: dict[int, str | None] = {}
-    roots: dict[str, int] = {}
-    uids: dict[str, int | None] = {}
-
-    def lease_of(proc: psutil.Process) -> str | None:
-        if proc.pid not in environ_cache:
-            try:
-                environ_cache[proc.pid] = proc.environ().get(env_var)
-            except (psutil.Error, OSError):
-                environ_cache[proc.pid] = None
-        return environ_cache[proc.pid]
-
-    def owner_uid(owner: str) -> int | None:
-        if owner not in uids:
-            try:
-                uids[owner] = pwd.getpwnam(owner).pw_uid
-            except KeyError:
-                uids[owner] = None
-        return uids[owner]
-
-    for pid in set(pids):
-        try:
-            proc = psutil.Process(pid)
-            chain = [proc, *proc.parents()]
-        except (psutil.Error, ValueError):
-            continue
-        found: tuple[str, int] | None = None
-        for ancestor in chain:
-            lease_id = lease_of(ancestor)
-            lease = leases.get(lease_id) if lease_id else None
-            if lease is not None and (found is None or found[0] == lease_id):
-                expected = owner_uid(lease.owner)
-                try:
-                    uid = ancestor.uids().real
-                except psutil.Error:
-                    uid = None
-                if expected is None or uid in (expected, 0):
-                    found = (lease_id, ancestor.pid)  # type: ignore[assignment]
-                    continue
-            if found is not None:
-                break
-        if found is not None:
-            roots.setdefault(found[0], found[1])
-    return roots
 
 
 #: Mode of the broker's pool file and its ``-wal``/``-shm`` companions: the owner only, since they hold
@@ -449,26 +391,6 @@ def secure_pool_files(db_path: str, log: Any = None) -> list[str]:
             folder,
         )
     return tightened
-
-
-def terminate_tree(pid: int, grace: float = 3.0) -> None:
-    """SIGTERM a process and its descendants, SIGKILL what is left after ``grace`` seconds."""
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.Error:
-        return
-    for proc in procs:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
 
 
 def make_app(broker: Broker, base_url: str = "/") -> web.Application:

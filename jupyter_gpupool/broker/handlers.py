@@ -140,6 +140,7 @@ class PoolHandler(BrokerHandler):
                 "now": snap.now,
                 "quota": snap.quota,
                 "reservations": snap.reservations,
+                "unpooled": snap.unpooled,
             }
             body["viewer"] = ident.to_json()
             body["backend"] = pool.backend.describe()

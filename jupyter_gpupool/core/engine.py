@@ -61,6 +61,9 @@ class PoolState:
     host_memory: int | None = None  # bytes of host RAM (the parked-slice budget is a share of it)
     #: Granted intervals closed without a release (a suspend): metered like released leases.
     closed_intervals: list[Lease] = field(default_factory=list)
+    #: Bytes per device uuid that processes outside any granted lease hold (unpooled use, as the
+    #: host's watcher last saw it through NVML): taken, so never granted to anyone.
+    unpooled: Mapping[str, int] = field(default_factory=dict)
 
     def touch(self, lease: Lease) -> None:
         """Record that ``lease`` changed (it is saved, and the index updated): call after every change."""
@@ -130,6 +133,9 @@ class Engine:
                 )
         self._check_queue_limits(state, request)
         priority = self.policy.priority_for(request.owner, request.groups, request.priority)
+        earlier = state.derived().kernels.get(request.kernel_id) if request.kernel_id else None
+        if earlier is not None:
+            return self._ask_again(state, state.leases[earlier], request, memory, num_gpus, priority, now)
         lease = Lease(
             id=lease_id,
             owner=request.owner,
@@ -153,6 +159,41 @@ class Engine:
         state.leases[lease.id] = lease
         state.touch(lease)
         state.recent_requests = [*state.recent_requests, memory]  # a new list: the store may share the one it handed in
+        return lease
+
+    def _ask_again(self, state: PoolState, lease: Lease, request: LeaseRequest, memory: int, num_gpus: int,
+                   priority: PriorityClass, now: float) -> Lease:
+        """A request for a kernel that has a live lease (its restart, most often): the same lease
+        asks again, so a kernel never holds two. Whatever it held or parked is worthless to the new
+        process: parked memory is dropped (no restore), a granted interval is closed for metering,
+        and the lease queues with the new request's shape."""
+        if lease.owner != request.owner:
+            raise RequestRefused(f"kernel {request.kernel_id} already has a lease of another user; a kernel has one lease")
+        if lease.state is LeaseState.GRANTED:
+            self._count_unwritten_busy_time(lease, now)
+            state.closed_intervals.append(lease.copy(released_at=now))
+        elif lease.state is LeaseState.SUSPENDED and lease.suspended_at is not None:
+            lease.parked_seconds += max(0.0, now - lease.suspended_at)
+        lease.state = LeaseState.QUEUED
+        lease.created_at = now  # it queues from now, behind those who asked before
+        lease.memory, lease.num_gpus, lease.priority = memory, num_gpus, priority
+        lease.compute_share, lease.model, lease.duration = request.compute_share, request.model, request.duration
+        lease.holder_pid, lease.holder_host, lease.label = request.holder_pid, request.holder_host, request.label
+        lease.suspendable = request.suspendable
+        lease.devices = lease.home_devices = lease.migrate_from = ()
+        lease.home_model = ""
+        lease.granted_at = lease.suspended_at = lease.resume_asked_at = None
+        lease.transition, lease.transition_at = Transition.NONE, None
+        lease.parked_memory = 0
+        lease.resuming = False
+        lease.suspend_reason = ""
+        lease.restore_failures = 0
+        lease.warned_at = lease.reclaim_at = None
+        lease.reclaim_reason = ""
+        lease.used_memory = lease.over_limit_since = None
+        lease.busy, lease.active_seconds, lease.memory_history = False, 0.0, ()
+        lease.heartbeat_at = lease.last_activity = max(now, lease.heartbeat_at or now)
+        state.touch(lease)
         return lease
 
     def _shape(self, request: LeaseRequest, candidates: list[Device]) -> tuple[int, int]:
@@ -329,11 +370,19 @@ class Engine:
         self._placement_cache = (self.policy.placement, sizes, policy)
         return policy
 
+    @staticmethod
+    def taken_by_device(state: PoolState) -> Mapping[str, int]:
+        """Bytes not free per device uuid: ``max(slice, used)`` of each granted lease, plus unpooled use."""
+        held = state.derived().held
+        if not state.unpooled:
+            return held
+        return {uuid: held.get(uuid, 0) + state.unpooled.get(uuid, 0) for uuid in {*held, *state.unpooled}}
+
     def free_by_device(self, state: PoolState, lease: Lease | None = None, reservations: bool = True) -> dict[str, int]:
         """Leasable bytes left per healthy device, as ``lease``'s owner sees it (reservations held back,
         unless ``reservations`` is False)."""
-        held = state.derived().held
-        free = {d.uuid: d.leasable - held.get(d.uuid, 0) for d in state.devices if d.healthy}
+        taken = self.taken_by_device(state)
+        free = {d.uuid: d.leasable - taken.get(d.uuid, 0) for d in state.devices if d.healthy}
         for reservation in state.reservations if reservations else ():
             if not reservation.active(state.now):
                 continue
@@ -666,6 +715,8 @@ class Engine:
         restore or the move. Raises :class:`InvalidInput` if nothing was under way."""
         lease = self.get(state, lease_id)
         step = lease.transition
+        if step is Transition.SUSPENDING and parked_bytes is not None:
+            parked_bytes = self._bounded_parked_bytes(state, lease, parked_bytes)
         if step is Transition.SUSPENDING:
             # Metering: the granted interval ends here; a resume opens a new one.
             self._count_unwritten_busy_time(lease, now)
@@ -681,6 +732,7 @@ class Engine:
             lease.busy = False
             lease.memory_history = ()
             lease.active_seconds = 0.0  # the closed interval carries it: a resumed one starts again
+            lease.used_memory = lease.over_limit_since = None  # it holds no GPU memory: no stale over-limit mark
         elif step is Transition.RESTORING:
             lease.restore_failures = 0
             if lease.suspended_at is not None:
@@ -700,6 +752,19 @@ class Engine:
         lease.transition_at = None
         state.touch(lease)
         return lease
+
+    @staticmethod
+    def _bounded_parked_bytes(state: PoolState, lease: Lease, parked_bytes: int) -> int:
+        """What a suspend report may say was parked: never more than the lease held (its slice, or
+        the most the watchdog saw it use). A figure its GPUs could not even hold is refused."""
+        known = {d.uuid: d.memory_total for d in state.devices}
+        capacity = sum(known.get(uuid, 0) for uuid in lease.devices) or lease.memory * lease.num_gpus
+        if parked_bytes > capacity:
+            raise InvalidInput(
+                f"parked_bytes {parked_bytes} is more than this lease's GPUs hold ({format_size(capacity)}); "
+                "report the bytes the suspend copied to host RAM"
+            )
+        return min(max(0, int(parked_bytes)), max(lease.memory * lease.num_gpus, lease.peak_memory or 0))
 
     def fail_transition(self, state: PoolState, lease_id: str, error: str, still_running: bool, now: float) -> list[Decision]:
         """The server could not finish a suspend, restore or move (``error``: why, one line).
@@ -853,8 +918,8 @@ class Engine:
         needs = self.reservation_needs(state, now)
         if not needs:
             return []
-        held = state.derived().held
-        free = sum(max(0, d.leasable - held.get(d.uuid, 0)) for d in state.devices if d.healthy)
+        taken = self.taken_by_device(state)
+        free = sum(max(0, d.leasable - taken.get(d.uuid, 0)) for d in state.devices if d.healthy)
         coming = sum(
             lease.memory * len(lease.devices)
             for lease in state.leases.values()
@@ -1029,6 +1094,11 @@ class Engine:
         lease.released_at = now
         lease.release_reason = reason
         lease.warned_at = lease.reclaim_at = None
+        # Nothing is under way for a released lease: a suspend, restore or move it was in ends with it.
+        lease.transition = Transition.NONE
+        lease.transition_at = None
+        lease.parked_memory = 0
+        lease.migrate_from = ()
         state.touch(lease)
         state.released.append(lease)
         return lease
@@ -1133,7 +1203,7 @@ class Engine:
         if activity.busy:
             lease.last_activity = now
         lease.connections = activity.connections
-        lease.heartbeat_at = now
+        lease.heartbeat_at = max(now, lease.heartbeat_at or now)  # two writers' clocks may cross: never backwards
         state.touch_liveness(lease)
         return lease
 
@@ -1143,6 +1213,8 @@ class Engine:
         says nothing new. A kernel waiting for a GPU looks twice a second; writing its lease each
         time made every other process on the pool file read all live leases again."""
         lease = self.get(state, lease_id)
+        if lease.heartbeat_at is not None and now < lease.heartbeat_at:
+            return lease  # an older sign of life than the one on file (two writers raced): it says nothing new
         if not self._heartbeat_fresh(lease, now):
             self._count_busy_time(lease, now)
             lease.heartbeat_at = now

@@ -19,10 +19,19 @@ from .models import Lease, LeaseState, Transition
 
 #: What one lease adds to the index: (state, owner, groups, memory, num_gpus, devices held,
 #: reclaim pending, flagged, heartbeat deadline key, booked-slice end, transition under way,
-#: bytes parked in host RAM).
+#: bytes parked in host RAM, bytes per device used above the slice).
 _Entry = tuple[
-    LeaseState, str, tuple[str, ...], int, int, tuple[str, ...], bool, bool, "float | None", "float | None", Transition, int
+    LeaseState, str, tuple[str, ...], int, int, tuple[str, ...], bool, bool, "float | None", "float | None", Transition, int,
+    int,
 ]
+
+
+def excess_per_device(lease: Lease) -> int:
+    """Bytes per GPU a granted lease's kernel uses above its slice, as the watchdog last measured
+    (0 when within it or unmeasured): memory that is taken, though no grant covers it."""
+    if lease.state is not LeaseState.GRANTED or not lease.used_memory or not lease.devices:
+        return 0
+    return max(0, lease.used_memory // len(lease.devices) - lease.memory)
 
 #: Seconds of slack when the heaps say nothing is due: float rounding of ``now - heartbeat`` vs
 #: ``heartbeat + ttl`` never matters, the exact test runs whenever something is near due.
@@ -52,6 +61,7 @@ def _entry(lease: Lease) -> _Entry | None:
         end,
         lease.transition,
         lease.parked_memory,
+        excess_per_device(lease) if held else 0,
     )
 
 
@@ -61,7 +71,8 @@ class LeaseIndex:
 
     def __init__(self, leases: Iterable[Lease] = ()) -> None:
         self.entries: dict[str, _Entry] = {}
-        self.held: dict[str, int] = {}  # device uuid → bytes held by granted leases (no zeros)
+        #: device uuid → bytes taken by granted leases: each its slice, or what it uses when that is more (no zeros)
+        self.held: dict[str, int] = {}
         self.owners: dict[str, list[int]] = {}  # owner → [bytes held, live non-queued leases]
         self.groups: dict[str, list[int]] = {}  # group → [bytes held by members, their live non-queued leases]
         self.queued: dict[str, None] = {}  # ids of queued leases
@@ -69,6 +80,7 @@ class LeaseIndex:
         self.flagged = 0  # held leases flagged (GPU lost)
         self.transitions: dict[str, Transition] = {}  # ids of leases being suspended, restored or moved
         self.parked = 0  # bytes of host RAM parked (or set aside for) suspended slices
+        self.kernels: dict[str, str] = {}  # kernel id → its live lease's id (a kernel has at most one)
         self._beats: list[tuple[float, str]] = []  # (heartbeat_at, id), stale entries dropped lazily
         self._ends: list[tuple[float, str]] = []  # (expected end, id) of booked slices
         for lease in leases:
@@ -83,6 +95,11 @@ class LeaseIndex:
         """Take ``lease`` as it is now (new, changed or released)."""
         new = _entry(lease)
         old = self.entries.get(lease.id)
+        if lease.kernel_id:
+            if new is not None:
+                self.kernels[lease.kernel_id] = lease.id
+            elif self.kernels.get(lease.kernel_id) == lease.id:
+                del self.kernels[lease.kernel_id]
         if old is not None and new is not None and old[:8] == new[:8] and old[10:] == new[10:]:
             # Only its deadlines moved (a heartbeat, an activity report): the common case.
             self.entries[lease.id] = new
@@ -110,7 +127,7 @@ class LeaseIndex:
             self._push(self._beats, (beat, lease.id))
 
     def _apply(self, lease_id: str, entry: _Entry, sign: int) -> None:
-        state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked = entry
+        state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked, excess = entry
         held_bytes = memory * num_gpus if state is LeaseState.GRANTED else 0
         if state is LeaseState.QUEUED:
             if sign > 0:
@@ -125,7 +142,7 @@ class LeaseIndex:
                 if row == [0, 0]:
                     del table[key]
         for uuid in devices:
-            total = self.held.get(uuid, 0) + sign * memory
+            total = self.held.get(uuid, 0) + sign * (memory + excess)
             if total:
                 self.held[uuid] = total
             else:
@@ -195,6 +212,7 @@ class LeaseIndex:
             "flagged": self.flagged,
             "transitions": dict(self.transitions),
             "parked": self.parked,
+            "kernels": dict(self.kernels),
             "beats": {lease_id: e[8] for lease_id, e in self.entries.items() if e[8] is not None},
             "ends": {lease_id: e[9] for lease_id, e in self.entries.items() if e[9] is not None},
             "earliest": (self._earliest(self._beats, 8), self._earliest(self._ends, 9)),

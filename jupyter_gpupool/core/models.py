@@ -367,6 +367,7 @@ class DecisionKind(str, enum.Enum):
     OVER_LIMIT = "over_limit"  # watchdog saw usage above the slice
     SUSPEND = "suspend"  # adapters checkpoint the kernel's GPU memory to host RAM, then confirm
     MIGRATE = "migrate"  # adapters move the kernel's GPU memory to other GPUs, then confirm
+    UNPOOLED = "unpooled"  # the watcher saw GPU memory held outside any granted lease (no lease id)
 
 
 @dataclass(frozen=True)
@@ -408,3 +409,7 @@ class PoolSnapshot:
     quota: dict[str, Any] = field(default_factory=dict)
     #: The pool's reservations (``Reservation.to_json()`` plus ``active`` now): they shape the queue.
     reservations: list[dict[str, Any]] = field(default_factory=list)
+    #: GPU memory held outside any granted lease, one item per (host, GPU, process): ``device``,
+    #: ``bytes``, ``why``, ``since``; ``pid``, ``user``, ``command``, ``host``, ``lease_id`` only
+    #: for admins and for the viewer's own processes (null otherwise); ``mine``.
+    unpooled: list[dict[str, Any]] = field(default_factory=list)

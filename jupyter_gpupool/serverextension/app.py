@@ -44,13 +44,14 @@ from ..provisioner import (
     one_line,
     when_unavailable_from_env,
 )
+from ..pool import HOSTNAME
 from ..units import format_size
 from ..views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from .configguard import FailClosedConfig
 from .handlers import default_handlers
 
-LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v1"
-LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v1.yaml"
+LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v2"
+LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v2.yaml"
 
 #: Release reasons (set by the engine) after which the kernel must go: its slice was taken back.
 RECLAIM_PREFIXES = ("reclaimed", "preempted", "ended by Slurm", "stopped")
@@ -927,21 +928,36 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         return released
 
     async def watchdog_once(self) -> None:
-        """One watchdog step over the granted leases of our kernels."""
+        """One watchdog step: usage of our kernels' granted leases against their slices, and every
+        GPU process of this host set against every live lease of the pool (unpooled use)."""
         leases = await asyncio.to_thread(self._kernel_leases)
+        live = await asyncio.to_thread(lambda: {lease.id: lease for lease in self.pool.leases()})
         roots: dict[str, int] = {}
         limits: dict[str, int | None] = {}
         kernel_of: dict[str, str] = {}
+        own_pids: dict[int, str] = {}
         for kernel_id, (prov, lease) in leases.items():
-            if lease.state is LeaseState.GRANTED and prov.pid:
-                roots[lease.id] = int(prov.pid)
-                limits[lease.id] = lease.memory * max(1, lease.num_gpus)
+            if prov.pid:
+                own_pids[int(prov.pid)] = kernel_id
+                roots[lease.id] = int(prov.pid)  # a kernel whose lease is suspended, too: its use is unpooled
                 kernel_of[lease.id] = kernel_id
-        if not roots:
-            return
-        report = await asyncio.to_thread(self.watchdog.check, roots, limits)
+            if lease.state is LeaseState.GRANTED and prov.pid:
+                limits[lease.id] = lease.memory * max(1, lease.num_gpus)
+        self.watchdog.act_on_process = lambda use, action: (
+            None if use.pid in own_pids else self.watchdog._signal_process(use, action)  # our kernels: below, through the kernel manager
+        )
+        report = await asyncio.to_thread(self.watchdog.check, roots, limits, None, live, HOSTNAME)
         assert self.serverapp is not None
         km = self.serverapp.kernel_manager
+        for kind, use, action, line in report.unpooled_events:
+            kernel_id = own_pids.get(use.pid)
+            lease = leases[kernel_id][1] if kernel_id is not None else None
+            if lease is not None:
+                self.emit("over_limit" if kind == "warn" else "interrupted" if action == "interrupt" else "stopped", lease, message=line)
+                if kind == "act" and kernel_id in km:
+                    await (km.interrupt_kernel(kernel_id) if action == "interrupt" else km.shutdown_kernel(kernel_id))
+            elif kind == "warn":
+                self.emit_unpooled(use.bytes, use.device)
         for event in report.events:
             kernel_id = kernel_of.get(event.lease_id)
             if kernel_id is None:
@@ -957,6 +973,18 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                     await km.interrupt_kernel(kernel_id)
                 elif event.action == "stop":
                     await km.shutdown_kernel(kernel_id)
+
+    def emit_unpooled(self, nbytes: int, device: str) -> None:
+        """Emit an ``unpooled`` event (no lease; never whose): front ends re-read the pool view."""
+        data: dict[str, Any] = {
+            "action": "unpooled", "lease_id": None, "kernel_id": None, "state": None, "memory": int(nbytes),
+            "queue_position": None, "queue_length": None, "deadline": None,
+            "message": f"{format_size(nbytes)} of GPU {device} is used outside the pool; the pool does not grant it",
+        }
+        try:
+            self.event_logger.emit(schema_id=LEASE_SCHEMA_ID, data=data)
+        except Exception:
+            self.log.exception("gpupool: could not emit an unpooled event")
 
     # --- views ----------------------------------------------------------------------------------
 

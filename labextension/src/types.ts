@@ -8,7 +8,7 @@
 
 /** The jupyter_events schema id of the server's lease events. */
 export const LEASE_EVENT_SCHEMA =
-  'https://events.jupyter.org/jupyter_gpupool/lease/v1';
+  'https://events.jupyter.org/jupyter_gpupool/lease/v2';
 
 /** Any event schema of jupyter_gpupool (lease, usage, ... versions to come). */
 export const EVENT_SCHEMA_PREFIX = 'https://events.jupyter.org/jupyter_gpupool/';

@@ -148,7 +148,7 @@ describe('GpuPoolModel', () => {
     s.events.stream.emit({ schema_id: 'https://events.jupyter.org/jupyter_server/kernel_actions/v1', action: 'start' });
     s.client.kernels.set('k', granted('k'));
     s.events.stream.emit({
-      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v1',
+      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v2',
       action: 'granted',
       lease_id: 'lease-k',
       kernel_id: 'k',
@@ -170,7 +170,7 @@ describe('GpuPoolModel', () => {
     s.model.setKernel('k', 'k.ipynb');
     await until(() => s.model.view.phase === 'granted');
     s.events.stream.emit({
-      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v1',
+      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v2',
       action: 'culled',
       lease_id: 'lease-k',
       kernel_id: 'k',

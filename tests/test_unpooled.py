@@ -1,0 +1,282 @@
+"""The GPU is the truth: memory NVML shows held outside any granted lease is unpooled use — seen,
+never granted to anyone — and no report can free memory a process still holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pool_helpers import T0
+
+from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, Transition
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.pool import HOSTNAME, Pool
+from jupyter_gpupool.store import MIGRATIONS, SCHEMA_VERSION, Store
+from jupyter_gpupool.units import GIB
+from jupyter_gpupool.unpooled import attribute
+from jupyter_gpupool.watchdog import Watchdog
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def pool(tmp_path):
+    backend = SimulatedBackend.from_spec("1x16GiB")
+    backend.usage_dir = str(tmp_path / "usage")
+    pool = Pool(backend, str(tmp_path / "pool.sqlite"), PoolPolicy(reclaim_action="suspend"), clock=lambda: T0)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def sleeper():
+    """Start a real process (optionally with a lease in its environment); all are killed after."""
+    procs: list[subprocess.Popen] = []
+
+    def start(lease_id: str | None = None) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != "GPUPOOL_LEASE_ID"}
+        if lease_id:
+            env["GPUPOOL_LEASE_ID"] = lease_id
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _uuid(pool: Pool) -> str:
+    return pool.devices()[0].uuid
+
+
+def _use(pool: Pool, pid: int, gib: int) -> None:
+    """Script ``gib`` GiB of simulated GPU memory for process ``pid``, as pretend_to_use does."""
+    folder = Path(pool.backend.usage_dir)
+    folder.mkdir(exist_ok=True)
+    (folder / f"{pid}.json").write_text(json.dumps({_uuid(pool): gib * GIB}))
+
+
+def _watch(pool: Pool, now: float = T0) -> Watchdog:
+    watchdog = Watchdog(backend=pool.backend, pool=pool)
+    report = watchdog.check({}, {}, now=now, leases={lease.id: lease for lease in pool.leases()}, host=HOSTNAME)
+    assert not report.error
+    return watchdog
+
+
+def _granted(pool: Pool, owner: str, gib: int, kernel_id: str | None = None):
+    lease = pool.request(LeaseRequest(owner=owner, memory=gib * GIB, kernel_id=kernel_id, holder_host=HOSTNAME, suspendable=True))
+    assert lease.state is LeaseState.GRANTED
+    return lease
+
+
+# --- attribution -----------------------------------------------------------------------------------
+def test_a_process_without_a_lease_is_unpooled_with_its_pid_and_a_leases_own_process_is_not(pool, sleeper):
+    lease = _granted(pool, "alice", 4)
+    rogue, kernel = sleeper(), sleeper(lease.id)
+    _use(pool, rogue.pid, 3)
+    _use(pool, kernel.pid, 2)
+    seen = attribute(pool.backend.process_usage(), {lease.id: pool.get(lease.id)}, HOSTNAME)
+    assert seen.usage == {lease.id: 2 * GIB}
+    assert [(u.pid, u.bytes, u.why, u.lease_id) for u in seen.unpooled] == [(rogue.pid, 3 * GIB, "no lease", None)]
+    assert seen.unpooled[0].user and seen.unpooled[0].stoppable and "time.sleep" in seen.unpooled[0].command
+
+
+def test_a_kernel_whose_lease_is_suspended_or_on_another_gpu_is_unpooled(tmp_path, sleeper):
+    backend = SimulatedBackend.from_spec("2x16GiB")
+    backend.usage_dir = str(tmp_path / "usage")
+    pool = Pool(backend, str(tmp_path / "pool.sqlite"), clock=lambda: T0)
+    try:
+        lease = _granted(pool, "alice", 4)
+        other = next(d.uuid for d in pool.devices() if d.uuid not in lease.devices)
+        kernel = sleeper(lease.id)
+        backend.set_usage(kernel.pid, other, GIB)
+        seen = attribute(backend.process_usage(), {lease.id: lease}, HOSTNAME)
+        assert [u.why for u in seen.unpooled] == ["outside its lease's GPUs"]
+        suspended = lease.copy(state=LeaseState.SUSPENDED, devices=())
+        seen = attribute(backend.process_usage(), {lease.id: suspended}, HOSTNAME)
+        assert [(u.why, u.lease_id) for u in seen.unpooled] == [("its lease is suspended", lease.id)]
+    finally:
+        pool.close()
+
+
+def test_system_processes_on_the_allowlist_are_not_unpooled_use(pool, sleeper):
+    proc = sleeper()
+    _use(pool, proc.pid, 1)
+    name = __import__("psutil").Process(proc.pid).name()
+    assert attribute(pool.backend.process_usage(), {}, HOSTNAME, system_processes=[name]).unpooled == []
+    assert len(attribute(pool.backend.process_usage(), {}, HOSTNAME).unpooled) == 1
+
+
+# --- the scheduler plans around it --------------------------------------------------------------
+def test_memory_held_outside_the_pool_is_never_granted_and_comes_back_when_it_is_gone(pool, sleeper):
+    rogue = sleeper()
+    _use(pool, rogue.pid, 12)
+    _watch(pool)
+    waiting = pool.request(LeaseRequest(owner="bob", memory=16 * GIB))
+    assert waiting.state is LeaseState.QUEUED
+    assert pool.request(LeaseRequest(owner="carol", memory=4 * GIB)).state is LeaseState.GRANTED
+    snapshot = pool.snapshot(viewer="bob")
+    assert snapshot.devices[0]["memory_unpooled"] == 12 * GIB
+    assert [(u["bytes"], u["pid"], u["why"]) for u in snapshot.unpooled] == [(12 * GIB, None, "no lease")]  # whose: hidden
+    assert pool.snapshot(admin=True).unpooled[0]["pid"] == rogue.pid
+    assert any(e["kind"] == "unpooled" and str(rogue.pid) in e["reason"] for e in pool.events())
+    rogue.kill()
+    rogue.wait()
+    _watch(pool)  # the process is gone: its figure goes, and the queue moves
+    pool.release(pool.leases(owner="carol")[0].id)
+    assert pool.get(waiting.id).state is LeaseState.GRANTED
+
+
+def test_a_dead_watchers_figures_expire(pool, sleeper):
+    rogue = sleeper()
+    _use(pool, rogue.pid, 12)
+    _watch(pool)
+    assert pool.request(LeaseRequest(owner="bob", memory=16 * GIB)).state is LeaseState.QUEUED
+    pool.tick(now=T0 + pool.unpooled_ttl + 1)  # nobody watched again: the sighting lapsed
+    assert pool.leases(owner="bob")[0].state is LeaseState.GRANTED
+
+
+# --- reports that lie -------------------------------------------------------------------------------
+def test_a_forged_suspend_done_is_refused_while_the_process_holds_its_memory(pool, sleeper):
+    alice = _granted(pool, "alice", 12, kernel_id="k-alice")
+    kernel = sleeper(alice.id)
+    _use(pool, kernel.pid, 12)
+    pool.suspend(alice.id)
+    pool.confirm_wait = 0.3
+    with pytest.raises(RequestRefused, match=r"still shows 12 GiB held by this kernel's process"):
+        pool.confirm_transition(alice.id, parked_bytes=0)
+    assert pool.get(alice.id).state is LeaseState.GRANTED
+    assert pool.request(LeaseRequest(owner="bob", memory=16 * GIB)).state is LeaseState.QUEUED
+
+
+def test_a_suspended_lease_whose_process_still_holds_memory_is_unpooled_use(tmp_path, sleeper):
+    """Where the pool cannot check a confirmation (the holder's host is elsewhere), the watcher of
+    the kernel's host still sees its memory: it is never granted to the next user."""
+    backend = SimulatedBackend.from_spec("1x16GiB")
+    backend.usage_dir = str(tmp_path / "usage")
+    pool = Pool(backend, str(tmp_path / "pool.sqlite"), PoolPolicy(reclaim_action="suspend"), clock=lambda: T0)
+    try:
+        alice = pool.request(LeaseRequest(owner="alice", memory=12 * GIB, holder_host="elsewhere", suspendable=True))
+        kernel = sleeper(alice.id)
+        _use(pool, kernel.pid, 12)
+        pool.suspend(alice.id)
+        assert pool.confirm_transition(alice.id, parked_bytes=0).state is LeaseState.SUSPENDED
+        _watch(pool)
+        assert pool.request(LeaseRequest(owner="bob", memory=16 * GIB)).state is LeaseState.QUEUED
+        row = pool.snapshot(admin=True).unpooled[0]
+        assert (row["pid"], row["why"], row["lease_id"]) == (kernel.pid, "its lease is suspended", alice.id)
+    finally:
+        pool.close()
+
+
+def test_parked_bytes_are_bounded_by_what_the_lease_held(pool):
+    lease = _granted(pool, "alice", 1)
+    pool.suspend(lease.id)
+    with pytest.raises(InvalidInput, match="more than this lease's GPUs hold"):
+        pool.confirm_transition(lease.id, parked_bytes=2**50)
+    assert pool.get(lease.id).transition is Transition.SUSPENDING  # nothing changed
+    done = pool.confirm_transition(lease.id, parked_bytes=8 * GIB)
+    assert done.parked_memory == GIB  # no more than the 1 GiB slice it held
+
+
+def test_a_kernel_asking_again_keeps_its_one_lease_and_drops_its_parked_memory(pool):
+    first = _granted(pool, "alice", 4, kernel_id="k1")
+    pool.suspend(first.id)
+    pool.confirm_transition(first.id, parked_bytes=4 * GIB)
+    again = pool.request(LeaseRequest(owner="alice", memory=4 * GIB, kernel_id="k1", holder_host=HOSTNAME))
+    assert again.id == first.id and again.state is LeaseState.GRANTED
+    assert again.parked_memory == 0 and not again.resuming and again.transition is Transition.NONE
+    assert [lease.id for lease in pool.leases() if lease.kernel_id == "k1"] == [first.id]
+    with pytest.raises(RequestRefused, match="another user"):
+        pool.request(LeaseRequest(owner="mallory", memory=GIB, kernel_id="k1"))
+
+
+def test_a_released_lease_keeps_no_transition(pool):
+    lease = _granted(pool, "alice", 4)
+    pool.suspend(lease.id)
+    released = pool.release(lease.id)
+    assert released.transition is Transition.NONE and released.parked_memory == 0
+
+
+def test_a_heartbeat_never_moves_backwards(pool):
+    lease = _granted(pool, "alice", 4)
+    pool.heartbeat([lease.id], now=T0 + 100)
+    pool.heartbeat([lease.id], now=T0 + 50)
+    assert pool.get(lease.id).heartbeat_at == T0 + 100
+
+
+# --- the store ----------------------------------------------------------------------------------------
+def test_a_pool_file_of_the_previous_version_is_migrated_with_its_leases(tmp_path):
+    path = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(";".join(MIGRATIONS[:3]) + f"; PRAGMA user_version=3; PRAGMA application_id={0x4A475050};")
+    lease = Lease(id="l-old", owner="alice", memory=GIB, state=LeaseState.GRANTED, created_at=T0, devices=("GPU-x",))
+    conn.execute("INSERT INTO leases VALUES (?,?,?,?,?,?)", ("l-old", "granted", "alice", None, T0, lease.to_json_text()))
+    conn.commit()
+    conn.close()
+    store = Store(str(path))
+    try:
+        assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        with store.transaction():
+            assert list(store.live_leases()) == ["l-old"]
+            assert store.unpooled(T0) == []
+    finally:
+        store.close()
+
+
+# --- a real server on a simulated pool ------------------------------------------------------------
+def test_a_process_outside_the_pool_shows_in_status_and_the_pool_view_and_a_request_for_its_memory_waits(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from server_process import Server, wait_for
+
+    env = {
+        "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),
+        "GPUPOOL_SIMULATE": "1x16GiB",
+        "GPUPOOL_USER": None,
+        "GPUPOOL_URL": None,
+        "GPUPOOL_BROKER_FILE": str(tmp_path / "no-broker.json"),
+    }
+    server = Server(tmp_path, "alice", env, args=("--Watchdog.interval=0.5",))
+    rogue = None
+    try:
+        uuid = server.call("GET", "api/gpupool/pool")["devices"][0]["uuid"]
+        rogue_env = {**os.environ, **{k: v for k, v in env.items() if v is not None}, "CUDA_VISIBLE_DEVICES": uuid}
+        rogue = subprocess.Popen(
+            [sys.executable, "-c", "from jupyter_gpupool.devices.simulated import pretend_to_use; import time; "
+             "pretend_to_use('3GiB'); time.sleep(120)"],
+            env=rogue_env,
+        )
+        view = wait_for(lambda: (v := server.call("GET", "api/gpupool/pool"))["unpooled"] and v, timeout=30,
+                        what="the unpooled use in GET /api/gpupool/pool")
+        assert [(u["pid"], u["bytes"]) for u in view["unpooled"]] == [(rogue.pid, 3 * GIB)]  # her own process: she sees it
+        assert view["devices"][0]["memory_unpooled"] == 3 * GIB
+        cli_env = {**{k: v for k, v in rogue_env.items() if k != "CUDA_VISIBLE_DEVICES"}}
+        status = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status", "--json"], env=cli_env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert [u["pid"] for u in json.loads(status.stdout)["unpooled"]] == [rogue.pid]
+        text = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status"], env=cli_env,
+                              capture_output=True, text=True, timeout=60).stdout
+        assert "Outside the pool" in text and str(rogue.pid) in text
+        pool = Pool.from_env(environ={k: v for k, v in env.items() if v is not None})
+        try:
+            assert pool.request(LeaseRequest(owner="bob", memory=14 * GIB)).state is LeaseState.QUEUED
+            assert pool.request(LeaseRequest(owner="carol", memory=12 * GIB)).state is LeaseState.GRANTED
+        finally:
+            pool.close()
+        assert "outside the pool" in (tmp_path / "alice" / "server.log").read_text()
+    finally:
+        if rogue is not None:
+            rogue.kill()
+            rogue.wait()
+        server.stop()
