@@ -386,8 +386,13 @@ class Pool(GrantWaiting):
         A suspend or a move is taken only once the driver shows the kernel's memory gone from the
         GPUs it frees (where this pool sees the lease's host), so no report can free memory that
         a process still holds."""
-        self._check_memory_freed(lease_id)
         now = self._now(now)
+        if parked_bytes is not None:  # a bad figure is a 400 before anything else is looked at
+            with self._viewing(now) as (state, _):
+                lease = state.leases.get(lease_id)
+                if lease is not None and lease.transition is Transition.SUSPENDING:
+                    self.engine.bounded_parked_bytes(state, lease, parked_bytes)
+        self._check_memory_freed(lease_id)
         with self._locked():
             state = self._load(now)
             lease = self.engine.confirm_transition(state, lease_id, now, parked_bytes)

@@ -423,3 +423,34 @@ def test_a_suspend_under_way_when_the_broker_dies_gets_its_full_timeout_after_th
     finally:
         broker.stop()
         hub.stop()
+
+
+# --- the GPU is the truth ---------------------------------------------------------------------------
+def test_a_forged_suspend_done_is_refused_while_the_kernel_still_holds_its_memory(harness: BrokerHarness) -> None:
+    """Alice, with a valid token, suspends her lease and reports the suspend done herself while her
+    process still holds 12 GiB: the broker sees that memory through the driver and refuses (409), so
+    Bob's 16 GiB request waits; a parked figure no GPU could hold is a 400."""
+    import subprocess
+    import sys
+
+    alice, bob = harness.remote(ALICE), harness.remote(BOB)
+    lease = suspendable_lease(alice, "k-alice", memory=12 * GIB)
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              env={"GPUPOOL_LEASE_ID": lease.id, "PATH": "/usr/bin:/bin"})
+    try:
+        harness.pool.backend.set_usage(kernel.pid, lease.devices[0], 12 * GIB)
+        harness.pool.confirm_wait = 0.3
+        alice.suspend(lease.id, reason="suspended by its user")
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        status, body = harness.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": 0})
+        assert status == 409 and "still shows 12 GiB held by this kernel's process" in body["message"], body
+        status, body = harness.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": 2**50})
+        assert status == 400 and "parked_bytes" in body["message"], body
+        assert alice.get(lease.id).state is LeaseState.GRANTED
+        assert bob.request(LeaseRequest(owner="", memory=16 * GIB, kernel_id="k-bob")).state is LeaseState.QUEUED
+        harness.pool.backend.set_usage(kernel.pid, lease.devices[0], 0)  # the real suspend freed it
+        status, body = harness.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": 12 * GIB})
+        assert status == 200, body
+    finally:
+        kernel.kill()
+        kernel.wait()

@@ -18,6 +18,7 @@ from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
 from jupyter_gpupool.pool import Pool
 from jupyter_gpupool.units import GIB
+from jupyter_gpupool.unpooled import UnpooledUse
 
 USERS = ["ann", "ben", "cat", "dan"]
 MAX_QUEUED = 3
@@ -88,12 +89,15 @@ class PoolMachine(RuleBasedStateMachine):
         staff=st.booleans(),
         model=st.sampled_from([None, None, None, "A10", "A100", "A100-80GB", "L4", "A40"]),
         suspendable=st.booleans(),
+        kernel=st.sampled_from([None, None, "k1", "k2", "k3"]),
     )
-    def request(self, user, gib, gpus, priority, staff, model, suspendable):
+    def request(self, user, gib, gpus, priority, staff, model, suspendable, kernel):
+        """A new request; one naming a kernel that has a lease is that kernel asking again (a restart)."""
         try:
             lease = self.pool.request(
                 LeaseRequest(
                     owner=user,
+                    kernel_id=kernel,
                     memory=gib * GIB,
                     num_gpus=gpus,
                     priority=priority,
@@ -161,6 +165,15 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             self.pool.confirm_transition(lease_id, parked_bytes=parked_gib * GIB, now=self.now)
 
+    @rule(data=st.data(), gib=st.sampled_from([0, 1, 6, 30]))
+    def outside_the_pool(self, data, gib):
+        """The host's watcher sees a process without a lease holding ``gib`` GiB of one GPU (0: it is gone)."""
+        device = data.draw(st.sampled_from(self.pool.devices()))
+        uses = [UnpooledUse(device=device.uuid, pid=4242, bytes=gib * GIB, host="h", why="no lease")] if gib else []
+        self.pool.report_unpooled(uses, reporter="watcher", ttl=10**9, now=self.now)
+        self.unpooled = {device.uuid: gib * GIB} if gib else {}
+        self.unpooled_since = self.now
+
     @rule(seconds=st.sampled_from([1, 30, 200, 700, 3600]))
     def advance(self, seconds):
         self.now += seconds
@@ -177,6 +190,33 @@ class PoolMachine(RuleBasedStateMachine):
         for lease in live:
             if lease.state is LeaseState.GRANTED:
                 assert len(set(lease.devices)) == lease.num_gpus  # one slice per distinct GPU
+
+    @invariant()
+    def nothing_granted_out_of_memory_held_outside_the_pool(self):
+        """A device on which a lease was granted (or grew) since unpooled use was seen holds no
+        more than its leasable memory less that use."""
+        unpooled = getattr(self, "unpooled", {})
+        if not hasattr(self, "pool") or not unpooled:
+            return
+        live = self.pool.leases()
+        held = held_by_device(live)
+        for device in self.pool.devices():
+            newer = [l for l in live if l.state is LeaseState.GRANTED and device.uuid in l.devices
+                     and (l.granted_at or 0) >= self.unpooled_since]
+            if newer and device.uuid in unpooled:
+                assert held.get(device.uuid, 0) + unpooled[device.uuid] <= device.leasable
+
+    @invariant()
+    def one_live_lease_per_kernel_and_parked_no_more_than_held(self):
+        if not hasattr(self, "pool"):
+            return
+        live = self.pool.leases()
+        kernels = [l.kernel_id for l in live if l.kernel_id]
+        assert len(kernels) == len(set(kernels))
+        for lease in live:
+            assert lease.parked_memory <= max(lease.memory * lease.num_gpus, lease.peak_memory or 0)
+            if lease.state is LeaseState.RELEASED:
+                assert lease.transition is Transition.NONE
 
     @invariant()
     def model_requests_land_on_their_model(self):
@@ -311,6 +351,7 @@ class PoolMachine(RuleBasedStateMachine):
         # With a reservation's window open, the head (if not a member) may wait for its end.
         at = max(self.now, self.window[1]) if self.pool.policy.reservations and self.now < self.window[1] else self.now
         probe = Pool(self.pool.backend, str(probe_path), self.pool.policy, clock=lambda: at)
+        probe.report_unpooled([], reporter="watcher", now=at)  # and nothing held outside the pool
         head = queue[0]
         for lease in probe.leases():
             if lease.id != head.id:

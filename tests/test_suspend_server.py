@@ -285,3 +285,31 @@ def test_a_suspended_kernel_of_a_killed_server_is_reconciled_not_leaked(tmp_path
     finally:
         second.stop()
         pool.close()
+
+
+@pytest.mark.gpupool_env(GPUPOOL_IDLE_POLICY="never")
+def test_restarting_a_suspended_kernel_keeps_its_one_lease_and_drops_the_parked_memory(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    """POST /api/kernels/{id}/restart of a suspended kernel: the parked state is worthless to the new
+    process, so the same lease asks for a GPU again (no restore); never a second live lease."""
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        a = await _start(gpupool_fetch)
+        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        lease_id = pool.lease_for_kernel(a).id
+        await kernel_exec(a, "y = 7")
+        await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST")
+        await gpupool_wait(lambda: pool.lease_for_kernel(a).state is LeaseState.SUSPENDED, what="A to be suspended")
+        response = await gpupool_fetch("api", "kernels", a, "restart", method="POST")
+        assert response.code == 200, response.body
+        await gpupool_wait(lambda: (l := pool.lease_for_kernel(a)) and l.state is LeaseState.GRANTED, what="A granted again")
+        live = [lease for lease in pool.leases() if lease.kernel_id == a]
+        assert [lease.id for lease in live] == [lease_id]
+        assert live[0].parked_memory == 0 and live[0].transition is Transition.NONE and not live[0].resuming
+        assert (await kernel_exec(a, "print('y' in dir())")).strip() == "False"  # a fresh process: nothing restored
+        with pool.store.transaction():
+            assert pool._load(time.time()).derived().parked == 0
+
+    arun(scenario())

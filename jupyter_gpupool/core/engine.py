@@ -716,7 +716,7 @@ class Engine:
         lease = self.get(state, lease_id)
         step = lease.transition
         if step is Transition.SUSPENDING and parked_bytes is not None:
-            parked_bytes = self._bounded_parked_bytes(state, lease, parked_bytes)
+            parked_bytes = self.bounded_parked_bytes(state, lease, parked_bytes)
         if step is Transition.SUSPENDING:
             # Metering: the granted interval ends here; a resume opens a new one.
             self._count_unwritten_busy_time(lease, now)
@@ -754,7 +754,7 @@ class Engine:
         return lease
 
     @staticmethod
-    def _bounded_parked_bytes(state: PoolState, lease: Lease, parked_bytes: int) -> int:
+    def bounded_parked_bytes(state: PoolState, lease: Lease, parked_bytes: int) -> int:
         """What a suspend report may say was parked: never more than the lease held (its slice, or
         the most the watchdog saw it use). A figure its GPUs could not even hold is refused."""
         known = {d.uuid: d.memory_total for d in state.devices}
