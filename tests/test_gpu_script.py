@@ -68,7 +68,7 @@ def test_select_only_skip_groups_and_commas() -> None:
     assert select(["slices"], None) == list(GROUPS["slices"])
     assert select(["watchdog,inventory", "mps"], None) == ["inventory", "watchdog", "mps"]
     assert select(["slices"], ["slices-jax"]) == ["slices-torch", "slices-cupy"]
-    assert select(None, ["slices", "settings"]) == ["inventory", "watchdog", "suspend", "overhead", "mps"]
+    assert select(None, ["slices", "settings"]) == ["inventory", "watchdog", "unpooled", "suspend", "overhead", "mps"]
     assert select([" Inventory "], None) == ["inventory"]
 
 

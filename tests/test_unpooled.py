@@ -280,3 +280,45 @@ def test_a_process_outside_the_pool_shows_in_status_and_the_pool_view_and_a_requ
             rogue.kill()
             rogue.wait()
         server.stop()
+
+
+def test_a_server_opted_out_by_its_environment_says_so_and_its_kernels_gpu_use_is_unpooled(tmp_path):
+    """``JUPYTER_DEFAULT_PROVISIONER_NAME=local-provisioner``: the server logs that its kernels do
+    not ask the pool, and a kernel that uses a GPU shows up as unpooled use with its pid."""
+    sys.path.insert(0, str(HERE))
+    from jupyter_client import BlockingKernelClient
+    from server_process import Server, wait_for
+
+    env = {
+        "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),
+        "GPUPOOL_SIMULATE": "1x16GiB",
+        "GPUPOOL_USER": None,
+        "GPUPOOL_URL": None,
+        "GPUPOOL_BROKER_FILE": str(tmp_path / "no-broker.json"),
+        "JUPYTER_DEFAULT_PROVISIONER_NAME": "local-provisioner",
+    }
+    server = Server(tmp_path, "alice", env, args=("--Watchdog.interval=0.5",))
+    client = None
+    try:
+        log = (tmp_path / "alice" / "server.log").read_text()
+        assert "do not ask the GPU pool ($JUPYTER_DEFAULT_PROVISIONER_NAME=local-provisioner)" in log
+        uuid = server.call("GET", "api/gpupool/pool")["devices"][0]["uuid"]
+        kernel_id = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        connection = tmp_path / "alice" / "runtime" / f"kernel-{kernel_id}.json"
+        wait_for(connection.exists, timeout=60, what="the kernel's connection file")
+        client = BlockingKernelClient(connection_file=str(connection))
+        client.load_connection_file()
+        client.start_channels(hb=False)  # no manager here: the heartbeat check is the server's
+        reply = client.execute_interactive(
+            f"import os; assert 'GPUPOOL_LEASE_ID' not in os.environ; os.environ['CUDA_VISIBLE_DEVICES'] = {uuid!r}\n"
+            "from jupyter_gpupool.devices.simulated import pretend_to_use; pretend_to_use('2GiB'); print(os.getpid())",
+            timeout=60,
+        )
+        assert reply["content"]["status"] == "ok", reply["content"]
+        view = wait_for(lambda: (v := server.call("GET", "api/gpupool/pool"))["unpooled"] and v, timeout=30,
+                        what="the opted-out kernel's GPU use as unpooled use")
+        assert [(u["bytes"], u["why"]) for u in view["unpooled"]] == [(2 * GIB, "no lease")]
+    finally:
+        if client is not None:
+            client.stop_channels()
+        server.stop()

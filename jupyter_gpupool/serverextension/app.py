@@ -356,18 +356,38 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         KernelProvisionerFactory.provisioners.setdefault(
             provisioner_name, EntryPoint(provisioner_name, target, KernelProvisionerFactory.GROUP_NAME)
         )
-        explicit = "default_provisioner_name" in self.serverapp.config.get("KernelProvisionerFactory", {})
-        if not self.make_default_provisioner or explicit or os.environ.get(KernelProvisionerFactory.default_provisioner_name_env):
+        explicit = self.serverapp.config.get("KernelProvisionerFactory", {}).get("default_provisioner_name")
+        from_env = os.environ.get(KernelProvisionerFactory.default_provisioner_name_env)
+        opted_out = (
+            "c.GpuPoolExtension.make_default_provisioner = False" if not self.make_default_provisioner
+            else f"c.KernelProvisionerFactory.default_provisioner_name = {explicit!r}" if explicit
+            else f"${KernelProvisionerFactory.default_provisioner_name_env}={from_env}" if from_env
+            else ""
+        )
+        if opted_out:
+            if (explicit or from_env) not in (PROVISIONER_NAME, provisioner_name):
+                self.log.warning(
+                    "gpupool: kernels of this server do not ask the GPU pool (%s): they see every GPU; "
+                    "GPU memory they use shows as unpooled use, which the pool never grants", opted_out,
+                )
             return
         ksm = self.serverapp.kernel_spec_manager
         original = ksm.get_kernel_spec
+        warned: set[str] = set()
 
         def get_kernel_spec(kernel_name: str, *args: Any, **kwargs: Any) -> Any:
             spec = original(kernel_name, *args, **kwargs)
             metadata = spec.metadata if isinstance(spec.metadata, dict) else {}
-            if "provisioner_name" not in metadata.get("kernel_provisioner", {}):
+            named = metadata.get("kernel_provisioner", {}).get("provisioner_name")
+            if named is None:
                 metadata["kernel_provisioner"] = {"provisioner_name": provisioner_name, "config": {}}
                 spec.metadata = metadata
+            elif named not in (PROVISIONER_NAME, provisioner_name) and kernel_name not in warned:
+                warned.add(kernel_name)
+                self.log.warning(
+                    "gpupool: kernelspec %r names provisioner %r, so its kernels do not ask the GPU pool; "
+                    "GPU memory they use shows as unpooled use", kernel_name, named,
+                )
             return spec
 
         ksm.get_kernel_spec = get_kernel_spec

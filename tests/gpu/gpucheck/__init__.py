@@ -15,6 +15,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "slices-jax",
     "slices-cupy",
     "watchdog",
+    "unpooled",
     "suspend",
     "overhead",
     "mps",

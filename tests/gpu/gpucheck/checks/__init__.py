@@ -93,12 +93,13 @@ def all_check_names() -> tuple[str, ...]:
 
 def registry() -> dict[str, CheckSpec]:
     """All checks by name (imports the check modules, which import no framework at load time)."""
-    from . import inventory, mps, overhead, settings, slices, suspend, watchdog
+    from . import inventory, mps, overhead, settings, slices, suspend, unpooled, watchdog
 
     specs = [
         inventory.SPEC,
         *slices.SPECS,
         watchdog.SPEC,
+        unpooled.SPEC,
         suspend.SPEC,
         overhead.SPEC,
         mps.SPEC,

@@ -1,0 +1,113 @@
+"""Check: a plain CUDA process started outside the pool, next to a pooled kernel, is seen by the
+server's watchdog through NVML as unpooled use — with its pid and NVML's bytes — in
+``GET /api/gpupool/pool``, while the pooled kernel's own memory is not.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ..harness import HarnessError
+from ..probe import Probe, first, need_gpu, need_module, need_provisioner, need_server
+from ..report import Result, Status
+from . import CheckSpec, Context
+from .common import GIB, MIB, emit, grant_problems, nvml_process_memory, poll_until, slice_server
+
+ROGUE_BYTES = 2 * GIB  # what the process outside the pool takes
+KERNEL_RAW = 512 * MIB  # and the pooled kernel, inside its slice
+RAWCUDA = Path(__file__).resolve().parents[1] / "rawcuda.py"
+
+
+def requires(probe: Probe, options: object) -> str | None:
+    return first(
+        need_gpu(probe),
+        None if probe.libcuda else "libcuda.so.1 not loadable: no raw cuMemAlloc",
+        need_server(probe),
+        need_provisioner(probe),
+        need_module(probe, "jupyter_gpupool.unpooled"),
+    )
+
+
+def run(ctx: Context) -> Result:
+    interval = ctx.options.watchdog_interval
+    data: dict[str, object] = {"interval": interval, "rogue_bytes": ROGUE_BYTES}
+    problems: list[str] = []
+    ready = ctx.workdir / "rogue.ready"
+    stop = ctx.workdir / "rogue.stop"
+    server = slice_server(ctx.workdir, ctx.options.slice_bytes, "server-unpooled", ctx.log,
+                          config={"Watchdog": {"interval": interval, "unpooled_action": "warn"}})
+    rogue: subprocess.Popen[bytes] | None = None
+    try:
+        server.start()
+        kid = server.start_kernel()
+        kernel = server.connect(kid)
+        problems += grant_problems(kernel, ctx.options.slice_bytes)
+        res = kernel.run(
+            "from gpucheck.rawcuda import Driver\n_gc_drv = Driver(); _gc_drv.primary_context(0); "
+            f"_gc_ptr = _gc_drv.mem_alloc({KERNEL_RAW})\n" + emit('{"ok": True}'),
+            timeout=60,
+        )
+        if res.status != "ok":
+            return Result.fail(ctx.name, f"the pooled kernel's raw allocation failed: {res.brief()}", **data)
+        env = {k: v for k, v in server.env().items() if not k.startswith("GPUPOOL_LEASE")}
+        rogue = subprocess.Popen(
+            [sys.executable, str(RAWCUDA), "alloc", "--bytes", str(ROGUE_BYTES), "--hold", "90",
+             "--ready-file", str(ready), "--stop-file", str(stop)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+        poll_until(ready.exists, timeout=60, interval=0.05)
+        if not ready.exists() or not json.loads(ready.read_text()).get("ok"):
+            return Result.fail(ctx.name, "the process outside the pool could not allocate", **data)
+
+        def seen() -> list[dict] | None:
+            status, body = server.api("GET", "/api/gpupool/pool")
+            items = (body or {}).get("unpooled") if status == 200 and isinstance(body, dict) else None
+            return [u for u in items or [] if u.get("pid") == rogue.pid] or None
+
+        found, latency = poll_until(seen, timeout=interval * 3 + 10, interval=0.2)
+        data["detect_seconds"] = round(latency, 2)
+        nvml = nvml_process_memory({rogue.pid, kernel.pid or -1})
+        data["nvml_per_pid"] = {str(k): v for k, v in nvml.items()}
+        if not found:
+            problems.append(f"GET /api/gpupool/pool did not list pid {rogue.pid} within {interval * 3 + 10:.0f} s")
+        else:
+            reported = sum(int(u["bytes"]) for u in found)
+            data["reported"] = reported
+            expected = nvml.get(rogue.pid, 0)
+            if abs(reported - expected) > max(64 * MIB, 0.03 * expected):
+                problems.append(f"the pool says {reported / GIB:.2f} GiB outside the pool, NVML {expected / GIB:.2f} GiB")
+            if latency > interval + 1.0:
+                problems.append(f"seen {latency:.1f} s after the allocation, more than the {interval:g} s interval (+1 s)")
+        status, body = server.api("GET", "/api/gpupool/pool")
+        if kernel.pid and any(u.get("pid") == kernel.pid for u in (body or {}).get("unpooled") or []):
+            problems.append("the pooled kernel's own memory was counted as unpooled use")
+        data["server_errors"] = server.log_errors()
+    except HarnessError as exc:
+        return Result.fail(ctx.name, str(exc), **data)
+    finally:
+        stop.touch()
+        if rogue is not None:
+            try:
+                rogue.wait(10)
+            except subprocess.TimeoutExpired:
+                rogue.kill()
+        server.stop()
+    number = f"seen in {data.get('detect_seconds', '?')} s (interval {interval:g} s)"
+    if problems:
+        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=data)
+    return Result(ctx.name, Status.PASS, number=number,
+                  detail=f"{data['reported'] / GIB:.2f} GiB outside the pool = NVML; the pooled kernel not counted",  # type: ignore[operator]
+                  data=data)
+
+
+SPEC = CheckSpec(
+    name="unpooled",
+    title="A CUDA process outside the pool is seen through NVML as unpooled use, with its pid",
+    requires=requires,
+    run=run,
+    timeout=90,
+    min_seconds=30,
+)
