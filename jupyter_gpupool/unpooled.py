@@ -97,8 +97,11 @@ def _alive(proc: psutil.Process) -> bool:
 class _Processes:
     """Cached ``/proc`` reads for one attribution pass (each process is read once)."""
 
-    def __init__(self, env_var: str) -> None:
+    def __init__(self, env_var: str, leases: Mapping[str, Lease] | None = None) -> None:
         self.env_var = env_var
+        #: kernel id → its live lease: a kernel whose environment names a lease it gave back
+        #: (``%gpupool release``, then ``reserve``) is its kernel's newer lease's.
+        self._kernel_leases = {lease.kernel_id: lease.id for lease in (leases or {}).values() if lease.kernel_id}
         self._lease_of: dict[int, str | None] = {}
         self._uid: dict[int, int | None] = {}
         self._owner_uid: dict[str, int | None] = {}
@@ -106,9 +109,12 @@ class _Processes:
     def lease_named_by(self, proc: psutil.Process) -> str | None:
         if proc.pid not in self._lease_of:
             try:
-                self._lease_of[proc.pid] = proc.environ().get(self.env_var)
+                environ = proc.environ()
             except (psutil.Error, OSError):
-                self._lease_of[proc.pid] = None
+                environ = {}
+            kernel_id = environ.get("GPUPOOL_KERNEL_ID")
+            self._lease_of[proc.pid] = self._kernel_leases.get(kernel_id) if kernel_id else None
+            self._lease_of[proc.pid] = self._lease_of[proc.pid] or environ.get(self.env_var)
         return self._lease_of[proc.pid]
 
     def uid(self, proc: psutil.Process) -> int | None:
@@ -202,7 +208,7 @@ def attribute(
     (0 when it uses nothing), so the pool can clear an over-limit mark. ``first_seen``: when each
     (device, pid) was first seen unpooled, carried from the previous pass.
     """
-    procs = _Processes(env_var)
+    procs = _Processes(env_var, leases)
     system = set(system_processes)
     result = Attribution()
     known: dict[int, str] = {}
@@ -271,7 +277,7 @@ def held_by_lease(processes: Iterable[ProcessUsage], lease: Lease, devices: Iter
                   env_var: str = "GPUPOOL_LEASE_ID") -> dict[int, int]:
     """Pid → bytes that ``lease``'s processes hold on ``devices``, as the driver lists them."""
     wanted = set(devices)
-    procs = _Processes(env_var)
+    procs = _Processes(env_var, {lease.id: lease})
     held: dict[int, int] = {}
     for usage in processes:
         if usage.device_uuid not in wanted or usage.used_memory <= 0:
@@ -292,7 +298,7 @@ def held_by_lease(processes: Iterable[ProcessUsage], lease: Lease, devices: Iter
 def find_kernel_roots(pids: Iterable[int], leases: Mapping[str, Lease], env_var: str = "GPUPOOL_LEASE_ID") -> dict[str, int]:
     """Lease id → kernel pid, for the leases whose processes (or their descendants) are among
     ``pids``, found by the lease environment variable alone (see :func:`attribute`)."""
-    procs = _Processes(env_var)
+    procs = _Processes(env_var, leases)
     roots: dict[str, int] = {}
     for pid in set(pids):
         try:

@@ -109,6 +109,22 @@ def test_a_kernel_whose_lease_is_suspended_or_on_another_gpu_is_unpooled(tmp_pat
         pool.close()
 
 
+def test_a_kernel_that_released_and_reserved_again_counts_for_its_new_lease(pool):
+    """Its environment still names the lease it gave back; its kernel id finds the new one."""
+    old = _granted(pool, "alice", 4, kernel_id="k1")
+    pool.release(old.id)
+    new = _granted(pool, "alice", 6, kernel_id="k1")
+    env = {**os.environ, "GPUPOOL_LEASE_ID": old.id, "GPUPOOL_KERNEL_ID": "k1"}
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+    try:
+        _use(pool, kernel.pid, 5)
+        seen = attribute(pool.backend.process_usage(), {new.id: pool.get(new.id)}, HOSTNAME)
+        assert seen.usage == {new.id: 5 * GIB} and seen.unpooled == []
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
 def test_system_processes_on_the_allowlist_are_not_unpooled_use(pool, sleeper):
     proc = sleeper()
     _use(pool, proc.pid, 1)

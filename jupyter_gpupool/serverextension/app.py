@@ -956,7 +956,10 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         limits: dict[str, int | None] = {}
         kernel_of: dict[str, str] = {}
         own_pids: dict[int, str] = {}
-        for kernel_id, (prov, lease) in leases.items():
+        by_kernel = {lease.kernel_id: lease for lease in live.values() if lease.kernel_id}
+        for kernel_id, (prov, lease) in list(leases.items()):
+            lease = by_kernel.get(kernel_id, lease)  # a kernel that released its lease and reserved anew has the new one
+            leases[kernel_id] = (prov, lease)
             if prov.pid:
                 own_pids[int(prov.pid)] = kernel_id
                 roots[lease.id] = int(prov.pid)  # a kernel whose lease is suspended, too: its use is unpooled
