@@ -233,11 +233,15 @@ def attribute(
             devices = per_process.setdefault(int(usage.pid), {})
             devices[usage.device_uuid] = devices.get(usage.device_uuid, 0) + used
     for pid, on_devices in per_process.items():
+        hidden = False
         try:
             proc = psutil.Process(pid)
             chain = [proc, *proc.parents()]
         except psutil.NoSuchProcess:
-            continue  # exited: the driver (or a scripted backend) lists it a moment longer
+            # Not in this watcher's process table: it just exited, or it runs in another PID
+            # namespace (a container) that uses the same GPU. Counted (conservatively, until the
+            # next look), never stopped.
+            proc, chain, hidden = None, [], True  # type: ignore[assignment]
         except (psutil.Error, ValueError):
             proc, chain = None, []  # type: ignore[assignment]  # cannot be inspected: counted, never stopped
         if proc is not None and not _alive(proc):
@@ -262,7 +266,7 @@ def attribute(
                     pid=pid,
                     bytes=used,
                     host=host,
-                    why=_why(lease, device),
+                    why="a process this watcher cannot see (another container?)" if hidden else _why(lease, device),
                     user=user,
                     command=command,
                     lease_id=lease.id if lease is not None else None,

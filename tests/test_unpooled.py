@@ -125,6 +125,15 @@ def test_a_kernel_that_released_and_reserved_again_counts_for_its_new_lease(pool
         kernel.wait()
 
 
+def test_a_process_the_watcher_cannot_see_is_counted_and_never_stoppable(pool):
+    """The driver lists a pid this host's process table has not (another container's process)."""
+    pid = 2**22 + 12345  # above any pid_max: surely no process here
+    pool.backend.set_usage(pid, _uuid(pool), 3 * GIB)
+    [use] = attribute(pool.backend.process_usage(), {}, HOSTNAME).unpooled
+    assert (use.pid, use.bytes, use.stoppable, use.user) == (pid, 3 * GIB, False, None)
+    assert "cannot see" in use.why
+
+
 def test_system_processes_on_the_allowlist_are_not_unpooled_use(pool, sleeper):
     proc = sleeper()
     _use(pool, proc.pid, 1)
