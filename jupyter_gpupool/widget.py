@@ -5,6 +5,9 @@ renders wherever ipywidgets does::
 
     from jupyter_gpupool.widget import PoolStatus
     PoolStatus()            # refreshes every 5 s until .close()
+
+Its refreshes speak on the quiet channel (:mod:`jupyter_gpupool.quiet`): a kernel showing it
+still goes idle, and idle reclaim still takes it. A click on one of its buttons is activity.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from .core.models import LeaseState, Transition
 from .errors import GpuPoolError, PoolUnavailable
 from .kernel.client import DEFAULT_KEEP, PoolClient
 from .kernel.status import KernelStatus, unavailable_status
+from .quiet import quiet_widget
 from .units import format_duration, format_size, parse_duration
 
 _STATE_COLORS = {
@@ -40,7 +44,8 @@ class PoolStatus(widgets.VBox):
     """Share, usage bar, queue position and idle countdown of this kernel's slice, with a Keep button,
     and Suspend / Resume buttons (a suspended kernel's GPU memory is parked in host RAM).
 
-    A background thread refreshes it every ``interval`` seconds; :meth:`close` stops the thread.
+    A background thread refreshes it every ``interval`` seconds, quietly (no activity for the
+    pool's idle clock); :meth:`close` stops the thread.
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class PoolStatus(widgets.VBox):
             ],
             **kwargs,
         )
+        quiet_widget(self)  # its refreshes are the pool's own traffic, not the user's
         self.last_status: KernelStatus | None = None
         self.refresh_count = 0
         self._lock = threading.Lock()

@@ -45,6 +45,7 @@ from ..provisioner import (
     when_unavailable_from_env,
 )
 from ..pool import HOSTNAME
+from ..quiet import ActivityClocks
 from ..units import format_size
 from ..views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from .configguard import FailClosedConfig
@@ -613,6 +614,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         if km is not None:
             with contextlib.suppress(Exception):
                 await km.shutdown_all()
+        clocks = getattr(self, "_activity_clocks", None)
+        if clocks is not None:
+            clocks.close()
         restore = getattr(self, "_restore_spec_manager", None)
         if restore is not None:
             restore()
@@ -671,18 +675,27 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         """Report activity, run the scheduler, carry out reclaims of our kernels."""
         assert self.serverapp is not None
         km = self.serverapp.kernel_manager
+        # jupyter_server's last_activity and execution_state, less the quiet channel (the widget's
+        # refreshes and our own requests to a kernel are no activity): see jupyter_gpupool.quiet.
+        clocks: ActivityClocks | None = getattr(self, "_activity_clocks", None)
+        if clocks is None:
+            clocks = self._activity_clocks = ActivityClocks(km)
         activities: dict[str, Activity] = {}
-        for kernel_id in list(km.list_kernel_ids()):
+        kernel_ids = list(km.list_kernel_ids())
+        clocks.forget_others(kernel_ids)
+        for kernel_id in kernel_ids:
             prov = self.provisioner_of(kernel_id)
             if prov is None or not prov.lease_id or prov.phase not in ("running", "launching"):
                 continue
             kernel = km.get_kernel(kernel_id)
-            last = getattr(kernel, "last_activity", None)
+            clock = clocks.clock(kernel_id)
+            last = clock.last_activity if clock is not None else getattr(kernel, "last_activity", None)
+            state = clock.execution_state if clock is not None else getattr(kernel, "execution_state", None)
             connections = 0
             with contextlib.suppress(Exception):
                 connections = int(km._kernel_connections.get(kernel_id, 0))
             activities[prov.lease_id] = Activity(
-                busy=getattr(kernel, "execution_state", None) == "busy",
+                busy=state == "busy",
                 last_activity=last.timestamp() if last is not None else None,
                 connections=connections,
             )
