@@ -19,7 +19,10 @@ from traitlets.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytest_plugins = ["pytest_jupyter.jupyter_server"]
+if str(REPO / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests"))
+# suite_guard: nothing written outside the sandbox; skips for want of a system package are counted.
+pytest_plugins = ["pytest_jupyter.jupyter_server", "suite_guard"]
 
 # --- make a source checkout behave like an installed package ------------------------------------
 # Kernels and `jupyter nbconvert` run in subprocesses: they need to import jupyter_gpupool and to
@@ -56,14 +59,15 @@ def gpupool_importable(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def broker_file_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Brokers started by tests record themselves in a temporary file, never in /etc/jupyter."""
-    os.environ.setdefault("GPUPOOL_BROKER_FILE", str(tmp_path_factory.mktemp("discovery") / "gpupool-broker.json"))
+    """Brokers started by tests record themselves in a temporary file, never in /etc/jupyter (even
+    where the shell running the tests names another file)."""
+    os.environ["GPUPOOL_BROKER_FILE"] = str(tmp_path_factory.mktemp("discovery") / "gpupool-broker.json")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def simulator_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     """What the simulator derives from the traces is kept in a temporary folder, not in ~/.cache."""
-    os.environ.setdefault("GPUPOOL_CACHE_DIR", str(tmp_path_factory.mktemp("gpupool-cache")))
+    os.environ["GPUPOOL_CACHE_DIR"] = str(tmp_path_factory.mktemp("gpupool-cache"))
 
 
 # --- the pool of one test -----------------------------------------------------------------------

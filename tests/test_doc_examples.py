@@ -15,7 +15,8 @@ How each kind runs:
   ``LEASE_ID`` becomes the id of a lease made for that command. Long-running programs
   (``jupyter gpupool demo``/``broker``, ``jupyter lab``/``server``) must be alive and listening
   within a minute, then exit cleanly on SIGTERM. Checked without running: ``pip install``
-  (the path, the package name and its extras must exist in pyproject.toml), ``python -m pytest``
+  (the path, the package name and its extras must exist in pyproject.toml), ``apt-get install``
+  (every package one that CI's ``.ci/run`` installs), ``python -m pytest``
   (this suite itself), ``npm test``/``npm run X`` (the script exists), ``bash FILE`` (the file
   exists and parses: ``tests/gpu`` needs a GPU), and ``jupyter gpupool simulate`` (arguments
   parsed and validated: a full run takes 25 s; tests/test_simulate.py runs it).
@@ -374,14 +375,43 @@ def check_tljh_settings(block: Block) -> None:
 # --- the shell sandbox ----------------------------------------------------------------------------
 
 
+#: Where a doc example may write, each in its sandbox: every file or folder the package and Jupyter
+#: pick from the environment. Without GPUPOOL_BROKER_FILE a broker run as root records itself in
+#: /etc/jupyter for every user of the machine; without the XDG ones caches land in the real home.
+SANDBOX_PATHS = {
+    "HOME": "home", "JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data", "JUPYTER_RUNTIME_DIR": "runtime",
+    "IPYTHONDIR": "ipython", "XDG_CONFIG_HOME": "home/.config", "XDG_DATA_HOME": "home/.local/share",
+    "XDG_CACHE_HOME": "home/.cache", "GPUPOOL_CACHE_DIR": "home/.cache/jupyter-gpupool",
+    "GPUPOOL_BROKER_FILE": "discovery/gpupool-broker.json", "GPUPOOL_DB": "pool.sqlite",
+}
+
+
 def sandbox_base_env(tmp_path: Path) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("GPUPOOL_", "JUPYTERHUB_", "JUPYTER_"))}
-    for name in ("home", "config", "data", "runtime", "ipython"):
-        (tmp_path / name).mkdir(exist_ok=True)
-    env.update(HOME=str(tmp_path / "home"), JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_DATA_DIR=str(tmp_path / "data"),
-               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), IPYTHONDIR=str(tmp_path / "ipython"),
-               GPUPOOL_DB=str(tmp_path / "pool.sqlite"), GPUPOOL_SIMULATE=SANDBOX_SIMULATE, BROWSER="true")
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("GPUPOOL_", "JUPYTERHUB_", "JUPYTER_", "XDG_")) and key != "IPYTHONDIR"}
+    for variable, relative in SANDBOX_PATHS.items():
+        path = tmp_path / relative
+        (path.parent if path.suffix else path).mkdir(parents=True, exist_ok=True)
+        env[variable] = str(path)
+    env.update(GPUPOOL_SIMULATE=SANDBOX_SIMULATE, BROWSER="true")
     return env
+
+
+def test_the_sandbox_keeps_every_file_in_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A doc example run as root must not record a broker in /etc/jupyter, nor cache in the real home."""
+    from jupyter_gpupool.discovery import candidate_paths, write_paths
+    from jupyter_gpupool.workload import cache_folder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", "/root/.cache")
+    env = sandbox_base_env(tmp_path)
+    for variable in SANDBOX_PATHS:
+        assert Path(env[variable]).is_relative_to(tmp_path), (variable, env[variable])
+    assert all(Path(p).is_relative_to(tmp_path) for p in write_paths(env)), write_paths(env)
+    assert all(Path(p).is_relative_to(tmp_path) for p in candidate_paths(env)), candidate_paths(env)
+    with monkeypatch.context() as patched:
+        for key, value in env.items():
+            patched.setenv(key, value)
+        assert cache_folder().is_relative_to(tmp_path), cache_folder()
 
 
 @pytest.fixture(scope="module")
@@ -498,10 +528,23 @@ def check_pip_install(argv: list[str], cwd: Path) -> None:
         assert wanted <= extras, f"`pip install {target}`: no extras {sorted(wanted - extras)} in pyproject.toml ({sorted(extras)})"
 
 
+def check_apt_install(argv: list[str]) -> None:
+    """Only packages CI installs on its clean machine (so the line is known to work there)."""
+    ci = re.search(r"apt-get install (?P<args>[^>\n]*)", (REPO / ".ci" / "run").read_text())
+    assert ci, ".ci/run installs no system packages"
+    installed = {a for a in shlex.split(ci.group("args")) if not a.startswith("-")}
+    wanted = {a for a in argv[argv.index("install") + 1:] if not a.startswith("-")}
+    assert wanted, f"`{shlex.join(argv)}` installs nothing"
+    assert wanted <= installed, f"`{shlex.join(argv)}`: .ci/run does not install {sorted(wanted - installed)}"
+
+
 def check_statically(argv: list[str], cwd: Path) -> bool:
     """Commands checked without running (see the module docstring); False for the rest."""
     if "pip" in argv[:3] and "install" in argv:
         check_pip_install(argv, cwd)
+    elif argv[:1] == ["apt-get"] or argv[:2] == ["sudo", "apt-get"]:
+        assert "install" in argv, f"`{shlex.join(argv)}`: only apt-get install is checked here"
+        check_apt_install(argv)
     elif starts_with(argv, ("python", "-m", "pytest")) or argv[0] == "pytest":
         import importlib.util
 
@@ -763,6 +806,7 @@ def _block(lang: str, text: str) -> Block:
     ("python", 'c.Spawner.server_token_scopes = ["access:service"]\n', "does not exist"),
     ("bash", 'pip install -e ".[gpu]"\n', "no extras ['gpu']"),
     ("bash", 'pip install jupyter-gpu-pool\n', "not this project"),
+    ("bash", 'apt-get install -y chromium slurm\n', "does not install ['slurm']"),
     ("bash", 'jupyter gpupool simulate --gpus 4xA100-80GB --users 0\n', "--users"),
     ("bash", 'jupyter gpupool status --every\n', "exited 2"),
     ("python", 'c.Watchdog.action = "explode"\n', "explode"),
