@@ -40,15 +40,18 @@ PLUMBING = frozenset({"iopub_welcome"})
 
 def _quiet_class(base: type) -> type:
     """``base`` (a comm class) whose every published message carries the quiet marker."""
-    cls = _QUIET_CLASSES.get(base)
-    if cls is None:
+    known = _QUIET_CLASSES.get(base)
+    if known is not None:
+        return known
 
-        def publish_msg(self: Any, msg_type: str, data: Any = None, metadata: Any = None, buffers: Any = None, **keys: Any) -> Any:
+    class Quiet(base):  # type: ignore[valid-type,misc]
+        def publish_msg(self, msg_type: str, data: Any = None, metadata: Any = None, buffers: Any = None, **keys: Any) -> Any:
             marked = {**(metadata or {}), QUIET_KEY: True}
-            return super(cls, self).publish_msg(msg_type, data=data, metadata=marked, buffers=buffers, **keys)  # type: ignore[misc]
+            return super().publish_msg(msg_type, data=data, metadata=marked, buffers=buffers, **keys)
 
-        cls = _QUIET_CLASSES[base] = type(f"Quiet{base.__name__}", (base,), {"publish_msg": publish_msg, "__module__": __name__})
-    return cls
+    Quiet.__name__ = Quiet.__qualname__ = f"Quiet{base.__name__}"
+    _QUIET_CLASSES[base] = Quiet
+    return Quiet
 
 
 def quiet_comm(comm: Any) -> None:

@@ -70,6 +70,13 @@ def simulator_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["GPUPOOL_CACHE_DIR"] = str(tmp_path_factory.mktemp("gpupool-cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ipython_dir_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Kernels started with this process's environment keep IPython's profile and history in a
+    temporary folder, not in the real ~/.ipython."""
+    os.environ["IPYTHONDIR"] = str(tmp_path_factory.mktemp("ipython"))
+
+
 # --- the pool of one test -----------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@
 - **Sandbox**: no test may write outside its temporary folders. The system-wide Jupyter folders
   (``/etc/jupyter`` and the rest of jupyter_core's system paths) and the real home's Jupyter,
   IPython and cache folders are listed (names, sizes, modification times) when the run starts and
-  again when it ends; any difference fails the run, naming each path.
+  again when it ends; any difference fails the run, naming each path. Left out: the connection
+  files and IPython history the user's own sessions write meanwhile.
 - **System packages**: the browser, Slurm, Prometheus and JupyterHub tests need programs pip does
   not install. The header says which are missing; a test skipped for want of one is counted in
   the run's last line, with the command that installs them just above it.
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import pwd
 import shutil
@@ -92,28 +94,34 @@ def watched_roots() -> list[Path]:
 
 
 def not_watched() -> set[str]:
-    """Left out: where the user's own Jupyter servers, running while the tests do, write their
-    connection files; a change there cannot be pinned on the tests."""
+    """Folders left out: where the user's own Jupyter servers, running while the tests do, write
+    their connection files; a change there cannot be pinned on the tests."""
     return {str(home / ".local" / "share" / "jupyter" / "runtime") for home in real_homes()}
+
+
+#: Files left out for the same reason: the history of the user's own IPython sessions.
+NOT_WATCHED_FILES = ("*/.ipython/profile_*/history.sqlite*",)
 
 
 MAX_ENTRIES = 50_000
 
 
 def snapshot(roots: Iterable[Path], skip: set[str] | None = None) -> dict[str, tuple[int, int]]:
-    """Path → (modification time in ns, size; -1 for a folder) of each root and everything under it,
-    less the folders in ``skip`` (a missing root is simply absent)."""
+    """Path → (modification time in ns, size) of each file under the roots, and (0, -1) for each folder
+    (its presence: its own time moves with whatever comes and goes in it), less the folders in ``skip``."""
     skip = not_watched() if skip is None else skip
     found: dict[str, tuple[int, int]] = {}
     for root in roots:
         for folder, dirs, files in os.walk(root):
             dirs[:] = [d for d in dirs if os.path.join(folder, d) not in skip]
-            for path, is_dir in [(folder, True), *((os.path.join(folder, f), False) for f in files)]:
+            kept = [os.path.join(folder, f) for f in files]
+            kept = [f for f in kept if not any(fnmatch.fnmatch(f, pattern) for pattern in NOT_WATCHED_FILES)]
+            for path, is_dir in [(folder, True), *((f, False) for f in kept)]:
                 try:
                     stat = os.lstat(path)
                 except OSError:
                     continue
-                found[path] = (stat.st_mtime_ns, -1 if is_dir else stat.st_size)
+                found[path] = (0, -1) if is_dir else (stat.st_mtime_ns, stat.st_size)
             if len(found) >= MAX_ENTRIES:
                 return found
     return found
@@ -135,8 +143,9 @@ _LEAKS = pytest.StashKey[list[str]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_ROOTS] = watched_roots()
-    config.stash[_BEFORE] = snapshot(config.stash[_ROOTS])
+    roots = watched_roots()
+    config.stash[_ROOTS] = roots
+    config.stash[_BEFORE] = snapshot(roots)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -151,7 +160,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     if _BEFORE not in config.stash:
         return
-    leaks = changes(config.stash[_BEFORE], snapshot(config.stash[_ROOTS]))
+    roots: list[Path] = config.stash[_ROOTS]
+    leaks = changes(config.stash[_BEFORE], snapshot(roots))
     config.stash[_LEAKS] = leaks
     if leaks:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -12,7 +12,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 import suite_guard
 from suite_guard import APT_LINE, APT_PACKAGES, SUMMARY_KEY, changes, need_of, snapshot, watched_roots
 
@@ -60,7 +59,7 @@ def test_every_skip_for_a_missing_package_in_the_suite_is_recognised() -> None:
 
 def test_ci_and_the_readme_install_what_the_guard_names() -> None:
     ci = (REPO / ".ci" / "run").read_text()
-    installed = re.search(r"apt-get install (.*?)(?:>|$)", ci, re.M)
+    installed = re.search(r"apt-get install (.*?)(?:>|$)", ci, re.MULTILINE)
     assert installed, ".ci/run installs no apt packages"
     assert set(APT_PACKAGES) <= set(shlex.split(installed.group(1))), installed.group(1)
     assert APT_LINE in (REPO / "README.md").read_text(), "the README's Set-up must give the line the guard prints"
@@ -119,3 +118,14 @@ def test_the_header_names_what_is_missing(present: bool, monkeypatch: pytest.Mon
         assert header == []
     else:
         assert header == [f"gpupool: not on this machine: promtool (their tests will skip; as root: {APT_LINE})"]
+
+
+def test_what_the_users_own_sessions_write_meanwhile_is_left_out(tmp_path: Path) -> None:
+    profile = tmp_path / ".ipython" / "profile_default"
+    profile.mkdir(parents=True)
+    before = snapshot([tmp_path / ".ipython"])
+    (profile / "history.sqlite").write_text("their own IPython's history")
+    (profile / "history.sqlite-journal").write_text("")
+    assert changes(before, snapshot([tmp_path / ".ipython"])) == []
+    (profile / "startup").mkdir()
+    assert changes(before, snapshot([tmp_path / ".ipython"])) == [f"created  {profile / 'startup'}"]
