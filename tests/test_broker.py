@@ -532,6 +532,31 @@ def test_broker_watchdog_finds_the_kernel_by_its_lease_variable_and_interrupts_i
         kernel.wait()
 
 
+def test_broker_watchdog_stops_a_process_that_uses_a_gpu_outside_the_pool_after_the_grace(
+    make_harness: Callable[..., BrokerHarness],
+) -> None:
+    """On a multi-user host the broker's default for unpooled use is 'stop': a process without a
+    lease holding GPU memory is seen (pid, bytes, why, for an admin; anonymous for others), never
+    granted to anyone, and terminated once the grace is over."""
+    harness = make_harness(simulate="1x16GiB", watchdog={"interval": 0.1, "grace": 1.0})
+    rogue = subprocess.Popen(["/bin/sleep", "60"], env={"PATH": "/usr/bin:/bin"})
+    try:
+        device = harness.on_broker(lambda: harness.pool.devices()[0].uuid)
+        harness.pool.backend.set_usage(rogue.pid, device, 10 * GIB)  # type: ignore[attr-defined]
+        status, body = wait_for(lambda: (r := harness.http("GET", "api/gpupool/pool", ADMIN))[1].get("unpooled") and r,
+                                what="the unpooled use in the admin's pool view")
+        assert [(u["pid"], u["bytes"], u["why"]) for u in body["unpooled"]] == [(rogue.pid, 10 * GIB, "no lease")]
+        _, seen_by_alice = harness.http("GET", "api/gpupool/pool", ALICE)
+        assert [(u["pid"], u["user"], u["bytes"]) for u in seen_by_alice["unpooled"]] == [(None, None, 10 * GIB)]
+        waiting = harness.remote(ALICE).request(LeaseRequest(owner="", memory=8 * GIB))
+        assert waiting.state is LeaseState.QUEUED  # 10 of 16 GiB are taken outside the pool
+        wait_for(lambda: rogue.poll() is not None, timeout=30, what="the process stopped")  # (the in-process broker reaps it)
+    finally:
+        if rogue.poll() is None:
+            rogue.kill()
+        rogue.wait()
+
+
 def test_watchdog_ignores_a_process_that_copies_another_users_lease_variable(harness: BrokerHarness) -> None:
     from jupyter_gpupool.broker.app import find_kernel_roots
     from jupyter_gpupool.core.models import Lease
