@@ -15,7 +15,8 @@ import {
   EVENT_SCHEMA_PREFIX,
   GpuPoolRequestError,
   IKernelStatus,
-  IPoolSnapshot
+  IPoolSnapshot,
+  UNPOOLED_ACTION
 } from './types';
 import { IKernelView, IPoolView, kernelView, poolView } from './view';
 
@@ -251,7 +252,14 @@ export class GpuPoolModel implements IDisposable {
       jobs.push(this._fetchKernel(kernelId));
     }
     // While the pool is unavailable keep asking, so the status bar sees it come back.
-    if (this._poolWanted || (!this._pool && !this._poolError) || this._pool?.state === 'unavailable') {
+    // After an `unpooled` event the pool is read once even with the panel closed, so the
+    // snapshot the panel opens on shows the memory used outside the pool.
+    if (
+      this._poolWanted ||
+      this._poolStale ||
+      (!this._pool && !this._poolError) ||
+      this._pool?.state === 'unavailable'
+    ) {
       jobs.push(this._fetchPool());
     }
     const results = await Promise.all(jobs);
@@ -287,6 +295,7 @@ export class GpuPoolModel implements IDisposable {
       this._updateClock(precise ? reply.data.now! : reply.serverTime, precise);
       this._pool = reply.data;
       this._poolError = null;
+      this._poolStale = false;
       return true;
     } catch (error) {
       this._poolError = (error as Error).message;
@@ -311,6 +320,10 @@ export class GpuPoolModel implements IDisposable {
       ['released', 'reclaimed', 'preempted', 'culled'].includes(String(event.action));
     if (gone && typeof kernelId === 'string' && typeof reason === 'string' && reason) {
       this._store(kernelId, { eventReason: reason });
+    }
+    // Memory used outside the pool (no lease, no kernel): what changed is the pool view.
+    if (event.action === UNPOOLED_ACTION) {
+      this._poolStale = true;
     }
     void this.refresh();
   }
@@ -352,6 +365,7 @@ export class GpuPoolModel implements IDisposable {
   private _poll: Poll;
   private _pool: IPoolSnapshot | null = null;
   private _poolError: string | null = null;
+  private _poolStale = false;
   private _poolWanted = false;
   private _records = new Map<string, IKernelRecord>();
   private _ticker: ReturnType<typeof setInterval> | null = null;

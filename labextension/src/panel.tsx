@@ -136,7 +136,8 @@ function PoolSection(props: { pool: IPoolView | null; error: string | null }): J
                       className={
                         'jp-GpuPool-segment' +
                         (s.mine ? ' jp-mod-mine' : '') +
-                        (s.current ? ' jp-mod-current' : '')
+                        (s.current ? ' jp-mod-current' : '') +
+                        (s.outside ? ' jp-mod-outside' : '')
                       }
                       style={{ width: `${s.fraction * 100}%` }}
                       title={s.label}
@@ -151,6 +152,16 @@ function PoolSection(props: { pool: IPoolView | null; error: string | null }): J
                   )}
                 </div>
                 <div className="jp-GpuPool-deviceText">{device.text}</div>
+                {device.outside && (
+                  <ul
+                    className="jp-GpuPool-outside"
+                    aria-label={`${device.title}: ${device.outside.label}`}
+                  >
+                    {device.outside.lines.map((line, i) => (
+                      <li key={`${i}:${line}`}>{line}</li>
+                    ))}
+                  </ul>
+                )}
               </li>
             ))}
           </ul>
@@ -158,6 +169,11 @@ function PoolSection(props: { pool: IPoolView | null; error: string | null }): J
             <span className="jp-GpuPool-swatch jp-mod-current" /> this kernel
             <span className="jp-GpuPool-swatch jp-mod-mine" /> yours
             <span className="jp-GpuPool-swatch" /> {pool.admin ? 'others' : 'other users'}
+            {pool.outside && (
+              <>
+                <span className="jp-GpuPool-swatch jp-mod-outside" /> outside the pool
+              </>
+            )}
           </div>
           <p className="jp-GpuPool-queueLength">Queue: {pool.queueText}</p>
           {pool.reservations.length > 0 && (

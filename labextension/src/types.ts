@@ -10,6 +10,12 @@
 export const LEASE_EVENT_SCHEMA =
   'https://events.jupyter.org/jupyter_gpupool/lease/v2';
 
+/**
+ * The lease event's action when the watchdog first sees GPU memory held outside the pool: it has
+ * no lease (`lease_id` and `state` are null) and never says whose; the pool view is read again.
+ */
+export const UNPOOLED_ACTION = 'unpooled';
+
 /** Any event schema of jupyter_gpupool (lease, usage, ... versions to come). */
 export const EVENT_SCHEMA_PREFIX = 'https://events.jupyter.org/jupyter_gpupool/';
 
@@ -33,6 +39,8 @@ export interface IDevice {
   memory_total: number | null;
   memory_leased?: number;
   memory_used?: number | null;
+  /** Bytes held by processes outside any granted lease (absent from older servers). */
+  memory_unpooled?: number | null;
   healthy?: boolean;
   health_reason?: string;
 }
@@ -84,6 +92,30 @@ export interface IReservation {
   active?: boolean;
 }
 
+/**
+ * GPU memory one process holds on one GPU outside any granted lease (unpooled use): a kernel
+ * started without the pool, a terminal's python, a kernel whose lease is suspended. Whose it is
+ * (`pid`, `user`, `command`, `host`, `lease_id`) is null unless the viewer is an admin or it is
+ * the viewer's own process (`mine`).
+ */
+export interface IUnpooledUse {
+  /** Uuid of the GPU. */
+  device: string;
+  bytes: number;
+  /** One clause: `no lease`, `its lease is suspended`, ... */
+  why: string;
+  /** When it was first seen (epoch seconds). */
+  since?: number | null;
+  pid?: number | null;
+  user?: string | null;
+  command?: string | null;
+  host?: string | null;
+  lease_id?: string | null;
+  /** The host's watcher may signal it. */
+  stoppable?: boolean;
+  mine?: boolean;
+}
+
 /** `GET /api/gpupool/pool`. */
 export interface IPoolSnapshot {
   devices: IDevice[];
@@ -92,6 +124,8 @@ export interface IPoolSnapshot {
   quota?: IQuota;
   /** The pool's reservations (absent from older servers). */
   reservations?: IReservation[];
+  /** GPU memory held outside the pool, one item per (host, GPU, process); absent from older servers. */
+  unpooled?: IUnpooledUse[];
   /** Who is looking (the server sends `viewer`; `user` is accepted too). */
   viewer?: { name: string; admin: boolean };
   user?: { name: string; admin: boolean };

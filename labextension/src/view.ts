@@ -3,7 +3,7 @@
  * show. Pure functions of their inputs (the server clock is passed in), tested with jest.
  */
 
-import { IKernelStatus, IPoolLease, IPoolSnapshot, IQuota, IReservation } from './types';
+import { IKernelStatus, IPoolLease, IPoolSnapshot, IQuota, IReservation, IUnpooledUse } from './types';
 import {
   formatCountdown,
   formatDuration,
@@ -536,13 +536,28 @@ function kernelViewOf(input: IKernelInput): IKernelView {
   };
 }
 
-/** One lease on one GPU in the pool bars. */
+/** One lease on one GPU in the pool bars, or the memory used outside the pool (`outside`). */
 export interface ISegment {
   key: string;
   fraction: number;
   mine: boolean;
   current: boolean;
+  /** Memory held by processes without a granted lease, which the pool does not grant. */
+  outside: boolean;
   label: string;
+}
+
+/** Memory used outside the pool on one GPU: how much, and whose where the viewer may see it. */
+export interface IOutsideView {
+  bytes: number;
+  /** `outside the pool: 3 GiB`. */
+  label: string;
+  /**
+   * One line per process the viewer may see (an admin: all; others: their own),
+   * `pid 4242 · bob · python train.py — 3 GiB (no lease)`, then `2 GiB used outside the pool`
+   * for the rest, whose owners are not shown.
+   */
+  lines: string[];
 }
 
 /** One GPU in the pool view. */
@@ -552,6 +567,8 @@ export interface IDeviceView {
   segments: ISegment[];
   /** Memory really in use on the GPU (all processes), as a fraction. */
   usedFraction: number | null;
+  /** Memory used outside the pool on this GPU, or null when there is none. */
+  outside: IOutsideView | null;
   text: string;
   ariaLabel: string;
   healthy: boolean;
@@ -622,6 +639,8 @@ export interface IPoolView {
   /** Set while the server cannot use the pool: what to say, and why. */
   unavailable: { title: string; reason: string; kernels: string } | null;
   devices: IDeviceView[];
+  /** Some GPU has memory used outside the pool (the legend names its colour). */
+  outside: boolean;
   queueText: string;
   quota: Array<{ label: string; value: string }>;
   /** Capacity held for users or groups, open ones first. */
@@ -642,6 +661,55 @@ function segmentLabel(lease: IPoolLease, admin: boolean): string {
     return `${lease.owner}: ${size}` + state;
   }
   return `another user: ${size}` + state;
+}
+
+/** Characters of a process's command line shown in the sidebar. */
+const COMMAND_CHARS = 40;
+
+/** A process's command line cut to COMMAND_CHARS. */
+function shortCommand(command: string): string {
+  const text = command.trim();
+  return text.length > COMMAND_CHARS ? `${text.slice(0, COMMAND_CHARS - 1)}…` : text;
+}
+
+/**
+ * Memory used outside the pool on one GPU: the device's `memory_unpooled` (else the sum of its
+ * `unpooled` items), the processes the server shows whose (an admin's view, the viewer's own),
+ * and one line for the rest. Null when there is none.
+ */
+export function outsideView(
+  deviceBytes: number | null | undefined,
+  uses: IUnpooledUse[]
+): IOutsideView | null {
+  const sized = uses.map(use => ({ use, bytes: Math.max(0, num(use.bytes) ?? 0) }));
+  const listed = sized.reduce((sum, item) => sum + item.bytes, 0);
+  const bytes = Math.max(0, num(deviceBytes) ?? listed);
+  if (bytes <= 0) {
+    return null;
+  }
+  const lines: string[] = [];
+  let hidden = 0;
+  for (const { use, bytes: held } of [...sized].sort((a, b) => b.bytes - a.bytes)) {
+    const pid = num(use.pid);
+    if (pid === null) {
+      hidden += held;
+      continue;
+    }
+    const parts = [`pid ${pid}`];
+    if (use.user) {
+      parts.push(use.mine ? `${use.user} (you)` : use.user);
+    }
+    if (use.command) {
+      parts.push(shortCommand(use.command));
+    }
+    lines.push(`${parts.join(' · ')} — ${formatSize(held)}` + (use.why ? ` (${use.why})` : ''));
+  }
+  // What the items do not account for (another host's share, an older server) counts as hidden.
+  hidden += Math.max(0, bytes - listed);
+  if (hidden > 0) {
+    lines.push(`${formatSize(hidden)} used outside the pool`);
+  }
+  return { bytes, label: `outside the pool: ${formatSize(bytes)}`, lines };
 }
 
 const QUOTA_LABELS: { [key: string]: string } = {
@@ -733,14 +801,34 @@ export function poolView(
       mine: !!lease.mine,
       current:
         !!currentKernelId && !!lease.mine && lease.kernel_id === currentKernelId,
+      outside: false,
       label: segmentLabel(lease, admin)
     }));
+    const outside = outsideView(
+      device.memory_unpooled,
+      (snapshot.unpooled ?? []).filter(use => use.device === device.uuid)
+    );
+    if (outside) {
+      // After the leases, in what is left of the bar: slices are promised even where
+      // memory used outside the pool makes them too big to fit (the text says how much).
+      const leasedFraction = segments.reduce((sum, s) => sum + s.fraction, 0);
+      segments.push({
+        key: `outside@${device.uuid}`,
+        fraction: total > 0 ? Math.min(clamp01(outside.bytes / total), Math.max(0, 1 - leasedFraction)) : 0,
+        mine: false,
+        current: false,
+        outside: true,
+        label: outside.label
+      });
+    }
     const leased =
       num(device.memory_leased) ?? onDevice.reduce((s, l) => s + l.memory, 0);
     const used = num(device.memory_used);
-    const free = Math.max(0, total - leased);
+    const free = Math.max(0, total - leased - (outside?.bytes ?? 0));
     const text =
-      `${formatSize(leased)} of ${formatSize(total)} leased, ${formatSize(free)} free` +
+      `${formatSize(leased)} of ${formatSize(total)} leased, ` +
+      (outside ? `${formatSize(outside.bytes)} used outside the pool, ` : '') +
+      `${formatSize(free)} free` +
       (used !== null ? ` · ${formatSize(used)} in use` : '');
     const healthy = device.healthy !== false;
     return {
@@ -748,6 +836,7 @@ export function poolView(
       title: `GPU ${device.index ?? '?'} · ${device.name ?? 'unknown GPU'}`,
       segments,
       usedFraction: used !== null && total > 0 ? clamp01(used / total) : null,
+      outside,
       text: healthy ? text : `unhealthy: ${device.health_reason || 'unavailable'}`,
       ariaLabel:
         `GPU ${device.index ?? '?'}, ${device.name ?? 'unknown GPU'}: ${text}; ` +
@@ -784,6 +873,7 @@ export function poolView(
   return {
     unavailable,
     devices,
+    outside: devices.some(d => d.outside !== null),
     queueText,
     quota: quotaLines(snapshot.quota),
     reservations: reservationViews(snapshot.reservations),

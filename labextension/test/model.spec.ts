@@ -159,6 +159,52 @@ describe('GpuPoolModel', () => {
     expect(s.client.calls.length - asked).toBeLessThanOrEqual(2);
   });
 
+  it('reads the pool again on an unpooled event, even with the panel closed', async () => {
+    const s = setup(60 * 1000); // the poll alone would not ask again within the test
+    model = s.model;
+    s.client.kernels.set('k', granted('k'));
+    s.model.setKernel('k', 'k.ipynb');
+    await until(() => s.model.view.phase === 'granted' && s.model.pool !== null);
+    const pools = () => s.client.calls.filter(c => c === 'pool').length;
+    const before = pools();
+
+    // A lease event refreshes the kernel, not the pool while the panel is closed.
+    const kernels = () => s.client.calls.filter(c => c === 'kernel:k').length;
+    const asked = kernels();
+    s.events.stream.emit({
+      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v2',
+      action: 'waiting',
+      lease_id: 'lease-x',
+      kernel_id: 'x',
+      state: 'queued'
+    });
+    await until(() => kernels() > asked);
+    expect(pools()).toBe(before);
+
+    s.client.pool_ = {
+      ...s.client.pool_,
+      devices: [{ index: 0, uuid: 'GPU-a', name: 'Simulated', memory_total: 16 * GIB, memory_leased: 8 * GIB, memory_unpooled: 3 * GIB }],
+      unpooled: [{ device: 'GPU-a', bytes: 3 * GIB, why: 'no lease', since: 0, pid: null, user: null, command: null, host: null, lease_id: null, stoppable: false, mine: false }]
+    };
+    s.events.stream.emit({
+      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v2',
+      action: 'unpooled',
+      lease_id: null,
+      kernel_id: null,
+      state: null,
+      memory: 3 * GIB,
+      message: '3 GiB of GPU GPU-a is used outside the pool; the pool does not grant it'
+    });
+    await until(() => pools() === before + 1);
+    expect(s.model.poolView!.devices[0].outside!.lines).toEqual(['3 GiB used outside the pool']);
+    // Once read, the pool is not asked again while the panel stays closed.
+    const after = kernels();
+    await s.model.refresh();
+    await until(() => kernels() > after);
+    expect(pools()).toBe(before + 1);
+    expect(s.model.view.phase).toBe('granted');
+  });
+
   it('reads 404 as no lease, and a lease that vanished as released with the event’s reason', async () => {
     const s = setup();
     model = s.model;

@@ -1,6 +1,6 @@
 import { IKernelStatus, IPoolSnapshot } from '../src/types';
 import { GIB, MIB } from '../src/units';
-import { checkReserve, kernelView, poolView, quotaLines, reservationWindow, rightSizeHint } from '../src/view';
+import { checkReserve, kernelView, outsideView, poolView, quotaLines, reservationWindow, rightSizeHint } from '../src/view';
 
 const NOW = 1_700_000_000;
 const A100 = { index: 0, uuid: 'GPU-a', name: 'NVIDIA A100-SXM4-80GB', memory_total: 80 * GIB };
@@ -539,5 +539,93 @@ describe('an unavailable pool and failed starts', () => {
     expect(pv.devices).toEqual([]);
     const available = poolView({ ...unavailablePool, state: 'available', reason: null }, null)!;
     expect(available.unavailable).toBeNull();
+  });
+});
+
+describe('memory used outside the pool', () => {
+  /** A 16 GiB GPU with 8 GiB leased to alice, and 5 GiB held by processes without a lease. */
+  const snapshot = (admin: boolean): IPoolSnapshot => ({
+    devices: [
+      { index: 0, uuid: 'GPU-a', name: 'Simulated 16GiB', memory_total: 16 * GIB, memory_leased: 8 * GIB, memory_used: 9 * GIB, memory_unpooled: 5 * GIB },
+      { index: 1, uuid: 'GPU-b', name: 'Simulated 16GiB', memory_total: 16 * GIB, memory_leased: 0, memory_used: 0, memory_unpooled: 0 }
+    ],
+    leases: [{ id: 'l1', owner: 'alice', kernel_id: 'k1', memory: 8 * GIB, devices: ['GPU-a'], state: 'granted', mine: true }],
+    queue: [],
+    unpooled: admin
+      ? [
+          { device: 'GPU-a', bytes: 2 * GIB, why: 'no lease', since: NOW, pid: 4242, user: 'alice', command: 'python train.py --epochs 3', host: 'h', lease_id: null, stoppable: true, mine: false },
+          { device: 'GPU-a', bytes: 3 * GIB, why: 'its lease is suspended', since: NOW, pid: 5151, user: 'bob', command: 'python -m ipykernel_launcher -f /run/kernel-1234567890abcdef.json', host: 'h', lease_id: 'l7', stoppable: true, mine: false }
+        ]
+      : [
+          { device: 'GPU-a', bytes: 2 * GIB, why: 'no lease', since: NOW, pid: 4242, user: 'alice', command: 'python train.py --epochs 3', host: 'h', lease_id: null, stoppable: true, mine: true },
+          { device: 'GPU-a', bytes: 3 * GIB, why: 'its lease is suspended', since: NOW, pid: null, user: null, command: null, host: null, lease_id: null, stoppable: false, mine: false }
+        ],
+    viewer: admin ? { name: 'root', admin: true } : { name: 'alice', admin: false },
+    now: NOW
+  });
+
+  it('draws it as its own segment after the leases, and free memory shrinks by it', () => {
+    const v = poolView(snapshot(false), 'k1')!;
+    const [gpu0, gpu1] = v.devices;
+    expect(gpu0.segments.map(s => [s.fraction, s.outside, s.mine, s.label])).toEqual([
+      [0.5, false, true, 'you: 8 GiB'],
+      [5 / 16, true, false, 'outside the pool: 5 GiB']
+    ]);
+    expect(gpu0.text).toBe('8 GiB of 16 GiB leased, 5 GiB used outside the pool, 3 GiB free · 9 GiB in use');
+    expect(gpu0.ariaLabel).toContain('outside the pool: 5 GiB');
+    expect(gpu1.outside).toBeNull();
+    expect(gpu1.segments).toEqual([]);
+    expect(gpu1.text).toBe('0 B of 16 GiB leased, 16 GiB free · 0 B in use');
+    expect(v.outside).toBe(true);
+  });
+
+  it("lists the viewer's own processes and only says 'used outside the pool' of the others", () => {
+    const outside = poolView(snapshot(false), null)!.devices[0].outside!;
+    expect(outside.bytes).toBe(5 * GIB);
+    expect(outside.lines).toEqual([
+      'pid 4242 · alice (you) · python train.py --epochs 3 — 2 GiB (no lease)',
+      '3 GiB used outside the pool'
+    ]);
+    expect(outside.lines.join(' ')).not.toMatch(/suspended|5151|bob/);
+  });
+
+  it('lists every process for an admin: pid, user, command (cut short), why', () => {
+    expect(poolView(snapshot(true), null)!.devices[0].outside!.lines).toEqual([
+      'pid 5151 · bob · python -m ipykernel_launcher -f /run/ke… — 3 GiB (its lease is suspended)',
+      'pid 4242 · alice · python train.py --epochs 3 — 2 GiB (no lease)'
+    ]);
+  });
+
+  it('fits the segment into what the slices leave of the bar; the text says how much', () => {
+    const full = snapshot(false);
+    full.devices[0] = { ...full.devices[0], memory_leased: 14 * GIB };
+    full.leases = [{ ...full.leases[0], memory: 14 * GIB }];
+    const gpu0 = poolView(full, null)!.devices[0];
+    expect(gpu0.segments.map(s => s.fraction)).toEqual([14 / 16, 2 / 16]);
+    expect(gpu0.text).toBe('14 GiB of 16 GiB leased, 5 GiB used outside the pool, 0 B free · 9 GiB in use');
+  });
+
+  it('counts items when the device gives no total, and bytes no item accounts for as unnamed', () => {
+    expect(outsideView(undefined, [{ device: 'GPU-a', bytes: GIB, why: 'no lease', pid: null }])).toEqual({
+      bytes: GIB,
+      label: 'outside the pool: 1 GiB',
+      lines: ['1 GiB used outside the pool']
+    });
+    expect(outsideView(4 * GIB, [{ device: 'GPU-a', bytes: GIB, why: 'no lease', pid: 7, user: 'bob', command: 'python' }])!.lines).toEqual([
+      'pid 7 · bob · python — 1 GiB (no lease)',
+      '3 GiB used outside the pool'
+    ]);
+    expect(outsideView(0, [])).toBeNull();
+    expect(outsideView(undefined, [])).toBeNull();
+  });
+
+  it('shows nothing outside the pool from a server that does not report it', () => {
+    const old = snapshot(false);
+    old.devices = old.devices.map(({ memory_unpooled, ...d }) => d);
+    delete old.unpooled;
+    const v = poolView(old, null)!;
+    expect(v.outside).toBe(false);
+    expect(v.devices[0].segments.map(s => s.outside)).toEqual([false]);
+    expect(v.devices[0].text).toBe('8 GiB of 16 GiB leased, 8 GiB free · 9 GiB in use');
   });
 });
