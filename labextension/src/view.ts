@@ -666,9 +666,9 @@ function segmentLabel(lease: IPoolLease, admin: boolean): string {
 /** Characters of a process's command line shown in the sidebar. */
 const COMMAND_CHARS = 40;
 
-/** A process's command line cut to COMMAND_CHARS. */
+/** A process's command line, its program without the folder (`python3 train.py`), cut to COMMAND_CHARS. */
 function shortCommand(command: string): string {
-  const text = command.trim();
+  const text = command.trim().replace(/^\S*\//, '');
   return text.length > COMMAND_CHARS ? `${text.slice(0, COMMAND_CHARS - 1)}…` : text;
 }
 

@@ -615,6 +615,9 @@ describe('memory used outside the pool', () => {
       'pid 7 · bob · python — 1 GiB (no lease)',
       '3 GiB used outside the pool'
     ]);
+    expect(outsideView(GIB, [{ device: 'GPU-a', bytes: GIB, why: 'no lease', pid: 7, user: 'bob', command: '/opt/conda/bin/python3 /home/bob/train.py' }])!.lines).toEqual([
+      'pid 7 · bob · python3 /home/bob/train.py — 1 GiB (no lease)'
+    ]);
     expect(outsideView(0, [])).toBeNull();
     expect(outsideView(undefined, [])).toBeNull();
   });
