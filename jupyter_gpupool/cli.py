@@ -72,7 +72,7 @@ class GpuPoolBaseApp(JupyterApp):
         if self.discover_broker:
             from .discovery import find_broker
 
-            found = find_broker(env)
+            found = find_broker(env, on_ignored=lambda why: print(f"{command_words(self.name)}: warning: {why}", file=sys.stderr))
             if found is not None:
                 return self._discovered_pool(found, env)
         # With GPUPOOL_URL set this is the broker (which decides who is admin); never a silent local pool.
