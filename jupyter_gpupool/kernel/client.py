@@ -98,6 +98,9 @@ class PoolClient(abc.ABC):
 
 #: What the pool records as the reason when a kernel's user suspends it from the kernel.
 SUSPEND_REASON = "suspended by its user with %gpupool suspend"
+#: Set by the provisioner in a kernel's environment: ``1`` when its server can park the kernel's
+#: GPU memory (the lease it asks for is ``suspendable``), ``0`` when not.
+SUSPENDABLE_ENV = "GPUPOOL_SUSPENDABLE"
 DEFAULT_KEEP = "1h"
 #: How long a kernel reuses its read of the GPU inventory. The server keeps the live one; a kernel
 #: needs it for sizes and labels, and a driver query made while a CUDA checkpoint has locked the
@@ -283,11 +286,20 @@ class InProcessPoolClient(PoolClient):
             holder_pid=os.getpid(),
             holder_host=socket.gethostname(),
             label=(old.label if old else "") or "requested from the kernel with %gpupool reserve",
+            suspendable=self._suspendable(old),
         )
         lease = self.pool.request(request)
         self._set_lease(lease)
         self._recap(lease)
         return lease
+
+    def _suspendable(self, old: Lease | None) -> bool:
+        """Whether a new slice asked for from this kernel can be suspended: as its earlier lease
+        could (the server that decided that still runs the kernel), else as its server said in
+        :data:`SUSPENDABLE_ENV` when it started the kernel."""
+        if old is not None:
+            return old.suspendable
+        return self.env.get(SUSPENDABLE_ENV, "").strip() == "1"
 
     def release(self) -> Lease:
         lease = self._live()
