@@ -180,7 +180,24 @@ class InProcessPoolClient(PoolClient):
             if newer is not None:
                 self._set_lease(newer)
                 lease = newer
+        if lease is not None:
+            self._follow_devices(lease)
         return lease
+
+    def _follow_devices(self, lease: Lease) -> None:
+        """After a resume or a move onto other GPUs, make ``CUDA_VISIBLE_DEVICES`` name the GPUs
+        the kernel runs on now, as it named the first ones: what ``%gpupool status``, frameworks
+        that read it and processes the kernel starts (``!nvidia-smi``) see. The CUDA context of
+        the kernel itself was moved by the checkpoint; a kernel started with no GPU is left so."""
+        if lease.state is not LeaseState.GRANTED or lease.transition is not Transition.NONE or not lease.devices:
+            return
+        shown = self.env.get("CUDA_VISIBLE_DEVICES")
+        now = ",".join(lease.devices)
+        if shown and shown != now:
+            from ..devices.checkpoint import STARTED_ON_ENV
+
+            self.env.setdefault(STARTED_ON_ENV, shown)  # what its checkpoint's remap maps from
+            self.env["CUDA_VISIBLE_DEVICES"] = now
 
     def _live(self) -> Lease:
         lease = self.current()
