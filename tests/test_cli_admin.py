@@ -179,7 +179,7 @@ def token_catcher():
     seen: list[str] = []
 
     class Catch(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        def do_GET(self) -> None:
             seen.append(self.headers.get("Authorization") or "")
             self.send_response(503)
             self.end_headers()
