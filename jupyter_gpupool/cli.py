@@ -72,7 +72,7 @@ class GpuPoolBaseApp(JupyterApp):
         if self.discover_broker:
             from .discovery import find_broker
 
-            found = find_broker(env)
+            found = find_broker(env, on_ignored=lambda why: print(f"{command_words(self.name)}: warning: {why}", file=sys.stderr))
             if found is not None:
                 return self._discovered_pool(found, env)
         # With GPUPOOL_URL set this is the broker (which decides who is admin); never a silent local pool.
@@ -135,17 +135,51 @@ class GpuPoolBaseApp(JupyterApp):
         return f"{text.rstrip('.')}; see `{command_words(self.name)} --help`"
 
     def refuse_extra_args(self) -> None:
-        """For subcommands that take no positional words: a stray one is a mistake, not ignored."""
-        if self.extra_args:
-            raise InvalidInput(
-                f"unexpected argument {self.extra_args[0]!r}; see `{command_words(self.name)} --help`"
-            )
+        """For subcommands that take no positional words: a stray one is a mistake, not ignored
+        (``--memory 8 GiB`` must not install an 8-byte slice and drop ``GiB``)."""
+        if not self.extra_args:
+            return
+        stray = self.extra_args
+        shown = ", ".join(repr(word) for word in stray[:5]) + (f" and {len(stray) - 5} more" if len(stray) > 5 else "")
+        plural = "s" if len(stray) > 1 else ""
+        raise InvalidInput(f"unexpected argument{plural} {shown}{self._one_word_hint()}; see `{command_words(self.name)} --help`")
+
+    def _one_word_hint(self) -> str:
+        """``(write it as one word: --memory 8GiB)`` when a stray word completes the option value
+        before it into a valid size or duration, else ``""``."""
+        from .units import parse_size
+
+        argv = [str(a) for a in getattr(self, "argv", None) or []]
+        for i, word in enumerate(argv):
+            if word not in self.extra_args or i == 0:
+                continue
+            option, value = argv[i - 1], None
+            if "=" in option and option.startswith("--"):
+                option, value = option.split("=", 1)
+            elif i >= 2 and argv[i - 2].startswith("--") and "=" not in argv[i - 2]:
+                option, value = argv[i - 2], argv[i - 1]
+            if value is None or not option.startswith("--") or option[2:] not in self.aliases:
+                continue
+            joined = f"{value}{word}"
+            for check in (lambda t: parse_size(t, gpu_memory=1), parse_duration):
+                try:
+                    check(joined)
+                except InvalidInput:
+                    continue
+                return f" (a value is one word: {option} {joined})"
+        return ""
 
     def emit(self, data: Any, text: str) -> None:
         print(json.dumps(data, indent=2, default=str) if self.json else text)
 
+    #: Whether the subcommand takes positional words (a lease id, a reservation name); the others
+    #: refuse any with exit 2.
+    takes_arguments = False
+
     def start(self) -> None:
         try:
+            if not self.takes_arguments and not self.subcommands:
+                self.refuse_extra_args()
             self.run()
         except GpuPoolError as err:
             print(f"{command_words(self.name)}: error: {err}", file=sys.stderr)
@@ -500,6 +534,7 @@ class QueueApp(GpuPoolBaseApp):
 
 class ReleaseApp(GpuPoolBaseApp):
     name = "jupyter-gpupool-release"
+    takes_arguments = True
     description = "Release a lease: jupyter gpupool release LEASE_ID"
 
     def run(self) -> None:
@@ -520,6 +555,7 @@ class _TransitionApp(GpuPoolBaseApp):
     """``suspend`` and ``resume``: one lease id; its owner or a pool admin (a broker decides for itself)."""
 
     verb = ""
+    takes_arguments = True
 
     def lease_for_caller(self) -> tuple[Any, Lease]:
         if len(self.extra_args) != 1:
@@ -588,6 +624,7 @@ class ResumeApp(_TransitionApp):
 
 class PriorityApp(GpuPoolBaseApp):
     name = "jupyter-gpupool-priority"
+    takes_arguments = True
     description = (
         "Re-prioritise a lease: jupyter gpupool priority LEASE_ID batch|normal|high "
         "(admins; on a local pool anyone may lower their own lease)"
@@ -694,6 +731,7 @@ class ReportApp(GpuPoolBaseApp):
 
 class ReserveApp(GpuPoolBaseApp):
     name = "jupyter-gpupool-reserve"
+    takes_arguments = True
     description = (
         "Book capacity for users or groups: jupyter gpupool reserve NAME --memory 40GiB --groups cs101 "
         "(--start 2026-12-01T09:00 --for 2h | --weekdays tue --start 09:00 --end 11:00); --cancel NAME; --list."
@@ -756,6 +794,7 @@ class ReserveApp(GpuPoolBaseApp):
 
 class RequestApp(GpuPoolBaseApp):
     name = "jupyter-gpupool-request"
+    takes_arguments = True
     description = "Ask for a slice from a shell and wait for it: jupyter gpupool request 8GiB [--for 2h] [--wait]."
     aliases = {**GpuPoolBaseApp.aliases, "for": "RequestApp.duration", "gpus": "RequestApp.gpus", "model": "RequestApp.model"}
     flags = {**GpuPoolBaseApp.flags, "wait": ({"RequestApp": {"wait": True}}, "Wait until granted, showing the position.")}

@@ -29,16 +29,26 @@ from traitlets import Bool, Unicode
 from .cli import GpuPoolBaseApp
 from .core.models import Device, PriorityClass, model_matches
 from .errors import GpuPoolError, InvalidInput, RequestRefused
-from .units import GIB, SIZE_FORMS, format_size, parse_size
+from .units import GIB, MIB, SIZE_FORMS, format_size, parse_size
 
 PROVISIONER_NAME = "gpupool-provisioner"
+#: Smallest slice a kernelspec may fix: less cannot hold a CUDA context, so it is a typo (``--memory 8``
+#: for 8GiB) rather than a choice.
+MIN_SLICE = 64 * MIB
 _NAME_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
 
 
 def gpu_kernelspec(base: dict[str, Any], memory: str, num_gpus: int = 1, priority: str = "", model: str = "",
                    display_name: str = "") -> dict[str, Any]:
     """A copy of ``base`` (a kernel.json dict) whose kernels get a fixed GPU slice."""
-    parse_size(memory, gpu_memory=GIB)  # validate early: "25%" is fine, "8XB" is not
+    size = parse_size(memory, gpu_memory=GIB)  # validate early: "25%" is fine, "8XB" is not
+    if size < MIN_SLICE and not memory.strip().endswith("%"):
+        bare = memory.strip().isdigit()
+        what = f"{size} byte{'s' if size != 1 else ''} (a number without a unit counts bytes)" if bare else format_size(size)
+        suggestion = f"; did you mean --memory {memory.strip()}GiB?" if bare else ""
+        raise InvalidInput(
+            f"--memory {memory.strip()} is {what}, below the smallest GPU slice of {format_size(MIN_SLICE)}{suggestion}"
+        )
     if num_gpus < 1:
         raise InvalidInput(f"--gpus must be at least 1, got {num_gpus}")
     if priority and priority not in {c.value for c in PriorityClass}:
@@ -121,13 +131,6 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             )
         self.emit({"name": self.kernel_name, "path": destination, "spec": spec}, f"installed {spec['display_name']!r} in {destination}")
 
-
-    def start(self) -> None:
-        try:
-            self.run()
-        except GpuPoolError as err:
-            print(f"jupyter gpupool kernelspec install: error: {err}", file=sys.stderr)
-            self.exit(err.exit_code)
 
     def pool_devices(self) -> tuple[list[Device] | None, Any, str]:
         """The devices and policy of the pool this host is configured for (the broker's with GPUPOOL_URL,

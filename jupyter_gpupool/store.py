@@ -26,7 +26,7 @@ from typing import Any
 
 from .core.metering import memory_segments
 from .core.models import Decision, Lease, LeaseState, PriorityClass, Transition, split_json_text
-from .errors import PoolUnavailable
+from .errors import InvalidInput, PoolUnavailable
 
 #: Each entry upgrades the schema from version ``i`` to ``i + 1``.
 MIGRATIONS: list[str] = [
@@ -571,6 +571,11 @@ class Store:
                         self.conn.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.Error):
                     raise self.unavailable(exc) from None
+                if isinstance(exc, UnicodeEncodeError):  # SQLite keeps UTF-8: a lone surrogate cannot be written
+                    raise InvalidInput(
+                        f"text with a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}) cannot be stored; "
+                        "send valid Unicode"
+                    ) from None
                 raise
             pending, self._pending = self._pending, None
             texts, self._texts_pending = self._texts_pending, {}

@@ -104,10 +104,43 @@ def json_object(raw: bytes | str, example: str = '{"memory": "12GiB"}') -> dict[
         raise InvalidInput(f"the request body is not JSON; send an object such as {example}") from None
     if not isinstance(value, dict):
         raise InvalidInput(f"the request body must be a JSON object such as {example}")
+    where = _lone_surrogate(value)
+    if where is not None:
+        raise InvalidInput(
+            f"the request body has a lone UTF-16 surrogate (\\ud800-\\udfff) in {where}, "
+            "which is not text; send valid Unicode (a character above U+FFFF as a surrogate pair, or as UTF-8)"
+        )
     return value
 
 
+def has_lone_surrogate(value: str) -> bool:
+    """True when ``value`` holds a code point U+D800..U+DFFF: JSON's ``"\\ud800"`` decodes to one, and
+    no UTF-8 text (SQLite's, a log's, a reply's) can hold it."""
+    return _SURROGATE.search(value) is not None
+
+
+def _lone_surrogate(value: Any, where: str = "") -> str | None:
+    """The field of a decoded JSON value (``kernel_id``, ``activities.<key>``) whose key or string
+    holds a lone surrogate, or None. The body's nesting is already bounded, so the walk is short."""
+    if isinstance(value, str):
+        return (f"the field {_shown(where)}" if where else "a string") if has_lone_surrogate(value) else None
+    items: list[tuple[str, Any]] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if has_lone_surrogate(key):
+                return f"a key of the field {_shown(where)}" if where else "a key"
+            items.append((f"{where}.{key}" if where else key, item))
+    elif isinstance(value, list):
+        items = [(f"{where}[{index}]" if where else f"[{index}]", item) for index, item in enumerate(value)]
+    for name, item in items:
+        found = _lone_surrogate(item, name)
+        if found is not None:
+            return found
+    return None
+
+
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _nesting(data: bytes) -> int:
@@ -169,7 +202,8 @@ def pid(value: Any, field: str = "holder_pid") -> int:
 
 
 def flag(value: Any, field: str) -> bool:
-    """A JSON boolean (also 0/1, "true"/"false" as query strings write them)."""
+    """A query-string boolean: ``true``/``false``, ``1``/``0``, ``yes``/``no`` (as URLs write them).
+    A field of a JSON body is read with :func:`boolean` instead."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -177,6 +211,14 @@ def flag(value: Any, field: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "0", "false", "no", ""):
         return value.strip().lower() in ("1", "true", "yes")
     raise InvalidInput(f"invalid {field} {_shown(value)}: expected true or false")
+
+
+def boolean(value: Any, field: str) -> bool:
+    """A JSON body's boolean field: ``true`` or ``false`` and nothing else (JSON has a type for it;
+    ``"yes"``, ``1`` or ``"false"`` is a mistake, and reading ``"false"`` as true would be worse)."""
+    if isinstance(value, bool):
+        return value
+    raise InvalidInput(f"invalid {field} {_shown(value)}: expected true or false (a JSON boolean, not a string or number)")
 
 
 def text(value: Any, field: str, max_length: int = MAX_ID, *, allow_empty: bool = True) -> str:
@@ -187,6 +229,8 @@ def text(value: Any, field: str, max_length: int = MAX_ID, *, allow_empty: bool 
         raise InvalidInput(f"invalid {field}: {len(value)} characters; at most {max_length} are accepted")
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise InvalidInput(f"invalid {field} {_shown(value)}: control characters are not accepted")
+    if has_lone_surrogate(value):
+        raise InvalidInput(f"invalid {field} {_shown(value)}: a lone UTF-16 surrogate is not text; send valid Unicode")
     if not allow_empty and not value.strip():
         raise InvalidInput(f"invalid {field}: it must not be empty")
     return value
@@ -298,7 +342,7 @@ def activity_fields(data: Any) -> tuple[bool, float | None, int]:
     example = '{"busy": false, "last_activity": 1767225600, "connections": 1}'
     if not isinstance(data, dict):
         raise InvalidInput(f"activity must be an object like {example}")
-    busy = flag(data.get("busy", False), "busy")
+    busy = boolean(data.get("busy", False), "busy")
     last = data.get("last_activity")
     last_activity = timestamp(last, "last_activity") if last is not None else None
     connections = whole_number(data.get("connections") or 0, "connections", 0, MAX_COUNT)
@@ -369,7 +413,7 @@ def transition_body(body: Mapping[str, Any]) -> dict[str, Any]:
         if error is None:
             raise InvalidInput('a failed transition needs "error": one line saying why (at most 500 characters)')
         clean["error"] = text(error, "error", MAX_TRANSITION_ERROR, allow_empty=False)
-        clean["still_running"] = flag(running, "still_running") if running is not None else False
+        clean["still_running"] = boolean(running, "still_running") if running is not None else False
     return clean
 
 
@@ -438,8 +482,10 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "BodyTooLarge",
     "activity_fields",
+    "boolean",
     "duration",
     "flag",
+    "has_lone_surrogate",
     "json_object",
     "keep_body",
     "lease_request_body",

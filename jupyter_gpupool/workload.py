@@ -29,10 +29,12 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import random
 import re
+import stat
 import statistics
 import tarfile
 import tempfile
@@ -208,6 +210,34 @@ def cache_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jupyter-gpupool"
 
 
+#: Largest kept copy read back (bytes): the real ones are a few MiB; a bigger file is not one of ours.
+MAX_CACHE_BYTES = 256 * 1024 * 1024
+
+_log = logging.getLogger(__name__)
+
+
+def _read_cached(path: Path) -> str:
+    """The text of a kept copy, read only if it is a regular file of at most :data:`MAX_CACHE_BYTES`:
+    opened without blocking (a FIFO planted there never stalls a run) and without following a
+    symlink, then checked with ``fstat`` before a byte is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > MAX_CACHE_BYTES:
+            raise ValueError(f"{info.st_size} bytes, more than the {MAX_CACHE_BYTES} a copy may have")
+        with os.fdopen(fd, "rb", closefd=True) as handle:
+            fd = -1
+            data = handle.read(MAX_CACHE_BYTES + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > MAX_CACHE_BYTES:
+        raise ValueError(f"more than the {MAX_CACHE_BYTES} bytes a copy may have")
+    return data.decode("utf-8")
+
+
 def _derived_from(sources: list[Path], name: str, build: Callable[[], Any], decode: Callable[[Any], T]) -> T:
     """``decode(build())``, with ``build()``'s JSON-ready value kept in :func:`cache_folder` under a
     key of the ``sources`` files (path, size, modification time) and the constants that shape it:
@@ -218,9 +248,12 @@ def _derived_from(sources: list[Path], name: str, build: Callable[[], Any], deco
     key = hashlib.sha256(json.dumps([name, stats, constants]).encode()).hexdigest()[:20]
     path = cache_folder() / f"{name}-{key}.json"
     try:
-        return decode(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        return decode(json.loads(_read_cached(path)))
+    except FileNotFoundError:
         pass
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, MemoryError) as err:
+        why = getattr(err, "strerror", None) or str(err).split("\n")[0][:120] or type(err).__name__
+        _log.warning("the kept copy %s is damaged (%s); reading the traces again", path, why)
     value = build()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)

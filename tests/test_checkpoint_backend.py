@@ -825,3 +825,21 @@ def test_gpu_suspend_check_uses_the_product_checkpointer(host, sleepers):
         mover.close()
     for name, code in {"fill": check._fill(8), "while": check.WHILE_SUSPENDED, "verify": check.VERIFY}.items():
         compile(code, name, "exec")
+
+
+def test_a_moved_kernel_that_names_its_new_gpus_is_mapped_from_the_ones_it_started_on(simpool):
+    """The kernel's CUDA_VISIBLE_DEVICES follows its moves (what its children and frameworks read);
+    its own usage is still mapped from the GPUs it started on (a move is completed into a swap, so
+    mapping the new name again would put it back), and a child started after the move uses the new one."""
+    from jupyter_gpupool.devices.checkpoint import STARTED_ON_ENV, devices_now
+
+    backend, checkpointer, start = simpool
+    gpu0, gpu1 = (d.uuid for d in backend.devices())
+    kernel = start("2GiB")
+    checkpointer.suspend(kernel.pid)
+    checkpointer.resume(kernel.pid, {gpu0: gpu1})
+    folder = backend.usage_dir
+    followed = {"CUDA_VISIBLE_DEVICES": gpu1, STARTED_ON_ENV: gpu0}
+    assert devices_now(folder, kernel.pid, followed) == [gpu1]
+    assert devices_now(folder, kernel.pid, {"CUDA_VISIBLE_DEVICES": gpu0}) == [gpu1]  # never followed
+    assert devices_now(folder, 999_999_999, {"CUDA_VISIBLE_DEVICES": gpu1}) == [gpu1]  # a child: as named

@@ -169,6 +169,91 @@ def test_explicit_choice_wins_over_the_discovery_file(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["backend"] == "simulated 1x16GiB"
 
 
+@pytest.fixture
+def token_catcher():
+    """An HTTP server that records the Authorization header of every request sent to it (a planted
+    discovery file would name one like it) and answers 503."""
+    import http.server
+    import threading
+
+    seen: list[str] = []
+
+    class Catch(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization") or "")
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Catch)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root")
+@pytest.mark.parametrize("planted", ["other owner", "world-writable folder", "group-writable folder", "writable file", "fifo"])
+def test_a_root_shell_never_follows_a_discovery_file_another_user_could_write(
+    tmp_path: Path, token_catcher, planted: str
+) -> None:
+    """`status --all` in a root shell once sent the admin's token to whatever URL the discovery
+    file named, whoever had written it."""
+    url, seen = token_catcher
+    folder = tmp_path / "etc"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    discovery = folder / "gpupool-broker.json"
+    if planted == "fifo":
+        os.mkfifo(discovery)
+    else:
+        discovery.write_text(json.dumps({"url": url, "pid": 1}))
+        discovery.chmod(0o644)
+    if planted == "other owner":
+        os.chown(discovery, 54321, 54321)
+    elif planted == "world-writable folder":
+        folder.chmod(0o777)
+    elif planted == "group-writable folder":
+        folder.chmod(0o775)
+    elif planted == "writable file":
+        discovery.chmod(0o666)
+    env = bare_env(tmp_path, GPUPOOL_BROKER_FILE=str(discovery), GPUPOOL_TOKEN="the-admins-token")
+    result = cli(["status", "--all"], env)
+    assert seen == [], f"the token went to the URL of a {planted} discovery file"
+    warnings = [line for line in result.stderr.splitlines() if "ignoring the broker file" in line]
+    assert len(warnings) == 1 and str(discovery) in warnings[0], result.stderr
+    why = {
+        "other owner": "owned by uid 54321, not by root or you",
+        "world-writable folder": "other users may write its folder",
+        "group-writable folder": "other users may write its folder",
+        "writable file": "other users may write it",
+        "fifo": "not a regular file",
+    }[planted]
+    assert why in warnings[0] and "GPUPOOL_URL" in warnings[0], warnings[0]
+    assert "Traceback" not in result.stderr and result.returncode == 6  # then: no broker, no driver
+
+
+def test_a_discovery_file_of_root_or_the_brokers_user_is_followed(tmp_path: Path, token_catcher) -> None:
+    """The trusted cases still work: root's own file, and one of the user $GPUPOOL_BROKER_USER names."""
+    url, seen = token_catcher
+    folder = tmp_path / "etc"
+    folder.mkdir(mode=0o755)
+    discovery = folder / "gpupool-broker.json"
+    discovery.write_text(json.dumps({"url": url, "pid": 1}))
+    env = bare_env(tmp_path, GPUPOOL_BROKER_FILE=str(discovery), GPUPOOL_TOKEN="the-admins-token")
+    result = cli(["status", "--all"], env)
+    assert seen and set(seen) == {"token the-admins-token"} and "ignoring" not in result.stderr, result.stderr
+    assert result.returncode == 6 and "not answering" in result.stderr  # a 503: named as such
+    if os.geteuid() == 0:
+        os.chown(discovery, 54321, 54321)
+        os.chown(folder, 54321, 54321)
+        seen.clear()
+        result = cli(["status", "--all"], {**env, "GPUPOOL_BROKER_USER": "54321"})
+        assert seen and "ignoring" not in result.stderr, result.stderr
+
+
 # --- 2. reservations are visible, in local time ----------------------------------------------------
 
 

@@ -22,8 +22,10 @@ from jupyter_gpupool.units import GIB
 
 try:
     from broker_harness import BrokerHarness
+    from pool_helpers import make_pool
 except ImportError:  # tests as a package
     from tests.broker_harness import BrokerHarness
+    from tests.pool_helpers import make_pool
 
 HUGE = int("9" * 400)
 NESTED = "[" * 5000 + "]" * 5000
@@ -146,6 +148,95 @@ def test_broker_refuses_every_hostile_value_with_400_and_changes_nothing(broker:
     assert len(cases) > 200
 
 
+#: A lone UTF-16 surrogate: ``json.dumps`` writes it as ``"\\ud800"``, which JSON allows and no
+#: UTF-8 text (SQLite's) can hold.
+LONE = "\ud800"
+
+
+def surrogate_cases(lease_id: str) -> list[tuple[str, str, Any]]:
+    """(method, path, body) with a lone surrogate in each kind of string of every body."""
+    return [
+        ("POST", "api/gpupool/leases", {"memory": "1GiB", "kernel_id": LONE}),
+        ("POST", "api/gpupool/leases", {"memory": "1GiB", "kernel_id": "k-new", "label": f"my {LONE} kernel"}),
+        ("POST", "api/gpupool/leases", {"memory": "1GiB", "kernel_id": "k-new", "holder_host": LONE}),
+        ("POST", "api/gpupool/leases", {"memory": "1GiB", "kernel_id": "k-new", f"extra{LONE}": 1}),
+        ("POST", "api/gpupool/leases", {"memory": "1GiB", "kernel_id": "k-new", "extra": [{"deep": LONE}]}),
+        ("POST", f"api/gpupool/leases/{lease_id}/release", {"reason": LONE}),
+        ("POST", f"api/gpupool/leases/{lease_id}/suspend", {"reason": LONE}),
+        ("POST", f"api/gpupool/leases/{lease_id}/resize", {"memory": f"2GiB{LONE}"}),
+        ("POST", f"api/gpupool/leases/{lease_id}/transition", {"outcome": "failed", "error": LONE}),
+        ("POST", "api/gpupool/heartbeat", {"lease_ids": [lease_id, LONE]}),
+        ("POST", "api/gpupool/activity", {"activities": {LONE: {"busy": True}}}),
+        ("POST", "api/gpupool/reconcile", {"holder_host": LONE, "holder_pid": 1, "live_kernel_ids": []}),
+        ("POST", "api/gpupool/reconcile", {"holder_host": "h", "holder_pid": 1, "live_kernel_ids": [LONE]}),
+        ("POST", "api/gpupool/kernels/k-alice/reserve", {"memory": "1GiB", "note": LONE}),
+        ("POST", "api/gpupool/reservations", {"name": LONE, "memory": "1GiB", "groups": ["g"], "duration": "1h"}),
+        ("POST", "api/gpupool/reservations", {"name": "x", "memory": "1GiB", "groups": [LONE], "duration": "1h"}),
+        ("PATCH", "api/gpupool/preferences", {"model": LONE}),
+    ]
+
+
+def test_a_lone_surrogate_in_any_body_is_a_400_that_changes_nothing(broker: BrokerHarness) -> None:
+    alice = broker.remote("tok-alice")
+    lease = alice.request(LeaseRequest(owner="", memory=4 * GIB, kernel_id="k-alice"))
+    before = broker.on_broker(lease_state, broker.pool)
+    for method, path, body in surrogate_cases(lease.id):
+        token = "tok-prof" if "reservations" in path else "tok-alice"
+        status, payload = broker.http(method, path, token, body)
+        assert status == 400, (method, path, body, status, payload)
+        assert "surrogate" in payload["message"] and "\n" not in payload["message"], payload
+    # The same bytes as raw UTF-8 (json.loads decodes them too), and in query strings and paths.
+    prefix = "/services/gpupool/api/gpupool"
+    raw = '{"memory": "1GiB", "kernel_id": "\ud800"}'.encode("utf-8", "surrogatepass")
+    status, payload = raw_request(broker.port, "POST", f"{prefix}/leases", raw, "tok-alice")
+    assert status == 400 and "surrogate" in payload["message"], payload
+    for method, path in (
+        ("GET", "leases?kernel_id=%ED%A0%80"),
+        ("DELETE", f"leases/{lease.id}?reason=%ED%A0%80"),
+        ("GET", "leases/%ED%A0%80"),
+    ):
+        status, payload = broker.http(method, path, "tok-alice")
+        assert 400 <= status < 500, (method, path, status, payload)
+    assert broker.on_broker(lease_state, broker.pool) == before
+    assert alice.get(lease.id).state is LeaseState.GRANTED
+
+
+def test_the_store_refuses_a_lone_surrogate_it_is_given_as_bad_input(tmp_path: Path) -> None:
+    """Defence in depth under the adapters: a request that reaches the engine with one is a 400
+    (InvalidInput), never a UnicodeEncodeError half-way through a transaction, and nothing is written."""
+    from jupyter_gpupool.errors import InvalidInput
+
+    pool = make_pool(tmp_path)
+    with pytest.raises(InvalidInput, match="surrogate"):
+        pool.request(LeaseRequest(owner="alice", memory=GIB, kernel_id=LONE))
+    assert pool.leases(include_released=True) == []
+    assert pool.request(LeaseRequest(owner="alice", memory=GIB, kernel_id="k")).state is LeaseState.GRANTED
+
+
+def test_a_boolean_body_field_takes_only_true_or_false(broker: BrokerHarness) -> None:
+    """Bodies are JSON, which has booleans: ``"yes"``, ``1`` or ``"false"`` is refused, naming the field
+    (query strings keep their ``?all=1`` / ``?released=true`` forms)."""
+    alice = broker.remote("tok-alice")
+    lease = alice.request(LeaseRequest(owner="", memory=4 * GIB, kernel_id="k-alice"))
+    before = broker.on_broker(lease_state, broker.pool)
+    for bad in ("yes", "true", "false", 1, 0, "1", [True], {"v": True}):
+        for method, path, body, field in (
+            ("POST", "api/gpupool/leases", {"memory": "1GiB", "kernel_id": "k-new", "suspendable": bad}, "suspendable"),
+            ("POST", f"api/gpupool/leases/{lease.id}/transition",
+             {"outcome": "failed", "error": "x", "still_running": bad}, "still_running"),
+            ("POST", f"api/gpupool/leases/{lease.id}/activity", {"busy": bad}, "busy"),
+            ("POST", "api/gpupool/activity", {"activities": {lease.id: {"busy": bad}}}, "busy"),
+        ):
+            status, payload = broker.http(method, path, "tok-alice", body)
+            assert status == 400, (path, body, status, payload)
+            assert f"invalid {field}" in payload["message"] and "true or false" in payload["message"], payload
+    assert broker.on_broker(lease_state, broker.pool) == before
+    status, payload = broker.http("GET", "api/gpupool/leases?released=1", "tok-alice")
+    assert status == 200, payload
+    status, payload = broker.http("POST", f"api/gpupool/leases/{lease.id}/activity", "tok-alice", {"busy": True})
+    assert status == 204, payload
+
+
 def test_preference_messages_name_the_accepted_form(broker: BrokerHarness) -> None:
     for body, expected in [
         ({"num_gpus": "two"}, "a whole number of GPUs from 1 to 8"),
@@ -220,6 +311,13 @@ def test_server_refuses_every_hostile_value_with_400_and_changes_nothing(
         assert response.code == 413, response.body
         response = await gpupool_fetch("api", "gpupool", "kernels", "k" * 300)
         assert response.code == 400 and "at most 255" in json.loads(response.body)["message"]
+        for body in ({"memory": "1GiB", "note": LONE}, {"duration": f"1h{LONE}"}, {LONE: 1}):
+            for route in ("reserve", "keepalive"):
+                response = await gpupool_fetch(
+                    "api", "gpupool", "kernels", "k-alice", route, method="POST", body=json.dumps(body)
+                )
+                assert response.code == 400, (route, body, response.body)
+                assert "surrogate" in json.loads(response.body)["message"], response.body
 
     arun(scenario())
     assert lease_state(pool) == before

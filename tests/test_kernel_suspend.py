@@ -390,3 +390,36 @@ def test_the_broker_client_posts_suspend_and_resume_to_the_lease_routes(penv: Po
     route = f"/services/gpupool/api/gpupool/leases/{penv.lease_id}"
     assert seen[0] == ("POST", f"{route}/resume", {})
     assert seen[1] == ("POST", f"{route}/suspend", {"reason": "suspended by its user with %gpupool suspend"})
+
+
+def test_a_slice_asked_for_again_from_the_kernel_can_be_suspended_as_its_first(penv: PoolEnv, kernel_factory: Any) -> None:
+    """After `%gpupool release` and `%gpupool reserve 12 GB` the new lease could not be suspended
+    ("its server cannot park GPU memory"), although the same server suspends the kernel's first."""
+    kernel = kernel_factory(penv.kernel_env())
+    assert "released" in kernel.run("%gpupool release").plain()
+    kernel.run("%gpupool reserve 12 GB")
+    lease = penv.pool.lease_for_kernel(penv.kernel_id)
+    assert lease is not None and lease.id != penv.lease_id and lease.memory == 12 * GIB
+    assert lease.suspendable, "the new slice lost its suspendable flag"
+    with PlayServer(penv.env, lease.id):
+        suspended = kernel.run("%gpupool suspend")
+        assert "GPU memory will be parked in host RAM" in suspended.plain(), suspended.plain()
+        deadline = time.monotonic() + 30
+        while penv.pool.get(lease.id).state is not LeaseState.SUSPENDED:
+            assert time.monotonic() < deadline, "the played server never confirmed the suspend"
+            time.sleep(0.1)
+
+
+def test_a_first_slice_asked_for_from_the_kernel_is_suspendable_as_its_server_says(tmp_path: Path) -> None:
+    """A kernel that started without a slice has no earlier lease to copy: GPUPOOL_SUSPENDABLE,
+    set by its server, says whether that server can park it."""
+    env = {"GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / "pool.sqlite"), "GPUPOOL_RECLAIM_ACTION": "suspend"}
+    for said, expected in (("1", True), ("0", False), ("", False)):
+        kernel_env = {**env, "GPUPOOL_KERNEL_ID": f"k-{said or 'none'}", "GPUPOOL_SUSPENDABLE": said}
+        client = InProcessPoolClient(env=kernel_env, pool_factory=lambda: Pool.from_env(environ=env))
+        try:
+            lease = client.reserve("2GiB")
+            assert lease.suspendable is expected, (said, lease)
+            client.release()
+        finally:
+            client.close()

@@ -114,3 +114,30 @@ def test_a_slice_is_checked_against_the_nvml_gpus(tmp_path, monkeypatch, capsys)
     assert exit_.value.code == 3
     assert "GPU 0 (NVIDIA A100-SXM4-40GB), has 40 GiB" in capsys.readouterr().err
     assert not (tmp_path / "share/jupyter/kernels/k").exists()
+
+
+def test_a_size_split_in_two_words_or_without_a_unit_is_refused(tmp_path):
+    """`--memory 8 GiB` once exited 0 and installed an 8-byte slice ("(GPU 8)"), dropping "GiB"."""
+    for args, expect in [
+        (["--memory", "8", "GiB"], "unexpected argument 'GiB' (a value is one word: --memory 8GiB)"),
+        (["--memory=8", "GiB"], "(a value is one word: --memory 8GiB)"),
+        (["--memory", "8GiB", "extra", "words"], "unexpected arguments 'extra', 'words'"),
+        (["--memory", "8"], "--memory 8 is 8 bytes (a number without a unit counts bytes), below the smallest GPU slice of 64 MiB; did you mean --memory 8GiB?"),
+        (["--memory", "16MiB"], "--memory 16MiB is 16 MiB, below the smallest GPU slice of 64 MiB"),
+    ]:
+        result = install(tmp_path, "--name", "k", *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expect in lines[0], (args, result.stderr)
+    assert not (tmp_path / "share/jupyter/kernels/k").exists()
+    assert install(tmp_path, "--name", "k", "--memory", "64MiB").returncode == 0
+    assert install(tmp_path, "--name", "k2", "--memory", str(8 * 1024**3)).returncode == 0  # bytes, as documented
+
+
+@pytest.mark.parametrize("command", [["report"], ["demo", "--no-browser"], ["simulate"], ["leases"], ["queue"]])
+def test_every_subcommand_refuses_stray_words(tmp_path, command):
+    env = {**os.environ, "GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / "p.sqlite")}
+    result = subprocess.run(["jupyter", "gpupool", *command, "stray"], capture_output=True, text=True, env=env,
+                            timeout=60, check=False)
+    assert result.returncode == 2, (command, result.stdout[-500:], result.stderr[-500:])
+    assert "unexpected argument 'stray'" in result.stderr and "Traceback" not in result.stderr

@@ -313,6 +313,75 @@ def test_an_unwritable_cache_only_means_reading_the_traces(tmp_path: Path, monke
     workload_module.genai_profiles.cache_clear()
 
 
+def _damage(path: Path, kind: str) -> None:
+    """Replace a kept copy with one kind of damage."""
+    import os
+
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)  # reading it would wait for a writer forever
+    elif kind == "nested":
+        path.write_text("[" * 100_000)  # json.loads: RecursionError
+    elif kind == "huge":
+        with open(path, "wb") as handle:  # sparse: no disk used, yet more than a copy may have
+            handle.truncate(workload_module.MAX_CACHE_BYTES + 1)
+    elif kind == "symlink":
+        path.symlink_to("/dev/zero")  # endless
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    else:  # valid JSON of the wrong shape
+        path.write_text(kind)
+
+
+@pytest.mark.parametrize(
+    "kind", ["fifo", "nested", "huge", "symlink", "directory", "binary", '{"a": 1}', "5", '[["x"]]', '[null]', '[["a", [], [], 1]]']
+)
+def test_a_damaged_kept_copy_only_means_reading_the_traces_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """A FIFO, a deeply nested or huge file or one of the wrong types in the cache once hung a run
+    or ended it with a traceback; now each is read past with one warning, and replaced."""
+    import threading
+
+    traces = write_tiny_traces(tmp_path / "traces")
+    monkeypatch.setenv("GPUPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    workload_module.genai_profiles.cache_clear()
+    workload_module.philly_session_lengths.cache_clear()
+    first = load_workload(str(traces))
+    for kept in (tmp_path / "cache").glob("*.json"):
+        _damage(kept, kind)
+    workload_module.genai_profiles.cache_clear()
+    workload_module.philly_session_lengths.cache_clear()
+    result: list[object] = []
+
+    def load() -> None:
+        try:
+            result.append(load_workload(str(traces)))
+        except BaseException as err:  # noqa: BLE001 -- reported below
+            result.append(err)
+
+    runner = threading.Thread(target=load, daemon=True)  # a run that hangs must fail the test, not stall it
+    with caplog.at_level("WARNING", logger="jupyter_gpupool.workload"):
+        runner.start()
+        runner.join(timeout=30)
+    assert not runner.is_alive(), f"a {kind} kept copy made the run hang"
+    again = result[0]
+    assert not isinstance(again, BaseException), repr(again)
+    assert again.profiles == first.profiles and again.session_length == first.session_length
+    warnings = [r.getMessage() for r in caplog.records if "reading the traces again" in r.getMessage()]
+    assert len(warnings) == 2 and all("is damaged" in w and "\n" not in w for w in warnings), warnings
+    if kind != "directory":  # a copy can be written again in its place (a directory stays; harmless)
+        workload_module.genai_profiles.cache_clear()
+        workload_module.philly_session_lengths.cache_clear()
+        caplog.clear()
+        monkeypatch.setattr(workload_module, "_read_tar_csv", lambda path: pytest.fail("read the traces again"))
+        assert load_workload(str(traces)).profiles == first.profiles
+    workload_module.genai_profiles.cache_clear()
+    workload_module.philly_session_lengths.cache_clear()
+
+
 def test_fallback_is_used_and_labelled_only_without_traces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(workload_module, "find_traces", lambda explicit=None: None)
     work = workload_module.load_workload()

@@ -240,6 +240,20 @@ def test_live_defragmentation_moves_an_idle_kernel_so_a_large_request_fits(
         kinds = [e["kind"] for e in pool.events() if e["lease_id"] == moved.id]
         assert "migrate" in kinds and "warn_idle" not in kinds
         assert (await kernel_exec(a, "print(sum(z))")).strip() == "6"
+        # The kernel's environment names the GPU it runs on now, for itself and for what it starts.
+        seen = await kernel_exec(
+            a,
+            "import os, subprocess, sys\n"
+            "print(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+            "print(subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"CUDA_VISIBLE_DEVICES\"])'],"
+            " capture_output=True, text=True).stdout.strip())",
+        )
+        assert seen.split() == [",".join(moved.devices)] * 2, (seen, moved.devices, home)
+        # ...and the memory it takes now is counted on that GPU, not mapped a second time.
+        await kernel_exec(a, "from jupyter_gpupool.devices.simulated import pretend_to_use\npretend_to_use('1GiB')")
+        pid_a = _pid(jp_serverapp, a)
+        used = {u.device_uuid: u.used_memory for u in pool.backend.process_usage() if u.pid == pid_a}
+        assert used == {moved.devices[0]: GIB}, (used, moved.devices, home)
         await busy_b
 
     arun(scenario())

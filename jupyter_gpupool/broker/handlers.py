@@ -198,8 +198,8 @@ class LeasesHandler(BrokerHandler):
 
         def request() -> tuple[dict[str, Any], bool]:
             body = validate.lease_request_body(raw, self.broker.pool.policy.max_gpus_per_lease)
-            if (suspendable := validate.optional(raw, "suspendable")) is not None:
-                body["suspendable"] = validate.flag(suspendable, "suspendable")  # its server can checkpoint it
+            if (suspendable := raw.get("suspendable")) is not None:
+                body["suspendable"] = validate.boolean(suspendable, "suspendable")  # its server can checkpoint it
             return self.broker.request_lease(ident, body)
 
         data, created = await self.run(request)

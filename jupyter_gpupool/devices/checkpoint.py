@@ -535,9 +535,26 @@ def wait_while_suspended(usage_dir: str, pid: int, max_poll: float = 0.25) -> It
 
 
 def apply_remap(usage_dir: str, pid: int, uuids: list[str]) -> list[str]:
-    """The GPUs a process uses now, after any resume onto other GPUs (``<pid>.remap.json``)."""
+    """The GPUs a process uses now, after any resume onto other GPUs (``<pid>.remap.json``):
+    ``uuids`` are the ones it was started on."""
     remap = _read_json(os.path.join(usage_dir, f"{pid}.remap.json")) or {}
     return [str(remap.get(uuid, uuid)) for uuid in uuids]
+
+
+#: Set in a kernel's environment when it first follows a move: the GPUs it was started on (a
+#: remap maps those), while ``CUDA_VISIBLE_DEVICES`` names where it runs now.
+STARTED_ON_ENV = "GPUPOOL_STARTED_ON_DEVICES"
+
+
+def devices_now(usage_dir: str, pid: int, environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    """The GPUs process ``pid`` (with ``environ``) uses now. A process that was moved maps the GPUs
+    it was started on (:data:`STARTED_ON_ENV`, else ``CUDA_VISIBLE_DEVICES``) through its remap; any
+    other (a child started after the move) uses ``CUDA_VISIBLE_DEVICES`` as it is."""
+    visible = [u for u in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if u]
+    if not os.path.exists(os.path.join(usage_dir, f"{pid}.remap.json")):
+        return visible
+    started_on = [u for u in environ.get(STARTED_ON_ENV, "").split(",") if u] or visible
+    return apply_remap(usage_dir, pid, started_on)
 
 
 # --- CUDA ------------------------------------------------------------------------------------------

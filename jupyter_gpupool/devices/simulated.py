@@ -164,7 +164,7 @@ def pretend_to_use(size: str | int, pid: int | None = None) -> int:
     call does (interrupt the cell to stop waiting); after a resume onto other GPUs it uses those.
     """
     from ..units import parse_size
-    from .checkpoint import apply_remap, wait_while_suspended
+    from .checkpoint import devices_now, wait_while_suspended
 
     db = os.environ.get("GPUPOOL_DB")
     if not os.environ.get("GPUPOOL_SIMULATE") or not db:
@@ -182,7 +182,7 @@ def pretend_to_use(size: str | int, pid: int | None = None) -> int:
             with contextlib.suppress(OSError):
                 os.remove(path)
             return 0
-        now_on = apply_remap(folder, owner, visible)
+        now_on = [u for u in devices_now(folder, owner, os.environ) if u.startswith("GPU-")] or visible
         share: dict[str, int] = {}
         for uuid in now_on:
             share[uuid] = share.get(uuid, 0) + amount // len(visible)

@@ -98,6 +98,9 @@ class PoolClient(abc.ABC):
 
 #: What the pool records as the reason when a kernel's user suspends it from the kernel.
 SUSPEND_REASON = "suspended by its user with %gpupool suspend"
+#: Set by the provisioner in a kernel's environment: ``1`` when its server can park the kernel's
+#: GPU memory (the lease it asks for is ``suspendable``), ``0`` when not.
+SUSPENDABLE_ENV = "GPUPOOL_SUSPENDABLE"
 DEFAULT_KEEP = "1h"
 #: How long a kernel reuses its read of the GPU inventory. The server keeps the live one; a kernel
 #: needs it for sizes and labels, and a driver query made while a CUDA checkpoint has locked the
@@ -177,7 +180,24 @@ class InProcessPoolClient(PoolClient):
             if newer is not None:
                 self._set_lease(newer)
                 lease = newer
+        if lease is not None:
+            self._follow_devices(lease)
         return lease
+
+    def _follow_devices(self, lease: Lease) -> None:
+        """After a resume or a move onto other GPUs, make ``CUDA_VISIBLE_DEVICES`` name the GPUs
+        the kernel runs on now, as it named the first ones: what ``%gpupool status``, frameworks
+        that read it and processes the kernel starts (``!nvidia-smi``) see. The CUDA context of
+        the kernel itself was moved by the checkpoint; a kernel started with no GPU is left so."""
+        if lease.state is not LeaseState.GRANTED or lease.transition is not Transition.NONE or not lease.devices:
+            return
+        shown = self.env.get("CUDA_VISIBLE_DEVICES")
+        now = ",".join(lease.devices)
+        if shown and shown != now:
+            from ..devices.checkpoint import STARTED_ON_ENV
+
+            self.env.setdefault(STARTED_ON_ENV, shown)  # what its checkpoint's remap maps from
+            self.env["CUDA_VISIBLE_DEVICES"] = now
 
     def _live(self) -> Lease:
         lease = self.current()
@@ -283,11 +303,20 @@ class InProcessPoolClient(PoolClient):
             holder_pid=os.getpid(),
             holder_host=socket.gethostname(),
             label=(old.label if old else "") or "requested from the kernel with %gpupool reserve",
+            suspendable=self._suspendable(old),
         )
         lease = self.pool.request(request)
         self._set_lease(lease)
         self._recap(lease)
         return lease
+
+    def _suspendable(self, old: Lease | None) -> bool:
+        """Whether a new slice asked for from this kernel can be suspended: as its earlier lease
+        could (the server that decided that still runs the kernel), else as its server said in
+        :data:`SUSPENDABLE_ENV` when it started the kernel."""
+        if old is not None:
+            return old.suspendable
+        return self.env.get(SUSPENDABLE_ENV, "").strip() == "1"
 
     def release(self) -> Lease:
         lease = self._live()
