@@ -327,3 +327,26 @@ def test_restarting_a_suspended_kernel_keeps_its_one_lease_and_drops_the_parked_
             assert pool._load(time.time()).derived().parked == 0
 
     arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_IDLE_POLICY="never")
+def test_a_slice_the_kernel_asked_for_again_is_suspended_by_its_server(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    """``%gpupool release`` then ``%gpupool reserve``: the server follows the kernel's new lease, so
+    the Suspend button works on it as on the first one."""
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        a = await _start(gpupool_fetch)
+        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        first = pool.lease_for_kernel(a).id
+        await kernel_exec(a, "get_ipython().run_line_magic('gpupool', 'release')")
+        await kernel_exec(a, "get_ipython().run_line_magic('gpupool', 'reserve 4GiB')")
+        await gpupool_wait(lambda: (l := pool.lease_for_kernel(a)) and l.id != first and l.state is LeaseState.GRANTED,
+                           what="the kernel's new lease")
+        response = await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST")
+        assert response.code == 200, response.body
+        await gpupool_wait(lambda: pool.lease_for_kernel(a).state is LeaseState.SUSPENDED, what="the new lease suspended")
+
+    arun(scenario())

@@ -666,7 +666,13 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             if prov is None or not prov.lease_id:
                 continue
             try:
-                result[kernel_id] = (prov, self.pool.get(prov.lease_id))
+                lease = self.pool.get(prov.lease_id)
+                if lease.state is LeaseState.RELEASED:
+                    # The kernel gave it back and asked anew itself (%gpupool release, reserve): follow it.
+                    newer = self.pool.lease_for_kernel(kernel_id)
+                    if newer is not None:
+                        prov.lease_id, lease = newer.id, newer
+                result[kernel_id] = (prov, lease)
             except GpuPoolError as err:  # e.g. a pool file replaced under us: skip this kernel
                 self.log.debug("gpupool: lease %s of kernel %s: %s", prov.lease_id, kernel_id, err)
         return result
