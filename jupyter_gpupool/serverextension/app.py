@@ -34,6 +34,7 @@ from ..backends import backend_provisioner
 from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Transition
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
 from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
+from ..kernel.autolease import mark_unpooled_kernelspecs
 from ..provisioner import (
     PROVISIONER_NAME,
     WHEN_UNAVAILABLE,
@@ -364,6 +365,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             else f"${KernelProvisionerFactory.default_provisioner_name_env}={from_env}" if from_env
             else ""
         )
+        # Kernels this server leaves unpooled say so in their env: the kernel-side autolease stands aside.
+        default = KernelProvisionerFactory(config=self.serverapp.config).default_provisioner_name if opted_out else provisioner_name
+        mark_unpooled_kernelspecs(self.serverapp.kernel_spec_manager, default)
         if opted_out:
             if (explicit or from_env) not in (PROVISIONER_NAME, provisioner_name):
                 self.log.warning(
