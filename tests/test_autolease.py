@@ -84,8 +84,8 @@ def write_notebook(path: Path, *cells: str, kernel: str = "python3") -> Path:
     return path
 
 
-def nbconvert(prefix: Path, notebook: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    command = [python_of(prefix), "-m", "nbconvert", "--to", "notebook", "--execute", str(notebook)]
+def nbconvert(prefix: Path, notebook: Path, env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
+    command = [python_of(prefix), "-m", "nbconvert", "--to", "notebook", "--execute", str(notebook), *extra]
     command += ["--output", notebook.stem + ".done.ipynb"]
     return subprocess.Popen(command, env=env, cwd=notebook.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -188,6 +188,31 @@ def test_a_queued_batch_kernel_waits_in_its_first_cell(kernel_prefix: Path, run_
     assert [o.get("output_type") for o in cell] == ["stream"], cell
 
 
+def test_a_withdrawn_request_stops_the_waiting_cell_and_leaves_the_kernel_cpu_only(
+    kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path
+):
+    pool = Pool.from_env()
+    pool.request(LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), label="a live user"))
+    notebook = write_notebook(tmp_path / "withdrawn.ipynb", "print('never ran')", ENV_CELL)
+    proc = nbconvert(kernel_prefix, notebook, run_env, "--allow-errors")
+    try:
+        deadline = time.monotonic() + 90
+        while not (queued := [lease for lease in pool.leases() if lease.state is LeaseState.QUEUED]):
+            assert proc.poll() is None and time.monotonic() < deadline, "the batch kernel never queued"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        pool.release(queued[0].id, reason="withdrawn by an admin")
+    finally:
+        output = finish(proc)
+    first, second = outputs(notebook)
+    error = [o for o in first if o.get("output_type") == "error"]
+    assert len(error) == 1 and "never ran" not in json.dumps(first), first
+    assert "withdrawn by an admin" in " ".join(error[0]["traceback"]) and "CPU-only" in " ".join(error[0]["traceback"])
+    seen = printed(second)
+    assert seen["CUDA_VISIBLE_DEVICES"] == "" and seen["GPUPOOL_LEASE_ID"] is None and seen["GPUPOOL_UNAVAILABLE"]
+    assert "runs CPU-only" in output
+
+
 def test_a_kernelspec_naming_local_provisioner_gets_nothing(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):
     kernels = tmp_path / "jupyter-data" / "kernels" / "plain"
     kernels.mkdir(parents=True)
@@ -264,6 +289,7 @@ def test_stand_aside_reasons(tmp_path: Path):
     assert "provisioner" in autolease.stand_aside_reason({"GPUPOOL_LEASE_ID": "l-1"}, has_gpu=gpu)
     assert "provisioner" in autolease.stand_aside_reason({"GPUPOOL_UNAVAILABLE": "broken"}, has_gpu=gpu)
     assert "no NVIDIA driver" in autolease.stand_aside_reason({}, has_gpu=no_gpu)
+    assert "Slurm job 42" in autolease.stand_aside_reason({"SLURM_JOB_ID": "42"}, has_gpu=gpu)
     assert autolease.stand_aside_reason({}, has_gpu=gpu) is None
     assert not autolease.has_gpu_to_pool({}, markers=(str(tmp_path / "nothing"),))
     assert autolease.has_gpu_to_pool({"GPUPOOL_SIMULATE": "1x16GiB"}, markers=())

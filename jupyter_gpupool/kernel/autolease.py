@@ -11,8 +11,8 @@ first call). From there :func:`configure`
    ``GPUPOOL_UNAVAILABLE`` or ``GPUPOOL_KERNEL_ID`` in its environment: the provisioner started it),
    when an admin opted it out (``GPUPOOL_AUTOLEASE=off``, which a server with
    ``make_default_provisioner = False`` puts in its kernels' environment, or a kernelspec that names
-   ``local-provisioner``), and, without looking further, when this host has no NVIDIA driver and
-   no simulated pool;
+   ``local-provisioner``), inside a Slurm job (Slurm allocated its GPUs), and, without looking
+   further, when this host has no NVIDIA driver and no simulated pool;
 2. otherwise hides every GPU at once, asks the pool for a ``batch`` lease held by this kernel's
    process, and on a grant sets ``CUDA_VISIBLE_DEVICES`` to its GPUs with the framework caps of
    :mod:`jupyter_gpupool.enforcement`; a request that must queue leaves the GPUs hidden and makes
@@ -123,6 +123,8 @@ def stand_aside_reason(
     for name in PROVISIONED_ENV:
         if environ.get(name):
             return f"started by the pool's provisioner ({name} is set)"
+    if environ.get("SLURM_JOB_ID"):
+        return f"it runs in Slurm job {environ['SLURM_JOB_ID']}, whose GPUs Slurm allocated"
     if not has_gpu(environ):
         return "no NVIDIA driver on this host and no simulated pool"
     named = named_provisioner(kernel_name_of(connection_file))
@@ -146,6 +148,8 @@ class AutoLease:
     waiter: Any = None
     lines: list[str] = field(default_factory=list)  # every line said, in order (tests read it)
     stream: Any = None
+    #: ``NVIDIA_VISIBLE_DEVICES`` as the kernel found it (put back once it has a grant).
+    container_devices: str | None = None
 
     def say(self, text: str) -> None:
         self.lines.append(text)
@@ -157,6 +161,7 @@ class AutoLease:
         """Hide every GPU, then lease from the pool; on any failure stay CPU-only, saying why."""
         from ..provisioner import NO_GPU_ENV
 
+        self.container_devices = self.environ.get("NVIDIA_VISIBLE_DEVICES")
         self.environ.update(NO_GPU_ENV)  # fail closed first: nothing below may leave a GPU visible
         try:
             self._lease(label)
@@ -219,7 +224,10 @@ class AutoLease:
         devices = {d.uuid: d for d in self.pool.devices()}
         plan = plan_enforcement(lease, devices, settings)
         self.environ.update(plan.env)
-        self.environ.pop("NVIDIA_VISIBLE_DEVICES", None)
+        if self.container_devices is None:
+            self.environ.pop("NVIDIA_VISIBLE_DEVICES", None)
+        else:
+            self.environ["NVIDIA_VISIBLE_DEVICES"] = self.container_devices
         self.queued = False
 
     def cpu_only(self, reason: str) -> None:
@@ -228,10 +236,19 @@ class AutoLease:
 
         self.release("the kernel fell back to CPU-only")
         self.cpu_only_reason = reason
+        self.queued = False  # nothing left to wait for: later cells run at once, CPU-only
         self.environ.update({**NO_GPU_ENV, "GPUPOOL_ENFORCEMENT": "none", UNAVAILABLE_ENV: reason})
         for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_MEMORY_LIMIT"):
             self.environ.pop(name, None)
         self.say(f"this kernel runs CPU-only (CUDA_VISIBLE_DEVICES=''): the GPU pool is unavailable: {reason}")
+
+    def release_reason(self) -> str:
+        """Why the pool released this kernel's lease ('' when it is live or cannot be read)."""
+        try:
+            lease = self.pool.get(self.lease_id) if self.pool is not None and self.lease_id else None
+        except Exception:  # noqa: BLE001 - a label only
+            return ""
+        return str(getattr(lease, "release_reason", "") or "") if lease is not None and not lease.live else ""
 
     def release(self, reason: str = EXIT_REASON) -> None:
         """Give the lease back (at exit, or before falling back to CPU-only); never raises."""
@@ -330,8 +347,9 @@ class FirstCellWait:
         except KeyboardInterrupt:
             return "stopped waiting for a GPU; this kernel stays queued, and your next cell waits again"
         except GpuPoolError as err:
-            self.owner.cpu_only(f"the queued request ended: {err}")
-            return f"no GPU slice for this kernel: {err}; it runs CPU-only from now on"
+            why = self.owner.release_reason() or str(err)
+            self.owner.cpu_only(f"its queued GPU request ended: {why}")
+            return f"no GPU slice for this kernel (its queued request ended: {why}); it runs CPU-only from now on"
         except Exception as err:  # noqa: BLE001 - one line, never a traceback
             self.owner.cpu_only(f"waiting for a GPU failed: {err}")
             return f"waiting for a GPU failed: {err}; this kernel runs CPU-only from now on"

@@ -72,7 +72,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             "Make gpupool-provisioner the default for every kernel whose kernelspec names no provisioner. "
             "Opt out globally with False, or per kernelspec with metadata.kernel_provisioner.provisioner_name = "
             "'local-provisioner'. An explicit c.KernelProvisionerFactory.default_provisioner_name or "
-            "$JUPYTER_DEFAULT_PROVISIONER_NAME wins."
+            "$JUPYTER_DEFAULT_PROVISIONER_NAME wins. Kernels left unpooled get GPUPOOL_AUTOLEASE=off, so they do not "
+            "lease for themselves either (docs/batch-runs.md)."
         ),
     )
     pending_kernels = Bool(
