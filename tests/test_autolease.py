@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import venv
 from pathlib import Path
@@ -25,12 +26,14 @@ import tomllib
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
 from jupyter_gpupool.kernel import autolease
 from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.unpooled import find_kernel_roots
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1024**3
 ENV_CELL = (
     "import os, json\n"
-    "print(json.dumps({'pid': os.getpid(), **{k: os.environ.get(k) for k in "
+    "started = dict(v.split('=', 1) for v in open('/proc/self/environ').read().split('\\0') if '=' in v)\n"
+    "print(json.dumps({'pid': os.getpid(), 'started_with_lease': started.get('GPUPOOL_LEASE_ID'), **{k: os.environ.get(k) for k in "
     "('GPUPOOL_LEASE_ID', 'CUDA_VISIBLE_DEVICES', 'GPUPOOL_MEMORY_LIMIT', 'GPUPOOL_UNAVAILABLE')}}))"
 )
 
@@ -90,14 +93,44 @@ def nbconvert(prefix: Path, notebook: Path, env: dict[str, str], *extra: str) ->
     return subprocess.Popen(command, env=env, cwd=notebook.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+class Output:
+    """What a running nbconvert prints, read as it comes."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.thread.start()
+
+    def _read(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            self.lines.append(raw.decode(errors="replace"))
+
+    def wait_for(self, text: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s: {''.join(self.lines)}"
+            time.sleep(0.1)
+
+
+_outputs: dict[int, Output] = {}
+
+
+def watch(proc: subprocess.Popen[bytes]) -> Output:
+    return _outputs.setdefault(proc.pid, Output(proc))
+
+
 def finish(proc: subprocess.Popen[bytes], timeout: float = 120) -> str:
+    out = watch(proc)
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
+        out.thread.join(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    text = output.decode(errors="replace")
+    text = "".join(out.lines)
     assert proc.returncode == 0, text
     return text
 
@@ -142,6 +175,10 @@ def test_plain_nbconvert_leases_batch_and_gives_it_back(kernel_prefix: Path, run
     try:
         wait_for_file(running, proc)
         listed = gpupool_cli(run_env, "leases", "--all", "--json")
+        (live,) = Pool.from_env().leases()
+        # The pool's watcher finds the kernel's GPU processes by the lease named in the environment
+        # the kernel started with: its memory counts for its lease, not as used outside the pool.
+        roots = find_kernel_roots([live.holder_pid], {live.id: live})
         go.touch()
     finally:
         output = finish(proc)
@@ -152,6 +189,7 @@ def test_plain_nbconvert_leases_batch_and_gives_it_back(kernel_prefix: Path, run
     row = next(r for r in listed if r["id"] == lease.id)
     assert row["state"] == "granted" and row["priority"] == "batch"
     assert lease.holder_pid == seen["pid"] and lease.priority is PriorityClass.BATCH
+    assert seen["started_with_lease"] == lease.id and roots == {lease.id: seen["pid"]}
     assert seen["CUDA_VISIBLE_DEVICES"] == ",".join(lease.devices) and lease.devices
     assert seen["GPUPOOL_MEMORY_LIMIT"] == str(8 * GIB)
     # Released when the kernel exited, and %gpupool worked in it.
@@ -169,10 +207,8 @@ def test_a_queued_batch_kernel_waits_in_its_first_cell(kernel_prefix: Path, run_
     notebook = write_notebook(tmp_path / "queued.ipynb", ENV_CELL)
     proc = nbconvert(kernel_prefix, notebook, run_env)
     try:
-        deadline = time.monotonic() + 90
-        while not (queued := [lease for lease in pool.leases() if lease.state is LeaseState.QUEUED]):
-            assert proc.poll() is None and time.monotonic() < deadline, "the batch kernel never queued"
-            time.sleep(0.1)
+        watch(proc).wait_for("gpupool: waiting for a GPU slice (batch)", proc)  # the first cell waits
+        queued = [lease for lease in pool.leases() if lease.state is LeaseState.QUEUED]
         time.sleep(1.0)
         assert proc.poll() is None, "the notebook ran while the pool was full"
         pool.release(holder.id, reason="the live user is done")
@@ -196,11 +232,8 @@ def test_a_withdrawn_request_stops_the_waiting_cell_and_leaves_the_kernel_cpu_on
     notebook = write_notebook(tmp_path / "withdrawn.ipynb", "print('never ran')", ENV_CELL)
     proc = nbconvert(kernel_prefix, notebook, run_env, "--allow-errors")
     try:
-        deadline = time.monotonic() + 90
-        while not (queued := [lease for lease in pool.leases() if lease.state is LeaseState.QUEUED]):
-            assert proc.poll() is None and time.monotonic() < deadline, "the batch kernel never queued"
-            time.sleep(0.1)
-        time.sleep(1.0)
+        watch(proc).wait_for("gpupool: waiting for a GPU slice (batch)", proc)
+        queued = [lease for lease in pool.leases() if lease.state is LeaseState.QUEUED]
         pool.release(queued[0].id, reason="withdrawn by an admin")
     finally:
         output = finish(proc)

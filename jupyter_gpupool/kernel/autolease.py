@@ -19,7 +19,9 @@ first call). From there :func:`configure`
    the first cell wait for the grant (one line on the terminal, a progress line in the cell that
    is cleared once it is granted);
 3. loads the kernel extension (``%gpupool``, caps, activity heartbeats) once the shell exists;
-4. gives the lease back when the kernel exits. A killed kernel's lease goes back through the
+4. re-executes the kernel (same pid, before it binds a socket) so that the environment it starts
+   with, the one the pool's watcher reads in ``/proc``, names its lease;
+5. gives the lease back when the kernel exits. A killed kernel's lease goes back through the
    pool's holder check: its ``holder_pid`` is this process, so the next scheduling round of any
    process on this host releases it.
 
@@ -52,6 +54,8 @@ NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 KERNEL_EXTENSION = "jupyter_gpupool.kernel"
 #: What a lease taken here is released with when the kernel exits.
 EXIT_REASON = "kernel shut down"
+#: ``<pid>:<lease id>:<queued|granted>``: set when the kernel re-executes itself with its lease in its environment.
+REEXEC_ENV = "GPUPOOL_AUTOLEASE_HELD"
 
 
 def say(text: str, stream: Any = None) -> None:
@@ -434,6 +438,11 @@ def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, 
 
             app = IPKernelApp.instance() if IPKernelApp.initialized() else None
         connection_file = str(getattr(app, "connection_file", "") or "")
+        held = _held_before_exec(env)
+        if held is not None:  # this process leased, then re-executed itself: carry on with that lease
+            auto = _current["lease"] = held
+            _load_extension_with_shell(auto, app, config)
+            return auto
         if stand_aside_reason(env, connection_file) is not None:
             return None
     except Exception as err:  # noqa: BLE001 - deciding failed: fail closed, without the pool
@@ -445,7 +454,61 @@ def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, 
     kernel_name = kernel_name_of(connection_file)
     auto = _current["lease"] = AutoLease(environ=env, kernel_id=_kernel_id_from(connection_file))
     auto.start(_starter_label(kernel_name))
+    if auto.lease_id and environ is None:
+        _reexec_with_lease(auto)  # returns only where it cannot
     _load_extension_with_shell(auto, app, config)
+    return auto
+
+
+def _reexec_with_lease(auto: AutoLease) -> None:
+    """Run this kernel again, same pid, with its lease in the environment it starts with.
+
+    What ``/proc/<pid>/environ`` shows is the environment a process was started with, and that is
+    where the pool's watcher finds which lease a GPU process belongs to: without it, this kernel's
+    memory would count as used outside the pool. The kernel has bound no socket yet, and the
+    lease is held by this pid, which ``execve`` keeps."""
+    if os.name != "posix" or not getattr(sys, "orig_argv", None):
+        return
+    auto.environ[REEXEC_ENV] = f"{os.getpid()}:{auto.lease_id}:{'queued' if auto.queued else 'granted'}"
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - nothing to flush
+            pass
+    try:
+        os.execve(sys.executable, list(sys.orig_argv), dict(auto.environ))
+    except OSError as err:
+        auto.environ.pop(REEXEC_ENV, None)
+        auto.say(f"could not restart this kernel with its lease in its environment ({err}); the pool may count its GPU memory as outside the pool")
+
+
+def _held_before_exec(env: MutableMapping[str, str]) -> AutoLease | None:
+    """The lease this very process took before it re-executed itself, else None (a child kernel
+    inherits the variable with another pid, and stands aside: it shares its parent's slice)."""
+    pid, _, rest = env.get(REEXEC_ENV, "").partition(":")
+    lease_id, _, was = rest.partition(":")
+    if pid != str(os.getpid()) or not lease_id or env.get("GPUPOOL_LEASE_ID") != lease_id:
+        return None
+    from ..core.models import LeaseState
+    from ..provisioner import pool_from_env
+
+    auto = AutoLease(environ=env, lease_id=lease_id)
+    atexit.register(auto.release)
+    try:
+        auto.pool = pool_from_env()
+        lease = auto.pool.get(lease_id)
+        if lease.state is LeaseState.GRANTED:  # granted while the kernel restarted: the GPUs it holds now
+            auto.apply_grant(lease)
+            if was == "queued":
+                auto.say(f"granted while the kernel started: CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')}")
+        elif lease.state is LeaseState.QUEUED:
+            auto.queued = True
+        else:
+            auto.cpu_only(f"its GPU lease was released while the kernel started ({lease.release_reason or 'released'})")
+    except Exception as err:  # noqa: BLE001 - never break the kernel: CPU-only, one line
+        from ..provisioner import one_line
+
+        auto.cpu_only(one_line(err))
     return auto
 
 
