@@ -245,6 +245,7 @@ def test_kernel_without_a_lease_says_so_and_can_ask_for_one(pool_env: PoolEnv, k
     env = pool_env.kernel_env()
     for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_KERNEL_ID", "GPUPOOL_MEMORY_LIMIT"):
         env.pop(name)
+    env["GPUPOOL_AUTOLEASE"] = "off"  # or, where the kernel config is installed, it would lease for itself
     kernel = kernel_factory(env)
     assert "no GPU slice" in kernel.run("%gpupool status").plain()
     assert "no GPU slice" in one_line_error(kernel.run("%gpupool release", allow_error=True))

@@ -12,18 +12,29 @@ Load it by hand in any IPython session with ``%load_ext jupyter_gpupool.kernel``
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .activity import ActivityReporter
-from .caps import FrameworkCaps
-from .client import PoolClient, connect
-from .resume import ResumeOnRun
+if TYPE_CHECKING:
+    from .caps import FrameworkCaps
+    from .client import PoolClient
 
+# The parts are imported when first used: a kernel that only reads this package's
+# ``autolease`` module at start (and stands aside) pays nothing for the rest.
 _state: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FrameworkCaps":
+        from .caps import FrameworkCaps
+
+        return FrameworkCaps
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_caps() -> FrameworkCaps:
     """The caps of this process (created from ``GPUPOOL_MEMORY_LIMIT`` on first use)."""
+    from .caps import FrameworkCaps
+
     caps = _state.get("caps")
     if caps is None:
         caps = _state["caps"] = FrameworkCaps.from_env()
@@ -32,6 +43,8 @@ def get_caps() -> FrameworkCaps:
 
 def get_client() -> PoolClient:
     """This kernel's pool client, shared by the magics and the widget."""
+    from .client import connect
+
     client = _state.get("client")
     if client is None:
         client = _state["client"] = connect(caps=get_caps())
@@ -40,7 +53,9 @@ def get_client() -> PoolClient:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Install the framework caps, the out-of-memory hint, the ``%gpupool`` magic and the waiting cell."""
+    from .activity import ActivityReporter
     from .magics import GpuPoolMagics
+    from .resume import ResumeOnRun
 
     if _state.get("shell") is ipython:
         return

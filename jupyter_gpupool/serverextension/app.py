@@ -34,6 +34,7 @@ from ..backends import backend_provisioner
 from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Transition
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
 from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
+from ..kernel.autolease import mark_unpooled_kernelspecs
 from ..provisioner import (
     PROVISIONER_NAME,
     WHEN_UNAVAILABLE,
@@ -72,7 +73,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             "Make gpupool-provisioner the default for every kernel whose kernelspec names no provisioner. "
             "Opt out globally with False, or per kernelspec with metadata.kernel_provisioner.provisioner_name = "
             "'local-provisioner'. An explicit c.KernelProvisionerFactory.default_provisioner_name or "
-            "$JUPYTER_DEFAULT_PROVISIONER_NAME wins."
+            "$JUPYTER_DEFAULT_PROVISIONER_NAME wins. Kernels left unpooled get GPUPOOL_AUTOLEASE=off, so they do not "
+            "lease for themselves either (docs/batch-runs.md)."
         ),
     )
     pending_kernels = Bool(
@@ -365,6 +367,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             else f"${KernelProvisionerFactory.default_provisioner_name_env}={from_env}" if from_env
             else ""
         )
+        # Kernels this server leaves unpooled say so in their env: the kernel-side autolease stands aside.
+        default = KernelProvisionerFactory(config=self.serverapp.config).default_provisioner_name if opted_out else provisioner_name
+        mark_unpooled_kernelspecs(self.serverapp.kernel_spec_manager, default)
         if opted_out:
             if (explicit or from_env) not in (PROVISIONER_NAME, provisioner_name):
                 self.log.warning(

@@ -1,0 +1,540 @@
+"""Kernels that no provisioner of the pool started ask for their own lease, as ``batch``.
+
+``jupyter nbconvert --execute``, nbclient, papermill and nbgrader's autograder start the stock
+``python3`` kernelspec through jupyter_client's local provisioner, and pass no configuration that
+could name ours. Such a kernel still reads IPython's kernel config from ``sys.prefix/etc/ipython``
+(where the wheel installs ``ipython_kernel_config.py``), and it reads it before it binds its
+sockets, long before a cell can initialise CUDA (which reads ``CUDA_VISIBLE_DEVICES`` once, at its
+first call). From there :func:`configure`
+
+1. stands aside when the kernel already has the pool's word (``GPUPOOL_LEASE_ID``,
+   ``GPUPOOL_UNAVAILABLE`` or ``GPUPOOL_KERNEL_ID`` in its environment: the provisioner started it),
+   when an admin opted it out (``GPUPOOL_AUTOLEASE=off``, which a server with
+   ``make_default_provisioner = False`` puts in its kernels' environment, or a kernelspec that names
+   ``local-provisioner``), inside a Slurm job (Slurm allocated its GPUs), and, without looking
+   further, when this host has no NVIDIA driver and no simulated pool;
+2. otherwise hides every GPU at once, asks the pool for a ``batch`` lease held by this kernel's
+   process, and on a grant sets ``CUDA_VISIBLE_DEVICES`` to its GPUs with the framework caps of
+   :mod:`jupyter_gpupool.enforcement`; a request that must queue leaves the GPUs hidden and makes
+   the first cell wait for the grant (one line on the terminal, a progress line in the cell that
+   is cleared once it is granted);
+3. loads the kernel extension (``%gpupool``, caps, activity heartbeats) once the shell exists;
+4. re-executes the kernel (same pid, before it binds a socket) so that the environment it starts
+   with, the one the pool's watcher reads in ``/proc``, names its lease;
+5. gives the lease back when the kernel exits. A killed kernel's lease goes back through the
+   pool's holder check: its ``holder_pid`` is this process, so the next scheduling round of any
+   process on this host releases it.
+
+Any failure leaves the kernel CPU-only (``CUDA_VISIBLE_DEVICES=""``) with one line saying why;
+nothing here may stop a kernel from starting. Only IPython kernels read this config: an R or
+Julia kernel started without the provisioner is not reached.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Set to ``off`` (also ``0``, ``false``, ``no``) in a kernel's environment: this module stands aside.
+AUTOLEASE_ENV = "GPUPOOL_AUTOLEASE"
+OFF_VALUES = ("off", "0", "false", "no")
+#: Variables the provisioner puts in the environment of every kernel it starts.
+PROVISIONED_ENV = ("GPUPOOL_LEASE_ID", "GPUPOOL_UNAVAILABLE", "GPUPOOL_KERNEL_ID")
+#: Provisioners of ours: a kernelspec naming one of them is pooled by its provisioner.
+OUR_PROVISIONERS = ("gpupool-provisioner", "gpupool-slurm-provisioner")
+#: Where an NVIDIA driver shows itself; neither present and no simulated pool: no GPU to pool.
+NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
+KERNEL_EXTENSION = "jupyter_gpupool.kernel"
+#: What a lease taken here is released with when the kernel exits.
+EXIT_REASON = "kernel shut down"
+#: ``<pid>:<lease id>:<queued|granted>``: set when the kernel re-executes itself with its lease in its environment.
+REEXEC_ENV = "GPUPOOL_AUTOLEASE_HELD"
+
+
+def say(text: str, stream: Any = None) -> None:
+    """One line on the terminal of the program that started the kernel (never raises)."""
+    try:
+        target = stream or sys.__stderr__ or sys.stderr
+        target.write(f"gpupool: {text}\n")
+        target.flush()
+    except Exception:  # noqa: BLE001, S110 - a closed stderr must not stop the kernel
+        pass
+
+
+def opted_out(environ: Mapping[str, str]) -> bool:
+    """Whether ``GPUPOOL_AUTOLEASE`` says ``off``."""
+    return environ.get(AUTOLEASE_ENV, "").strip().lower() in OFF_VALUES
+
+
+def has_gpu_to_pool(environ: Mapping[str, str], markers: tuple[str, ...] = NVIDIA_MARKERS) -> bool:
+    """A simulated pool is configured, or this host shows an NVIDIA driver (two ``stat`` calls)."""
+    if environ.get("GPUPOOL_SIMULATE", "").strip():
+        return True
+    return any(os.path.exists(path) for path in markers)
+
+
+def kernel_name_of(connection_file: str) -> str:
+    """The kernelspec name jupyter_client wrote into the connection file ('' when it cannot tell)."""
+    if not connection_file:
+        return ""
+    path = Path(connection_file)
+    if not path.is_absolute():
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        path = Path(jupyter_runtime_dir()) / path
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    name = info.get("kernel_name") if isinstance(info, dict) else None
+    return name if isinstance(name, str) else ""
+
+
+def named_provisioner(kernel_name: str) -> str | None:
+    """The provisioner the kernelspec ``kernel_name`` names, or None when it names none (or is not found)."""
+    if not kernel_name:
+        return None
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    except (NoSuchKernel, OSError, ValueError):
+        return None
+    metadata = spec.metadata if isinstance(spec.metadata, dict) else {}
+    section = metadata.get("kernel_provisioner")
+    name = section.get("provisioner_name") if isinstance(section, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def stand_aside_reason(
+    environ: Mapping[str, str],
+    connection_file: str = "",
+    has_gpu: Callable[[Mapping[str, str]], bool] = has_gpu_to_pool,
+) -> str | None:
+    """Why this kernel must be left alone, or None when it should lease from the pool.
+
+    Cheapest checks first: a kernel on a host with no GPU costs two ``stat`` calls.
+    """
+    if opted_out(environ):
+        return f"{AUTOLEASE_ENV}={environ.get(AUTOLEASE_ENV, '').strip()}"
+    for name in PROVISIONED_ENV:
+        if environ.get(name):
+            return f"started by the pool's provisioner ({name} is set)"
+    if environ.get("SLURM_JOB_ID"):
+        return f"it runs in Slurm job {environ['SLURM_JOB_ID']}, whose GPUs Slurm allocated"
+    if not has_gpu(environ):
+        return "no NVIDIA driver on this host and no simulated pool"
+    named = named_provisioner(kernel_name_of(connection_file))
+    if named is not None and named not in OUR_PROVISIONERS:
+        return f"its kernelspec names {named}"
+    return None
+
+
+@dataclass
+class AutoLease:
+    """The lease this kernel took for itself, and what it did to the environment."""
+
+    environ: MutableMapping[str, str]
+    lease_id: str | None = None
+    #: Why the kernel runs CPU-only (None: it has, or waits for, a lease).
+    cpu_only_reason: str | None = None
+    queued: bool = False
+    kernel_id: str = ""
+    pool: Any = None
+    shell: Any = None
+    waiter: Any = None
+    lines: list[str] = field(default_factory=list)  # every line said, in order (tests read it)
+    stream: Any = None
+    #: ``NVIDIA_VISIBLE_DEVICES`` as the kernel found it (put back once it has a grant).
+    container_devices: str | None = None
+
+    def say(self, text: str) -> None:
+        self.lines.append(text)
+        say(text, self.stream)
+
+    # --- at kernel start --------------------------------------------------------------------
+
+    def start(self, label: str) -> None:
+        """Hide every GPU, then lease from the pool; on any failure stay CPU-only, saying why."""
+        from ..provisioner import NO_GPU_ENV
+
+        self.container_devices = self.environ.get("NVIDIA_VISIBLE_DEVICES")
+        self.environ.update(NO_GPU_ENV)  # fail closed first: nothing below may leave a GPU visible
+        try:
+            self._lease(label)
+        except Exception as err:  # noqa: BLE001 - never break a kernel: CPU-only, one line
+            from ..provisioner import one_line
+
+            self.cpu_only(one_line(err))
+
+    def _lease(self, label: str) -> None:
+        from ..backends import selected_backend
+        from ..core.models import LeaseRequest, LeaseState, PriorityClass
+        from ..provisioner import default_owner, holder_identity, pool_env, pool_from_env
+        from ..validate import usable_preferences
+
+        if selected_backend(environ=self.environ) == "slurm":
+            raise RuntimeError("kernels of a Slurm pool run as Slurm jobs: start this notebook with the gpupool kernelspec")
+        pool = self.pool = self.pool or pool_from_env()
+        owner = default_owner()
+        prefs = usable_preferences(pool.preference(owner), owner)
+        memory = pool.parse_memory(prefs["memory"]) if prefs.get("memory") else pool.default_memory()
+        host, pid = holder_identity()
+        request = LeaseRequest(
+            owner=owner,
+            memory=memory,
+            kernel_id=self.kernel_id or None,
+            num_gpus=int(prefs.get("num_gpus") or 1),
+            model=prefs.get("model") or None,
+            priority=PriorityClass.BATCH,  # nobody started it from a server: a batch run, below live users
+            holder_pid=pid,
+            holder_host=host,
+            label=label,
+        )
+        lease = pool.request(request)
+        self.lease_id = lease.id
+        atexit.register(self.release)
+        self.environ.update(pool_env(pool))
+        self.environ["GPUPOOL_LEASE_ID"] = lease.id
+        self.environ["GPUPOOL_USER"] = lease.owner
+        if lease.state is LeaseState.GRANTED:
+            self.apply_grant(lease)
+            return
+        self.queued = True
+        self.environ["GPUPOOL_ENFORCEMENT"] = "none"
+        info = pool.queue_info(lease.id)
+        where = f"position {info.position} of {info.length}" if info else "queued"
+        self.say(
+            f"this kernel waits for a GPU slice as batch ({where}, lease {lease.id}); "
+            "its first cell starts once the pool grants it, and the GPUs stay hidden until then"
+        )
+
+    def apply_grant(self, lease: Any) -> None:
+        """Put the grant's GPUs and caps into the environment (before CUDA has read it)."""
+        from ..enforcement import EnforcementSettings, plan_enforcement
+
+        settings = EnforcementSettings().to_config()
+        if settings.hami_library:  # LD_PRELOAD cannot reach a process that is already running
+            from dataclasses import replace
+
+            settings = replace(settings, hami_library=None)
+        devices = {d.uuid: d for d in self.pool.devices()}
+        plan = plan_enforcement(lease, devices, settings)
+        self.environ.update(plan.env)
+        if self.container_devices is None:
+            self.environ.pop("NVIDIA_VISIBLE_DEVICES", None)
+        else:
+            self.environ["NVIDIA_VISIBLE_DEVICES"] = self.container_devices
+        self.queued = False
+
+    def cpu_only(self, reason: str) -> None:
+        """Run without the pool: every GPU hidden, the reason where ``%gpupool status`` reads it."""
+        from ..provisioner import NO_GPU_ENV, UNAVAILABLE_ENV
+
+        self.release("the kernel fell back to CPU-only")
+        self.cpu_only_reason = reason
+        self.queued = False  # nothing left to wait for: later cells run at once, CPU-only
+        self.environ.update({**NO_GPU_ENV, "GPUPOOL_ENFORCEMENT": "none", UNAVAILABLE_ENV: reason})
+        for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_MEMORY_LIMIT"):
+            self.environ.pop(name, None)
+        self.say(f"this kernel runs CPU-only (CUDA_VISIBLE_DEVICES=''): the GPU pool is unavailable: {reason}")
+
+    def release_reason(self) -> str:
+        """Why the pool released this kernel's lease ('' when it is live or cannot be read)."""
+        try:
+            lease = self.pool.get(self.lease_id) if self.pool is not None and self.lease_id else None
+        except Exception:  # noqa: BLE001 - a label only
+            return ""
+        return str(getattr(lease, "release_reason", "") or "") if lease is not None and not lease.live else ""
+
+    def release(self, reason: str = EXIT_REASON) -> None:
+        """Give the lease back (at exit, or before falling back to CPU-only); never raises."""
+        lease_id, self.lease_id = self.lease_id, None
+        if not lease_id or self.pool is None:
+            return
+        try:
+            self.pool.release(lease_id, reason=reason)
+        except Exception:  # noqa: BLE001, S110 - the holder check or the heartbeat timeout frees it
+            pass
+
+    # --- once the shell exists --------------------------------------------------------------
+
+    def on_shell(self, shell: Any) -> None:
+        """Load the kernel extension, and the first-cell wait while queued (never raises)."""
+        if shell is None or self.shell is shell:
+            return
+        self.shell = shell
+        try:
+            shell.extension_manager.load_extension(KERNEL_EXTENSION)
+        except Exception as err:  # noqa: BLE001
+            self.say(f"could not load {KERNEL_EXTENSION} (%gpupool and the framework caps): {err}")
+        if self.queued:
+            self.waiter = FirstCellWait(self)
+            self.waiter.start(shell)
+
+    def wait_for_grant(self, on_update: Callable[[Any, Any], None] | None = None) -> None:
+        """Block until the queued lease is granted, then apply it (the kernel client re-caps the frameworks)."""
+        from .. import kernel
+
+        client = kernel.get_client()
+        lease = client.wait_for_grant(on_update=on_update)
+        self.apply_grant(lease)
+
+
+class FirstCellWait:
+    """``pre_run_cell`` hook: while this kernel's lease is queued, a cell waits for the grant.
+
+    The wait shows as one progress line in the cell, cleared once it is granted (a batch run's
+    saved notebook keeps only its own outputs), and as lines on the terminal. An interrupt, or a
+    request that is withdrawn, stops the cell with one line; ``%gpupool``-only cells never wait.
+    """
+
+    def __init__(self, owner: AutoLease, display: Callable[..., Any] | None = None) -> None:
+        from .resume import _RejectCell
+
+        self.owner = owner
+        self._display = display
+        self.rejection: str | None = None
+        self.transformer = _RejectCell(self)  # type: ignore[arg-type]
+
+    def start(self, shell: Any) -> None:
+        shell.events.register("pre_run_cell", self.pre_run_cell)
+        shell.ast_transformers.append(self.transformer)
+
+    def stop(self, shell: Any) -> None:
+        try:
+            shell.events.unregister("pre_run_cell", self.pre_run_cell)
+        except ValueError:
+            pass
+        if self.transformer in shell.ast_transformers:
+            shell.ast_transformers.remove(self.transformer)
+
+    def pre_run_cell(self, info: Any = None) -> None:
+        from .resume import only_gpupool_magics
+
+        self.rejection = None
+        if not self.owner.queued or only_gpupool_magics(getattr(info, "raw_cell", "") or ""):
+            return
+        self.rejection = self.wait()
+
+    def wait(self) -> str | None:
+        """The one-line reason to reject the cell, or None to run it (granted, or CPU-only)."""
+        from ..errors import GpuPoolError
+        from ..units import format_duration
+        from .resume import ProgressLine
+
+        progress = ProgressLine(self._display)
+        started = time.monotonic()
+        last: list[str] = []
+
+        def on_update(lease: Any, info: Any) -> None:
+            text = "gpupool: waiting for a GPU slice (batch)"
+            if info is not None:
+                text += f", position {info.position} of {info.length}"
+                if info.reason:
+                    text += f" ({info.reason})"
+            progress.show(text)
+            if text != (last[-1] if last else None):
+                last.append(text)
+                say(text.removeprefix("gpupool: "), self.owner.stream)
+
+        try:
+            on_update(None, None)
+            self.owner.wait_for_grant(on_update=on_update)
+        except KeyboardInterrupt:
+            return "stopped waiting for a GPU; this kernel stays queued, and your next cell waits again"
+        except GpuPoolError as err:
+            why = self.owner.release_reason() or str(err)
+            self.owner.cpu_only(f"its queued GPU request ended: {why}")
+            return f"no GPU slice for this kernel (its queued request ended: {why}); it runs CPU-only from now on"
+        except Exception as err:  # noqa: BLE001 - one line, never a traceback
+            self.owner.cpu_only(f"waiting for a GPU failed: {err}")
+            return f"waiting for a GPU failed: {err}; this kernel runs CPU-only from now on"
+        self._clear(progress)
+        devices = self.owner.environ.get("CUDA_VISIBLE_DEVICES", "")
+        self.owner.say(f"granted after {format_duration(time.monotonic() - started)}: CUDA_VISIBLE_DEVICES={devices}")
+        return None
+
+    @staticmethod
+    def _clear(progress: Any) -> None:
+        if progress.handle is None:
+            return
+        try:
+            from IPython.display import clear_output
+
+            clear_output()
+        except Exception:  # noqa: BLE001, S110 - the line stays; the cell still runs
+            pass
+
+
+def _starter_label(kernel_name: str) -> str:
+    """``python3 kernel of jupyter-nbconvert`` (the parent's program), shown with the lease."""
+    parent = ""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+        words = [os.path.basename(w.decode(errors="replace")) for w in raw if w]
+        if words and words[0].startswith("python") and len(words) > 1:
+            words = words[1:]
+            if words[0] == "-m" and len(words) > 1:
+                words = words[1:]
+        parent = words[0] if words else ""
+    except OSError:
+        pass
+    kernel = kernel_name or "IPython"
+    return f"{kernel} kernel of {parent}" if parent else f"{kernel} kernel (started without the pool's provisioner)"
+
+
+def _kernel_id_from(connection_file: str) -> str:
+    """``kernel-<id>.json`` → ``<id>`` (jupyter_client's naming), else ''."""
+    stem = Path(connection_file).stem if connection_file else ""
+    return stem.removeprefix("kernel-") if stem.startswith("kernel-") else ""
+
+
+def mark_unpooled_kernelspecs(kernel_spec_manager: Any, default_provisioner: str) -> None:
+    """An admin's opt-out reaches the kernel: a server's kernelspec that no provisioner of ours
+    starts (it names another, or names none while ``default_provisioner`` is not ours) gets
+    ``GPUPOOL_AUTOLEASE=off`` in its ``env``, so :func:`configure` in its kernel stands aside."""
+    original = kernel_spec_manager.get_kernel_spec
+
+    def get_kernel_spec(kernel_name: str, *args: Any, **kwargs: Any) -> Any:
+        spec = original(kernel_name, *args, **kwargs)
+        metadata = spec.metadata if isinstance(spec.metadata, dict) else {}
+        section = metadata.get("kernel_provisioner")
+        named = section.get("provisioner_name") if isinstance(section, dict) else None
+        if (named or default_provisioner) not in OUR_PROVISIONERS:
+            spec.env = {**(spec.env or {}), AUTOLEASE_ENV: "off"}
+        return spec
+
+    kernel_spec_manager.get_kernel_spec = get_kernel_spec
+
+
+_current: dict[str, AutoLease] = {}
+
+
+def current() -> AutoLease | None:
+    """The lease this process took for itself, if it took one."""
+    return _current.get("lease")
+
+
+def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, str] | None = None) -> AutoLease | None:
+    """Called from ``ipython_kernel_config.py``: lease for this kernel unless it must be left alone.
+
+    ``app`` is the kernel application (found as the IPKernelApp singleton when not given). Returns
+    what was done, or None when it stood aside. Never raises.
+    """
+    env: MutableMapping[str, str] = os.environ if environ is None else environ
+    if "lease" in _current:  # the config file is read once per process; a second call changes nothing
+        return _current["lease"]
+    try:
+        if app is None:
+            from ipykernel.kernelapp import IPKernelApp
+
+            app = IPKernelApp.instance() if IPKernelApp.initialized() else None
+        connection_file = str(getattr(app, "connection_file", "") or "")
+        held = _held_before_exec(env)
+        if held is not None:  # this process leased, then re-executed itself: carry on with that lease
+            auto = _current["lease"] = held
+            _load_extension_with_shell(auto, app, config)
+            return auto
+        if stand_aside_reason(env, connection_file) is not None:
+            return None
+    except Exception as err:  # noqa: BLE001 - deciding failed: fail closed, without the pool
+        from ..provisioner import NO_GPU_ENV
+
+        env.update(NO_GPU_ENV)
+        say(f"this kernel runs CPU-only (CUDA_VISIBLE_DEVICES=''): cannot tell whether to lease from the GPU pool: {err}")
+        return None
+    kernel_name = kernel_name_of(connection_file)
+    auto = _current["lease"] = AutoLease(environ=env, kernel_id=_kernel_id_from(connection_file))
+    auto.start(_starter_label(kernel_name))
+    if auto.lease_id and environ is None:
+        _reexec_with_lease(auto)  # returns only where it cannot
+    _load_extension_with_shell(auto, app, config)
+    return auto
+
+
+def _reexec_with_lease(auto: AutoLease) -> None:
+    """Run this kernel again, same pid, with its lease in the environment it starts with.
+
+    What ``/proc/<pid>/environ`` shows is the environment a process was started with, and that is
+    where the pool's watcher finds which lease a GPU process belongs to: without it, this kernel's
+    memory would count as used outside the pool. The kernel has bound no socket yet, and the
+    lease is held by this pid, which ``execve`` keeps."""
+    if os.name != "posix" or not getattr(sys, "orig_argv", None):
+        return
+    auto.environ[REEXEC_ENV] = f"{os.getpid()}:{auto.lease_id}:{'queued' if auto.queued else 'granted'}"
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - nothing to flush
+            pass
+    try:
+        os.execve(sys.executable, list(sys.orig_argv), dict(auto.environ))
+    except OSError as err:
+        auto.environ.pop(REEXEC_ENV, None)
+        auto.say(f"could not restart this kernel with its lease in its environment ({err}); the pool may count its GPU memory as outside the pool")
+
+
+def _held_before_exec(env: MutableMapping[str, str]) -> AutoLease | None:
+    """The lease this very process took before it re-executed itself, else None (a child kernel
+    inherits the variable with another pid, and stands aside: it shares its parent's slice)."""
+    pid, _, rest = env.get(REEXEC_ENV, "").partition(":")
+    lease_id, _, was = rest.partition(":")
+    if pid != str(os.getpid()) or not lease_id or env.get("GPUPOOL_LEASE_ID") != lease_id:
+        return None
+    from ..core.models import LeaseState
+    from ..provisioner import pool_from_env
+
+    auto = AutoLease(environ=env, lease_id=lease_id)
+    atexit.register(auto.release)
+    try:
+        auto.pool = pool_from_env()
+        lease = auto.pool.get(lease_id)
+        if lease.state is LeaseState.GRANTED:  # granted while the kernel restarted: the GPUs it holds now
+            auto.apply_grant(lease)
+            if was == "queued":
+                auto.say(f"granted while the kernel started: CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')}")
+        elif lease.state is LeaseState.QUEUED:
+            auto.queued = True
+        else:
+            auto.cpu_only(f"its GPU lease was released while the kernel started ({lease.release_reason or 'released'})")
+    except Exception as err:  # noqa: BLE001 - never break the kernel: CPU-only, one line
+        from ..provisioner import one_line
+
+        auto.cpu_only(one_line(err))
+    return auto
+
+
+def _load_extension_with_shell(auto: AutoLease, app: Any, config: Any) -> None:
+    """Load the extension the moment the kernel app creates its shell (before extensions and
+    startup files run); without an app, through the config's extension list."""
+    if app is not None and hasattr(app, "observe"):
+        app.observe(lambda change: auto.on_shell(change["new"]), names="shell")
+        return
+    if config is not None:
+        try:
+            config.InteractiveShellApp.extensions.append(KERNEL_EXTENSION)
+        except Exception:  # noqa: BLE001, S110 - a config that refuses it: the kernel runs without %gpupool
+            pass
+
+
+__all__ = [
+    "AUTOLEASE_ENV",
+    "AutoLease",
+    "FirstCellWait",
+    "configure",
+    "current",
+    "has_gpu_to_pool",
+    "kernel_name_of",
+    "mark_unpooled_kernelspecs",
+    "named_provisioner",
+    "opted_out",
+    "stand_aside_reason",
+]
