@@ -54,10 +54,10 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from jupyter_gpupool.core.engine import held_by_device
-from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
+from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, PriorityClass, Transition
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.errors import RequestRefused
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.pool import Pool
 from jupyter_gpupool.units import GIB
 
@@ -79,8 +79,10 @@ def percentile(values: list[float], q: float) -> float:
 # --- invariants ---------------------------------------------------------------------------------
 
 
-def check_pool_file(db: str, spec: str) -> dict[str, Any]:
-    """The invariants of one pool file; raises AssertionError naming the first that fails."""
+def check_pool_file(db: str, spec: str, intervals: bool = False) -> dict[str, Any]:
+    """The invariants of one pool file; raises AssertionError naming the first that fails.
+    ``intervals``: leases may have been granted more than once (suspended and resumed, restarted),
+    so the ledger holds one row per granted interval instead of one per released lease."""
     raw = sqlite3.connect(db)
     try:
         assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok", "the pool file is corrupt"
@@ -100,10 +102,20 @@ def check_pool_file(db: str, spec: str) -> dict[str, Any]:
         for lease in leases:
             if lease.state is LeaseState.GRANTED:
                 assert len(lease.devices) == lease.num_gpus, f"lease {lease.id} holds {lease.devices}"
-        ledger = [row["lease_id"] for row in pool.store.ledger()]
-        assert len(ledger) == len(set(ledger)), "a lease is metered twice"
+        rows = pool.store.ledger()
+        ledger = [row["lease_id"] for row in rows]
         metered = {lease.id for lease in leases if lease.state is LeaseState.RELEASED and lease.granted_at is not None}
-        assert metered == set(ledger), "the ledger and the released leases disagree"
+        if not intervals:
+            assert len(ledger) == len(set(ledger)), "a lease is metered twice"
+            assert metered == set(ledger), "the ledger and the released leases disagree"
+        else:  # a suspend or a restart closes a granted interval: one row per interval, never overlapping
+            spans: dict[str, list[tuple[float, float]]] = {}
+            for row in rows:
+                spans.setdefault(row["lease_id"], []).append((row["start"], row["end"]))
+            for lease_id, periods in spans.items():
+                periods.sort()
+                assert all(a[1] <= b[0] for a, b in zip(periods, periods[1:])), f"lease {lease_id} is metered twice for one time: {periods}"
+            assert metered <= set(spans), "a released lease's last granted interval is not metered"
         return {"leases": len(leases), "live": len(live), "metered": len(ledger)}
     finally:
         pool.close()
@@ -517,6 +529,417 @@ def server_kill(workdir: Path, spec: str = "1x16GiB") -> dict[str, Any]:
         "orphaned_kernels_ended_s": round(kernels_gone_s, 1),
         "leases_reclaimed_after_s": round(reclaimed_s, 1),
         "new_server_grant_s": round(grant_s, 1),
+    }
+
+
+# --- the suspend protocol and unpooled use -----------------------------------------------------
+
+
+class _Processes:
+    """Real processes standing in for kernels and for programs run outside the pool: each is a
+    ``sleep`` whose environment names its lease (``GPUPOOL_LEASE_ID``) or none, and whose GPU memory
+    is scripted in the simulated pool's usage folder, as ``pretend_to_use`` does in a kernel."""
+
+    def __init__(self, usage_dir: str) -> None:
+        self.usage_dir = usage_dir
+        os.makedirs(usage_dir, exist_ok=True)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.usage: dict[int, dict[str, int]] = {}
+        self.changes = 0  # how many times any process's GPU memory changed
+
+    def start(self, lease_id: str | None = None) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "GPUPOOL_LEASE_ID"}
+        if lease_id:
+            env["GPUPOOL_LEASE_ID"] = lease_id
+        proc = subprocess.Popen(["sleep", "3600"], env=env)
+        self.procs[proc.pid] = proc
+        return proc.pid
+
+    def use(self, pid: int, usage: dict[str, int]) -> None:
+        """Process ``pid`` now holds ``usage`` (GPU uuid → bytes; empty frees it all)."""
+        self.changes += 1
+        path = Path(self.usage_dir) / f"{pid}.json"
+        usage = {uuid: amount for uuid, amount in usage.items() if amount > 0}
+        if usage:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(usage))
+            os.replace(tmp, path)
+            self.usage[pid] = usage
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            self.usage.pop(pid, None)
+
+    def kill(self, pid: int) -> None:
+        proc = self.procs.pop(pid, None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        self.use(pid, {})
+
+    def close(self) -> None:
+        for pid in list(self.procs):
+            self.kill(pid)
+
+
+def _granted_pairs(leases: list[Any]) -> set[tuple[str, str]]:
+    """(lease id, GPU uuid) of every slice the pool holds for a lease (a move holds both ends)."""
+    return {(lease.id, uuid) for lease in leases if lease.state is LeaseState.GRANTED for uuid in (*lease.devices, *lease.migrate_from)}
+
+
+def check_suspend_invariants(pool: Pool, procs: _Processes, kernel_of_pid: dict[int, str], before: set[tuple[str, str]]) -> list[str]:
+    """The promises of the suspend protocol and of unpooled use, against the ground truth of what
+    each process holds on each GPU; one line per broken promise (none when all hold):
+
+    - nothing is granted out of memory held outside the pool: a slice granted since ``before``
+      (a grant, a restore, a move's target) fits on its GPU beside the other slices *and* what
+      processes outside any granted lease of that GPU hold there;
+    - one live lease per kernel;
+    - a lease's parked bytes are at most what it held (its slice or its peak use), only a lease
+      with something to restore parks any, and the pool's parked total is the sum of them, within
+      the parked-memory budget.
+    """
+    problems: list[str] = []
+    leases = pool.leases()
+    by_id = {lease.id: lease for lease in leases}
+    now_pairs = _granted_pairs(leases)
+    devices = {d.uuid: d for d in pool.devices()}
+    slices: dict[str, int] = {}
+    for lease in leases:
+        if lease.state is LeaseState.GRANTED:
+            for uuid in (*lease.devices, *lease.migrate_from):
+                slices[uuid] = slices.get(uuid, 0) + lease.memory
+    outside: dict[str, int] = {}
+    for pid, usage in procs.usage.items():
+        lease = by_id.get(kernel_of_pid.get(pid, ""))
+        for uuid, amount in usage.items():
+            if lease is None or lease.state is not LeaseState.GRANTED or uuid not in (*lease.devices, *lease.migrate_from):
+                outside[uuid] = outside.get(uuid, 0) + amount
+    for lease_id, uuid in sorted(now_pairs - before):
+        taken = slices.get(uuid, 0) + outside.get(uuid, 0)
+        if taken > devices[uuid].leasable:
+            problems.append(
+                f"lease {lease_id} was granted on {uuid} although its slices ({slices.get(uuid, 0) // GIB} GiB) and "
+                f"use outside the pool ({outside.get(uuid, 0) // GIB} GiB) exceed its {devices[uuid].leasable // GIB} GiB"
+            )
+    kernels = [lease.kernel_id for lease in leases if lease.kernel_id]
+    doubled = {k for k in kernels if kernels.count(k) > 1}
+    if doubled:
+        problems.append(f"kernels with two live leases: {sorted(doubled)}")
+    parked_total = 0
+    for lease in leases:  # parked until restored: suspended, queued to resume, restoring; a move passes through host RAM
+        bound = max(lease.memory * lease.num_gpus, lease.peak_memory or 0)
+        if lease.parked_memory > bound:
+            problems.append(f"lease {lease.id} ({lease.state.value}) parks {lease.parked_memory} bytes, more than the {bound} it held")
+        if lease.parked_memory and not (lease.state is LeaseState.SUSPENDED or lease.resuming or lease.transition is not Transition.NONE):
+            problems.append(f"lease {lease.id} ({lease.state.value}) keeps {lease.parked_memory} bytes parked with nothing to restore")
+        parked_total += lease.parked_memory or 0
+    with pool._viewing(pool.clock()) as (state, _):
+        indexed, budget = state.derived().parked, pool.engine.parked_budget(state)
+    if indexed != parked_total:
+        problems.append(f"the pool counts {indexed} bytes parked, its suspended leases {parked_total}")
+    if parked_total > budget:
+        problems.append(f"{parked_total} bytes parked, over the budget of {budget}")
+    return problems
+
+
+def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", seed: int = 11) -> dict[str, Any]:
+    """Random kernels on one pool file for ``seconds``, each a real process whose GPU memory is
+    scripted, with everything the suspend protocol does in the mix: the pool's own suspends and
+    moves (idle reclaim, defragmentation), users' suspends and resumes, restores, kernel restarts
+    (a suspended kernel's included), the holder's server restarting (the pool reopened), failed
+    steps, forged confirmations (a suspend or move reported done while the process still holds its
+    memory), replayed confirmations, inflated and impossible ``parked_bytes``, and processes
+    outside the pool starting and stopping (a terminal's ``python``, a suspended kernel that keeps
+    using its GPU). The host's watchdog reconciles after every step, and the invariants of
+    :func:`check_suspend_invariants` and :func:`check_pool_file` are checked after every step."""
+    from jupyter_gpupool.core.models import Activity
+    from jupyter_gpupool.pool import HOSTNAME
+    from jupyter_gpupool.watchdog import Watchdog
+
+    db = str(workdir / "suspend-soak.sqlite")
+    clock = [1_800_000_000.0]
+    backend = SimulatedBackend.from_spec(spec)
+    backend.usage_dir = str(workdir / "usage")
+    policy = dict(heartbeat_ttl=10**9, idle_timeout=600, warning_period=30, defragment_min_idle=60, reclaim_action="suspend")
+    procs = _Processes(backend.usage_dir)
+    rng = random.Random(seed)
+    uuids = [d.uuid for d in backend.devices()]
+    total = {d.uuid: d.memory_total for d in backend.devices()}
+    watchdog_problems: list[str] = []
+
+    class _Collect(__import__("logging").Handler):
+        def emit(self, record: Any) -> None:
+            if "could not" in record.getMessage():
+                watchdog_problems.append(record.getMessage())
+
+    def open_pool() -> tuple[Pool, Watchdog]:
+        pool = Pool(backend, db, PoolPolicy(**policy), clock=lambda: clock[0])
+        pool.confirm_wait = 0.0  # a forged report is refused at once; a true one finds the memory already freed
+        watchdog = Watchdog(backend=backend, pool=pool)
+        watchdog.log = __import__("logging").getLogger("gpupool.reliability.watchdog")
+        watchdog.log.addHandler(_Collect())
+        return pool, watchdog
+
+    pool, watchdog = open_pool()
+    kernels: dict[str, dict[str, Any]] = {}  # kernel id → {"lease", "pid", "owner", "gib"}
+    kernel_of_pid: dict[int, str] = {}  # pid → lease id
+    rogues: list[int] = []
+    counts = {key: 0 for key in (
+        "kernels_started", "releases", "user_suspends", "suspends_confirmed", "suspends_failed", "resumes_asked",
+        "restores_confirmed", "restores_failed", "moves_confirmed", "restarts", "restarts_of_suspended",
+        "server_restarts", "forged_refused", "replays_harmless", "parked_bytes_bounded", "parked_bytes_refused",
+        "outside_started", "suspended_kernels_using_gpu", "unpooled_sightings", "grants_checked", "invariant_checks",
+    )}
+    violations: list[str] = []
+    first_lines: list[str] = []  # each broken promise once, with the step that first broke it
+    step = ["start"]  # what the current step did, for those lines
+    operations = 0
+
+    seen_lines: set[str] = set()
+
+    def violate(line: str) -> None:
+        violations.append(line)
+        if line not in seen_lines and len(seen_lines) < 20:
+            seen_lines.add(line)
+            first_lines.append(f"op {operations} ({step[0]}): {line}")
+
+    def watch() -> None:
+        live = {lease.id: lease for lease in pool.leases()}
+        report = watchdog.check({}, {}, now=clock[0], leases=live, host=HOSTNAME)
+        if report.error:
+            violate(f"the watchdog failed: {report.error}")
+        counts["unpooled_sightings"] += len(pool.unpooled())
+
+    def free_outside(uuid: str) -> int:
+        """What a process outside the pool can still take on ``uuid`` without touching a slice."""
+        slices = sum(lease.memory for lease in pool.leases() if lease.state is LeaseState.GRANTED
+                     for u in (*lease.devices, *lease.migrate_from) if u == uuid)
+        used = sum(usage.get(uuid, 0) for usage in procs.usage.values())
+        return total[uuid] - max(slices, 0) - used
+
+    def unchanged(lease_id: str, call: Any, expected: tuple[type[BaseException], ...], what: str) -> bool:
+        """``call`` must be refused with one of ``expected`` and change nothing of the lease."""
+        before = pool.get(lease_id).to_json()
+        try:
+            call()
+        except expected:
+            after = pool.get(lease_id).to_json()
+            if after != before:
+                violate(f"{what} was refused but changed lease {lease_id}")
+            return True
+        violate(f"{what} was accepted")
+        return False
+
+    def serve() -> None:
+        """What each kernel's server does with the pool's decisions: use a new slice, carry out a
+        suspend, restore or move (now and then failing it, or first forging its confirmation), stop
+        a kernel whose lease went."""
+        def stop_if_released(kernel_id: str) -> bool:
+            # The server stops a kernel whose lease went (a cull after a failed suspend, a failed
+            # restore) as soon as it hears: the pool hands that slice on at once.
+            kernel = kernels[kernel_id]
+            if pool.get(kernel["lease"]).state is not LeaseState.RELEASED:
+                return False
+            procs.kill(kernel["pid"])
+            kernel_of_pid.pop(kernel["pid"], None)
+            del kernels[kernel_id]
+            return True
+
+        for kernel_id, kernel in list(kernels.items()):
+            if kernel_id not in kernels or stop_if_released(kernel_id):
+                continue
+            lease = pool.get(kernel["lease"])
+            pid = kernel["pid"]
+            if lease.state is LeaseState.GRANTED and lease.transition is Transition.NONE and pid not in procs.usage:
+                per_gpu = lease.memory * rng.choice([5, 8, 10]) // 10
+                procs.use(pid, {uuid: per_gpu for uuid in lease.devices})
+            elif lease.transition is Transition.SUSPENDING:
+                if pid in procs.usage and rng.random() < 0.25:
+                    if unchanged(lease.id, lambda: pool.confirm_transition(lease.id, parked_bytes=0), (RequestRefused,),
+                                 "a forged 'suspend done' while the process held its memory"):
+                        counts["forged_refused"] += 1
+                if rng.random() < 0.1:
+                    pool.fail_transition(lease.id, "could not suspend: injected failure", still_running=True)
+                    counts["suspends_failed"] += 1
+                    stop_if_released(kernel_id)
+                    continue
+                held = sum(procs.usage.get(pid, {}).values())
+                procs.use(pid, {})
+                if rng.random() < 0.1:
+                    capacity = sum(total[u] for u in lease.devices)
+                    if unchanged(lease.id, lambda: pool.confirm_transition(lease.id, parked_bytes=capacity + 2**50), (InvalidInput,),
+                                 "a 1 PiB parked_bytes"):
+                        counts["parked_bytes_refused"] += 1
+                reported = held if rng.random() < 0.8 else sum(total[u] for u in lease.devices)
+                done = pool.confirm_transition(lease.id, parked_bytes=reported)
+                counts["suspends_confirmed"] += 1
+                if reported > held and done.parked_memory <= lease.memory * lease.num_gpus:
+                    counts["parked_bytes_bounded"] += 1
+                kernel["parked"] = held
+                if rng.random() < 0.3 and unchanged(lease.id, lambda: pool.confirm_transition(lease.id, parked_bytes=held), (InvalidInput,),
+                                                    "a replayed 'suspend done'"):
+                    counts["replays_harmless"] += 1
+            elif lease.transition is Transition.RESTORING:
+                if rng.random() < 0.05:
+                    pool.fail_transition(lease.id, "could not restore: injected failure", still_running=False)
+                    counts["restores_failed"] += 1
+                    stop_if_released(kernel_id)
+                    continue
+                per_gpu = min(lease.memory, max(GIB, kernel.get("parked", lease.memory) // max(1, lease.num_gpus)))
+                procs.use(pid, {uuid: per_gpu for uuid in lease.devices})
+                pool.confirm_transition(lease.id)
+                counts["restores_confirmed"] += 1
+                if rng.random() < 0.3 and unchanged(lease.id, lambda: pool.confirm_transition(lease.id), (InvalidInput,),
+                                                    "a replayed 'restore done'"):
+                    counts["replays_harmless"] += 1
+            elif lease.transition is Transition.MIGRATING:
+                if pid in procs.usage and rng.random() < 0.3:
+                    if unchanged(lease.id, lambda: pool.confirm_transition(lease.id), (RequestRefused,),
+                                 "a forged 'move done' while the process held its old GPU"):
+                        counts["forged_refused"] += 1
+                held = sum(procs.usage.get(pid, {}).values()) or lease.memory // 2
+                procs.use(pid, {uuid: min(lease.memory, held) for uuid in lease.devices})
+                pool.confirm_transition(lease.id)
+                counts["moves_confirmed"] += 1
+                if rng.random() < 0.3 and unchanged(lease.id, lambda: pool.confirm_transition(lease.id), (InvalidInput,),
+                                                    "a replayed 'move done'"):
+                    counts["replays_harmless"] += 1
+
+    def start_kernel(kernel_id: str, owner: str, gib: int) -> Lease | None:
+        try:
+            lease = pool.request(LeaseRequest(owner=owner, memory=gib * GIB, kernel_id=kernel_id, holder_pid=os.getpid(),
+                                              holder_host=HOSTNAME, suspendable=True))
+        except RequestRefused:  # past max_queued_per_user: nothing was committed
+            return None
+        pid = procs.start(lease.id)
+        kernels[kernel_id] = {"lease": lease.id, "pid": pid, "owner": owner, "gib": gib}
+        kernel_of_pid[pid] = lease.id
+        return lease
+
+    me = psutil.Process()
+    samples: list[tuple[float, int]] = []
+    deadline = time.monotonic() + seconds
+    started = time.monotonic()
+    changes = 0
+    try:
+        while time.monotonic() < deadline:
+            before = _granted_pairs(pool.leases())
+            roll = rng.random()
+            mine = list(kernels.values())
+            if roll < 0.16 or not mine:
+                step[0] = 'request'
+                kernel_id = f"k{operations}"
+                if start_kernel(kernel_id, f"user{rng.randrange(8)}", rng.choice([2, 4, 6, 8, 12])):
+                    counts["kernels_started"] += 1
+            elif roll < 0.26:
+                step[0] = 'release'
+                kernel = rng.choice(mine)
+                pool.release(kernel["lease"], reason="the kernel was shut down")
+                counts["releases"] += 1
+            elif roll < 0.38:
+                step[0] = 'suspend'
+                kernel = rng.choice(mine)
+                with contextlib.suppress(RequestRefused, InvalidInput):  # not running on a GPU, budget, ...
+                    pool.suspend(kernel["lease"])
+                    counts["user_suspends"] += 1
+            elif roll < 0.48:
+                step[0] = 'resume'
+                suspended = [k for k in mine if pool.get(k["lease"]).state is LeaseState.SUSPENDED]
+                if suspended:
+                    with contextlib.suppress(RequestRefused, InvalidInput):
+                        pool.resume(rng.choice(suspended)["lease"])
+                        counts["resumes_asked"] += 1
+            elif roll < 0.56:
+                step[0] = 'restart'
+                # A kernel restart: a new process asks again for the same kernel and keeps its one lease.
+                kernel = rng.choice(mine)
+                old = pool.get(kernel["lease"])
+                procs.kill(kernel["pid"])
+                kernel_of_pid.pop(kernel["pid"], None)
+                kernels.pop(next(k for k, v in kernels.items() if v is kernel))
+                again = start_kernel(old.kernel_id or "", kernel["owner"], kernel["gib"])
+                counts["restarts"] += 1
+                counts["restarts_of_suspended"] += old.state is LeaseState.SUSPENDED
+                if again is not None and (again.id != old.id or again.parked_memory or again.transition is not Transition.NONE):
+                    violate(f"a restart of kernel {old.kernel_id} got lease {again.id} {again.state.value} "
+                            f"{again.transition.value} parked {again.parked_memory} (had {old.id})")
+            elif roll < 0.63:
+                step[0] = 'outside start'
+                uuid = rng.choice(uuids)
+                room = free_outside(uuid)
+                if room >= GIB:
+                    pid = procs.start()
+                    procs.use(pid, {uuid: rng.randrange(1, room // GIB + 1) * GIB})
+                    rogues.append(pid)
+                    counts["outside_started"] += 1
+            elif roll < 0.69 and rogues:
+                step[0] = 'outside stop'
+                procs.kill(rogues.pop(rng.randrange(len(rogues))))
+            elif roll < 0.72:
+                step[0] = 'suspended kernel uses a GPU'
+                # A suspended kernel that goes on using a GPU (it ignored its suspend): unpooled use.
+                suspended = [k for k in mine if pool.get(k["lease"]).state is LeaseState.SUSPENDED]
+                uuid = rng.choice(uuids)
+                if suspended and free_outside(uuid) >= GIB:
+                    procs.use(rng.choice(suspended)["pid"], {uuid: GIB})
+                    counts["suspended_kernels_using_gpu"] += 1
+            elif roll < 0.76:
+                step[0] = 'busy'
+                busy = rng.choice(mine)
+                pool.report_activity(busy["lease"], Activity(busy=True, last_activity=clock[0]))
+            elif roll < 0.78:
+                step[0] = 'server restart'
+                pool.close()  # the holder's server restarts: a new process opens the same pool file
+                pool, watchdog = open_pool()
+                counts["server_restarts"] += 1
+            else:
+                step[0] = 'tick'
+                clock[0] += rng.uniform(1, 90)
+                watch()
+                pool.tick()
+            if procs.changes != changes:
+                watch()  # the host's watchdog sees what changed on the GPUs (within one interval)
+            changes = procs.changes
+            serve()
+            if procs.changes != changes:
+                watch()
+            changes = procs.changes
+            operations += 1
+            counts["grants_checked"] += len(_granted_pairs(pool.leases()) - before)
+            for problem in check_suspend_invariants(pool, procs, kernel_of_pid, before):
+                if os.environ.get("GPUPOOL_RELIABILITY_DEBUG"):
+                    print(problem, step, [(e["kind"], e["lease_id"], e["reason"][:90]) for e in pool.events()[-4:]], file=sys.stderr)
+                violate(problem)
+            counts["invariant_checks"] += 1
+            if operations % 100 == 0:
+                try:
+                    check_pool_file(db, spec, intervals=True)
+                except AssertionError as err:
+                    violate(f"the pool file: {err}")
+                if time.monotonic() - started >= min(2.0, seconds / 4):
+                    samples.append((me.memory_info().rss / 2**20, me.num_fds()))
+    finally:
+        pool.close()
+        procs.close()
+    try:
+        check_pool_file(db, spec, intervals=True)
+    except AssertionError as err:
+        violate(f"the pool file: {err}")
+    for problem in watchdog_problems[:5]:
+        violate(f"the watchdog logged: {problem}")
+    if not samples:
+        samples.append((me.memory_info().rss / 2**20, me.num_fds()))
+    return {
+        "seconds": seconds,
+        "operations": operations,
+        **counts,
+        "failures": len(violations),
+        "failure_lines": first_lines[:10],
+        "rss_mib_start": round(samples[0][0], 1),
+        "rss_mib_end": round(samples[-1][0], 1),
+        "fds_start": samples[0][1],
+        "fds_end": samples[-1][1],
     }
 
 
