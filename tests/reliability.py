@@ -943,6 +943,277 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
     }
 
 
+def unpooled_nvml(workdir: Path) -> dict[str, Any]:
+    """Unpooled use on the NVML backend over the scripted fake ``pynvml`` (real processes, scripted
+    per-process memory): a process without a lease, a kernel on a GPU outside its lease and a
+    suspended kernel that still holds memory are each seen with their pid, and what they hold is
+    never granted; a forged 'suspend done' is refused while NVML lists the process; a process that
+    exits gives its memory back."""
+    from fake_pynvml import FakeGpu, FakeNvml, FakeProcess
+
+    from jupyter_gpupool.devices import make_backend
+    from jupyter_gpupool.pool import HOSTNAME
+    from jupyter_gpupool.watchdog import Watchdog
+
+    figures: dict[str, Any] = {}
+    saved = sys.modules.get("pynvml")
+    procs = _Processes(str(workdir / "unused"))
+    clock = [1_800_000_000.0]
+    try:
+        fake = FakeNvml([FakeGpu("NVIDIA A100-SXM4-80GB", 80 * GIB) for _ in range(2)])
+        sys.modules["pynvml"] = fake.module
+        pool = Pool(make_backend("nvml"), str(workdir / "nvml.sqlite"), PoolPolicy(heartbeat_ttl=10**9, parked_memory_limit="64GiB"),
+                    clock=lambda: clock[0])
+        pool.device_cache_seconds = 0
+        pool.confirm_wait = 0.2
+        watchdog = Watchdog(backend=pool.backend, pool=pool)
+        uuids = [d.uuid for d in pool.devices()]
+        gpu_of = {d.uuid: fake.gpus[d.index] for d in pool.devices()}
+
+        def use(pid: int, uuid: str, amount: int) -> None:
+            gpu = gpu_of[uuid]
+            gpu.compute = [p for p in gpu.compute if p.pid != pid] + ([FakeProcess(pid, amount)] if amount else [])
+            gpu.memory_used = sum(p.used or 0 for p in gpu.compute)
+
+        def watch() -> list[dict[str, Any]]:
+            report = watchdog.check({}, {}, now=clock[0], leases={lease.id: lease for lease in pool.leases()}, host=HOSTNAME)
+            assert not report.error, report.error
+            return pool.snapshot(admin=True).unpooled
+
+        alice = pool.request(LeaseRequest(owner="alice", memory=40 * GIB, kernel_id="k-alice", holder_host=HOSTNAME, suspendable=True))
+        home, other = alice.devices[0], next(u for u in uuids if u not in alice.devices)
+        kernel, rogue = procs.start(alice.id), procs.start()
+        use(kernel, home, 30 * GIB)
+        use(rogue, other, 50 * GIB)
+        seen = watch()
+        assert [(u["pid"], u["bytes"], u["why"]) for u in seen] == [(rogue, 50 * GIB, "no lease")], seen
+        assert pool.get(alice.id).used_memory == 30 * GIB, "the kernel's use on its own GPU was not counted for its lease"
+        big = pool.request(LeaseRequest(owner="bob", memory=60 * GIB))
+        assert big.state is LeaseState.QUEUED, "60 GiB were granted although only 40 and 30 GiB are free"
+        figures["outside_the_pool"] = f"pid {rogue} seen with 50 GiB; a 60 GiB request waits"
+
+        use(kernel, other, 4 * GIB)  # the kernel reaches past its lease onto the other GPU
+        seen = watch()
+        assert sorted((u["pid"], u["why"]) for u in seen) == sorted([(rogue, "no lease"), (kernel, "outside its lease's GPUs")]), seen
+        use(kernel, other, 0)
+
+        pool.suspend(alice.id)
+        try:
+            pool.confirm_transition(alice.id, parked_bytes=0)
+        except RequestRefused as err:
+            figures["forged_suspend_done"] = str(err)
+        else:
+            raise AssertionError("a 'suspend done' was taken while NVML listed the kernel's 30 GiB")
+        assert pool.get(alice.id).transition is Transition.SUSPENDING
+        use(kernel, home, 0)  # the real suspend: the driver frees it
+        try:
+            pool.confirm_transition(alice.id, parked_bytes=2**50)
+        except InvalidInput as err:
+            figures["pib_parked_bytes"] = str(err)
+        else:
+            raise AssertionError("1 PiB of parked_bytes was taken")
+        parked = pool.confirm_transition(alice.id, parked_bytes=30 * GIB)
+        assert parked.state is LeaseState.SUSPENDED and parked.parked_memory == 30 * GIB
+        assert pool.get(big.id).devices == (home,), "the suspend freed 80 GiB on its GPU: the 60 GiB request goes there"
+        use(kernel, home, 15 * GIB)  # a suspended kernel that goes on using its GPU
+        seen = watch()
+        assert (kernel, "its lease is suspended", alice.id) in [(u["pid"], u["why"], u["lease_id"]) for u in seen], seen
+        small = pool.request(LeaseRequest(owner="carol", memory=10 * GIB))
+        assert small.devices == (other,), "10 GiB were granted where only 5 GiB are free beside a suspended kernel's use"
+        figures["suspended_but_using"] = "seen as 'its lease is suspended'; its 15 GiB not granted"
+        waiting = pool.request(LeaseRequest(owner="dave", memory=40 * GIB))
+        assert waiting.state is LeaseState.QUEUED
+        procs.kill(rogue)  # it exits; NVML lists it a moment longer, the watcher knows it is gone
+        watch()
+        assert pool.get(waiting.id).state is LeaseState.GRANTED and pool.get(waiting.id).devices == (other,)
+        figures["exited"] = "its 50 GiB granted to a waiting 40 GiB request at the next watch"
+        pool.close()
+    finally:
+        procs.close()
+        if saved is None:
+            sys.modules.pop("pynvml", None)
+        else:
+            sys.modules["pynvml"] = saved
+    return figures
+
+
+def _post(url: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """One JSON POST with a hub token; (status, body)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
+
+
+def broker_suspend_attacks(workdir: Path, spec: str = "2x16GiB") -> dict[str, Any]:
+    """The suspend protocol against a real broker process (``python -m jupyter_gpupool.broker`` on
+    a simulated pool, its watchdog on), each kernel a real process whose GPU memory is scripted:
+
+    - forged and replayed reports: alice's server reports her suspend done with ``parked_bytes`` 0
+      while her kernel still holds 12 GiB (409, again and again, and bob's 16 GiB request waits); a
+      1 PiB ``parked_bytes`` (400); the true report, then the same report replayed (answered,
+      unchanged) and replayed without its step (400); bob is granted exactly once;
+    - a process outside the pool holds 3 GiB: the broker's watchdog lists it and a request that
+      needs it waits until it exits;
+    - the broker SIGKILLed in the middle of a resume, a suspend and a move (the server carries the
+      step out while the broker is down, then reports it to the restarted broker): each step
+      finishes, a forged 'move done' is refused, and after every restart no GPU is granted more
+      than it has, each kernel has one live lease and the parked total is consistent.
+    """
+    from broker_harness import BrokerProcess, StandInHub, wait_until
+
+    from jupyter_gpupool.pool import HOSTNAME
+    from jupyter_gpupool.remote import RemotePool
+
+    hub = StandInHub().start()
+    tokens = {name: hub.add_user(f"tok-{name}", name, admin=name == "prof") for name in ("alice", "bob", "carol", "prof")}
+    config = (
+        "c.Broker.run_watchdog = True\nc.Watchdog.interval = 0.3\nc.Watchdog.unpooled_action = 'warn'\n"
+        "c.PoolPolicy.heartbeat_ttl = 3600\nc.PoolPolicy.parked_memory_limit = '64GiB'\nc.PoolPolicy.preemption = False\n"
+        "c.PoolPolicy.idle_policy = 'never'\nc.PoolPolicy.defragment_min_idle = 1.0\n"
+    )
+    broker = BrokerProcess(workdir, hub, simulate=spec, config=config)
+    procs = _Processes(f"{broker.db}.usage")
+    reader = None
+    figures: dict[str, Any] = {"broker_kills": 0}
+    try:
+        broker.start()
+        remote = {name: RemotePool(broker.url, token=token, timeout=30) for name, token in tokens.items()}
+        reader = Pool(SimulatedBackend.from_spec(spec), broker.db, PoolPolicy(heartbeat_ttl=10**9))
+        base = f"{broker.url}/api/gpupool/leases"
+
+        def ask(name: str, gib: int, kernel_id: str | None = None, suspendable: bool = True) -> Lease:
+            return remote[name].request(LeaseRequest(owner="", memory=gib * GIB, kernel_id=kernel_id, suspendable=suspendable,
+                                                     holder_pid=os.getpid(), holder_host=HOSTNAME))
+
+        def report(name: str, lease_id: str, **body: Any) -> tuple[int, Any]:
+            return _post(f"{base}/{lease_id}/transition", tokens[name], {"outcome": "done", **body})
+
+        def kill_and_restart() -> None:
+            broker.kill()
+            figures["broker_kills"] += 1
+
+        def restarted() -> None:
+            broker.start()
+            check_pool_file(broker.db, spec, intervals=True)
+
+        # --- forged and replayed reports ---------------------------------------------------------
+        alice = ask("alice", 12, "k-alice")
+        carol = ask("carol", 16, "k-carol", suspendable=False)
+        assert alice.state is carol.state is LeaseState.GRANTED and alice.devices != carol.devices
+        kernel = procs.start(alice.id)
+        procs.use(kernel, {alice.devices[0]: 12 * GIB})
+        remote["alice"].suspend(alice.id)
+        forged = [report("alice", alice.id, parked_bytes=0)[0] for _ in range(3)]
+        forged.append(report("alice", alice.id, transition="suspending", parked_bytes=0)[0])
+        bob = ask("bob", 16, "k-bob")
+        time.sleep(1.0)  # several broker ticks and watchdog passes
+        assert forged == [409] * 4, forged
+        assert remote["bob"].get(bob.id).state is LeaseState.QUEUED, "bob was granted memory alice's kernel still holds"
+        assert remote["alice"].get(alice.id).transition is Transition.SUSPENDING
+        figures["forged_suspend_done"] = forged
+        procs.use(kernel, {})  # the real suspend: the memory is freed
+        status, body = report("alice", alice.id, parked_bytes=2**50)
+        assert status == 400 and "more than this lease's GPUs hold" in body["message"], (status, body)
+        figures["pib_parked_bytes"] = status
+        status, done = report("alice", alice.id, transition="suspending", parked_bytes=12 * GIB)
+        assert status == 200 and done["state"] == "suspended" and done["parked_memory"] == 12 * GIB, done
+        granted = remote["bob"].wait_for_grant(bob.id, timeout=30)
+        replays = [report("alice", alice.id, transition="suspending", parked_bytes=12 * GIB)[0] for _ in range(2)]
+        replays.append(report("alice", alice.id, parked_bytes=12 * GIB)[0])
+        assert replays == [200, 200, 400], replays
+        after = remote["alice"].get(alice.id)
+        assert after.state is LeaseState.SUSPENDED and after.parked_memory == 12 * GIB
+        assert remote["bob"].get(bob.id).devices == granted.devices, "a replay moved or doubled bob's grant"
+        figures["replayed_confirmations"] = replays
+        check_pool_file(broker.db, spec, intervals=True)
+
+        # --- a process outside the pool -----------------------------------------------------------
+        remote["carol"].release(carol.id)
+        free_gpu = carol.devices[0]
+        rogue = procs.start()
+        procs.use(rogue, {free_gpu: 3 * GIB})
+        seen = wait_until(lambda: [u for u in reader.unpooled() if u["pid"] == rogue], timeout=20, what="the broker's watchdog to see pid")
+        assert seen[0]["bytes"] == 3 * GIB and seen[0]["why"] == "no lease", seen
+        waiting = ask("carol", 16, "k-carol2", suspendable=False)
+        time.sleep(0.8)
+        assert remote["carol"].get(waiting.id).state is LeaseState.QUEUED, "16 GiB granted beside 3 GiB used outside the pool"
+        procs.kill(rogue)
+        remote["carol"].wait_for_grant(waiting.id, timeout=30)
+        figures["outside_the_pool"] = f"pid {rogue}'s 3 GiB listed by the broker's watchdog; 16 GiB waited until it exited"
+        remote["carol"].release(waiting.id)
+        remote["bob"].release(bob.id)
+
+        # --- SIGKILL mid-resume --------------------------------------------------------------------
+        remote["alice"].resume(alice.id)
+        restoring = remote["alice"].wait_for_grant(alice.id, timeout=30)
+        assert restoring.transition is Transition.RESTORING
+        kill_and_restart()
+        procs.use(kernel, {restoring.devices[0]: 12 * GIB})  # the server restores while the broker is down
+        restarted()
+        status, back = report("alice", alice.id, transition="restoring")
+        assert status == 200 and back["state"] == "granted" and back["transition"] == "" and back["parked_memory"] == 0, back
+        figures["killed_mid_resume"] = "restored after the restart"
+
+        # --- SIGKILL mid-suspend -------------------------------------------------------------------
+        remote["alice"].suspend(alice.id)
+        kill_and_restart()
+        procs.use(kernel, {})
+        restarted()
+        status, parked = report("alice", alice.id, transition="suspending", parked_bytes=12 * GIB)
+        assert status == 200 and parked["state"] == "suspended" and parked["parked_memory"] == 12 * GIB, parked
+        figures["killed_mid_suspend"] = "suspended after the restart"
+        remote["alice"].resume(alice.id)
+        restoring = remote["alice"].wait_for_grant(alice.id, timeout=30)
+        procs.use(kernel, {restoring.devices[0]: 12 * GIB})
+        assert report("alice", alice.id, transition="restoring")[0] == 200
+        remote["alice"].release(alice.id)
+        procs.kill(kernel)
+        check_pool_file(broker.db, spec, intervals=True)
+
+        # --- SIGKILL mid-move ----------------------------------------------------------------------
+        moving = ask("alice", 8, "k-move")
+        filler = ask("carol", 8, "k-fill", suspendable=False)
+        other = ask("bob", 8, "k-other", suspendable=False)
+        assert filler.devices == moving.devices != other.devices, (moving.devices, filler.devices, other.devices)
+        mover = procs.start(moving.id)
+        procs.use(mover, {moving.devices[0]: 6 * GIB})
+        remote["carol"].release(filler.id)
+        time.sleep(1.5)  # the kernel idles past defragment_min_idle
+        big = ask("carol", 12, "k-big", suspendable=False)
+        assert big.state is LeaseState.QUEUED
+        plan = wait_until(lambda: (lease := remote["alice"].get(moving.id)).transition is Transition.MIGRATING and lease,
+                          timeout=30, what="the broker to move the idle kernel")
+        kill_and_restart()
+        restarted()
+        status, _ = report("alice", moving.id, transition="migrating")
+        assert status == 409, f"a 'move done' was taken while the kernel held its old GPU ({status})"
+        procs.use(mover, {plan.devices[0]: 6 * GIB})  # the move, carried out after the restart
+        status, moved = report("alice", moving.id, transition="migrating")
+        assert status == 200 and moved["state"] == "granted" and moved["devices"] == list(plan.devices), moved
+        granted_big = remote["carol"].wait_for_grant(big.id, timeout=30)
+        assert granted_big.devices == moving.devices, "the room the move made went elsewhere"
+        figures["killed_mid_move"] = "a forged 'move done' refused (409); moved after the restart, the 12 GiB request granted"
+        check_pool_file(broker.db, spec, intervals=True)
+        live = [lease for lease in broker.leases(include_released=False)]
+        kernels = [lease.kernel_id for lease in live]
+        assert len(kernels) == len(set(kernels))
+        figures["live_leases_at_end"] = len(live)
+    finally:
+        if reader is not None:
+            reader.close()
+        procs.close()
+        broker.stop()
+        hub.stop()
+    return figures
+
+
 # --- the command line ---------------------------------------------------------------------------
 
 
