@@ -6,6 +6,7 @@ and asserts its invariants; run the long version and print the figures (what REL
 records) with::
 
     python tests/reliability.py --minutes 10 --json
+    python tests/reliability.py --only suspend_soak --minutes 10 --json   # the 10-minute suspend soak
 
 Scenarios:
 
@@ -23,12 +24,28 @@ Scenarios:
   instance destroyed under a lease, NVML missing at start (a clear PoolUnavailable).
 - ``soak``: a bounded stream of random operations in one pool with the invariants checked all
   along, and the process's RSS and open file descriptors sampled from start to end.
+
+The suspend protocol and memory used outside the pool (each kernel a real process whose GPU
+memory is scripted, so the pool's books can be set against what the GPU holds):
+
+- ``unpooled_nvml``: on the NVML backend over the fake ``pynvml``: a process without a lease, a
+  kernel outside its lease's GPUs and a suspended kernel still holding memory are seen and never
+  granted; a forged 'suspend done' and a 1 PiB ``parked_bytes`` are refused.
+- ``broker_suspend_attacks``: a real broker process: forged and replayed transition reports over
+  HTTP, a process outside the pool, and the broker SIGKILLed mid-resume, mid-suspend and mid-move.
+- ``server_kill_mid_step``: a real `jupyter server` SIGKILLed at a random moment of a suspend and
+  of a resume: the lease is released with a reason, nothing stays parked or held.
+- ``suspend_soak``: random kernels with suspends, resumes, moves, restarts, server restarts,
+  failed steps, forged and replayed reports and processes outside the pool; after every step:
+  nothing granted out of memory held outside the pool, one live lease per kernel, parked bytes
+  within what was held and the parked total consistent (see :func:`check_suspend_invariants`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -79,10 +96,11 @@ def percentile(values: list[float], q: float) -> float:
 # --- invariants ---------------------------------------------------------------------------------
 
 
-def check_pool_file(db: str, spec: str, intervals: bool = False) -> dict[str, Any]:
+def check_pool_file(db: str, spec: str, intervals: bool = False, ledger: bool = True) -> dict[str, Any]:
     """The invariants of one pool file; raises AssertionError naming the first that fails.
     ``intervals``: leases may have been granted more than once (suspended and resumed, restarted),
-    so the ledger holds one row per granted interval instead of one per released lease."""
+    so the ledger holds one row per granted interval instead of one per released lease;
+    ``ledger``: False leaves metering out (a scenario about something else)."""
     raw = sqlite3.connect(db)
     try:
         assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok", "the pool file is corrupt"
@@ -102,21 +120,21 @@ def check_pool_file(db: str, spec: str, intervals: bool = False) -> dict[str, An
         for lease in leases:
             if lease.state is LeaseState.GRANTED:
                 assert len(lease.devices) == lease.num_gpus, f"lease {lease.id} holds {lease.devices}"
-        rows = pool.store.ledger()
-        ledger = [row["lease_id"] for row in rows]
+        rows = pool.store.ledger() if ledger else []
+        metered_ids = [row["lease_id"] for row in rows]
         metered = {lease.id for lease in leases if lease.state is LeaseState.RELEASED and lease.granted_at is not None}
-        if not intervals:
-            assert len(ledger) == len(set(ledger)), "a lease is metered twice"
-            assert metered == set(ledger), "the ledger and the released leases disagree"
-        else:  # a suspend or a restart closes a granted interval: one row per interval, never overlapping
+        if ledger and not intervals:
+            assert len(metered_ids) == len(set(metered_ids)), "a lease is metered twice"
+            assert metered == set(metered_ids), "the ledger and the released leases disagree"
+        elif ledger:  # a suspend or a restart closes a granted interval: one row per interval, never overlapping
             spans: dict[str, list[tuple[float, float]]] = {}
             for row in rows:
                 spans.setdefault(row["lease_id"], []).append((row["start"], row["end"]))
             for lease_id, periods in spans.items():
                 periods.sort()
-                assert all(a[1] <= b[0] for a, b in zip(periods, periods[1:])), f"lease {lease_id} is metered twice for one time: {periods}"
+                assert all(a[1] <= b[0] for a, b in itertools.pairwise(periods)), f"lease {lease_id} is metered twice for one time: {periods}"
             assert metered <= set(spans), "a released lease's last granted interval is not metered"
-        return {"leases": len(leases), "live": len(live), "metered": len(ledger)}
+        return {"leases": len(leases), "live": len(live), "metered": len(metered_ids)}
     finally:
         pool.close()
 
@@ -643,7 +661,7 @@ def check_suspend_invariants(pool: Pool, procs: _Processes, kernel_of_pid: dict[
     return problems
 
 
-def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", seed: int = 11) -> dict[str, Any]:
+def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", seed: int = 11, min_operations: int = 0) -> dict[str, Any]:
     """Random kernels on one pool file for ``seconds``, each a real process whose GPU memory is
     scripted, with everything the suspend protocol does in the mix: the pool's own suspends and
     moves (idle reclaim, defragmentation), users' suspends and resumes, restores, kernel restarts
@@ -652,7 +670,8 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
     memory), replayed confirmations, inflated and impossible ``parked_bytes``, and processes
     outside the pool starting and stopping (a terminal's ``python``, a suspended kernel that keeps
     using its GPU). The host's watchdog reconciles after every step, and the invariants of
-    :func:`check_suspend_invariants` and :func:`check_pool_file` are checked after every step."""
+    :func:`check_suspend_invariants` and :func:`check_pool_file` are checked after every step.
+    It runs ``seconds``, and on for at least ``min_operations`` steps (the same steps for a seed)."""
     from jupyter_gpupool.core.models import Activity
     from jupyter_gpupool.pool import HOSTNAME
     from jupyter_gpupool.watchdog import Watchdog
@@ -661,7 +680,7 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
     clock = [1_800_000_000.0]
     backend = SimulatedBackend.from_spec(spec)
     backend.usage_dir = str(workdir / "usage")
-    policy = dict(heartbeat_ttl=10**9, idle_timeout=600, warning_period=30, defragment_min_idle=60, reclaim_action="suspend")
+    policy = {"heartbeat_ttl": 10**9, "idle_timeout": 600, "warning_period": 30, "defragment_min_idle": 60, "reclaim_action": "suspend"}
     procs = _Processes(backend.usage_dir)
     rng = random.Random(seed)
     uuids = [d.uuid for d in backend.devices()]
@@ -679,6 +698,7 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
         watchdog = Watchdog(backend=backend, pool=pool)
         watchdog.log = __import__("logging").getLogger("gpupool.reliability.watchdog")
         watchdog.log.addHandler(_Collect())
+        watchdog.log.propagate = False  # hundreds of sightings: the figures count them
         return pool, watchdog
 
     pool, watchdog = open_pool()
@@ -718,11 +738,11 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
         used = sum(usage.get(uuid, 0) for usage in procs.usage.values())
         return total[uuid] - max(slices, 0) - used
 
-    def unchanged(lease_id: str, call: Any, expected: tuple[type[BaseException], ...], what: str) -> bool:
-        """``call`` must be refused with one of ``expected`` and change nothing of the lease."""
+    def unchanged(lease_id: str, expected: type[BaseException], what: str, **report: Any) -> bool:
+        """The confirmation ``report`` must be refused with ``expected`` and change nothing of the lease."""
         before = pool.get(lease_id).to_json()
         try:
-            call()
+            pool.confirm_transition(lease_id, **report)
         except expected:
             after = pool.get(lease_id).to_json()
             if after != before:
@@ -756,9 +776,9 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
                 procs.use(pid, {uuid: per_gpu for uuid in lease.devices})
             elif lease.transition is Transition.SUSPENDING:
                 if pid in procs.usage and rng.random() < 0.25:
-                    if unchanged(lease.id, lambda: pool.confirm_transition(lease.id, parked_bytes=0), (RequestRefused,),
-                                 "a forged 'suspend done' while the process held its memory"):
-                        counts["forged_refused"] += 1
+                    if not unchanged(lease.id, RequestRefused, "a forged 'suspend done' while the process held its memory", parked_bytes=0):
+                        continue  # taken: the lease is suspended while its process holds the memory
+                    counts["forged_refused"] += 1
                 if rng.random() < 0.1:
                     pool.fail_transition(lease.id, "could not suspend: injected failure", still_running=True)
                     counts["suspends_failed"] += 1
@@ -768,17 +788,16 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
                 procs.use(pid, {})
                 if rng.random() < 0.1:
                     capacity = sum(total[u] for u in lease.devices)
-                    if unchanged(lease.id, lambda: pool.confirm_transition(lease.id, parked_bytes=capacity + 2**50), (InvalidInput,),
-                                 "a 1 PiB parked_bytes"):
-                        counts["parked_bytes_refused"] += 1
+                    if not unchanged(lease.id, InvalidInput, "a 1 PiB parked_bytes", parked_bytes=capacity + 2**50):
+                        continue
+                    counts["parked_bytes_refused"] += 1
                 reported = held if rng.random() < 0.8 else sum(total[u] for u in lease.devices)
                 done = pool.confirm_transition(lease.id, parked_bytes=reported)
                 counts["suspends_confirmed"] += 1
                 if reported > held and done.parked_memory <= lease.memory * lease.num_gpus:
                     counts["parked_bytes_bounded"] += 1
                 kernel["parked"] = held
-                if rng.random() < 0.3 and unchanged(lease.id, lambda: pool.confirm_transition(lease.id, parked_bytes=held), (InvalidInput,),
-                                                    "a replayed 'suspend done'"):
+                if rng.random() < 0.3 and unchanged(lease.id, InvalidInput, "a replayed 'suspend done'", parked_bytes=held):
                     counts["replays_harmless"] += 1
             elif lease.transition is Transition.RESTORING:
                 if rng.random() < 0.05:
@@ -790,20 +809,18 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
                 procs.use(pid, {uuid: per_gpu for uuid in lease.devices})
                 pool.confirm_transition(lease.id)
                 counts["restores_confirmed"] += 1
-                if rng.random() < 0.3 and unchanged(lease.id, lambda: pool.confirm_transition(lease.id), (InvalidInput,),
-                                                    "a replayed 'restore done'"):
+                if rng.random() < 0.3 and unchanged(lease.id, InvalidInput, "a replayed 'restore done'"):
                     counts["replays_harmless"] += 1
             elif lease.transition is Transition.MIGRATING:
                 if pid in procs.usage and rng.random() < 0.3:
-                    if unchanged(lease.id, lambda: pool.confirm_transition(lease.id), (RequestRefused,),
-                                 "a forged 'move done' while the process held its old GPU"):
-                        counts["forged_refused"] += 1
+                    if not unchanged(lease.id, RequestRefused, "a forged 'move done' while the process held its old GPU"):
+                        continue
+                    counts["forged_refused"] += 1
                 held = sum(procs.usage.get(pid, {}).values()) or lease.memory // 2
                 procs.use(pid, {uuid: min(lease.memory, held) for uuid in lease.devices})
                 pool.confirm_transition(lease.id)
                 counts["moves_confirmed"] += 1
-                if rng.random() < 0.3 and unchanged(lease.id, lambda: pool.confirm_transition(lease.id), (InvalidInput,),
-                                                    "a replayed 'move done'"):
+                if rng.random() < 0.3 and unchanged(lease.id, InvalidInput, "a replayed 'move done'"):
                     counts["replays_harmless"] += 1
 
     def start_kernel(kernel_id: str, owner: str, gib: int) -> Lease | None:
@@ -823,7 +840,7 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
     started = time.monotonic()
     changes = 0
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or operations < min_operations:
             before = _granted_pairs(pool.leases())
             roll = rng.random()
             mine = list(kernels.values())
@@ -1214,21 +1231,92 @@ def broker_suspend_attacks(workdir: Path, spec: str = "2x16GiB") -> dict[str, An
     return figures
 
 
+def server_kill_mid_step(workdir: Path, spec: str = "1x16GiB", seed: int = 5, steps: tuple[str, ...] = ("suspend", "resume")) -> dict[str, Any]:
+    """SIGKILL a real `jupyter server` (single-user, its own pool file) at a random moment of a
+    kernel's suspend, and of its resume: the kernel, whose process held 6 GiB, ends with its
+    server; the next pool decision releases its lease with a reason, nothing stays parked, no GPU
+    memory is left held by a dead process, and the whole GPU is granted to the next request."""
+    from broker_harness import JupyterServer
+    from server_process import Server, wait_for
+
+    rng = random.Random(seed)
+    figures: dict[str, Any] = {}
+
+    def one(step: str) -> str:
+        db = str(workdir / f"{step}.sqlite")
+        env: dict[str, str | None] = {"GPUPOOL_SIMULATE": spec, "GPUPOOL_DB": db, "GPUPOOL_DEFAULT_MEMORY": "8GiB",
+                                      "GPUPOOL_URL": None, "GPUPOOL_USER": "alice", "GPUPOOL_PARKED_MEMORY_LIMIT": "32GiB"}
+        server = Server(workdir, step, env, args=("--GpuPoolExtension.tick_interval=0.25",))
+        pool = Pool.from_env(environ={k: v for k, v in env.items() if v is not None}, policy=PoolPolicy(heartbeat_ttl=10**9))
+        try:
+            kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+            wait_for(lambda: server.call("GET", f"api/gpupool/kernels/{kernel}")["state"] == "granted", what="the grant")
+            JupyterServer.run_code(server, kernel, "from jupyter_gpupool.devices.simulated import pretend_to_use; pretend_to_use('6GiB')")  # type: ignore[arg-type]
+            lease_id = pool.lease_for_kernel(kernel).id
+            if step == "resume":
+                server.call("POST", f"api/gpupool/kernels/{kernel}/suspend")
+                wait_for(lambda: pool.get(lease_id).state is LeaseState.SUSPENDED, what="the suspend")
+            kernel_pids = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
+            server.call("POST", f"api/gpupool/kernels/{kernel}/{step}")
+            delay = rng.uniform(0.0, 0.2)
+            time.sleep(delay)
+            caught = pool.get(lease_id)
+            server.proc.send_signal(signal.SIGKILL)
+            server.proc.wait()
+            wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in kernel_pids),
+                     timeout=30, what="the killed server's kernel to end")
+            pool.tick()
+            after = pool.last_lease_for_kernel(kernel)
+            assert after is not None and after.state is LeaseState.RELEASED and after.release_reason, after
+            assert not pool.leases(), "a lease of the killed server survived"
+            assert not [u for u in pool.backend.process_usage() if u.pid in kernel_pids], "a dead kernel still holds GPU memory"
+            with pool._viewing(pool.clock()) as (state, _):
+                assert state.derived().parked == 0, "parked memory of a released lease still counts"
+            whole = pool.request(LeaseRequest(owner="bob", memory=16 * GIB))
+            assert whole.state is LeaseState.GRANTED, "the GPU was not whole again"
+            pool.release(whole.id)
+            check_pool_file(db, spec, intervals=True, ledger=False)
+            return (f"killed {delay:.2f} s in ({caught.state.value} {caught.transition.value or 'done'}); "
+                    f"released: {after.release_reason}")
+        finally:
+            pool.close()
+            server.stop()
+
+    for step in steps:
+        figures[f"killed_mid_{step}"] = one(step)
+    return figures
+
+
 # --- the command line ---------------------------------------------------------------------------
 
 
-def run_all(minutes: float) -> dict[str, Any]:
-    """Every scenario, sized so the whole run takes about ``minutes``."""
+#: Every scenario, in the order a run takes them.
+SCENARIOS = ("kill_storm", "burst", "device_faults", "server_kill", "soak", "unpooled_nvml", "broker_suspend_attacks",
+             "server_kill_mid_step", "suspend_soak")
+
+
+def run_all(minutes: float, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every scenario (or those named in ``only``), sized so the whole run takes about ``minutes``."""
+    timed = {"kill_storm": 0.2, "soak": 0.3, "suspend_soak": 0.3}  # share of ``minutes`` in a whole run
+    if only:  # the scenarios chosen share all of it: `--only suspend_soak --minutes 10` soaks 10 minutes
+        chosen = sum(share for name, share in timed.items() if name in only) or 1.0
+        timed = {name: share / chosen for name, share in timed.items()}
     with tempfile.TemporaryDirectory(prefix="gpupool-reliability-") as tmp:
         base = Path(tmp)
         results: dict[str, Any] = {}
         for name, fn in (
-            ("kill_storm", lambda d: kill_storm(d, seconds=minutes * 60 * 0.4)),
+            ("kill_storm", lambda d: kill_storm(d, seconds=minutes * 60 * timed["kill_storm"])),
             ("burst", lambda d: burst(d)),
             ("device_faults", device_faults),
             ("server_kill", server_kill),
-            ("soak", lambda d: soak(d, seconds=minutes * 60 * 0.5)),
+            ("soak", lambda d: soak(d, seconds=minutes * 60 * timed["soak"])),
+            ("unpooled_nvml", unpooled_nvml),
+            ("broker_suspend_attacks", broker_suspend_attacks),
+            ("server_kill_mid_step", server_kill_mid_step),
+            ("suspend_soak", lambda d: suspend_soak(d, seconds=minutes * 60 * timed["suspend_soak"])),
         ):
+            if only and name not in only:
+                continue
             folder = base / name
             folder.mkdir()
             started = time.monotonic()
@@ -1241,14 +1329,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the pool's reliability scenarios and print their figures.")
     parser.add_argument("--minutes", type=float, default=2.0, help="about how long the whole run takes (default 2)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of one line per figure")
+    parser.add_argument("--only", action="append", default=[], metavar="SCENARIO",
+                        help="run only this scenario (repeatable), e.g. --only suspend_soak")
     args = parser.parse_args(argv)
-    results = run_all(args.minutes)
+    unknown = sorted(set(args.only) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"unknown scenario {', '.join(unknown)}: choose from {', '.join(SCENARIOS)}")
+    results = run_all(args.minutes, tuple(args.only))
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         for scenario, figures in results.items():
             for key, value in figures.items():
-                print(f"{scenario:14} {key:32} {value}")
+                print(f"{scenario:22} {key:32} {value}")
     return 0
 
 
