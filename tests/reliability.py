@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import logging
 import os
 import random
 import resource
@@ -629,9 +630,9 @@ def check_suspend_invariants(pool: Pool, procs: _Processes, kernel_of_pid: dict[
                 slices[uuid] = slices.get(uuid, 0) + lease.memory
     outside: dict[str, int] = {}
     for pid, usage in procs.usage.items():
-        lease = by_id.get(kernel_of_pid.get(pid, ""))
+        owner = by_id.get(kernel_of_pid.get(pid, ""))
         for uuid, amount in usage.items():
-            if lease is None or lease.state is not LeaseState.GRANTED or uuid not in (*lease.devices, *lease.migrate_from):
+            if owner is None or owner.state is not LeaseState.GRANTED or uuid not in (*owner.devices, *owner.migrate_from):
                 outside[uuid] = outside.get(uuid, 0) + amount
     for lease_id, uuid in sorted(now_pairs - before):
         taken = slices.get(uuid, 0) + outside.get(uuid, 0)
@@ -687,7 +688,7 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
     total = {d.uuid: d.memory_total for d in backend.devices()}
     watchdog_problems: list[str] = []
 
-    class _Collect(__import__("logging").Handler):
+    class _Collect(logging.Handler):
         def emit(self, record: Any) -> None:
             if "could not" in record.getMessage():
                 watchdog_problems.append(record.getMessage())
@@ -696,7 +697,7 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
         pool = Pool(backend, db, PoolPolicy(**policy), clock=lambda: clock[0])
         pool.confirm_wait = 0.0  # a forged report is refused at once; a true one finds the memory already freed
         watchdog = Watchdog(backend=backend, pool=pool)
-        watchdog.log = __import__("logging").getLogger("gpupool.reliability.watchdog")
+        watchdog.log = logging.getLogger("gpupool.reliability.watchdog")
         watchdog.log.addHandler(_Collect())
         watchdog.log.propagate = False  # hundreds of sightings: the figures count them
         return pool, watchdog
@@ -1252,7 +1253,9 @@ def server_kill_mid_step(workdir: Path, spec: str = "1x16GiB", seed: int = 5, st
             kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
             wait_for(lambda: server.call("GET", f"api/gpupool/kernels/{kernel}")["state"] == "granted", what="the grant")
             JupyterServer.run_code(server, kernel, "from jupyter_gpupool.devices.simulated import pretend_to_use; pretend_to_use('6GiB')")  # type: ignore[arg-type]
-            lease_id = pool.lease_for_kernel(kernel).id
+            granted = pool.lease_for_kernel(kernel)
+            assert granted is not None
+            lease_id = granted.id
             if step == "resume":
                 server.call("POST", f"api/gpupool/kernels/{kernel}/suspend")
                 wait_for(lambda: pool.get(lease_id).state is LeaseState.SUSPENDED, what="the suspend")
