@@ -693,13 +693,15 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
             if "could not" in record.getMessage():
                 watchdog_problems.append(record.getMessage())
 
+    watchdog_log = logging.getLogger(f"gpupool.reliability.watchdog.{id(workdir)}")
+    watchdog_log.addHandler(_Collect())
+    watchdog_log.propagate = False  # hundreds of sightings: the figures count them
+
     def open_pool() -> tuple[Pool, Watchdog]:
         pool = Pool(backend, db, PoolPolicy(**policy), clock=lambda: clock[0])
         pool.confirm_wait = 0.0  # a forged report is refused at once; a true one finds the memory already freed
         watchdog = Watchdog(backend=backend, pool=pool)
-        watchdog.log = logging.getLogger("gpupool.reliability.watchdog")
-        watchdog.log.addHandler(_Collect())
-        watchdog.log.propagate = False  # hundreds of sightings: the figures count them
+        watchdog.log = watchdog_log
         return pool, watchdog
 
     pool, watchdog = open_pool()
@@ -1261,7 +1263,7 @@ def server_kill_mid_step(workdir: Path, spec: str = "1x16GiB", seed: int = 5, st
                 wait_for(lambda: pool.get(lease_id).state is LeaseState.SUSPENDED, what="the suspend")
             kernel_pids = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
             server.call("POST", f"api/gpupool/kernels/{kernel}/{step}")
-            delay = rng.uniform(0.0, 0.2)
+            delay = rng.uniform(0.0, 0.12)
             time.sleep(delay)
             caught = pool.get(lease_id)
             server.proc.send_signal(signal.SIGKILL)
@@ -1280,7 +1282,7 @@ def server_kill_mid_step(workdir: Path, spec: str = "1x16GiB", seed: int = 5, st
             pool.release(whole.id)
             check_pool_file(db, spec, intervals=True, ledger=False)
             return (f"killed {delay:.2f} s in ({caught.state.value} {caught.transition.value or 'done'}); "
-                    f"released: {after.release_reason}")
+                    f"then {after.release_reason}")
         finally:
             pool.close()
             server.stop()
