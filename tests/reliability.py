@@ -39,6 +39,7 @@ memory is scripted, so the pool's books can be set against what the GPU holds):
   failed steps, forged and replayed reports and processes outside the pool; after every step:
   nothing granted out of memory held outside the pool, one live lease per kernel, parked bytes
   within what was held and the parked total consistent (see :func:`check_suspend_invariants`).
+  ``GPUPOOL_RELIABILITY_DEBUG=1`` prints each broken promise with the pool's last events.
 """
 
 from __future__ import annotations
