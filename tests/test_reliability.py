@@ -50,9 +50,13 @@ def test_the_suite_runs_from_the_command_line(tmp_path: Path) -> None:
     """`python tests/reliability.py --json` is how RELIABILITY.md's figures are made."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "reliability.py"), "--minutes", "0.15", "--json"],
+        [sys.executable, str(Path(__file__).parent / "reliability.py"), "--minutes", "0.15", "--json",
+         *[arg for name in ("kill_storm", "burst", "device_faults", "server_kill", "soak", "unpooled_nvml") for arg in ("--only", name)]],
         check=False, capture_output=True, text=True, timeout=300, env=env,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout)
-    assert set(figures) == {"kill_storm", "burst", "device_faults", "server_kill", "soak"}
+    assert set(figures) == {"kill_storm", "burst", "device_faults", "server_kill", "soak", "unpooled_nvml"}
+    bad = subprocess.run([sys.executable, str(Path(__file__).parent / "reliability.py"), "--only", "nope"],
+                         check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "unknown scenario nope: choose from kill_storm" in bad.stderr, bad.stderr
