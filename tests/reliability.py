@@ -1044,7 +1044,8 @@ def unpooled_nvml(workdir: Path) -> dict[str, Any]:
         figures["suspended_but_using"] = "seen as 'its lease is suspended'; its 15 GiB not granted"
         waiting = pool.request(LeaseRequest(owner="dave", memory=40 * GIB))
         assert waiting.state is LeaseState.QUEUED
-        procs.kill(rogue)  # it exits; NVML lists it a moment longer, the watcher knows it is gone
+        procs.kill(rogue)  # it exits, and the driver frees its memory with it
+        use(rogue, other, 0)
         watch()
         assert pool.get(waiting.id).state is LeaseState.GRANTED and pool.get(waiting.id).devices == (other,)
         figures["exited"] = "its 50 GiB granted to a waiting 40 GiB request at the next watch"

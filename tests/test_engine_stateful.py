@@ -172,7 +172,7 @@ class PoolMachine(RuleBasedStateMachine):
         uses = [UnpooledUse(device=device.uuid, pid=4242, bytes=gib * GIB, host="h", why="no lease")] if gib else []
         self.pool.report_unpooled(uses, reporter="watcher", ttl=10**9, now=self.now)
         self.unpooled = {device.uuid: gib * GIB} if gib else {}
-        self.unpooled_since = self.now
+        self.granted_before = {(l.id, l.granted_at) for l in self.pool.leases() if l.state is LeaseState.GRANTED}
 
     @rule(seconds=st.sampled_from([1, 30, 200, 700, 3600]))
     def advance(self, seconds):
@@ -202,9 +202,10 @@ class PoolMachine(RuleBasedStateMachine):
         held = held_by_device(live)
         for device in self.pool.devices():
             newer = [l for l in live if l.state is LeaseState.GRANTED and device.uuid in l.devices
-                     and (l.granted_at or 0) >= self.unpooled_since]
+                     and (l.id, l.granted_at) not in self.granted_before]
             if newer and device.uuid in unpooled:
-                assert held.get(device.uuid, 0) + unpooled[device.uuid] <= device.leasable
+                outside = min(unpooled[device.uuid], device.memory_total)  # no GPU holds more than itself
+                assert held.get(device.uuid, 0) + outside <= device.leasable
 
     @invariant()
     def one_live_lease_per_kernel_and_parked_no_more_than_held(self):

@@ -1090,6 +1090,9 @@ class Engine:
     def release(self, state: PoolState, lease_id: str, reason: str, now: float) -> Lease:
         lease = self.get(state, lease_id)
         self._count_unwritten_busy_time(lease, now)
+        # Only a granted interval is metered here: a suspended (or queued to resume) lease's was
+        # closed when it was suspended, and billing it again up to now would count the parked time.
+        metered = lease.state is LeaseState.GRANTED
         lease.state = LeaseState.RELEASED
         lease.released_at = now
         lease.release_reason = reason
@@ -1100,7 +1103,8 @@ class Engine:
         lease.parked_memory = 0
         lease.migrate_from = ()
         state.touch(lease)
-        state.released.append(lease)
+        if metered:
+            state.released.append(lease)
         return lease
 
     def resize(self, state: PoolState, lease_id: str, memory: int, now: float) -> Lease:
