@@ -41,8 +41,8 @@ from .core.models import (
 from .core.policy import PoolPolicy, Reservation, parse_reservation
 from .devices import DeviceBackend, make_backend
 from .errors import InvalidInput, LeaseNotFound, RequestRefused
-from .units import format_size
 from .store import Store
+from .units import format_size
 from .unpooled import UnpooledUse, held_by_lease, unpooled_line
 from .validate import preferences as validate_preferences
 from .waiting import GrantWaiting
@@ -368,7 +368,7 @@ class Pool(GrantWaiting):
         """Refuse a suspend's or move's confirmation while the GPU still shows the kernel's memory."""
         deadline = time.monotonic() + self.confirm_wait
         while True:
-            held, devices = self._held_after(lease_id)
+            held, _ = self._held_after(lease_id)
             if not held:
                 return
             if time.monotonic() >= deadline:

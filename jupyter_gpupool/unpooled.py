@@ -358,4 +358,4 @@ def tell_terminal(pid: int, line: str) -> bool:
         os.close(fd)
 
 
-__all__ = ["SYSTEM_PROCESSES", "Attribution", "UnpooledUse", "attribute", "find_kernel_roots", "held_by_lease", "unpooled_line", "tell_terminal", "terminate_tree"]
+__all__ = ["SYSTEM_PROCESSES", "Attribution", "UnpooledUse", "attribute", "find_kernel_roots", "held_by_lease", "tell_terminal", "terminate_tree", "unpooled_line"]

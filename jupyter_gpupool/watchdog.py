@@ -31,8 +31,8 @@ from traitlets.config import LoggingConfigurable
 
 from .core.models import Decision, Lease
 from .devices import DeviceBackend, ProcessUsage
-from .unpooled import SYSTEM_PROCESSES, UnpooledUse, attribute, tell_terminal, terminate_tree, unpooled_line
 from .units import MIB, format_duration, format_size
+from .unpooled import SYSTEM_PROCESSES, UnpooledUse, attribute, tell_terminal, terminate_tree, unpooled_line
 
 Action = Literal["warn", "interrupt", "stop"]
 EventKind = Literal["warn", "act", "clear"]
@@ -323,11 +323,11 @@ class Watchdog(LoggingConfigurable):
             if acting and episode.deadline is not None and now >= episode.deadline:
                 episode.actions += 1
                 episode.deadline = now + self.grace
-                decided.append((
-                    "act", use, action,
+                line = (
                     f"process {use.pid} {_PAST[action]}: it held {format_size(use.bytes)} of a GPU outside the pool "
-                    f"({use.why}) for {format_duration(now - episode.over_since)}; GPUs are used through a pooled kernel",
-                ))
+                    f"({use.why}) for {format_duration(now - episode.over_since)}; GPUs are used through a pooled kernel"
+                )
+                decided.append(("act", use, action, line))
         return decided
 
     def first_seen(self) -> dict[tuple[str, int], float]:

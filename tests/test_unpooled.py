@@ -8,7 +8,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -277,8 +276,8 @@ def test_a_process_outside_the_pool_shows_in_status_and_the_pool_view_and_a_requ
         uuid = server.call("GET", "api/gpupool/pool")["devices"][0]["uuid"]
         rogue_env = {**os.environ, **{k: v for k, v in env.items() if v is not None}, "CUDA_VISIBLE_DEVICES": uuid}
         rogue = subprocess.Popen(
-            [sys.executable, "-c", "from jupyter_gpupool.devices.simulated import pretend_to_use; import time; "
-             "pretend_to_use('3GiB'); time.sleep(120)"],
+            [sys.executable, "-c", ("from jupyter_gpupool.devices.simulated import pretend_to_use; import time; "
+                                    "pretend_to_use('3GiB'); time.sleep(120)")],
             env=rogue_env,
         )
         view = wait_for(lambda: (v := server.call("GET", "api/gpupool/pool"))["unpooled"] and v, timeout=30,
@@ -286,11 +285,11 @@ def test_a_process_outside_the_pool_shows_in_status_and_the_pool_view_and_a_requ
         assert [(u["pid"], u["bytes"]) for u in view["unpooled"]] == [(rogue.pid, 3 * GIB)]  # her own process: she sees it
         assert view["devices"][0]["memory_unpooled"] == 3 * GIB
         cli_env = {**{k: v for k, v in rogue_env.items() if k != "CUDA_VISIBLE_DEVICES"}}
-        status = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status", "--json"], env=cli_env,
+        status = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status", "--json"], check=False, env=cli_env,
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert [u["pid"] for u in json.loads(status.stdout)["unpooled"]] == [rogue.pid]
-        text = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status"], env=cli_env,
+        text = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status"], check=True, env=cli_env,
                               capture_output=True, text=True, timeout=60).stdout
         assert "Outside the pool" in text and str(rogue.pid) in text
         pool = Pool.from_env(environ={k: v for k, v in env.items() if v is not None})

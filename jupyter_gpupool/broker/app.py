@@ -34,10 +34,10 @@ from ..core.models import Lease, LeaseRequest, LeaseState
 from ..core.policy import PoolPolicy
 from ..enforcement import EnforcementSettings
 from ..errors import InvalidInput, NotAuthorized, RequestRefused
-from ..units import parse_duration
-from ..views import kernel_status
 from ..pool import HOSTNAME
+from ..units import parse_duration
 from ..unpooled import find_kernel_roots, terminate_tree
+from ..views import kernel_status
 from ..watchdog import Watchdog
 from .auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
 from .handlers import NotFoundHandler, lease_json, parse_priority, routes

@@ -35,6 +35,7 @@ from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Tran
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
 from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
 from ..kernel.autolease import mark_unpooled_kernelspecs
+from ..pool import HOSTNAME
 from ..provisioner import (
     PROVISIONER_NAME,
     WHEN_UNAVAILABLE,
@@ -45,7 +46,6 @@ from ..provisioner import (
     one_line,
     when_unavailable_from_env,
 )
-from ..pool import HOSTNAME
 from ..quiet import ActivityClocks
 from ..units import format_size
 from ..views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
