@@ -25,6 +25,7 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -63,7 +64,7 @@ class Suite:
 
     name: str  #: distribution name, as installed
     paths: tuple[str, ...]  #: the kernel, session and client tests (``--all``)
-    ci_paths: tuple[str, ...]  #: the subset CI runs
+    ci_paths: tuple[str, ...]  #: the subset CI runs: the kernel start, stop, restart and failure tests, in ≤ 6 minutes on 2 cores
     installed_package: str | None  #: the sdist's copy of the package, removed so the installed one is tested
     pytest_args: tuple[str, ...] = ()
     server_extension: bool = False  #: active = the server extension loaded (else: the provisioner default)
@@ -74,11 +75,20 @@ SUITES: dict[str, Suite] = {
     for suite in (
         Suite("jupyter_server",
               paths=("tests/services/kernels", "tests/services/sessions", "tests/services/api", "tests/test_serverapp.py"),
-              ci_paths=("tests/services/kernels", "tests/services/sessions"),
+              ci_paths=("tests/services/kernels/test_api.py", "tests/services/kernels/test_restart_error.py",
+                        "tests/services/kernels/test_transport_encryption.py",
+                        *(f"tests/services/sessions/test_api.py::{name}" for name in (
+                            "test_create", "test_create_bad", "test_create_bad_pending", "test_delete", "test_restart_kernel"))),
               installed_package="jupyter_server", pytest_args=("-p", "no:asyncio"), server_extension=True),
         Suite("nbclient",
               paths=("tests",),
-              ci_paths=("tests/test_client.py",),
+              ci_paths=tuple(f"tests/test_client.py::{name}" for name in (
+                  "test_parallel_notebooks", "test_many_parallel_notebooks", "test_async_parallel_notebooks",
+                  "test_many_async_parallel_notebooks", "test_synchronous_setup_kernel",
+                  "test_startnewkernel_with_kernelmanager", "test_start_new_kernel_client_cleans_up_kernel_on_failure",
+                  "TestExecute::test_kernel_death_after_timeout", "TestExecute::test_kernel_death_during_execution",
+                  "TestExecute::test_sync_kernel_manager", "TestExecute::test_custom_kernel_manager",
+                  "TestExecute::test_empty_kernel_name")),
               installed_package="nbclient", pytest_args=("-o", "asyncio_default_fixture_loop_scope=function")),
         # papermill's tests live inside its package (relative imports): its sdist copy, the same
         # release as the installed one, is the one imported.
@@ -302,7 +312,7 @@ def run_suite(suite: Suite, mode: str, sdist: Path, paths: tuple[str, ...], work
     log, outcomes = scratch / "pytest.log", scratch / "outcomes.jsonl"
     command = [sys.executable, "-m", "pytest", *paths, *suite.pytest_args, *extra,
                "-p", "outcomes_plugin", f"--outcomes-file={outcomes}", "-p", "no:cacheprovider", "--color=no", "-q",
-               f"--timeout={per_test_timeout:g}", "-o", "timeout_method=signal"]
+               f"--basetemp={scratch / 'tmp'}", f"--timeout={per_test_timeout:g}", "-o", "timeout_method=signal"]
     result = RunResult(suite.name, mode, log=log)
     started = time.monotonic()
     deadline = started + run_timeout
@@ -362,6 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=120, help="seconds one test may take (default: 120)")
     parser.add_argument("--run-timeout", type=float, default=1800, help="seconds one pytest run may take before it is killed (default: 1800)")
     parser.add_argument("--no-confirm", action="store_true", help="report differences without re-running the differing tests once in both modes")
+    parser.add_argument("--jobs", type=int, default=1, choices=(1, 2), help="run the bare and the active run side by side (2) or one after the other (1, the default)")
     parser.add_argument("--strict", action="store_true", help="count the inherent differences (INHERENT_DIFFERENCES) too")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k, for every run")
     args = parser.parse_args(argv)
@@ -390,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             ver = installed_version(suite.name)
             sdist = fetch_sdist(suite.name, ver, cache)
             paths = tuple(args.paths.get(suite.name) or (suite.paths if args.all else suite.ci_paths))
-            runs = {mode: run_suite(suite, mode, sdist, paths, workdir, per_test_timeout=args.timeout,
-                                    run_timeout=args.run_timeout, extra=extra) for mode in modes}
+            runs = run_modes(suite, modes, sdist, paths, workdir, args, extra)
             for mode, result in runs.items():
                 print(f"{suite.name} {ver} {mode:6}: {_summary(result)}  [{result.log}]", flush=True)
             for mode, result in runs.items():
@@ -431,6 +441,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_modes(suite: Suite, modes: tuple[str, ...], sdist: Path, paths: tuple[str, ...], workdir: Path,
+              args: argparse.Namespace, extra: tuple[str, ...]) -> dict[str, RunResult]:
+    """The runs of one suite in each mode, side by side with ``--jobs 2``."""
+    def one(mode: str) -> RunResult:
+        return run_suite(suite, mode, sdist, paths, workdir, per_test_timeout=args.timeout,
+                         run_timeout=args.run_timeout, extra=extra)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(args.jobs, len(modes)))) as pool:
+        return dict(zip(modes, pool.map(one, modes)))
+
+
 def confirm(suite: Suite, sdist: Path, diff: list[tuple[str, str, str]], runs: dict[str, RunResult], workdir: Path,
             args: argparse.Namespace) -> list[tuple[str, str, str]]:
     """Run the differing tests once more in both modes; keep the differences that hold again
@@ -438,8 +459,7 @@ def confirm(suite: Suite, sdist: Path, diff: list[tuple[str, str, str]], runs: d
     node_ids = sorted({test_id for test_id, *_ in diff if "::" in test_id})
     if not node_ids:
         return diff
-    again = {mode: run_suite(suite, mode, sdist, tuple(node_ids), workdir, per_test_timeout=args.timeout,
-                             run_timeout=args.run_timeout) for mode in MODES}
+    again = run_modes(suite, MODES, sdist, tuple(node_ids), workdir, args, ())
     for mode, result in again.items():
         print(f"{suite.name} {mode:6} (the {len(node_ids)} differing tests again): {_summary(result)}  [{result.log}]", flush=True)
     held = []
