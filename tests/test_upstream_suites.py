@@ -27,7 +27,7 @@ def _runner(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ci_subset_has_the_same_outcomes_bare_and_active(tmp_path: Path) -> None:
-    done = _runner("--workdir", str(tmp_path / "runs"), "--run-timeout", "500", timeout=1150)
+    done = _runner("--workdir", str(tmp_path / "runs"), "--jobs", "2", "--run-timeout", "500", timeout=1150)
     report = done.stdout + done.stderr
     assert done.returncode == 0, report[-8000:]
     for name in SUITES:  # every package ran in both modes, and the active runs leased from the pool

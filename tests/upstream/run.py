@@ -354,7 +354,7 @@ def differences(bare: RunResult, active: RunResult) -> list[tuple[str, str, str]
 
 def _summary(result: RunResult) -> str:
     counts = result.counts()
-    text = " ".join(f"{counts[key]} {key}" for key in ("passed", "failed", "error", "skipped", "xfailed") if counts[key])
+    text = " ".join(f"{counts[key]} {key}" for key in ("passed", "failed", "error", "hung", "skipped", "xfailed") if counts[key])
     leases = "" if result.leases is None else f", {result.leases} leases"
     return f"{text or 'no tests'} ({result.seconds:.0f} s{leases})"
 
