@@ -150,12 +150,15 @@ class ServerBinding:
 _pools: dict[tuple[str, str, str], Pool] = {}
 _pools_lock = threading.Lock()
 
-# --- worker threads that survive a fork ----------------------------------------------------------
+# --- kernel starts in forked processes -------------------------------------------------------------
 # A process forked from one that ran kernels (ProcessPoolExecutor workers on Linux) inherits its
-# event loop objects and their default executors, whose worker threads do not exist in the child:
-# work handed to them never runs. Pool calls run on an executor of this module instead, and after
-# a fork every loop a kernel start ran on gets a fresh default executor (``asyncio.to_thread`` on
-# it then works again), and the child opens its own pools (a SQLite connection never crosses a fork).
+# event loop objects, whose epoll instance and self-pipe it shares with its parent and siblings (a
+# wake-up written in one may be read by another: the loop then sleeps for ever), and whose default
+# executor's threads do not exist in it (work handed to it never runs). So in a child every loop a
+# kernel start ran on is abandoned unused (marked closed, so jupyter_core and asyncio make a fresh
+# one; never polled, and never closed, which would unregister the parent's descriptors), pool calls
+# run on an executor of this module that the child creates anew, and the child opens its own pools
+# (a SQLite connection never crosses a fork).
 
 _T = TypeVar("_T")
 _executor: ThreadPoolExecutor | None = None
@@ -182,15 +185,20 @@ async def in_thread(function: Callable[..., _T], *args: Any) -> _T:
 
 
 def _after_fork_in_child() -> None:
-    """Drop what a fork left dead or unsafe: worker threads, loop executors, open pools."""
+    """Drop what a fork left dead or shared: worker threads, the loops kernels started on, open pools."""
     global _executor, _executor_lock, _pools_lock
     _executor = None
     _executor_lock = threading.Lock()
     _pools_lock = threading.Lock()
     _pools.clear()
-    for loop in list(_loops_used):
-        if not loop.is_closed():
-            loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="asyncio"))
+    inherited = [loop for loop in list(_loops_used) if not loop.is_closed()]
+    _loops_used.clear()
+    if not inherited:
+        return
+    for loop in inherited:
+        loop._closed = True  # type: ignore[attr-defined]  # abandoned, not closed: its descriptors are the parent's too
+    with contextlib.suppress(Exception):
+        asyncio.set_event_loop(None)  # this thread's next get_event_loop() / run_sync() makes a fresh loop
 
 
 if hasattr(os, "register_at_fork"):
