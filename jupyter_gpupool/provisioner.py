@@ -18,7 +18,10 @@ request withdrawn while queued) fails with the reason in :attr:`GpuPoolProvision
 
 It works the same inside Jupyter Server (where the ``gpupool`` server extension binds its pool
 and reports activity) and outside it (``jupyter nbconvert --execute``, nbclient, papermill), where
-it opens the pool from the environment and keeps its own lease alive with heartbeats.
+it opens the pool from the environment and keeps its own lease alive with heartbeats. It works in
+processes forked from one that already ran kernels (``ProcessPoolExecutor`` workers of a parallel
+autograder): a child gets fresh worker threads and opens its own pool. A launch that fails (a
+kernelspec naming a missing program) gives its lease back at once.
 
 Kernelspec example (``kernel.json``)::
 
@@ -30,14 +33,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import getpass
 import importlib.util
+import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, Unicode
@@ -141,6 +149,81 @@ class ServerBinding:
 
 _pools: dict[tuple[str, str, str], Pool] = {}
 _pools_lock = threading.Lock()
+
+# --- kernel starts in forked processes -------------------------------------------------------------
+# A process forked from one that ran kernels (ProcessPoolExecutor workers on Linux) inherits its
+# event loop objects, whose epoll instance and self-pipe it shares with its parent and siblings (a
+# wake-up written in one may be read by another: the loop then sleeps for ever), and whose default
+# executor's threads do not exist in it (work handed to it never runs). So in a child every loop a
+# kernel start ran on is abandoned unused (marked closed, so jupyter_core and asyncio make a fresh
+# one; never polled, and never closed, which would unregister the parent's descriptors), pool calls
+# run on an executor of this module that the child creates anew, and the child opens its own pools
+# (a SQLite connection never crosses a fork).
+
+_T = TypeVar("_T")
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+_loops_used: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def _pool_executor() -> ThreadPoolExecutor:
+    """The threads that run this process's blocking pool calls (created on first use, again after a fork)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpupool")
+        return _executor
+
+
+async def in_thread(function: Callable[..., _T], *args: Any) -> _T:
+    """``asyncio.to_thread`` on this module's executor: fork-safe, and never short of threads
+    because other work filled the loop's default executor."""
+    loop = asyncio.get_running_loop()
+    _loops_used.add(loop)
+    call = functools.partial(contextvars.copy_context().run, function, *args)
+    return await loop.run_in_executor(_pool_executor(), call)
+
+
+def _after_fork_in_child() -> None:
+    """Drop what a fork left dead or shared: worker threads, the loops kernels started on, open pools."""
+    global _executor, _executor_lock, _pools_lock
+    _executor = None
+    _executor_lock = threading.Lock()
+    _pools_lock = threading.Lock()
+    _pools.clear()
+    inherited = [loop for loop in list(_loops_used) if not loop.is_closed()]
+    _loops_used.clear()
+    if not inherited:
+        return
+    for loop in inherited:
+        loop._closed = True  # type: ignore[attr-defined]  # abandoned, not closed: its descriptors are the parent's too
+    with contextlib.suppress(Exception):
+        asyncio.set_event_loop(None)  # this thread's next get_event_loop() / run_sync() makes a fresh loop
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _OneLineForPoolRefusals(logging.Filter):
+    """Drop jupyter_client's and jupyter_server's tracebacks of a start the pool refused or
+    cancelled (a queued kernel shut down, a request withdrawn): the provisioner already said why,
+    in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(record.msg, BaseException) and error is None:
+            error = record.msg
+        return not isinstance(error, GpuPoolError)
+
+
+_ONE_LINE_FILTER = _OneLineForPoolRefusals()
+
+
+def _quiet_pool_refusals(log: Any) -> None:
+    """Install the one-line filter on ``log`` (the kernel manager's, which is the server's in a server)."""
+    if isinstance(log, logging.Logger) and _ONE_LINE_FILTER not in log.filters:
+        log.addFilter(_ONE_LINE_FILTER)
 
 
 def server_binding(provisioner: Any) -> ServerBinding | None:
@@ -350,7 +433,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     async def _wait(self, lease: Lease) -> Lease:
         self.phase = "waiting"
-        info = await asyncio.to_thread(self.pool.queue_info, lease.id)
+        info = await in_thread(self.pool.queue_info, lease.id)
         self.queue_update = (lease, info)
         self._notify("queued", lease, info, self._queue_message(info))
         self.log.info("gpupool: kernel %s waits for a GPU slice: %s", self.kernel_id, self._queue_message(info))
@@ -450,8 +533,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         """
         restarting = self.phase == "restarting"
         self.failure = None
+        _quiet_pool_refusals(self.log)
         try:
-            await asyncio.to_thread(self._open_pool)
+            await in_thread(self._open_pool)
             lease = await self.acquire()
         except self.REFUSALS as err:
             self._fail(f"no GPU slice: {one_line(err)}")
@@ -469,7 +553,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             return await self._launch_cpu_only(reason, err, **kwargs)
         self.cpu_only_reason = None
         self.phase = "launching"
-        devices = {d.uuid: d for d in await asyncio.to_thread(self.pool.devices)}
+        devices = {d.uuid: d for d in await in_thread(self.pool.devices)}
         self.plan = plan_enforcement(lease, devices, self._enforcement())
         env = dict(kwargs.get("env") or os.environ)
         env.pop(UNAVAILABLE_ENV, None)
@@ -513,6 +597,22 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         )
         return await super().pre_launch(**kwargs)
 
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
+        """Launch the kernel; a launch that fails (a missing program, a bad ``cwd``) gives its lease back at once."""
+        try:
+            return await super().launch_kernel(cmd, **kwargs)
+        except Exception as err:
+            reason = f"the kernel did not launch: {one_line(err)}"
+            self.phase = "failed"
+            self.failure = reason
+            # The kernel never ran: nothing keeps this slice, on a restart either.
+            released = await in_thread(self._release_quietly, reason)
+            self.lease_id = None
+            if released is not None:
+                self._notify("released", released, None, reason)
+            self.log.warning("gpupool: kernel %s did not start: %s", self.kernel_id, reason)
+            raise
+
     def _finalize_env(self, env: dict[str, str]) -> None:
         """Re-apply the plan after kernelspec ``env`` substitutions: the grant wins over the spec."""
         super()._finalize_env(env)
@@ -533,7 +633,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             if lease_id:
                 try:
                     # A batch run (nbconvert, papermill) executes cells back to back: count it as busy.
-                    await asyncio.to_thread(self.pool.report_activity, lease_id, Activity(busy=True, connections=1))
+                    await in_thread(self.pool.report_activity, lease_id, Activity(busy=True, connections=1))
                 except GpuPoolError as err:
                     self.log.debug("gpupool: heartbeat for %s: %s", lease_id, err)
                 except Exception:
@@ -566,11 +666,11 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             with contextlib.suppress(BaseException):
                 await self._heartbeat_task
             self._heartbeat_task = None
-        released = await asyncio.to_thread(self._release_quietly, "kernel shut down")
+        released = await in_thread(self._release_quietly, "kernel shut down")
         if released is not None:
             self._notify("released", released, None, "kernel shut down")
         self.lease_id = None
-        stale = await asyncio.to_thread(self._release_stale_quietly, "kernel shut down")
+        stale = await in_thread(self._release_stale_quietly, "kernel shut down")
         if stale is not None:
             self._notify("released", stale, None, "kernel shut down")
 
@@ -612,6 +712,7 @@ __all__ = [
     "cpu_only_plan",
     "default_owner",
     "holder_identity",
+    "in_thread",
     "one_line",
     "pool_from_env",
     "server_binding",

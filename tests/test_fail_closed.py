@@ -1,6 +1,6 @@
 """Fail closed, visibly: a pool that cannot be used never hands a kernel an unpooled GPU, the
 server says why (REST, kernel model), recovers when the cause is fixed, and a failed start ends
-as failed with the reason. Real jupyter_server, real kernels; the pool breaks for real causes
+with the reason. Real jupyter_server, real kernels; the pool breaks for real causes
 (an invalid GPUPOOL_* value, a corrupt pool file, a request larger than any GPU).
 
 Every test here failed on the code before it: the extension did not load at all (REST 404,
@@ -100,26 +100,19 @@ def test_unavailable_pool_loads_degraded_runs_kernels_cpu_only_and_recovers(
 def test_refuse_mode_a_corrupt_pool_file_fails_starts_with_the_reason(
     corrupt_pool_file, arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext
 ):
-    """With ``refuse``, a start while the pool file is corrupt ends ``dead`` with the reason (not
-    ``starting`` for ever), the kernel's status says ``failed``, and it can be deleted."""
+    """With ``refuse``, a start while the pool file is corrupt fails at once, as a failed start
+    fails without the extension: ``POST /api/kernels`` answers 503 with the reason (not 500, not a
+    kernel ``starting`` for ever), and no kernel is left behind."""
     assert corrupt_pool_file.read_bytes().startswith(b"this is not")
 
     async def scenario() -> None:
         pool = (await get_json(gpupool_fetch, "api", "gpupool", "pool"))[1]
         assert pool["state"] == "unavailable" and pool["when_unavailable"] == "refuse" and pool["reason"]
-        kernel_id = await start_kernel(gpupool_fetch)
-
-        async def dead() -> dict[str, Any] | None:
-            model = (await get_json(gpupool_fetch, "api", "kernels", kernel_id))[1]
-            return model if model["execution_state"] == "dead" else None
-
-        model = await gpupool_wait(dead, timeout=20, what="the refused kernel to end dead")
-        assert "GPU pool is unavailable" in model["reason"], model
-        code, status = await get_json(gpupool_fetch, "api", "gpupool", "kernels", kernel_id)
-        assert code == 200 and status["state"] == "failed" and "unavailable" in status["reason"], status
-        assert "without a GPU slice" not in status["enforcement"]["description"]
-        assert (await gpupool_fetch("api", "kernels", kernel_id, method="DELETE")).code == 204
-        assert kernel_id not in jp_serverapp.kernel_manager
+        response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
+        assert response.code == 503, response.body
+        message = json.loads(response.body)["message"]
+        assert "GPU pool is unavailable" in message and "Traceback" not in response.body.decode(), message
+        assert jp_serverapp.kernel_manager.list_kernel_ids() == []
         # The corrupt file was left as it was: never silently replaced by a fresh pool.
         assert corrupt_pool_file.read_bytes().startswith(b"this is not")
 
@@ -127,23 +120,18 @@ def test_refuse_mode_a_corrupt_pool_file_fails_starts_with_the_reason(
 
 
 def test_a_start_the_pool_refuses_ends_failed_with_the_reason(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext):
-    """A slice larger than any GPU: the kernel ends ``dead`` with the reason over /api/kernels, and
-    ``failed`` with it over /api/gpupool (not "this kernel runs without a GPU slice")."""
+    """A slice larger than any GPU: ``POST /api/kernels`` answers 409 with the reason (the error of
+    the call, as jupyter_server answers a start that fails), leaving no kernel and no lease."""
     gpupool_ext.pool.set_preference("alice", memory="64GiB")
 
     async def scenario() -> None:
-        kernel_id = await start_kernel(gpupool_fetch)
-
-        async def dead() -> dict[str, Any] | None:
-            model = (await get_json(gpupool_fetch, "api", "kernels", kernel_id))[1]
-            return model if model["execution_state"] == "dead" else None
-
-        model = await gpupool_wait(dead, timeout=20, what="the refused kernel to end dead")
-        assert "16 GiB" in model["reason"] or "largest" in model["reason"], model
-        status = (await get_json(gpupool_fetch, "api", "gpupool", "kernels", kernel_id))[1]
-        assert status["state"] == "failed" and status["reason"] == model["reason"], status
-        assert "without a GPU slice" not in json.dumps(status)
-        assert (await gpupool_fetch("api", "kernels", kernel_id, method="DELETE")).code == 204
+        response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
+        assert response.code == 409, response.body
+        message = json.loads(response.body)["message"]
+        assert "16 GiB" in message or "largest" in message, message
+        assert "without a GPU slice" not in message
+        assert jp_serverapp.kernel_manager.list_kernel_ids() == []
+        assert gpupool_ext.pool.leases() == []
 
     arun(scenario())
 

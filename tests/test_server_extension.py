@@ -304,10 +304,10 @@ def test_sigkill_of_a_kernel_frees_its_lease(arun, jp_serverapp, gpupool_fetch, 
 
 
 def test_provisioner_is_default_and_can_be_opted_out(jp_serverapp, gpupool_ext):
-    """The extension made gpupool-provisioner the default; pending kernels are on."""
+    """The extension made gpupool-provisioner the default; every start is not made pending (only a queued one is)."""
     spec = jp_serverapp.kernel_spec_manager.get_kernel_spec("python3")
     assert spec.metadata["kernel_provisioner"]["provisioner_name"] == "gpupool-provisioner"
-    assert jp_serverapp.kernel_manager.use_pending_kernels is True
+    assert jp_serverapp.kernel_manager.use_pending_kernels is False
     assert gpupool_ext.owner == "alice"
 
 

@@ -1,7 +1,9 @@
 """The ``gpupool`` Jupyter Server extension: the pool's adapter inside a running server.
 
-- makes ``gpupool-provisioner`` the default provisioner and turns on pending kernels, so a kernel
-  start that waits in the queue never blocks the server or times out;
+- makes ``gpupool-provisioner`` the default provisioner; a kernel start the pool grants at once
+  behaves exactly as jupyter_server's own (``POST /api/kernels`` answers a started kernel, errors
+  come back from the call), and only one that must wait in the queue is answered at once as a
+  pending kernel, so it never blocks the server or times out;
 - feeds the engine each kernel's activity, runs its scheduler and carries out its decisions
   (idle and preemption reclaims: suspend where this host can checkpoint, else cull);
 - reconciles leases against live kernels (a kernel process that died frees its slice);
@@ -26,8 +28,13 @@ from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Any, ClassVar
 
+from jupyter_client.multikernelmanager import AsyncMultiKernelManager
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
+from jupyter_server._tz import utcnow
+from jupyter_server.auth.decorator import authorized
 from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.services.kernels.handlers import KernelActionHandler
+from tornado import web
 from traitlets import Bool, Enum, Float, List, Unicode, default
 
 from ..backends import backend_provisioner
@@ -59,6 +66,23 @@ LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v2.yaml"
 RECLAIM_PREFIXES = ("reclaimed", "preempted", "ended by Slurm", "stopped")
 
 
+class KernelActionWhileStartingHandler(KernelActionHandler):  # type: ignore[misc]
+    """``POST /api/kernels/{id}/interrupt|restart``: 409 with the reason while the kernel's start
+    (or restart) still waits for its GPU slice or is under way; else jupyter_server's own handler.
+
+    jupyter_server answers 500 there ("Kernel is in a pending state"): there is no process yet
+    to interrupt or restart, which is the client's to retry, not a server error."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str, action: str) -> None:
+        ext = self.settings.get("gpupool")
+        reason = ext.not_started_reason(kernel_id, action) if ext is not None else None
+        if reason is not None:
+            raise web.HTTPError(409, reason.replace("%", "%%"))
+        await super().post(kernel_id, action)
+
+
 
 class GpuPoolExtension(FailClosedConfig, ExtensionApp):
     """Pool the host's GPU memory across the kernels of this server."""
@@ -80,7 +104,10 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
     pending_kernels = Bool(
         True,
         config=True,
-        help="Turn on MappingKernelManager.use_pending_kernels so POST /api/kernels returns at once while a kernel waits in the queue.",
+        help="Answer POST /api/kernels at once, with a pending kernel (execution_state 'starting'), when the kernel must "
+        "wait in the queue for its GPU slice; a start the pool grants at once answers a started kernel, as without "
+        "the extension. False: the call waits for the grant. Needs the default AsyncMappingKernelManager; "
+        "MappingKernelManager.use_pending_kernels = True makes every start pending, as jupyter_server does.",
     )
     owner = Unicode(
         config=True,
@@ -254,8 +281,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self.watchdog: Any = None
         self.enforcement = EnforcementSettings(parent=self.serverapp).to_config()
         km = self.serverapp.kernel_manager
-        if self.pending_kernels:
-            km.use_pending_kernels = True
+        self._starting: dict[str, Any] = {}  # kernel id → its KernelManager while its start is under way
+        self._queued_starts: dict[str, asyncio.Event] = {}  # set once that start waits in the queue
         self._install_provisioner_default()
         self._wrap_kernel_manager(km)
         self.event_logger = self.serverapp.event_logger
@@ -265,7 +292,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             open_pool=self._pool_for_kernels,
             current_owner=lambda: self.owner,
             enforcement=self.enforcement,
-            listeners=[self._on_lease],
+            listeners=[self._on_lease, self._on_queued_start],
             when_unavailable=lambda: self.when_unavailable,
             can_suspend=self.can_suspend,
         )
@@ -340,6 +367,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(default_handlers)
+        # Ahead of jupyter_server's own route (extension routes are matched first).
+        self.handlers.append((r"/api/kernels/(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)/(?P<action>restart|interrupt)", KernelActionWhileStartingHandler))
 
     def _install_provisioner_default(self) -> None:
         """Kernelspecs of this server that name no provisioner get gpupool-provisioner.
@@ -405,6 +434,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
     def _wrap_kernel_manager(self, km: Any) -> None:
         """Teach the server's kernel manager about starts that wait for, or are refused by, the pool.
 
+        - a start the pool grants at once is jupyter_server's own (the call returns a started
+          kernel, or raises; a refusal by the pool is an HTTP error with the reason); one that
+          must wait in the queue is answered at once as a pending kernel (see :meth:`_start`);
         - shutting down a queued kernel withdraws its request first, so the shutdown returns at
           once (jupyter_client awaits a pending start before shutting it down), and a shutdown
           during a start or restart waits for it to end instead of failing;
@@ -418,6 +450,17 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         original_shutdown = km._async_shutdown_kernel
         original_finish = km._finish_kernel_start
         original_restart = km._async_restart_kernel
+        original_start = km.start_kernel
+        original_pre_start = km.pre_start_kernel
+
+        def pre_start_kernel(kernel_name: str | None, kwargs: Any) -> Any:
+            manager, name, kernel_id = original_pre_start(kernel_name, kwargs)
+            if kernel_id in self._queued_starts:
+                self._starting[kernel_id] = manager
+            return manager, name, kernel_id
+
+        async def start_kernel(*args: Any, **kwargs: Any) -> Any:
+            return await self._start(km, original_start, *args, **kwargs)
 
         async def shutdown_kernel(kernel_id: str, now: bool = False, restart: bool = False) -> Any:
             present = kernel_id in km
@@ -443,6 +486,107 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         km._async_shutdown_kernel = km.shutdown_kernel = shutdown_kernel
         km._finish_kernel_start = finish_kernel_start
         km._async_restart_kernel = km.restart_kernel = restart_kernel
+        km.pre_start_kernel = pre_start_kernel
+        km.start_kernel = start_kernel
+
+    def _may_answer_pending(self, km: Any) -> bool:
+        """Whether a start that must queue may be answered as a pending kernel: asked for, on the
+        asynchronous manager (the synchronous one is left as jupyter_server made it), and not
+        already every start (``use_pending_kernels`` set by the admin)."""
+        return (
+            self.pending_kernels
+            and isinstance(km, AsyncMultiKernelManager)
+            and not km._using_pending_kernels()
+        )
+
+    async def _start(self, km: Any, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """jupyter_server's start, answered early (as a pending kernel) only once it waits in the queue.
+
+        The start runs as jupyter_server runs it, without pending kernels. If the pool grants the
+        slice at once, the call ends as upstream's: the kernel started (its ports and keys exist),
+        or the error raised; a refusal by the pool is an HTTP error with the reason (409, 503...).
+        If the request queues, the kernel becomes a pending kernel, exactly as with
+        ``use_pending_kernels``: listed ``starting``, its start goes on in the background and
+        ends in a started kernel, or ``dead`` with the reason; a shutdown withdraws the request.
+        """
+        kernel_id = kwargs.get("kernel_id")
+        if not self._may_answer_pending(km) or (kernel_id is not None and kernel_id in km):
+            return await self._pool_errors_as_http(original(*args, **kwargs))
+        if kernel_id is None:
+            kernel_id = kwargs["kernel_id"] = km.new_kernel_id()
+        queued = self._queued_starts[kernel_id] = asyncio.Event()
+        start = asyncio.ensure_future(original(*args, **kwargs))
+        waiting = asyncio.ensure_future(queued.wait())
+        try:
+            await asyncio.wait([start, waiting], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            start.cancel()
+            raise
+        finally:
+            waiting.cancel()
+            self._queued_starts.pop(kernel_id, None)
+            manager = self._starting.pop(kernel_id, None)
+        if start.done() or manager is None:
+            return await self._pool_errors_as_http(start)
+        self._answer_pending(km, kernel_id, manager, start)
+        return kernel_id
+
+    async def _pool_errors_as_http(self, start: Any) -> Any:
+        """Await a start; a refusal by the pool (a GpuPoolError) becomes an HTTP error with its reason, never a 500."""
+        try:
+            return await start
+        except GpuPoolError as err:
+            reason = one_line(err)
+            raise web.HTTPError(err.http_status if err.http_status != 500 else 503, reason.replace("%", "%%")) from None
+
+    def _answer_pending(self, km: Any, kernel_id: str, manager: Any, start: asyncio.Future[Any]) -> None:
+        """Make a start that waits in the queue a pending kernel, as jupyter_client's
+        ``use_pending_kernels`` does: in the map and ``starting`` while the start goes on."""
+        km._kernels[kernel_id] = manager
+        km._kernel_connections.setdefault(kernel_id, 0)
+        manager.execution_state = "starting"
+        manager.reason = ""
+        manager.last_activity = utcnow()
+        self.log.info("gpupool: kernel %s waits in the queue for its GPU slice: answered as a pending kernel", kernel_id)
+
+        def done(task: asyncio.Future[Any]) -> None:
+            if task.cancelled():
+                return
+            error = task.exception()  # retrieved: never "exception was never retrieved"
+            if error is not None and kernel_id in km:
+                self._note_failed_start(km, kernel_id, error)
+
+        start.add_done_callback(done)
+
+    def _on_queued_start(self, action: str, lease: Lease, info: QueueInfo | None, message: str) -> None:
+        """Listener: a start under way (see :meth:`_start`) now waits in the queue."""
+        queued = self._queued_starts.get(lease.kernel_id or "")
+        if action == "queued" and queued is not None:
+            queued.set()
+
+    def not_started_reason(self, kernel_id: str, action: str) -> str | None:
+        """Why ``kernel_id`` cannot be interrupted or restarted now, or None: its start is still
+        waiting or under way (there is no process yet), or, for an interrupt, so is its restart.
+        A restart during a restart stays what :meth:`_restart` makes it (nothing to restart)."""
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        if kernel_id not in km:
+            return None  # jupyter_server's own 404
+        kernel = km.get_kernel(kernel_id)
+        ready = getattr(kernel, "ready", None)
+        restarting = self._restarts.get(kernel_id)
+        if restarting is not None and not restarting.done():
+            if action != "interrupt":
+                return None
+        elif ready is None or ready.done():
+            return None
+        prov = self.provisioner_of(kernel_id)
+        verb = "interrupted" if action == "interrupt" else "restarted"
+        if prov is not None and prov.phase == "waiting":
+            lease, info = prov.queue_update if prov.queue_update is not None else (None, None)
+            where = prov._queue_message(info)
+            return f"kernel {kernel_id} is {where}; it can be {verb} once it has started (shut it down to withdraw the request)"
+        return f"kernel {kernel_id} is still starting; it can be {verb} once it has started"
 
     async def _settle(self, km: Any, kernel_id: str) -> None:
         """Before a shutdown: withdraw the kernel's queued request (its start or restart then fails
@@ -490,11 +634,12 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 return None
             error = ready.exception()
         prov = self.provisioner_of(kernel_id)
+        told = prov is not None and bool(prov.failure)  # the provisioner said why, in one line
         reason = (prov.failure if prov is not None and prov.failure else None) or f"the kernel did not start: {one_line(error)}"
         self._failed[kernel_id] = reason
         kernel.execution_state = "dead"
         kernel.reason = reason
-        self.log.warning("gpupool: kernel %s failed to start: %s", kernel_id, reason)
+        (self.log.debug if told else self.log.warning)("gpupool: kernel %s failed to start: %s", kernel_id, reason)
         return reason
 
     #: Seconds a restart request waits for the kernel to be back before answering (it goes on in the background).
@@ -950,6 +1095,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         assert self.serverapp is not None
         km = self.serverapp.kernel_manager
         live = set()
+        # A start under way is not in the map until it has started (no pending kernels): it is live.
+        live.update(kernel_id for kernel_id, task in list(km._pending_kernels.items()) if not task.done())
         for kernel_id in list(km.list_kernel_ids()):
             prov = self.provisioner_of(kernel_id)
             if prov is None or prov.phase in ("new", "waiting", "launching", "restarting", "stopping"):

@@ -1,0 +1,7 @@
+"""``python -m tests.upstream``: see :mod:`tests.upstream.run`."""
+
+import sys
+
+from .run import main
+
+sys.exit(main())
