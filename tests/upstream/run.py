@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 #: ``GPUPOOL_*`` pool setting (all three are absent from a bare run anyway): the IPython kernel
 #: config file the package installs, which makes an ipykernel kernel lease by itself, honours this
 #: opt-out. The one place to name any further such switch.
-BARE_OPT_OUTS: dict[str, str] = {"GPUPOOL_KERNEL_HOOK": "off"}
+BARE_OPT_OUTS: dict[str, str] = {"GPUPOOL_AUTOLEASE": "off"}
 
 #: Differences that come from how a test is built, not from the project, each with its reason:
 #: reported as expected, never failing the comparison (``--strict`` counts them too).
