@@ -560,6 +560,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         env.update(pool_env(self.pool))
         env["GPUPOOL_KERNEL_ID"] = str(self.kernel_id or "")
         env["GPUPOOL_USER"] = lease.owner
+        env["GPUPOOL_SUSPENDABLE"] = "1" if lease.suspendable else "0"  # a slice the kernel asks for again is so too
         kwargs["env"] = self.plan.apply(env)
         if self.load_kernel_extension and self._is_ipython() and importlib.util.find_spec(KERNEL_EXTENSION) is not None:
             extra = list(kwargs.get("extra_arguments") or [])
@@ -589,6 +590,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_MEMORY_LIMIT"):  # GPUPOOL_DB/URL stay: %gpupool finds the pool once back
             env.pop(name, None)
         env["GPUPOOL_KERNEL_ID"] = str(self.kernel_id or "")
+        env["GPUPOOL_SUSPENDABLE"] = "1" if self._suspendable() else "0"
         kwargs["env"] = self.plan.apply(env)
         # In a server, the extension has said why once (quietly when there is simply no GPU).
         quiet = server_binding(self) is not None or isinstance(err, NoGpuFound)
