@@ -421,8 +421,12 @@ def test_a_kernel_start_while_the_broker_hangs_leaves_the_server_responsive(
     try:
         server.call("GET", "api/status")
         broker.proc.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing: the worst outage
+        started_kernel: dict[str, Any] = {}
+        # The start waits for the pool's answer (a start returns started, or pending once queued):
+        # made from a thread, as a browser's request is made beside its others.
+        post = threading.Thread(target=lambda: started_kernel.update(server.call("POST", "api/kernels", {"name": "python3"})))
         try:
-            kernel_id = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+            post.start()
             slowest = 0.0
             deadline = time.monotonic() + 6
             while time.monotonic() < deadline:
@@ -433,6 +437,8 @@ def test_a_kernel_start_while_the_broker_hangs_leaves_the_server_responsive(
             assert slowest < 1.0, f"the server's event loop stalled {slowest:.1f} s while a kernel waited on the broker"
         finally:
             broker.proc.send_signal(signal.SIGCONT)
+        post.join(90)
+        kernel_id = started_kernel["id"]
         wait_until(lambda: (l := kernel_lease(broker, kernel_id)) and l.state is LeaseState.GRANTED, what="the grant")
     finally:
         server.stop()

@@ -193,7 +193,11 @@ class InProcessPoolClient(PoolClient):
             return
         shown = self.env.get("CUDA_VISIBLE_DEVICES")
         now = ",".join(lease.devices)
-        if shown and shown != now:
+
+        def uuids(names: list[str]) -> bool:  # not Slurm's indices and pseudo-devices: Slurm sets those itself
+            return bool(names) and all(name.startswith(("GPU-", "MIG-")) for name in names)
+
+        if shown and shown != now and uuids(shown.split(",")) and uuids(list(lease.devices)):
             from ..devices.checkpoint import STARTED_ON_ENV
 
             self.env.setdefault(STARTED_ON_ENV, shown)  # what its checkpoint's remap maps from
