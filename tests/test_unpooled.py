@@ -259,17 +259,23 @@ def test_a_pool_file_of_the_previous_version_is_migrated_with_its_leases(tmp_pat
 
 
 # --- a real server on a simulated pool ------------------------------------------------------------
-def test_a_process_outside_the_pool_shows_in_status_and_the_pool_view_and_a_request_for_its_memory_waits(tmp_path):
-    sys.path.insert(0, str(HERE))
-    from server_process import Server, wait_for
-
-    env = {
+def _server_env(tmp_path: Path, **extra: str) -> dict[str, str | None]:
+    """A single-user server's environment on a 1x16GiB simulated pool of its own."""
+    return {
         "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),
         "GPUPOOL_SIMULATE": "1x16GiB",
         "GPUPOOL_USER": None,
         "GPUPOOL_URL": None,
         "GPUPOOL_BROKER_FILE": str(tmp_path / "no-broker.json"),
+        **extra,
     }
+
+
+def test_a_process_outside_the_pool_shows_in_status_and_the_pool_view_and_a_request_for_its_memory_waits(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from server_process import Server, wait_for
+
+    env = _server_env(tmp_path)
     server = Server(tmp_path, "alice", env, args=("--Watchdog.interval=0.5",))
     rogue = None
     try:
@@ -313,14 +319,7 @@ def test_a_server_opted_out_by_its_environment_says_so_and_its_kernels_gpu_use_i
     from jupyter_client import BlockingKernelClient
     from server_process import Server, wait_for
 
-    env = {
-        "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),
-        "GPUPOOL_SIMULATE": "1x16GiB",
-        "GPUPOOL_USER": None,
-        "GPUPOOL_URL": None,
-        "GPUPOOL_BROKER_FILE": str(tmp_path / "no-broker.json"),
-        "JUPYTER_DEFAULT_PROVISIONER_NAME": "local-provisioner",
-    }
+    env = _server_env(tmp_path, JUPYTER_DEFAULT_PROVISIONER_NAME="local-provisioner")
     server = Server(tmp_path, "alice", env, args=("--Watchdog.interval=0.5",))
     client = None
     try:
