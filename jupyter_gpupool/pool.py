@@ -351,8 +351,9 @@ class Pool(GrantWaiting):
 
     def _held_after(self, lease_id: str) -> tuple[dict[int, int], tuple[str, ...]]:
         """Pid → bytes the driver shows a suspending (or moving) lease's processes still holding on
-        the GPUs that step frees, and those GPUs; nothing where this pool cannot see the lease's host
-        (a server elsewhere, Slurm): there the holder's word is taken."""
+        the GPUs that step frees, and those GPUs. The GPUs are this pool's host's (NVML or
+        simulated), so whatever holds them runs here: the lease's ``holder_host``, which its client
+        names, decides nothing. A backend that sees no processes (Slurm) takes the holder's word."""
         lease = self.get(lease_id)
         if lease.transition is Transition.SUSPENDING:
             devices = lease.devices
@@ -360,7 +361,7 @@ class Pool(GrantWaiting):
             devices = tuple(u for u in lease.migrate_from if u not in lease.devices)
         else:
             return {}, ()
-        if not devices or lease.holder_host not in (None, HOSTNAME) or getattr(self.backend, "name", "") not in ("nvml", "simulated"):
+        if not devices or getattr(self.backend, "name", "") not in ("nvml", "simulated"):
             return {}, ()
         return held_by_lease(self.backend.process_usage(), lease, devices), devices
 

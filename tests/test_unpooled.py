@@ -183,24 +183,36 @@ def test_a_forged_suspend_done_is_refused_while_the_process_holds_its_memory(poo
     assert pool.request(LeaseRequest(owner="bob", memory=16 * GIB)).state is LeaseState.QUEUED
 
 
-def test_a_suspended_lease_whose_process_still_holds_memory_is_unpooled_use(tmp_path, sleeper):
-    """Where the pool cannot check a confirmation (the holder's host is elsewhere), the watcher of
-    the kernel's host still sees its memory: it is never granted to the next user."""
+def test_a_holder_host_named_by_the_client_does_not_skip_the_drivers_check(tmp_path, sleeper):
+    """A client that says its kernel runs elsewhere still has its confirmation checked: the GPUs are
+    this host's, so whatever holds them runs here."""
     backend = SimulatedBackend.from_spec("1x16GiB")
     backend.usage_dir = str(tmp_path / "usage")
     pool = Pool(backend, str(tmp_path / "pool.sqlite"), PoolPolicy(reclaim_action="suspend"), clock=lambda: T0)
+    pool.confirm_wait = 0.3
     try:
-        alice = pool.request(LeaseRequest(owner="alice", memory=12 * GIB, holder_host="elsewhere", suspendable=True))
+        alice = pool.request(LeaseRequest(owner="alice", memory=12 * GIB, kernel_id="k", holder_host="elsewhere", suspendable=True))
         kernel = sleeper(alice.id)
         _use(pool, kernel.pid, 12)
         pool.suspend(alice.id)
-        assert pool.confirm_transition(alice.id, parked_bytes=0).state is LeaseState.SUSPENDED
-        _watch(pool)
-        assert pool.request(LeaseRequest(owner="bob", memory=16 * GIB)).state is LeaseState.QUEUED
-        row = pool.snapshot(admin=True).unpooled[0]
-        assert (row["pid"], row["why"], row["lease_id"]) == (kernel.pid, "its lease is suspended", alice.id)
+        with pytest.raises(RequestRefused, match="still shows 12 GiB"):
+            pool.confirm_transition(alice.id, parked_bytes=0)
     finally:
         pool.close()
+
+
+def test_a_suspended_kernel_that_goes_on_using_its_gpu_is_unpooled_use(pool, sleeper):
+    """The suspend was real (the driver showed the memory freed), then the process took memory
+    again: the watcher counts it, and it is never granted to the next user."""
+    alice = _granted(pool, "alice", 12, kernel_id="k-alice")
+    kernel = sleeper(alice.id)
+    pool.suspend(alice.id)
+    assert pool.confirm_transition(alice.id, parked_bytes=0).state is LeaseState.SUSPENDED
+    _use(pool, kernel.pid, 12)
+    _watch(pool)
+    assert pool.request(LeaseRequest(owner="bob", memory=16 * GIB)).state is LeaseState.QUEUED
+    row = pool.snapshot(admin=True).unpooled[0]
+    assert (row["pid"], row["why"], row["lease_id"]) == (kernel.pid, "its lease is suspended", alice.id)
 
 
 def test_parked_bytes_are_bounded_by_what_the_lease_held(pool):
