@@ -91,6 +91,8 @@ class Pool(GrantWaiting):
         self._view_store: Store | None = None
         self._view_index: tuple[int, LeaseIndex] | None = None
         self._view_store_lock = threading.Lock()
+        #: Watchers of this process whose last sighting of unpooled use is on file (see report_unpooled).
+        self._unpooled_reporters: set[str] = set()
 
     @classmethod
     def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
@@ -504,10 +506,13 @@ class Pool(GrantWaiting):
         now = self._now(now)
         ttl = self.unpooled_ttl if ttl is None else ttl
         reporter = reporter or f"{HOSTNAME}:{os.getpid()}"
+        if not uses and reporter not in self._unpooled_reporters:
+            return []  # nothing seen now, nothing of ours on file: no write (a watchdog step's usual case)
         with self._locked():
-            earlier = {(row["host"], row["device"], row["pid"]) for row in self.store.unpooled(now) if row["reporter"] == reporter}
+            earlier = self.store.unpooled_keys(reporter, now)
             rows = [{**use.to_json(), "expires_at": now + ttl} for use in uses]
             self.store.replace_unpooled(reporter, rows, now)
+            (self._unpooled_reporters.add if rows else self._unpooled_reporters.discard)(reporter)
             decisions = [
                 Decision(DecisionKind.UNPOOLED, "", None, use.user or "", unpooled_line(use), now)
                 for use in uses

@@ -903,6 +903,13 @@ class Store:
                    for key in self.UNPOOLED_COLUMNS) for row in rows],
         )
 
+    def unpooled_keys(self, reporter: str, now: float) -> set[tuple[str, str, int]]:
+        """(host, device, pid) of ``reporter``'s own unexpired sighting."""
+        rows = self.conn.execute(
+            "SELECT host, device, pid FROM unpooled_use WHERE reporter = ? AND expires_at > ?", (reporter, now)
+        )
+        return {(host, device, int(pid)) for host, device, pid in rows}
+
     def unpooled(self, now: float) -> list[dict[str, Any]]:
         """Unexpired unpooled use, one row per (host, device, pid): the largest figure when two
         watchers saw the same process (a server's and the broker's)."""

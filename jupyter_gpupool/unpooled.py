@@ -94,6 +94,16 @@ def _alive(proc: psutil.Process) -> bool:
         return True
 
 
+def _ancestry(pid: int) -> list[psutil.Process] | None:
+    """A running process and its ancestors, nearest first; None when it is gone (or a zombie)."""
+    try:
+        proc = psutil.Process(pid)
+        chain = [proc, *proc.parents()]
+    except (psutil.Error, ValueError):
+        return None
+    return chain if _alive(proc) else None
+
+
 class _Processes:
     """Cached ``/proc`` reads for one attribution pass (each process is read once)."""
 
@@ -286,14 +296,8 @@ def held_by_lease(processes: Iterable[ProcessUsage], lease: Lease, devices: Iter
     for usage in processes:
         if usage.device_uuid not in wanted or usage.used_memory <= 0:
             continue
-        try:
-            proc = psutil.Process(int(usage.pid))
-            chain = [proc, *proc.parents()]
-        except (psutil.Error, ValueError):
-            continue
-        if not _alive(proc):
-            continue
-        found = _kernel_of(chain, {lease.id: lease}, {}, procs)
+        chain = _ancestry(int(usage.pid))
+        found = _kernel_of(chain, {lease.id: lease}, {}, procs) if chain else None
         if found is not None:
             held[int(usage.pid)] = held.get(int(usage.pid), 0) + int(usage.used_memory)
     return held
@@ -305,12 +309,8 @@ def find_kernel_roots(pids: Iterable[int], leases: Mapping[str, Lease], env_var:
     procs = _Processes(env_var, leases)
     roots: dict[str, int] = {}
     for pid in set(pids):
-        try:
-            proc = psutil.Process(pid)
-            chain = [proc, *proc.parents()]
-        except (psutil.Error, ValueError):
-            continue
-        found = _kernel_of(chain, leases, {}, procs)
+        chain = _ancestry(pid)
+        found = _kernel_of(chain, leases, {}, procs) if chain else None
         if found is not None:
             roots.setdefault(*found)
     return roots
