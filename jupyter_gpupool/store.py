@@ -249,6 +249,8 @@ class Store:
         #: opened, checked and migrated: it only reads, in :meth:`read_transaction`.
         self.reader_of = reader_of
         self._cache_version: int | None = None
+        #: ``unpooled_use`` rows as last read, and the data_version they were read at.
+        self._unpooled_rows: tuple[int, list[tuple[Any, ...]]] | None = None
         self._cache: dict[str, Lease] | None = None
         #: Lease writes of the open transaction, put in the cache only once COMMIT succeeded.
         self._pending: dict[str, Lease | None] | None = None
@@ -896,6 +898,7 @@ class Store:
     def replace_unpooled(self, reporter: str, rows: Iterable[Mapping[str, Any]], now: float) -> None:
         """Put ``reporter``'s latest sighting of unpooled use in place of its earlier one (and drop
         everyone's expired rows). Call inside a transaction."""
+        self._unpooled_rows = None  # our own write: data_version does not move for it
         self.conn.execute("DELETE FROM unpooled_use WHERE reporter = ? OR expires_at <= ?", (reporter, now))
         self.conn.executemany(
             f"INSERT OR REPLACE INTO unpooled_use VALUES ({','.join('?' * len(self.UNPOOLED_COLUMNS))})",
@@ -913,11 +916,16 @@ class Store:
     def unpooled(self, now: float) -> list[dict[str, Any]]:
         """Unexpired unpooled use, one row per (host, device, pid): the largest figure when two
         watchers saw the same process (a server's and the broker's)."""
-        rows = self.conn.execute(
-            "SELECT * FROM unpooled_use WHERE expires_at > ? ORDER BY host, device, pid, bytes DESC", (now,)
-        ).fetchall()
+        # Read whenever another connection committed (PRAGMA data_version): every decision asks.
+        version = self.conn.execute("PRAGMA data_version").fetchone()[0]
+        if self._unpooled_rows is None or self._unpooled_rows[0] != version:
+            rows = self.conn.execute("SELECT * FROM unpooled_use ORDER BY host, device, pid, bytes DESC").fetchall()
+            self._unpooled_rows = (version, rows)
+        expires_at = self.UNPOOLED_COLUMNS.index("expires_at")
         seen: dict[tuple[str, str, int], dict[str, Any]] = {}
-        for row in rows:
+        for row in self._unpooled_rows[1]:
+            if row[expires_at] <= now:
+                continue
             item = dict(zip(self.UNPOOLED_COLUMNS, row))
             item["stoppable"] = bool(item["stoppable"])
             seen.setdefault((item["host"], item["device"], item["pid"]), item)
