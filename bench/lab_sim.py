@@ -35,7 +35,7 @@ LABELS = {"exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+
 
 
 def run(args: list[str]) -> tuple[dict[str, Any], float]:
-    cmd = [sys.executable, "-m", "jupyter_gpupool.cli", "simulate", *args, "--json"]
+    cmd = [sys.executable, "-m", "jupyter_gpupool.apps.cli", "simulate", *args, "--json"]
     started = time.perf_counter()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:

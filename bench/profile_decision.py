@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jupyter_gpupool.core.models import LeaseRequest  # noqa: E402
 from jupyter_gpupool.core.policy import PoolPolicy  # noqa: E402
 from jupyter_gpupool.devices.simulated import SimulatedBackend  # noqa: E402
-from jupyter_gpupool.pool import Pool  # noqa: E402
+from jupyter_gpupool.backends.local.pool import Pool  # noqa: E402
 from jupyter_gpupool.units import MIB  # noqa: E402
 
 T0 = 1_800_000_000.0

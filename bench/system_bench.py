@@ -3,7 +3,7 @@
 
 1. **Throughput and latency at N live leases** (default N = 100, 1,000, 10,000): a real
    SQLite file (WAL) already holding N granted leases; then alternately request a small slice
-   (granted at once) and release it, each one :class:`~jupyter_gpupool.pool.Pool` call = one
+   (granted at once) and release it, each one :class:`~jupyter_gpupool.backends.local.pool.Pool` call = one
    transaction, timed one by one; plus ``tick()`` calls. Prints grants+releases per second and
    p50/p99 latency of each call.
 2. **A long-running pool with 200 kernels**: 200 live leases, then many ticks, each with one
@@ -38,7 +38,7 @@ import psutil
 from jupyter_gpupool.core.models import Activity, Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import MIB
 
 INVENTORY = "8xH200"  # 8 x 141 GiB: room for 10,000 slices of 16 MiB

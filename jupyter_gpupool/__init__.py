@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._version import __version__
+from jupyter_gpupool._version import __version__
 
 
 def _jupyter_server_extension_points() -> list[dict[str, Any]]:
     """The ``gpupool`` server extension (imported only when the server loads it)."""
-    from .serverextension import GpuPoolExtension
+    # only when a server loads the extension: importing the package stays light
+    from jupyter_gpupool.serverextension import GpuPoolExtension
 
     return [{"module": "jupyter_gpupool.serverextension", "app": GpuPoolExtension}]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-from .errors import InvalidInput
+from jupyter_gpupool.errors import InvalidInput
 
 KIB = 1024
 MIB = 1024**2
@@ -151,7 +151,7 @@ def format_duration(seconds: float | None) -> str:
     """``270`` → ``4 min 30 s``; ``None`` → ``unknown``."""
     if seconds is None:
         return "unknown"
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, round(seconds))
     if seconds < 60:
         return f"{seconds} s"
     minutes, sec = divmod(seconds, 60)

@@ -19,12 +19,13 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from .core.models import LeaseState, Transition
-from .errors import GpuPoolError, PoolUnavailable
-from .kernel.client import DEFAULT_KEEP, PoolClient
-from .kernel.status import KernelStatus, unavailable_status
-from .quiet import quiet_widget
-from .units import format_duration, format_size, parse_duration
+from jupyter_gpupool.core.models import LeaseState, Transition
+from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
+from jupyter_gpupool.kernel import get_client
+from jupyter_gpupool.kernel.client import DEFAULT_KEEP, PoolClient
+from jupyter_gpupool.kernel.status import KernelStatus, unavailable_status
+from jupyter_gpupool.quiet import quiet_widget
+from jupyter_gpupool.units import format_duration, format_size, parse_duration
 
 _STATE_COLORS = {
     "granted": "#2e7d32",
@@ -122,8 +123,6 @@ class PoolStatus(widgets.VBox):
     @property
     def client(self) -> PoolClient:
         if self._client is None:
-            from .kernel import get_client
-
             self._client = get_client()
         return self._client
 

@@ -30,9 +30,9 @@ from traitlets.config import Config
 from jupyter_gpupool.broker.app import Broker, make_app
 from jupyter_gpupool.broker.auth import ADMIN_SCOPE, HubIdentity, PeerCredIdentity
 from jupyter_gpupool.core.models import Lease
-from jupyter_gpupool.pool import Pool
-from jupyter_gpupool.remote import RemotePool
-from jupyter_gpupool.watchdog import Watchdog
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.remote import RemotePool
+from jupyter_gpupool.enforcement.watchdog import Watchdog
 
 ACCESS = "access:services!service=gpupool"
 
@@ -358,7 +358,7 @@ class BrokerProcess:
 
     def leases(self, include_released: bool = True) -> list[Lease]:
         """Every lease in the pool file, read straight from SQLite (oldest first)."""
-        from jupyter_gpupool.store import lease_from_json
+        from jupyter_gpupool.backends.local.store import lease_from_json
 
         conn = sqlite3.connect(self.db, timeout=30)
         try:
@@ -431,7 +431,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 60, what: str = ""
 
 def unix_http_json(path: str, method: str, route: str, body: Any = None) -> tuple[int, Any]:
     """One JSON request over a Unix socket with ``http.client`` (the caller's pid is its peer pid)."""
-    from jupyter_gpupool.remote import _UnixHTTPConnection
+    from jupyter_gpupool.backends.remote import _UnixHTTPConnection
 
     conn = _UnixHTTPConnection(path, timeout=15)
     data = json.dumps(body).encode() if body is not None else None

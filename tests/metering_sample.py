@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 from jupyter_gpupool.core.models import Activity, LeaseRequest
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 #: The sample's GPUs (GPUPOOL_SIMULATE).

@@ -77,7 +77,7 @@ from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, Priorit
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 
@@ -150,7 +150,7 @@ STORM_WORKER = textwrap.dedent(
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.devices.simulated import SimulatedBackend
     from jupyter_gpupool.errors import PoolUnavailable, RequestRefused
-    from jupyter_gpupool.pool import HOSTNAME, Pool
+    from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
     from jupyter_gpupool.units import GIB
 
     db, spec, journal_path, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -282,7 +282,7 @@ BURST_WORKER = textwrap.dedent(
     from jupyter_gpupool.core.models import LeaseRequest, PriorityClass
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
     from jupyter_gpupool.units import GIB
 
     db, spec, first, count, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
@@ -675,8 +675,8 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
     :func:`check_suspend_invariants` and :func:`check_pool_file` are checked after every step.
     It runs ``seconds``, and on for at least ``min_operations`` steps (the same steps for a seed)."""
     from jupyter_gpupool.core.models import Activity
-    from jupyter_gpupool.pool import HOSTNAME
-    from jupyter_gpupool.watchdog import Watchdog
+    from jupyter_gpupool.backends.local.pool import HOSTNAME
+    from jupyter_gpupool.enforcement.watchdog import Watchdog
 
     db = str(workdir / "suspend-soak.sqlite")
     clock = [1_800_000_000.0]
@@ -973,8 +973,8 @@ def unpooled_nvml(workdir: Path) -> dict[str, Any]:
     from fake_pynvml import FakeGpu, FakeNvml, FakeProcess
 
     from jupyter_gpupool.devices import make_backend
-    from jupyter_gpupool.pool import HOSTNAME
-    from jupyter_gpupool.watchdog import Watchdog
+    from jupyter_gpupool.backends.local.pool import HOSTNAME
+    from jupyter_gpupool.enforcement.watchdog import Watchdog
 
     figures: dict[str, Any] = {}
     saved = sys.modules.get("pynvml")
@@ -1090,8 +1090,8 @@ def broker_suspend_attacks(workdir: Path, spec: str = "2x16GiB") -> dict[str, An
     """
     from broker_harness import BrokerProcess, StandInHub, wait_until
 
-    from jupyter_gpupool.pool import HOSTNAME
-    from jupyter_gpupool.remote import RemotePool
+    from jupyter_gpupool.backends.local.pool import HOSTNAME
+    from jupyter_gpupool.backends.remote import RemotePool
 
     hub = StandInHub().start()
     tokens = {name: hub.add_user(f"tok-{name}", name, admin=name == "prof") for name in ("alice", "bob", "carol", "prof")}

@@ -25,8 +25,8 @@ import tomllib
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
 from jupyter_gpupool.kernel import autolease
-from jupyter_gpupool.pool import Pool
-from jupyter_gpupool.unpooled import find_kernel_roots
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.enforcement.unpooled import find_kernel_roots
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1024**3

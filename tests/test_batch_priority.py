@@ -17,7 +17,7 @@ import pytest
 from jupyter_client.kernelspec import KernelSpec
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
-from jupyter_gpupool.provisioner import GpuPoolProvisioner, holder_identity
+from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner, holder_identity
 from jupyter_gpupool.units import GIB
 
 pytestmark = [
@@ -118,7 +118,7 @@ def test_nbconvert_on_plain_python3_leases_as_batch_and_waits_behind_a_live_user
 
 def test_papermill_runs_lease_as_batch_too(tmp_path: Path) -> None:
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
 
     db = tmp_path / "pool.sqlite"
     plain_python3_notebook(tmp_path / "in.ipynb")

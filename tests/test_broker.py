@@ -405,7 +405,7 @@ def test_preferences_reports_events_and_reservations_are_per_user(harness: Broke
 
 # --- the Unix socket -------------------------------------------------------------------------------------
 def test_socket_peer_is_identified_by_uid(harness: BrokerHarness) -> None:
-    from jupyter_gpupool.remote import RemotePool
+    from jupyter_gpupool.backends.remote import RemotePool
 
     me = RemotePool(harness.socket_url).whoami()
     import pwd
@@ -421,7 +421,7 @@ def test_socket_peer_as_another_unix_user_is_not_admin_and_cannot_touch_roots_le
     import shutil
     import tempfile
 
-    from jupyter_gpupool.remote import RemotePool
+    from jupyter_gpupool.backends.remote import RemotePool
 
     public = tempfile.mkdtemp(prefix="gpupool-sock-")  # pytest's tmp tree is private to root
     os.chmod(public, 0o755)
@@ -475,7 +475,7 @@ def test_a_cli_booking_over_the_socket_lasts_its_duration_not_the_heartbeat_ttl(
     env = {**os.environ, "GPUPOOL_URL": harness.socket_url}
     env.pop("GPUPOOL_DB", None)
     out = subprocess.run(
-        [sys.executable, "-m", "jupyter_gpupool.cli", "request", "1GiB", "--for", "4s", "--json"],
+        [sys.executable, "-m", "jupyter_gpupool.apps.cli", "request", "1GiB", "--for", "4s", "--json"],
         capture_output=True, text=True, env=env, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -622,7 +622,7 @@ def test_tljh_plugin_configures_service_scopes_roles_and_server_env() -> None:
 
     from traitlets.config import Config
 
-    from jupyter_gpupool import tljh
+    from jupyter_gpupool.apps import tljh
 
     c = Config()
     c.Authenticator.admin_users = {"teacher"}
@@ -650,7 +650,7 @@ def test_tljh_plugin_configures_service_scopes_roles_and_server_env() -> None:
     assert getattr(tljh.tljh_custom_jupyterhub_config, "tljh_impl", None) is not None
     declared = [ep.value for ep in entry_points(group="tljh")]
     if declared:  # installed package: pyproject declares the plugin
-        assert "jupyter_gpupool.tljh" in declared
+        assert "jupyter_gpupool.apps.tljh" in declared
     # And the generated config is valid for JupyterHub's traits.
     from jupyterhub.app import JupyterHub
 

@@ -21,7 +21,7 @@ from broker_harness import BrokerProcess, JupyterServer, StandInHub, read_http_m
 
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.errors import PoolUnavailable
-from jupyter_gpupool.remote import RemotePool
+from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.units import GIB
 
 ALICE = "alice-hub-token"

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState, Transition
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized, PoolUnavailable, RequestRefused
-from jupyter_gpupool.remote import RemotePool
+from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.units import GIB
 
 ALICE, BOB, ADMIN = "tok-alice", "tok-bob", "tok-admin"

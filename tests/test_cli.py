@@ -91,7 +91,7 @@ def test_reservations_from_the_cli(tmp_path):
 
 
 def test_python_module_entry_point(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status", "--json"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "jupyter_gpupool.apps.cli", "status", "--json"], capture_output=True, text=True,
                             env={**os.environ, "GPUPOOL_SIMULATE": "2xA100-80GB", "GPUPOOL_DB": str(tmp_path / "p.sqlite")})
     assert result.returncode == 0 and len(json.loads(result.stdout)["devices"]) == 2
 
@@ -111,7 +111,7 @@ def test_a_damaged_pool_file_is_one_line_and_exit_6(tmp_path, damage):
 
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
 
     db = tmp_path / "pool.sqlite"
     pool = Pool(SimulatedBackend.from_spec("1x16GiB"), str(db))

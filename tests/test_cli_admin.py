@@ -20,7 +20,7 @@ import pytest
 
 from jupyter_gpupool.broker.auth import ADMIN_SCOPE
 from jupyter_gpupool.core.models import LeaseRequest
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 from tests.broker_harness import BrokerHarness
 
 GIB = 1024**3
@@ -93,7 +93,7 @@ def broker_process(tmp_path: Path):
 
 def lease_as_nobody(sock: Path, memory: int) -> tuple[str, int]:
     """Fork a process that becomes uid ``nobody``, takes a lease over the socket and keeps it."""
-    from jupyter_gpupool.remote import RemotePool
+    from jupyter_gpupool.backends.remote import RemotePool
 
     reader, writer = os.pipe()
     pid = os.fork()
@@ -415,7 +415,7 @@ def test_forbidden_names_the_service_scope_not_the_bare_one(tmp_path: Path) -> N
 
 
 def test_help_of_every_subcommand_runs(tmp_path: Path) -> None:
-    from jupyter_gpupool.cli import SUBCOMMANDS
+    from jupyter_gpupool.apps.cli import SUBCOMMANDS
 
     env = sim_env(tmp_path)
     top = cli(["--help"], env)

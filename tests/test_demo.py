@@ -11,7 +11,7 @@ import sys
 import nbformat
 import pytest
 
-from jupyter_gpupool.demo import DEMO_NOTEBOOK, DemoApp
+from jupyter_gpupool.apps.demo import DEMO_NOTEBOOK, DemoApp
 
 
 def test_dry_run_writes_the_notebook_and_prints_the_lab_command(tmp_path):

@@ -265,10 +265,10 @@ def check_our_config(c: Config, tmp_path: Path, build_broker: bool = True) -> li
     if not checked:
         return checked
     from jupyter_gpupool.core.policy import PoolPolicy
-    from jupyter_gpupool.enforcement import EnforcementSettings
-    from jupyter_gpupool.provisioner import GpuPoolProvisioner
+    from jupyter_gpupool.enforcement.plan import EnforcementSettings
+    from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner
     from jupyter_gpupool.serverextension.app import GpuPoolExtension
-    from jupyter_gpupool.watchdog import Watchdog
+    from jupyter_gpupool.enforcement.watchdog import Watchdog
 
     PoolPolicy(config=c).validate_all()
     EnforcementSettings(config=c)
@@ -335,7 +335,7 @@ def check_hub_config(c: Config) -> None:
             parse_broker_args(list(command[3:]))
     url = resolved(c.Spawner.get("environment", {}), {}).get("GPUPOOL_URL")
     if url:
-        from jupyter_gpupool.remote import RemotePool
+        from jupyter_gpupool.backends.remote import RemotePool
 
         RemotePool(url)  # a URL the clients accept
         service = next(s for s in services if s.get("url") and url.startswith(s["url"]))
@@ -347,7 +347,7 @@ def check_tljh_settings(block: Block) -> None:
     and its extras; ``tljh-config set gpupool.KEY VALUE`` lines (and the keys their comments offer)
     are accepted by the TLJH plugin, its broker accepts the values, the hub config it writes is well-formed."""
     from jupyter_gpupool.core.policy import PoolPolicy
-    from jupyter_gpupool.tljh import configure_hub
+    from jupyter_gpupool.apps.tljh import configure_hub
 
     settings: dict[str, str] = {}
     for line in logical_lines(block.text):
@@ -399,8 +399,8 @@ def sandbox_base_env(tmp_path: Path) -> dict[str, str]:
 
 def test_the_sandbox_keeps_every_file_in_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A doc example run as root must not record a broker in /etc/jupyter, nor cache in the real home."""
-    from jupyter_gpupool.discovery import candidate_paths, write_paths
-    from jupyter_gpupool.workload import cache_folder
+    from jupyter_gpupool.backends.discovery import candidate_paths, write_paths
+    from jupyter_gpupool.apps.workload import cache_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", "/root/.cache")
     env = sandbox_base_env(tmp_path)
@@ -465,9 +465,9 @@ class Sandbox:
 
     def new_lease(self, env: dict[str, str]) -> str:
         """A granted lease of the sandbox's user, for a ``LEASE_ID`` (made in-process: quicker)."""
-        from jupyter_gpupool.cli import current_user
+        from jupyter_gpupool.apps.cli import current_user
         from jupyter_gpupool.core.models import LeaseRequest
-        from jupyter_gpupool.pool import Pool
+        from jupyter_gpupool.backends.local.pool import Pool
 
         pool = Pool.from_env(environ=env)
         try:
@@ -559,7 +559,7 @@ def check_statically(argv: list[str], cwd: Path) -> bool:
         assert (cwd / argv[1]).is_file(), f"{argv[1]} does not exist"
         subprocess.run(["bash", "-n", str(cwd / argv[1])], check=True, timeout=30)
     elif starts_with(argv, ("jupyter", "gpupool", "simulate")):
-        script = ("import sys\nfrom jupyter_gpupool.simulate import SimulateApp\napp = SimulateApp()\n"
+        script = ("import sys\nfrom jupyter_gpupool.apps.simulate import SimulateApp\napp = SimulateApp()\n"
                   "app.initialize(sys.argv[1:])\nassert not app.extra_args, app.extra_args\napp.settings()\n")
         result = subprocess.run([sys.executable, "-c", script, *argv[3:]], capture_output=True, text=True, timeout=60, check=False)
         assert result.returncode == 0, result.stderr[-2000:]

@@ -395,7 +395,7 @@ def test_heartbeat_ttl_and_dead_holder_release(tmp_path):
 
     pool = make_pool(tmp_path, heartbeat_ttl=60)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    from jupyter_gpupool.pool import HOSTNAME
+    from jupyter_gpupool.backends.local.pool import HOSTNAME
 
     held = pool.request(req("a", holder_pid=proc.pid, holder_host=HOSTNAME), now=T0)
     silent = pool.request(req("b"), now=T0)

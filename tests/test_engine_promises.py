@@ -18,7 +18,7 @@ from jupyter_gpupool.core.models import Activity, DecisionKind, Device, LeaseReq
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 

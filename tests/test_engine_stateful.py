@@ -16,9 +16,9 @@ from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, Prio
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
-from jupyter_gpupool.unpooled import UnpooledUse
+from jupyter_gpupool.enforcement.unpooled import UnpooledUse
 
 USERS = ["ann", "ben", "cat", "dan"]
 MAX_QUEUED = 3

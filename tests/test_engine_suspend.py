@@ -8,7 +8,7 @@ from pool_helpers import T0, make_pool, req
 
 from jupyter_gpupool.core.models import Activity, DecisionKind, LeaseState, Transition
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 IDLE = {"idle_timeout": 600, "warning_period": 60, "preemption": False}
@@ -105,7 +105,7 @@ def test_over_the_host_memory_budget_falls_back_to_cull_and_says_so(tmp_path):
 
 def test_the_budget_is_a_share_of_host_ram_by_default(tmp_path):
     pool = make_pool(tmp_path, spec="1x16GiB")
-    from jupyter_gpupool.pool import host_memory
+    from jupyter_gpupool.backends.local.pool import host_memory
 
     with pool.store.transaction():
         state = pool._load(T0)

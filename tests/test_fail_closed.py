@@ -151,7 +151,7 @@ def test_readme_default_quota_example_is_valid() -> None:
 
 def test_when_unavailable_env_and_trait(monkeypatch) -> None:
     """GPUPOOL_WHEN_UNAVAILABLE sets the default; anything else than the two choices means cpu-only."""
-    from jupyter_gpupool.provisioner import when_unavailable_from_env
+    from jupyter_gpupool.provisioner.kernel_provisioner import when_unavailable_from_env
 
     assert when_unavailable_from_env({}) == "cpu-only"
     assert when_unavailable_from_env({"GPUPOOL_WHEN_UNAVAILABLE": "Refuse"}) == "refuse"

@@ -37,7 +37,7 @@ from jupyter_gpupool.serverextension.configguard import (
     reason_for,
     server_configurables,
 )
-from jupyter_gpupool.watchdog import Watchdog
+from jupyter_gpupool.enforcement.watchdog import Watchdog
 
 ENV_CODE = "import os, json; print(json.dumps(dict(os.environ)))"
 UNAVAILABLE_LINE = "gpupool: the GPU pool is unavailable: invalid configuration: "

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpupool.enforcement import EnforcementSettings
+from jupyter_gpupool.enforcement.plan import EnforcementSettings
 
 pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 

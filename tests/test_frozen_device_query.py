@@ -24,14 +24,14 @@ from pool_helpers import req
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 
 FROZEN_KERNEL = textwrap.dedent(
     """
     import os, sys, time
     from jupyter_gpupool.core.models import Activity
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
 
     db, lease_id, freeze, entered = sys.argv[1:5]
 

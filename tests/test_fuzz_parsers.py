@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from jupyter_gpupool import validate
+from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.policy import parse_quota, parse_reservation
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.kernel.magics import MagicError, _HelpShown, build_parser

@@ -210,9 +210,9 @@ def test_without_gpu_every_check_skips_naming_why() -> None:
         ({"server_stack_missing": ["ipykernel"]}, "watchdog", "run tests/gpu/prepare.sh"),
         ({"provisioner_registered": False}, "slices-cupy", "'gpupool-provisioner' is not registered"),
         (
-            {"modules_missing": {"jupyter_gpupool.watchdog": "ModuleNotFoundError: x"}},
+            {"modules_missing": {"jupyter_gpupool.enforcement.watchdog": "ModuleNotFoundError: x"}},
             "watchdog",
-            "jupyter_gpupool.watchdog not importable",
+            "jupyter_gpupool.enforcement.watchdog not importable",
         ),
         (
             {"modules_missing": {"jupyter_gpupool.devices.nvml": "ImportError: y"}},

@@ -3,7 +3,7 @@
 The broker runs as a hub-managed service on a simulated ``1x16GiB`` pool with an 8 GiB default.
 Users and groups live in the hub; the test mints each user's token through the hub's REST API
 (as a single-user server's ``JUPYTERHUB_API_TOKEN`` would be) and drives the broker through the
-hub's proxy with :class:`~jupyter_gpupool.remote.RemotePool`, the client servers and kernels use.
+hub's proxy with :class:`~jupyter_gpupool.backends.remote.RemotePool`, the client servers and kernels use.
 What is under test is the broker's authentication and authorization against the real hub, the one
 shared pool, group quotas from hub groups, and a SIGKILLed broker coming back (restarted by the
 hub) with every lease intact.
@@ -28,7 +28,7 @@ import pytest
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import NotAuthorized
-from jupyter_gpupool.remote import RemotePool
+from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.units import GIB
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(240)]

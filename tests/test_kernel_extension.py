@@ -23,7 +23,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
-from jupyter_gpupool.kernel.caps import (
+from jupyter_gpupool.enforcement.caps import (
     APPLIED,
     NOT_NEEDED,
     PENDING,
@@ -32,7 +32,7 @@ from jupyter_gpupool.kernel.caps import (
     PostImportFinder,
     suggest_size,
 )
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 pytestmark = pytest.mark.slow
@@ -512,7 +512,7 @@ def test_extension_loads_in_a_real_kernel_and_reports_the_granted_slice(pool_env
     # (A silent request runs no pre_run_cell hook; a cell does open the pool: it checks whether
     # the kernel is suspended, see kernel/resume.py.)
     fresh = kernel_factory(pool_env.kernel_env())
-    probe = "sorted(m for m in ('torch', 'tensorflow', 'jupyter_gpupool.pool') if m in sys.modules)"
+    probe = "sorted(m for m in ('torch', 'tensorflow', 'jupyter_gpupool.backends.local.pool') if m in sys.modules)"
     assert loaded_modules(fresh, probe) == []
     # A kernel the pool did not start (no lease) never opens it, whatever its cells do.
     unpooled = kernel_factory({k: v for k, v in pool_env.kernel_env().items() if k != "GPUPOOL_LEASE_ID"})

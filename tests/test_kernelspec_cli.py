@@ -102,7 +102,7 @@ def test_a_slice_is_checked_against_the_nvml_gpus(tmp_path, monkeypatch, capsys)
     """Without GPUPOOL_SIMULATE or GPUPOOL_URL, the host's GPUs as NVML reports them count."""
     from fake_pynvml import GIB, FakeGpu, FakeNvml
 
-    from jupyter_gpupool.kernelspec import KernelSpecInstallApp
+    from jupyter_gpupool.apps.kernelspec import KernelSpecInstallApp
 
     FakeNvml([FakeGpu("NVIDIA A100-SXM4-40GB", 40 * GIB), FakeGpu("Tesla T4", 15 * GIB)]).install(monkeypatch)
     for name in [name for name in os.environ if name.startswith("GPUPOOL_")]:

@@ -22,8 +22,8 @@ from jupyter_gpupool.core.metering import DeviceInfo, Interval, Prices, columns,
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.pool import Pool
-from jupyter_gpupool.store import MIGRATIONS
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.local.store import MIGRATIONS
 from jupyter_gpupool.units import GIB, MIB
 
 REPO = Path(__file__).resolve().parent.parent

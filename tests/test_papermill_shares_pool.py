@@ -11,7 +11,7 @@ import pytest
 
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 
 pytestmark = pytest.mark.slow
 

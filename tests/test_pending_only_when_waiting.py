@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from jupyter_gpupool.core.models import LeaseState
-from jupyter_gpupool.provisioner import LeaseWaitAborted
+from jupyter_gpupool.provisioner.kernel_provisioner import LeaseWaitAborted
 
 pytestmark = [
     pytest.mark.slow,

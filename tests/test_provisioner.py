@@ -14,13 +14,13 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseRequest, LeaseState
-from jupyter_gpupool.enforcement import EnforcementConfig, plan_enforcement
+from jupyter_gpupool.enforcement.plan import EnforcementConfig, plan_enforcement
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.provisioner import (
+from jupyter_gpupool.provisioner.kernel_provisioner import (
     GpuPoolProvisioner,
     LeaseWaitAborted,
     holder_identity,
-    pool_from_env,
+    shared_pool,
 )
 from jupyter_gpupool.units import GIB, MIB, SIZE_FORMS
 
@@ -184,7 +184,7 @@ def test_queued_start_waits_without_blocking_the_loop(envdump_spec) -> None:
     ksm, dump = envdump_spec
 
     async def scenario() -> None:
-        pool = pool_from_env()
+        pool = shared_pool()
         host, pid = holder_identity()
         blocker = pool.request(LeaseRequest(owner="bob", memory=14 * GIB, holder_pid=pid, holder_host=host))
         assert blocker.state is LeaseState.GRANTED
@@ -223,7 +223,7 @@ def test_queued_start_waits_without_blocking_the_loop(envdump_spec) -> None:
 
 
 def test_size_from_kernelspec_then_saved_preference_then_policy(gpupool_env) -> None:
-    pool = pool_from_env()
+    pool = shared_pool()
 
     def request(config: dict[str, Any]) -> LeaseRequest:
         spec = KernelSpec(argv=["x"], display_name="GPU", language="python")
@@ -292,7 +292,7 @@ def test_refuse_outside_a_server_fails_the_start_with_the_reason(envdump_spec) -
 
 def test_a_request_larger_than_any_gpu_fails_the_start_with_the_reason(envdump_spec, gpupool_env) -> None:
     ksm, _dump = envdump_spec
-    pool_from_env().set_preference("alice", memory="64GiB")
+    shared_pool().set_preference("alice", memory="64GiB")
     spec = json.loads((Path(ksm.kernel_dirs[0]) / "envdump" / "kernel.json").read_text())
     spec["metadata"]["kernel_provisioner"]["config"] = {}
     (Path(ksm.kernel_dirs[0]) / "envdump" / "kernel.json").write_text(json.dumps(spec))

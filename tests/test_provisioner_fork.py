@@ -17,7 +17,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from jupyter_gpupool.core.models import LeaseState
-from jupyter_gpupool.provisioner import GpuPoolProvisioner, pool_from_env
+from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner, shared_pool
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_notebooks_run_in_forked_workers_after_one_in_the_parent(tmp_path: Path,
     results = json.loads(next(line for line in out.splitlines() if line.startswith("RESULTS "))[len("RESULTS "):])
     assert [r["tag"] for r in results] == ["parent", "worker-1", "worker-2"]
     assert len({r["pid"] for r in results}) >= 2, results  # the workers are other processes than the parent
-    pool = pool_from_env()
+    pool = shared_pool()
     uuids = {d.uuid for d in pool.devices()}
     for result in results:
         assert result["devices"] in uuids and result["lease"], results  # pooled, never unset or CPU-only
@@ -94,7 +94,7 @@ def test_a_failed_launch_gives_its_lease_back_at_once(tmp_path: Path, gpupool_en
         )
     )
     ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
-    pool = pool_from_env()
+    pool = shared_pool()
 
     async def scenario() -> None:
         km = AsyncKernelManager(kernel_name="missing", kernel_spec_manager=ksm)

@@ -11,8 +11,9 @@ from broker_harness import BrokerHarness
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized, PoolUnavailable
-from jupyter_gpupool.pool import Pool
-from jupyter_gpupool.remote import RemotePool, _Endpoint, pool_from_env
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends import pool_from_env
+from jupyter_gpupool.backends.remote import RemotePool, _Endpoint
 from jupyter_gpupool.units import GIB
 
 

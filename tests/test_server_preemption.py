@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
-from jupyter_gpupool.provisioner import holder_identity
+from jupyter_gpupool.provisioner.kernel_provisioner import holder_identity
 from jupyter_gpupool.units import GIB
 
 pytestmark = [

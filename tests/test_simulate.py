@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpupool import workload as workload_module
+from jupyter_gpupool.apps import workload as workload_module
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.simulate import (
+from jupyter_gpupool.apps.simulate import (
     MODES,
     LabRun,
     Settings,
@@ -30,7 +30,7 @@ from jupyter_gpupool.simulate import (
     simulate,
 )
 from jupyter_gpupool.units import GIB
-from jupyter_gpupool.workload import (
+from jupyter_gpupool.apps.workload import (
     ActivityProfile,
     Fixed,
     LogUniform,
@@ -363,7 +363,7 @@ def test_a_damaged_kept_copy_only_means_reading_the_traces_again(
             result.append(err)
 
     runner = threading.Thread(target=load, daemon=True)  # a run that hangs must fail the test, not stall it
-    with caplog.at_level("WARNING", logger="jupyter_gpupool.workload"):
+    with caplog.at_level("WARNING", logger="jupyter_gpupool.apps.workload"):
         runner.start()
         runner.join(timeout=30)
     assert not runner.is_alive(), f"a {kind} kept copy made the run hang"
@@ -507,7 +507,7 @@ def test_cli_json_with_search(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_jupyter_gpupool_simulate_prints_a_table() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "jupyter_gpupool.cli", "simulate", "--gpus", "1x24GiB", "--users", "5", "--rate", "3",
+        [sys.executable, "-m", "jupyter_gpupool.apps.cli", "simulate", "--gpus", "1x24GiB", "--users", "5", "--rate", "3",
          "--days", "0.05", "--shape", "flat", "--memory-need", "4GiB", "--session-length", "20m"],
         check=False, capture_output=True, text=True, timeout=120,
     )

@@ -333,7 +333,7 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
 def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_jobs_outlive_a_killed_server(
     slurm, tmp_path
 ):
-    from jupyter_gpupool.slurm.pool import SlurmPool
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
 
     server = start_server(
         tmp_path, slurm, GPUPOOL_IDLE_POLICY="pressure", GPUPOOL_IDLE_TIMEOUT="2", GPUPOOL_WARNING_PERIOD="2"
@@ -387,8 +387,8 @@ def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_j
 
 def test_report_by_user_matches_sacct(slurm, tmp_path):
     from jupyter_gpupool.core.models import LeaseRequest
-    from jupyter_gpupool.slurm.pool import SlurmPool
-    from jupyter_gpupool.slurm.provisioner import SlurmLeaseRequest
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
+    from jupyter_gpupool.provisioner.slurm import SlurmLeaseRequest
 
     env = {
         **os.environ,
@@ -410,7 +410,7 @@ def test_report_by_user_matches_sacct(slurm, tmp_path):
     wait_for(lambda: not set(jobs.values()) & set(squeue(slurm)), 30, "both jobs to end")
 
     out = subprocess.run(
-        [sys.executable, "-m", "jupyter_gpupool.cli", "report", "--by", "user", "--format", "json"],
+        [sys.executable, "-m", "jupyter_gpupool.apps.cli", "report", "--by", "user", "--format", "json"],
         capture_output=True, text=True, env=env, timeout=60, check=True,
     ).stdout  # fmt: skip
     rows = json.loads(out)
@@ -441,7 +441,7 @@ def test_a_controller_outage_releases_nothing_and_a_pending_wait_rides_it_out(sl
 
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.errors import PoolUnavailable
-    from jupyter_gpupool.slurm.pool import SlurmPool
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
 
     env = {**os.environ, **slurm.env, "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
     pool = SlurmPool.from_env(environ=env)

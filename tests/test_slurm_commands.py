@@ -7,9 +7,9 @@ import datetime as dt
 import pytest
 from traitlets.config import Config
 
-from jupyter_gpupool.backends import selected_backend
+from jupyter_gpupool.backends.factory import selected_backend
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.slurm.commands import (
+from jupyter_gpupool.backends.slurm.commands import (
     SEP,
     end_sentence,
     node_gpu_model,
@@ -139,7 +139,7 @@ def test_backend_choice_from_config_or_environment():
 
 
 def test_the_gres_of_a_slice_whole_gpus_and_a_model(tmp_path):
-    from jupyter_gpupool.slurm.pool import SlurmPool
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
 
     pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
     assert pool.gres_for(20 * GIB, 1) == ("shard:2", 20 * GIB)
@@ -156,7 +156,7 @@ def test_the_gres_of_a_slice_whole_gpus_and_a_model(tmp_path):
 def test_a_slice_asks_for_the_smallest_mig_type_that_holds_it(tmp_path):
     from traitlets import TraitError
 
-    from jupyter_gpupool.slurm.pool import SlurmPool
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
 
     profiles = {"3g.40gb": "40GiB", "1g.10gb": "10GiB", "2g.20gb": "20GiB"}
     pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", mig_profiles=profiles, state_path=str(tmp_path / "leases.sqlite"))
@@ -177,7 +177,7 @@ def test_a_shutdown_is_not_mistaken_for_slurm_ending_the_job(tmp_path):
     lease must keep the shutdown's reason, not "ended by Slurm: cancelled". Under load the real
     cluster test hit this ordering; here it is forced, with Slurm's answers scripted."""
     from jupyter_gpupool.core.models import Lease, LeaseState
-    from jupyter_gpupool.slurm.pool import SlurmPool
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
 
     pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
     lease = Lease(id="l-1", owner="alice", memory=8 * GIB, state=LeaseState.QUEUED, created_at=1.0, kernel_id="k-1")
@@ -207,7 +207,7 @@ def test_a_release_whose_scancel_fails_keeps_the_lease_live(tmp_path):
     """The controller does not answer: the job may still run, so its lease does too (and says why not)."""
     from jupyter_gpupool.core.models import Lease, LeaseState
     from jupyter_gpupool.errors import PoolUnavailable
-    from jupyter_gpupool.slurm.pool import SlurmPool
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
 
     pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
     lease = Lease(id="l-1", owner="alice", memory=8 * GIB, state=LeaseState.GRANTED, created_at=1.0, kernel_id="k-1")

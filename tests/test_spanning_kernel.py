@@ -14,7 +14,7 @@ from jupyter_client.manager import AsyncKernelManager
 from test_provisioner import ENV_DUMPER, read_dump
 
 from jupyter_gpupool.core.models import LeaseState
-from jupyter_gpupool.provisioner import GpuPoolProvisioner
+from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner
 from jupyter_gpupool.units import GIB
 
 

@@ -13,8 +13,8 @@ import time
 from jupyter_gpupool.core.engine import held_by_device
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.pool import Pool
-from jupyter_gpupool.store import SCHEMA_VERSION, Store
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.local.store import SCHEMA_VERSION, Store
 
 SPEC = "2x16GiB"
 
@@ -24,7 +24,7 @@ WORKER = textwrap.dedent(
     from jupyter_gpupool.core.models import LeaseRequest, LeaseState
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
     from jupyter_gpupool.units import GIB
 
     db, name, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -108,7 +108,7 @@ def test_sigkill_mid_decision_leaves_a_consistent_state(tmp_path):
 def test_schema_migrates_from_version_1(tmp_path):
     import sqlite3
 
-    from jupyter_gpupool.store import MIGRATIONS
+    from jupyter_gpupool.backends.local.store import MIGRATIONS
 
     db = tmp_path / "old.sqlite"
     conn = sqlite3.connect(db)
@@ -127,7 +127,7 @@ def test_newer_schema_is_refused_with_a_clear_message(tmp_path):
 
     from jupyter_gpupool.errors import PoolUnavailable
 
-    from jupyter_gpupool.store import APPLICATION_ID
+    from jupyter_gpupool.backends.local.store import APPLICATION_ID
 
     db = tmp_path / "future.sqlite"
     conn = sqlite3.connect(db)

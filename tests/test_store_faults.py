@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 from pool_helpers import make_pool, req
 
-from jupyter_gpupool import store as store_module
+from jupyter_gpupool.backends.local import store as store_module
 from jupyter_gpupool.core.engine import held_by_device
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, PoolUnavailable
-from jupyter_gpupool.pool import HOSTNAME, Pool
-from jupyter_gpupool.store import Store
+from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
+from jupyter_gpupool.backends.local.store import Store
 from jupyter_gpupool.units import GIB
 
 
@@ -137,7 +137,7 @@ HOLDER = textwrap.dedent(
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.devices.simulated import SimulatedBackend
     from jupyter_gpupool.errors import GpuPoolError
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
     from jupyter_gpupool.units import GIB
 
     pool = Pool(SimulatedBackend.from_spec("1x16GiB"), sys.argv[1], PoolPolicy(heartbeat_ttl=10**9))
@@ -241,7 +241,7 @@ FAILING_COMMIT = textwrap.dedent(
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
     from jupyter_gpupool.units import GIB
 
     db = sys.argv[1]
@@ -358,7 +358,7 @@ RACER = textwrap.dedent(
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
     from jupyter_gpupool.units import GIB
 
     start = float(sys.argv[2])
@@ -415,7 +415,7 @@ def test_the_wait_histogram_counts_every_grant_however_many(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
     from jupyter_gpupool.core.models import Lease
-    from jupyter_gpupool.metrics import make_registry, render
+    from jupyter_gpupool.rest.metrics import make_registry, render
 
     pool = make_pool(tmp_path)
     leases = [
@@ -441,7 +441,7 @@ def test_the_wait_histogram_counts_every_grant_however_many(tmp_path):
 def test_a_lease_is_stored_as_the_same_json_however_it_is_encoded():
     """The store writes Lease.to_json_text() (the fast path); it must be json.dumps(to_json())."""
     from jupyter_gpupool.core.models import Lease, PriorityClass
-    from jupyter_gpupool.store import lease_from_json
+    from jupyter_gpupool.backends.local.store import lease_from_json
 
     lease = Lease(
         id="l-1", owner="ann", memory=GIB, state=LeaseState.GRANTED, created_at=1.5, groups=("staff", "ml"),

@@ -15,7 +15,7 @@ import pytest
 from broker_harness import BrokerHarness
 from test_store_faults import crowd
 
-from jupyter_gpupool.pool import HOSTNAME
+from jupyter_gpupool.backends.local.pool import HOSTNAME
 
 ALICE, BOB, ADMIN = "tok-alice", "tok-bob", "tok-admin"
 
@@ -80,7 +80,7 @@ def test_a_deleted_broker_pool_file_answers_503_with_the_reason(harness):
 
 
 def test_a_server_whose_pool_file_is_replaced_says_unavailable(arun, jp_serverapp, gpupool_fetch, gpupool_env, tmp_path):
-    from jupyter_gpupool.store import Store
+    from jupyter_gpupool.backends.local.store import Store
 
     other = tmp_path / "other.sqlite"
     Store(str(other)).close()

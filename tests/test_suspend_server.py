@@ -209,7 +209,7 @@ def test_live_defragmentation_moves_an_idle_kernel_so_a_large_request_fits(
     """8 GiB free on each of two 16 GiB GPUs, a 12 GiB request: the server moves the idle kernel
     to the other GPU (suspend, restore there) and the request is granted — nobody lost a GPU."""
     from jupyter_gpupool.core.models import LeaseRequest
-    from jupyter_gpupool.provisioner import holder_identity
+    from jupyter_gpupool.provisioner.kernel_provisioner import holder_identity
     from jupyter_gpupool.units import GIB
 
     pool = gpupool_ext.pool
@@ -268,7 +268,7 @@ def test_a_suspended_kernel_of_a_killed_server_is_reconciled_not_leaked(tmp_path
     sys.path.insert(0, os.path.dirname(__file__))
     from server_process import Server, wait_for
 
-    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.backends.local.pool import Pool
 
     env = {
         "GPUPOOL_DB": str(tmp_path / "pool.sqlite"),

@@ -100,7 +100,7 @@ def test_negative_huge_and_wrong_typed_durations_are_one_short_line(bad, expecte
 @pytest.mark.parametrize("text", ["12 GB", "12GB", "12 gib", " 12G "])
 def test_one_size_grammar_for_rest_magic_and_cli(text):
     """REST bodies, the %gpupool magic and the CLI all read sizes with units.parse_size."""
-    from jupyter_gpupool import validate
+    from jupyter_gpupool.core import validate
     from jupyter_gpupool.kernel.magics import build_parser
 
     assert parse_size(text) == 12 * GIB

@@ -17,11 +17,11 @@ from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, Transit
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
-from jupyter_gpupool.pool import HOSTNAME, Pool
-from jupyter_gpupool.store import MIGRATIONS, SCHEMA_VERSION, Store
+from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
+from jupyter_gpupool.backends.local.store import MIGRATIONS, SCHEMA_VERSION, Store
 from jupyter_gpupool.units import GIB
-from jupyter_gpupool.unpooled import attribute
-from jupyter_gpupool.watchdog import Watchdog
+from jupyter_gpupool.enforcement.unpooled import attribute
+from jupyter_gpupool.enforcement.watchdog import Watchdog
 
 HERE = Path(__file__).resolve().parent
 
@@ -303,11 +303,11 @@ def test_a_process_outside_the_pool_shows_in_status_and_the_pool_view_and_a_requ
         assert [(u["pid"], u["bytes"]) for u in view["unpooled"]] == [(rogue.pid, 3 * GIB)]  # her own process: she sees it
         assert view["devices"][0]["memory_unpooled"] == 3 * GIB
         cli_env = {**{k: v for k, v in rogue_env.items() if k != "CUDA_VISIBLE_DEVICES"}}
-        status = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status", "--json"], check=False, env=cli_env,
+        status = subprocess.run([sys.executable, "-m", "jupyter_gpupool.apps.cli", "status", "--json"], check=False, env=cli_env,
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert [u["pid"] for u in json.loads(status.stdout)["unpooled"]] == [rogue.pid]
-        text = subprocess.run([sys.executable, "-m", "jupyter_gpupool.cli", "status"], check=True, env=cli_env,
+        text = subprocess.run([sys.executable, "-m", "jupyter_gpupool.apps.cli", "status"], check=True, env=cli_env,
                               capture_output=True, text=True, timeout=60).stdout
         assert "Outside the pool" in text and str(rogue.pid) in text
         pool = Pool.from_env(environ={k: v for k, v in env.items() if v is not None})

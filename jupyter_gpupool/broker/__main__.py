@@ -1,6 +1,6 @@
 """``python -m jupyter_gpupool.broker``: the same as ``jupyter gpupool broker`` (for service commands)."""
 
-from .app import BrokerApp
+from jupyter_gpupool.broker.app import BrokerApp
 
 if __name__ == "__main__":
     BrokerApp.launch_instance()

@@ -9,7 +9,7 @@ scheduler and the watchdog for the whole host, and serves the pool over HTTP:
 - on a Unix socket (``--socket``, e.g. under systemd): callers are identified by the uid of the
   connecting process (``SO_PEERCRED``).
 
-Servers and kernels use it when ``GPUPOOL_URL`` points at it (see :mod:`jupyter_gpupool.remote`).
+Servers and kernels use it when ``GPUPOOL_URL`` points at it (see :mod:`jupyter_gpupool.backends.remote`).
 """
 
 from __future__ import annotations
@@ -28,20 +28,22 @@ from tornado import httpserver, netutil, web
 from traitlets import Bool, Float, Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
-from .._version import __version__
-from ..cli import GpuPoolBaseApp
-from ..core.models import Lease, LeaseRequest, LeaseState
-from ..core.policy import PoolPolicy
-from ..enforcement import EnforcementSettings
-from ..errors import InvalidInput, NotAuthorized, RequestRefused
-from ..pool import HOSTNAME
-from ..units import parse_duration
-from ..unpooled import find_kernel_roots, terminate_tree
-from ..views import kernel_status
-from ..watchdog import Watchdog
-from .auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
-from .handlers import NotFoundHandler, lease_json, parse_priority, routes
-from .interface import BrokerInterface
+from jupyter_gpupool._version import __version__
+from jupyter_gpupool.application import GpuPoolBaseApp
+from jupyter_gpupool.backends.discovery import listen_urls, write_discovery
+from jupyter_gpupool.backends.local.pool import HOSTNAME
+from jupyter_gpupool.broker.auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
+from jupyter_gpupool.broker.handlers import NotFoundHandler, lease_json, parse_priority, routes
+from jupyter_gpupool.broker.interface import BrokerInterface
+from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.enforcement.plan import EnforcementSettings
+from jupyter_gpupool.enforcement.unpooled import find_kernel_roots, terminate_tree
+from jupyter_gpupool.enforcement.watchdog import Watchdog
+from jupyter_gpupool.errors import InvalidInput, NotAuthorized, RequestRefused
+from jupyter_gpupool.rest.metrics import PoolCollector, make_registry, render
+from jupyter_gpupool.rest.views import kernel_status
+from jupyter_gpupool.units import parse_duration
 
 #: Policy traits a client may read (``GET /api/gpupool/info``).
 PUBLIC_POLICY = (
@@ -140,7 +142,7 @@ class Broker(LoggingConfigurable):
 
     def grace_after_restart(self) -> int:
         """A fresh start for every live lease now (see :meth:`start` and
-        :meth:`~jupyter_gpupool.pool.Pool.grace_after_outage`); returns how many got one.
+        :meth:`~jupyter_gpupool.backends.local.pool.Pool.grace_after_outage`); returns how many got one.
 
         Dead holders are still reclaimed at once (their pid is gone); a holder that is alive but
         was cut off gets a full ``heartbeat_ttl`` to report again, a warning whose deadline passed
@@ -285,16 +287,12 @@ class Broker(LoggingConfigurable):
 
     def _metrics(self) -> Any:
         """The pool's collector and its registry, made on first use."""
-        from ..metrics import PoolCollector, make_registry
-
         if self._registry is None:
             self._collector = PoolCollector(self.pool)
             self._registry = make_registry(self.pool, self._collector)
         return self._collector
 
     def render_metrics(self) -> tuple[bytes, str]:
-        from ..metrics import render
-
         self._metrics()
         return render(self._registry)
 
@@ -433,9 +431,9 @@ class BrokerApp(GpuPoolBaseApp):
         "Serve one GPU pool to every Jupyter server on this host: as a JupyterHub service (hub tokens) "
         "and/or on a Unix socket (peer credentials). Servers and kernels use it when GPUPOOL_URL points at it."
     )
-    classes = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]  # noqa: RUF012
+    classes = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]
     discover_broker = False  # the broker is what others discover
-    aliases = {  # noqa: RUF012
+    aliases = {
         **GpuPoolBaseApp.aliases,
         "ip": "BrokerApp.ip",
         "port": "BrokerApp.port",
@@ -544,7 +542,6 @@ class BrokerApp(GpuPoolBaseApp):
         if not where:
             raise InvalidInput("nothing to listen on: give --port or --socket")
         broker.start()
-        from ..discovery import listen_urls, write_discovery
 
         recorded = write_discovery(listen_urls(where), db=broker.pool.db_path)
         self.log.info(

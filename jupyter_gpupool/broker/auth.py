@@ -27,7 +27,7 @@ from tornado import web
 from traitlets import Integer, Set, Unicode
 from traitlets.config import LoggingConfigurable
 
-from ..errors import PoolUnavailable
+from jupyter_gpupool.errors import PoolUnavailable
 
 ADMIN_SCOPE = "custom:gpupool:admin"
 METRICS_SCOPE = "read:metrics"

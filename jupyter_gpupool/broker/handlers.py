@@ -1,5 +1,5 @@
 """The broker's REST API: the single-user API (``/api/gpupool/pool``, ``.../kernels/...``) plus the
-lease-level routes a remote :class:`~jupyter_gpupool.remote.RemotePool` needs.
+lease-level routes a remote :class:`~jupyter_gpupool.backends.remote.RemotePool` needs.
 
 Every route first identifies the caller (401 without valid credentials, 403 without the
 service's access scope), then checks the lease belongs to them unless they are an admin (403).
@@ -15,12 +15,12 @@ from typing import Any
 
 from tornado import web
 
-from .. import validate
-from ..core.models import Activity, Lease, LeaseState, PriorityClass, Transition
-from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
-from ..httputil import JsonHandlerMixin
-from .auth import Forbidden, Identity, Unauthenticated
-from .interface import BrokerInterface
+from jupyter_gpupool.broker.auth import Forbidden, Identity, Unauthenticated
+from jupyter_gpupool.broker.interface import BrokerInterface
+from jupyter_gpupool.core import validate
+from jupyter_gpupool.core.models import Activity, Lease, LeaseState, PriorityClass, Transition
+from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
+from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin
 
 _ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
 _KERNEL = r"(?P<kernel_id>[\w-]+)"
@@ -695,7 +695,7 @@ class NotFoundHandler(BrokerHandler):
 
 
 def parse_activity(data: Any) -> Activity:
-    """A kernel's activity report, typed and bounded (see :func:`~jupyter_gpupool.validate.activity_fields`)."""
+    """A kernel's activity report, typed and bounded (see :func:`~jupyter_gpupool.core.validate.activity_fields`)."""
     busy, last_activity, connections = validate.activity_fields(data)
     return Activity(busy=busy, last_activity=last_activity, connections=connections)
 

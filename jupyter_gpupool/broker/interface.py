@@ -14,14 +14,14 @@ from typing import Any, Protocol
 
 from tornado import web
 
-from ..core.models import Lease, LeaseRequest
-from .auth import Identity
+from jupyter_gpupool.broker.auth import Identity
+from jupyter_gpupool.core.models import Lease, LeaseRequest
 
 
 class BrokerInterface(Protocol):
     """The broker as a request handler sees it."""
 
-    #: The pool (a :class:`~jupyter_gpupool.pool.Pool`); use it only on the broker's worker thread.
+    #: The pool (a :class:`~jupyter_gpupool.backends.local.pool.Pool`); use it only on the broker's worker thread.
     pool: Any
     log: logging.Logger | logging.LoggerAdapter[Any]
     wait_poll: float

@@ -12,10 +12,8 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..errors import InvalidInput, LeaseNotFound, RequestRefused
-from ..units import GIB, MIB, format_duration, format_size
-from .index import LeaseIndex
-from .models import (
+from jupyter_gpupool.core.index import LeaseIndex
+from jupyter_gpupool.core.models import (
     MODEL_FORMS,
     Activity,
     Decision,
@@ -31,8 +29,10 @@ from .models import (
     model_matches,
     model_tokens,
 )
-from .placement import Demand, GpuSlot, NodeView, PlacementPolicy, make_policy, typical_demands
-from .policy import PoolPolicy, Quota, Reservation
+from jupyter_gpupool.core.placement import Demand, GpuSlot, NodeView, PlacementPolicy, make_policy, typical_demands
+from jupyter_gpupool.core.policy import PoolPolicy, Quota, Reservation
+from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
+from jupyter_gpupool.units import GIB, MIB, format_duration, format_size
 
 HELD_STATES = (LeaseState.GRANTED,)  # suspended leases hold no GPU memory
 #: Reclaim reasons of leases freed for a reservation (idle reclaims, then preemptions).
@@ -536,9 +536,8 @@ class Engine:
             return False
         if lease.keep_until is not None and lease.keep_until > now:
             return False
-        if lease.warned_at is not None and lease.last_activity is not None and lease.last_activity > lease.warned_at:
-            return False
-        return True
+        # Active again since the warning: the warning no longer stands.
+        return not (lease.warned_at is not None and lease.last_activity is not None and lease.last_activity > lease.warned_at)
 
     def _carry_out_due_reclaims(self, state: PoolState, now: float) -> list[Decision]:
         if not state.derived().reclaiming:

@@ -15,7 +15,7 @@ import heapq
 from collections.abc import Iterable
 from typing import Any
 
-from .models import Lease, LeaseState, Transition
+from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 
 #: What one lease adds to the index: (state, owner, groups, memory, num_gpus, devices held,
 #: reclaim pending, flagged, heartbeat deadline key, booked-slice end, transition under way,

@@ -1,6 +1,6 @@
 """Metering: turn held intervals of leases into report rows of GPU-hours, GiB·hours and cost.
 
-Pure: no Jupyter, no I/O, times passed in. :meth:`jupyter_gpupool.pool.Pool.report` feeds it the
+Pure: no Jupyter, no I/O, times passed in. :meth:`jupyter_gpupool.backends.local.pool.Pool.report` feeds it the
 ledger (closed intervals) and the granted leases (intervals still open at ``now``).
 
 Units:
@@ -27,8 +27,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidInput
-from .models import Device, normalize_model
+from jupyter_gpupool.core.models import Device, normalize_model
+from jupyter_gpupool.errors import InvalidInput
 
 GIB = 1024**3
 HOUR = 3600.0

@@ -52,7 +52,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import InvalidInput
+from jupyter_gpupool.errors import InvalidInput
 
 __all__ = [
     "POLICIES",

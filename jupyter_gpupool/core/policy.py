@@ -15,10 +15,11 @@ from typing import Any
 from traitlets import Bool, Dict, Enum, Float, Integer, List, Unicode, validate
 from traitlets.config import Configurable
 
-from ..errors import InvalidInput
-from ..units import parse_duration, parse_size
-from .metering import Prices
-from .models import PriorityClass
+from jupyter_gpupool.core.metering import Prices
+from jupyter_gpupool.core.models import PriorityClass
+from jupyter_gpupool.core.placement import POLICIES
+from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.units import parse_duration, parse_size
 
 #: Environment variables that override traits (name → (trait, parser)).
 ENV_TRAITS: dict[str, str] = {
@@ -325,7 +326,7 @@ class PoolPolicy(Configurable):
         help="Priority class per group: {'staff': 'high', 'graders': 'batch'}; the highest that applies wins.",
     ).tag(config=True)
 
-    reservations = List(
+    reservations: List[Any] = List(
         [],
         help="Capacity held for users or groups: one-off {'name': 'exam', 'groups': ['cs101'], 'memory': '40GiB', "
         "'start': '2026-12-01T09:00', 'end': '2026-12-01T11:00'} or weekly {'name': 'lab', 'groups': ['cs101'], "
@@ -469,8 +470,6 @@ class PoolPolicy(Configurable):
 
     @validate("placement")
     def _check_placement(self, proposal: Any) -> str:
-        from .placement import POLICIES
-
         value = str(proposal["value"])
         if value not in POLICIES:
             raise InvalidInput(f"unknown placement policy {value!r}; choose one of {', '.join(sorted(POLICIES))}")
@@ -506,7 +505,7 @@ class PoolPolicy(Configurable):
                     setattr(self, trait, raw)
             except (InvalidInput, ValueError) as err:
                 raise InvalidInput(f"{var}={raw!r}: {err}") from None
-            except Exception as err:  # traitlets TraitError
+            except Exception as err:  # noqa: BLE001 - traitlets TraitError, or a validator's own error
                 raise InvalidInput(f"{var}={raw!r}: {err}") from None
 
     # --- derived views the engine uses -----------------------------------------------------------

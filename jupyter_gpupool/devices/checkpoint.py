@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..core.models import Device
-from ..errors import GpuPoolError
-from ..units import format_size
-from . import process_alive as _alive
+from jupyter_gpupool.core.models import Device
+from jupyter_gpupool.devices.base import process_alive as _alive
+from jupyter_gpupool.errors import GpuPoolError
+from jupyter_gpupool.units import format_size
 
 if TYPE_CHECKING:
-    from . import DeviceBackend
+    from jupyter_gpupool.devices.base import DeviceBackend
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from ..core.models import Device
-from ..errors import NoGpuFound, PoolUnavailable
-from . import DeviceBackend, ProcessUsage
+from jupyter_gpupool.core.models import Device
+from jupyter_gpupool.devices.base import DeviceBackend, ProcessUsage
+from jupyter_gpupool.errors import NoGpuFound, PoolUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,12 @@ import re
 import threading
 import uuid as uuid_module
 
-from ..core.models import Device
-from ..errors import InvalidInput
-from ..units import GIB, parse_size
-from . import DeviceBackend, ProcessUsage
-from . import process_alive as _alive
+from jupyter_gpupool.core.models import Device
+from jupyter_gpupool.devices.base import DeviceBackend, ProcessUsage
+from jupyter_gpupool.devices.base import process_alive as _alive
+from jupyter_gpupool.devices.checkpoint import devices_now, wait_while_suspended
+from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.units import GIB, parse_size
 
 SPEC_FORMS = "a spec like 1x16GiB, 2xA100-80GB or 4xRTX3090-24GB,1xT4-16GB"
 
@@ -163,9 +164,6 @@ def pretend_to_use(size: str | int, pid: int | None = None) -> int:
     While the pool has this kernel suspended it blocks until the kernel is resumed, as a CUDA
     call does (interrupt the cell to stop waiting); after a resume onto other GPUs it uses those.
     """
-    from ..units import parse_size
-    from .checkpoint import devices_now, wait_while_suspended
-
     db = os.environ.get("GPUPOOL_DB")
     if not os.environ.get("GPUPOOL_SIMULATE") or not db:
         raise InvalidInput("pretend_to_use works only in a kernel on a simulated pool (GPUPOOL_SIMULATE and GPUPOOL_DB set)")

@@ -15,17 +15,17 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .caps import FrameworkCaps
-    from .client import PoolClient
+    from jupyter_gpupool.enforcement.caps import FrameworkCaps
+    from jupyter_gpupool.kernel.client import PoolClient
 
-# The parts are imported when first used: a kernel that only reads this package's
-# ``autolease`` module at start (and stands aside) pays nothing for the rest.
+# In-function imports: the parts are imported when first used, so a kernel that only reads this
+# package's ``autolease`` module at start (and stands aside) pays nothing for the rest.
 _state: dict[str, Any] = {}
 
 
 def __getattr__(name: str) -> Any:
     if name == "FrameworkCaps":
-        from .caps import FrameworkCaps
+        from jupyter_gpupool.enforcement.caps import FrameworkCaps
 
         return FrameworkCaps
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -33,7 +33,7 @@ def __getattr__(name: str) -> Any:
 
 def get_caps() -> FrameworkCaps:
     """The caps of this process (created from ``GPUPOOL_MEMORY_LIMIT`` on first use)."""
-    from .caps import FrameworkCaps
+    from jupyter_gpupool.enforcement.caps import FrameworkCaps
 
     caps = _state.get("caps")
     if caps is None:
@@ -43,7 +43,7 @@ def get_caps() -> FrameworkCaps:
 
 def get_client() -> PoolClient:
     """This kernel's pool client, shared by the magics and the widget."""
-    from .client import connect
+    from jupyter_gpupool.kernel.client import connect
 
     client = _state.get("client")
     if client is None:
@@ -53,9 +53,9 @@ def get_client() -> PoolClient:
 
 def load_ipython_extension(ipython: Any) -> None:
     """Install the framework caps, the out-of-memory hint, the ``%gpupool`` magic and the waiting cell."""
-    from .activity import ActivityReporter
-    from .magics import GpuPoolMagics
-    from .resume import ResumeOnRun
+    from jupyter_gpupool.kernel.activity import ActivityReporter
+    from jupyter_gpupool.kernel.magics import GpuPoolMagics
+    from jupyter_gpupool.kernel.resume import ResumeOnRun
 
     if _state.get("shell") is ipython:
         return

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core.models import Activity
+from jupyter_gpupool.core.models import Activity
 
 
 class ActivityReporter:
@@ -52,7 +52,7 @@ class ActivityReporter:
             return False
         try:
             self._pool().report_activity(lease_id, Activity(busy=self.busy, last_activity=self.last_activity))
-        except Exception:  # the pool may be briefly locked or gone: try again next round, never break the kernel
+        except Exception:  # noqa: BLE001 - the pool may be briefly locked or gone: try again next round, never break the kernel
             self.errors += 1
             return False
         self._reported, self._reported_at = state, now

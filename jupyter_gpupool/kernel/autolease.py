@@ -15,7 +15,7 @@ first call). From there :func:`configure`
    further, when this host has no NVIDIA driver and no simulated pool;
 2. otherwise hides every GPU at once, asks the pool for a ``batch`` lease held by this kernel's
    process, and on a grant sets ``CUDA_VISIBLE_DEVICES`` to its GPUs with the framework caps of
-   :mod:`jupyter_gpupool.enforcement`; a request that must queue leaves the GPUs hidden and makes
+   :mod:`jupyter_gpupool.enforcement.plan`; a request that must queue leaves the GPUs hidden and makes
    the first cell wait for the grant (one line on the terminal, a progress line in the cell that
    is cleared once it is granted);
 3. loads the kernel extension (``%gpupool``, caps, activity heartbeats) once the shell exists;
@@ -41,6 +41,9 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# In-function imports: every kernel of this environment reads this module at start, and most stand
+# aside; the pool's modules are imported only by one that leases.
 
 #: Set to ``off`` (also ``0``, ``false``, ``no``) in a kernel's environment: this module stands aside.
 AUTOLEASE_ENV = "GPUPOOL_AUTOLEASE"
@@ -163,26 +166,26 @@ class AutoLease:
 
     def start(self, label: str) -> None:
         """Hide every GPU, then lease from the pool; on any failure stay CPU-only, saying why."""
-        from ..provisioner import NO_GPU_ENV
+        from jupyter_gpupool.provisioner.kernel_provisioner import NO_GPU_ENV
 
         self.container_devices = self.environ.get("NVIDIA_VISIBLE_DEVICES")
         self.environ.update(NO_GPU_ENV)  # fail closed first: nothing below may leave a GPU visible
         try:
             self._lease(label)
         except Exception as err:  # noqa: BLE001 - never break a kernel: CPU-only, one line
-            from ..provisioner import one_line
+            from jupyter_gpupool.provisioner.kernel_provisioner import one_line
 
             self.cpu_only(one_line(err))
 
     def _lease(self, label: str) -> None:
-        from ..backends import selected_backend
-        from ..core.models import LeaseRequest, LeaseState, PriorityClass
-        from ..provisioner import default_owner, holder_identity, pool_env, pool_from_env
-        from ..validate import usable_preferences
+        from jupyter_gpupool.backends.factory import selected_backend
+        from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
+        from jupyter_gpupool.core.validate import usable_preferences
+        from jupyter_gpupool.provisioner.kernel_provisioner import default_owner, holder_identity, pool_env, shared_pool
 
         if selected_backend(environ=self.environ) == "slurm":
             raise RuntimeError("kernels of a Slurm pool run as Slurm jobs: start this notebook with the gpupool kernelspec")
-        pool = self.pool = self.pool or pool_from_env()
+        pool = self.pool = self.pool or shared_pool()
         owner = default_owner()
         prefs = usable_preferences(pool.preference(owner), owner)
         memory = pool.parse_memory(prefs["memory"]) if prefs.get("memory") else pool.default_memory()
@@ -218,7 +221,7 @@ class AutoLease:
 
     def apply_grant(self, lease: Any) -> None:
         """Put the grant's GPUs and caps into the environment (before CUDA has read it)."""
-        from ..enforcement import EnforcementSettings, plan_enforcement
+        from jupyter_gpupool.enforcement.plan import EnforcementSettings, plan_enforcement
 
         settings = EnforcementSettings().to_config()
         if settings.hami_library:  # LD_PRELOAD cannot reach a process that is already running
@@ -236,7 +239,7 @@ class AutoLease:
 
     def cpu_only(self, reason: str) -> None:
         """Run without the pool: every GPU hidden, the reason where ``%gpupool status`` reads it."""
-        from ..provisioner import NO_GPU_ENV, UNAVAILABLE_ENV
+        from jupyter_gpupool.provisioner.kernel_provisioner import NO_GPU_ENV, UNAVAILABLE_ENV
 
         self.release("the kernel fell back to CPU-only")
         self.cpu_only_reason = reason
@@ -281,7 +284,7 @@ class AutoLease:
 
     def wait_for_grant(self, on_update: Callable[[Any, Any], None] | None = None) -> None:
         """Block until the queued lease is granted, then apply it (the kernel client re-caps the frameworks)."""
-        from .. import kernel
+        from jupyter_gpupool import kernel
 
         client = kernel.get_client()
         lease = client.wait_for_grant(on_update=on_update)
@@ -297,7 +300,7 @@ class FirstCellWait:
     """
 
     def __init__(self, owner: AutoLease, display: Callable[..., Any] | None = None) -> None:
-        from .resume import _RejectCell
+        from jupyter_gpupool.kernel.resume import _RejectCell
 
         self.owner = owner
         self._display = display
@@ -317,7 +320,7 @@ class FirstCellWait:
             shell.ast_transformers.remove(self.transformer)
 
     def pre_run_cell(self, info: Any = None) -> None:
-        from .resume import only_gpupool_magics
+        from jupyter_gpupool.kernel.resume import only_gpupool_magics
 
         self.rejection = None
         if not self.owner.queued or only_gpupool_magics(getattr(info, "raw_cell", "") or ""):
@@ -326,9 +329,9 @@ class FirstCellWait:
 
     def wait(self) -> str | None:
         """The one-line reason to reject the cell, or None to run it (granted, or CPU-only)."""
-        from ..errors import GpuPoolError
-        from ..units import format_duration
-        from .resume import ProgressLine
+        from jupyter_gpupool.errors import GpuPoolError
+        from jupyter_gpupool.kernel.resume import ProgressLine
+        from jupyter_gpupool.units import format_duration
 
         progress = ProgressLine(self._display)
         started = time.monotonic()
@@ -446,7 +449,7 @@ def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, 
         if stand_aside_reason(env, connection_file) is not None:
             return None
     except Exception as err:  # noqa: BLE001 - deciding failed: fail closed, without the pool
-        from ..provisioner import NO_GPU_ENV
+        from jupyter_gpupool.provisioner.kernel_provisioner import NO_GPU_ENV
 
         env.update(NO_GPU_ENV)
         say(f"this kernel runs CPU-only (CUDA_VISIBLE_DEVICES=''): cannot tell whether to lease from the GPU pool: {err}")
@@ -489,13 +492,13 @@ def _held_before_exec(env: MutableMapping[str, str]) -> AutoLease | None:
     lease_id, _, was = rest.partition(":")
     if pid != str(os.getpid()) or not lease_id or env.get("GPUPOOL_LEASE_ID") != lease_id:
         return None
-    from ..core.models import LeaseState
-    from ..provisioner import pool_from_env
+    from jupyter_gpupool.core.models import LeaseState
+    from jupyter_gpupool.provisioner.kernel_provisioner import shared_pool
 
     auto = AutoLease(environ=env, lease_id=lease_id)
     atexit.register(auto.release)
     try:
-        auto.pool = pool_from_env()
+        auto.pool = shared_pool()
         lease = auto.pool.get(lease_id)
         if lease.state is LeaseState.GRANTED:  # granted while the kernel restarted: the GPUs it holds now
             auto.apply_grant(lease)
@@ -506,7 +509,7 @@ def _held_before_exec(env: MutableMapping[str, str]) -> AutoLease | None:
         else:
             auto.cpu_only(f"its GPU lease was released while the kernel started ({lease.release_reason or 'released'})")
     except Exception as err:  # noqa: BLE001 - never break the kernel: CPU-only, one line
-        from ..provisioner import one_line
+        from jupyter_gpupool.provisioner.kernel_provisioner import one_line
 
         auto.cpu_only(one_line(err))
     return auto

@@ -4,9 +4,10 @@
 
 - :class:`InProcessPoolClient` (single-user mode, today): the pool engine in this process
   over the SQLite file ``GPUPOOL_DB``, the same file JupyterLab and nbconvert runs use.
-- a broker client over HTTP (multi-user hosts) when ``GPUPOOL_URL`` is set. It lives in
-  ``jupyter_gpupool.broker.client`` as ``HttpPoolClient`` with a ``from_env(env)``
-  classmethod; :func:`connect` picks it up from there once it exists.
+- :class:`HttpPoolClient` (multi-user hosts): the same logic over the broker at ``GPUPOOL_URL``,
+  through :class:`~jupyter_gpupool.backends.remote.RemotePool`; identity comes from the kernel's
+  hub token (``JUPYTERHUB_API_TOKEN``, inherited from its single-user server) or its uid on the
+  broker's socket.
 
 Sizes and durations are passed as the user typed them (``"12GiB"``, ``"25%"``, ``"2h"``),
 so an HTTP client can send them unchanged to ``POST .../reserve``.
@@ -16,17 +17,25 @@ from __future__ import annotations
 
 import abc
 import getpass
-import importlib
 import os
 import socket
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-from ..core.models import Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, PriorityClass, QueueInfo, Transition
-from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
-from ..units import parse_duration, parse_size
-from .status import KernelStatus
+from jupyter_gpupool.core.models import (
+    Device,
+    Lease,
+    LeaseRequest,
+    LeaseState,
+    PoolSnapshot,
+    PriorityClass,
+    QueueInfo,
+    Transition,
+)
+from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
+from jupyter_gpupool.kernel.status import KernelStatus
+from jupyter_gpupool.units import parse_duration, parse_size
 
 UpdateCallback = Callable[[Lease, "QueueInfo | None"], None]
 NO_LEASE = (
@@ -36,6 +45,11 @@ NO_LEASE = (
 
 class PoolClient(abc.ABC):
     """This kernel's view of the pool: its own lease, and the queue."""
+
+    @property
+    @abc.abstractmethod
+    def pool(self) -> Any:
+        """The pool backend this client talks to, opened on first use."""
 
     @property
     @abc.abstractmethod
@@ -137,13 +151,13 @@ class InProcessPoolClient(PoolClient):
     # -- plumbing ----------------------------------------------------------------------------
     @property
     def pool(self) -> Any:
-        """The :class:`~jupyter_gpupool.pool.Pool`, opened on first use (kernel start stays fast)."""
+        """The :class:`~jupyter_gpupool.backends.local.pool.Pool`, opened on first use (kernel start stays fast)."""
         if self._pool is None:
             try:
                 if self._pool_factory is not None:
                     self._pool = self._pool_factory()
                 else:
-                    from ..pool import Pool
+                    from jupyter_gpupool.backends.local.pool import Pool  # not at module level: kernel start stays fast
 
                     pool = Pool.from_env()
                     pool.device_cache_seconds = KERNEL_DEVICE_CACHE_SECONDS
@@ -198,7 +212,8 @@ class InProcessPoolClient(PoolClient):
             return bool(names) and all(name.startswith(("GPU-", "MIG-")) for name in names)
 
         if shown and shown != now and uuids(shown.split(",")) and uuids(list(lease.devices)):
-            from ..devices.checkpoint import STARTED_ON_ENV
+            # on first use: the kernel starts as fast as without the extension
+            from jupyter_gpupool.devices.checkpoint import STARTED_ON_ENV
 
             self.env.setdefault(STARTED_ON_ENV, shown)  # what its checkpoint's remap maps from
             self.env["CUDA_VISIBLE_DEVICES"] = now
@@ -399,24 +414,36 @@ def _phase(lease: Lease) -> str:
     return lease.state.value
 
 
-BROKER_CLIENT = "jupyter_gpupool.broker.client"
+class HttpPoolClient(InProcessPoolClient):
+    """This kernel's lease, through the broker at ``GPUPOOL_URL``."""
+
+    @classmethod
+    def from_env(cls, env: MutableMapping[str, str] | None = None, caps: Any = None) -> HttpPoolClient:
+        # The pool backends are imported when the pool is first used: a kernel starts without them.
+        from jupyter_gpupool.backends.remote import RemotePool
+
+        source: MutableMapping[str, str] = os.environ if env is None else env
+        return cls(env=source, pool_factory=lambda: RemotePool.from_env(source), caps=caps)
+
+    def _pool_suspend(self, lease_id: str, reason: str) -> Lease:
+        from jupyter_gpupool.backends.remote import remote_suspend  # see from_env
+
+        return remote_suspend(self.pool, lease_id, reason)
+
+    def _pool_resume(self, lease_id: str) -> Lease:
+        from jupyter_gpupool.backends.remote import remote_resume  # see from_env
+
+        return remote_resume(self.pool, lease_id)
 
 
 def connect(env: MutableMapping[str, str] | None = None, caps: Any = None) -> PoolClient:
     """The client for this kernel: the broker's when ``GPUPOOL_URL`` is set, else in-process."""
     source: MutableMapping[str, str] = os.environ if env is None else env
     if source.get("GPUPOOL_BACKEND", "").strip().lower() == "slurm":  # a kernel in its Slurm job
-        from ..slurm.pool import SlurmPool
+        from jupyter_gpupool.backends.slurm.pool import SlurmPool  # imported on first use, as Pool is
 
         return InProcessPoolClient(env=source, caps=caps, pool_factory=lambda: SlurmPool.from_env(environ=source))
     url = source.get("GPUPOOL_URL", "").strip()
     if not url:
         return InProcessPoolClient(env=source, caps=caps)
-    try:
-        module = importlib.import_module(BROKER_CLIENT)
-    except ImportError as err:
-        raise PoolUnavailable(
-            f"GPUPOOL_URL is set ({url}) but this version has no broker client; unset it to use the pool file GPUPOOL_DB"
-        ) from err
-    client: PoolClient = module.HttpPoolClient.from_env(source, caps=caps)
-    return client
+    return HttpPoolClient.from_env(source, caps=caps)

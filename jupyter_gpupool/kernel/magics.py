@@ -13,12 +13,12 @@ from typing import Any
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.display import display
 
-from ..core.models import Lease, LeaseState, QueueInfo
-from ..errors import GpuPoolError, PoolUnavailable
-from ..units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size
-from .client import DEFAULT_KEEP, PoolClient
-from .resume import ProgressLine, needs_waiting, progress_text
-from .status import QueueReport, Report, status_report, unavailable_status
+from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo
+from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
+from jupyter_gpupool.kernel.client import DEFAULT_KEEP, PoolClient
+from jupyter_gpupool.kernel.resume import ProgressLine, needs_waiting, progress_text
+from jupyter_gpupool.kernel.status import QueueReport, Report, status_report, unavailable_status
+from jupyter_gpupool.units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size, parse_duration
 
 DESCRIPTION = (
     """\
@@ -263,8 +263,6 @@ class GpuPoolMagics(Magics):
         display(Report("gpupool: slice kept", [("held through idle until", f"{text} ({left})")]))
 
     def _do_wait(self, args: argparse.Namespace) -> None:
-        from ..units import parse_duration
-
         timeout = parse_duration(args.timeout) if args.timeout else None
         progress = WaitProgress()
         try:
@@ -299,8 +297,6 @@ class GpuPoolMagics(Magics):
         )
 
     def _do_resume(self, args: argparse.Namespace) -> None:
-        from ..units import parse_duration
-
         timeout = parse_duration(args.timeout) if args.timeout else None
         client = self.client
         if not needs_waiting(client.current()):

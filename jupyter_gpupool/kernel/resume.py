@@ -30,10 +30,10 @@ from typing import Any
 
 from IPython.core.error import InputRejected
 
-from ..core.models import Lease, LeaseState, QueueInfo, Transition
-from ..errors import GpuPoolError
-from ..units import format_duration
-from .client import PoolClient
+from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo, Transition
+from jupyter_gpupool.errors import GpuPoolError
+from jupyter_gpupool.kernel.client import PoolClient
+from jupyter_gpupool.units import format_duration
 
 
 def needs_waiting(lease: Lease | None) -> bool:

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo, Transition
-from ..units import GIB, MIB, format_duration, format_size
+from jupyter_gpupool.core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo, Transition
+from jupyter_gpupool.units import GIB, MIB, format_duration, format_size
 
 
 @dataclass(frozen=True)

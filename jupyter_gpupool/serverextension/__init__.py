@@ -1,5 +1,5 @@
 """The ``gpupool`` Jupyter Server extension (auto-enabled by the wheel)."""
 
-from .app import GpuPoolExtension
+from jupyter_gpupool.serverextension.app import GpuPoolExtension
 
 __all__ = ["GpuPoolExtension"]

@@ -37,14 +37,19 @@ from jupyter_server.services.kernels.handlers import KernelActionHandler
 from tornado import web
 from traitlets import Bool, Enum, Float, List, Unicode, default
 
-from ..backends import backend_provisioner
-from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Transition
-from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
-from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
-from ..kernel.autolease import mark_unpooled_kernelspecs
-from ..pool import HOSTNAME
-from ..provisioner import (
+from jupyter_gpupool.backends.factory import backend_provisioner, pool_from_env
+from jupyter_gpupool.backends.local.pool import HOSTNAME
+from jupyter_gpupool.core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Transition
+from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
+from jupyter_gpupool.devices.nvml import NvmlBackend
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.enforcement.plan import EnforcementPlan, EnforcementSettings, plan_enforcement
+from jupyter_gpupool.enforcement.watchdog import Watchdog
+from jupyter_gpupool.errors import GpuPoolError, NoGpuFound, PoolUnavailable
+from jupyter_gpupool.kernel.autolease import mark_unpooled_kernelspecs
+from jupyter_gpupool.provisioner.kernel_provisioner import (
     PROVISIONER_NAME,
+    UNAVAILABLE_ENV,
     WHEN_UNAVAILABLE,
     GpuPoolProvisioner,
     ServerBinding,
@@ -53,11 +58,12 @@ from ..provisioner import (
     one_line,
     when_unavailable_from_env,
 )
-from ..quiet import ActivityClocks
-from ..units import format_size
-from ..views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
-from .configguard import FailClosedConfig
-from .handlers import default_handlers
+from jupyter_gpupool.quiet import ActivityClocks
+from jupyter_gpupool.rest.metrics import PoolCollector
+from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
+from jupyter_gpupool.serverextension.configguard import FailClosedConfig
+from jupyter_gpupool.serverextension.handlers import default_handlers
+from jupyter_gpupool.units import format_size
 
 LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v2"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v2.yaml"
@@ -80,7 +86,9 @@ class KernelActionWhileStartingHandler(KernelActionHandler):  # type: ignore[mis
         reason = ext.not_started_reason(kernel_id, action) if ext is not None else None
         if reason is not None:
             raise web.HTTPError(409, reason.replace("%", "%%"))
-        await super().post(kernel_id, action)
+        answered = super().post(kernel_id, action)
+        if answered is not None:
+            await answered
 
 
 
@@ -235,19 +243,16 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         try:
             self._initialize_settings()
         except Exception as err:
-            from ..provisioner import one_line
-
             reason = f"the gpupool server extension failed to start: {one_line(err)}"
-            self.log.error("gpupool: %s; kernels of this server start CPU-only until it is fixed", reason, exc_info=True)
+            self.log.exception("gpupool: %s; kernels of this server start CPU-only until it is fixed", reason)
             self._hide_gpus_from_pooled_kernels(reason)
 
     def _hide_gpus_from_pooled_kernels(self, reason: str) -> None:
         """The last line of defence: kernelspecs this server would have pooled get
         ``CUDA_VISIBLE_DEVICES=""`` (a kernelspec that names another provisioner is an admin's opt-out)."""
-        from ..provisioner import UNAVAILABLE_ENV
-
         assert self.serverapp is not None
         ksm = self.serverapp.kernel_spec_manager
+        assert ksm is not None
         original = ksm.get_kernel_spec
         pooled_by_default = self.make_default_provisioner
 
@@ -259,7 +264,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 spec.env = {**(spec.env or {}), "CUDA_VISIBLE_DEVICES": "", UNAVAILABLE_ENV: reason}
             return spec
 
-        ksm.get_kernel_spec = get_kernel_spec
+        ksm.get_kernel_spec = get_kernel_spec  # type: ignore[method-assign]  # this server's instance only
 
     def _initialize_settings(self) -> None:
         assert self.serverapp is not None
@@ -287,6 +292,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._wrap_kernel_manager(km)
         self.event_logger = self.serverapp.event_logger
         with contextlib.suppress(Exception):  # already registered by an earlier server in this process
+            assert self.event_logger is not None
             self.event_logger.register_event_schema(LEASE_SCHEMA_PATH)
         self.binding = ServerBinding(
             open_pool=self._pool_for_kernels,
@@ -307,8 +313,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
 
     def open_pool(self) -> bool:
         """Try to open the pool (from GPUPOOL_* and the server's config); False, with the reason kept, if it cannot."""
-        from ..remote import pool_from_env
-
         assert self.serverapp is not None
         self.open_attempts += 1
         try:
@@ -407,6 +411,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 )
             return
         ksm = self.serverapp.kernel_spec_manager
+        assert ksm is not None
         original = ksm.get_kernel_spec
         warned: set[str] = set()
 
@@ -425,7 +430,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 )
             return spec
 
-        ksm.get_kernel_spec = get_kernel_spec
+        ksm.get_kernel_spec = get_kernel_spec  # type: ignore[method-assign]  # this server's instance only
         self._restore_spec_manager = lambda: ksm.__dict__.pop("get_kernel_spec", None)
 
     #: Seconds a shutdown waits for a start or restart in progress to end (once its queued request is withdrawn).
@@ -583,7 +588,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         prov = self.provisioner_of(kernel_id)
         verb = "interrupted" if action == "interrupt" else "restarted"
         if prov is not None and prov.phase == "waiting":
-            lease, info = prov.queue_update if prov.queue_update is not None else (None, None)
+            _lease, info = prov.queue_update if prov.queue_update is not None else (None, None)
             where = prov._queue_message(info)
             return f"kernel {kernel_id} is {where}; it can be {verb} once it has started (shut it down to withdraw the request)"
         return f"kernel {kernel_id} is still starting; it can be {verb} once it has started"
@@ -704,7 +709,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             return  # the broker serves the pool's metrics
         from prometheus_client import REGISTRY
 
-        from ..metrics import PoolCollector
 
         previous = type(self)._metrics_collector
         if previous is not None:
@@ -729,8 +733,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             loop.create_task(self._every(lambda: self.reconcile_interval, self.reconcile_once, "reconcile")),
         ]
         if self.watchdog_enabled and not getattr(self._pool, "remote", False):
-            from ..watchdog import Watchdog
-
             self.watchdog = Watchdog(backend=self._pool.backend, pool=self._pool, parent=self)
             self._tasks.append(loop.create_task(self._every(lambda: self.watchdog.interval, self.watchdog_once, "watchdog")))
 
@@ -909,8 +911,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         The server checkpoints its own kernels, whoever keeps the books: with a broker, the kind of
         GPUs is the broker's (NVML: this host's driver; simulated: files beside the server)."""
         if self._checkpointer is None:
-            from ..devices.checkpoint import checkpointer_for
-
             backend = self.pool.backend
             if getattr(backend, "name", "") == "remote":
                 backend = self._local_backend_like(backend)
@@ -921,12 +921,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         """A device backend of this host of the broker's kind, for checkpoints only."""
         kind = str(self.pool.info().get("backend", {}).get("name", "")) if hasattr(self.pool, "info") else ""
         if kind == "nvml":
-            from ..devices.nvml import NvmlBackend
-
             return NvmlBackend()
         if kind == "simulated":
-            from ..devices.simulated import SimulatedBackend
-
             local = SimulatedBackend.from_spec(getattr(remote, "spec", "") or "1x16GiB")
             runtime = getattr(self.serverapp, "runtime_dir", None) or os.getcwd()
             local.usage_dir = os.path.join(runtime, "gpupool-usage")
@@ -951,8 +947,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
 
     async def _carry_out_transition(self, kernel_id: str, prov: GpuPoolProvisioner, lease: Lease) -> None:
         """Do what the engine decided for this kernel's GPU memory, then confirm (or report the failure)."""
-        from ..devices.checkpoint import CheckpointError
-
         process = getattr(prov, "process", None)
         pid = getattr(process, "pid", None)
         step = lease.transition
@@ -983,8 +977,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             self._moving.discard(lease.id)
 
     async def _suspend(self, kernel_id: str, lease: Lease, pid: int) -> None:
-        from ..devices.checkpoint import CheckpointError
-
         refusal = self.checkpointer.supports_devices([d for d in self.pool.devices() if d.uuid in lease.devices])
         try:
             if refusal:
@@ -1001,8 +993,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM): {lease.suspend_reason}")
 
     async def _restore(self, kernel_id: str, lease: Lease, pid: int, mapping: dict[str, str], action: str = "resumed") -> None:
-        from ..devices.checkpoint import CheckpointError
-
         moved = {old: new for old, new in mapping.items() if old != new}
         try:
             await asyncio.to_thread(self.checkpointer.resume, pid, moved or None)
@@ -1038,8 +1028,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
 
     async def _move(self, kernel_id: str, lease: Lease, pid: int) -> None:
         """Live defragmentation: park the kernel's memory, restore it on the GPU the engine chose."""
-        from ..devices.checkpoint import CheckpointError
-
         self.emit("migrating", lease, message=lease.suspend_reason)
         try:
             await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
@@ -1060,7 +1048,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         assert self.serverapp is not None
         km = self.serverapp.kernel_manager
         with contextlib.suppress(Exception):
-            km.get_kernel(kernel_id).reason = f"GPU slice {lease.release_reason}"
+            km.get_kernel(kernel_id).reason = f"GPU slice {lease.release_reason}"  # type: ignore[attr-defined]  # ServerKernelManager's
         try:
             await km.shutdown_kernel(kernel_id)
         except Exception:
@@ -1080,7 +1068,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self.log.warning("gpupool: shutting down kernel %s: %s", kernel_id, reason)
         kernel = km.get_kernel(kernel_id)
         with contextlib.suppress(Exception):
-            kernel.reason = f"GPU slice {reason}"
+            kernel.reason = f"GPU slice {reason}"  # type: ignore[attr-defined]  # ServerKernelManager's
         self.emit("culled", lease, message=f"kernel shut down: its GPU slice was {reason}")
         try:
             await km.shutdown_kernel(kernel_id)
@@ -1094,7 +1082,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         cleanup releases the slice with the right reason; once gone from the server they are reconciled)."""
         assert self.serverapp is not None
         km = self.serverapp.kernel_manager
-        live = set()
+        live: set[str] = set()
         # A start under way is not in the map until it has started (no pending kernels): it is live.
         live.update(kernel_id for kernel_id, task in list(km._pending_kernels.items()) if not task.done())
         for kernel_id in list(km.list_kernel_ids()):
@@ -1142,21 +1130,24 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         )
         report = await asyncio.to_thread(self.watchdog.check, roots, limits, None, live, HOSTNAME)
         assert self.serverapp is not None
-        km = self.serverapp.kernel_manager
+        km: Any = self.serverapp.kernel_manager  # async at run time, whatever MultiKernelManager's annotations say
         for kind, use, action, line in report.unpooled_events:
-            kernel_id = own_pids.get(use.pid)
-            lease = leases[kernel_id][1] if kernel_id is not None else None
-            if lease is not None:
-                self.emit("over_limit" if kind == "warn" else "interrupted" if action == "interrupt" else "stopped", lease, message=line)
-                if kind == "act" and kernel_id in km:
-                    await (km.interrupt_kernel(kernel_id) if action == "interrupt" else km.shutdown_kernel(kernel_id))
+            own_kernel = own_pids.get(use.pid)
+            if own_kernel is not None:
+                self.emit(
+                    "over_limit" if kind == "warn" else "interrupted" if action == "interrupt" else "stopped",
+                    leases[own_kernel][1],
+                    message=line,
+                )
+                if kind == "act" and own_kernel in km:
+                    await (km.interrupt_kernel(own_kernel) if action == "interrupt" else km.shutdown_kernel(own_kernel))
             elif kind == "warn":
                 self.emit_unpooled(use.bytes, use.device)
         for event in report.events:
-            kernel_id = kernel_of.get(event.lease_id)
-            if kernel_id is None:
+            event_kernel = kernel_of.get(event.lease_id)
+            if event_kernel is None:
                 continue
-            lease = leases[kernel_id][1]
+            lease = leases[event_kernel][1]
             if event.kind == "warn":
                 self.emit("over_limit", lease, message=event.message, deadline=event.deadline)
             elif event.kind == "clear":
@@ -1164,9 +1155,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             elif event.kind == "act":
                 self.emit("interrupted" if event.action == "interrupt" else "stopped", lease, message=event.message)
                 if event.action == "interrupt":
-                    await km.interrupt_kernel(kernel_id)
+                    await km.interrupt_kernel(event_kernel)
                 elif event.action == "stop":
-                    await km.shutdown_kernel(kernel_id)
+                    await km.shutdown_kernel(event_kernel)
 
     def emit_unpooled(self, nbytes: int, device: str) -> None:
         """Emit an ``unpooled`` event (no lease; never whose): front ends re-read the pool view."""
@@ -1175,6 +1166,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             "queue_position": None, "queue_length": None, "deadline": None,
             "message": f"{format_size(nbytes)} of GPU {device} is used outside the pool; the pool does not grant it",
         }
+        if self.event_logger is None:  # the server has no event logger: nothing to emit to
+            return
         try:
             self.event_logger.emit(schema_id=LEASE_SCHEMA_ID, data=data)
         except Exception:
@@ -1243,6 +1236,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             "deadline": deadline,
             "message": message or lease.release_reason or "",
         }
+        if self.event_logger is None:  # the server has no event logger: nothing to emit to
+            return
         try:
             self.event_logger.emit(schema_id=LEASE_SCHEMA_ID, data=data)
         except Exception:

@@ -27,7 +27,8 @@ from traitlets import Enum, TraitError, validate
 from traitlets.config import Config, Configurable
 from traitlets.config.loader import DeferredConfig
 
-from ..errors import GpuPoolError, PoolUnavailable
+from jupyter_gpupool.configref import CONFIGURABLES, _load
+from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
 
 #: Settings of the extension that are a number of seconds and must be more than 0.
 POSITIVE_SECONDS = ("tick_interval", "reconcile_interval", "retry_interval", "keepalive_default")
@@ -113,8 +114,6 @@ def drop_invalid(configs: Iterable[Config], classes: Iterable[type[Configurable]
 
 def server_configurables() -> list[type[Configurable]]:
     """Every class of ours whose settings a Jupyter server reads (those of the config reference, less the broker's)."""
-    from ..configref import CONFIGURABLES, _load
-
     return [_load(path) for path, _ in CONFIGURABLES if not path.startswith(_NOT_READ_BY_A_SERVER)]
 
 

@@ -18,10 +18,10 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
-from .. import validate
-from ..core.models import Lease
-from ..errors import GpuPoolError, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
-from ..httputil import JsonHandlerMixin
+from jupyter_gpupool.core import validate
+from jupyter_gpupool.core.models import Lease
+from jupyter_gpupool.errors import GpuPoolError, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
+from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin
 
 
 class PoolExtension(Protocol):

@@ -19,7 +19,7 @@ import sys
 
 from jupyter_gpupool.core.models import Lease
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.pool import Pool
+from jupyter_gpupool.backends.local.pool import Pool
 
 
 def lease_of(pool: Pool, kernel_id: str) -> Lease:

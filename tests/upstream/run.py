@@ -31,7 +31,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpupool.workload import cache_folder
+from jupyter_gpupool.apps.workload import cache_folder
 
 HERE = Path(__file__).resolve().parent
 

@@ -133,10 +133,10 @@ def probe_all() -> Probe:
                 break
     probe.server_stack_missing = [m for m in SERVER_STACK if not _has_module(m)]
     for module in (
-        "jupyter_gpupool.provisioner",
+        "jupyter_gpupool.provisioner.kernel_provisioner",
         "jupyter_gpupool.devices.nvml",
-        "jupyter_gpupool.watchdog",
-        "jupyter_gpupool.pool",
+        "jupyter_gpupool.enforcement.watchdog",
+        "jupyter_gpupool.backends.local.pool",
     ):
         reason = _module_error(module) if _has_module("jupyter_gpupool") else "jupyter_gpupool not importable"
         if reason:
@@ -180,7 +180,7 @@ def need_module(probe: Probe, module: str) -> str | None:
 
 
 def need_provisioner(probe: Probe) -> str | None:
-    reason = need_module(probe, "jupyter_gpupool.provisioner")
+    reason = need_module(probe, "jupyter_gpupool.provisioner.kernel_provisioner")
     if reason:
         return reason
     if not probe.provisioner_registered:

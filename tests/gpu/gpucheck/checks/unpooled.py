@@ -27,7 +27,7 @@ def requires(probe: Probe, options: object) -> str | None:
         None if probe.libcuda else "libcuda.so.1 not loadable: no raw cuMemAlloc",
         need_server(probe),
         need_provisioner(probe),
-        need_module(probe, "jupyter_gpupool.unpooled"),
+        need_module(probe, "jupyter_gpupool.enforcement.unpooled"),
     )
 
 

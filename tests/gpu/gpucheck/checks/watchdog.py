@@ -29,7 +29,7 @@ def requires(probe: Probe, options: Options) -> str | None:
         None if probe.libcuda else "libcuda.so.1 not loadable: no raw cuMemAlloc",
         need_server(probe),
         need_provisioner(probe),
-        need_module(probe, "jupyter_gpupool.watchdog"),
+        need_module(probe, "jupyter_gpupool.enforcement.watchdog"),
     )
 
 

@@ -1,0 +1,204 @@
+"""``jupyter gpupool kernelspec install``: kernelspecs with a fixed GPU slice.
+
+A teacher offers "small" and "large" GPU kernels in the launcher::
+
+    jupyter gpupool kernelspec install --name python3-gpu-4g --memory 4GiB --sys-prefix
+    jupyter gpupool kernelspec install --name python3-gpu-16g --memory 16GiB --sys-prefix
+
+Each copies an existing kernelspec (``python3`` by default) and sets its provisioner to
+``gpupool-provisioner`` with the slice in the provisioner's config. A slice the pool this host is
+configured for could never grant (the broker's with ``GPUPOOL_URL``, else the simulated or NVML
+GPUs; judged by the engine's own rules, so one larger than a GPU may span several) is refused
+with exit code 3; with no pool to ask, it is installed with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_core.application import JupyterApp
+from traitlets import Bool, Unicode
+
+from jupyter_gpupool.application import GpuPoolBaseApp
+from jupyter_gpupool.backends.remote import RemotePool
+from jupyter_gpupool.core.engine import Engine
+from jupyter_gpupool.core.models import Device, LeaseRequest, PriorityClass, model_matches
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.devices import make_backend
+from jupyter_gpupool.errors import GpuPoolError, InvalidInput, RequestRefused
+from jupyter_gpupool.units import GIB, MIB, SIZE_FORMS, format_size, parse_size
+
+PROVISIONER_NAME = "gpupool-provisioner"
+#: Smallest slice a kernelspec may fix: less cannot hold a CUDA context, so it is a typo (``--memory 8``
+#: for 8GiB) rather than a choice.
+MIN_SLICE = 64 * MIB
+_NAME_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
+
+
+def gpu_kernelspec(base: dict[str, Any], memory: str, num_gpus: int = 1, priority: str = "", model: str = "",
+                   display_name: str = "") -> dict[str, Any]:
+    """A copy of ``base`` (a kernel.json dict) whose kernels get a fixed GPU slice."""
+    size = parse_size(memory, gpu_memory=GIB)  # validate early: "25%" is fine, "8XB" is not
+    if size < MIN_SLICE and not memory.strip().endswith("%"):
+        bare = memory.strip().isdigit()
+        what = f"{size} byte{'s' if size != 1 else ''} (a number without a unit counts bytes)" if bare else format_size(size)
+        suggestion = f"; did you mean --memory {memory.strip()}GiB?" if bare else ""
+        raise InvalidInput(
+            f"--memory {memory.strip()} is {what}, below the smallest GPU slice of {format_size(MIN_SLICE)}{suggestion}"
+        )
+    if num_gpus < 1:
+        raise InvalidInput(f"--gpus must be at least 1, got {num_gpus}")
+    if priority and priority not in {c.value for c in PriorityClass}:
+        raise InvalidInput(f"--priority must be batch, normal or high, got {priority!r}")
+    spec = json.loads(json.dumps(base))
+    config: dict[str, Any] = {"memory": memory}
+    if num_gpus != 1:
+        config["num_gpus"] = num_gpus
+    if priority:
+        config["priority"] = priority
+    if model:
+        config["model"] = model
+    metadata = spec.setdefault("metadata", {})
+    metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME, "config": config}
+    gpus = f"{num_gpus}x " if num_gpus != 1 else ""
+    spec["display_name"] = display_name or f"{base.get('display_name', 'Kernel')} (GPU {gpus}{memory})"
+    return spec
+
+
+class KernelSpecInstallApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-kernelspec-install"
+    description = "Install a kernelspec whose kernels get a fixed GPU slice."
+    aliases = {
+        **GpuPoolBaseApp.aliases,
+        "name": "KernelSpecInstallApp.kernel_name",
+        "display-name": "KernelSpecInstallApp.display_name",
+        "memory": "KernelSpecInstallApp.memory",
+        "gpus": "KernelSpecInstallApp.gpus",
+        "priority": "KernelSpecInstallApp.priority",
+        "model": "KernelSpecInstallApp.model",
+        "kernel": "KernelSpecInstallApp.base_kernel",
+        "prefix": "KernelSpecInstallApp.prefix",
+    }
+    flags = {
+        **GpuPoolBaseApp.flags,
+        "user": ({"KernelSpecInstallApp": {"user": True}}, "Install for the current user only."),
+        "sys-prefix": ({"KernelSpecInstallApp": {"prefix": sys.prefix}}, f"Install into {sys.prefix}."),
+        "replace": ({"KernelSpecInstallApp": {"replace": True}}, "Replace an existing kernelspec of that name."),
+    }
+
+    kernel_name = Unicode("", help="Name of the new kernelspec, e.g. python3-gpu-8g.").tag(config=True)
+    display_name = Unicode("", help="Name shown in the launcher (default: the base's name plus the slice).").tag(config=True)
+    memory = Unicode("", help=f"GPU slice for its kernels: {SIZE_FORMS}.").tag(config=True)
+    gpus = Unicode("1", help="Number of GPUs per kernel.").tag(config=True)
+    priority = Unicode("", help="Priority class of its kernels: batch (e.g. autograding), normal or high.").tag(config=True)
+    model = Unicode("", help="GPU model its kernels need, e.g. A100 (default: any).").tag(config=True)
+    base_kernel = Unicode("python3", help="Kernelspec to copy (argv, language, logos).").tag(config=True)
+    prefix = Unicode("", help="Install under this prefix (e.g. sys.prefix) instead of system-wide.").tag(config=True)
+    user = Bool(False, help="Install for the current user only.").tag(config=True)
+    replace = Bool(False, help="Replace an existing kernelspec of that name.").tag(config=True)
+
+    def run(self) -> None:
+        if not self.kernel_name or not _NAME_RE.match(self.kernel_name):
+            raise InvalidInput("give --name with letters, digits, '.', '_' or '-', e.g. --name python3-gpu-8g")
+        if not self.memory:
+            raise InvalidInput(f"give --memory: {SIZE_FORMS}")
+        if not self.gpus.isdigit():
+            raise InvalidInput(f"--gpus must be a whole number like 2, got {self.gpus!r}")
+        manager = KernelSpecManager()
+        try:
+            base = manager.get_kernel_spec(self.base_kernel)
+        except NoSuchKernel:
+            names = ", ".join(sorted(manager.find_kernel_specs()))
+            raise InvalidInput(f"no kernelspec {self.base_kernel!r} to copy; installed: {names}") from None
+        spec = gpu_kernelspec(base.to_dict(), self.memory, int(self.gpus), self.priority, self.model, self.display_name)
+        self.check_fits_the_pool(int(self.gpus))
+        target = manager._get_destination_dir(self.kernel_name, user=self.user, prefix=self.prefix or None)
+        if not self.replace and (os.path.exists(target) or self.kernel_name in manager.find_kernel_specs()):
+            raise InvalidInput(f"a kernelspec named {self.kernel_name!r} exists; add --replace to overwrite it")
+        with tempfile.TemporaryDirectory() as staging:
+            for item in os.listdir(base.resource_dir):
+                if item != "kernel.json":
+                    source = os.path.join(base.resource_dir, item)
+                    if os.path.isfile(source):
+                        shutil.copy(source, staging)
+            with open(os.path.join(staging, "kernel.json"), "w") as handle:
+                json.dump(spec, handle, indent=1)
+            destination = manager.install_kernel_spec(
+                staging, self.kernel_name, user=self.user, prefix=self.prefix or None, replace=True
+            )
+        self.emit({"name": self.kernel_name, "path": destination, "spec": spec}, f"installed {spec['display_name']!r} in {destination}")
+
+
+    def pool_devices(self) -> tuple[list[Device] | None, Any, str]:
+        """The devices and policy of the pool this host is configured for (the broker's with GPUPOOL_URL,
+        else the simulated or NVML inventory and the local policy), and where they come from; ``None``
+        and why when none can be read. Opens no pool file: installing a kernelspec must not create one."""
+        env = dict(os.environ)
+        if self.simulate:
+            env["GPUPOOL_SIMULATE"] = self.simulate
+        try:
+            if (env.get("GPUPOOL_URL") or "").strip():
+                env.setdefault("GPUPOOL_TIMEOUT", "10")
+                remote = RemotePool.from_env(env)
+                return remote.devices(), remote.policy, f"the broker at {remote.url}"
+            backend = make_backend(env.get("GPUPOOL_SIMULATE") or None)
+            try:
+                policy = PoolPolicy(config=self.config)
+                policy.apply_env(env)
+                devices = [
+                    Device(**{**d.__dict__, "overcommit": policy.overcommit_for(d.uuid, d.index)}) for d in backend.devices()
+                ]
+            finally:
+                backend.close()
+            return devices, policy, backend.describe()
+        except (GpuPoolError, OSError) as err:
+            return None, None, str(err)
+
+    def check_fits_the_pool(self, num_gpus: int) -> None:
+        """Refuse (exit 3) a slice the pool would refuse as never fitting, by the engine's own rules (a
+        slice larger than one GPU may span several); warn, and go on, when no pool can be read."""
+        devices, policy, source = self.pool_devices()
+        if devices is None:
+            print(f"jupyter gpupool kernelspec install: warning: --memory {self.memory} could not be checked against a GPU "
+                  f"pool ({source}); installing it unchecked", file=sys.stderr)
+            return
+        candidates = [d for d in devices if d.healthy and (not self.model or model_matches(self.model, d))]
+        if not candidates:
+            models = ", ".join(sorted({d.model for d in devices})) or "none"
+            raise RequestRefused(f"no GPU of model {self.model!r} in {source}; models here: {models}")
+        largest = max(candidates, key=lambda d: d.leasable)
+        memory = parse_size(self.memory, gpu_memory=largest.memory_total)
+        request = LeaseRequest(owner="kernelspec", memory=memory, num_gpus=num_gpus, model=self.model or None)
+        try:
+            per_gpu, gpus = Engine(policy)._shape(request, candidates)
+        except RequestRefused as err:
+            raise RequestRefused(
+                f"--memory {self.memory}{f' --gpus {num_gpus}' if num_gpus != 1 else ''} never fits {source}: {err} "
+                f"(the largest GPU{' of model ' + self.model if self.model else ''}, GPU {largest.index} ({largest.name}), "
+                f"has {format_size(largest.leasable)})"
+            ) from None
+        if gpus != num_gpus:
+            print(f"jupyter gpupool kernelspec install: note: --memory {self.memory} is more than GPU {largest.index} "
+                  f"({largest.name}, {format_size(largest.leasable)}) holds, so its kernels span {gpus} GPUs of "
+                  f"{source}, {format_size(per_gpu)} each", file=sys.stderr)
+
+
+class KernelSpecApp(JupyterApp):
+    name = "jupyter-gpupool-kernelspec"
+    description = "Manage GPU kernelspecs: jupyter gpupool kernelspec install --name NAME --memory 8GiB"
+    subcommands = {"install": (KernelSpecInstallApp, KernelSpecInstallApp.description)}
+
+    def start(self) -> None:
+        if self.subapp is None:
+            print("usage: jupyter gpupool kernelspec install --name NAME --memory 8GiB [--gpus N] [--priority batch] "
+                  "[--user | --sys-prefix | --prefix P] [--replace]")
+            self.exit(2 if self.extra_args else 0)
+            return
+        self.subapp.start()

@@ -1,0 +1,1190 @@
+"""``jupyter gpupool simulate``: how many people can share these GPUs, and how long do they wait?
+
+A discrete-event simulation in virtual time that drives the production :class:`~jupyter_gpupool.backends.local.pool.Pool`
+(engine, SQLite store, simulated devices) with an explicit ``now`` on every call, exactly as the
+server extension would: sessions request a slice, wait in the pool's queue, report busy/idle
+activity and heartbeats every tick, and release their slice when they leave. Grants, warnings and
+reclaims are read back from the pool's own event log.
+
+Four modes are compared on the same arrivals (common random numbers):
+
+``exclusive``   one kernel per whole GPU: every request asks for a full GPU; idle policy ``never``.
+``pooled``      each session asks for its need rounded up to a GiB; idle policy ``never``.
+``reclaim``     pooled, with idle policy ``pressure``: idle slices go back while others wait. A
+                reclaimed user comes back when their idle spell ends and requests again (that
+                wait counts too).
+``suspend``     pooled, idle policy ``pressure`` with a short idle timeout, sessions' requests
+                ``suspendable``, ``reclaim_action = "suspend"``: an idle slice is parked in host RAM
+                (nothing is lost) within the host-RAM budget ``parked_memory_limit``, else culled.
+                The simulator plays each kernel's server: it confirms a suspend after the checkpoint
+                time (used memory ÷ :data:`CHECKPOINT_BYTES_PER_SECOND`), resumes a suspended session
+                when its next busy phase starts (``pool.resume``; the wait until the memory is
+                restored is a *resume wait*), confirms a restore after the restore time, and a live
+                move (``MIGRATE``) after a suspend plus a restore.
+
+The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
+upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.
+
+What the table reports:
+
+* **leased / used / busy** — GPU memory held by granted leases / needed by their kernels / needed
+  by kernels that are computing right now, as a share of all GPU memory, sampled every tick
+  during the day shape's open hours (hours with a weight above 0).
+* **wait p50 / p95 / max** — over every request: first requests, requests again after a reclaim,
+  requests given up after ``--patience`` (counted at the patience) and requests still queued
+  when the run ends (counted until the end).
+* **served/day** — sessions that finished their work; **gave up/day** — users who stopped waiting.
+* **reclaims** — idle slices the pool took back by shutting the kernel down (its ``reclaim_idle``
+  events: culls); **suspends** — slices parked in host RAM instead (its ``suspend`` events).
+* **resume wait** — from a suspended session's next busy phase (or from a cell blocked by a suspend
+  or a move) until its memory is back on a GPU: queueing plus restore time. These waits are also in
+  the wait columns.
+* **work lost** — GPU-busy time that culled kernels had computed before they were shut down: their
+  variables and models are gone (the simulation does not make the user re-run it; it only counts it).
+* **parked peak / p95** — host RAM held by parked slices (set aside when a suspend or move begins,
+  returned when the restore or move is done or the session ends): the peak over the run, and the
+  p95 over the ticks of the open hours.
+* **Jain** — Jain's index over users of (time holding a slice) ÷ (time holding + time waiting).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from traitlets import Float, Integer, Unicode
+from traitlets.config import Config
+
+from jupyter_gpupool.application import GpuPoolBaseApp
+from jupyter_gpupool.apps.cli import table
+from jupyter_gpupool.apps.workload import MemoryNeed, Workload, load_workload, parse_memory_need, parse_session_length
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.core.models import Activity, LeaseRequest
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.devices.simulated import SimulatedBackend, parse_inventory
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.units import GIB, format_duration, format_size, parse_duration, parse_size
+
+MODES = ("exclusive", "pooled", "reclaim", "suspend")
+MODE_LABELS = {"exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend"}
+MODE_ALIASES = {
+    "exclusive": "exclusive",
+    "pooled": "pooled",
+    "reclaim": "reclaim",
+    "pooled+reclaim": "reclaim",
+    "suspend": "suspend",
+    "pooled+suspend": "suspend",
+}
+
+#: Effective rate, bytes per second, at which a kernel's GPU memory is copied to host RAM (suspend)
+#: or back (restore). The physical floor is the host link: PCIe Gen5 x16 moves ≈ 63 GB/s a
+#: direction; cuda-checkpoint was reported at ~15 s per GPU on 8×H100 (../shared/DESIGN.md), which
+#: for a full 80 GB GPU is ≈ 5 GB/s including the driver's own work. 25 GB/s (≈ 40% of the link)
+#: is in between: a 37 GiB trace session parks in 1.6 s. ``--checkpoint-rate`` tries others.
+CHECKPOINT_BYTES_PER_SECOND = 25e9
+
+#: Idle time after which pooled+suspend may park a slice while someone waits. Nothing is lost, so
+#: it can be far shorter than the 30 min a cull needs. In the GenAI trace three idle spells in four
+#: are under 4.8 min (median 1.9 min), so with 5 min (plus the 2 min warning) a user between two cells
+#: is rarely parked, while spells over 5 min hold 92% of all idle slice-time: that is what it frees.
+SUSPEND_IDLE_TIMEOUT = 300.0
+
+#: Host RAM that parked slices may take in pooled+suspend: a lab server's share, not this machine's.
+PARKED_MEMORY_LIMIT = 512 * GIB
+SHAPE_FORMS = "flat, workday, class, or hour ranges with weights like 9-11:1,13-17:0.4"
+
+#: Named day shapes: arrival weight per hour of the day (the peak is 1).
+SHAPES: dict[str, tuple[float, ...]] = {
+    "flat": (1.0,) * 24,
+    # Office hours with a lunch dip and an evening tail.
+    "workday": (0, 0, 0, 0, 0, 0, 0, 0, 0.4, 1, 1, 1, 0.6, 1, 1, 1, 1, 0.6, 0.3, 0.3, 0.3, 0.15, 0, 0),
+    # A 9-11 class, with a little homework during the rest of the day.
+    "class": (0, 0, 0, 0, 0, 0, 0, 0, 0.1, 1, 1, 0.15, 0.15, 0.15, 0.15, 0.15, 0.15, 0.15, 0.1, 0.1, 0.1, 0, 0, 0),
+}
+
+
+# --- inputs -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DayShape:
+    """Relative arrival rate per hour of the day, peak normalised to 1."""
+
+    name: str
+    weights: tuple[float, ...]
+
+    def weight(self, t: float) -> float:
+        return self.weights[int(t // 3600) % 24]
+
+    @property
+    def open_hours(self) -> int:
+        return sum(1 for w in self.weights if w > 0)
+
+    @property
+    def peak_hours(self) -> float:
+        """Arrivals per day ÷ the peak hourly rate."""
+        return sum(self.weights)
+
+
+def parse_shape(text: str) -> DayShape:
+    """``workday`` or ``9-11:1,13-17:0.4`` → :class:`DayShape`; InvalidInput names the forms."""
+    value = (text or "").strip().lower()
+    if value in SHAPES:
+        return DayShape(value, SHAPES[value])
+    weights = [0.0] * 24
+    try:
+        for part in value.split(","):
+            hours, _, weight = part.partition(":")
+            start, _, end = hours.partition("-")
+            lo, hi, w = int(start), int(end), float(weight or 1)
+            if not (0 <= lo < hi <= 24) or w < 0 or not math.isfinite(w):
+                raise ValueError
+            for hour in range(lo, hi):
+                weights[hour] = w
+    except ValueError:
+        raise InvalidInput(f"invalid day shape {text!r}: expected {SHAPE_FORMS}") from None
+    peak = max(weights)
+    if peak <= 0:
+        raise InvalidInput(f"invalid day shape {text!r}: at least one hour needs a weight above 0; expected {SHAPE_FORMS}")
+    return DayShape(value, tuple(w / peak for w in weights))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One simulated scenario (everything except the mode and the GPU count)."""
+
+    gpus: str = "4xA100-80GB"
+    users: int = 60
+    rate: float = 9.0  # arrivals per hour at the shape's peak
+    shape: DayShape = field(default_factory=lambda: DayShape("workday", SHAPES["workday"]))
+    days: float = 1.0
+    seed: int = 42
+    memory_need: MemoryNeed = field(default_factory=lambda: MemoryNeed("trace"))
+    session_length: str = "trace"
+    idle_timeout: float = 1800.0
+    suspend_idle_timeout: float = SUSPEND_IDLE_TIMEOUT  # pooled+suspend's idle timeout
+    parked_limit: int = PARKED_MEMORY_LIMIT  # host RAM for parked slices in pooled+suspend (0: none)
+    checkpoint_rate: float = CHECKPOINT_BYTES_PER_SECOND  # bytes/s copied by a suspend or a restore
+    tick: float = 30.0
+    patience: float | None = 3600.0  # a queued user gives up after this long (None: never)
+    quota_max: int | None = None  # bytes a user may hold
+    max_leases: int | None = None  # concurrent leases per user
+    store: str = "memory"  # "memory" or "file"
+
+    def describe(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["shape"] = self.shape.name
+        data["memory_need"] = asdict(self.memory_need)
+        return data
+
+
+@dataclass
+class SessionPlan:
+    """What one session will do, drawn once per scenario and shared by every mode."""
+
+    index: int
+    arrival: float
+    user: str
+    need_kind: str  # "share" (of the largest GPU) or "bytes"
+    need: float
+    phases: list[tuple[bool, float]]  # (busy, seconds), in the order they happen while granted
+
+    def need_bytes(self, largest: int) -> int:
+        raw = self.need * largest if self.need_kind == "share" else self.need
+        return max(1, min(largest, int(raw)))
+
+
+def make_plans(settings: Settings, workload: Workload) -> list[SessionPlan]:
+    """Poisson arrivals shaped by the day (thinning), users drawn uniformly, work from the traces."""
+    rng = random.Random(settings.seed)
+    lengths = parse_session_length(settings.session_length, workload)
+    horizon = settings.days * 86400
+    plans: list[SessionPlan] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(settings.rate / 3600)
+        if t >= horizon:
+            break
+        if rng.random() >= settings.shape.weight(t):
+            continue
+        profile = workload.profiles[rng.randrange(len(workload.profiles))]
+        kind, need = settings.memory_need.draw(profile, rng)
+        length = lengths.sample(rng)
+        user = f"user{rng.randrange(settings.users):03d}"
+        plans.append(SessionPlan(len(plans), t, user, kind, need, profile.phases(length, rng)))
+    return plans
+
+
+# --- results ----------------------------------------------------------------------------------------
+@dataclass
+class ModeResult:
+    """What one mode achieved on one inventory."""
+
+    mode: str
+    inventory: str
+    gpus: int
+    capacity: int
+    sessions: int
+    served: int
+    abandoned: int
+    refused: int
+    still_waiting: int
+    requests: int
+    leased_pct: float
+    used_pct: float
+    busy_pct: float
+    wait_p50: float
+    wait_p95: float
+    wait_max: float
+    wait_mean: float
+    reclaims: int
+    idle_warnings: int
+    preemptions: int
+    expired: int
+    jain: float
+    days: float
+    pool_calls: int
+    elapsed: float
+    suspends: int = 0  # suspend decisions (slices parked in host RAM instead of culled)
+    resumes: int = 0  # suspended sessions whose memory was restored onto a GPU
+    moves: int = 0  # live moves (MIGRATE) to make room for the head of the queue
+    resume_waits: int = 0
+    resume_wait_p50: float = 0.0
+    resume_wait_p95: float = 0.0
+    resume_wait_max: float = 0.0
+    parked_peak: int = 0  # bytes of host RAM held by parked slices, at most
+    parked_p95: int = 0  # ... p95 over the ticks of the open hours
+    parked_limit: int = 0  # the host-RAM budget of the run (0 outside pooled+suspend)
+    work_lost: float = 0.0  # busy seconds culled kernels had computed (their state is gone; not replayed)
+
+    @property
+    def served_per_day(self) -> float:
+        return self.served / self.days
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["served_per_day"] = round(self.served_per_day, 2)
+        data["abandoned_per_day"] = round(self.abandoned / self.days, 2)
+        for key in (
+            "leased_pct", "used_pct", "busy_pct", "jain", "wait_p50", "wait_p95", "wait_max", "wait_mean", "elapsed",
+            "resume_wait_p50", "resume_wait_p95", "resume_wait_max", "work_lost",
+        ):
+            data[key] = round(data[key], 4)
+        return data
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def jain_index(values: Iterable[float]) -> float:
+    """Jain's fairness index (Σx)² / (n·Σx²): 1 when all equal, 1/n when one gets everything."""
+    xs = list(values)
+    squares = sum(x * x for x in xs)
+    if not xs or squares == 0:
+        return 1.0
+    return sum(xs) ** 2 / (len(xs) * squares)
+
+
+# --- one run ----------------------------------------------------------------------------------------
+_ARRIVE, _PHASE, _GIVEUP, _TICK, _TRANSITION_DONE = 0, 1, 2, 3, 4
+
+
+class _Session:
+    __slots__ = (
+        "attempt", "blocked_since", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "parked",
+        "phase", "phase_end", "plan", "remaining", "request", "request_at", "resume_at", "state", "tgen", "transition", "used",
+        "work_done",
+    )
+
+    def __init__(self, plan: SessionPlan, request: int, used: int) -> None:
+        self.plan = plan
+        # queued | running | away | done | abandoned | refused; pooled+suspend: suspended | resuming
+        self.state = "pending"
+        self.lease_id: str | None = None
+        self.request = request
+        self.used = used
+        self.request_at = 0.0
+        self.phase = 0
+        self.busy = False
+        self.busy_since = 0.0
+        self.last_busy_end: float | None = None
+        self.granted_at = 0.0
+        self.gen = 0
+        self.attempt = 0
+        self.phase_end = 0.0
+        # pooled+suspend: the server's work under way ("suspending", "migrating", "restoring") and its generation
+        self.transition: str | None = None
+        self.tgen = 0
+        self.parked = 0  # bytes of host RAM this session's parked memory holds
+        self.blocked_since: float | None = None  # a cell waits on the GPU since (a suspend or move under way)
+        self.remaining: float | None = None  # seconds left of a busy phase a suspend or move paused
+        self.resume_at = 0.0  # when the user first needed the GPU back
+        self.work_done = 0.0  # busy seconds this kernel has computed: what a cull throws away
+
+
+class LabRun:
+    """One mode on one inventory: feeds the sessions' plans through a real :class:`Pool`."""
+
+    def __init__(self, settings: Settings, plans: list[SessionPlan], mode: str, backend: SimulatedBackend, config: Config | None = None) -> None:
+        if mode not in MODES:
+            raise InvalidInput(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        self.settings, self.plans, self.mode = settings, plans, mode
+        policy = PoolPolicy(config=config)
+        policy.idle_policy = "pressure" if mode in ("reclaim", "suspend") else "never"
+        policy.idle_timeout = settings.suspend_idle_timeout if mode == "suspend" else settings.idle_timeout
+        policy.reclaim_action = "suspend" if mode == "suspend" else "cull"
+        self.parked_limit = settings.parked_limit if mode == "suspend" else 0
+        policy.parked_memory_limit = str(self.parked_limit)  # a byte count ("0": nothing may be parked)
+        if settings.quota_max is not None or settings.max_leases is not None:
+            quota: dict[str, Any] = {}
+            if settings.quota_max is not None:
+                quota["maximum"] = settings.quota_max
+            if settings.max_leases is not None:
+                quota["max_leases"] = settings.max_leases
+            policy.default_quota = quota
+        if settings.tick * 2 > policy.heartbeat_ttl:
+            raise InvalidInput(
+                f"tick {format_duration(settings.tick)} is too long for the heartbeat TTL of "
+                f"{format_duration(policy.heartbeat_ttl)}; use a tick of at most {format_duration(policy.heartbeat_ttl / 2)}"
+            )
+        self._tmp = tempfile.TemporaryDirectory(prefix="gpupool-sim-") if settings.store == "file" else None
+        db = f"{self._tmp.name}/pool.sqlite" if self._tmp else ":memory:"
+        self.backend = backend
+        self.pool = Pool(backend, db, policy=policy, clock=lambda: self.now)
+        # The pool reuses history statistics for a few *wall-clock* seconds; in virtual time that
+        # would make results depend on the machine's speed, so recompute them every decision.
+        self.pool.history_cache_seconds = 0.0
+        self.now = 0.0
+        devices = backend.devices()
+        self.capacity = sum(d.leasable for d in devices)
+        self.sizes = sorted({d.leasable for d in devices})
+        largest = self.sizes[-1]
+        self.sessions = []
+        for plan in plans:
+            used = plan.need_bytes(largest)
+            self.sessions.append(_Session(plan, self._request_size(used), used))
+        self.by_lease: dict[str, _Session] = {}
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.event_seq = 0
+        self.waits: list[float] = []
+        self.resume_waits: list[float] = []
+        self.work_lost = 0.0
+        self.parked_total = 0  # bytes of host RAM held by parked slices now
+        self.parked_peak = 0
+        self.parked_samples: list[int] = []  # parked_total at each tick of the open hours (pooled+suspend)
+        self.user_wait: dict[str, float] = {}
+        self.user_held: dict[str, float] = {}
+        self.counts = {
+            "served": 0, "abandoned": 0, "refused": 0, "reclaims": 0, "warnings": 0, "preemptions": 0, "expired": 0,
+            "suspends": 0, "resumes": 0, "moves": 0,
+        }
+        self.samples = [0.0, 0.0, 0.0, 0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count
+        self.calls = 0
+        self._draining = False
+
+    def _request_size(self, used: int) -> int:
+        if self.mode == "exclusive":
+            return next(size for size in self.sizes if size >= used)
+        return min(self.sizes[-1], math.ceil(used / GIB) * GIB)
+
+    # --- event plumbing ---------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, index: int, gen: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, index, gen))
+
+    def run(self) -> ModeResult:
+        started = time.perf_counter()
+        horizon = self.settings.days * 86400
+        for session in self.sessions:
+            self._push(session.plan.arrival, _ARRIVE, session.plan.index)
+        self._push(0.0, _TICK, -1)
+        while self.heap:
+            t, kind, _, index, gen = heapq.heappop(self.heap)
+            if t > horizon:
+                break
+            self.now = t
+            if kind == _TICK:
+                self._tick(t)
+                self._push(t + self.settings.tick, _TICK, -1)
+                continue
+            session = self.sessions[index]
+            if kind == _ARRIVE:
+                self._request(session, t)
+            elif kind == _PHASE and gen == session.gen:
+                self._phase_end(session, t)
+            elif kind == _GIVEUP and gen == session.gen and session.state in ("queued", "resuming"):
+                self._give_up(session, t)
+            elif kind == _TRANSITION_DONE and gen == session.tgen and session.transition is not None:
+                self._transition_done(session, t)
+        self.now = horizon
+        result = self._result(horizon, time.perf_counter() - started)
+        self.pool.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        return result
+
+    def _drain(self) -> None:
+        """Act on what the pool decided, from its event log: grants, reclaims, preemptions.
+
+        Not re-entrant: acting on an event may call the pool again (a preempted user asks
+        again), and the outer loop then reads the events that call produced."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            while True:
+                events = self.pool.events(self.event_seq)
+                if not events:
+                    return
+                for event in events:
+                    self.event_seq = event["seq"]
+                    kind, at = event["kind"], event["at"]
+                    if kind == "warn_idle":
+                        self.counts["warnings"] += 1
+                    session = self.by_lease.get(event["lease_id"])
+                    if session is None:
+                        continue
+                    if kind == "grant" and session.state == "resuming":
+                        self._restore(session, at)
+                    elif kind == "grant":
+                        self._granted(session, at)
+                    elif kind == "suspend":
+                        self.counts["suspends"] += 1
+                        self._begin_transition(session, "suspending", at, session.used / self.settings.checkpoint_rate)
+                    elif kind == "migrate":
+                        self.counts["moves"] += 1
+                        self._begin_transition(session, "migrating", at, 2 * session.used / self.settings.checkpoint_rate)
+                    elif kind in ("reclaim_idle", "preempt", "release"):
+                        self.counts[{"reclaim_idle": "reclaims", "preempt": "preemptions", "release": "expired"}[kind]] += 1
+                        self._lost(session, at)
+        finally:
+            self._draining = False
+
+    # --- session life -----------------------------------------------------------------------------
+    def _request(self, session: _Session, t: float) -> None:
+        session.attempt += 1
+        plan = session.plan
+        request = LeaseRequest(
+            owner=plan.user,
+            memory=session.request,
+            kernel_id=f"k{plan.index}-{session.attempt}",
+            label=f"session {plan.index}",
+            suspendable=self.mode == "suspend",
+        )
+        self.calls += 1
+        try:
+            lease = self.pool.request(request, now=t)
+        except RequestRefused:
+            session.state = "refused"
+            self.counts["refused"] += 1
+            return
+        session.state, session.lease_id, session.request_at = "queued", lease.id, t
+        session.gen += 1
+        self.by_lease[lease.id] = session
+        if self.settings.patience is not None:
+            self._push(t + self.settings.patience, _GIVEUP, plan.index, session.gen)
+        self._drain()
+
+    def _granted(self, session: _Session, t: float) -> None:
+        self._count_wait(session, t - session.request_at)
+        session.state, session.granted_at = "running", t
+        session.gen += 1
+        self._start_phase(session, t)
+
+    def _count_wait(self, session: _Session, wait: float, resume: bool = False) -> None:
+        self.waits.append(wait)
+        if resume:
+            self.resume_waits.append(wait)
+        user = session.plan.user
+        self.user_wait[user] = self.user_wait.get(user, 0.0) + wait
+
+    def _start_phase(self, session: _Session, t: float, length: float | None = None) -> None:
+        """Start the session's current phase (``length``: what is left of a paused one)."""
+        busy, planned = session.plan.phases[session.phase]
+        length = planned if length is None else length
+        session.busy = busy
+        if busy:
+            session.busy_since = t
+        session.phase_end = t + length
+        self._push(t + length, _PHASE, session.plan.index, session.gen)
+
+    def _phase_end(self, session: _Session, t: float) -> None:
+        last = session.phase + 1 >= len(session.plan.phases)
+        if session.state == "away":  # reclaimed during this idle spell: the user is back now
+            session.phase += 1
+            if last:
+                session.state = "done"
+                self.counts["served"] += 1
+            else:
+                self._push(self._distinct(t, session), _ARRIVE, session.plan.index)
+            return
+        if session.state == "suspended":  # parked during this idle spell: the user's next cell resumes it
+            session.phase += 1
+            if last:
+                self._finish(session, t)
+            else:
+                self._resume(session, t, t)
+            return
+        if session.state != "running":
+            return
+        if session.busy:
+            session.last_busy_end = t
+            session.busy = False
+            session.work_done += t - session.busy_since
+        session.phase += 1
+        if last:
+            self._end_lease(session, t)
+            self._finish(session, t)
+        elif session.transition is not None:
+            session.blocked_since = t  # the next cell waits until the suspend or move is done
+        else:
+            self._start_phase(session, t)
+
+    def _finish(self, session: _Session, t: float) -> None:
+        """The session's work is done: it leaves and its lease goes back (parked memory too)."""
+        self.by_lease.pop(session.lease_id or "", None)
+        self._unpark(session, t)
+        session.state = "done"
+        session.transition = None
+        self.counts["served"] += 1
+        self.calls += 1
+        self.pool.release(session.lease_id or "", reason="session ended", now=t)
+        self._drain()
+
+    # --- pooled+suspend: the simulator plays each kernel's server ----------------------------------
+    def _park(self, session: _Session, t: float) -> None:
+        if session.parked == 0:
+            session.parked = session.used
+            self.parked_total += session.used
+            self.parked_peak = max(self.parked_peak, self.parked_total)
+
+    def _unpark(self, session: _Session, t: float) -> None:
+        self.parked_total -= session.parked
+        session.parked = 0
+
+    def _begin_transition(self, session: _Session, step: str, t: float, seconds: float) -> None:
+        """The engine decided a suspend or a move: the server starts copying (done in ``seconds``)."""
+        if session.state != "running" or session.transition is not None:
+            return
+        if session.busy:  # a cell ran when the engine decided (ticks are 30 s apart): it waits
+            session.work_done += t - session.busy_since
+            session.remaining = max(0.0, session.phase_end - t)
+            session.busy = False
+            session.gen += 1  # its phase end no longer stands: it resumes with what is left
+            session.blocked_since = t
+        session.transition = step
+        session.tgen += 1
+        self._park(session, t)  # set aside when the copy begins, as the engine does
+        self._push(t + seconds, _TRANSITION_DONE, session.plan.index, session.tgen)
+
+    def _transition_done(self, session: _Session, t: float) -> None:
+        """The server finished a suspend, restore or move and confirms it to the pool."""
+        step, session.transition = session.transition, None
+        self.calls += 1
+        if step == "suspending":
+            self.pool.confirm_transition(session.lease_id or "", parked_bytes=session.used, now=t)
+            self._end_lease(session, t, keep=True)
+            session.state = "suspended"
+            if session.blocked_since is not None:  # a cell has been waiting since the suspend began
+                self._resume(session, t, session.blocked_since)
+                return
+        elif step == "restoring":
+            self.pool.confirm_transition(session.lease_id or "", now=t)
+            self._unpark(session, t)
+            self.counts["resumes"] += 1
+            self._count_wait(session, t - session.resume_at, resume=True)
+            session.state, session.granted_at = "running", t
+            self._continue(session, t)
+        else:  # migrating: the kernel runs on, on its new GPU
+            self.pool.confirm_transition(session.lease_id or "", now=t)
+            self._unpark(session, t)
+            if session.blocked_since is not None:
+                self._count_wait(session, t - session.blocked_since, resume=True)
+                self._continue(session, t)
+        self._drain()
+
+    def _continue(self, session: _Session, t: float) -> None:
+        """Run on after a wait on the GPU: the paused busy phase, or the next one."""
+        session.gen += 1
+        length, session.remaining, session.blocked_since = session.remaining, None, None
+        self._start_phase(session, t, length)
+
+    def _resume(self, session: _Session, t: float, asked_at: float) -> None:
+        """The user needs the GPU again (since ``asked_at``): ask the pool to bring the memory back."""
+        session.state, session.resume_at = "resuming", asked_at
+        session.gen += 1
+        self.calls += 1
+        self.pool.resume(session.lease_id or "", now=t)
+        if self.settings.patience is not None:
+            self._push(max(t, asked_at + self.settings.patience), _GIVEUP, session.plan.index, session.gen)
+        self._drain()
+
+    def _restore(self, session: _Session, t: float) -> None:
+        """A resuming lease was granted: the server restores the parked memory, then confirms."""
+        session.gen += 1  # the user no longer gives up
+        session.transition = "restoring"
+        session.tgen += 1
+        self._push(t + session.used / self.settings.checkpoint_rate, _TRANSITION_DONE, session.plan.index, session.tgen)
+
+    @staticmethod
+    def _distinct(t: float, session: _Session) -> float:
+        """``t`` plus a microsecond per session index: two users coming back at the same instant
+        would otherwise tie on arrival time, which the queue breaks by (random) lease id."""
+        return t + 1e-6 * (1 + session.plan.index)
+
+    def _give_up(self, session: _Session, t: float) -> None:
+        if session.state == "resuming":
+            self._count_wait(session, t - session.resume_at, resume=True)
+            self._unpark(session, t)
+        else:
+            self._count_wait(session, t - session.request_at)
+        self.by_lease.pop(session.lease_id or "", None)
+        session.state = "abandoned"
+        self.counts["abandoned"] += 1
+        self.calls += 1
+        self.pool.release(session.lease_id or "", reason="gave up waiting", now=t)
+        self._drain()
+
+    def _lost(self, session: _Session, t: float) -> None:
+        """The pool took the slice back (idle reclaim, preemption or expiry): the kernel is gone."""
+        holding = session.state == "running" and session.transition != "restoring"
+        if holding:
+            self._end_lease(session, t)
+        else:
+            self.by_lease.pop(session.lease_id or "", None)
+        if session.state == "resuming":
+            self._count_wait(session, t - session.resume_at, resume=True)
+        self.work_lost += session.work_done + (t - session.busy_since if session.busy else 0.0)
+        session.work_done = 0.0
+        self._unpark(session, t)
+        session.transition = None
+        session.tgen += 1
+        needs_gpu = session.busy or session.blocked_since is not None or session.state == "resuming"
+        session.busy, session.blocked_since, session.remaining = False, None, None
+        if needs_gpu:  # the user notices at once and asks again (the work of this phase starts over)
+            session.gen += 1
+            self._push(self._distinct(t, session), _ARRIVE, session.plan.index)
+        else:
+            session.state = "away"  # back when this idle spell ends (its phase event still stands)
+
+    def _end_lease(self, session: _Session, t: float, keep: bool = False) -> None:
+        """The session stops holding GPU memory (``keep``: its lease lives on, suspended)."""
+        if not keep:
+            self.by_lease.pop(session.lease_id or "", None)
+        user = session.plan.user
+        self.user_held[user] = self.user_held.get(user, 0.0) + (t - session.granted_at)
+
+    # --- ticks ------------------------------------------------------------------------------------
+    def _tick(self, t: float) -> None:
+        """What a server's periodic round does: report every kernel's activity and run the scheduler."""
+        open_hour = self.settings.shape.weight(t) > 0
+        if open_hour and self.mode == "suspend":
+            self.parked_samples.append(self.parked_total)
+        if not self.by_lease:
+            if open_hour:
+                self.samples[3] += 1
+            return
+        activities: dict[str, Activity] = {}
+        leased = used = busy = 0
+        for lease_id, session in self.by_lease.items():
+            if session.state == "running" and session.transition != "restoring":
+                computing = session.busy and session.transition is None
+                activities[lease_id] = Activity(busy=computing, last_activity=None if computing else session.last_busy_end, connections=1)
+                leased += session.request
+                used += session.used
+                busy += session.used if computing else 0
+            else:
+                activities[lease_id] = _NOT_RUNNING
+        if open_hour:
+            self.samples[0] += leased
+            self.samples[1] += used
+            self.samples[2] += busy
+            self.samples[3] += 1
+        self.calls += 1
+        self.pool.tick(now=t, activities=activities)
+        self._drain()
+
+    def _result(self, horizon: float, elapsed: float) -> ModeResult:
+        still = 0
+        for session in self.sessions:
+            if session.state == "running":
+                self._end_lease(session, horizon)
+            elif session.state == "queued":
+                still += 1
+                self._count_wait(session, horizon - session.request_at)
+            elif session.state == "resuming":
+                still += 1
+                self._count_wait(session, horizon - session.resume_at, resume=True)
+        users = set(self.user_wait) | set(self.user_held)
+        shares = []
+        for user in sorted(users):
+            held, waited = self.user_held.get(user, 0.0), self.user_wait.get(user, 0.0)
+            shares.append(held / (held + waited) if held + waited > 0 else 1.0)
+        ticks = max(1, int(self.samples[3]))
+        cap = self.capacity * ticks
+        return ModeResult(
+            mode=self.mode,
+            inventory=self.backend.describe().removeprefix("simulated "),
+            gpus=len(self.backend.devices()),
+            capacity=self.capacity,
+            sessions=len(self.sessions),
+            served=self.counts["served"],
+            abandoned=self.counts["abandoned"],
+            refused=self.counts["refused"],
+            still_waiting=still,
+            requests=len(self.waits),
+            leased_pct=100 * self.samples[0] / cap,
+            used_pct=100 * self.samples[1] / cap,
+            busy_pct=100 * self.samples[2] / cap,
+            wait_p50=percentile(self.waits, 50),
+            wait_p95=percentile(self.waits, 95),
+            wait_max=max(self.waits, default=0.0),
+            wait_mean=statistics.fmean(self.waits) if self.waits else 0.0,
+            reclaims=self.counts["reclaims"],
+            idle_warnings=self.counts["warnings"],
+            preemptions=self.counts["preemptions"],
+            expired=self.counts["expired"],
+            jain=jain_index(shares),
+            days=self.settings.days,
+            pool_calls=self.calls,
+            elapsed=elapsed,
+            suspends=self.counts["suspends"],
+            resumes=self.counts["resumes"],
+            moves=self.counts["moves"],
+            resume_waits=len(self.resume_waits),
+            resume_wait_p50=percentile(self.resume_waits, 50),
+            resume_wait_p95=percentile(self.resume_waits, 95),
+            resume_wait_max=max(self.resume_waits, default=0.0),
+            parked_peak=self.parked_peak,
+            parked_p95=int(percentile([float(b) for b in self.parked_samples], 95)),
+            parked_limit=self.parked_limit,
+            work_lost=self.work_lost,
+        )
+
+
+#: The activity of a kernel that waits for its slice, or for its restore: no kernel runs yet.
+_NOT_RUNNING = Activity(busy=False)
+
+
+def uniform_backend(name: str, memory: int, count: int) -> SimulatedBackend:
+    """``count`` GPUs of one model."""
+    return SimulatedBackend([(name, memory)] * count, spec=f"{count}x{name}")
+
+
+def inventory_model(spec: str) -> tuple[str, int, int]:
+    """(model name, memory, count) of a one-model inventory; InvalidInput for a mixed one."""
+    gpus = parse_inventory(spec)
+    if len({g for g in gpus}) != 1:
+        raise InvalidInput(f"the GPU-count search needs one GPU model, got {spec!r}; give e.g. --gpus 4xA100-80GB")
+    return gpus[0][0], gpus[0][1], len(gpus)
+
+
+def simulate(settings: Settings, modes: Iterable[str] = MODES, workload: Workload | None = None, config: Config | None = None) -> dict[str, ModeResult]:
+    """Every mode on the settings' inventory, with the same sessions."""
+    workload = workload or load_workload()
+    plans = make_plans(settings, workload)
+    return {mode: LabRun(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), config).run() for mode in modes}
+
+
+@dataclass
+class SearchResult:
+    """The fewest GPUs of a model that keep p95 wait within the target, for one mode."""
+
+    mode: str
+    model: str
+    target: float
+    gpus: int | None  # None: not reached within max_gpus
+    tried: dict[int, float] = field(default_factory=dict)  # GPU count → p95 wait
+    result: ModeResult | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "model": self.model,
+            "target_p95_wait": self.target,
+            "gpus": self.gpus,
+            "p95_wait_by_gpus": {str(k): round(v, 1) for k, v in sorted(self.tried.items())},
+            "result": self.result.to_json() if self.result else None,
+        }
+
+
+def fewest_gpus(
+    settings: Settings,
+    mode: str,
+    target: float,
+    max_gpus: int = 32,
+    workload: Workload | None = None,
+    config: Config | None = None,
+    plans: list[SessionPlan] | None = None,
+) -> SearchResult:
+    """Try 1, 2, ... GPUs of the inventory's model (same sessions each time) until p95 wait ≤ target.
+
+    Counting up (not bisecting) makes the answer monotone in the target by construction: a looser
+    target never needs more GPUs, even where p95 wait is not monotone in the GPU count.
+    """
+    name, memory, _ = inventory_model(settings.gpus)
+    plans = plans if plans is not None else make_plans(settings, workload or load_workload())
+    search = SearchResult(mode, name, target, None)
+    for count in range(1, max_gpus + 1):
+        result = LabRun(settings, plans, mode, uniform_backend(name, memory, count), config).run()
+        search.tried[count] = result.wait_p95
+        if result.wait_p95 <= target:
+            search.gpus, search.result = count, result
+            break
+    return search
+
+
+def _run_one(settings: Settings, plans: list[SessionPlan], mode: str, gpus: str | tuple[str, int, int], config: Config | None) -> ModeResult:
+    """One mode on an inventory (a spec, or ``(model, memory, count)`` of the search): a worker's task."""
+    backend = SimulatedBackend.from_spec(gpus) if isinstance(gpus, str) else uniform_backend(*gpus)
+    return LabRun(settings, plans, mode, backend, config).run()
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished child processes (the --jobs workers)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def run_parallel(
+    settings: Settings,
+    plans: list[SessionPlan],
+    modes: list[str],
+    target: float | None,
+    max_gpus: int = 32,
+    jobs: int = 1,
+    config: Config | None = None,
+) -> tuple[dict[str, ModeResult], dict[str, SearchResult]]:
+    """Every mode, and (with ``target``) each mode's GPU-count search, in ``jobs`` processes.
+
+    The same tables as running them one by one: every run is independent and deterministic, and a
+    mode's search keeps the first count, from 1 up, that meets the target. To keep every process
+    busy, counts past those still running are tried ahead (round-robin over the modes still
+    searching); a result past a mode's answer is dropped, as the sequential search never ran it.
+    """
+    import concurrent.futures
+
+    name, memory = (inventory_model(settings.gpus)[:2]) if target is not None else ("", 0)
+    searches = {mode: SearchResult(mode, name, target, None) for mode in modes} if target is not None else {}
+    done_runs: dict[tuple[str, int], ModeResult] = {}  # (mode, GPU count) -> result, until the search uses it
+    next_count = dict.fromkeys(searches, 1)
+
+    def closed(mode: str) -> bool:
+        """The mode's search has its answer, or has tried every count."""
+        search = searches[mode]
+        return search.gpus is not None or len(search.tried) >= max_gpus
+
+    def settle(mode: str) -> None:
+        """Walk the mode's finished counts in order from the lowest untried; stop at the answer."""
+        search = searches[mode]
+        count = len(search.tried) + 1
+        while (mode, count) in done_runs:
+            result = done_runs.pop((mode, count))
+            search.tried[count] = result.wait_p95
+            if result.wait_p95 <= search.target:
+                search.gpus, search.result = count, result
+                break
+            count += 1
+
+    def next_task() -> tuple[str, int] | None:
+        """The next count to try: the mode with the fewest counts handed out goes first."""
+        open_modes = [m for m in searches if not closed(m) and next_count[m] <= max_gpus]
+        if not open_modes:
+            return None
+        mode = min(open_modes, key=lambda m: (next_count[m], modes.index(m)))
+        next_count[mode] += 1
+        return mode, next_count[mode] - 1
+
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as executor:
+        bases = {mode: executor.submit(_run_one, settings, plans, mode, settings.gpus, config) for mode in modes}
+        running: dict[concurrent.futures.Future[ModeResult], tuple[str, int]] = {}
+        while True:
+            in_flight = {*running, *(f for f in bases.values() if not f.done())}
+            while len(in_flight) < jobs and (task := next_task()):
+                mode, count = task
+                future = executor.submit(_run_one, settings, plans, mode, (name, memory, count), config)
+                running[future] = task
+                in_flight.add(future)
+            if not in_flight:
+                break
+            finished, _ = concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                if future not in running:  # a mode's run on the configured inventory
+                    continue
+                mode, count = running.pop(future)
+                if not closed(mode):
+                    done_runs[(mode, count)] = future.result()
+                    settle(mode)
+                    if closed(mode):  # its answer is known: counts past it will not be used
+                        for other, (other_mode, _) in list(running.items()):
+                            if other_mode == mode and other.cancel():
+                                running.pop(other)
+        results = {mode: future.result() for mode, future in bases.items()}
+    return results, searches
+
+
+# --- presentation -----------------------------------------------------------------------------------
+def results_table(results: dict[str, ModeResult]) -> str:
+    """One row per mode; with pooled+suspend, also its suspends, resume waits and parked host RAM."""
+    suspending = any(r.mode == "suspend" for r in results.values())
+    headers = ["mode", "leased", "used", "busy", "wait p50", "wait p95", "wait max", "served/day", "gave up/day", "reclaims", "Jain"]
+    if suspending:
+        headers += ["suspends", "resume wait p95", "parked peak / p95", "work lost"]
+    rows = [
+        [
+            MODE_LABELS[r.mode],
+            f"{r.leased_pct:.1f}%",
+            f"{r.used_pct:.1f}%",
+            f"{r.busy_pct:.1f}%",
+            format_duration(r.wait_p50),
+            format_duration(r.wait_p95),
+            format_duration(r.wait_max),
+            f"{r.served_per_day:.1f}",
+            f"{r.abandoned / r.days:.1f}",
+            str(r.reclaims),
+            f"{r.jain:.3f}",
+            *(suspend_columns(r) if suspending else []),
+        ]
+        for r in results.values()
+    ]
+    return table(headers, rows)
+
+
+def suspend_columns(r: ModeResult) -> list[str]:
+    """Suspends, p95 resume wait and parked host RAM (peak / p95) of a pooled+suspend result (dashes for
+    the other modes), and every mode's work lost: GPU-busy time culled kernels had computed."""
+    lost = f"{r.work_lost / 3600:.1f} h"
+    if r.mode != "suspend":
+        return ["-", "-", "-", lost]
+    return [str(r.suspends), format_duration(r.resume_wait_p95), f"{format_size(r.parked_peak)} / {format_size(r.parked_p95)}", lost]
+
+
+def search_table(searches: dict[str, SearchResult]) -> str:
+    rows = []
+    for s in searches.values():
+        tried = ", ".join(f"{k}:{format_duration(v)}" for k, v in sorted(s.tried.items()))
+        rows.append([MODE_LABELS[s.mode], str(s.gpus) if s.gpus else f"> {max(s.tried, default=0)}", tried])
+    return table(["mode", "fewest GPUs", "p95 wait by GPU count"], rows)
+
+
+class SimulateApp(GpuPoolBaseApp):
+    """What-if for admins: exclusive GPUs vs pooled vs pooled with idle reclaim or suspend, in virtual time."""
+
+    name = "jupyter-gpupool-simulate"
+    description = (
+        "Simulate a notebook lab on the real pool engine: jupyter gpupool simulate --gpus 4xA100-80GB --users 60 "
+        "[--rate 9 --shape workday --days 1 --seed 42] [--target-p95-wait 5m]"
+    )
+    aliases = {
+        **GpuPoolBaseApp.aliases,
+        "gpus": "SimulateApp.gpus",
+        "users": "SimulateApp.users",
+        "rate": "SimulateApp.rate",
+        "shape": "SimulateApp.shape",
+        "days": "SimulateApp.days",
+        "seed": "SimulateApp.seed",
+        "memory-need": "SimulateApp.memory_need",
+        "session-length": "SimulateApp.session_length",
+        "idle-timeout": "SimulateApp.idle_timeout",
+        "suspend-idle-timeout": "SimulateApp.suspend_idle_timeout",
+        "parked-memory-limit": "SimulateApp.parked_memory_limit",
+        "checkpoint-rate": "SimulateApp.checkpoint_rate",
+        "tick": "SimulateApp.tick",
+        "patience": "SimulateApp.patience",
+        "quota": "SimulateApp.quota",
+        "max-leases": "SimulateApp.max_leases",
+        "modes": "SimulateApp.modes",
+        "target-p95-wait": "SimulateApp.target_p95_wait",
+        "max-gpus": "SimulateApp.max_gpus",
+        "jobs": "SimulateApp.jobs",
+        "store": "SimulateApp.store",
+        "traces": "SimulateApp.traces",
+        "placement": "PoolPolicy.placement",
+    }
+
+    gpus = Unicode("4xA100-80GB", help="Inventory to simulate, e.g. 4xA100-80GB or 1x24GiB.").tag(config=True)
+    users = Integer(60, help="Number of distinct users sessions are drawn from.").tag(config=True)
+    rate = Unicode("auto", help="Session arrivals per hour at the day's peak; 'auto' = 0.15 per user.").tag(config=True)
+    shape = Unicode("workday", help=f"Day shape of arrivals: {SHAPE_FORMS}.").tag(config=True)
+    days = Float(1.0, help="Simulated days (the day shape repeats).").tag(config=True)
+    seed = Integer(42, help="Random seed: the same seed gives every mode the same sessions.").tag(config=True)
+    memory_need = Unicode("trace", help="Memory a session needs: " + "'trace' (share of its GPU a GenAI-trace pod held), "
+                          "'trace-bytes', a size like 8GiB, a share like 25%, or a range like 2GiB-8GiB.").tag(config=True)
+    session_length = Unicode("trace", help="How long a session stays open: 'trace' (Philly run times, 5 min-8 h), 45m, or 30m-2h.").tag(config=True)
+    idle_timeout = Unicode("30m", help="Idle time after which pooled+reclaim may take a slice back while others wait.").tag(config=True)
+    suspend_idle_timeout = Unicode(
+        f"{SUSPEND_IDLE_TIMEOUT / 60:g}m",
+        help="Idle time after which pooled+suspend may park a slice in host RAM while others wait (nothing is lost, so it can be short).",
+    ).tag(config=True)
+    parked_memory_limit = Unicode(
+        "512GiB",
+        help="Simulated host RAM that pooled+suspend's parked slices may take together, e.g. 512GiB; over it a reclaim culls ('0': never park).",
+    ).tag(config=True)
+    checkpoint_rate = Float(
+        CHECKPOINT_BYTES_PER_SECOND / 1e9,
+        help="GB/s (decimal) at which a suspend copies GPU memory to host RAM and a restore copies it back "
+        "(PCIe Gen5 x16 is ~63 GB/s a direction; cuda-checkpoint was reported at ~15 s per 80 GB H100).",
+    ).tag(config=True)
+    tick = Unicode("30s", help="Virtual time between engine ticks (activity reports, reclaims, grants).").tag(config=True)
+    patience = Unicode("1h", help="A queued user gives up after waiting this long ('none': never).").tag(config=True)
+    quota = Unicode("", help="Most memory one user may hold at once, e.g. 40GiB (default: no limit).").tag(config=True)
+    max_leases = Integer(0, help="Most concurrent leases per user (0: no limit).").tag(config=True)
+    modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim), suspend (pooled+suspend).").tag(config=True)
+    target_p95_wait = Unicode("", help="Also find, per mode, the fewest GPUs of the model that keep p95 wait within this, e.g. 5m.").tag(config=True)
+    max_gpus = Integer(32, help="Largest GPU count the --target-p95-wait search tries.").tag(config=True)
+    jobs = Integer(1, help="Processes running the modes and the GPU-count search in parallel (same tables as 1).").tag(config=True)
+    store = Unicode("memory", help="SQLite store of the simulated pool: 'memory' or 'file' (a temporary file, WAL).").tag(config=True)
+    traces = Unicode("", help="Folder of the public traces (default: $GPUPOOL_TRACES or ../shared/traces).").tag(config=True)
+
+    def settings(self) -> tuple[Settings, list[str], float | None]:
+        """Check every option; InvalidInput names the accepted forms."""
+        parse_inventory(self.gpus)
+        if not 1 <= self.users <= 100_000:
+            raise InvalidInput(f"invalid --users {self.users}: expected a whole number from 1 to 100000")
+        if not 0 < self.days <= 366:
+            raise InvalidInput(f"invalid --days {self.days:g}: expected a number above 0 and at most 366")
+        if self.rate.strip().lower() == "auto":
+            rate = 0.15 * self.users
+        else:
+            try:
+                rate = float(self.rate)
+            except ValueError:
+                rate = -1.0
+            if not 0 < rate <= 1e6 or not math.isfinite(rate):
+                raise InvalidInput(f"invalid --rate {self.rate!r}: expected arrivals per hour at the peak, like 12, or 'auto'")
+        modes = []
+        for item in self.modes.split(","):
+            key = MODE_ALIASES.get(item.strip().lower())
+            if key is None:
+                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from exclusive, pooled, reclaim, suspend")
+            if key not in modes:
+                modes.append(key)
+        if self.store not in ("memory", "file"):
+            raise InvalidInput(f"invalid --store {self.store!r}: expected memory or file")
+        if self.max_leases < 0:
+            raise InvalidInput(f"invalid --max-leases {self.max_leases}: expected 0 (no limit) or more")
+        if not 1 <= self.max_gpus <= 1024:
+            raise InvalidInput(f"invalid --max-gpus {self.max_gpus}: expected 1 to 1024")
+        if not 1 <= self.jobs <= 256:
+            raise InvalidInput(f"invalid --jobs {self.jobs}: expected a whole number of processes from 1 to 256")
+        if not 0.01 <= self.checkpoint_rate <= 10_000 or not math.isfinite(self.checkpoint_rate):
+            raise InvalidInput(f"invalid --checkpoint-rate {self.checkpoint_rate:g}: expected GB/s from 0.01 to 10000, like 25")
+        parked_limit = 0
+        if self.parked_memory_limit.strip() != "0":
+            try:
+                if "%" in self.parked_memory_limit:
+                    raise InvalidInput("a share")
+                parked_limit = parse_size(self.parked_memory_limit)
+            except InvalidInput:
+                raise InvalidInput(
+                    f"invalid --parked-memory-limit {self.parked_memory_limit[:40]!r}: expected a size of host RAM like 512GiB, or 0"
+                ) from None
+        patience = None if self.patience.strip().lower() in ("none", "never", "") else parse_duration(self.patience)
+        settings = Settings(
+            gpus=self.gpus,
+            users=self.users,
+            rate=rate,
+            shape=parse_shape(self.shape),
+            days=self.days,
+            seed=self.seed,
+            memory_need=parse_memory_need(self.memory_need),
+            session_length=self.session_length,
+            idle_timeout=parse_duration(self.idle_timeout),
+            suspend_idle_timeout=parse_duration(self.suspend_idle_timeout),
+            parked_limit=parked_limit,
+            checkpoint_rate=self.checkpoint_rate * 1e9,
+            tick=parse_duration(self.tick),
+            patience=patience,
+            quota_max=parse_size(self.quota) if self.quota else None,
+            max_leases=self.max_leases or None,
+            store=self.store,
+        )
+        target = parse_duration(self.target_p95_wait) if self.target_p95_wait else None
+        if target is not None:
+            inventory_model(self.gpus)
+        return settings, modes, target
+
+    def run(self) -> None:
+        started, cpu_started = time.perf_counter(), _cpu_seconds()
+        settings, modes, target = self.settings()
+        workload = load_workload(self.traces or None)
+        parse_session_length(settings.session_length, workload)  # fail before any run
+        plans = make_plans(settings, workload)
+        results: dict[str, ModeResult] = {}
+        searches: dict[str, SearchResult] = {}
+        if self.jobs > 1:
+            results, searches = run_parallel(settings, plans, modes, target, self.max_gpus, self.jobs, self.config)
+        else:
+            for mode in modes:
+                results[mode] = LabRun(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), self.config).run()
+        if target is not None and self.jobs <= 1:
+            for mode in modes:
+                if not self.json:
+                    print(f"searching GPU counts for {MODE_LABELS[mode]} ...", file=sys.stderr)
+                searches[mode] = fewest_gpus(settings, mode, target, self.max_gpus, workload, self.config, plans)
+        elapsed = time.perf_counter() - started
+        backend = SimulatedBackend.from_spec(settings.gpus)
+        capacity = sum(d.memory_total for d in backend.devices())
+        data = {
+            "settings": settings.describe(),
+            "sessions": len(plans),
+            "workload": workload.sources,
+            "results": {mode: r.to_json() for mode, r in results.items()},
+            "search": {mode: s.to_json() for mode, s in searches.items()},
+            "elapsed_s": round(elapsed, 2),
+            "cpu_s": round(_cpu_seconds() - cpu_started, 2),  # --jobs workers included
+        }
+        lines = [
+            (
+                f"Simulated lab: {settings.gpus} ({format_size(capacity)}), {settings.users} users, "
+                f"{settings.rate:g} sessions/h at the peak of a {settings.shape.name} day, {settings.days:g} day(s), "
+                f"seed {settings.seed}: {len(plans)} sessions"
+            ),
+            (
+                f"Idle timeout {format_duration(settings.idle_timeout)}, tick {format_duration(settings.tick)}, "
+                f"users give up after {format_duration(settings.patience) if settings.patience else 'never'}"
+            ),
+            *(
+                [
+                    (
+                        f"pooled+suspend: idle timeout {format_duration(settings.suspend_idle_timeout)}, host RAM for parked "
+                        f"slices {format_size(settings.parked_limit) if settings.parked_limit else 'none'}, "
+                        f"suspend/restore at {settings.checkpoint_rate / 1e9:g} GB/s"
+                    )
+                ]
+                if "suspend" in modes
+                else []
+            ),
+            "Workload: " + "; ".join(f"{k}: {v}" for k, v in workload.sources.items()),
+            "",
+            results_table(results),
+            "",
+            (
+                "leased/used/busy: GPU memory held by leases / needed by their kernels / needed by kernels computing, "
+                "as a share of all GPU memory, averaged over the day's open hours."
+            ),
+        ]
+        if searches:
+            lines += ["", f"Fewest {next(iter(searches.values())).model} GPUs keeping p95 wait within {format_duration(target)}:", search_table(searches)]
+        lines.append(f"\n({elapsed:.1f} s, {data['cpu_s']:.1f} s of CPU)")
+        self.emit(data, "\n".join(lines))
+
+
+main = SimulateApp.launch_instance
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Which pool backend this process uses: this host's GPUs (the default), a broker (``GPUPOOL_URL``) or Slurm.
+
+``c.GpuPool.backend = "slurm"`` (or ``GPUPOOL_BACKEND=slurm``) makes kernels run as Slurm jobs on
+GPU shards; see docs/hpc.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from traitlets import Enum
+from traitlets.config import Configurable
+
+from jupyter_gpupool.backends.contract import PoolBackend
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.remote import RemotePool
+from jupyter_gpupool.backends.slurm.pool import SlurmPool
+from jupyter_gpupool.errors import InvalidInput
+
+BACKENDS = ("local", "slurm")
+
+
+class GpuPool(Configurable):
+    """The backend every pool client in this process uses."""
+
+    backend = Enum(
+        ["", *BACKENDS],
+        "",
+        config=True,
+        help="Where kernels get their GPU slices: 'local' (this host's GPUs, or the broker at $GPUPOOL_URL) or 'slurm' "
+        "(each kernel a Slurm job with a GRES shard/gpu request; c.SlurmPool.*). Empty: $GPUPOOL_BACKEND, else 'local'.",
+    )
+
+
+def selected_backend(config: Any = None, environ: Mapping[str, str] | None = None) -> str:
+    """``c.GpuPool.backend``, else ``$GPUPOOL_BACKEND``, else ``local``; a bad name is an InvalidInput."""
+    env = os.environ if environ is None else environ
+    name = ""
+    if config is not None:
+        try:
+            name = str(GpuPool(config=config).backend or "")
+        except Exception as err:  # noqa: BLE001 - traitlets' TraitError: say it in one line
+            raise InvalidInput(f"c.GpuPool.backend: expected one of {', '.join(BACKENDS)} ({err})") from None
+    name = name or (env.get("GPUPOOL_BACKEND") or "").strip().lower() or "local"
+    if name not in BACKENDS:
+        raise InvalidInput(f"GPUPOOL_BACKEND={name!r} is not a backend; use one of {', '.join(BACKENDS)}")
+    return name
+
+
+def backend_provisioner(config: Any = None, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(entry point name, ``module:Class``) of the provisioner the selected backend's kernels use;
+    the single-host one when the selection is invalid (the pool then reports why it is unavailable)."""
+    try:
+        slurm = selected_backend(config, environ) == "slurm"
+    except InvalidInput:
+        slurm = False
+    if slurm:
+        return "gpupool-slurm-provisioner", "jupyter_gpupool.provisioner:SlurmProvisioner"
+    return "gpupool-provisioner", "jupyter_gpupool.provisioner:GpuPoolProvisioner"
+
+
+def pool_from_env(config: Any = None, environ: Mapping[str, str] | None = None, check: bool = False) -> PoolBackend:
+    """:class:`RemotePool` when ``GPUPOOL_URL`` is set, else :meth:`Pool.from_env`. No fallback:
+    with ``GPUPOOL_URL`` set, an unreachable broker raises PoolUnavailable (at once with ``check``,
+    else on first use)."""
+    env = os.environ if environ is None else environ
+    if selected_backend(config, env) == "slurm":  # kernels as Slurm jobs (docs/hpc.md)
+        return SlurmPool.from_env(config=config, environ=env)
+    if (env.get("GPUPOOL_URL") or "").strip():
+        remote = RemotePool.from_env(env)
+        return remote.check() if check else remote
+    return Pool.from_env(config=config, environ=dict(env))
+
+
+__all__ = ["BACKENDS", "GpuPool", "backend_provisioner", "pool_from_env", "selected_backend"]

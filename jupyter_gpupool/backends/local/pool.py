@@ -1,0 +1,894 @@
+"""The pool facade every adapter uses: engine + store + device backend.
+
+Each public method is one SQLite transaction: load the live state, let the pure
+:class:`~jupyter_gpupool.core.engine.Engine` decide, save what changed. Processes sharing a DB
+file (JupyterLab, ``nbconvert --execute``, the CLI, kernels running ``%gpupool``) therefore
+share one pool without a daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import functools
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psutil
+from traitlets.config import Config
+
+from jupyter_gpupool.backends.contract import Capability
+from jupyter_gpupool.backends.local.store import Store
+from jupyter_gpupool.backends.waiting import GrantWaiting
+from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
+from jupyter_gpupool.core.index import LeaseIndex
+from jupyter_gpupool.core.metering import PERIODS, REPORT_KEYS, DeviceInfo, Interval, check_choice, report_rows
+from jupyter_gpupool.core.models import (
+    Activity,
+    Decision,
+    DecisionKind,
+    Device,
+    Lease,
+    LeaseRequest,
+    LeaseState,
+    PoolSnapshot,
+    PriorityClass,
+    QueueInfo,
+    Transition,
+)
+from jupyter_gpupool.core.policy import PoolPolicy, Reservation, parse_reservation
+from jupyter_gpupool.core.validate import preferences as validate_preferences
+from jupyter_gpupool.devices import DeviceBackend, make_backend
+from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
+from jupyter_gpupool.enforcement.unpooled import UnpooledUse, held_by_lease, unpooled_line
+from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, RequestRefused
+from jupyter_gpupool.units import format_size, parse_size
+
+HOSTNAME = socket.gethostname()
+
+
+def default_db_path() -> str:
+    """``$GPUPOOL_DB``, else a per-user file in Jupyter's data directory."""
+    if os.environ.get("GPUPOOL_DB"):
+        return os.environ["GPUPOOL_DB"]
+    from jupyter_core.paths import jupyter_data_dir
+
+    return os.path.join(jupyter_data_dir(), "gpupool", "pool.sqlite")
+
+
+class Pool(GrantWaiting):
+    """Who gets which slice of which GPU, who waits, and what is given back.
+
+    The ``local`` :class:`~jupyter_gpupool.backends.contract.PoolBackend`: every process that opens
+    the same pool file decides on it, in one SQLite transaction per decision."""
+
+    kind = "local"
+    capabilities = frozenset({Capability.SUSPEND, Capability.UNPOOLED})
+    #: Decisions are taken in this process (the watchdog and scheduler loop run here).
+    remote = False
+
+    #: Seconds a backend inventory read is reused (NVML queries cost milliseconds).
+    device_cache_seconds = 2.0
+    #: Seconds history statistics (typical hold, recent sizes, usage) may lag other processes'
+    #: decisions (this pool's own are applied as they commit).
+    history_cache_seconds = 5.0
+
+    def __init__(
+        self,
+        backend: DeviceBackend,
+        db_path: str,
+        policy: PoolPolicy | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = backend
+        self.db_path = db_path
+        self.policy = policy or PoolPolicy()
+        self.policy.validate_all()
+        self.clock = clock
+        self.engine = Engine(self.policy)
+        self.store = Store(db_path)
+        self._devices: tuple[float, list[Device]] | None = None
+        self._simulated_host_memory: int | None = None  # of the cached device list (forgotten when it is read again)
+        self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
+        #: Derived state of the store's cached leases, and the cache generation it was built for.
+        self._index: tuple[int, LeaseIndex] | None = None
+        #: The second connection views read through (see :meth:`_viewing`), and its derived state.
+        self._view_store: Store | None = None
+        self._view_index: tuple[int, LeaseIndex] | None = None
+        self._view_store_lock = threading.Lock()
+        #: Watchers of this process whose last sighting of unpooled use is on file (see report_unpooled).
+        self._unpooled_reporters: set[str] = set()
+
+    @classmethod
+    def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
+        """A pool from ``GPUPOOL_SIMULATE`` (inventory; empty → NVML), ``GPUPOOL_DB`` and the
+        policy variables (``GPUPOOL_DEFAULT_MEMORY``, ``GPUPOOL_IDLE_TIMEOUT``, ...)."""
+        env = dict(os.environ) if environ is None else environ
+        policy = overrides.pop("policy", None) or PoolPolicy(config=config)
+        policy.apply_env(env)
+        backend = overrides.pop("backend", None) or make_backend(env.get("GPUPOOL_SIMULATE") or None)
+        db_path = overrides.pop("db_path", None) or env.get("GPUPOOL_DB") or default_db_path()
+        if isinstance(backend, SimulatedBackend) and backend.usage_dir is None:
+            backend.usage_dir = env.get("GPUPOOL_SIMULATE_USAGE_DIR") or usage_dir_for(db_path)
+        return cls(backend=backend, db_path=db_path, policy=policy, **overrides)
+
+    # --- state loading ----------------------------------------------------------------------------
+    def devices(self) -> list[Device]:
+        """Poolable devices with this pool's overcommit factors applied."""
+        now = time.monotonic()
+        if self._devices is None or now - self._devices[0] > self.device_cache_seconds:
+            devices = [
+                Device(**{**d.__dict__, "overcommit": self.policy.overcommit_for(d.uuid, d.index)}) for d in self.backend.devices()
+            ]
+            self._devices = (now, devices)
+            self._simulated_host_memory = None
+        return list(self._devices[1])
+
+    def _cached_devices(self) -> list[Device]:
+        """The device list ``_load`` uses: the cached one, read afresh only if there is none yet."""
+        return list(self._devices[1]) if self._devices is not None else self.devices()
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The store's write transaction, entered only after the device inventory is fresh.
+
+        A device query can block: NVML in a kernel whose process a CUDA checkpoint has locked
+        waits until the kernel is restored. Made under the pool's write lock, that wait would
+        stall every other process on the pool file, the server that must do the restore
+        included; so the inventory is read first, and ``_load`` only reads the cache.
+        """
+        self.devices()
+        with self.store.transaction():
+            yield
+
+    def _load(self, now: float, store: Store | None = None) -> PoolState:
+        """The state a decision works on; or, read through the views' ``store``, a view."""
+        store = store or self.store
+        viewing = store is not self.store
+        leases = store.live_leases()
+        # Kept up to date with this pool's own decisions; other processes' at most every
+        # history_cache_seconds (a view's, whenever the file changed: it never decides).
+        stats = store.history(now, self.policy.fair_share_half_life, 0.0 if viewing else self.history_cache_seconds)
+        parsed = self._parsed_reservations
+        if parsed is None or parsed[0] is not stats["reservations"]:
+            parsed = self._parsed_reservations = (stats["reservations"], [parse_reservation(r) for r in stats["reservations"]])
+        generation = store.cache_generation
+        index = self._view_index if viewing else self._index
+        if index is None or index[0] != generation:
+            # The leases are other objects than last time: derive again (O(leases), then O(changes)).
+            index = (generation, LeaseIndex(leases.values()))
+            if viewing:
+                self._view_index = index
+            else:
+                self._index = index
+        return PoolState(
+            devices=self._cached_devices(),
+            leases=leases,
+            usage=stats["usage"],
+            typical_hold=stats["typical_hold"],
+            reservations=self.policy.parsed_reservations() + list(parsed[1]),
+            recent_requests=stats["recent"],
+            now=now,
+            index=index[1],
+            host_memory=self._host_memory(),
+            unpooled=self._unpooled_by_device(store.unpooled(now)),
+        )
+
+    def _unpooled_by_device(self, rows: list[dict[str, Any]]) -> dict[str, int]:
+        """Bytes of unpooled use per device uuid, each device's at most its memory."""
+        totals: dict[str, int] = {}
+        for row in rows:
+            totals[row["device"]] = totals.get(row["device"], 0) + max(0, int(row["bytes"]))
+        capacity = {d.uuid: d.memory_total for d in self._cached_devices()}
+        return {uuid: min(total, capacity.get(uuid, total)) for uuid, total in totals.items() if total}
+
+    @contextmanager
+    def _viewing(self, now: float) -> Iterator[tuple[PoolState, Store]]:
+        """The state a view (status, queue, a queued kernel's place) reads, without the write
+        lock, and the store it was read from (for more reads in the same transaction).
+
+        Views read in a read transaction, which in WAL mode never waits for a writer; when this
+        process's connection is busy with a decision, through a second connection to the pool
+        file. So a decision stuck behind another process's write lock (a CLI stopped with Ctrl-Z
+        mid-decision, a frozen kernel) leaves every sidebar and status view answering. An
+        in-memory pool has one connection: its views wait for its decisions.
+        """
+        self.devices()
+        reader = self._reader()
+        # The writer's connection, whose lease cache is up to date with this process's decisions,
+        # unless a decision holds it now (it may be waiting for the write lock): then the reader's,
+        # which reads every live lease again whenever the file changed.
+        if reader is None or self.store.lock.acquire(blocking=False):
+            try:
+                with self.store.read_transaction():
+                    yield self._load(now), self.store
+            finally:
+                if reader is not None:
+                    self.store.lock.release()
+            return
+        with reader.read_transaction():
+            yield self._load(now, reader), reader
+
+    def _reads(self) -> Store:
+        """The store a plain read (a lease, a kernel's lease, a listing) goes to: the views' connection."""
+        return self._reader() or self.store
+
+    def _reader(self) -> Store | None:
+        """The views' connection to the pool file, opened on first use (None for ``:memory:``)."""
+        if self._view_store is not None or self.store.path == ":memory:":
+            return self._view_store
+        with self._view_store_lock:
+            if self._view_store is None:
+                self._view_store = Store(self.store.path, timeout=self.store.timeout, reader_of=self.store)
+            return self._view_store
+
+    def _host_memory(self) -> int | None:
+        """This host's RAM; a simulated pool stands for a GPU server, whose RAM is taken to be twice
+        its GPUs' memory (the usual build), so its parked-slice budget is that of such a server."""
+        if getattr(self.backend, "name", "") == "simulated":
+            if self._simulated_host_memory is None:
+                self._simulated_host_memory = 2 * sum(d.memory_total for d in self._cached_devices())
+            return self._simulated_host_memory
+        return host_memory()
+
+    def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
+        changed = [state.leases[i] for i in state.changed if i in state.leases]
+        beats = [state.leases[i] for i in state.beats if i not in state.changed and i in state.leases]
+        self.store.save_leases(changed, beats)
+        if state.released or state.closed_intervals:
+            known = {d.uuid: d for d in state.devices}
+            for lease in (*state.released, *state.closed_intervals):
+                # What each GPU was, for GPU-hours and prices after it leaves (a GPU already gone is left out).
+                info = [DeviceInfo.of(known[u]).to_json() for u in lease.devices if u in known]
+                self.store.record_interval(lease, self.policy.fair_share_half_life, info)
+        if decisions:
+            self.store.record_decisions(decisions)
+
+    @contextmanager
+    def _decide(self, now: float) -> Iterator[PoolState]:
+        with self._locked():
+            state = self._load(now)
+            yield state
+            self._save(state)
+
+    def _now(self, now: float | None) -> float:
+        return self.clock() if now is None else now
+
+    # --- requests and leases ----------------------------------------------------------------------
+    def default_memory(self) -> int:
+        """The policy's default slice in bytes (a percentage is of the largest GPU)."""
+        devices = self.devices()
+        largest = max((d.memory_total for d in devices), default=0)
+        return self.policy.default_memory_bytes(largest or 1)
+
+    def parse_memory(self, text: str | int) -> int:
+        """A user's size (``8GiB``, ``25%`` of the largest GPU) in bytes."""
+        largest = max((d.memory_total for d in self.devices()), default=None)
+        return parse_size(text, gpu_memory=largest)
+
+    def request(self, req: LeaseRequest, now: float | None = None) -> Lease:
+        """Queue a request and grant it at once if it fits; raises RequestRefused if it never can."""
+        check_holder_pid(req.holder_pid)
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            lease = self.engine.admit(state, new_lease_id(), req, now)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return state.leases[lease.id].copy()
+
+    def get(self, lease_id: str) -> Lease:
+        return self._found(self._reads().lease(lease_id), lease_id)
+
+    @staticmethod
+    def _found(lease: Lease | None, lease_id: str) -> Lease:
+        if lease is None:
+            raise LeaseNotFound(f"no lease {lease_id!r}; list them with `jupyter gpupool leases`")
+        return lease
+
+    def lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        lease = self._reads().latest_for_kernel(kernel_id)
+        return lease if lease is not None and lease.live else None
+
+    def last_lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        """The newest lease of a kernel, released or not (to say why it was reclaimed)."""
+        return self._reads().latest_for_kernel(kernel_id)
+
+    def leases(self, owner: str | None = None, include_released: bool = False, kernel_id: str | None = None) -> list[Lease]:
+        """Every matching lease, newest first (filtered in SQL, never cut short)."""
+        return self._reads().leases(owner=owner, include_released=include_released, kernel_id=kernel_id)
+
+    def lease_owners(self, lease_ids: list[str]) -> dict[str, str]:
+        """``{lease id: owner}`` for the ids that exist: authorization by id, not by listing."""
+        return self._reads().lease_owners(lease_ids)
+
+    def queue(self, now: float | None = None) -> list[Lease]:
+        now = self._now(now)
+        with self._viewing(now) as (state, _):
+            return [lease.copy() for lease in self.engine.queue_order(state, now)]
+
+    def queue_info(self, lease_id: str, now: float | None = None) -> QueueInfo | None:
+        now = self._now(now)
+        with self._viewing(now) as (state, _):
+            if lease_id in state.leases:
+                return self.engine.queue_info(state, lease_id, now)
+        self.get(lease_id)  # 404 for unknown ids
+        return None
+
+    def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            if lease_id not in state.leases:
+                return self._found(self.store.lease(lease_id), lease_id)  # already released: releasing twice is harmless
+            lease = self.engine.release(state, lease_id, reason, now)
+            decisions = [Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now)]
+            decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return lease.copy()
+
+    # --- suspend, resume, moves (two-phase: the engine decides, the holder's server does it) ------
+    def suspend(self, lease_id: str, reason: str = "suspended by its user", now: float | None = None) -> Lease:
+        """Ask for this lease's GPU memory to be parked in host RAM; its server carries it out and
+        confirms. Raises :class:`RequestRefused` saying why when it cannot be suspended."""
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            decisions = [self.engine.suspend(state, lease_id, reason, now)]
+            decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return state.leases[lease_id].copy()
+
+    def resume(self, lease_id: str, now: float | None = None) -> Lease:
+        """Queue a suspended lease to come back; granted by policy like any request."""
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            self.engine.resume(state, lease_id, now)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return state.leases[lease_id].copy()
+
+    #: Seconds a suspend's or move's confirmation waits for the driver to show the memory freed.
+    confirm_wait = 2.0
+
+    def _held_after(self, lease_id: str) -> tuple[dict[int, int], tuple[str, ...]]:
+        """Pid → bytes the driver shows a suspending (or moving) lease's processes still holding on
+        the GPUs that step frees, and those GPUs. The GPUs are this pool's host's (NVML or
+        simulated), so whatever holds them runs here: the lease's ``holder_host``, which its client
+        names, decides nothing. A backend that sees no processes (Slurm) takes the holder's word."""
+        lease = self.get(lease_id)
+        if lease.transition is Transition.SUSPENDING:
+            devices = lease.devices
+        elif lease.transition is Transition.MIGRATING:
+            devices = tuple(u for u in lease.migrate_from if u not in lease.devices)
+        else:
+            return {}, ()
+        if not devices or getattr(self.backend, "name", "") not in ("nvml", "simulated"):
+            return {}, ()
+        return held_by_lease(self.backend.process_usage(), lease, devices), devices
+
+    def _check_memory_freed(self, lease_id: str) -> None:
+        """Refuse a suspend's or move's confirmation while the GPU still shows the kernel's memory."""
+        deadline = time.monotonic() + self.confirm_wait
+        while True:
+            held, _ = self._held_after(lease_id)
+            if not held:
+                return
+            if time.monotonic() >= deadline:
+                pids = ", ".join(str(pid) for pid in sorted(held))
+                step = "suspend" if self.get(lease_id).transition is Transition.SUSPENDING else "move"
+                raise RequestRefused(
+                    f"the GPU still shows {format_size(sum(held.values()))} held by this kernel's process {pids}: a {step} "
+                    "is confirmed once the driver shows that memory freed; nothing was changed"
+                )
+            time.sleep(0.1)
+
+    def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
+        """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move.
+
+        A suspend or a move is taken only once the driver shows the kernel's memory gone from the
+        GPUs it frees (where this pool sees the lease's host), so no report can free memory that
+        a process still holds."""
+        now = self._now(now)
+        if parked_bytes is not None:  # a bad figure is a 400 before anything else is looked at
+            with self._viewing(now) as (state, _):
+                lease = state.leases.get(lease_id)
+                if lease is not None and lease.transition is Transition.SUSPENDING:
+                    self.engine.bounded_parked_bytes(state, lease, parked_bytes)
+        self._check_memory_freed(lease_id)
+        with self._locked():
+            state = self._load(now)
+            lease = self.engine.confirm_transition(state, lease_id, now, parked_bytes)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return (state.leases.get(lease_id) or lease).copy()
+
+    def fail_transition(self, lease_id: str, error: str, still_running: bool, now: float | None = None) -> Lease:
+        """The holder's server could not finish a suspend, restore or move (see
+        :meth:`Engine.fail_transition`); returns the lease as it is now (released if the kernel must stop)."""
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            lease = self.engine.get(state, lease_id)
+            decisions = self.engine.fail_transition(state, lease_id, error, still_running, now)
+            decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return lease.copy()
+
+    def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None) -> Lease:
+        """Grow or shrink a lease; ``duration`` holds it through idle that long."""
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            lease = self.engine.get(state, lease_id)
+            held_before = lease.memory if lease.state is LeaseState.GRANTED else None
+            if memory is not None:
+                self.engine.resize(state, lease_id, memory, now)
+            if held_before is not None and lease.memory != held_before:
+                # Metering bills each size for its own time (see core.metering.memory_segments).
+                lease.memory_history = (*lease.memory_history, (now, held_before))
+                state.touch(lease)
+            if duration is not None:
+                self.engine.keep(state, lease_id, duration, now)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return state.leases[lease_id].copy()
+
+    def set_priority(self, lease_id: str, priority: str, now: float | None = None) -> Lease:
+        """Re-prioritise a lease (admins): ``batch``, ``normal`` or ``high``; the queue re-orders at once."""
+        try:
+            cls = PriorityClass(priority)
+        except ValueError:
+            raise InvalidInput(f"invalid priority class {priority!r}: use batch, normal or high") from None
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            lease = self.engine.get(state, lease_id)
+            lease.priority = cls
+            state.touch(lease)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return lease.copy()
+
+    def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
+        return self.resize(lease_id, None, seconds, now)
+
+    def report_activity(self, lease_id: str, activity: Activity, now: float | None = None) -> None:
+        now = self._now(now)
+        with self._decide(now) as state:
+            if lease_id in state.leases:
+                self.engine.report_activity(state, lease_id, activity, now)
+
+    def report_activities(self, activities: dict[str, Activity], now: float | None = None) -> None:
+        """Many kernels' activity in one transaction (see :meth:`tick` to report and schedule in one)."""
+        now = self._now(now)
+        with self._decide(now) as state:
+            self._take_activities(state, activities, now)
+
+    def _take_activities(self, state: PoolState, activities: dict[str, Activity], now: float) -> None:
+        for lease_id, activity in activities.items():
+            if lease_id in state.leases:
+                self.engine.report_activity(state, lease_id, activity, now)
+
+    def heartbeat(self, lease_ids: list[str], now: float | None = None) -> None:
+        now = self._now(now)
+        with self._decide(now) as state:
+            for lease_id in lease_ids:
+                if lease_id in state.leases:
+                    self.engine.heartbeat(state, lease_id, now)
+
+    def grace_after_outage(self, now: float | None = None) -> int:
+        """A fresh start for every live lease after an outage (see :meth:`Engine.grace_after_outage`)."""
+        now = self._now(now)
+        with self._decide(now) as state:
+            return self.engine.grace_after_outage(state, now)
+
+    def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            decisions = self.engine.report_usage(state, usage, now)
+            self._save(state, [d for d in decisions if d.kind is DecisionKind.OVER_LIMIT and self._first_over(state, d)])
+            return decisions
+
+    #: Seconds a watcher's sighting of unpooled use counts: a watcher that stopped looking (it died)
+    #: stops holding memory back after this long.
+    unpooled_ttl = 30.0
+
+    def report_unpooled(self, uses: list[UnpooledUse], reporter: str | None = None, ttl: float | None = None,
+                        now: float | None = None) -> list[Decision]:
+        """The host's watcher saw ``uses`` (its whole sighting: it replaces the last one). Memory
+        they hold is not granted to anyone while the sighting lasts (``ttl`` seconds); use first
+        seen now is recorded as an event. Only the process that owns the GPUs calls this: a
+        client's word about unpooled use is never taken (see RemotePool)."""
+        now = self._now(now)
+        ttl = self.unpooled_ttl if ttl is None else ttl
+        reporter = reporter or f"{HOSTNAME}:{os.getpid()}"
+        if not uses and reporter not in self._unpooled_reporters:
+            return []  # nothing seen now, nothing of ours on file: no write (a watchdog step's usual case)
+        with self._locked():
+            earlier = self.store.unpooled_keys(reporter, now)
+            rows = [{**use.to_json(), "expires_at": now + ttl} for use in uses]
+            self.store.replace_unpooled(reporter, rows, now)
+            (self._unpooled_reporters.add if rows else self._unpooled_reporters.discard)(reporter)
+            decisions = [
+                Decision(DecisionKind.UNPOOLED, "", None, use.user or "", unpooled_line(use), now)
+                for use in uses
+                if (use.host, use.device, use.pid) not in earlier
+            ]
+            self.store.record_decisions(decisions)
+            if earlier or rows:  # memory taken or given back outside the pool changes who fits: decide again
+                state = self._load(now)
+                scheduled = self.engine.schedule(state, now)
+                self._save(state, scheduled)
+                decisions += scheduled
+            return decisions
+
+    def unpooled(self, now: float | None = None) -> list[dict[str, Any]]:
+        """Unexpired unpooled use on this pool's hosts, one row per (host, GPU, pid)."""
+        now = self._now(now)
+        with self._viewing(now) as (_, store):
+            return store.unpooled(now)
+
+    @staticmethod
+    def _first_over(state: PoolState, decision: Decision) -> bool:
+        lease = state.leases.get(decision.lease_id)
+        return lease is not None and lease.over_limit_since == decision.at
+
+    #: Seconds between two prunes of old rows by one process (see PoolPolicy.retention_days).
+    prune_interval = 3600.0
+
+    def prune(self, now: float | None = None) -> dict[str, int]:
+        """Delete released leases, events and ledger rows past the policy's retention."""
+        now = self._now(now)
+        day = 86400.0
+        leases_before = now - self.policy.retention_days * day if self.policy.retention_days > 0 else None
+        ledger_before = now - self.policy.ledger_retention_days * day if self.policy.ledger_retention_days > 0 else None
+        with self.store.transaction():
+            removed = self.store.prune(leases_before, ledger_before)
+        self._last_prune = now
+        return removed
+
+    def tick(self, now: float | None = None, activities: dict[str, Activity] | None = None) -> list[Decision]:
+        """Run the scheduler once; also release leases whose holder process on this host died,
+        and now and then prune rows past their retention. ``activities`` (kernels' activity, as
+        :meth:`report_activities` takes it) are taken first, in the same transaction: a server's
+        periodic round costs one transaction, not two."""
+        now = self._now(now)
+        if now - getattr(self, "_last_prune", float("-inf")) >= self.prune_interval:
+            self.prune(now)
+        with self._locked():
+            state = self._load(now)
+            if activities:
+                self._take_activities(state, activities, now)
+            decisions: list[Decision] = []
+            for lease in list(state.leases.values()):
+                if lease.holder_pid and lease.holder_host == HOSTNAME and not _pid_alive(lease.holder_pid):
+                    reason = f"released: its holder process {lease.holder_pid} exited"
+                    self.engine.release(state, lease.id, reason, now)
+                    decisions.append(Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now))
+            decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return decisions
+
+    def reconcile_kernels(self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None) -> list[Lease]:
+        """Release live leases of this holder whose kernel no longer exists."""
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            gone = [
+                lease
+                for lease in state.leases.values()
+                if lease.holder_host == holder_host
+                and lease.holder_pid == holder_pid
+                and lease.kernel_id
+                and lease.kernel_id not in live_kernel_ids
+            ]
+            decisions = []
+            for lease in gone:
+                reason = "released: its kernel is gone"
+                self.engine.release(state, lease.id, reason, now)
+                decisions.append(Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now))
+            if gone:
+                decisions += self.engine.schedule(state, now)
+            self._save(state, decisions)
+            return [lease.copy() for lease in gone]
+
+    # --- waiting ----------------------------------------------------------------------------------
+    def _look_at_request(self, lease_id: str, last: QueueInfo | None, deadline: float | None) -> tuple[Lease, QueueInfo | None]:
+        """Run the scheduler, heartbeat the waiting request, and say where it stands (see GrantWaiting)."""
+        now = self.clock()
+        with self._locked():
+            state = self._load(now)
+            lease = state.leases.get(lease_id)
+            if lease is not None and lease.state is LeaseState.QUEUED:
+                self.engine.heartbeat(state, lease_id, now)
+            decisions = self.engine.schedule(state, now)
+            self._save(state, decisions)
+            lease = state.leases.get(lease_id)
+            if lease is None:
+                released = self._found(self.store.lease(lease_id), lease_id)
+                raise RequestRefused(f"the request was {released.release_reason or 'released'} before it was granted")
+            info = self.engine.queue_info(state, lease_id, now) if lease.state is LeaseState.QUEUED else None
+            return lease.copy(), info
+
+    # --- views ------------------------------------------------------------------------------------
+    def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:
+        """Devices, leases and queue as ``viewer`` may see them (others anonymous unless admin)."""
+        now = self._now(now)
+        with self._viewing(now) as (state, store):
+            order = self.engine.queue_order(state, now)
+            month_start = dt.datetime.fromtimestamp(now).replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
+            used_gib_hours = self._gib_hours(viewer, month_start, now, state, store) if viewer else 0.0
+            # The leases are the store's cached objects, changed in place by decisions of other
+            # threads once the lock is released: build the view from copies taken under it.
+            live = {lease_id: lease.copy() for lease_id, lease in state.leases.items()}
+            order = [live[lease.id] for lease in order]
+            held_bytes, count = self.engine.holdings(state, owner=viewer) if viewer else (0, 0)
+            outside = store.unpooled(now)
+            unpooled_by_device = dict(state.unpooled)
+        held = held_by_device(live.values())
+        used_by_device: dict[str, int] = {}
+        for lease in live.values():
+            if lease.state is LeaseState.GRANTED and lease.used_memory and lease.devices:
+                share = lease.used_memory // len(lease.devices)
+                for uuid_ in lease.devices:
+                    used_by_device[uuid_] = used_by_device.get(uuid_, 0) + share
+        devices = []
+        for d in state.devices:
+            measured = d.memory_total - d.memory_free if d.memory_free is not None else None
+            devices.append(
+                {
+                    "index": d.index,
+                    "uuid": d.uuid,
+                    "name": d.name,
+                    "model": d.model,
+                    "memory_total": d.memory_total,
+                    "memory_leasable": d.leasable,
+                    "memory_leased": held.get(d.uuid, 0),
+                    "memory_used": max(measured or 0, used_by_device.get(d.uuid, 0) + unpooled_by_device.get(d.uuid, 0)),
+                    "memory_unpooled": unpooled_by_device.get(d.uuid, 0),
+                    "healthy": d.healthy,
+                    "health_reason": d.health_reason,
+                    "is_mig": d.is_mig,
+                }
+            )
+        positions = {lease.id: i + 1 for i, lease in enumerate(order)}
+        leases = [self.view_lease(lease, viewer, admin, positions.get(lease.id)) for lease in live.values()]
+        leases.sort(key=lambda item: (item["state"] != "granted", item.get("queue_position") or 0))
+        queue = [self.view_lease(lease, viewer, admin, positions[lease.id]) for lease in order]
+        quota: dict[str, Any] = {}
+        if viewer:
+            own = self.policy.quota_for_user(viewer)
+            quota = {**own.to_json(), "held": held_bytes, "leases": count, "gib_hours_this_month": round(used_gib_hours, 3)}
+        reservations = [{**r.to_json(), "active": r.active(now)} for r in state.reservations]
+        unpooled = [self.view_unpooled(row, viewer, admin) for row in outside]
+        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota=quota, reservations=reservations,
+                            unpooled=unpooled)
+
+    @staticmethod
+    def view_unpooled(row: dict[str, Any], viewer: str | None, admin: bool) -> dict[str, Any]:
+        """Unpooled use as ``viewer`` may see it: that memory is taken, and whose only for admins
+        and for the viewer's own processes."""
+        mine = viewer is not None and row.get("user") == viewer
+        keys = ("device", "bytes", "why", "since")
+        item = {key: row[key] for key in keys}
+        for key in ("pid", "user", "command", "host", "lease_id"):
+            item[key] = row.get(key) if admin or mine else None
+        item["stoppable"] = bool(row.get("stoppable"))
+        item["mine"] = mine
+        return item
+
+    @staticmethod
+    def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:
+        """A lease as JSON; another user's lease loses everything that identifies them."""
+        data = lease.to_json()
+        data["queue_position"] = position
+        data["mine"] = viewer is not None and lease.owner == viewer
+        if not (admin or data["mine"]):
+            for key in ("id", "owner", "kernel_id", "label", "holder_pid", "holder_host", "groups", "release_reason", "reclaim_reason"):
+                data[key] = None if key not in ("groups",) else []
+        return data
+
+    def _gib_hours(self, owner: str, since: float, now: float, state: PoolState, store: Store) -> float:
+        """``owner``'s GiB·hours held since ``since``: the ledger's closed intervals and the open
+        ones of ``state``, read in the same transaction of ``store`` (as :meth:`_viewing` hands them)."""
+        rows = self._report_rows(store.ledger(since, now), state.leases.values(), since, now, "user", "none", now)
+        return next((row["gib_hours_held"] for row in rows if row["user"] == owner), 0.0)
+
+    # --- metering ---------------------------------------------------------------------------------
+    def report(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        by: str = "user",
+        now: float | None = None,
+        period: str = "none",
+    ) -> list[dict[str, Any]]:
+        """GPU-hours, GiB·hours held and active (and cost, with prices in the policy) per user,
+        group or kernel, per ``period`` (none, day, week, month), closed and still-open intervals;
+        see :mod:`jupyter_gpupool.core.metering`."""
+        check_choice(by, REPORT_KEYS, "by")
+        check_choice(period, PERIODS, "period")
+        now = self._now(now)
+        until = now if until is None else until
+        store = self._reads()
+        return self._report_rows(store.ledger(since, until), store.leases(), since, until, by, period, now)
+
+    def _report_rows(
+        self, rows: list[dict[str, Any]], leases: Iterable[Lease], since: float | None, until: float, by: str, period: str, now: float
+    ) -> list[dict[str, Any]]:
+        """:meth:`report` of ledger ``rows`` and the open intervals of the granted ones of ``leases``."""
+        live = [lease for lease in leases if lease.state is LeaseState.GRANTED and lease.granted_at is not None]
+        # Rows record their GPUs; older rows and open intervals take them from the inventory.
+        unrecorded = any(row.get("device_info") is None for row in rows)
+        inventory = self._inventory() if live or unrecorded else {}
+        intervals = [self._closed_interval(row, inventory) for row in rows]
+        for lease in live:
+            intervals.append(
+                Interval(
+                    lease_id=lease.id,
+                    owner=lease.owner,
+                    groups=tuple(lease.groups),
+                    kernel_id=lease.kernel_id,
+                    memory=lease.memory * lease.num_gpus,
+                    start=lease.granted_at,  # type: ignore[arg-type]
+                    end=now,
+                    active_seconds=lease.active_seconds,
+                    devices=tuple(inventory.get(u) for u in lease.devices),
+                    memory_history=tuple((at, memory * lease.num_gpus) for at, memory in lease.memory_history),
+                )
+            )
+        return report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
+
+    @staticmethod
+    def _closed_interval(row: dict[str, Any], inventory: dict[str, DeviceInfo]) -> Interval:
+        recorded = {d["uuid"]: DeviceInfo.from_json(d) for d in row.get("device_info") or ()}
+        return Interval(
+            lease_id=row["lease_id"],
+            owner=row["owner"],
+            groups=tuple(row["groups"]),
+            kernel_id=row["kernel_id"],
+            memory=int(row["memory"]),
+            start=float(row["start"]),
+            end=float(row["end"]),
+            active_seconds=float(row["active_seconds"]),
+            devices=tuple(recorded.get(u) or inventory.get(u) for u in row["devices"]),
+            memory_history=tuple(row.get("memory_history") or ()),
+        )
+
+    def _inventory(self) -> dict[str, DeviceInfo]:
+        """The devices as metering needs them; empty when the backend cannot say (a report of the
+        ledger never fails on a missing driver)."""
+        try:
+            return {d.uuid: DeviceInfo.of(d) for d in self.devices()}
+        except GpuPoolError:
+            return {}
+
+    # --- reservations and preferences -------------------------------------------------------------
+    def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Reservation:
+        """Hold capacity for users or groups (see :attr:`PoolPolicy.reservations` for the forms)."""
+        now = self._now(now)
+        reservation = parse_reservation(spec, now=now)
+        self.engine.check_reservation(self.devices(), reservation, now, self.reservations())  # never one the pool cannot honour
+        stored = dict(spec)
+        if reservation.start is not None:
+            stored.update(start=reservation.start, end=reservation.end)
+            stored.pop("duration", None)
+        with self.store.transaction():
+            self.store.put_reservation(reservation.name, stored)
+        return reservation
+
+    def cancel_reservation(self, name: str) -> None:
+        with self.store.transaction():
+            if not self.store.delete_reservation(name):
+                raise LeaseNotFound(f"no reservation named {name!r}")
+
+    def reservations(self) -> list[Reservation]:
+        return self.policy.parsed_reservations() + [parse_reservation(r) for r in self._reads().reservations()]
+
+    def preference(self, owner: str) -> dict[str, Any]:
+        return self._reads().preference(owner)
+
+    def set_preference(self, owner: str, **values: Any) -> None:
+        """Save ``owner``'s defaults; a value not in its accepted form is an InvalidInput, saving nothing."""
+        values = validate_preferences(values, self.policy.max_gpus_per_lease)
+        with self.store.transaction():
+            current = self.store.preference(owner)
+            current.update(values)
+            self.store.set_preference(owner, current)
+
+    def events(self, after_seq: int = 0) -> list[dict[str, Any]]:
+        return self._reads().events(after_seq)
+
+    def close(self) -> None:
+        self.store.close()
+        if self._view_store is not None:
+            self._view_store.close()
+        self.backend.close()
+
+
+#: Members of this Unix group are admins of a local pool (as they are of the broker, over its socket).
+LOCAL_ADMIN_GROUP = "gpupool-admin"
+
+
+def local_admin(db_path: str, uid: int | None = None) -> bool:
+    """Whether this process (or ``uid``) administers the local pool at ``db_path``: ``root``, the
+    owner of the pool file's folder, or a member of :data:`LOCAL_ADMIN_GROUP`. Decided by the real
+    uid, never by ``$USER``. (A broker decides for itself who its admins are.)"""
+    import grp
+    import pwd
+
+    uid = os.geteuid() if uid is None else uid
+    if uid == 0:
+        return True
+    with contextlib.suppress(OSError):
+        if os.stat(os.path.dirname(os.path.abspath(db_path))).st_uid == uid:
+            return True
+    try:
+        entry = pwd.getpwuid(uid)
+        group = grp.getgrnam(LOCAL_ADMIN_GROUP)
+    except KeyError:
+        return False
+    return entry.pw_name in group.gr_mem or entry.pw_gid == group.gr_gid
+
+
+@functools.lru_cache(maxsize=1)
+def host_memory() -> int | None:
+    """Bytes of RAM on this host (the parked-slice budget is a share of it), None if unknown."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def new_lease_id() -> str:
+    """``l-`` + creation time in µs (hex) + randomness: unique across processes and ordered by
+    creation, so requests made at the same instant keep their order in the queue."""
+    return f"l-{time.time_ns() // 1000:013x}{uuid.uuid4().hex[:6]}"
+
+
+@functools.lru_cache(maxsize=1)
+def pid_max() -> int:
+    """The largest process id this OS hands out (Linux: ``/proc/sys/kernel/pid_max``, at most 2²²)."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return PID_MAX_LIMIT
+
+
+#: No Linux process id is larger (PID_MAX_LIMIT on 64-bit); a holder on another host is held to it too.
+PID_MAX_LIMIT = 4_194_304
+
+
+def check_holder_pid(pid: Any) -> None:
+    """Refuse a holder pid no process can have (it would never be reclaimed, or break the check)."""
+    if pid is None:
+        return
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= PID_MAX_LIMIT:
+        raise InvalidInput(f"invalid holder_pid {pid!r}: a process id is a whole number from 1 to {PID_MAX_LIMIT}")
+
+
+def _pid_alive(pid: Any) -> bool:
+    """Whether a process with this id runs (not a zombie). Never raises: an id no process can
+    have (out of range, not a number) is not alive."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= pid_max():
+        return False
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except (psutil.Error, ValueError, OverflowError, OSError):
+        try:
+            return psutil.pid_exists(pid)
+        except (ValueError, OverflowError, OSError):
+            return True  # cannot tell: leave it to the heartbeat timeout

@@ -1,0 +1,961 @@
+"""The Slurm backend: each lease is a Slurm job holding the slice as a GRES request.
+
+:class:`SlurmPool` answers the same questions as :class:`~jupyter_gpupool.backends.local.pool.Pool` and
+:class:`~jupyter_gpupool.backends.remote.RemotePool` (granted, or queued at position k because ..., expected
+start ...), so the provisioner, the server extension, the REST API, the front end and the magics
+work unchanged. Slurm does the scheduling: a request is ``sbatch`` of a *holder job* (``sleep``)
+with ``--gres=shard:N`` (or ``gpu:k`` for whole GPUs); while it pends the lease is queued, with
+the job's position among the pending jobs of its partition in Slurm's priority order, Slurm's
+pending reason in words and ``squeue``'s expected start; once it runs the lease is granted and
+the kernel runs as a step of that job (see :mod:`jupyter_gpupool.provisioner.slurm`), so a kernel
+restart keeps the job. A release is ``scancel``; a job that ends on its own (time limit,
+preemption, node failure, ``scancel`` from outside) releases its lease with Slurm's reason.
+
+The lease ↔ job mapping lives in a small SQLite file (``c.SlurmPool.state_path``), so it
+survives a server restart: the next server still sees, reports and cancels the jobs of the last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import psutil
+from traitlets import Dict, Float, Int, List, Unicode, validate
+from traitlets.config import Config, LoggingConfigurable
+
+from jupyter_gpupool.backends.contract import Capability
+from jupyter_gpupool.backends.local.pool import Pool, new_lease_id
+from jupyter_gpupool.backends.local.store import lease_from_json
+from jupyter_gpupool.backends.owner import default_owner
+from jupyter_gpupool.backends.slurm.commands import (
+    JobRecord,
+    SlurmCommands,
+    end_sentence,
+    node_gpu_model,
+    parse_detail_gres_indices,
+    parse_node_gres,
+    reason_sentence,
+    shards_for,
+)
+from jupyter_gpupool.backends.waiting import GrantWaiting
+from jupyter_gpupool.core.metering import PERIODS, REPORT_KEYS, DeviceInfo, Interval, check_choice, report_rows
+from jupyter_gpupool.core.models import (
+    Activity,
+    Decision,
+    DecisionKind,
+    Device,
+    Lease,
+    LeaseRequest,
+    LeaseState,
+    PoolSnapshot,
+    PriorityClass,
+    QueueInfo,
+)
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
+from jupyter_gpupool.units import SIZE_FORMS, format_duration, format_size, parse_size
+
+BACKEND_NAME = "slurm"
+PROVISIONER_NAME = "gpupool-slurm-provisioner"
+#: Estimated starts further away than this are Slurm's "never, as far as I know" (e.g. +1 year).
+MAX_ESTIMATE = 30 * 86400.0
+HOSTNAME = socket.gethostname()
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS slurm_leases (
+    lease_id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    kernel_id TEXT,
+    owner TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    lease TEXT NOT NULL,
+    job TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS slurm_leases_kernel ON slurm_leases (kernel_id, created_at);
+CREATE INDEX IF NOT EXISTS slurm_leases_job ON slurm_leases (job_id);
+"""
+
+
+def default_state_path() -> str:
+    """``$GPUPOOL_SLURM_STATE``, else ``slurm-leases.sqlite`` in Jupyter's data directory (in
+    ``$HOME``, which a cluster shares between the login and compute nodes)."""
+    if os.environ.get("GPUPOOL_SLURM_STATE"):
+        return os.environ["GPUPOOL_SLURM_STATE"]
+    from jupyter_core.paths import jupyter_data_dir
+
+    return os.path.join(jupyter_data_dir(), "gpupool", "slurm-leases.sqlite")
+
+
+class SlurmBackend:
+    """The device backend as the pool shows it: the GPUs of the partition's nodes."""
+
+    name = BACKEND_NAME
+
+    def __init__(self, pool: SlurmPool) -> None:
+        self._pool = pool
+
+    @property
+    def spec(self) -> str:
+        return f"slurm:{self._pool.partition or 'default'}"
+
+    def devices(self) -> list[Device]:
+        return self._pool.devices()
+
+    def process_usage(self) -> list[Any]:
+        return []  # processes run on compute nodes: Slurm accounts for them
+
+    def describe(self) -> str:
+        return f"Slurm partition {self._pool.partition or '(default)'}, {self._pool.shards_per_gpu_text()}"
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class SlurmPool(GrantWaiting, LoggingConfigurable):
+    """Leases as Slurm jobs on GPU shards; Slurm queues, orders and accounts.
+
+    The ``slurm`` :class:`~jupyter_gpupool.backends.contract.PoolBackend`: no suspend (a job's memory
+    cannot be parked), no NVML view of the nodes."""
+
+    kind = "slurm"
+    capabilities = frozenset({Capability.CLIENT_ENV, Capability.WHOAMI, Capability.LEASE_DETAILS})
+
+    #: Adapters skip what only a local pool does (watchdog over local processes, Prometheus collector).
+    remote = True
+    provisioner_name = PROVISIONER_NAME
+
+    partition = Unicode(
+        "", config=True, help="Partition the kernels' jobs go to (sbatch --partition). Empty: Slurm's default."
+    )
+    account = Unicode(
+        "", config=True, help="Account charged for the jobs (sbatch --account). Empty: the user's default."
+    )
+    qos = Unicode("", config=True, help="Quality of service of the jobs (sbatch --qos). Empty: the default.")
+    time_limit = Unicode(
+        "8:00:00",
+        config=True,
+        help="Time limit of a kernel's job (sbatch --time, e.g. 8:00:00 or 1-00:00:00). Empty: the partition's default. "
+        "A limit also gives squeue --start something to estimate with.",
+    )
+    gpu_memory = Unicode(
+        "80GiB",
+        config=True,
+        help=f"Memory of one GPU of the partition, {SIZE_FORMS}: a slice of M bytes is ceil(M / (gpu_memory / shards per GPU)) shards.",
+    )
+    shards_per_gpu = Int(
+        0,
+        config=True,
+        help="GRES shards per GPU. 0: read from the nodes' Gres (shard count / gpu count).",
+    )
+    mig_profiles = Dict(
+        {},
+        config=True,
+        help="MIG GRES types of the partition and each one's memory, e.g. {'1g.10gb': '10GiB', '3g.40gb': '40GiB'} "
+        "(what AutoDetect=nvml lists as gpu:<type>). A one-GPU slice then asks for the smallest type that holds it "
+        "(--gres=gpu:3g.40gb:1): a hard memory limit, where shards are only a share. A slice larger than every "
+        "type gets shards or a whole GPU as before. Empty: no MIG.",
+    )
+
+    @validate("mig_profiles")
+    def _check_mig_profiles(self, proposal: Any) -> dict[str, str]:
+        checked = {}
+        for name, size in dict(proposal["value"]).items():
+            if not str(name) or any(c in str(name) for c in ":,= "):
+                raise InvalidInput(f"c.SlurmPool.mig_profiles: {name!r} is not a GRES type (e.g. 1g.10gb)")
+            parse_size(str(size))  # raises InvalidInput naming the forms
+            checked[str(name)] = str(size)
+        return checked
+
+    sbatch_args = List(
+        Unicode(),
+        config=True,
+        help="More sbatch arguments for every kernel job, e.g. ['--constraint=a100', '--mem=16G'].",
+    )
+    holder_command = Unicode(
+        "exec sleep infinity",
+        config=True,
+        help="What the job's batch step runs while the kernel runs as a step beside it (it holds the allocation).",
+    )
+    state_path = Unicode(
+        config=True,
+        help="SQLite file of the lease ↔ job mapping. Default: $GPUPOOL_SLURM_STATE, else slurm-leases.sqlite in Jupyter's data dir.",
+    )
+    job_output_dir = Unicode(
+        "",
+        config=True,
+        help="Where the jobs' stdout/stderr go (sbatch --output). Empty: a 'jobs' folder beside the state file.",
+    )
+    cache_seconds = Float(1.0, config=True, help="Seconds a squeue answer is reused (views and waits poll it).")
+    poll_interval = Float(1.0, config=True, help="Seconds between squeue checks while a kernel's job pends.")
+
+    def __init__(
+        self,
+        commands: SlurmCommands | None = None,
+        policy: PoolPolicy | None = None,
+        clock: Callable[[], float] = time.time,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not self.state_path:
+            self.state_path = default_state_path()
+        self.commands = commands or SlurmCommands()
+        self.policy = policy or PoolPolicy(parent=self)
+        self.clock = clock
+        self.db_path = self.state_path
+        self.backend = SlurmBackend(self)
+        self._lock = threading.RLock()
+        self._db = self._open(self.state_path)
+        self._jobs_cache: tuple[float, dict[str, JobRecord]] | None = None
+        self._pending_cache: tuple[float, str, list[JobRecord]] | None = None
+        self._nodes: tuple[float, list[dict[str, str]]] | None = None
+
+    @classmethod
+    def from_env(cls, config: Config | None = None, environ: Mapping[str, str] | None = None) -> SlurmPool:
+        """A pool from ``c.SlurmPool.*`` and ``GPUPOOL_SLURM_*`` (``PARTITION``, ``ACCOUNT``,
+        ``QOS``, ``TIME_LIMIT``, ``GPU_MEMORY``, ``STATE``) plus the policy's variables."""
+        env = dict(os.environ if environ is None else environ)
+        policy = PoolPolicy(config=config)
+        policy.apply_env(env)
+        overrides: dict[str, Any] = {}
+        for trait in ("partition", "account", "qos", "time_limit", "gpu_memory"):
+            value = env.get(f"GPUPOOL_SLURM_{trait.upper()}")
+            if value:
+                overrides[trait] = value
+        if env.get("GPUPOOL_SLURM_STATE"):
+            overrides["state_path"] = env["GPUPOOL_SLURM_STATE"]
+        return cls(commands=SlurmCommands(env=env), policy=policy, config=config or Config(), **overrides)
+
+    # --- the state file ---------------------------------------------------------------------------
+    @staticmethod
+    def _open(path: str) -> sqlite3.Connection:
+        directory = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(directory, exist_ok=True)
+            db = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
+            db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as err:
+            raise PoolUnavailable(f"cannot open the Slurm lease file {path}: {err}") from None
+        return db
+
+    def _rows(self, where: str = "", args: tuple[Any, ...] = ()) -> list[tuple[Lease, dict[str, Any]]]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT lease, job FROM slurm_leases {where} ORDER BY created_at", args).fetchall()
+        return [(lease_from_json(json.loads(lease)), json.loads(job)) for lease, job in rows]
+
+    def _put(self, lease: Lease, job: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO slurm_leases (lease_id, job_id, kernel_id, owner, created_at, lease, job) VALUES (?,?,?,?,?,?,?)",
+                (
+                    lease.id,
+                    str(job["job_id"]),
+                    lease.kernel_id,
+                    lease.owner,
+                    lease.created_at,
+                    json.dumps(lease.to_json()),
+                    json.dumps(job),
+                ),
+            )
+
+    def _put_unless_released(self, lease: Lease, job: dict[str, Any]) -> bool:
+        """Write what was seen of a lease's job, unless the lease was released meanwhile (by a
+        shutdown in another thread or process, whose reason stands): False then."""
+        with self._lock:
+            cursor = self._db.execute(
+                "UPDATE slurm_leases SET lease = ?, job = ? WHERE lease_id = ? AND json_extract(lease, '$.state') != 'released'",
+                (json.dumps(lease.to_json()), json.dumps(job), lease.id),
+            )
+        return cursor.rowcount == 1
+
+    def _row(self, lease_id: str) -> tuple[Lease, dict[str, Any]]:
+        rows = self._rows("WHERE lease_id = ?", (lease_id,))
+        if not rows:
+            raise LeaseNotFound(f"no lease {lease_id!r}; list them with `jupyter gpupool leases`")
+        return rows[0]
+
+    # --- what the partition has -------------------------------------------------------------------
+    def _node_records(self) -> list[dict[str, str]]:
+        now = time.monotonic()
+        if self._nodes is None or now - self._nodes[0] > 10.0:
+            nodes = self.commands.show_nodes()
+            if self.partition:
+                nodes = [n for n in nodes if self.partition in n.get("Partitions", "").split(",")]
+            self._nodes = (now, nodes)
+        return self._nodes[1]
+
+    def _gpu_memory(self) -> int:
+        try:
+            return parse_size(self.gpu_memory)
+        except InvalidInput as err:
+            raise InvalidInput(f"c.SlurmPool.gpu_memory: {err}") from None
+
+    def _shards_per_gpu(self) -> int:
+        if self.shards_per_gpu > 0:
+            return self.shards_per_gpu
+        for node in self._node_records():
+            counts = parse_node_gres(node.get("Gres", ""))
+            if counts.get("gpu") and counts.get("shard"):
+                return max(1, counts["shard"] // counts["gpu"])
+        return 0
+
+    def shards_per_gpu_text(self) -> str:
+        try:
+            shards = self._shards_per_gpu()
+        except GpuPoolError:
+            shards = 0
+        per = (
+            f"{shards} shards of {format_size(self._gpu_memory() // shards)} per GPU"
+            if shards
+            else "whole GPUs (no shard GRES)"
+        )
+        return f"{format_size(self._gpu_memory())} GPUs, {per}"
+
+    def devices(self) -> list[Device]:
+        """One device per GPU of the partition's nodes (uuid ``slurm:NODE:gpuI``)."""
+        devices: list[Device] = []
+        memory = self._gpu_memory()
+        for node in self._node_records():
+            name = node.get("NodeName", "?")
+            counts = parse_node_gres(node.get("Gres", ""))
+            model = node_gpu_model(node.get("Gres", "")) or "GPU"
+            state = node.get("State", "")
+            healthy = not any(bad in state.upper() for bad in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING"))
+            for index in range(counts.get("gpu", 0)):
+                devices.append(
+                    Device(
+                        index=len(devices),
+                        uuid=f"slurm:{name}:gpu{index}",
+                        name=f"{model} {index} on {name}",
+                        memory_total=memory,
+                        healthy=healthy,
+                        health_reason="" if healthy else f"node {name} is {state}",
+                    )
+                )
+        return devices
+
+    def default_memory(self) -> int:
+        return self.policy.default_memory_bytes(self._gpu_memory())
+
+    def parse_memory(self, text: str | int) -> int:
+        return parse_size(text, gpu_memory=self._gpu_memory())
+
+    def whoami(self) -> dict[str, Any]:
+        """Jobs run as the Unix user of this process: that is who the leases belong to."""
+        return {"name": default_owner(), "groups": [], "admin": False, "kind": "slurm"}
+
+    # --- requests ---------------------------------------------------------------------------------
+    def gres_for(self, memory: int, num_gpus: int, model: str | None = None) -> tuple[str, int]:
+        """The GRES request for a slice (``shard:N``, or ``gpu[:model]:k`` for whole GPUs, a model
+        constraint always asking for whole GPUs of that GRES type) and the memory it holds."""
+        gpu_memory = self._gpu_memory()
+        if model:
+            if any(c in model for c in ":,= "):
+                raise InvalidInput(f"invalid GPU model {model!r}: give the GRES type of the GPUs, e.g. a100")
+            return f"gpu:{model.lower()}:{max(1, num_gpus)}", gpu_memory
+        if num_gpus <= 1 and self.mig_profiles:
+            fitting = sorted((parse_size(size), name) for name, size in self.mig_profiles.items() if parse_size(size) >= memory)
+            if fitting:
+                size, name = fitting[0]
+                return f"gpu:{name}:1", size
+        shards = self._shards_per_gpu()
+        if num_gpus > 1 or not shards:
+            return f"gpu:{max(1, num_gpus)}", gpu_memory
+        per_shard = gpu_memory // shards
+        count = shards_for(memory, per_shard, shards)
+        return f"shard:{count}", count * per_shard
+
+    def request(self, req: LeaseRequest, now: float | None = None) -> Lease:
+        """Submit the holder job for ``req``; the lease, queued (or granted if Slurm started it at once)."""
+        now = self.clock() if now is None else now
+        gres, memory = self.gres_for(req.memory, req.num_gpus, req.model)
+        partition = getattr(req, "partition", "") or self.partition
+        account = getattr(req, "account", "") or self.account
+        qos = getattr(req, "qos", "") or self.qos
+        time_limit = getattr(req, "time_limit", "") or self.time_limit
+        lease_id = new_lease_id()
+        out_dir = self.job_output_dir or os.path.join(os.path.dirname(os.path.abspath(self.state_path)), "jobs")
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as err:
+            raise PoolUnavailable(f"cannot create the folder for the jobs' output {out_dir}: {err.strerror}") from None
+        args = [
+            f"--job-name=gpupool-{(req.kernel_id or lease_id)[:8]}",
+            f"--gres={gres}",
+            "--ntasks=1",
+            f"--output={os.path.join(out_dir, 'job-%j.out')}",
+            f"--comment=gpupool lease {lease_id} kernel {req.kernel_id or '-'}",
+        ]
+        args += [f"--partition={partition}"] if partition else []
+        args += [f"--account={account}"] if account else []
+        args += [f"--qos={qos}"] if qos else []
+        args += [f"--time={time_limit}"] if time_limit else []
+        if req.priority is PriorityClass.BATCH:
+            args.append("--nice=100")  # graders yield to live users, in Slurm's own terms
+        args += list(self.sbatch_args)
+        script = f"#!/bin/sh\n# jupyter-gpupool: holds GPU slice {lease_id} while its kernel runs as a step\n{self.holder_command}\n"
+        job_id = self.commands.sbatch(args, script)
+        lease = Lease(
+            id=lease_id,
+            owner=req.owner,
+            memory=memory,
+            state=LeaseState.QUEUED,
+            created_at=now,
+            groups=req.groups,
+            kernel_id=req.kernel_id,
+            num_gpus=req.num_gpus,
+            model=req.model,
+            priority=req.priority or PriorityClass.NORMAL,
+            duration=req.duration,
+            holder_pid=req.holder_pid,
+            holder_host=req.holder_host,
+            label=req.label,
+        )
+        job = {
+            "job_id": job_id,
+            "partition": partition,
+            "gres": gres,
+            "account": account,
+            "qos": qos,
+            "time_limit": time_limit,
+        }
+        self._put(lease, job)
+        self._jobs_cache = None
+        self._pending_cache = None
+        return self._refresh([(lease, job)])[0][0]
+
+    # --- following the jobs -----------------------------------------------------------------------
+    def _jobs(self, job_ids: list[str]) -> dict[str, JobRecord]:
+        now = time.monotonic()
+        cached = self._jobs_cache
+        if cached is not None and now - cached[0] <= self.cache_seconds and all(j in cached[1] for j in job_ids):
+            return cached[1]
+        records = {r.job_id: r for r in self.commands.squeue(job_ids)}
+        self._jobs_cache = (now, records)
+        return records
+
+    def _refresh(self, rows: list[tuple[Lease, dict[str, Any]]]) -> list[tuple[Lease, dict[str, Any]]]:
+        """Bring live leases up to date with their jobs (state, devices, end reason)."""
+        live = [(lease, job) for lease, job in rows if _followed(lease, job)]
+        if not live:
+            return rows
+        records = self._jobs([str(job["job_id"]) for _, job in live])
+        result = []
+        for lease, job in rows:
+            if _followed(lease, job):
+                lease, job = self._follow(lease, job, records.get(str(job["job_id"])))
+            result.append((lease, job))
+        return result
+
+    def _follow(self, lease: Lease, job: dict[str, Any], record: JobRecord | None) -> tuple[Lease, dict[str, Any]]:
+        job_id = str(job["job_id"])
+        before = (lease.state, lease.devices, job.get("reason"), job.get("start_time"), lease.release_reason)
+        if not lease.live:  # released while its job was still COMPLETING: say how it ended, once Slurm knows
+            state, reason = (record.state, record.reason) if record is not None else self._final_state(job_id)
+            if state != "COMPLETING":
+                lease.release_reason = end_sentence(job_id, state, reason if state != "CANCELLED" else "")
+                job.update(end_state=state)
+        elif record is not None and record.pending:
+            lease.state = LeaseState.QUEUED
+            job.update(
+                reason=record.reason, start_time=record.start_time, priority=record.priority, partition=record.partition
+            )
+        elif record is not None and record.running and record.state != "COMPLETING":
+            lease.state = LeaseState.SUSPENDED if record.state in ("SUSPENDED", "STOPPED") else LeaseState.GRANTED
+            job.update(node=record.nodes, reason="", partition=record.partition)
+            if lease.granted_at is None:
+                lease.granted_at = record.start_time or self.clock()
+            if not lease.devices:
+                _, text = self.commands.show_job(job_id, detail=True)
+                indices = parse_detail_gres_indices(text)
+                lease.devices = tuple(f"slurm:{node}:gpu{i}" for node, found in indices.items() for i in found)
+        else:
+            state, reason = (record.state, record.reason) if record is not None else self._final_state(job_id)
+            lease.state = LeaseState.RELEASED
+            lease.released_at = self.clock()
+            lease.release_reason = end_sentence(job_id, state, reason if state != "CANCELLED" else "")
+            job.update(end_state=state)
+        after = (lease.state, lease.devices, job.get("reason"), job.get("start_time"), lease.release_reason)
+        if after != before:
+            if before[0] is LeaseState.RELEASED:  # a released lease's job that was still ending
+                self._put(lease, job)
+            elif not self._put_unless_released(lease, job):  # released meanwhile: that record stands
+                return self._row(lease.id)
+        return lease, job
+
+    def _final_state(self, job_id: str) -> tuple[str, str]:
+        info, _ = self.commands.show_job(job_id)
+        if info.get("JobState"):
+            return info["JobState"], info.get("Reason", "")
+        with contextlib.suppress(GpuPoolError):
+            for end in self.commands.sacct([job_id]):
+                if end.job_id == job_id:
+                    return end.state, ""
+        return "GONE", "Slurm no longer knows the job"
+
+    def job_of(self, lease_id: str) -> dict[str, Any]:
+        """The Slurm side of a lease: ``job_id``, ``partition``, ``gres``, ``node``, ``reason``, ..."""
+        return dict(self._refresh([self._row(lease_id)])[0][1])
+
+    # --- the Pool contract: leases --------------------------------------------------------------
+    def get(self, lease_id: str) -> Lease:
+        return self._refresh([self._row(lease_id)])[0][0]
+
+    def lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        lease = self.last_lease_for_kernel(kernel_id)
+        return lease if lease is not None and lease.live else None
+
+    def last_lease_for_kernel(self, kernel_id: str) -> Lease | None:
+        rows = self._rows("WHERE kernel_id = ?", (kernel_id,))
+        if not rows:
+            return None
+        return self._refresh([rows[-1]])[0][0]
+
+    def leases(self, owner: str | None = None, include_released: bool = False) -> list[Lease]:
+        rows = self._rows("WHERE owner = ?", (owner,)) if owner else self._rows()
+        leases = [lease for lease, _ in self._refresh(rows)]
+        return [lease for lease in leases if include_released or lease.live]
+
+    def _live_rows(self) -> list[tuple[Lease, dict[str, Any]]]:
+        rows = [row for row in self._rows() if row[0].live]
+        return [row for row in self._refresh(rows) if row[0].live]
+
+    def _pending_in(self, partition: str) -> list[JobRecord]:
+        now = time.monotonic()
+        cached = self._pending_cache
+        if cached is not None and cached[1] == partition and now - cached[0] <= self.cache_seconds:
+            return cached[2]
+        pending = self.commands.squeue(partition=partition, states="PENDING")
+        self._pending_cache = (now, partition, pending)
+        return pending
+
+    def queue(self, now: float | None = None) -> list[Lease]:
+        """Our queued leases in Slurm's order."""
+        queued = [(lease, job) for lease, job in self._live_rows() if lease.state is LeaseState.QUEUED]
+        order = {}
+        for partition in {str(job.get("partition") or "") for _, job in queued}:
+            for i, record in enumerate(self._pending_in(partition)):
+                order[record.job_id] = i
+        queued.sort(key=lambda row: order.get(str(row[1]["job_id"]), 1 << 30))
+        return [lease for lease, _ in queued]
+
+    def queue_info(self, lease_id: str, now: float | None = None) -> QueueInfo | None:
+        """Position among the pending jobs of the job's partition, in Slurm's priority order."""
+        lease, job = self._refresh([self._row(lease_id)])[0]
+        if lease.state is not LeaseState.QUEUED:
+            return None
+        now = self.clock() if now is None else now
+        pending = self._pending_in(str(job.get("partition") or ""))
+        ids = [r.job_id for r in pending]
+        job_id = str(job["job_id"])
+        position = ids.index(job_id) + 1 if job_id in ids else len(ids) + 1
+        start = job.get("start_time")
+        wait = start - now if isinstance(start, (int, float)) and 0 < start - now < MAX_ESTIMATE else None
+        if isinstance(start, (int, float)) and start <= now:
+            wait = 0.0
+        return QueueInfo(
+            position=position,
+            length=max(len(ids), position),
+            estimated_wait=wait,
+            reason=reason_sentence(job.get("reason", "")),
+        )
+
+    def lease_details(self, lease: Lease) -> dict[str, Any]:
+        """What the views add for a Slurm lease: ``{"slurm": {job_id, partition, node, gres, state,
+        reason, position, estimated_start, fair_share}}``."""
+        try:
+            job = self.job_of(lease.id)
+        except LeaseNotFound:
+            return {}
+        info = self.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
+        start = job.get("start_time")
+        return {
+            "slurm": {
+                "job_id": job.get("job_id"),
+                "partition": job.get("partition") or None,
+                "node": job.get("node") or None,
+                "gres": job.get("gres"),
+                "account": job.get("account") or None,
+                "qos": job.get("qos") or None,
+                "time_limit": job.get("time_limit") or None,
+                "pending_reason": job.get("reason") or None,
+                "position": info.position if info else None,
+                "estimated_start": start if info and info.estimated_wait is not None else None,
+                "end_state": job.get("end_state"),
+                "fair_share": self.fair_share(str(job.get("job_id"))) if info else None,
+            }
+        }
+
+    def fair_share(self, job_id: str) -> float | None:
+        """The job's normalized fair-share factor (0..1) from ``sprio -n`` (None where priority/multifactor
+        is not in use; 0 for every job where no slurmdbd keeps the associations' usage)."""
+        try:
+            out = self.commands.run(["sprio", "-h", "-n", "-j", job_id, "-o", "%F"], check=False)
+        except GpuPoolError:
+            return None
+        text = out.strip().splitlines()
+        try:
+            return float(text[-1]) if text else None
+        except ValueError:
+            return None
+
+    def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
+        """``scancel`` the lease's job; the lease is released with ``reason``."""
+        lease, job = self._row(lease_id)
+        if not lease.live:
+            return lease
+        held = lease.copy(), dict(job)
+        lease.state = LeaseState.RELEASED
+        lease.released_at = self.clock() if now is None else now
+        lease.release_reason = reason
+        job["end_state"] = "CANCELLED"
+        # The release is recorded before the job is cancelled: whoever sees the job gone from then
+        # on (a tick, a status view in another thread) finds it released with this reason, and
+        # does not say Slurm ended it.
+        self._put(lease, job)
+        try:
+            self.commands.scancel(str(job["job_id"]))
+        except BaseException:
+            self._put(*held)  # the job still runs: so does its lease
+            raise
+        finally:
+            self._jobs_cache = None
+            self._pending_cache = None
+        return lease
+
+    def resize(
+        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None
+    ) -> Lease:
+        lease, job = self._row(lease_id)
+        if memory is not None and memory != lease.memory:
+            raise RequestRefused(
+                f"a Slurm kernel's slice is its job's GRES ({job.get('gres')}): it cannot change while the job runs; "
+                "shut the kernel down and start it with another size"
+            )
+        if duration is not None:
+            return self.keep(lease_id, duration, now)
+        return lease
+
+    def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
+        lease, job = self._row(lease_id)
+        if seconds > self.policy.max_keep:
+            raise InvalidInput(
+                f"can keep a slice through idle for at most {format_duration(self.policy.max_keep)}; asked {format_duration(seconds)}"
+            )
+        lease.keep_until = (self.clock() if now is None else now) + seconds
+        lease.warned_at = lease.reclaim_at = None
+        lease.reclaim_reason = ""
+        self._put(lease, job)
+        return lease
+
+    def set_priority(self, lease_id: str, priority: str, now: float | None = None) -> Lease:
+        raise RequestRefused(
+            "on the Slurm backend priorities are Slurm's: an admin changes them with scontrol update job"
+        )
+
+    # --- activity, ticks, reconciliation -----------------------------------------------------------
+    def report_activity(self, lease_id: str, activity: Activity, now: float | None = None) -> None:
+        self.report_activities({lease_id: activity}, now)
+
+    def report_activities(self, activities: dict[str, Activity], now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        for lease_id, activity in activities.items():
+            with contextlib.suppress(LeaseNotFound):
+                lease, job = self._row(lease_id)
+                if not lease.live:
+                    continue
+                lease.busy = activity.busy
+                lease.last_activity = activity.last_activity or lease.last_activity
+                lease.connections = activity.connections
+                lease.heartbeat_at = now
+                self._put(lease, job)
+
+    def heartbeat(self, lease_ids: list[str], now: float | None = None) -> None:
+        """Nothing to do: a lease lives as long as its job."""
+
+    def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
+        return []
+
+    def tick(self, now: float | None = None, activities: dict[str, Activity] | None = None) -> list[Decision]:
+        """Follow every live job (a job that ended releases its lease with Slurm's reason), and
+        cancel the jobs of holders on this host that died (a server killed with SIGKILL).
+        ``activities`` are reported first (as :meth:`report_activities`)."""
+        now = self.clock() if now is None else now
+        if activities:
+            self.report_activities(activities, now)
+        decisions = []
+        for lease, job in self._rows():
+            if not lease.live:
+                continue
+            ((lease, job),) = self._refresh([(lease, job)])
+            if not lease.live:
+                decisions.append(
+                    Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, lease.release_reason, now)
+                )
+            elif lease.holder_host == HOSTNAME and lease.holder_pid and not _pid_alive(lease.holder_pid):
+                released = self.release(lease.id, f"released: its holder process {lease.holder_pid} exited", now)
+                decisions.append(
+                    Decision(
+                        DecisionKind.RELEASE,
+                        released.id,
+                        released.kernel_id,
+                        released.owner,
+                        released.release_reason,
+                        now,
+                    )
+                )
+            elif lease.state is LeaseState.GRANTED:
+                decision = self._idle_step(lease, job, now)
+                if decision is not None:
+                    decisions.append(decision)
+        return decisions
+
+    def _still_idle(self, lease: Lease, now: float) -> bool:
+        if lease.busy or (lease.keep_until is not None and lease.keep_until > now):
+            return False
+        return not (
+            lease.warned_at is not None and lease.last_activity is not None and lease.last_activity > lease.warned_at
+        )
+
+    def _idle_step(self, lease: Lease, job: dict[str, Any], now: float) -> Decision | None:
+        """The policy's idle reclaim, in Slurm's terms: with ``idle_policy = "pressure"`` a kernel
+        idle for ``idle_timeout`` while jobs pend in its partition is warned, and after
+        ``warning_period`` (unless kept or active again) its job is cancelled; ``"always"``
+        without waiting for pressure; ``"never"`` not at all."""
+        policy = self.policy.idle_policy
+        waiting = 0
+        if policy == "pressure":
+            with contextlib.suppress(GpuPoolError):
+                waiting = len(self._pending_in(str(job.get("partition") or "")))
+        pressure = policy == "always" or waiting > 0
+        if lease.reclaim_at is not None:
+            if policy == "never" or not pressure or not self._still_idle(lease, now):
+                lease.warned_at = lease.reclaim_at = None
+                lease.reclaim_reason = ""
+                self._put(lease, job)
+                return None
+            if lease.reclaim_at > now:
+                return None
+            reason = lease.reclaim_reason
+            released = self.release(lease.id, reason, now)
+            return Decision(DecisionKind.RECLAIM_IDLE, released.id, released.kernel_id, released.owner, reason, now)
+        if (
+            policy == "never"
+            or not pressure
+            or not self._still_idle(lease, now)
+            or lease.idle_seconds(now) < self.policy.idle_timeout
+        ):
+            return None
+        idle_for = format_duration(lease.idle_seconds(now))
+        lease.warned_at = now
+        lease.reclaim_at = now + self.policy.warning_period
+        lease.reclaim_reason = (
+            f"reclaimed: idle for {idle_for} while {waiting} job(s) waited in partition {job.get('partition') or '(default)'}"
+            if policy == "pressure"
+            else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+        )
+        self._put(lease, job)
+        return Decision(
+            DecisionKind.WARN_IDLE,
+            lease.id,
+            lease.kernel_id,
+            lease.owner,
+            f"idle for {idle_for}; its job is cancelled unless kept",
+            now,
+            lease.reclaim_at,
+        )
+
+    def reconcile_kernels(
+        self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None
+    ) -> list[Lease]:
+        """Cancel the jobs of this holder's kernels that no longer exist."""
+        gone = []
+        for lease, _ in self._live_rows():
+            if (
+                lease.holder_host == holder_host
+                and lease.holder_pid == holder_pid
+                and lease.kernel_id
+                and lease.kernel_id not in live_kernel_ids
+            ):
+                gone.append(self.release(lease.id, "released: its kernel is gone", now))
+        return gone
+
+    # --- waiting ----------------------------------------------------------------------------------
+    def _check(self, lease_id: str) -> tuple[Lease, QueueInfo | None]:
+        lease = self.get(lease_id)
+        if lease.state is LeaseState.RELEASED:
+            raise RequestRefused(f"the request was {lease.release_reason or 'released'} before it was granted")
+        return lease, (self.queue_info(lease_id) if lease.state is LeaseState.QUEUED else None)
+
+    # GrantWaiting: a pending job waits as long as Slurm says (no timeout unless given), and a
+    # slurmctld that does not answer is waited out: the job still pends there.
+    waiting_word = "pending"
+
+    def _look_at_request(self, lease_id: str, last: QueueInfo | None, deadline: float | None) -> tuple[Lease, QueueInfo | None]:
+        return self._check(lease_id)
+
+    def _pause_between_looks(self, poll: float) -> float:
+        return max(poll, self.poll_interval)
+
+    def _outage_state(self, lease_id: str, deadline: float | None, poll: float) -> tuple[str, float]:
+        return lease_id, max(poll, self.poll_interval)
+
+    def _on_outage(
+        self,
+        err: PoolUnavailable,
+        outage: Any,
+        last: tuple[Lease, QueueInfo | None] | None,
+        on_update: Callable[[Lease, QueueInfo | None], None] | None,
+        deadline: float | None,
+    ) -> float:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise err
+        lease_id, pause = outage
+        self.log.warning("gpupool: lease %s waits on, Slurm does not answer: %s", lease_id, err)
+        return float(pause)
+
+    # --- views and metering -----------------------------------------------------------------------
+    @staticmethod
+    def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:
+        return Pool.view_lease(lease, viewer, admin, position)
+
+    def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:
+        """Our jobs' leases on the partition's GPUs (Slurm's other jobs are not ours to show)."""
+        now = self.clock() if now is None else now
+        rows = self._live_rows()
+        held: dict[str, int] = {}
+        for lease, _ in rows:
+            if lease.state is LeaseState.GRANTED:
+                for uuid_ in lease.devices:
+                    held[uuid_] = held.get(uuid_, 0) + lease.memory
+        devices = [
+            {**d.to_json(), "memory_leasable": d.leasable, "memory_leased": held.get(d.uuid, 0), "memory_used": 0}
+            for d in self.devices()
+        ]
+        order = self.queue(now)
+        positions = {lease.id: i + 1 for i, lease in enumerate(order)}
+        leases = [self.view_lease(lease, viewer, admin, positions.get(lease.id)) for lease, _ in rows]
+        queue = [self.view_lease(lease, viewer, admin, positions[lease.id]) for lease in order]
+        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota={})
+
+    def report(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        by: str = "user",
+        now: float | None = None,
+        period: str = "none",
+    ) -> list[dict[str, Any]]:
+        """GPU-hours and GiB·hours per user, group or kernel (and period), from Slurm's own records
+        of our jobs: ``sacct`` for jobs that ended, ``squeue`` for those running. The user and group
+        are Slurm's (who the job ran as); the slice is the one the job's GRES stands for, recorded
+        with the lease (``sacct`` shows GRES only with slurmdbd: see docs/hpc.md). Each row also
+        lists its Slurm ``jobs``."""
+        check_choice(by, REPORT_KEYS, "by")
+        check_choice(period, PERIODS, "period")
+        now = self.clock() if now is None else now
+        until = now if until is None else until
+        by_job = {str(job["job_id"]): (lease, job) for lease, job in self._rows()}
+        ended = {end.job_id: end for end in self.commands.sacct(list(by_job))}
+        running = {r.job_id: r for r in self.commands.squeue(list(by_job))}
+        gpu_memory = self._gpu_memory()
+        intervals: list[Interval] = []
+        for job_id, (lease, _job) in by_job.items():
+            end_record = ended.get(job_id)
+            record = running.get(job_id)
+            start: float | None
+            if end_record is not None and end_record.start is not None and end_record.end is not None:
+                start, end, user, group = end_record.start, end_record.end, end_record.user, end_record.group
+            elif record is not None and record.running and record.start_time is not None:
+                start, end, user, group = record.start_time, now, record.user, ""
+            else:
+                continue  # never ran, or Slurm has no record of it
+            gpus = max(1, lease.num_gpus)
+            devices = tuple(
+                DeviceInfo(uuid=f"slurm:{job_id}:{i}", model="", memory_total=gpu_memory) for i in range(gpus)
+            )
+            intervals.append(
+                Interval(
+                    lease_id=job_id,
+                    owner=user or lease.owner,
+                    groups=(group,) if group else tuple(lease.groups),
+                    kernel_id=lease.kernel_id,
+                    memory=lease.memory * gpus,
+                    start=start,
+                    end=end,
+                    active_seconds=0.0,  # Slurm does not see kernel activity
+                    devices=devices,
+                )
+            )
+        rows = report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
+        for row in rows:
+            jobs = [
+                i.lease_id
+                for i in intervals
+                if row[by] in i.keys(by) and i.start < until and (since is None or i.end > since)
+            ]
+            row["jobs"] = ",".join(jobs)
+        return rows
+
+    # --- what the rest of the contract needs --------------------------------------------------
+    def preference(self, owner: str | None = None) -> dict[str, Any]:
+        return {}
+
+    def set_preference(self, owner: str | None = None, **values: Any) -> None:
+        raise RequestRefused("saved preferences are not kept on the Slurm backend; set the size in the kernelspec")
+
+    def reservations(self) -> list[Any]:
+        return []
+
+    def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Any:
+        raise RequestRefused(
+            "on the Slurm backend reservations are Slurm's: an admin makes them with scontrol create reservation"
+        )
+
+    def cancel_reservation(self, name: str) -> None:
+        raise RequestRefused("on the Slurm backend reservations are Slurm's: scontrol delete reservation")
+
+    def events(self, after_seq: int = 0) -> list[dict[str, Any]]:
+        return []
+
+    def client_env(self) -> dict[str, str]:
+        """What a kernel (in its job, on a compute node) needs to reach the same leases."""
+        env = {"GPUPOOL_BACKEND": BACKEND_NAME, "GPUPOOL_SLURM_STATE": os.path.abspath(self.state_path)}
+        if self.commands.env.get("SLURM_CONF"):
+            env["SLURM_CONF"] = self.commands.env["SLURM_CONF"]
+        return env
+
+    def close(self) -> None:
+        with self._lock, contextlib.suppress(sqlite3.Error):
+            self._db.close()
+
+
+def _followed(lease: Lease, job: dict[str, Any]) -> bool:
+    """Leases whose job the pool still watches: live ones, and those whose job was still ending."""
+    return lease.live or job.get("end_state") == "COMPLETING"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return False
+
+
+def default_user() -> str:
+    """The Unix user jobs run as."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+__all__ = ["BACKEND_NAME", "PROVISIONER_NAME", "SlurmBackend", "SlurmPool", "default_state_path"]

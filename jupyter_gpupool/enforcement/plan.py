@@ -1,0 +1,206 @@
+"""How a granted slice is enforced: a plan of environment variables, chosen per device.
+
+The plan is a pure function of the lease, the devices it holds and the admin's settings, so the
+provisioner (which puts ``env`` into the kernel's environment) and the REST API (which shows
+``level``/``mechanisms``/``description`` in the sidebar) always agree.
+
+Mechanisms, strongest first (DESIGN.md, "Enforcement is a plan"):
+
+``mig``             the device is an existing MIG instance: memory and SMs isolated by hardware.
+``mps``             CUDA MPS with a per-client pinned memory limit (allocations above it fail).
+``hami``            HAMi-core (``libvgpu.so`` preloaded) caps what the CUDA driver API hands out.
+``framework-caps``  JAX, CuPy, TensorFlow (and PyTorch, via the kernel extension) cap themselves.
+``watchdog``        NVML per-process usage is checked against the slice; always on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from traitlets import Bool, Unicode
+from traitlets.config import Configurable
+
+from jupyter_gpupool.core.models import Device, Lease, LeaseState
+from jupyter_gpupool.units import MIB, format_size
+
+#: ``level`` values, strongest first. ``none``: no slice (queued, released, or no GPU at all).
+LEVELS = ("hard", "strong", "soft", "none")
+
+
+@dataclass(frozen=True)
+class EnforcementConfig:
+    """What the admin set up on this host (plain data; see :class:`EnforcementSettings`)."""
+
+    framework_caps: bool = True
+    mps_pipe_directory: str | None = None  # an MPS control daemon serves this pipe directory
+    hami_library: str | None = None  # absolute path of HAMi-core's libvgpu.so
+    hami_cache_dir: str | None = None  # where per-kernel shared-region files go (default: /tmp)
+
+
+@dataclass(frozen=True)
+class EnforcementPlan:
+    """The environment a kernel gets for its slice, and what that amounts to."""
+
+    env: dict[str, str]
+    level: str
+    mechanisms: tuple[str, ...]
+    description: str
+    #: variables to prepend to (not replace) in the kernel's environment, e.g. LD_PRELOAD
+    prepend: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The part the sidebar and REST API show."""
+        return {"level": self.level, "mechanisms": list(self.mechanisms), "description": self.description}
+
+    def apply(self, env: Mapping[str, str]) -> dict[str, str]:
+        """Return a copy of ``env`` with this plan's variables set (prepends joined with ``:``)."""
+        result = dict(env)
+        result.update(self.env)
+        for key, value in self.prepend.items():
+            existing = [p for p in result.get(key, "").split(":") if p and p != value]
+            result[key] = ":".join([value, *existing])
+        return result
+
+
+def memory_fraction(memory: int, devices: Sequence[Device]) -> float:
+    """Share of the smallest held device that ``memory`` bytes are, rounded down to 0.001."""
+    totals = [d.memory_total for d in devices if d.memory_total > 0]
+    if not totals:
+        return 1.0
+    fraction = memory / min(totals)
+    return max(0.001, min(1.0, math.floor(fraction * 1000) / 1000))
+
+
+def plan_enforcement(
+    lease: Lease,
+    devices: Sequence[Device] | Mapping[str, Device],
+    config: EnforcementConfig | None = None,
+) -> EnforcementPlan:
+    """Build the enforcement plan of ``lease`` on ``devices`` (all devices, or those it holds).
+
+    A lease that is not granted gets ``level="none"`` and an environment that hides every GPU,
+    so a kernel that somehow starts without a slice cannot use one by accident.
+    """
+    config = config or EnforcementConfig()
+    by_uuid = dict(devices) if isinstance(devices, Mapping) else {d.uuid: d for d in devices}
+    if lease.state not in (LeaseState.GRANTED, LeaseState.SUSPENDED) or not lease.devices:
+        why = {
+            LeaseState.QUEUED: "waiting in the queue: no GPU yet",
+            LeaseState.RELEASED: "slice released: no GPU",
+        }.get(lease.state, "no GPU slice")
+        return EnforcementPlan(
+            env={"CUDA_VISIBLE_DEVICES": "", "GPUPOOL_LEASE_ID": lease.id, "GPUPOOL_ENFORCEMENT": "none"},
+            level="none",
+            mechanisms=(),
+            description=why,
+        )
+
+    held = [by_uuid[u] for u in lease.devices if u in by_uuid]
+    memory = int(lease.memory)
+    mib = max(1, memory // MIB)
+    env: dict[str, str] = {
+        "CUDA_VISIBLE_DEVICES": ",".join(lease.devices),
+        "GPUPOOL_LEASE_ID": lease.id,
+        "GPUPOOL_MEMORY_LIMIT": str(memory),
+    }
+    prepend: dict[str, str] = {}
+    mechanisms: list[str] = []
+    parts: list[str] = []
+    level = "soft"
+    size = format_size(memory) + (f" on each of {len(lease.devices)} GPUs" if len(lease.devices) > 1 else "")
+
+    is_mig = bool(held) and all(d.is_mig for d in held)
+    if is_mig:
+        mechanisms.append("mig")
+        level = "hard"
+        parts.append(f"MIG instance ({format_size(min(d.memory_total for d in held))}): memory and compute isolated by the GPU")
+    elif config.mps_pipe_directory:
+        mechanisms.append("mps")
+        level = "strong"
+        env["CUDA_MPS_PIPE_DIRECTORY"] = config.mps_pipe_directory
+        # Indices are relative to CUDA_VISIBLE_DEVICES: 0..n-1.
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i in range(len(lease.devices)))
+        if lease.compute_share:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(lease.compute_share))
+        share = f", {lease.compute_share}% of the SMs" if lease.compute_share else ""
+        parts.append(f"CUDA MPS limits this kernel to {size}{share}; allocations above it fail")
+    elif config.hami_library:
+        mechanisms.append("hami")
+        level = "strong"
+        prepend["LD_PRELOAD"] = config.hami_library
+        for i in range(len(lease.devices)):
+            env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{mib}m"
+            if lease.compute_share:
+                env[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(int(lease.compute_share))
+        # One shared-region file per lease: the limit is a per-kernel budget, not a per-user one.
+        cache_dir = config.hami_cache_dir or "/tmp"
+        env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = os.path.join(cache_dir, f"gpupool-{lease.id}.cache")
+        share = f", {lease.compute_share}% of the SMs" if lease.compute_share else ""
+        parts.append(f"HAMi-core limits this kernel to {size}{share}; allocations above it fail")
+
+    if config.framework_caps:
+        mechanisms.append("framework-caps")
+        fraction = memory_fraction(memory, held)
+        env["GPUPOOL_MEMORY_FRACTION"] = f"{fraction:.3f}"
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.3f}"
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        env["CUPY_GPU_MEMORY_LIMIT"] = str(memory)
+        env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
+        if not parts:
+            parts.append(f"JAX, CuPy, TensorFlow and PyTorch are capped at {size}; other code is not")
+        else:
+            parts.append("frameworks capped too")
+
+    mechanisms.append("watchdog")
+    parts.append("the watchdog checks usage" + ("" if level != "soft" else " and stops kernels far over it"))
+    env["GPUPOOL_ENFORCEMENT"] = level
+    description = "; ".join(parts) + "."
+    return EnforcementPlan(env=env, level=level, mechanisms=tuple(mechanisms), description=description, prepend=prepend)
+
+
+class EnforcementSettings(Configurable):
+    """Admin settings that choose the enforcement mechanisms (``c.EnforcementSettings.*``)."""
+
+    framework_caps = Bool(
+        True,
+        config=True,
+        help="Set the framework caps (JAX, CuPy, TensorFlow; PyTorch via the kernel extension) in the kernel's environment.",
+    )
+    mps_pipe_directory = Unicode(
+        os.environ.get("GPUPOOL_MPS_PIPE_DIRECTORY", ""),
+        config=True,
+        help=(
+            "CUDA_MPS_PIPE_DIRECTORY of a running MPS control daemon (nvidia-cuda-mps-control -d). When set, "
+            "each kernel gets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for its slice. Empty: MPS is not used. "
+            "Env: GPUPOOL_MPS_PIPE_DIRECTORY."
+        ),
+    )
+    hami_library = Unicode(
+        os.environ.get("GPUPOOL_HAMI_LIBRARY", ""),
+        config=True,
+        help=(
+            "Absolute path of HAMi-core's libvgpu.so. When set (and MPS is not), kernels run with it in LD_PRELOAD "
+            "and CUDA_DEVICE_MEMORY_LIMIT_<i> set to their slice. Empty: HAMi-core is not used. Env: GPUPOOL_HAMI_LIBRARY."
+        ),
+    )
+    hami_cache_dir = Unicode(
+        os.environ.get("GPUPOOL_HAMI_CACHE_DIR", ""),
+        config=True,
+        help="Directory for HAMi-core's per-kernel shared-region files (CUDA_DEVICE_MEMORY_SHARED_CACHE). Empty: /tmp.",
+    )
+
+    def to_config(self) -> EnforcementConfig:
+        """The plain-data form :func:`plan_enforcement` takes."""
+        return EnforcementConfig(
+            framework_caps=self.framework_caps,
+            mps_pipe_directory=self.mps_pipe_directory or None,
+            hami_library=self.hami_library or None,
+            hami_cache_dir=self.hami_cache_dir or None,
+        )
+
+
+__all__ = ["LEVELS", "EnforcementConfig", "EnforcementPlan", "EnforcementSettings", "memory_fraction", "plan_enforcement"]

@@ -1,0 +1,169 @@
+"""The JSON views of a kernel's slice that both REST surfaces serve (single-user server and broker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_gpupool.core.models import Lease, LeaseState
+from jupyter_gpupool.enforcement.plan import EnforcementConfig, plan_enforcement
+
+#: Kernel states besides a lease's: ``none`` (runs without a slice), ``unavailable`` (runs CPU-only
+#: because the pool could not be used), ``failed`` (its start failed; no kernel process).
+KERNEL_STATES_WITHOUT_LEASE = ("none", "unavailable", "failed")
+
+_DESCRIPTIONS = {
+    "none": "this kernel runs without a GPU slice",
+    "unavailable": "GPU pool unavailable: this kernel runs CPU-only",
+    "failed": "this kernel did not start",
+}
+
+
+def kernel_status_without_pool(
+    kernel_id: str, owner: str, now: float, state: str, reason: str | None, lease: Lease | None = None
+) -> dict[str, Any]:
+    """A kernel's body when no live slice describes it: ``state`` is one of
+    :data:`KERNEL_STATES_WITHOUT_LEASE`, ``reason`` says why (one line, for the user)."""
+    body = _no_slice(kernel_id, owner, now, state)
+    body["reason"] = reason
+    if reason:
+        if state == "unavailable":
+            body["enforcement"]["description"] = f"GPU pool unavailable ({reason}): this kernel runs CPU-only"
+        else:
+            body["enforcement"]["description"] = f"{_DESCRIPTIONS[state]}: {reason}"
+    if lease is not None:  # e.g. a request released while queued: keep its id and why
+        body["lease_id"] = lease.id
+        body["release_reason"] = lease.release_reason or None
+        body["released_at"] = lease.released_at
+    return body
+
+
+def queued_status_while_unreachable(
+    kernel_id: str, lease: Lease, info: Any, owner: str, now: float
+) -> dict[str, Any]:
+    """A queued kernel's body while the pool cannot be asked: its last known place in the queue,
+    and (``queue_reason``, ``reason``) what the provisioner last heard, e.g. "pool unavailable,
+    retrying in 4 s: ..."."""
+    body = _no_slice(kernel_id, owner, now)
+    reason = getattr(info, "reason", None) or None
+    body.update(
+        {
+            "lease_id": lease.id,
+            "state": LeaseState.QUEUED.value,
+            "memory": lease.memory,
+            "num_gpus": lease.num_gpus,
+            "queue_position": getattr(info, "position", None) or None,
+            "queue_length": getattr(info, "length", None) or None,
+            "queue_reason": reason,
+            "reason": reason,
+            "owner": lease.owner or owner,
+        }
+    )
+    body["enforcement"]["description"] = "queued: " + (reason or "waiting for a GPU")
+    return body
+
+
+def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> dict[str, Any]:
+    return {
+        "kernel_id": kernel_id,
+        "lease_id": None,
+        "state": state,
+        "memory": 0,
+        "num_gpus": 0,
+        "devices": [],
+        "queue_position": None,
+        "queue_length": None,
+        "estimated_wait": None,
+        "queue_reason": None,
+        "used_memory": None,
+        "peak_memory": None,
+        "enforcement": {"level": "none", "mechanisms": [], "description": _DESCRIPTIONS[state]},
+        "idle_seconds": 0.0,
+        "busy": False,
+        "reclaim_at": None,
+        "reclaim_reason": None,
+        "keep_until": None,
+        "granted_at": None,
+        "released_at": None,
+        "release_reason": None,
+        "owner": owner,
+        "now": now,
+        "reason": None,
+        **_NO_SUSPEND,
+    }
+
+
+#: The suspend fields of a body with no lease (see :func:`suspend_fields`).
+_NO_SUSPEND: dict[str, Any] = {
+    "transition": None,
+    "suspendable": False,
+    "resuming": False,
+    "suspend_reason": None,
+    "suspended_at": None,
+    "parked_memory": None,
+    "home_devices": [],
+}
+
+
+def suspend_fields(lease: Lease) -> dict[str, Any]:
+    """What a user sees of a suspend: ``transition`` (suspending, restoring, migrating or None),
+    ``resuming`` (queued to come back), why, since when and how much is parked in host RAM."""
+    parked = lease.state is LeaseState.SUSPENDED or lease.resuming or lease.transition.value in ("suspending", "restoring")
+    return {
+        "transition": lease.transition.value or None,
+        "suspendable": lease.suspendable,
+        "resuming": lease.resuming,
+        "suspend_reason": lease.suspend_reason or None,
+        "suspended_at": lease.suspended_at,
+        "parked_memory": lease.parked_memory if parked else None,
+        "home_devices": list(lease.home_devices),
+    }
+
+
+def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: EnforcementConfig, owner: str, now: float) -> dict[str, Any]:
+    """The ``GET /api/gpupool/kernels/{kernel_id}`` body (see openapi.yaml); ``state: "none"``
+    for a kernel that runs without a slice."""
+    if lease is None:
+        return _no_slice(kernel_id, owner, now)
+    devices = {d.uuid: d for d in pool.devices()}
+    info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
+    plan = plan_enforcement(lease, devices, enforcement)
+    details = getattr(pool, "lease_details", None)  # a backend's own facts (Slurm: job id, partition, position)
+    return ({**details(lease)} if callable(details) else {}) | {
+        "kernel_id": kernel_id,
+        "lease_id": lease.id,
+        "state": lease.state.value,
+        "memory": lease.memory,
+        "num_gpus": lease.num_gpus,
+        "compute_share": lease.compute_share,
+        "priority": lease.priority.value,
+        "devices": [
+            {"uuid": u, "index": devices[u].index, "name": devices[u].name, "memory_total": devices[u].memory_total}
+            if u in devices
+            else {"uuid": u, "index": None, "name": None, "memory_total": None}
+            for u in lease.devices
+        ],
+        "queue_position": info.position if info else None,
+        "queue_length": info.length if info else None,
+        "estimated_wait": info.estimated_wait if info else None,
+        "queue_reason": info.reason if info else None,
+        "used_memory": lease.used_memory,
+        "peak_memory": lease.peak_memory,
+        "over_limit_since": lease.over_limit_since,
+        "enforcement": plan.to_json(),
+        "idle_seconds": lease.idle_seconds(now),
+        "busy": lease.busy,
+        "connections": lease.connections,
+        "reclaim_at": lease.reclaim_at,
+        "reclaim_reason": lease.reclaim_reason or None,
+        "keep_until": lease.keep_until,
+        "granted_at": lease.granted_at,
+        "released_at": lease.released_at,
+        "release_reason": lease.release_reason or None,
+        "flagged": lease.flagged or None,
+        "owner": lease.owner,
+        "now": now,
+        "reason": None,
+        **suspend_fields(lease),
+        # A reclaim suspends it only if the pool allows suspends too (else the warning must say "shut down").
+        "suspendable": lease.suspendable and getattr(getattr(pool, "policy", None), "reclaim_action", "suspend") == "suspend",
+    }
