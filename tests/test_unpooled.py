@@ -44,8 +44,11 @@ def sleeper():
         env = {k: v for k, v in os.environ.items() if k != "GPUPOOL_LEASE_ID"}
         if lease_id:
             env["GPUPOOL_LEASE_ID"] = lease_id
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"], env=env, stdout=subprocess.PIPE
+        )
         procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"  # running, its environment set
         return proc
 
     yield start
