@@ -26,6 +26,7 @@ from .core.models import Lease, LeaseState, PriorityClass
 from .core.policy import PoolPolicy
 from .errors import GpuPoolError, InvalidInput, NotAuthorized, PoolUnavailable
 from .units import format_duration, format_size, parse_duration
+from .wording import slice_size
 
 EXIT_USAGE = 2
 
@@ -359,7 +360,7 @@ def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
                 item.get("id") or "-",
                 item.get("owner") or "(another user)",
                 lease_state_text(item),
-                format_size(item["memory"]) + (f" x{item['num_gpus']}" if item.get("num_gpus", 1) > 1 else ""),
+                slice_size(item["memory"], item.get("num_gpus") or 1),
                 lease_place_text(item),
                 format_duration(now - since),
                 (item.get("kernel_id") or item.get("label") or "")[:36],
@@ -523,7 +524,7 @@ class QueueApp(GpuPoolBaseApp):
                     str(view["position"]),
                     lease.id,
                     lease.owner,
-                    format_size(lease.memory),
+                    slice_size(lease.memory, lease.num_gpus),
                     lease.priority.value,
                     format_duration(info.estimated_wait if info else None),
                     info.reason if info else "",
@@ -824,7 +825,7 @@ class RequestApp(GpuPoolBaseApp):
 
             lease = pool.wait_for_grant(lease.id, on_update=show)
             print(file=sys.stderr)
-        self.emit(lease.to_json(), f"{lease.id} {lease.state.value} {format_size(lease.memory)}")
+        self.emit(lease.to_json(), f"{lease.id} {lease.state.value} {slice_size(lease.memory, lease.num_gpus)}")
 
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -24,6 +24,11 @@ class RequestRefused(GpuPoolError):
     exit_code = 3
 
 
+class SizeTooLarge(RequestRefused, InvalidInput):
+    """A size beyond what any pool holds: refused as too large (exit 3, HTTP 409) like a request
+    larger than this pool's GPUs, and still an :class:`InvalidInput` where a value is checked."""
+
+
 class LeaseNotFound(GpuPoolError, KeyError):
     """No lease (or kernel) with that id."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidInput, LeaseNotFound, RequestRefused
 from ..units import GIB, MIB, format_duration, format_size
+from ..wording import count, with_article
 from .index import LeaseIndex
 from .models import (
     MODEL_FORMS,
@@ -210,24 +211,24 @@ class Engine:
             if span is None:
                 most_k, most = self._most_that_fits(sizes)
                 raise RequestRefused(
-                    f"requested {format_size(request.memory)} but at most {format_size(most)} fits on this pool's GPUs{of_model} "
+                    f"too large: requested {format_size(request.memory)} but at most {format_size(most)} fits on this pool's GPUs{of_model} "
                     f"({most_k} × {format_size(most // most_k)}); ask for at most {format_size(most)}"
                 )
             num_gpus, per_gpu = span
             if self.policy.span_large_requests:
                 return per_gpu, num_gpus
             raise RequestRefused(
-                f"requested {format_size(request.memory)} but the largest GPU{of_model} has {format_size(largest)}; "
+                f"too large for one GPU: requested {format_size(request.memory)} but the largest GPU{of_model} has {format_size(largest)}; "
                 f"ask for --gpus {num_gpus} with {format_size(per_gpu)} each, or at most {format_size(largest)} on one GPU"
             )
         if request.num_gpus > len(sizes):
             raise RequestRefused(
-                f"requested {request.num_gpus} GPUs but this pool has {len(sizes)}{of_model}; ask for at most {len(sizes)}"
+                f"too many GPUs: requested {request.num_gpus} but this pool has {len(sizes)}{of_model}; ask for at most {len(sizes)}"
             )
         fitting = sizes[request.num_gpus - 1]
         if request.memory > fitting:
             raise RequestRefused(
-                f"requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
+                f"too large: requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
                 f"{format_size(fitting)} fits on {request.num_gpus} GPUs; ask for at most {format_size(fitting)} each"
             )
         return request.memory, request.num_gpus
@@ -610,7 +611,7 @@ class Engine:
             lease.reclaim_at = now + self.policy.warning_period
             idle_for = format_duration(lease.idle_seconds(now))
             lease.reclaim_reason = (
-                f"reclaimed: idle for {idle_for} while {waiting} request(s) waited for a GPU"
+                f"reclaimed: idle for {idle_for} while {count(waiting, 'request')} waited for a GPU"
                 if policy == "pressure"
                 else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
             )
@@ -1278,14 +1279,14 @@ class Engine:
             or self._reservation_wait_reason(state, lease, now)
             or (
                 (
-                    f"resuming: waits for a {lease.home_model} GPU with {format_size(lease.memory)} free"
+                    f"resuming: waits for {with_article(lease.home_model)} GPU with {format_size(lease.memory)} free"
                     if lease.resuming and lease.home_model
                     else f"waits for a GPU of model {lease.model} with enough free memory"
                     if lease.model
                     else "waits for a GPU with enough free memory"
                 )
                 if position == 1
-                else f"{position - 1} request(s) ahead"
+                else f"{count(position - 1, 'request')} ahead"
             )
         )
         return QueueInfo(position=position, length=len(order), estimated_wait=self.estimate_wait(state, lease, order, now), reason=reason)
