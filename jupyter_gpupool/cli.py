@@ -549,7 +549,7 @@ class ReleaseApp(GpuPoolBaseApp):
         if not getattr(pool, "remote", False) and lease.owner != user and not local_admin(pool.db_path):
             raise NotAuthorized(f"lease {lease.id} belongs to another user; only its owner or a pool admin may release it")
         released = pool.release(lease.id, reason=f"released by {user} from the command line")
-        self.emit(released.to_json(), f"released {released.id} ({format_size(released.memory)})")
+        self.emit(released.to_json(), f"released {released.id} ({slice_size(released.memory, released.num_gpus)})")
 
 
 class _TransitionApp(GpuPoolBaseApp):
@@ -593,7 +593,7 @@ class SuspendApp(_TransitionApp):
             changed = pool.suspend(lease.id, reason=reason)  # RequestRefused says why not (exit 3)
         self.emit(
             changed.to_json(),
-            f"suspending {changed.id} ({format_size(changed.memory)}): its server parks the GPU memory in host RAM;"
+            f"suspending {changed.id} ({slice_size(changed.memory, changed.num_gpus)}): its server parks the GPU memory in host RAM;"
             " the kernel's next cell resumes it",
         )
 
