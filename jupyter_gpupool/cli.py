@@ -469,7 +469,7 @@ class StatusApp(GpuPoolBaseApp):
         }
         text = "\n".join(
             [
-                f"Pool: {pool.backend.describe()}  (db {pool.db_path})",
+                f"Pool: {pool.backend.describe()}" + ("" if pool.db_path in pool.backend.describe() else f"  (db {pool.db_path})"),
                 "",
                 table(["GPU", "name", "total", "leased", "used", "outside pool", "free", "health"], device_rows(snapshot)),
                 *unpooled_section(snapshot),

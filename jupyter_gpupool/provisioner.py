@@ -62,6 +62,7 @@ from .errors import (
     RequestRefused,
 )
 from .units import SIZE_FORMS
+from .wording import cpu_only_description
 from .validate import usable_preferences
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ def cpu_only_plan(reason: str) -> EnforcementPlan:
         env={**NO_GPU_ENV, "GPUPOOL_ENFORCEMENT": "none", UNAVAILABLE_ENV: reason},
         level="none",
         mechanisms=(),
-        description=f"GPU pool unavailable ({reason}): this kernel runs CPU-only",
+        description=cpu_only_description(reason),
     )
 
 

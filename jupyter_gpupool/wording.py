@@ -101,9 +101,28 @@ def remaining(seconds: float) -> str:
     return format_duration(round(left / 60) * 60 if left >= 600 else math.ceil(left))
 
 
+def sentence(text: str) -> str:
+    """``text`` as a sentence: a capital first letter and one full stop."""
+    text = text.strip().rstrip(".;:")
+    return text[:1].upper() + text[1:] + "." if text else ""
+
+
+def cpu_only_description(reason: str, pool_is_back: bool = False) -> str:
+    """Why a kernel runs CPU-only, in two short sentences: what happened, then what to do.
+
+    ``reason`` is the pool's one-line error, ``what happened; what to do`` as every error of the
+    product is worded (the second part may be missing)."""
+    what, _, todo = " ".join(reason.split()).partition("; ")
+    if pool_is_back:
+        then = what.replace(" is not ", " was not ", 1)
+        return f"{sentence(f'this kernel runs CPU-only: when it started, {then}')} The pool is back: restart this kernel to get a GPU slice."
+    then = f"{todo}, then restart this kernel" if todo else "restart this kernel once the pool is back"
+    return f"{sentence(f'this kernel runs CPU-only: {what}')} {sentence(then)}"
+
+
 def duration(seconds: float | None) -> str:
     """A duration as messages show it (``4 min 30 s``); the same as :func:`units.format_duration`."""
     return format_duration(seconds)
 
 
-__all__ = ["article", "count", "duration", "gpus", "plural", "remaining", "slice_on", "slice_size", "upcoming_reclaim", "with_article"]
+__all__ = ["article", "count", "cpu_only_description", "duration", "gpus", "plural", "remaining", "sentence", "slice_on", "slice_size", "upcoming_reclaim", "with_article"]

@@ -177,6 +177,9 @@ class Broker(LoggingConfigurable):
         if self.hub is None:
             raise Unauthenticated(
                 "this broker takes TCP requests only with JupyterHub tokens; connect over its Unix socket"
+                if self.peer is not None
+                else "this broker takes TCP requests only with JupyterHub tokens and has no hub to check them: "
+                "run it as a JupyterHub service, or serve callers on this host with --socket PATH"
             )
         return await self.hub.identify(handler)
 
