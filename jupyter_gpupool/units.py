@@ -20,7 +20,7 @@ EIB = 1024**6
 
 SIZE_FORMS = "a size like 8GiB, 8G, 8GB, 512MiB, 1073741824 (bytes) or 25% (of a GPU)"
 #: The units a size may carry, as an error names them (each also as its one letter or its "B" form).
-SIZE_UNITS_NAMED = "B, KiB, MiB, GiB, TiB, PiB, EiB (or K/KB, M/MB, G/GB, T/TB, P/PB, E/EB, read as the same binary units)"
+SIZE_UNITS_NAMED = "B, KiB, MiB, GiB, TiB, PiB, EiB, as in 8GiB (K/KB, M/MB, G/GB, T/TB, P/PB, E/EB are the same binary units)"
 DURATION_FORMS = "a duration like 90s, 30m, 2h, 1h30m, 1d or 3600 (seconds)"
 
 # Binary units on purpose: GPU memory is sold in GiB even when labelled "GB" (docs/sizes.md).

@@ -8,6 +8,7 @@ import {
   formatCountdown,
   formatDuration,
   formatGibHours,
+  formatRemaining,
   formatSize,
   formatSizePair,
   formatWait,
@@ -18,6 +19,7 @@ import {
   sizeArgument,
   sizeUnit
 } from './units';
+import { upcomingReclaim } from './wording';
 
 /** Where the current kernel stands, as far as the front end knows. */
 export type KernelPhase =
@@ -482,14 +484,16 @@ function kernelViewOf(input: IKernelInput): IKernelView {
           : `slice goes back to the pool in ${countdown} unless you keep it`),
       countdown,
       secondsLeft,
-      reason: status.reclaim_reason || 'others are waiting for a GPU',
+      reason: status.reclaim_reason
+        ? upcomingReclaim(status.reclaim_reason)
+        : 'others are waiting for a GPU',
       suspends
     };
   }
   const keepUntil = num(status.keep_until);
   const kept =
     keepUntil !== null && keepUntil > now
-      ? `kept through idle for another ${formatDuration(keepUntil - now)}`
+      ? `kept through idle for another ${formatRemaining(keepUntil - now)}`
       : null;
 
   const overSince = num(status.over_limit_since);

@@ -180,7 +180,7 @@ describe('kernelView', () => {
 });
 
 describe('kernelView of a suspended kernel', () => {
-  const REASON = 'reclaimed: idle for 31 min while 2 request(s) waited for a GPU';
+  const REASON = 'reclaimed: idle for 31 min while 2 requests waited for a GPU';
   const suspended = (overrides: Partial<IKernelStatus> = {}) =>
     status({
       state: 'suspended',
