@@ -62,8 +62,8 @@ from .errors import (
     RequestRefused,
 )
 from .units import SIZE_FORMS
-from .wording import cpu_only_description
 from .validate import usable_preferences
+from .wording import cpu_only_description
 
 if TYPE_CHECKING:
     from .pool import Pool

@@ -69,7 +69,7 @@ from .core.policy import PoolPolicy
 from .devices.simulated import SimulatedBackend, parse_inventory
 from .errors import InvalidInput, RequestRefused
 from .units import GIB, format_duration, format_size, parse_duration, parse_size
-from .wording import count, with_article
+from .wording import count as counted, with_article
 from .workload import MemoryNeed, Workload, load_workload, parse_memory_need, parse_session_length
 
 MODES = ("exclusive", "pooled", "reclaim", "suspend")
@@ -1159,7 +1159,7 @@ class SimulateApp(GpuPoolBaseApp):
         lines = [
             (
                 f"Simulated lab: {settings.gpus} ({format_size(capacity)}), {settings.users} users, "
-                f"{settings.rate:g} sessions/h at the peak of {day_of_shape(settings.shape.name)}, {count(settings.days, 'day')}, "
+                f"{settings.rate:g} sessions/h at the peak of {day_of_shape(settings.shape.name)}, {counted(settings.days, 'day')}, "
                 f"seed {settings.seed}: {len(plans)} sessions"
             ),
             (

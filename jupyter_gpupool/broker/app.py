@@ -39,6 +39,7 @@ from ..units import parse_duration
 from ..unpooled import find_kernel_roots, terminate_tree
 from ..views import kernel_status
 from ..watchdog import Watchdog
+from ..wording import count
 from .auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
 from .handlers import NotFoundHandler, lease_json, parse_priority, routes
 from .interface import BrokerInterface
@@ -150,7 +151,8 @@ class Broker(LoggingConfigurable):
         try:
             touched = int(self.pool.grace_after_outage())
             if touched:
-                self.log.info("gpupool broker: %d live lease(s) from the pool file get a fresh start", touched)
+                verb = "gets" if touched == 1 else "get"
+                self.log.info("gpupool broker: %s from the pool file %s a fresh start", count(touched, "live lease"), verb)
             return touched
         except Exception:  # the scheduler loop reports a broken store on its own
             self.log.exception("gpupool broker: could not refresh the heartbeats of the live leases")

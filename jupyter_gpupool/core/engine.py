@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidInput, LeaseNotFound, RequestRefused
 from ..units import GIB, MIB, format_duration, format_size
-from ..wording import count, with_article
+from ..wording import count as counted, with_article
 from .index import LeaseIndex
 from .models import (
     MODEL_FORMS,
@@ -611,7 +611,7 @@ class Engine:
             lease.reclaim_at = now + self.policy.warning_period
             idle_for = format_duration(lease.idle_seconds(now))
             lease.reclaim_reason = (
-                f"reclaimed: idle for {idle_for} while {count(waiting, 'request')} waited for a GPU"
+                f"reclaimed: idle for {idle_for} while {counted(waiting, 'request')} waited for a GPU"
                 if policy == "pressure"
                 else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
             )
@@ -1286,7 +1286,7 @@ class Engine:
                     else "waits for a GPU with enough free memory"
                 )
                 if position == 1
-                else f"{count(position - 1, 'request')} ahead"
+                else f"{counted(position - 1, 'request')} ahead"
             )
         )
         return QueueInfo(position=position, length=len(order), estimated_wait=self.estimate_wait(state, lease, order, now), reason=reason)

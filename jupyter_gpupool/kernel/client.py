@@ -26,6 +26,7 @@ from typing import Any
 from ..core.models import Device, Lease, LeaseRequest, LeaseState, PoolSnapshot, PriorityClass, QueueInfo, Transition
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from ..units import parse_duration, parse_size
+from ..wording import count
 from .status import KernelStatus
 
 UpdateCallback = Callable[[Lease, "QueueInfo | None"], None]
@@ -283,7 +284,7 @@ class InProcessPoolClient(PoolClient):
             return self._request_new(lease, size, seconds, num_gpus)
         if num_gpus is not None and num_gpus != lease.num_gpus:
             raise RequestRefused(
-                f"this kernel's slice spans {lease.num_gpus} GPU(s) and the pool cannot change that while the kernel runs;"
+                f"this kernel's slice spans {count(lease.num_gpus, 'GPU')} and the pool cannot change that while the kernel runs;"
                 f" %gpupool release, then %gpupool reserve {memory or 'SIZE'} --gpus {num_gpus} and restart the kernel"
             )
         updated = self.pool.resize(lease.id, memory=size, duration=seconds)

@@ -16,9 +16,9 @@ from IPython.display import display
 from ..core.models import Lease, LeaseState, QueueInfo
 from ..errors import GpuPoolError, PoolUnavailable
 from ..units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size
+from ..wording import remaining, slice_on
 from .client import DEFAULT_KEEP, PoolClient
 from .resume import ProgressLine, needs_waiting, progress_text
-from ..wording import remaining, slice_on
 from .status import QueueReport, Report, granted_title, status_report, unavailable_status
 
 DESCRIPTION = (

@@ -47,6 +47,7 @@ from ..core.policy import PoolPolicy
 from ..errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from ..units import SIZE_FORMS, format_size, parse_size
 from ..waiting import GrantWaiting
+from ..wording import count as counted
 from .commands import (
     JobRecord,
     SlurmCommands,
@@ -759,7 +760,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         lease.warned_at = now
         lease.reclaim_at = now + self.policy.warning_period
         lease.reclaim_reason = (
-            f"reclaimed: idle for {idle_for} while {waiting} job(s) waited in partition {job.get('partition') or '(default)'}"
+            f"reclaimed: idle for {idle_for} while {counted(waiting, 'job')} waited in partition {job.get('partition') or '(default)'}"
             if policy == "pressure"
             else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
         )
