@@ -207,3 +207,24 @@ def test_kernelspec_install_says_installed_once_and_its_help_names_the_real_comm
     help_text = gpupool(["kernelspec", "--help"], tmp_path).stdout
     section = help_text.split("Subcommands\n===========\n", 1)[1].split("\nOptions\n", 1)[0]
     assert "install\n    Install a kernelspec" in section and "jupyter-gpupool-kernelspec" not in section, section
+
+
+def test_an_idle_timeout_countdown_has_no_parentheses_inside_parentheses(tmp_path):
+    pool = make_pool(tmp_path, idle_policy="always", idle_timeout=60, warning_period=600)
+    lease = pool.request(req("alice", kernel_id="ka"), now=T0)
+    pool.tick(now=T0 + 120)
+    warned = pool.get(lease.id)
+    text = KernelStatus(lease=warned, now=warned.reclaim_at - 300).idle_text()
+    assert text == "reclaimed in 5 min (idle for 2 min, over the 1 min idle timeout) unless you run %gpupool keep", text
+    pool.close()
+
+
+def test_the_soft_enforcement_line_is_one_short_sentence(tmp_path):
+    from jupyter_gpupool.enforcement import EnforcementConfig, plan_enforcement
+
+    pool = make_pool(tmp_path)
+    lease = pool.request(req("alice", kernel_id="ka"), now=T0)
+    plan = plan_enforcement(lease, pool.devices(), EnforcementConfig())
+    assert plan.level == "soft"
+    assert plan.description == "PyTorch, JAX, CuPy and TensorFlow are capped at 8 GiB; the watchdog stops a kernel far over it."
+    pool.close()

@@ -613,7 +613,7 @@ class Engine:
             lease.reclaim_reason = (
                 f"reclaimed: idle for {idle_for} while {counted(waiting, 'request')} waited for a GPU"
                 if policy == "pressure"
-                else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+                else f"reclaimed: idle for {idle_for}, over the {format_duration(self.policy.idle_timeout)} idle timeout"
             )
             state.touch(lease)
             decisions.append(

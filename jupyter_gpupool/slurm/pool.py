@@ -762,7 +762,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         lease.reclaim_reason = (
             f"reclaimed: idle for {idle_for} while {counted(waiting, 'job')} waited in partition {job.get('partition') or '(default)'}"
             if policy == "pressure"
-            else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+            else f"reclaimed: idle for {idle_for}, over the {format_duration(self.policy.idle_timeout)} idle timeout"
         )
         self._put(lease, job)
         return Decision(

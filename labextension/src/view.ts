@@ -56,7 +56,7 @@ export interface IKernelView {
   slice: IBar | null;
   usage: IBar | null;
   hint: { text: string; memory: string; button: string } | null;
-  enforcement: { level: string; text: string } | null;
+  enforcement: { level: string; label: string; text: string } | null;
   queue: { text: string; reason: string } | null;
   /** Where an external scheduler runs the kernel ("Slurm job 12 · partition gpu · …"), or null. */
   scheduler: string | null;
@@ -103,6 +103,17 @@ export interface IKernelInput {
   now: number;
   /** The pool's state from the last snapshot, if any (an unavailable pool shows in the status bar). */
   pool?: Pick<IPoolSnapshot, 'state' | 'reason' | 'no_gpu' | 'when_unavailable'> | null;
+}
+
+/** How the sidebar names an enforcement level in a word or two: `Soft limit`, `No limit`. */
+export function enforcementLabel(level: string): string {
+  if (level === 'none') {
+    return 'No limit';
+  }
+  if (['soft', 'strong', 'hard'].includes(level)) {
+    return `${level[0].toUpperCase()}${level.slice(1)} limit`;
+  }
+  return 'Limit';
 }
 
 /** "No GPU pool" when the host simply has no GPU, else "GPU pool unavailable". */
@@ -459,9 +470,11 @@ function kernelViewOf(input: IKernelInput): IKernelView {
         }
       : null;
 
+  const level = status.enforcement?.level ?? 'unknown';
   const enforcement = status.enforcement
     ? {
-        level: status.enforcement.level ?? 'unknown',
+        level,
+        label: enforcementLabel(level),
         text:
           status.enforcement.description ||
           (status.enforcement.mechanisms ?? []).join(', ') ||

@@ -23,7 +23,7 @@ const SLICES: Array<[number, number]> = [[70 * 1024 ** 3, 2], [8 * 1024 ** 3, 1]
 const REASONS = [
   'reclaimed: idle for 1 min while 1 request waited for a GPU',
   'reclaimed: idle for 31 min while 2 requests waited for a GPU',
-  'reclaimed: idle for 31 min (idle timeout 30 min)',
+  'reclaimed: idle for 31 min, over the 30 min idle timeout',
   'reclaimed for the reservation lab: idle for 5 min',
   'preempted for a higher priority (8 GiB for bob)',
   'reclaimed: idle for 2 min while 3 jobs waited in partition gpu'
