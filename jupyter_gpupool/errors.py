@@ -25,8 +25,11 @@ class RequestRefused(GpuPoolError):
 
 
 class SizeTooLarge(RequestRefused, InvalidInput):
-    """A size beyond what any pool holds: refused as too large (exit 3, HTTP 409) like a request
-    larger than this pool's GPUs, and still an :class:`InvalidInput` where a value is checked."""
+    """A size beyond what any pool holds: refused as too large with exit code 3, like a request
+    larger than this pool's GPUs, and still an :class:`InvalidInput` where a value is checked
+    (over REST a 400, as every value outside the bounds the API accepts)."""
+
+    http_status = 400
 
 
 class LeaseNotFound(GpuPoolError, KeyError):

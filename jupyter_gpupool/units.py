@@ -34,7 +34,7 @@ _PERCENT_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*%\s*$")
 # Largest size we accept: no GPU has more than 1 PiB, and bigger numbers are typos.
 MAX_SIZE = PIB
 #: What a size over :data:`MAX_SIZE` is told, wherever it is typed.
-TOO_LARGE = "too large: no GPU pool holds more than 1 PiB"
+TOO_LARGE = "too large: no GPU pool holds more than 1 PiB; expected at most 1PiB"
 #: Longest size or duration text we read: anything longer is a mistake, not a size.
 MAX_TEXT = 64
 

@@ -116,11 +116,11 @@ def test_every_unit_up_to_peta_is_read_as_binary(text, expected):
 
 @pytest.mark.parametrize("text", ["1025TiB", "4PB", "2PiB", "1EB", "3EiB", "1e", 2 * PIB])
 def test_a_size_over_1_pib_is_too_large_not_an_unknown_unit(text):
-    """Too large is the pool's refusal (exit 3, HTTP 409) wherever the size is typed, and still bad input."""
+    """Too large is the pool's refusal (exit 3) wherever the size is typed, and still bad input (HTTP 400)."""
     with pytest.raises(SizeTooLarge) as err:
         parse_size(text)
     assert isinstance(err.value, RequestRefused) and isinstance(err.value, InvalidInput)
-    assert (err.value.exit_code, err.value.http_status) == (RequestRefused.exit_code, RequestRefused.http_status)
+    assert (err.value.exit_code, err.value.http_status) == (RequestRefused.exit_code, InvalidInput.http_status)
     assert "too large: no GPU pool holds more than 1 PiB" in str(err.value)
     assert "unknown unit" not in str(err.value)
 

@@ -27,7 +27,7 @@ export const SIZE_UNITS_NAMED =
 /** Largest size accepted: bigger numbers are typos. */
 export const MAX_SIZE = PIB;
 /** What a size over {@link MAX_SIZE} is told, wherever it is typed. */
-export const TOO_LARGE = 'too large: no GPU pool holds more than 1 PiB';
+export const TOO_LARGE = 'too large: no GPU pool holds more than 1 PiB; expected at most 1PiB';
 /** Longest duration accepted (366 days). */
 export const MAX_DURATION = 366 * 86400;
 

@@ -82,7 +82,7 @@ describe('parseSize', () => {
       }
       expect(error).toBeInstanceOf(SizeTooLarge);
       expect((error as Error).message).toBe(
-        `invalid size '${text}': too large: no GPU pool holds more than 1 PiB`
+        `invalid size '${text}': too large: no GPU pool holds more than 1 PiB; expected at most 1PiB`
       );
     }
   );
