@@ -554,7 +554,7 @@ def test_fake_torch_and_tensorflow_are_capped_on_import_and_oom_gets_the_hint(
     assert result.value() == {"/physical_device:GPU:0": [4096]}
     status = kernel.run("%gpupool status").plain()
     assert "PyTorch: caching allocator capped at 4 GiB per GPU" in status
-    assert "TensorFlow: memory_limit 4096 MiB on 1 GPU(s)" in status
+    assert "TensorFlow: memory_limit 4096 MiB on 1 GPU" in status
 
     oom = kernel.run(
         "raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 6.00 GiB')", allow_error=True

@@ -47,7 +47,7 @@ def test_pool_from_env_picks_the_broker_and_never_falls_back(tmp_path: Path) -> 
     }
     pool = pool_from_env(environ=env)
     assert isinstance(pool, RemotePool)
-    with pytest.raises(PoolUnavailable, match="not reachable .*no socket.*GPUPOOL_URL is set"):
+    with pytest.raises(PoolUnavailable, match="not reachable .*no socket.*unset GPUPOOL_URL"):
         pool.request(LeaseRequest(owner="x", memory=GIB))
     with pytest.raises(PoolUnavailable):
         pool_from_env(environ=env, check=True)

@@ -15,6 +15,7 @@ with exit code 3; with no pool to ask, it is installed with a warning.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -111,7 +112,11 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             raise InvalidInput(f"give --memory: {SIZE_FORMS}")
         if not self.gpus.isdigit():
             raise InvalidInput(f"--gpus must be a whole number like 2, got {self.gpus!r}")
-        manager = KernelSpecManager()
+        # jupyter_client logs its own "Installed kernelspec ..." and path warning: this command
+        # says each once, in its own words.
+        quiet = logging.getLogger("jupyter_gpupool.apps.kernelspec.install")
+        quiet.setLevel(logging.ERROR)
+        manager = KernelSpecManager(log=quiet)
         try:
             base = manager.get_kernel_spec(self.base_kernel)
         except NoSuchKernel:
@@ -133,6 +138,11 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             destination = manager.install_kernel_spec(
                 staging, self.kernel_name, user=self.user, prefix=self.prefix or None, replace=True
             )
+        kernel_dirs = {os.path.realpath(path) for path in manager.kernel_dirs}
+        if os.path.realpath(os.path.dirname(destination)) not in kernel_dirs:
+            print(f"jupyter gpupool kernelspec install: warning: {os.path.dirname(destination)} is not on Jupyter's kernel path, "
+                  "so Jupyter will not list this kernel; add its share/jupyter folder to JUPYTER_PATH, or use --user or --sys-prefix",
+                  file=sys.stderr)
         self.emit({"name": self.kernel_name, "path": destination, "spec": spec}, f"installed {spec['display_name']!r} in {destination}")
 
 
@@ -194,6 +204,7 @@ class KernelSpecApp(JupyterApp):
     name = "jupyter-gpupool-kernelspec"
     description = "Manage GPU kernelspecs: jupyter gpupool kernelspec install --name NAME --memory 8GiB"
     subcommands = {"install": (KernelSpecInstallApp, KernelSpecInstallApp.description)}
+    subcommand_description = "For the options of a subcommand: jupyter gpupool kernelspec SUBCOMMAND --help."
 
     def start(self) -> None:
         if self.subapp is None:

@@ -72,6 +72,8 @@ from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend, parse_inventory
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.units import GIB, format_duration, format_size, parse_duration, parse_size
+from jupyter_gpupool.wording import count as counted
+from jupyter_gpupool.wording import with_article
 
 MODES = ("exclusive", "pooled", "reclaim", "suspend")
 MODE_LABELS = {"exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend"}
@@ -130,6 +132,13 @@ class DayShape:
     def peak_hours(self) -> float:
         """Arrivals per day ÷ the peak hourly rate."""
         return sum(self.weights)
+
+
+def day_of_shape(name: str) -> str:
+    """A day shape as a summary names it: ``a workday``, ``a flat day``, ``a day shaped 9-11:1``."""
+    if name.endswith("day"):
+        return with_article(name)
+    return f"{with_article(name)} day" if name in SHAPES else f"a day shaped {name}"
 
 
 def parse_shape(text: str) -> DayShape:
@@ -1151,7 +1160,7 @@ class SimulateApp(GpuPoolBaseApp):
         lines = [
             (
                 f"Simulated lab: {settings.gpus} ({format_size(capacity)}), {settings.users} users, "
-                f"{settings.rate:g} sessions/h at the peak of a {settings.shape.name} day, {settings.days:g} day(s), "
+                f"{settings.rate:g} sessions/h at the peak of {day_of_shape(settings.shape.name)}, {counted(settings.days, 'day')}, "
                 f"seed {settings.seed}: {len(plans)} sessions"
             ),
             (

@@ -402,9 +402,8 @@ class RemotePool(GrantWaiting):
         except (OSError, http.client.HTTPException) as err:
             if not sent:
                 raise BrokerUnreachable(
-                    f"the GPU pool broker at {self.url} is not reachable ({_reason(err)}); GPUPOOL_URL is set, so the "
-                    "pool is used only through it: start the broker (or ask your admin), or unset GPUPOOL_URL for a "
-                    "single-user pool",
+                    f"the GPU pool broker at {self.url} is not reachable ({_reason(err)}); start the broker "
+                    "(or ask your admin), or unset GPUPOOL_URL to use a pool of your own",
                     request_sent=False,
                 ) from None
             raise BrokerUnreachable(

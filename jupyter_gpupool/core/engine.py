@@ -33,6 +33,8 @@ from jupyter_gpupool.core.placement import Demand, GpuSlot, NodeView, PlacementP
 from jupyter_gpupool.core.policy import PoolPolicy, Quota, Reservation
 from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
 from jupyter_gpupool.units import GIB, MIB, format_duration, format_size
+from jupyter_gpupool.wording import count as counted
+from jupyter_gpupool.wording import with_article
 
 HELD_STATES = (LeaseState.GRANTED,)  # suspended leases hold no GPU memory
 #: Reclaim reasons of leases freed for a reservation (idle reclaims, then preemptions).
@@ -210,24 +212,24 @@ class Engine:
             if span is None:
                 most_k, most = self._most_that_fits(sizes)
                 raise RequestRefused(
-                    f"requested {format_size(request.memory)} but at most {format_size(most)} fits on this pool's GPUs{of_model} "
+                    f"too large: requested {format_size(request.memory)} but at most {format_size(most)} fits on this pool's GPUs{of_model} "
                     f"({most_k} × {format_size(most // most_k)}); ask for at most {format_size(most)}"
                 )
             num_gpus, per_gpu = span
             if self.policy.span_large_requests:
                 return per_gpu, num_gpus
             raise RequestRefused(
-                f"requested {format_size(request.memory)} but the largest GPU{of_model} has {format_size(largest)}; "
+                f"too large for one GPU: requested {format_size(request.memory)} but the largest GPU{of_model} has {format_size(largest)}; "
                 f"ask for --gpus {num_gpus} with {format_size(per_gpu)} each, or at most {format_size(largest)} on one GPU"
             )
         if request.num_gpus > len(sizes):
             raise RequestRefused(
-                f"requested {request.num_gpus} GPUs but this pool has {len(sizes)}{of_model}; ask for at most {len(sizes)}"
+                f"too many GPUs: requested {request.num_gpus} but this pool has {len(sizes)}{of_model}; ask for at most {len(sizes)}"
             )
         fitting = sizes[request.num_gpus - 1]
         if request.memory > fitting:
             raise RequestRefused(
-                f"requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
+                f"too large: requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
                 f"{format_size(fitting)} fits on {request.num_gpus} GPUs; ask for at most {format_size(fitting)} each"
             )
         return request.memory, request.num_gpus
@@ -609,9 +611,9 @@ class Engine:
             lease.reclaim_at = now + self.policy.warning_period
             idle_for = format_duration(lease.idle_seconds(now))
             lease.reclaim_reason = (
-                f"reclaimed: idle for {idle_for} while {waiting} request(s) waited for a GPU"
+                f"reclaimed: idle for {idle_for} while {counted(waiting, 'request')} waited for a GPU"
                 if policy == "pressure"
-                else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+                else f"reclaimed: idle for {idle_for}, over the {format_duration(self.policy.idle_timeout)} idle timeout"
             )
             state.touch(lease)
             decisions.append(
@@ -1277,14 +1279,14 @@ class Engine:
             or self._reservation_wait_reason(state, lease, now)
             or (
                 (
-                    f"resuming: waits for a {lease.home_model} GPU with {format_size(lease.memory)} free"
+                    f"resuming: waits for {with_article(lease.home_model)} GPU with {format_size(lease.memory)} free"
                     if lease.resuming and lease.home_model
                     else f"waits for a GPU of model {lease.model} with enough free memory"
                     if lease.model
                     else "waits for a GPU with enough free memory"
                 )
                 if position == 1
-                else f"{position - 1} request(s) ahead"
+                else f"{counted(position - 1, 'request')} ahead"
             )
         )
         return QueueInfo(position=position, length=len(order), estimated_wait=self.estimate_wait(state, lease, order, now), reason=reason)

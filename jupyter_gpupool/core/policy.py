@@ -20,6 +20,7 @@ from jupyter_gpupool.core.models import PriorityClass
 from jupyter_gpupool.core.placement import POLICIES
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.units import parse_duration, parse_size
+from jupyter_gpupool.wording import plural
 
 #: Environment variables that override traits (name → (trait, parser)).
 ENV_TRAITS: dict[str, str] = {
@@ -134,7 +135,7 @@ def parse_quota(spec: dict[str, Any], where: str) -> Quota:
     """``{"guaranteed": "8GiB", "maximum": "16GiB", "max_leases": 2}`` → :class:`Quota`."""
     unknown = set(spec) - {"guaranteed", "maximum", "max_leases"}
     if unknown:
-        raise InvalidInput(f"{where}: unknown quota key(s) {str(sorted(map(str, unknown)))[:80]}; use guaranteed, maximum, max_leases")
+        raise InvalidInput(f"{where}: unknown quota {plural(len(unknown), 'key')} {str(sorted(map(str, unknown)))[:80]}; use guaranteed, maximum, max_leases")
     guaranteed = parse_size(spec["guaranteed"]) if spec.get("guaranteed") else 0
     maximum = parse_size(spec["maximum"]) if spec.get("maximum") else None
     max_leases = spec.get("max_leases")

@@ -60,8 +60,9 @@ def parse_inventory(spec: str) -> list[tuple[str, int]]:
             memory = KNOWN_MODELS[what.upper()]
             name = what
         else:
+            example = f"{count}x{what}GiB" if what.replace(".", "", 1).isdigit() else f"{count}x{what}-24GB"
             raise InvalidInput(
-                f"unknown GPU {what!r} in {item.strip()!r}: give its memory (e.g. {what}-24GB); expected {SPEC_FORMS}"
+                f"unknown GPU {what!r} in {item.strip()!r}: give its memory with a unit (e.g. {example}); expected {SPEC_FORMS}"
             )
         gpus.extend((name, memory) for _ in range(count))
     return gpus

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from jupyter_gpupool.units import MIB, format_size
+from jupyter_gpupool.wording import gpus as gpu_count
 
 ImportCallback = Callable[[types.ModuleType], None]
 
@@ -305,7 +306,7 @@ class FrameworkCaps:
         except RuntimeError as err:
             self._record("tensorflow", TOO_LATE, f"GPUs already initialized, not capped ({err}); restart the kernel")
             return
-        self._record("tensorflow", APPLIED, f"memory_limit {megabytes} MiB on {len(gpus)} GPU(s)")
+        self._record("tensorflow", APPLIED, f"memory_limit {megabytes} MiB on {gpu_count(len(gpus))}")
 
     def _on_cupy(self, cupy: types.ModuleType, resized: bool = False) -> None:
         memory = getattr(getattr(cupy, "cuda", None), "memory", None)

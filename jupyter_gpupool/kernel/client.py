@@ -36,6 +36,7 @@ from jupyter_gpupool.core.models import (
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from jupyter_gpupool.kernel.status import KernelStatus
 from jupyter_gpupool.units import parse_duration, parse_size
+from jupyter_gpupool.wording import count
 
 UpdateCallback = Callable[[Lease, "QueueInfo | None"], None]
 NO_LEASE = (
@@ -298,7 +299,7 @@ class InProcessPoolClient(PoolClient):
             return self._request_new(lease, size, seconds, num_gpus)
         if num_gpus is not None and num_gpus != lease.num_gpus:
             raise RequestRefused(
-                f"this kernel's slice spans {lease.num_gpus} GPU(s) and the pool cannot change that while the kernel runs;"
+                f"this kernel's slice spans {count(lease.num_gpus, 'GPU')} and the pool cannot change that while the kernel runs;"
                 f" %gpupool release, then %gpupool reserve {memory or 'SIZE'} --gpus {num_gpus} and restart the kernel"
             )
         updated = self.pool.resize(lease.id, memory=size, duration=seconds)

@@ -17,8 +17,9 @@ from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo
 from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
 from jupyter_gpupool.kernel.client import DEFAULT_KEEP, PoolClient
 from jupyter_gpupool.kernel.resume import ProgressLine, needs_waiting, progress_text
-from jupyter_gpupool.kernel.status import QueueReport, Report, status_report, unavailable_status
+from jupyter_gpupool.kernel.status import QueueReport, Report, granted_title, status_report, unavailable_status
 from jupyter_gpupool.units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size, parse_duration
+from jupyter_gpupool.wording import remaining, slice_on
 
 DESCRIPTION = (
     """\
@@ -247,7 +248,7 @@ class GpuPoolMagics(Magics):
         display(
             Report(
                 "gpupool: slice released",
-                [("released", f"{format_size(lease.memory)} on {len(lease.devices) or lease.num_gpus} GPU(s)")],
+                [("released", slice_on(lease.memory, len(lease.devices) or lease.num_gpus))],
                 "GPU memory this kernel still holds is not yours anymore; %gpupool reserve SIZE asks for a new slice",
             )
         )
@@ -259,7 +260,7 @@ class GpuPoolMagics(Magics):
         lease = self.client.keep(args.duration)
         until = lease.keep_until
         text = time.strftime("%H:%M", time.localtime(until)) if until else "unknown"
-        left = format_duration(until - time.time()) if until else "?"
+        left = remaining(until - time.time()) if until else "?"
         display(Report("gpupool: slice kept", [("held through idle until", f"{text} ({left})")]))
 
     def _do_wait(self, args: argparse.Namespace) -> None:
@@ -275,7 +276,8 @@ class GpuPoolMagics(Magics):
             raise MagicError(f"still queued after {format_duration(timeout)}; the request stays in the queue")
         if lease.state is LeaseState.RELEASED:
             raise MagicError(f"the request was released while waiting: {lease.release_reason or 'no reason given'}")
-        report = status_report(self.client.status(), "gpupool: slice granted")
+        status = self.client.status()
+        report = status_report(status, granted_title(status.lease))
         if progress.handle is not None:
             progress.handle.update(report)
         else:
@@ -291,7 +293,7 @@ class GpuPoolMagics(Magics):
         display(
             Report(
                 title,
-                [("GPU slice", f"{format_size(lease.memory)} on {len(lease.devices) or lease.num_gpus} GPU(s)")],
+                [("GPU slice", slice_on(lease.memory, len(lease.devices) or lease.num_gpus))],
                 "GPU memory will be parked in host RAM; your next cell resumes it",
             )
         )

@@ -64,6 +64,7 @@ from jupyter_gpupool.errors import (
     RequestRefused,
 )
 from jupyter_gpupool.units import SIZE_FORMS
+from jupyter_gpupool.wording import cpu_only_description
 
 if TYPE_CHECKING:
     from jupyter_gpupool.backends.contract import PoolBackend
@@ -100,7 +101,7 @@ def cpu_only_plan(reason: str) -> EnforcementPlan:
         env={**NO_GPU_ENV, "GPUPOOL_ENFORCEMENT": "none", UNAVAILABLE_ENV: reason},
         level="none",
         mechanisms=(),
-        description=f"GPU pool unavailable ({reason}): this kernel runs CPU-only",
+        description=cpu_only_description(reason),
     )
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from jupyter_gpupool.core.models import Lease, LeaseState
 from jupyter_gpupool.enforcement.plan import EnforcementConfig, plan_enforcement
+from jupyter_gpupool.wording import cpu_only_description
 
 #: Kernel states besides a lease's: ``none`` (runs without a slice), ``unavailable`` (runs CPU-only
 #: because the pool could not be used), ``failed`` (its start failed; no kernel process).
@@ -19,15 +20,22 @@ _DESCRIPTIONS = {
 
 
 def kernel_status_without_pool(
-    kernel_id: str, owner: str, now: float, state: str, reason: str | None, lease: Lease | None = None
+    kernel_id: str,
+    owner: str,
+    now: float,
+    state: str,
+    reason: str | None,
+    lease: Lease | None = None,
+    pool_is_back: bool = False,
 ) -> dict[str, Any]:
     """A kernel's body when no live slice describes it: ``state`` is one of
-    :data:`KERNEL_STATES_WITHOUT_LEASE`, ``reason`` says why (one line, for the user)."""
+    :data:`KERNEL_STATES_WITHOUT_LEASE`, ``reason`` says why (one line, for the user);
+    ``pool_is_back``: the pool that was unavailable when an ``unavailable`` kernel started is back."""
     body = _no_slice(kernel_id, owner, now, state)
     body["reason"] = reason
     if reason:
         if state == "unavailable":
-            body["enforcement"]["description"] = f"GPU pool unavailable ({reason}): this kernel runs CPU-only"
+            body["enforcement"]["description"] = cpu_only_description(reason, pool_is_back)
         else:
             body["enforcement"]["description"] = f"{_DESCRIPTIONS[state]}: {reason}"
     if lease is not None:  # e.g. a request released while queued: keep its id and why

@@ -384,7 +384,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         # A source checkout has no entry point metadata: make the name resolvable in this process.
         KernelProvisionerFactory.provisioners.setdefault(
             PROVISIONER_NAME,
-            EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
+            EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner.kernel_provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
         )
         assert self.serverapp is not None
         # A backend with its own provisioner (Slurm: kernels as jobs) makes that one the default.
@@ -1198,10 +1198,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             return kernel_status_without_pool(kernel_id, self.owner, now, "failed", failure, lease)
         prov = self.provisioner_of(kernel_id)
         if prov is not None and prov.cpu_only_reason and not prov.lease_id:
-            reason = prov.cpu_only_reason
-            if self.available:
-                reason += " (the pool is available again: restart this kernel to get a GPU slice)"
-            return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", reason, None)
+            return kernel_status_without_pool(
+                kernel_id, self.owner, now, "unavailable", prov.cpu_only_reason, None, pool_is_back=self.available
+            )
         if lease is None and prov is not None and prov.phase == "waiting" and prov.queue_update is not None:
             # Queued, and the pool cannot be asked now: what the wait last heard ("pool unavailable, retrying").
             queued, info = prov.queue_update

@@ -182,7 +182,7 @@ export interface IKernelStatus {
   suspendable?: boolean;
   /** Queued to come back after a suspend (`state` is then `queued`, with its position). */
   resuming?: boolean;
-  /** Why it was suspended, e.g. `reclaimed: idle for 31 min while 2 request(s) waited for a GPU`. */
+  /** Why it was suspended, e.g. `reclaimed: idle for 31 min while 2 requests waited for a GPU`. */
   suspend_reason?: string | null;
   /** When it was suspended (epoch s). */
   suspended_at?: number | null;

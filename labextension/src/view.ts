@@ -8,6 +8,7 @@ import {
   formatCountdown,
   formatDuration,
   formatGibHours,
+  formatRemaining,
   formatSize,
   formatSizePair,
   formatWait,
@@ -18,6 +19,7 @@ import {
   sizeArgument,
   sizeUnit
 } from './units';
+import { upcomingReclaim } from './wording';
 
 /** Where the current kernel stands, as far as the front end knows. */
 export type KernelPhase =
@@ -54,7 +56,7 @@ export interface IKernelView {
   slice: IBar | null;
   usage: IBar | null;
   hint: { text: string; memory: string; button: string } | null;
-  enforcement: { level: string; text: string } | null;
+  enforcement: { level: string; label: string; text: string } | null;
   queue: { text: string; reason: string } | null;
   /** Where an external scheduler runs the kernel ("Slurm job 12 · partition gpu · …"), or null. */
   scheduler: string | null;
@@ -101,6 +103,17 @@ export interface IKernelInput {
   now: number;
   /** The pool's state from the last snapshot, if any (an unavailable pool shows in the status bar). */
   pool?: Pick<IPoolSnapshot, 'state' | 'reason' | 'no_gpu' | 'when_unavailable'> | null;
+}
+
+/** How the sidebar names an enforcement level in a word or two: `Soft limit`, `No limit`. */
+export function enforcementLabel(level: string): string {
+  if (level === 'none') {
+    return 'No limit';
+  }
+  if (['soft', 'strong', 'hard'].includes(level)) {
+    return `${level[0].toUpperCase()}${level.slice(1)} limit`;
+  }
+  return 'Limit';
 }
 
 /** "No GPU pool" when the host simply has no GPU, else "GPU pool unavailable". */
@@ -457,9 +470,11 @@ function kernelViewOf(input: IKernelInput): IKernelView {
         }
       : null;
 
+  const level = status.enforcement?.level ?? 'unknown';
   const enforcement = status.enforcement
     ? {
-        level: status.enforcement.level ?? 'unknown',
+        level,
+        label: enforcementLabel(level),
         text:
           status.enforcement.description ||
           (status.enforcement.mechanisms ?? []).join(', ') ||
@@ -482,14 +497,16 @@ function kernelViewOf(input: IKernelInput): IKernelView {
           : `slice goes back to the pool in ${countdown} unless you keep it`),
       countdown,
       secondsLeft,
-      reason: status.reclaim_reason || 'others are waiting for a GPU',
+      reason: status.reclaim_reason
+        ? upcomingReclaim(status.reclaim_reason)
+        : 'others are waiting for a GPU',
       suspends
     };
   }
   const keepUntil = num(status.keep_until);
   const kept =
     keepUntil !== null && keepUntil > now
-      ? `kept through idle for another ${formatDuration(keepUntil - now)}`
+      ? `kept through idle for another ${formatRemaining(keepUntil - now)}`
       : null;
 
   const overSince = num(status.over_limit_since);

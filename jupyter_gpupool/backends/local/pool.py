@@ -24,7 +24,7 @@ import psutil
 from traitlets.config import Config
 
 from jupyter_gpupool.backends.contract import Capability
-from jupyter_gpupool.backends.local.store import Store
+from jupyter_gpupool.backends.local.store import SIMULATED_INVENTORY, Store
 from jupyter_gpupool.backends.waiting import GrantWaiting
 from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
 from jupyter_gpupool.core.index import LeaseIndex
@@ -93,6 +93,7 @@ class Pool(GrantWaiting):
         self.clock = clock
         self.engine = Engine(self.policy)
         self.store = Store(db_path)
+        self._remember_inventory()
         self._devices: tuple[float, list[Device]] | None = None
         self._simulated_host_memory: int | None = None  # of the cached device list (forgotten when it is read again)
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
@@ -105,6 +106,14 @@ class Pool(GrantWaiting):
         #: Watchers of this process whose last sighting of unpooled use is on file (see report_unpooled).
         self._unpooled_reporters: set[str] = set()
 
+    def _remember_inventory(self) -> None:
+        """Record a simulated inventory's spec in the pool file (once; again only if it changes)."""
+        spec = getattr(self.backend, "spec", None) if getattr(self.backend, "name", "") == "simulated" else None
+        if not spec or self.store.fact(SIMULATED_INVENTORY) == spec:
+            return
+        with self.store.transaction():
+            self.store.remember(SIMULATED_INVENTORY, spec)
+
     @classmethod
     def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
         """A pool from ``GPUPOOL_SIMULATE`` (inventory; empty → NVML), ``GPUPOOL_DB`` and the
@@ -112,8 +121,15 @@ class Pool(GrantWaiting):
         env = dict(os.environ) if environ is None else environ
         policy = overrides.pop("policy", None) or PoolPolicy(config=config)
         policy.apply_env(env)
-        backend = overrides.pop("backend", None) or make_backend(env.get("GPUPOOL_SIMULATE") or None)
-        db_path = overrides.pop("db_path", None) or env.get("GPUPOOL_DB") or default_db_path()
+        chosen_db = overrides.pop("db_path", None) or env.get("GPUPOOL_DB")
+        db_path = chosen_db or default_db_path()
+        backend = overrides.pop("backend", None)
+        if backend is None:
+            spec = (env.get("GPUPOOL_SIMULATE") or "").strip() or None
+            if spec is None and chosen_db:
+                # A file named alone opens the pool it was: a simulated one stays simulated.
+                spec = Store.recorded_fact(chosen_db, SIMULATED_INVENTORY)
+            backend = make_backend(spec)
         if isinstance(backend, SimulatedBackend) and backend.usage_dir is None:
             backend.usage_dir = env.get("GPUPOOL_SIMULATE_USAGE_DIR") or usage_dir_for(db_path)
         return cls(backend=backend, db_path=db_path, policy=policy, **overrides)

@@ -108,8 +108,19 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX unpooled_expiry ON unpooled_use(expires_at)
     """,
+    # What the file is a pool of, by name: ``simulated_inventory`` is the spec of the simulated
+    # inventory it was opened with (e.g. ``2xA100-80GB``), so a command given only the file
+    # (``--db``) opens the same simulated pool instead of looking for an NVIDIA driver.
+    """
+    CREATE TABLE pool_facts (
+        name TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    )
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+#: The ``pool_facts`` name of a simulated pool's inventory spec.
+SIMULATED_INVENTORY = "simulated_inventory"
 
 #: ``PRAGMA application_id`` of a pool file ("JGPP"): what tells our file from another SQLite file.
 APPLICATION_ID = 0x4A475050
@@ -947,6 +958,38 @@ class Store:
     @_locked
     def event_counts(self) -> dict[str, int]:
         return dict(self.conn.execute("SELECT kind, COUNT(*) FROM events GROUP BY kind").fetchall())
+
+    @_locked
+    def fact(self, name: str) -> str | None:
+        """A fact the file keeps about its pool (see ``pool_facts``), or None."""
+        row = self.conn.execute("SELECT value FROM pool_facts WHERE name = ?", (name,)).fetchone()
+        return str(row[0]) if row else None
+
+    def remember(self, name: str, value: str) -> None:
+        """Keep a fact about the pool (inside :meth:`transaction`)."""
+        self.conn.execute(
+            "INSERT INTO pool_facts VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value=excluded.value", (name, value)
+        )
+
+    @staticmethod
+    def recorded_fact(path: str, name: str) -> str | None:
+        """A fact a pool file keeps, read without opening it for writing (no lock, no migration):
+        None when there is no such file, it is not a pool file, or it predates the fact."""
+        if not path or not os.path.isfile(path):
+            return None
+        try:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        except sqlite3.Error:
+            return None
+        try:
+            if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+                return None
+            row = conn.execute("SELECT value FROM pool_facts WHERE name = ?", (name,)).fetchone()
+            return str(row[0]) if row else None
+        except sqlite3.Error:
+            return None  # an older file (no pool_facts yet), or one being replaced: nothing recorded
+        finally:
+            conn.close()
 
     @_locked
     def reservations(self) -> list[dict[str, Any]]:
