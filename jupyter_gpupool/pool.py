@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 from traitlets.config import Config
 
+from .changes import PoolChanges
 from .core.engine import Engine, PoolState, held_by_device
 from .core.index import LeaseIndex
 from .core.metering import PERIODS, REPORT_KEYS, DeviceInfo, Interval, check_choice, report_rows
@@ -82,6 +83,10 @@ class Pool(GrantWaiting):
         self.clock = clock
         self.engine = Engine(self.policy)
         self.store = Store(db_path)
+        #: Wakes whoever waits on this pool when it changed (this process's commits at once, other
+        #: processes' within ``PoolChanges.interval``): see :meth:`wait_for_change`.
+        self.changes = PoolChanges(None if self.store.path == ":memory:" else self.store.path)
+        self.store.on_commit = self.changes.notify
         self._devices: tuple[float, list[Device]] | None = None
         self._simulated_host_memory: int | None = None  # of the cached device list (forgotten when it is read again)
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
@@ -807,7 +812,18 @@ class Pool(GrantWaiting):
     def events(self, after_seq: int = 0) -> list[dict[str, Any]]:
         return self._reads().events(after_seq)
 
+    # --- hearing of changes -------------------------------------------------------------------
+    def wait_for_change(self, since: int | None, timeout: float) -> int:
+        """Block until the pool changed after version ``since`` (any process's commit) or ``timeout``
+        seconds passed; the version now (``since`` None: at once). Wakes in milliseconds, not on a tick."""
+        return self.changes.wait(since, timeout)
+
+    def subscribe_changes(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` (from any thread) after every change of the pool; returns the unsubscriber."""
+        return self.changes.subscribe(listener)
+
     def close(self) -> None:
+        self.changes.close()
         self.store.close()
         if self._view_store is not None:
             self._view_store.close()

@@ -276,6 +276,10 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._restarts: dict[str, asyncio.Future[Any]] = {}
         self._stopping = False
         self.tick_count = 0
+        self.change_count = 0  # rounds of act_on_changes (a change of the pool, heard at once)
+        self._act_lock = asyncio.Lock()
+        self._changed: asyncio.Event | None = None
+        self._unsubscribe_changes: Any = None
         self.reconcile_count = 0
         self.open_attempts = 0
         self.watchdog: Any = None
@@ -727,12 +731,46 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._tasks += [
             loop.create_task(self._every(lambda: self.tick_interval, self.tick_once, "tick")),
             loop.create_task(self._every(lambda: self.reconcile_interval, self.reconcile_once, "reconcile")),
+            loop.create_task(self._follow_changes()),
         ]
         if self.watchdog_enabled and not getattr(self._pool, "remote", False):
             from ..watchdog import Watchdog
 
             self.watchdog = Watchdog(backend=self._pool.backend, pool=self._pool, parent=self)
             self._tasks.append(loop.create_task(self._every(lambda: self.watchdog.interval, self.watchdog_once, "watchdog")))
+
+    async def _follow_changes(self) -> None:
+        """Act on the pool the moment it changed (see jupyter_gpupool.changes): in this process, in
+        another sharing the pool file, or behind the broker. No suspend, restore or move waits for
+        ``tick_interval``; the tick remains for activity reports and the scheduler's clock."""
+        loop = asyncio.get_running_loop()
+        changed = self._changed = asyncio.Event()
+        subscribe = getattr(self._pool, "subscribe_changes", None)
+        if not callable(subscribe):
+            return  # a pool that cannot tell (Slurm): the tick does it
+        self._unsubscribe_changes = subscribe(lambda: loop.call_soon_threadsafe(changed.set))
+        try:
+            while True:
+                await changed.wait()
+                changed.clear()
+                try:
+                    await self.act_on_changes()
+                except asyncio.CancelledError:
+                    raise
+                except GpuPoolError as err:  # the tick reports an unavailable pool; once here is enough
+                    self.log.debug("gpupool: acting on a change of the pool failed: %s", err)
+                except Exception:
+                    self.log.exception("gpupool: acting on a change of the pool failed")
+                # A burst of commits is one round (behind a broker each round is a few HTTP reads).
+                await asyncio.sleep(self.change_debounce * (5 if getattr(self._pool, "remote", False) else 1))
+        finally:
+            unsubscribe, self._unsubscribe_changes = self._unsubscribe_changes, None
+            if unsubscribe is not None:
+                with contextlib.suppress(Exception):
+                    unsubscribe()
+
+    #: Seconds between two rounds of acting on changes (a burst of commits is read once).
+    change_debounce = 0.02
 
     async def _reopen_until_available(self) -> None:
         """While the pool could not be opened, try again every ``retry_interval`` seconds."""
@@ -870,6 +908,23 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         decisions, leases, handed_back = await asyncio.to_thread(step)
         for prov, lease in handed_back:  # told on the event loop: events need it
             prov._notify("released", lease, None, lease.release_reason)
+        await self._act_on(leases, activities)
+        self.tick_count += 1
+        return decisions
+
+    async def act_on_changes(self) -> None:
+        """Carry out at once what the pool now says about our kernels (a suspend, restore or move,
+        a warning, a reclaim), whoever decided it: called whenever the pool changed."""
+        leases = await asyncio.to_thread(self._kernel_leases)
+        await self._act_on(leases, {})
+        self.change_count += 1
+
+    async def _act_on(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]], activities: dict[str, Activity]) -> None:
+        """Act on our kernels' leases as read; one caller at a time (the tick and the change follower)."""
+        async with self._act_lock:
+            await self._act_on_leases(leases, activities)
+
+    async def _act_on_leases(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]], activities: dict[str, Activity]) -> None:
         # State, not decisions: another process sharing the pool file (nbconvert waiting for a
         # grant) may be the one whose scheduler run warned or reclaimed one of our kernels.
         for kernel_id, (prov, lease) in leases.items():
@@ -897,8 +952,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 # Work arrived (a cell, from a client without our kernel extension): bring it back.
                 resumed = await asyncio.to_thread(self.pool.resume, lease.id)
                 self.emit("resuming", resumed, message="resuming: the kernel got work")
-        self.tick_count += 1
-        return decisions
 
     # --- suspend, resume and moves ----------------------------------------------------------------
 
