@@ -288,3 +288,40 @@ def test_a_restore_that_failed_with_the_memory_still_parked_is_tried_once_more(t
     assert pool.get(a.id).transition is Transition.RESTORING
     gone = pool.fail_transition(a.id, "device busy", still_running=True, now=T0 + 21)
     assert gone.state is LeaseState.RELEASED and gone.release_reason.startswith("stopped: restoring its GPU memory failed")
+
+
+@pytest.mark.parametrize("suspendable", [True, False])
+def test_suspend_idle_timeout_shortens_the_idle_time_before_a_suspend_only(tmp_path, suspendable):
+    """With suspend_idle_timeout 120 s and idle_timeout 600 s, a kernel that can be suspended is
+    warned after 120 s idle while someone waits; one that would be culled still waits 600 s."""
+    pool = make_pool(tmp_path, **{**IDLE, "suspend_idle_timeout": 120})
+    alice = pool.request(req("alice", suspendable=suspendable, kernel_id="ka"), now=T0)
+    bob = pool.request(req("bob", kernel_id="kb"), now=T0)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1)
+    pool.request(req("carol", kernel_id="kc"), now=T0 + 100)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 130)
+    pool.tick(now=T0 + 130)  # alice idle 130 s
+    warned = pool.get(alice.id)
+    if suspendable:
+        assert warned.reclaim_at == pytest.approx(T0 + 190) and "idle for 2 min" in warned.reclaim_reason
+        pool.report_activity(bob.id, Activity(busy=True), now=T0 + 190)
+        pool.tick(now=T0 + 190)
+        assert pool.get(alice.id).transition is Transition.SUSPENDING
+    else:
+        assert warned.reclaim_at is None  # a cull keeps the long idle timeout
+        pool.report_activity(bob.id, Activity(busy=True), now=T0 + 601)
+        pool.tick(now=T0 + 601)
+        assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 661)
+
+
+def test_suspend_idle_timeout_unset_is_idle_timeout_and_its_env_var_and_bad_values(tmp_path):
+    from jupyter_gpupool.core.policy import PoolPolicy
+
+    policy = PoolPolicy()
+    assert policy.suspend_idle_timeout is None and policy.idle_timeout_for(True) == policy.idle_timeout == 1800
+    policy.apply_env({"GPUPOOL_SUSPEND_IDLE_TIMEOUT": "2m"})
+    assert policy.suspend_idle_timeout == 120 and policy.idle_timeout_for(True) == 120 and policy.idle_timeout_for(False) == 1800
+    with pytest.raises(InvalidInput, match="GPUPOOL_SUSPEND_IDLE_TIMEOUT"):
+        PoolPolicy().apply_env({"GPUPOOL_SUSPEND_IDLE_TIMEOUT": "soon"})
+    with pytest.raises(InvalidInput, match="0 seconds or more"):
+        PoolPolicy(suspend_idle_timeout=-1)

@@ -585,7 +585,7 @@ class Engine:
             and lease.reclaim_at is None
             and lease.transition is Transition.NONE
             and self._still_idle(lease, now)
-            and lease.idle_seconds(now) >= self.policy.idle_timeout
+            and lease.idle_seconds(now) >= self._idle_timeout(state, lease)
             and (policy == "always" or not protected(lease))
         ]
         idle.sort(key=lambda lease: -lease.idle_seconds(now))
@@ -612,7 +612,7 @@ class Engine:
             lease.reclaim_reason = (
                 f"reclaimed: idle for {idle_for} while {waiting} request(s) waited for a GPU"
                 if policy == "pressure"
-                else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+                else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self._idle_timeout(state, lease))})"
             )
             state.touch(lease)
             decisions.append(
@@ -658,6 +658,13 @@ class Engine:
     def parked_budget(self, state: PoolState) -> int:
         """Bytes of host RAM parked slices may take together."""
         return self.policy.parked_budget(state.host_memory)
+
+    def _idle_timeout(self, state: PoolState, lease: Lease) -> float:
+        """Idle time before ``lease`` may be reclaimed: the policy's suspend idle timeout where the
+        reclaim would suspend it now, else its idle timeout (a cull)."""
+        if self.policy.suspend_idle_timeout is None:
+            return float(self.policy.idle_timeout)
+        return self.policy.idle_timeout_for(not self.suspend_refusal(state, lease))
 
     def suspend_refusal(self, state: PoolState, lease: Lease) -> str:
         """Why ``lease`` cannot be suspended now (one clause for the user), or ``""`` if it can."""
@@ -940,7 +947,11 @@ class Engine:
         ]
         decisions = []
         if self.policy.idle_policy != "never":
-            idle = [lease for lease in candidates if self._still_idle(lease, now) and lease.idle_seconds(now) >= self.policy.idle_timeout]
+            idle = [
+                lease
+                for lease in candidates
+                if self._still_idle(lease, now) and lease.idle_seconds(now) >= self._idle_timeout(state, lease)
+            ]
             idle.sort(key=lambda lease: -lease.idle_seconds(now))
             for lease in idle:
                 if shortfall <= 0:
@@ -1349,7 +1360,8 @@ class Engine:
         if self.policy.idle_policy == "never" or lease.busy or lease.state is not LeaseState.GRANTED:
             return None
         idle_since = lease.last_activity or lease.granted_at or lease.created_at
-        eligible = max(idle_since + self.policy.idle_timeout, lease.keep_until or 0.0, now)
+        suspends = lease.suspendable and self.policy.reclaim_action == "suspend"
+        eligible = max(idle_since + self.policy.idle_timeout_for(suspends), lease.keep_until or 0.0, now)
         return eligible + self.policy.warning_period
 
     # --- helpers ----------------------------------------------------------------------------------
