@@ -53,7 +53,7 @@ from ..provisioner import (
     one_line,
     when_unavailable_from_env,
 )
-from ..quiet import ActivityClocks
+from ..quiet import ActivityClocks, quiet_request
 from ..units import format_size
 from ..views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from .configguard import FailClosedConfig
@@ -154,6 +154,13 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         config=True,
         help="Seconds a suspend waits for the kernel's running GPU work to finish before it gives up "
         "(and the reclaim falls back to culling).",
+    )
+    free_caches_timeout = Float(
+        5.0,
+        config=True,
+        help="Seconds a suspend or move waits for the kernel to free its frameworks' cached GPU memory first "
+        "(PyTorch's caching allocator, CuPy's pools: asked on the quiet channel, not a cell, not activity), so "
+        "only live bytes are parked; the checkpoint goes ahead when the kernel does not answer in time. 0: never ask.",
     )
     when_unavailable = Enum(
         list(WHEN_UNAVAILABLE),
@@ -273,6 +280,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._unconfirmed: dict[str, tuple[Transition, int | None]] = {}
         self._transition_tasks: set[asyncio.Future[None]] = set()
         self._checkpointer: Any = None
+        #: Lease id → what freeing the kernel's caches before its last park found (see _free_caches).
+        self._parking: dict[str, dict[str, Any]] = {}
+        self._no_quiet_answer: set[str] = set()  # kernels that never answered a quiet request: not asked again
         self._restarts: dict[str, asyncio.Future[Any]] = {}
         self._stopping = False
         self.tick_count = 0
@@ -1042,6 +1052,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         try:
             if refusal:
                 raise CheckpointError(refusal)
+            freed = await self._free_caches(kernel_id, lease)
             parked = await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
         except CheckpointError as err:
             running = getattr(err, "state", "running") in ("running", "")  # a failed checkpoint is undone where it can be
@@ -1050,8 +1061,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             self.emit("suspend_failed", after, message=f"suspending failed: {err}; {what}")
             raise
         done = await self._confirm(lease, parked)
-        self.log.info("gpupool: kernel %s suspended (%s parked): %s", kernel_id, format_size(parked), lease.suspend_reason)
-        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM): {lease.suspend_reason}")
+        first = f"; {format_size(freed)} of framework cache freed first" if freed else ""
+        self.log.info("gpupool: kernel %s suspended (%s parked%s): %s", kernel_id, format_size(parked), first, lease.suspend_reason)
+        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM{first}): {lease.suspend_reason}")
 
     async def _restore(self, kernel_id: str, lease: Lease, pid: int, mapping: dict[str, str], action: str = "resumed") -> None:
         from ..devices.checkpoint import CheckpointError
@@ -1074,6 +1086,40 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         where = "onto another GPU of the same model" if moved else "on its GPU"
         self.emit(action, done, message=f"{action} {where} after {time.time() - started:.1f} s")
 
+    async def _free_caches(self, kernel_id: str, lease: Lease) -> int:
+        """Ask the kernel to free its frameworks' cached GPU memory before it is parked (the quiet
+        channel: its control channel, not a cell, not activity, answered while a cell waits); bytes
+        freed (0 when it did not answer within ``free_caches_timeout``: the checkpoint goes ahead)."""
+        self._parking[lease.id] = {"used_before": lease.used_memory, "cache_freed": None}
+        if self.free_caches_timeout <= 0 or kernel_id in self._no_quiet_answer:
+            return 0
+        assert self.serverapp is not None
+        try:
+            kernel = self.serverapp.kernel_manager.get_kernel(kernel_id)
+            reply = await quiet_request(kernel, "free_caches", self.free_caches_timeout)
+        except Exception as err:  # noqa: BLE001 -- the checkpoint goes ahead, caches and all
+            self.log.info("gpupool: kernel %s: could not ask it to free its caches before parking: %s", kernel_id, err)
+            return 0
+        if reply is None:
+            self._no_quiet_answer.add(kernel_id)
+            self.log.info("gpupool: kernel %s did not answer a request to free its caches (no gpupool kernel extension?); "
+                          "parking its GPU memory as it is", kernel_id)
+            return 0
+        if reply.get("status") != "ok":
+            self.log.info("gpupool: kernel %s could not free its caches: %s", kernel_id, reply.get("message"))
+            return 0
+        freed = max(0, int(reply.get("freed") or 0))
+        self._parking[lease.id] = {"used_before": lease.used_memory, "cache_freed": freed, "held": reply.get("held")}
+        return freed
+
+    def parking_of(self, lease: Lease | None) -> dict[str, Any] | None:
+        """For a suspended (or resuming) lease: the GPU memory its kernel used before it was parked,
+        and how much framework cache was freed first (None where this server did not park it)."""
+        if lease is None:
+            return None
+        parked = lease.state is LeaseState.SUSPENDED or lease.resuming or lease.transition is Transition.RESTORING
+        return self._parking.get(lease.id) if parked else None
+
     def _observe_restore(self, lease: Lease) -> None:
         """Count a confirmed restore in ``gpupool_restore_seconds`` (from the resumed kernel's grant
         to now), on this server's /metrics, as the broker counts those it confirms."""
@@ -1095,6 +1141,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
 
         self.emit("migrating", lease, message=lease.suspend_reason)
         try:
+            await self._free_caches(kernel_id, lease)
             await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
         except CheckpointError as err:
             running = getattr(err, "state", "running") in ("running", "")
@@ -1268,7 +1315,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             return queued_status_while_unreachable(kernel_id, queued, info, self.owner, now)
         if self._pool is None or (lease is None and not self.available):
             return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", self.availability()["reason"], None)
-        return kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)
+        status = kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)
+        status["parking"] = self.parking_of(lease)
+        return status
 
     # --- events -----------------------------------------------------------------------------------
 
