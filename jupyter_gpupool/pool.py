@@ -343,12 +343,13 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return state.leases[lease_id].copy()
 
-    def resume(self, lease_id: str, now: float | None = None) -> Lease:
-        """Queue a suspended lease to come back; granted by policy like any request."""
+    def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
+        """Queue a suspended lease to come back; granted by policy like any request. ``ahead``: a
+        resume asked before a cell needs it, which queues behind every real request."""
         now = self._now(now)
         with self._locked():
             state = self._load(now)
-            self.engine.resume(state, lease_id, now)
+            self.engine.resume(state, lease_id, now, ahead=ahead)
             decisions = self.engine.schedule(state, now)
             self._save(state, decisions)
             return state.leases[lease_id].copy()

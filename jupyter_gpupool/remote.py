@@ -546,9 +546,10 @@ class RemotePool(GrantWaiting):
         confirms. Raises :class:`RequestRefused` saying why when it cannot be suspended."""
         return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/suspend", {"reason": reason}))
 
-    def resume(self, lease_id: str, now: float | None = None) -> Lease:
-        """Queue a suspended lease to come back (harmless if already resuming or running)."""
-        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/resume", {}))
+    def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
+        """Queue a suspended lease to come back (harmless if already resuming or running); ``ahead``:
+        before a cell needs it, behind every real request."""
+        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/resume", {"ahead": True} if ahead else {}))
 
     def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
         """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move.

@@ -325,3 +325,37 @@ def test_suspend_idle_timeout_unset_is_idle_timeout_and_its_env_var_and_bad_valu
         PoolPolicy().apply_env({"GPUPOOL_SUSPEND_IDLE_TIMEOUT": "soon"})
     with pytest.raises(InvalidInput, match="0 seconds or more"):
         PoolPolicy(suspend_idle_timeout=-1)
+
+
+def test_a_resume_ahead_of_a_cell_queues_behind_real_requests_and_makes_no_room_for_itself(tmp_path):
+    """Alice's notebook got focus while her kernel was parked: her resume ahead waits behind dave's
+    real request, takes nothing from the idle holder, and becomes a real one when her cell asks."""
+    pool, alice, bob, carol = idle_holder_and_waiter(tmp_path)
+    pool.confirm_transition(alice.id, parked_bytes=2 * GIB, now=T0 + 775)  # carol got alice's GPU
+    ahead = pool.resume(alice.id, now=T0 + 780, ahead=True)
+    assert ahead.state is LeaseState.QUEUED and ahead.resuming and ahead.resume_ahead
+    dave = pool.request(req("dave"), now=T0 + 790)  # a real request, asked later
+    assert [lease.id for lease in pool.queue(now=T0 + 791)] == [dave.id, alice.id]
+    # Carol idles past the idle timeout: only dave's wait may reclaim her slice, not alice's resume ahead.
+    pool.release(dave.id, now=T0 + 800)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1500)
+    pool.tick(now=T0 + 1500)
+    assert pool.get(carol.id).reclaim_at is None, "a resume ahead of a cell made room for itself"
+    # Her cell runs: the resume is a real one now, and carol (idle) is warned for it.
+    real = pool.resume(alice.id, now=T0 + 1501)
+    assert real.state is LeaseState.QUEUED and not real.resume_ahead
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1502)
+    pool.tick(now=T0 + 1502)
+    assert pool.get(carol.id).reclaim_at is not None
+
+
+def test_a_resume_ahead_on_a_free_gpu_restores_at_once_and_idles_from_the_restore(tmp_path):
+    pool = make_pool(tmp_path, **IDLE)
+    alice = pool.request(req("alice", suspendable=True, kernel_id="ka"), now=T0)
+    pool.suspend(alice.id, now=T0 + 10)
+    pool.confirm_transition(alice.id, parked_bytes=GIB, now=T0 + 11)
+    restoring = pool.resume(alice.id, now=T0 + 20, ahead=True)
+    assert restoring.state is LeaseState.GRANTED and restoring.transition is Transition.RESTORING
+    assert not restoring.resume_ahead and not restoring.resuming
+    back = pool.confirm_transition(alice.id, now=T0 + 21)
+    assert back.last_activity == T0 + 21  # unused from here on, the idle rules park it again

@@ -295,11 +295,15 @@ class LeaseResumeHandler(BrokerHandler):
     on a lease already queued to resume, being restored, or running."""
 
     async def post(self, lease_id: str) -> None:
-        self.json_body()  # a body, if any, must still be a JSON object
+        # {"ahead": true}: asked before a cell needs it; queues behind every real request (owner only).
+        ahead = validate.boolean(self.json_body().get("ahead", False), "ahead")
 
         def resume() -> dict[str, Any]:
             pool = self.broker.pool
-            lease = pool.resume(self.owned(lease_id).id)
+            owned = self.owned(lease_id)
+            if ahead and owned.owner != self.identity.name:
+                raise NotAuthorized(f"lease {lease_id} belongs to another user; only its owner may resume it ahead of a cell")
+            lease = pool.resume(owned.id, ahead=True) if ahead else pool.resume(owned.id)
             return lease_json(lease, pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None)
 
         self.write_json(await self.run(resume))

@@ -289,7 +289,7 @@ class Engine:
                 break
             devices = self._place(state, lease)
             if devices is None:
-                if blocked is None:
+                if blocked is None and not lease.resume_ahead:  # a resume ahead of a cell makes no room for itself
                     blocked = lease
                 continue
             self._grant(state, lease, devices, now)
@@ -318,6 +318,7 @@ class Engine:
         return sorted(
             queued,
             key=lambda lease: (
+                lease.resume_ahead,  # asked ahead of a cell: behind every real request
                 -self.effective_rank(lease, now),
                 not lease.resuming,  # a kernel resuming after a suspend goes first within its class
                 usage.get(lease.owner, 0.0),
@@ -425,7 +426,7 @@ class Engine:
 
     def _grant(self, state: PoolState, lease: Lease, devices: tuple[str, ...], now: float) -> None:
         if lease.resuming:  # its server restores the parked memory onto `devices`, then confirms
-            lease.resuming = False
+            lease.resuming = lease.resume_ahead = False
             lease.transition = Transition.RESTORING
             lease.transition_at = now
         lease.state = LeaseState.GRANTED
@@ -544,7 +545,7 @@ class Engine:
         if not state.derived().reclaiming:
             return []
         decisions = []
-        someone_waits = any(lease.state is LeaseState.QUEUED for lease in state.leases.values())
+        someone_waits = any(lease.state is LeaseState.QUEUED and not lease.resume_ahead for lease in state.leases.values())
         for lease in list(state.leases.values()):
             if lease.state not in HELD_STATES or lease.reclaim_at is None:
                 continue
@@ -706,14 +707,20 @@ class Engine:
         state.touch(lease)
         return self._decision(DecisionKind.SUSPEND, lease, reason, now)
 
-    def resume(self, state: PoolState, lease_id: str, now: float) -> Lease:
+    def resume(self, state: PoolState, lease_id: str, now: float, ahead: bool = False) -> Lease:
         """Queue a suspended lease to come back (its next cell, a Resume button). Harmless on a lease
-        that is already queued to resume, being restored, or running."""
+        that is already queued to resume, being restored, or running. ``ahead``: asked before any
+        cell needs it (the notebook got focus), so it waits behind every real request; a real ask
+        later makes it a real one."""
         lease = self.get(state, lease_id)
         if lease.state is LeaseState.SUSPENDED:
             lease.state = LeaseState.QUEUED
             lease.resuming = True
             lease.resume_asked_at = now
+            lease.resume_ahead = ahead
+            state.touch(lease)
+        elif lease.resume_ahead and not ahead and lease.state is LeaseState.QUEUED:
+            lease.resume_ahead = False
             state.touch(lease)
         return lease
 

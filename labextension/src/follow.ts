@@ -66,6 +66,7 @@ export class KernelFollower implements IDisposable {
       ctx.statusChanged.disconnect(this._onStatus, this);
       ctx.disposed.disconnect(this._onDisposed, this);
     }
+    this._documentModel(this._current)?.contentChanged.disconnect(this._onEdited, this);
     this._current = widget;
     if (widget) {
       const ctx = widget.sessionContext;
@@ -73,8 +74,29 @@ export class KernelFollower implements IDisposable {
       ctx.sessionChanged.connect(this._update, this);
       ctx.statusChanged.connect(this._onStatus, this);
       ctx.disposed.connect(this._onDisposed, this);
+      this._documentModel(widget)?.contentChanged.connect(this._onEdited, this);
     }
     this._update();
+    if (widget) {
+      this._resumeAhead(); // the notebook got focus: a suspended kernel's memory starts on its way back
+    }
+  }
+
+  /** The notebook's document model (a console has none): its `contentChanged` says a cell was edited. */
+  private _documentModel(widget: SessionWidget | null): { contentChanged: ISignal<any, void> } | null {
+    const model = (widget as any)?.context?.model;
+    return model && model.contentChanged ? model : null;
+  }
+
+  private _onEdited(): void {
+    this._resumeAhead();
+  }
+
+  private _resumeAhead(): void {
+    const kernelId = this._current?.sessionContext?.session?.kernel?.id;
+    if (kernelId) {
+      void this._model.resumeAhead(kernelId);
+    }
   }
 
   private _onDisposed(): void {
@@ -96,7 +118,11 @@ export class KernelFollower implements IDisposable {
   private _update(): void {
     const ctx = this._current?.sessionContext;
     const kernelId = ctx?.session?.kernel?.id ?? null;
+    const changed = kernelId !== this._model.kernelId;
     this._model.setKernel(kernelId, ctx?.path || ctx?.name || '');
+    if (changed && kernelId) {
+      this._resumeAhead(); // a notebook whose kernel became known (opened, reconnected)
+    }
   }
 
   private _current: SessionWidget | null = null;
