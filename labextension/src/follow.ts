@@ -18,10 +18,17 @@ export interface ISessionTracker {
   readonly currentChanged: ISignal<any, SessionWidget | null>;
 }
 
+/** Options of a {@link KernelFollower}. */
+export interface IKernelFollowerOptions {
+  /** Whether to resume a suspended kernel when its notebook gets focus or an edit (the setting `resumeAhead`). */
+  resumeAhead?: () => boolean;
+}
+
 export class KernelFollower implements IDisposable {
   constructor(
     private readonly _model: GpuPoolModel,
-    private readonly _trackers: ISessionTracker[]
+    private readonly _trackers: ISessionTracker[],
+    private readonly _options: IKernelFollowerOptions = {}
   ) {
     for (const tracker of _trackers) {
       tracker.currentChanged.connect(this._onCurrentChanged, this);
@@ -78,7 +85,7 @@ export class KernelFollower implements IDisposable {
     }
     this._update();
     if (widget) {
-      this._resumeAhead(); // the notebook got focus: a suspended kernel's memory starts on its way back
+      this._resumeAhead(true); // the notebook got focus: a suspended kernel's memory starts on its way back
     }
   }
 
@@ -92,10 +99,11 @@ export class KernelFollower implements IDisposable {
     this._resumeAhead();
   }
 
-  private _resumeAhead(): void {
+  private _resumeAhead(fresh = false): void {
     const kernelId = this._current?.sessionContext?.session?.kernel?.id;
-    if (kernelId) {
-      void this._model.resumeAhead(kernelId);
+    const wanted = this._options.resumeAhead ? this._options.resumeAhead() : true;
+    if (kernelId && wanted) {
+      void this._model.resumeAhead(kernelId, fresh);
     }
   }
 
@@ -121,7 +129,7 @@ export class KernelFollower implements IDisposable {
     const changed = kernelId !== this._model.kernelId;
     this._model.setKernel(kernelId, ctx?.path || ctx?.name || '');
     if (changed && kernelId) {
-      this._resumeAhead(); // a notebook whose kernel became known (opened, reconnected)
+      this._resumeAhead(true); // a notebook whose kernel became known (opened, reconnected)
     }
   }
 

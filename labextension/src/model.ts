@@ -194,12 +194,15 @@ export class GpuPoolModel implements IDisposable {
    * is suspended, ask for its resume now (`{"ahead": true}`), so its memory is on its way before a
    * cell runs. Once per suspension; never throws (a refusal is only logged).
    */
-  async resumeAhead(kernelId: string): Promise<boolean> {
-    let status = this._records.get(kernelId)?.status ?? null;
-    if (!status) {
+  async resumeAhead(kernelId: string, fresh = false): Promise<boolean> {
+    // What the page knows may be from before the kernel was parked (its notebook was in the
+    // background): ask the server, on focus always, on edits at most every 2 s.
+    const checked = this._aheadChecked.get(kernelId) ?? 0;
+    if (fresh || !this._records.get(kernelId)?.status || Date.now() - checked > 2000) {
+      this._aheadChecked.set(kernelId, Date.now());
       await this._fetchKernel(kernelId);
-      status = this._records.get(kernelId)?.status ?? null;
     }
+    const status = this._records.get(kernelId)?.status ?? null;
     if (!status || status.state !== 'suspended') {
       return false;
     }
@@ -397,5 +400,6 @@ export class GpuPoolModel implements IDisposable {
   private _poolWanted = false;
   private _records = new Map<string, IKernelRecord>();
   private _resumedAhead = new Set<string>();
+  private _aheadChecked = new Map<string, number>();
   private _ticker: ReturnType<typeof setInterval> | null = null;
 }
