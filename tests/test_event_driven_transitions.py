@@ -32,12 +32,13 @@ TEN_MINUTES = 600.0
 #: Far below the tick: a step that waited for one would miss it by minutes.
 PROMPT = 8.0
 
+#: The server's loops at ten minutes: only an event-driven step can be prompt.
+SLOW_LOOPS = {"GpuPoolExtension": {"tick_interval": TEN_MINUTES, "reconcile_interval": TEN_MINUTES}, "Watchdog": {"interval": TEN_MINUTES}}
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never"),
-    pytest.mark.gpupool_config(
-        {"GpuPoolExtension": {"tick_interval": TEN_MINUTES, "reconcile_interval": TEN_MINUTES}, "Watchdog": {"interval": TEN_MINUTES}}
-    ),
+    pytest.mark.gpupool_config(SLOW_LOOPS),
 ]
 
 
@@ -113,6 +114,53 @@ def test_a_suspend_decided_by_another_process_sharing_the_pool_file_starts_at_on
         assert gpupool_ext.tick_count == ticks, "a tick ran: the test did not prove anything"
         # The decision's process was a new Python: most of the time is its start, not the wake-up.
         assert time.monotonic() - started < PROMPT + 30
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_SIMULATE="2x16GiB", GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never")
+@pytest.mark.gpupool_config({**SLOW_LOOPS, "PoolPolicy": {"preemption": False, "defragment_min_idle": 1}})
+def test_a_move_decided_by_another_process_starts_at_once(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext):
+    """Another process asks for a whole 16 GiB GPU while the server's idle kernel sits beside 8 GiB
+    free: that process's scheduler decides to move the kernel, and the server carries it out at once."""
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.provisioner import holder_identity
+    from jupyter_gpupool.units import GIB
+
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel = await _start(gpupool_fetch)
+        await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+        host, me = holder_identity()
+        home = pool.lease_for_kernel(kernel).devices
+        beside = pool.request(LeaseRequest(owner="dave", memory=8 * GIB, holder_pid=me, holder_host=host))
+        other = pool.request(LeaseRequest(owner="dave", memory=8 * GIB, holder_pid=me, holder_host=host))
+        assert beside.devices == home and other.devices != home
+        pool.release(beside.id)  # 8 GiB free beside the kernel, none on the other GPU
+        await asyncio.sleep(1.5)  # the kernel idles past defragment_min_idle
+        ticks = gpupool_ext.tick_count
+        code = (
+            "import sys\nfrom jupyter_gpupool.core.models import LeaseRequest\nfrom jupyter_gpupool.core.policy import PoolPolicy\n"
+            "from jupyter_gpupool.pool import Pool\n"
+            "pool = Pool.from_env(policy=PoolPolicy(preemption=False, defragment_min_idle=1, idle_policy='never'))\n"
+            "print(pool.request(LeaseRequest(owner='erin', memory=16 * 2**30, holder_pid=int(sys.argv[1]), holder_host=sys.argv[2])).id)\n"
+        )
+        done = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", code, str(me), host], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        decided = time.monotonic()
+        big = done.stdout.strip()
+        granted = await gpupool_wait(
+            lambda: (lease := pool.get(big)).state is LeaseState.GRANTED and lease, timeout=PROMPT, interval=0.02,
+            what="the move and then the 16 GiB grant",
+        )
+        assert time.monotonic() - decided < PROMPT
+        moved = pool.lease_for_kernel(kernel)
+        assert moved.devices != home and granted.devices == home and moved.transition is Transition.NONE
+        assert "migrate" in [e["kind"] for e in pool.events() if e["lease_id"] == moved.id]
+        assert gpupool_ext.tick_count == ticks, "a tick ran: the test did not prove anything"
 
     arun(scenario())
 
