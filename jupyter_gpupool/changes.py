@@ -59,7 +59,7 @@ class PoolChanges:
         for listener in listeners:
             try:
                 listener()
-            except Exception:  # noqa: BLE001 -- one broken listener must not keep the others asleep
+            except Exception:  # noqa: BLE001, S110 -- one broken listener must not keep the others asleep
                 pass
 
     # --- hearing ----------------------------------------------------------------------------------
@@ -94,7 +94,10 @@ class PoolChanges:
         self._ensure_watching()
         loop = asyncio.get_running_loop()
         moved = asyncio.Event()
-        unsubscribe = self.subscribe(lambda: loop.call_soon_threadsafe(moved.set))
+        def wake() -> None:
+            loop.call_soon_threadsafe(moved.set)
+
+        unsubscribe = self.subscribe(wake)
         try:
             if since is None or self.version != since:
                 return self.version
