@@ -48,6 +48,16 @@ class PoolChanges:
         self._listeners: list[Listener] = []
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
+        self._waiters = 0
+        #: The watcher's connection and the data_version it last read: kept while the watcher sleeps
+        #: (it stops after :attr:`linger` seconds with nobody waiting or subscribed), so a commit
+        #: made meanwhile is still seen when it starts again.
+        self._conn: sqlite3.Connection | None = None
+        self._seen: int | None = None
+
+    #: Seconds the watching thread lives on with nobody waiting or subscribed (a kernel waits only
+    #: while its restore is under way; a server subscribes for good).
+    linger = 2.0
 
     # --- telling ----------------------------------------------------------------------------------
     def notify(self) -> None:
@@ -66,9 +76,9 @@ class PoolChanges:
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call ``listener()`` (from any thread, so keep it short) after every change; returns the
         function that unsubscribes it."""
-        self._ensure_watching()
         with self._cond:
             self._listeners.append(listener)
+            self._ensure_watching()
 
         def unsubscribe() -> None:
             with self._cond, contextlib.suppress(ValueError):
@@ -79,19 +89,22 @@ class PoolChanges:
     def wait(self, since: int | None, timeout: float) -> int:
         """Block until :attr:`version` differs from ``since`` or ``timeout`` seconds passed; the
         version now. ``since`` None answers at once (a first call learns where to start)."""
-        self._ensure_watching()
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            while since is not None and self.version == since and not self._closed.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            return self.version
+            self._waiters += 1
+            try:
+                self._ensure_watching()
+                while since is not None and self.version == since and not self._closed.is_set():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                return self.version
+            finally:
+                self._waiters -= 1
 
     async def wait_async(self, since: int | None, timeout: float) -> int:
         """:meth:`wait` on the event loop, holding no thread while it waits."""
-        self._ensure_watching()
         loop = asyncio.get_running_loop()
         moved = asyncio.Event()
         def wake() -> None:
@@ -109,48 +122,53 @@ class PoolChanges:
 
     # --- watching other processes -----------------------------------------------------------------
     def _ensure_watching(self) -> None:
+        """Start the watcher if it is not running (call with ``_cond`` held). Its first reading is
+        taken here, before anyone is told a version, so no commit falls in between; one made while
+        it slept counts as a change."""
         if self.path is None or self._thread is not None or self._closed.is_set():
             return
-        with self._cond:
-            if self._thread is None:
-                # The first reading before anyone is told a version: no commit falls in between.
-                conn, seen = self._open_and_read()
-                self._thread = threading.Thread(target=self._watch, args=(conn, seen), name="gpupool-changes", daemon=True)
-                self._thread.start()
+        if self._read():
+            self.notify()
+        self._thread = threading.Thread(target=self._watch, name="gpupool-changes", daemon=True)
+        self._thread.start()
 
-    def _open_and_read(self) -> tuple[sqlite3.Connection | None, int | None]:
+    def _read(self) -> bool:
+        """Read ``PRAGMA data_version`` on the watcher's own connection; whether it moved since the
+        last reading (also when the file could not be read: a waiter then looks for itself)."""
         assert self.path is not None
         try:
-            conn = sqlite3.connect(self.path, timeout=1.0, isolation_level=None, check_same_thread=False)
-            return conn, int(conn.execute("PRAGMA data_version").fetchone()[0])
+            if self._conn is None:
+                self._conn = sqlite3.connect(self.path, timeout=1.0, isolation_level=None, check_same_thread=False)
+                self._seen = None
+            version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
         except sqlite3.Error:
-            return None, None
+            # The file is being replaced or is briefly busy: open it afresh next time.
+            if self._conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.close()
+            self._conn, self._seen = None, None
+            return True
+        moved = self._seen is not None and version != self._seen
+        self._seen = version
+        return moved
 
-    def _watch(self, conn: sqlite3.Connection | None, seen: int | None) -> None:
+    def _watch(self) -> None:
         """Poll ``PRAGMA data_version`` on a connection that never writes: it moves on every commit
-        of every other connection to the file, this process's own included."""
-        assert self.path is not None
-        while not self._closed.wait(self.interval):
-            try:
-                if conn is None:
-                    conn = sqlite3.connect(self.path, timeout=1.0, isolation_level=None, check_same_thread=False)
-                version = int(conn.execute("PRAGMA data_version").fetchone()[0])
-            except sqlite3.Error:
-                # The file is being replaced or is briefly busy: open it afresh next time and say
-                # "changed" (a waiter reads the pool again and finds out for itself).
-                if conn is not None:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.close()
-                conn, seen = None, None
-                self.notify()
-                self._closed.wait(max(self.interval, 1.0))
-                continue
-            if seen is not None and version != seen:
-                self.notify()
-            seen = version
-        if conn is not None:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
+        of every other connection to the file, this process's own included. Stops after
+        :attr:`linger` seconds with nobody waiting or subscribed (the connection is kept)."""
+        unwatched_since: float | None = None
+        while not self._closed.wait(self.interval if self._conn is not None else max(self.interval, 1.0)):
+            with self._cond:
+                if self._read():
+                    self.notify()
+                if self._listeners or self._waiters:
+                    unwatched_since = None
+                    continue
+                now = time.monotonic()
+                unwatched_since = unwatched_since or now
+                if now - unwatched_since >= self.linger:
+                    self._thread = None
+                    return
 
     def close(self) -> None:
         """Stop watching; every waiter returns."""
@@ -160,6 +178,11 @@ class PoolChanges:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2.0)
+        with self._cond:
+            if self._conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.close()
+            self._conn = None
 
 
 def wait_for_change(pool: object, since: int | None, timeout: float) -> int | None:
