@@ -291,7 +291,7 @@ class Engine:
                 break
             devices = self._place(state, lease)
             if devices is None:
-                if blocked is None:
+                if blocked is None and not lease.resume_ahead:  # a resume ahead of a cell makes no room for itself
                     blocked = lease
                 continue
             self._grant(state, lease, devices, now)
@@ -320,6 +320,7 @@ class Engine:
         return sorted(
             queued,
             key=lambda lease: (
+                lease.resume_ahead,  # asked ahead of a cell: behind every real request
                 -self.effective_rank(lease, now),
                 not lease.resuming,  # a kernel resuming after a suspend goes first within its class
                 usage.get(lease.owner, 0.0),
@@ -427,7 +428,7 @@ class Engine:
 
     def _grant(self, state: PoolState, lease: Lease, devices: tuple[str, ...], now: float) -> None:
         if lease.resuming:  # its server restores the parked memory onto `devices`, then confirms
-            lease.resuming = False
+            lease.resuming = lease.resume_ahead = False
             lease.transition = Transition.RESTORING
             lease.transition_at = now
         lease.state = LeaseState.GRANTED
@@ -545,7 +546,7 @@ class Engine:
         if not state.derived().reclaiming:
             return []
         decisions = []
-        someone_waits = any(lease.state is LeaseState.QUEUED for lease in state.leases.values())
+        someone_waits = any(lease.state is LeaseState.QUEUED and not lease.resume_ahead for lease in state.leases.values())
         for lease in list(state.leases.values()):
             if lease.state not in HELD_STATES or lease.reclaim_at is None:
                 continue
@@ -586,7 +587,7 @@ class Engine:
             and lease.reclaim_at is None
             and lease.transition is Transition.NONE
             and self._still_idle(lease, now)
-            and lease.idle_seconds(now) >= self.policy.idle_timeout
+            and lease.idle_seconds(now) >= self._idle_timeout(state, lease)
             and (policy == "always" or not protected(lease))
         ]
         idle.sort(key=lambda lease: -lease.idle_seconds(now))
@@ -613,7 +614,7 @@ class Engine:
             lease.reclaim_reason = (
                 f"reclaimed: idle for {idle_for} while {counted(waiting, 'request')} waited for a GPU"
                 if policy == "pressure"
-                else f"reclaimed: idle for {idle_for}, over the {format_duration(self.policy.idle_timeout)} idle timeout"
+                else f"reclaimed: idle for {idle_for}, over the {format_duration(self._idle_timeout(state, lease))} idle timeout"
             )
             state.touch(lease)
             decisions.append(
@@ -660,6 +661,13 @@ class Engine:
         """Bytes of host RAM parked slices may take together."""
         return self.policy.parked_budget(state.host_memory)
 
+    def _idle_timeout(self, state: PoolState, lease: Lease) -> float:
+        """Idle time before ``lease`` may be reclaimed: the policy's suspend idle timeout where the
+        reclaim would suspend it now, else its idle timeout (a cull)."""
+        if self.policy.suspend_idle_timeout is None:
+            return float(self.policy.idle_timeout)
+        return self.policy.idle_timeout_for(not self.suspend_refusal(state, lease))
+
     def suspend_refusal(self, state: PoolState, lease: Lease) -> str:
         """Why ``lease`` cannot be suspended now (one clause for the user), or ``""`` if it can."""
         if self.policy.reclaim_action != "suspend":
@@ -700,14 +708,20 @@ class Engine:
         state.touch(lease)
         return self._decision(DecisionKind.SUSPEND, lease, reason, now)
 
-    def resume(self, state: PoolState, lease_id: str, now: float) -> Lease:
+    def resume(self, state: PoolState, lease_id: str, now: float, ahead: bool = False) -> Lease:
         """Queue a suspended lease to come back (its next cell, a Resume button). Harmless on a lease
-        that is already queued to resume, being restored, or running."""
+        that is already queued to resume, being restored, or running. ``ahead``: asked before any
+        cell needs it (the notebook got focus), so it waits behind every real request; a real ask
+        later makes it a real one."""
         lease = self.get(state, lease_id)
         if lease.state is LeaseState.SUSPENDED:
             lease.state = LeaseState.QUEUED
             lease.resuming = True
             lease.resume_asked_at = now
+            lease.resume_ahead = ahead
+            state.touch(lease)
+        elif lease.resume_ahead and not ahead and lease.state is LeaseState.QUEUED:
+            lease.resume_ahead = False
             state.touch(lease)
         return lease
 
@@ -941,7 +955,11 @@ class Engine:
         ]
         decisions = []
         if self.policy.idle_policy != "never":
-            idle = [lease for lease in candidates if self._still_idle(lease, now) and lease.idle_seconds(now) >= self.policy.idle_timeout]
+            idle = [
+                lease
+                for lease in candidates
+                if self._still_idle(lease, now) and lease.idle_seconds(now) >= self._idle_timeout(state, lease)
+            ]
             idle.sort(key=lambda lease: -lease.idle_seconds(now))
             for lease in idle:
                 if shortfall <= 0:
@@ -1350,7 +1368,8 @@ class Engine:
         if self.policy.idle_policy == "never" or lease.busy or lease.state is not LeaseState.GRANTED:
             return None
         idle_since = lease.last_activity or lease.granted_at or lease.created_at
-        eligible = max(idle_since + self.policy.idle_timeout, lease.keep_until or 0.0, now)
+        suspends = lease.suspendable and self.policy.reclaim_action == "suspend"
+        eligible = max(idle_since + self.policy.idle_timeout_for(suspends), lease.keep_until or 0.0, now)
         return eligible + self.policy.warning_period
 
     # --- helpers ----------------------------------------------------------------------------------

@@ -242,6 +242,9 @@ class Lease:
     home_model: str = ""  # exact model of those GPUs: it is restored onto that model only
     resuming: bool = False  # queued to resume after a suspend
     resume_asked_at: float | None = None
+    #: Queued to resume ahead of a cell (the notebook got focus): it queues behind every real request,
+    #: never blocks, reclaims or preempts anyone, and a cell's own resume makes it a real one.
+    resume_ahead: bool = False
     migrate_from: tuple[str, ...] = ()  # uuids it is moving off (held until the move is confirmed)
     suspensions: int = 0
     parked_seconds: float = 0.0  # total time spent suspended

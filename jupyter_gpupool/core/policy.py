@@ -26,6 +26,7 @@ from jupyter_gpupool.wording import plural
 ENV_TRAITS: dict[str, str] = {
     "GPUPOOL_DEFAULT_MEMORY": "default_memory",
     "GPUPOOL_IDLE_TIMEOUT": "idle_timeout",
+    "GPUPOOL_SUSPEND_IDLE_TIMEOUT": "suspend_idle_timeout",
     "GPUPOOL_IDLE_POLICY": "idle_policy",
     "GPUPOOL_WARNING_PERIOD": "warning_period",
     "GPUPOOL_PLACEMENT": "placement",
@@ -41,6 +42,7 @@ ENV_TRAITS: dict[str, str] = {
 
 _DURATION_TRAITS = {
     "idle_timeout",
+    "suspend_idle_timeout",
     "warning_period",
     "heartbeat_ttl",
     "grace_period",
@@ -245,6 +247,31 @@ class PoolPolicy(Configurable):
         1800.0,
         help="Seconds a kernel must be idle before its slice may be reclaimed. Env: GPUPOOL_IDLE_TIMEOUT (e.g. 30m).",
     ).tag(config=True)
+
+    suspend_idle_timeout = Float(
+        None,
+        allow_none=True,
+        help="Seconds a kernel must be idle before its slice may be taken back by suspending it (its GPU memory "
+        "parked in host RAM, restored on its next cell), where it can be suspended now: its server can checkpoint, "
+        "reclaim_action is 'suspend', the parked-memory budget has room. Kernels that would be culled instead keep "
+        "idle_timeout. None (the default): idle_timeout for every kernel. Env: GPUPOOL_SUSPEND_IDLE_TIMEOUT (e.g. 2m).",
+    ).tag(config=True)
+
+    @validate("suspend_idle_timeout")
+    def _check_suspend_idle_timeout(self, proposal: Any) -> float | None:
+        value = proposal["value"]
+        if value is None:
+            return None
+        if not 0 <= float(value) < float("inf"):
+            raise InvalidInput(f"suspend_idle_timeout must be 0 seconds or more (or None for idle_timeout), got {value}")
+        return float(value)
+
+    def idle_timeout_for(self, suspends: bool) -> float:
+        """The idle time before a reclaim: :attr:`suspend_idle_timeout` where the reclaim would
+        suspend the kernel (``suspends``) and one is set, else :attr:`idle_timeout`."""
+        if suspends and self.suspend_idle_timeout is not None:
+            return float(self.suspend_idle_timeout)
+        return float(self.idle_timeout)
 
     warning_period = Float(
         120.0,

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+from jupyter_gpupool.backends.changes import wait_for_change
 from jupyter_gpupool.core.models import (
     Device,
     Lease,
@@ -370,6 +371,7 @@ class InProcessPoolClient(PoolClient):
         self, timeout: float | None = None, on_update: UpdateCallback | None = None, poll: float = 0.5
     ) -> Lease:
         deadline = None if timeout is None else time.monotonic() + timeout
+        since = wait_for_change(self.pool, None, 0.0)  # the pool's version before each look
         while True:
             lease = self._live()
             if lease.state is LeaseState.GRANTED and lease.transition is Transition.NONE:
@@ -387,7 +389,8 @@ class InProcessPoolClient(PoolClient):
                 continue
             if on_update is not None:  # granted, with a suspend, restore or move still under way
                 on_update(lease, None)
-            time.sleep(poll if left is None else max(0.0, min(poll, left)))
+            # Woken the moment the pool changes (the server confirmed the restore), else after ``poll``.
+            since = wait_for_change(self.pool, since, poll if left is None else max(0.0, min(poll, left)))
 
     def snapshot(self) -> PoolSnapshot:
         lease = self.current()

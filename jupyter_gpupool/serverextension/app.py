@@ -58,7 +58,7 @@ from jupyter_gpupool.provisioner.kernel_provisioner import (
     one_line,
     when_unavailable_from_env,
 )
-from jupyter_gpupool.quiet import ActivityClocks
+from jupyter_gpupool.quiet import ActivityClocks, quiet_request
 from jupyter_gpupool.rest.metrics import PoolCollector
 from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from jupyter_gpupool.serverextension.configguard import FailClosedConfig
@@ -162,6 +162,13 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         config=True,
         help="Seconds a suspend waits for the kernel's running GPU work to finish before it gives up "
         "(and the reclaim falls back to culling).",
+    )
+    free_caches_timeout = Float(
+        5.0,
+        config=True,
+        help="Seconds a suspend or move waits for the kernel to free its frameworks' cached GPU memory first "
+        "(PyTorch's caching allocator, CuPy's pools: asked on the quiet channel, not a cell, not activity), so "
+        "only live bytes are parked; the checkpoint goes ahead when the kernel does not answer in time. 0: never ask.",
     )
     when_unavailable = Enum(
         list(WHEN_UNAVAILABLE),
@@ -278,9 +285,16 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._unconfirmed: dict[str, tuple[Transition, int | None]] = {}
         self._transition_tasks: set[asyncio.Future[None]] = set()
         self._checkpointer: Any = None
+        #: Lease id → what freeing the kernel's caches before its last park found (see _free_caches).
+        self._parking: dict[str, dict[str, Any]] = {}
+        self._no_quiet_answer: set[str] = set()  # kernels that never answered a quiet request: not asked again
         self._restarts: dict[str, asyncio.Future[Any]] = {}
         self._stopping = False
         self.tick_count = 0
+        self.change_count = 0  # rounds of act_on_changes (a change of the pool, heard at once)
+        self._act_lock = asyncio.Lock()
+        self._changed: asyncio.Event | None = None
+        self._unsubscribe_changes: Any = None
         self.reconcile_count = 0
         self.open_attempts = 0
         self.watchdog: Any = None
@@ -731,10 +745,44 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._tasks += [
             loop.create_task(self._every(lambda: self.tick_interval, self.tick_once, "tick")),
             loop.create_task(self._every(lambda: self.reconcile_interval, self.reconcile_once, "reconcile")),
+            loop.create_task(self._follow_changes()),
         ]
         if self.watchdog_enabled and not getattr(self._pool, "remote", False):
             self.watchdog = Watchdog(backend=self._pool.backend, pool=self._pool, parent=self)
             self._tasks.append(loop.create_task(self._every(lambda: self.watchdog.interval, self.watchdog_once, "watchdog")))
+
+    async def _follow_changes(self) -> None:
+        """Act on the pool the moment it changed (see jupyter_gpupool.backends.changes): in this process, in
+        another sharing the pool file, or behind the broker. No suspend, restore or move waits for
+        ``tick_interval``; the tick remains for activity reports and the scheduler's clock."""
+        loop = asyncio.get_running_loop()
+        changed = self._changed = asyncio.Event()
+        subscribe = getattr(self._pool, "subscribe_changes", None)
+        if not callable(subscribe):
+            return  # a pool that cannot tell (Slurm): the tick does it
+        self._unsubscribe_changes = subscribe(lambda: loop.call_soon_threadsafe(changed.set))
+        try:
+            while True:
+                await changed.wait()
+                changed.clear()
+                try:
+                    await self.act_on_changes()
+                except asyncio.CancelledError:
+                    raise
+                except GpuPoolError as err:  # the tick reports an unavailable pool; once here is enough
+                    self.log.debug("gpupool: acting on a change of the pool failed: %s", err)
+                except Exception:
+                    self.log.exception("gpupool: acting on a change of the pool failed")
+                # A burst of commits is one round (behind a broker each round is a few HTTP reads).
+                await asyncio.sleep(self.change_debounce * (5 if getattr(self._pool, "remote", False) else 1))
+        finally:
+            unsubscribe, self._unsubscribe_changes = self._unsubscribe_changes, None
+            if unsubscribe is not None:
+                with contextlib.suppress(Exception):
+                    unsubscribe()
+
+    #: Seconds between two rounds of acting on changes (a burst of commits is read once).
+    change_debounce = 0.02
 
     async def _reopen_until_available(self) -> None:
         """While the pool could not be opened, try again every ``retry_interval`` seconds."""
@@ -872,6 +920,23 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         decisions, leases, handed_back = await asyncio.to_thread(step)
         for prov, lease in handed_back:  # told on the event loop: events need it
             prov._notify("released", lease, None, lease.release_reason)
+        await self._act_on(leases, activities)
+        self.tick_count += 1
+        return decisions
+
+    async def act_on_changes(self) -> None:
+        """Carry out at once what the pool now says about our kernels (a suspend, restore or move,
+        a warning, a reclaim), whoever decided it: called whenever the pool changed."""
+        leases = await asyncio.to_thread(self._kernel_leases)
+        await self._act_on(leases, {})
+        self.change_count += 1
+
+    async def _act_on(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]], activities: dict[str, Activity]) -> None:
+        """Act on our kernels' leases as read; one caller at a time (the tick and the change follower)."""
+        async with self._act_lock:
+            await self._act_on_leases(leases, activities)
+
+    async def _act_on_leases(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]], activities: dict[str, Activity]) -> None:
         # State, not decisions: another process sharing the pool file (nbconvert waiting for a
         # grant) may be the one whose scheduler run warned or reclaimed one of our kernels.
         for kernel_id, (prov, lease) in leases.items():
@@ -899,8 +964,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 # Work arrived (a cell, from a client without our kernel extension): bring it back.
                 resumed = await asyncio.to_thread(self.pool.resume, lease.id)
                 self.emit("resuming", resumed, message="resuming: the kernel got work")
-        self.tick_count += 1
-        return decisions
 
     # --- suspend, resume and moves ----------------------------------------------------------------
 
@@ -981,6 +1044,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         try:
             if refusal:
                 raise CheckpointError(refusal)
+            freed = await self._free_caches(kernel_id, lease)
             parked = await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
         except CheckpointError as err:
             running = getattr(err, "state", "running") in ("running", "")  # a failed checkpoint is undone where it can be
@@ -989,8 +1053,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             self.emit("suspend_failed", after, message=f"suspending failed: {err}; {what}")
             raise
         done = await self._confirm(lease, parked)
-        self.log.info("gpupool: kernel %s suspended (%s parked): %s", kernel_id, format_size(parked), lease.suspend_reason)
-        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM): {lease.suspend_reason}")
+        first = f"; {format_size(freed)} of framework cache freed first" if freed else ""
+        self.log.info("gpupool: kernel %s suspended (%s parked%s): %s", kernel_id, format_size(parked), first, lease.suspend_reason)
+        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM{first}): {lease.suspend_reason}")
 
     async def _restore(self, kernel_id: str, lease: Lease, pid: int, mapping: dict[str, str], action: str = "resumed") -> None:
         moved = {old: new for old, new in mapping.items() if old != new}
@@ -1011,6 +1076,40 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         where = "onto another GPU of the same model" if moved else "on its GPU"
         self.emit(action, done, message=f"{action} {where} after {time.time() - started:.1f} s")
 
+    async def _free_caches(self, kernel_id: str, lease: Lease) -> int:
+        """Ask the kernel to free its frameworks' cached GPU memory before it is parked (the quiet
+        channel: its control channel, not a cell, not activity, answered while a cell waits); bytes
+        freed (0 when it did not answer within ``free_caches_timeout``: the checkpoint goes ahead)."""
+        self._parking[lease.id] = {"used_before": lease.used_memory, "cache_freed": None}
+        if self.free_caches_timeout <= 0 or kernel_id in self._no_quiet_answer:
+            return 0
+        assert self.serverapp is not None
+        try:
+            kernel = self.serverapp.kernel_manager.get_kernel(kernel_id)
+            reply = await quiet_request(kernel, "free_caches", self.free_caches_timeout)
+        except Exception as err:  # noqa: BLE001 -- the checkpoint goes ahead, caches and all
+            self.log.info("gpupool: kernel %s: could not ask it to free its caches before parking: %s", kernel_id, err)
+            return 0
+        if reply is None:
+            self._no_quiet_answer.add(kernel_id)
+            self.log.info("gpupool: kernel %s did not answer a request to free its caches (no gpupool kernel extension?); "
+                          "parking its GPU memory as it is", kernel_id)
+            return 0
+        if reply.get("status") != "ok":
+            self.log.info("gpupool: kernel %s could not free its caches: %s", kernel_id, reply.get("message"))
+            return 0
+        freed = max(0, int(reply.get("freed") or 0))
+        self._parking[lease.id] = {"used_before": lease.used_memory, "cache_freed": freed, "held": reply.get("held")}
+        return freed
+
+    def parking_of(self, lease: Lease | None) -> dict[str, Any] | None:
+        """For a suspended (or resuming) lease: the GPU memory its kernel used before it was parked,
+        and how much framework cache was freed first (None where this server did not park it)."""
+        if lease is None:
+            return None
+        parked = lease.state is LeaseState.SUSPENDED or lease.resuming or lease.transition is Transition.RESTORING
+        return self._parking.get(lease.id) if parked else None
+
     def _observe_restore(self, lease: Lease) -> None:
         """Count a confirmed restore in ``gpupool_restore_seconds`` (from the resumed kernel's grant
         to now), on this server's /metrics, as the broker counts those it confirms."""
@@ -1030,6 +1129,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         """Live defragmentation: park the kernel's memory, restore it on the GPU the engine chose."""
         self.emit("migrating", lease, message=lease.suspend_reason)
         try:
+            await self._free_caches(kernel_id, lease)
             await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
         except CheckpointError as err:
             running = getattr(err, "state", "running") in ("running", "")
@@ -1207,7 +1307,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             return queued_status_while_unreachable(kernel_id, queued, info, self.owner, now)
         if self._pool is None or (lease is None and not self.available):
             return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", self.availability()["reason"], None)
-        return kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)
+        status = kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)
+        status["parking"] = self.parking_of(lease)
+        return status
 
     # --- events -----------------------------------------------------------------------------------
 

@@ -161,10 +161,23 @@ const TRANSITIONS: { [step: string]: { text: string; status: string; badge: stri
   migrating: { text: 'moving to another GPU…', status: 'GPU moving…', badge: 'moving' }
 };
 
-/** `GPU suspended · 6.2 GiB parked` (without the size when the server did not say). */
+/**
+ * `GPU suspended · 6.2 GiB parked` (without the size when the server did not say), and against
+ * what the kernel used where its server knows: `GPU suspended · 6.2 GiB parked of 6.5 GiB used`.
+ */
 export function parkedText(status: IKernelStatus): string {
   const parked = num(status.parked_memory);
-  return 'GPU suspended' + (parked !== null && parked > 0 ? ` · ${formatSize(parked)} parked` : '');
+  if (parked === null || parked <= 0) {
+    return 'GPU suspended';
+  }
+  const used = num(status.parking?.used_before);
+  return `GPU suspended · ${formatSize(parked)} parked` + (used !== null && used > 0 ? ` of ${formatSize(used)} used` : '');
+}
+
+/** ` 0.3 GiB of framework cache was freed first, so only live memory was copied.` (empty when none). */
+export function cacheFreedText(status: IKernelStatus): string {
+  const freed = num(status.parking?.cache_freed);
+  return freed !== null && freed > 0 ? ` ${formatSize(freed)} of framework cache was freed first, so only live memory was copied.` : '';
 }
 
 function clamp01(value: number): number {
@@ -418,7 +431,7 @@ function kernelViewOf(input: IKernelInput): IKernelView {
       phase: 'suspended',
       statusText: 'GPU suspended',
       statusTitle: text + (reason ? ` (${reason})` : ''),
-      summary: `${formatSize(memory)} slice suspended: the kernel keeps its variables, its GPU memory waits in host RAM.`,
+      summary: `${formatSize(memory)} slice suspended: the kernel keeps its variables, its GPU memory waits in host RAM.${cacheFreedText(status)}`,
       suspended: { text, reason },
       canRelease: true,
       canResume: true,

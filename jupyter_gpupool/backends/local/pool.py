@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 from traitlets.config import Config
 
+from jupyter_gpupool.backends.changes import PoolChanges
 from jupyter_gpupool.backends.contract import Capability
 from jupyter_gpupool.backends.local.store import SIMULATED_INVENTORY, Store
 from jupyter_gpupool.backends.waiting import GrantWaiting
@@ -94,6 +95,10 @@ class Pool(GrantWaiting):
         self.engine = Engine(self.policy)
         self.store = Store(db_path)
         self._remember_inventory()
+        #: Wakes whoever waits on this pool when it changed (this process's commits at once, other
+        #: processes' within ``PoolChanges.interval``): see :meth:`wait_for_change`.
+        self.changes = PoolChanges(None if self.store.path == ":memory:" else self.store.path)
+        self.store.on_commit = self.changes.notify
         self._devices: tuple[float, list[Device]] | None = None
         self._simulated_host_memory: int | None = None  # of the cached device list (forgotten when it is read again)
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
@@ -361,12 +366,13 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return state.leases[lease_id].copy()
 
-    def resume(self, lease_id: str, now: float | None = None) -> Lease:
-        """Queue a suspended lease to come back; granted by policy like any request."""
+    def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
+        """Queue a suspended lease to come back; granted by policy like any request. ``ahead``: a
+        resume asked before a cell needs it, which queues behind every real request."""
         now = self._now(now)
         with self._locked():
             state = self._load(now)
-            self.engine.resume(state, lease_id, now)
+            self.engine.resume(state, lease_id, now, ahead=ahead)
             decisions = self.engine.schedule(state, now)
             self._save(state, decisions)
             return state.leases[lease_id].copy()
@@ -824,7 +830,18 @@ class Pool(GrantWaiting):
     def events(self, after_seq: int = 0) -> list[dict[str, Any]]:
         return self._reads().events(after_seq)
 
+    # --- hearing of changes -------------------------------------------------------------------
+    def wait_for_change(self, since: int | None, timeout: float) -> int:
+        """Block until the pool changed after version ``since`` (any process's commit) or ``timeout``
+        seconds passed; the version now (``since`` None: at once). Wakes in milliseconds, not on a tick."""
+        return self.changes.wait(since, timeout)
+
+    def subscribe_changes(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` (from any thread) after every change of the pool; returns the unsubscriber."""
+        return self.changes.subscribe(listener)
+
     def close(self) -> None:
+        self.changes.close()
         self.store.close()
         if self._view_store is not None:
             self._view_store.close()

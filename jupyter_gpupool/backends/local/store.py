@@ -283,6 +283,8 @@ class Store:
         self._identity: tuple[int, int] | None = None
         self._failure: PoolUnavailable | None = None
         self._guard: PathGuard | None = None
+        #: Called after each successful COMMIT of this store (the pool's in-process wake-up, see backends/changes.py).
+        self.on_commit: Callable[[], None] | None = None
         # One connection per Store; the lock serialises threads (the server's executor, to_thread).
         self.lock = threading.RLock()
         if path == ":memory:":
@@ -607,6 +609,9 @@ class Store:
                         self._committed_ids.add(lease_id)
                 self._texts.update(texts)
                 # Our own commits do not change data_version for this connection: the cache stays valid.
+            if self.on_commit is not None:
+                with contextlib.suppress(Exception):  # a wake-up that failed must not fail the decision
+                    self.on_commit()
 
     @contextlib.contextmanager
     def read_transaction(self) -> Iterator[sqlite3.Connection]:
