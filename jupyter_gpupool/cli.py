@@ -710,6 +710,8 @@ class ReportApp(GpuPoolBaseApp):
                 "gpu_hours": "GPU·h",
                 "gib_hours_held": "GiB·h held",
                 "gib_hours_active": "GiB·h active",
+                "gib_hours_burst": "GiB·h burst",
+                "gpu_hours_burst": "GPU·h burst",
                 "cost": "cost",
                 "currency": "",
             }

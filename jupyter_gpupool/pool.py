@@ -749,6 +749,7 @@ class Pool(GrantWaiting):
                     active_seconds=lease.active_seconds,
                     devices=tuple(inventory.get(u) for u in lease.devices),
                     memory_history=tuple((at, memory * lease.num_gpus) for at, memory in lease.memory_history),
+                    guarantee=lease.guarantee_size * lease.num_gpus,
                 )
             )
         return report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
@@ -767,6 +768,7 @@ class Pool(GrantWaiting):
             active_seconds=float(row["active_seconds"]),
             devices=tuple(recorded.get(u) or inventory.get(u) for u in row["devices"]),
             memory_history=tuple(row.get("memory_history") or ()),
+            guarantee=int(row["guarantee"]) if row.get("guarantee") is not None else None,
         )
 
     def _inventory(self) -> dict[str, DeviceInfo]:

@@ -146,3 +146,49 @@ def test_fixed_slices_never_grow(tmp_path):
     decisions = pool.report_usage({lease.id: 6 * GIB}, now=T0 + 1)
     assert [d.kind for d in decisions] == [DecisionKind.OVER_LIMIT]
     assert pool.get(lease.id).memory == 2 * GIB
+
+
+def test_report_bills_burst_apart_from_the_guarantee(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB")
+    lease = pool.request(req(gib=2), now=T0)
+    pool.grow(lease.id, 6 * GIB, now=T0 + 3600)  # 2 GiB for an hour, then 6 GiB for an hour
+    pool.release(lease.id, now=T0 + 7200)
+    (row,) = pool.report(now=T0 + 7200)
+    assert row["gib_hours_held"] == pytest.approx(8.0)
+    assert row["gib_hours_burst"] == pytest.approx(4.0)  # 4 GiB above the guarantee for an hour
+    assert row["gpu_hours_burst"] == pytest.approx(4 / 16)
+
+
+def test_a_pool_file_of_the_previous_version_is_taken_forward(tmp_path):
+    """A file written before elastic slices: its granted lease is guaranteed its size and does not
+    burst (it asked for a fixed slice then), and its ledger rows bill nothing as burst."""
+    import json
+    import sqlite3
+
+    from jupyter_gpupool.core.models import Lease
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
+    from jupyter_gpupool.pool import Pool
+    from jupyter_gpupool.store import MIGRATIONS, SCHEMA_VERSION
+
+    path = tmp_path / "old.sqlite"
+    uuid = SimulatedBackend.from_spec("1x16GiB").devices()[0].uuid
+    before = len(MIGRATIONS) - 1
+    conn = sqlite3.connect(path)
+    conn.executescript(";".join(MIGRATIONS[:before]) + f"; PRAGMA user_version={before}; PRAGMA application_id={0x4A475050};")
+    old = Lease(id="l-old", owner="alice", memory=4 * GIB, state=LeaseState.GRANTED, created_at=T0, granted_at=T0,
+                devices=(uuid,), heartbeat_at=T0).to_json()
+    for field in ("guarantee", "burst_limit", "burst_taken_at", "burst_note"):
+        del old[field]
+    conn.execute("INSERT INTO leases VALUES (?,?,?,?,?,?)", ("l-old", "granted", "alice", None, T0, json.dumps(old)))
+    conn.execute("INSERT INTO ledger(lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds) VALUES (?,?,?,?,?,?,?,?,?)",
+                 ("l-0", "bob", "[]", None, json.dumps([uuid]), 8 * GIB, T0 - 3600, T0, 0.0))
+    conn.commit()
+    conn.close()
+    pool = make_pool(tmp_path, name="old.sqlite")
+    assert isinstance(pool, Pool)
+    assert pool.store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    lease = pool.get("l-old")
+    assert (lease.guarantee_size, lease.limit_size, lease.elastic) == (4 * GIB, 4 * GIB, False)
+    rows = {r["user"]: r for r in pool.report(now=T0 + 3600)}
+    assert rows["bob"]["gib_hours_held"] == pytest.approx(8.0) and rows["bob"]["gib_hours_burst"] == 0.0
+    assert rows["alice"]["gib_hours_burst"] == 0.0

@@ -185,7 +185,7 @@ class Engine:
         lease.created_at = now  # it queues from now, behind those who asked before
         lease.memory, lease.num_gpus, lease.priority = memory, num_gpus, priority
         lease.guarantee, lease.burst_limit = memory, limit
-        lease.burst_taken_at, lease.burst_note, lease.burst_seconds = None, "", 0.0
+        lease.burst_taken_at, lease.burst_note = None, ""
         lease.compute_share, lease.model, lease.duration = request.compute_share, request.model, request.duration
         lease.holder_pid, lease.holder_host, lease.label = request.holder_pid, request.holder_host, request.label
         lease.suspendable = request.suspendable
@@ -939,12 +939,10 @@ class Engine:
 
     # --- elastic slices: grow on demand, give burst back under pressure -----------------------------
     def _set_size(self, state: PoolState, lease: Lease, memory: int, now: float) -> None:
-        """Change a lease's current size, keeping what metering needs: each size's time, and the
-        byte-seconds held above the guarantee (see :meth:`Lease.burst_byte_seconds`)."""
+        """Change a lease's current size, keeping what metering needs: each size's time."""
         if memory == lease.memory:
             return
         if lease.state is LeaseState.GRANTED:
-            lease.burst_seconds = lease.burst_byte_seconds(now)
             lease.memory_history = (*lease.memory_history, (now, lease.memory))
         lease.memory = memory
         state.touch(lease)

@@ -262,9 +262,6 @@ class Lease:
     burst_taken_at: float | None = None
     #: The last grow or give-back step, for the user ("grown to 8 GiB: ...", "burst taken back: ...").
     burst_note: str = ""
-    #: Byte-seconds (all GPUs) held above the guarantee in earlier sizes of this granted interval
-    #: (see :func:`burst_byte_seconds`): metering bills burst apart from the guarantee.
-    burst_seconds: float = 0.0
 
     @property
     def guarantee_size(self) -> int:
@@ -291,11 +288,6 @@ class Lease:
         slice's limit, or its current size once the pool took its burst back."""
         per_gpu = self.memory if self.burst_taken_at is not None or not self.elastic else self.limit_size
         return per_gpu * max(1, self.num_gpus)
-
-    def burst_byte_seconds(self, until: float) -> float:
-        """Byte-seconds (all GPUs) held above the guarantee from the grant to ``until``."""
-        since = self.memory_history[-1][0] if self.memory_history else (self.granted_at or until)
-        return self.burst_seconds + self.burst * max(1, self.num_gpus) * max(0.0, until - since)
 
     @property
     def queued_since(self) -> float:
