@@ -61,6 +61,9 @@ def load_ipython_extension(ipython: Any) -> None:
         return
     caps = get_caps()
     caps.install(ipython)
+    caps.serve_live_caps(getattr(ipython, "kernel", None))  # the server moves them when the slice grows or shrinks
+    if os.environ.get("GPUPOOL_LEASE_ID"):
+        caps.oom.grow = _grow_slice
     ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
     _state["shell"] = ipython
     waiting = _state["resume"] = ResumeOnRun(get_client)  # costs nothing until the kernel has a lease
@@ -68,6 +71,11 @@ def load_ipython_extension(ipython: Any) -> None:
     if os.environ.get("GPUPOOL_LEASE_ID"):
         reporter = _state["activity"] = ActivityReporter(lambda: get_client().lease_id, lambda: get_client().pool)
         reporter.start(ipython)
+
+
+def _grow_slice(needed: int) -> int:
+    """Ask the pool to grow this kernel's slice to hold ``needed`` bytes; its new size per GPU."""
+    return get_client().grow(needed).memory
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -92,6 +92,12 @@ class PoolClient(abc.ABC):
         or RequestRefused / LeaseNotFound when the lease is released meanwhile (with the reason).
         """
 
+    def grow(self, needed: int) -> Lease:
+        """Ask the pool to grow this kernel's elastic slice so it holds ``needed`` bytes (all its
+        GPUs), as a framework cap's allocation failure does; the caps follow. Raises
+        RequestRefused with the pool's reason (the GPU is full, the slice is fixed, its limit)."""
+        raise RequestRefused("the slice was not grown: this pool connection cannot grow a slice")
+
     def close(self) -> None:
         """Release connections and file handles."""
 
@@ -266,6 +272,16 @@ class InProcessPoolClient(PoolClient):
             note="" if lease else "not started through the GPU pool",
             backend=self.pool.lease_details(lease) if lease is not None and hasattr(self.pool, "lease_details") else {},
         )
+
+    def grow(self, needed: int) -> Lease:
+        lease = self._live()
+        grow = getattr(self.pool, "grow", None)
+        if grow is None:
+            return super().grow(needed)
+        updated: Lease = grow(lease.id, needed)
+        self._set_lease(updated)
+        self._recap(updated)
+        return updated
 
     def reserve(self, memory: str | None, duration: str | None = None, num_gpus: int | None = None) -> Lease:
         if memory is None and duration is None and num_gpus is None:

@@ -38,7 +38,7 @@ from tornado import web
 from traitlets import Bool, Enum, Float, List, Unicode, default
 
 from ..backends import backend_provisioner
-from ..core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Transition
+from ..core.models import Activity, Decision, DecisionKind, Lease, LeaseState, QueueInfo, Transition
 from ..enforcement import EnforcementPlan, EnforcementSettings, plan_enforcement
 from ..errors import GpuPoolError, NoGpuFound, PoolUnavailable
 from ..kernel.autolease import mark_unpooled_kernelspecs
@@ -53,7 +53,8 @@ from ..provisioner import (
     one_line,
     when_unavailable_from_env,
 )
-from ..quiet import ActivityClocks
+from ..kernel.caps import CAPS_REPLY, CAPS_REQUEST
+from ..quiet import ActivityClocks, mark_quiet
 from ..units import format_size
 from ..views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from .configguard import FailClosedConfig
@@ -148,6 +149,12 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         "'suspend' parks the kernel's GPU memory in host RAM where this host can (CUDA driver 570+ with "
         "`pip install jupyter-gpupool[cuda]`, or a simulated pool) and culls it where not; 'cull' always shuts it "
         "down. The pool's own c.PoolPolicy.reclaim_action can forbid suspends for everyone.",
+    )
+    caps_timeout = Float(
+        10.0,
+        config=True,
+        help="Seconds the server waits for a kernel to answer a request to move its framework caps (an elastic "
+        "slice grew or gave its burst back); the watchdog holds a kernel that does not answer to its size.",
     )
     checkpoint_timeout = Float(
         30.0,
@@ -269,6 +276,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._warned: dict[str, float] = {}
         self._failed: dict[str, str] = {}
         self._moving: set[str] = set()  # lease ids whose suspend, restore or move this server is carrying out
+        self._caps_sent: dict[str, int] = {}  # lease id → bytes per GPU its kernel's caps were last moved to
         #: Steps done here whose confirmation the pool did not get (an outage): confirmed again, never redone.
         self._unconfirmed: dict[str, tuple[Transition, int | None]] = {}
         self._transition_tasks: set[asyncio.Future[None]] = set()
@@ -868,6 +876,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             return decisions, self._kernel_leases(), handed_back
 
         decisions, leases, handed_back = await asyncio.to_thread(step)
+        self.follow_sizes(leases)
         for prov, lease in handed_back:  # told on the event loop: events need it
             prov._notify("released", lease, None, lease.release_reason)
         # State, not decisions: another process sharing the pool file (nbconvert waiting for a
@@ -1136,13 +1145,17 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 roots[lease.id] = int(prov.pid)  # a kernel whose lease is suspended, too: its use is unpooled
                 kernel_of[lease.id] = kernel_id
             if lease.state is LeaseState.GRANTED and prov.pid:
-                limits[lease.id] = lease.memory * max(1, lease.num_gpus)
+                limits[lease.id] = lease.watch_limit()  # an elastic slice's limit, or its size once its burst was taken back
         self.watchdog.act_on_process = lambda use, action: (
             None if use.pid in own_pids else self.watchdog._signal_process(use, action)  # our kernels: below, through the kernel manager
         )
         report = await asyncio.to_thread(self.watchdog.check, roots, limits, None, live, HOSTNAME)
         assert self.serverapp is not None
         km = self.serverapp.kernel_manager
+        if any(d.kind in (DecisionKind.GROW, DecisionKind.SHRINK) for d in report.decisions):
+            grown = {d.lease_id for d in report.decisions}
+            fresh = await asyncio.to_thread(lambda: {l.id: l for l in self.pool.leases() if l.id in grown})
+            self.follow_sizes({k: (p, fresh.get(l.id, l)) for k, (p, l) in leases.items()})
         for kind, use, action, line in report.unpooled_events:
             kernel_id = own_pids.get(use.pid)
             lease = leases[kernel_id][1] if kernel_id is not None else None
@@ -1168,10 +1181,56 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 elif event.action == "stop":
                     await km.shutdown_kernel(kernel_id)
 
+    # --- elastic slices: the kernel's caps follow its size -------------------------------------------
+
+    def follow_sizes(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]]) -> None:
+        """Move each running kernel's framework caps to its slice's current size when the pool
+        grew it or took its burst back (through the quiet channel: no activity), and tell the user."""
+        for kernel_id, (prov, lease) in leases.items():
+            if lease.state is not LeaseState.GRANTED or prov.phase != "running" or not prov.pid:
+                self._caps_sent.pop(lease.id, None)
+                continue
+            sent = self._caps_sent.setdefault(lease.id, lease.guarantee_size)  # it started at its guarantee
+            if lease.memory == sent:
+                continue
+            self._caps_sent[lease.id] = lease.memory
+            shrinking = lease.memory < sent
+            if shrinking or lease.burst_note.startswith("burst taken back"):
+                self.emit("burst_taken_back", lease, message=lease.burst_note or f"the slice is {format_size(lease.memory)} now")
+            else:
+                self.emit("grown", lease, message=lease.burst_note or f"the slice grew to {format_size(lease.memory)}")
+            self._spawn(self._move_caps(kernel_id, lease, free_cache=shrinking))
+
+    async def _move_caps(self, kernel_id: str, lease: Lease, free_cache: bool) -> dict[str, Any] | None:
+        """Ask the kernel (a quiet control request: it is answered while a cell runs, and is no
+        activity) to free its frameworks' caches if ``free_cache`` and set its caps to the slice."""
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        if kernel_id not in km:
+            return None
+        client = km.get_kernel(kernel_id).client()
+        try:
+            client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+            gpu_memory = min((d.memory_total for d in self.pool.devices() if d.uuid in lease.devices), default=None)
+            msg = mark_quiet(client.session.msg(CAPS_REQUEST, {"limit": int(lease.memory), "free_cache": free_cache,
+                                                               "gpu_memory": gpu_memory}))
+            client.control_channel.send(msg)
+            deadline = time.monotonic() + self.caps_timeout
+            while time.monotonic() < deadline:
+                reply = await client.control_channel.get_msg(timeout=max(0.1, deadline - time.monotonic()))
+                if reply.get("msg_type") == CAPS_REPLY and reply.get("parent_header", {}).get("msg_id") == msg["header"]["msg_id"]:
+                    return dict(reply.get("content") or {})
+        except Exception as err:  # noqa: BLE001 - a kernel without the extension, or busy in C code: the watchdog still holds it
+            self.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(lease.memory), err)
+        finally:
+            client.stop_channels()
+        return None
+
     def emit_unpooled(self, nbytes: int, device: str) -> None:
         """Emit an ``unpooled`` event (no lease; never whose): front ends re-read the pool view."""
         data: dict[str, Any] = {
             "action": "unpooled", "lease_id": None, "kernel_id": None, "state": None, "memory": int(nbytes),
+            "guarantee": None, "limit": None,
             "queue_position": None, "queue_length": None, "deadline": None,
             "message": f"{format_size(nbytes)} of GPU {device} is used outside the pool; the pool does not grant it",
         }
@@ -1238,6 +1297,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             "kernel_id": lease.kernel_id,
             "state": lease.state.value,
             "memory": int(lease.memory),
+            "guarantee": int(lease.guarantee_size),
+            "limit": int(lease.limit_size),
             "queue_position": info.position if info else None,
             "queue_length": info.length if info else None,
             "deadline": deadline,
