@@ -350,6 +350,16 @@ def lease_place_text(item: dict[str, Any]) -> str:
     return ",".join(u[:12] for u in item["devices"])
 
 
+def memory_text(item: dict[str, Any]) -> str:
+    """A lease's size per GPU: ``8 GiB``, or for an elastic slice ``2 GiB (6 GiB now, up to 16 GiB)``."""
+    memory = int(item["memory"])
+    guarantee = int(item.get("guarantee") or memory)
+    limit = int(item.get("burst_limit") or 0)
+    if limit <= guarantee:
+        return format_size(memory)
+    return f"{format_size(guarantee)} ({format_size(memory)} now, up to {format_size(limit)})"
+
+
 def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
     rows = []
     for item in leases:
@@ -359,7 +369,7 @@ def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
                 item.get("id") or "-",
                 item.get("owner") or "(another user)",
                 lease_state_text(item),
-                format_size(item["memory"]) + (f" x{item['num_gpus']}" if item.get("num_gpus", 1) > 1 else ""),
+                memory_text(item) + (f" x{item['num_gpus']}" if item.get("num_gpus", 1) > 1 else ""),
                 lease_place_text(item),
                 format_duration(now - since),
                 (item.get("kernel_id") or item.get("label") or "")[:36],

@@ -6,6 +6,7 @@ from typing import Any
 
 from .core.models import Lease, LeaseState
 from .enforcement import EnforcementConfig, plan_enforcement
+from .units import format_size
 
 #: Kernel states besides a lease's: ``none`` (runs without a slice), ``unavailable`` (runs CPU-only
 #: because the pool could not be used), ``failed`` (its start failed; no kernel process).
@@ -95,6 +96,17 @@ def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> di
 
 #: The elastic-slice fields of a body with no lease (see :func:`elastic_fields`).
 _NO_BURST: dict[str, Any] = {"guarantee": 0, "limit": 0, "burst": 0, "burst_note": None, "burst_taken_at": None}
+
+
+def elastic_line(lease: Lease) -> str:
+    """``4 GiB guaranteed · 9.2 GiB now, up to 40 GiB`` (all its GPUs); ``""`` for a fixed slice."""
+    if not lease.elastic:
+        return ""
+    gpus = max(1, lease.num_gpus)
+    return (
+        f"{format_size(lease.guarantee_size * gpus)} guaranteed · {format_size(lease.memory * gpus)} now, "
+        f"up to {format_size(lease.limit_size * gpus)}"
+    )
 
 
 def elastic_fields(lease: Lease) -> dict[str, Any]:

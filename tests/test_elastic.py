@@ -192,3 +192,19 @@ def test_a_pool_file_of_the_previous_version_is_taken_forward(tmp_path):
     rows = {r["user"]: r for r in pool.report(now=T0 + 3600)}
     assert rows["bob"]["gib_hours_held"] == pytest.approx(8.0) and rows["bob"]["gib_hours_burst"] == 0.0
     assert rows["alice"]["gib_hours_burst"] == 0.0
+
+
+def test_the_status_line_and_the_leases_table_show_guarantee_now_and_limit(tmp_path):
+    from jupyter_gpupool.cli import memory_text
+    from jupyter_gpupool.kernel.status import KernelStatus
+    from jupyter_gpupool.views import elastic_line
+
+    pool = make_pool(tmp_path, burst="40GiB", spec="1x80GiB")
+    lease = pool.request(req(gib=4), now=T0)
+    grown = pool.grow(lease.id, int(9.2 * GIB), now=T0 + 1)
+    assert elastic_line(grown) == "4 GiB guaranteed · 9.2 GiB now, up to 40 GiB"
+    assert memory_text(grown.to_json()) == "4 GiB (9.2 GiB now, up to 40 GiB)"
+    rows = dict(KernelStatus(lease=grown, now=T0 + 1).rows())
+    assert rows["elastic"] == "4 GiB guaranteed · 9.2 GiB now, up to 40 GiB" and rows["last step"].startswith("grown to")
+    fixed = pool.request(req("bob", gib=4, burst_limit=0), now=T0)
+    assert elastic_line(fixed) == "" and memory_text(fixed.to_json()) == "4 GiB"
