@@ -67,6 +67,8 @@ def test_a_kernel_grows_past_its_default_and_gives_the_burst_back_for_a_request(
 
         await kernel_exec(a, USE + "pretend_to_use('1GiB')")
         await gpupool_wait(lambda: (pool.get(grown.id).used_memory or GIB * 99) <= GIB, what="A's use down to 1 GiB")
+        await asyncio.sleep(1.0)  # the tick has reported that cell's activity
+        idle_since = pool.get(grown.id).last_activity
         pool.set_preference("alice", memory="12GiB")
         asked = time.monotonic()
         b = await _start(gpupool_fetch)
@@ -77,7 +79,10 @@ def test_a_kernel_grows_past_its_default_and_gives_the_burst_back_for_a_request(
         back = pool.get(grown.id)
         assert back.state is LeaseState.GRANTED and back.guarantee == 2 * GIB and back.memory <= 4 * GIB
         assert back.burst_note.startswith("burst taken back")
-        # A's caps were moved down by the server (a quiet control request, which is no activity).
+        # A's caps were moved down by the server through the quiet channel: no activity for A.
+        await gpupool_wait(lambda: gpupool_ext._caps_sent.get(grown.id) == back.memory, what="A's caps request sent")
+        await asyncio.sleep(1.5)
+        assert pool.get(grown.id).last_activity == idle_since
         async def caps_of_a_followed() -> bool:
             out = await kernel_exec(a, "import jupyter_gpupool.kernel as k\nprint(k.get_caps().limit)")
             return int(out) == pool.get(grown.id).memory
