@@ -95,6 +95,11 @@ def test_reserve_status_release_round_trip(pool_env: PoolEnv, kernel_factory: An
     status = kernel.run("%gpupool status").plain()
     assert "4 GiB on GPU 0" in status and "granted" in status
 
+    limited = kernel.run("%gpupool reserve 4GiB --limit 12GiB")
+    assert (pool.get(pool_env.lease_id).guarantee, pool.get(pool_env.lease_id).burst_limit) == (4 * GIB, 12 * GIB)
+    assert "4 GiB guaranteed · 4 GiB now, up to 12 GiB" in limited.plain()
+    assert "below the slice's size" in one_line_error(kernel.run("%gpupool reserve 4GiB --limit 2GiB", allow_error=True))
+
     kept = kernel.run("%gpupool keep 3h")
     keep_until = pool.get(pool_env.lease_id).keep_until
     assert keep_until is not None and abs(keep_until - (time.time() + 3 * 3600)) < 120
@@ -180,7 +185,7 @@ def test_a_size_in_two_words_is_read_as_over_rest(pool_env: PoolEnv, kernel_fact
 def test_help_lists_commands_and_forms(shared_kernel: tuple[PoolEnv, Kernel]) -> None:
     _, kernel = shared_kernel
     text = kernel.run("%gpupool help").stdout
-    for command in ("status", "reserve 12GiB [--for 2h] [--gpus 2]", "release", "queue", "keep [1h]", "wait"):
+    for command in ("status", "reserve 12GiB [--limit 32GiB] [--for 2h] [--gpus 2]", "release", "queue", "keep [1h]", "wait"):
         assert command in text
     assert SIZE_FORMS in text
     sub = kernel.run("%gpupool reserve --help").stdout

@@ -93,6 +93,16 @@ def lease_place_text(item: dict[str, Any]) -> str:
     return ",".join(u[:12] for u in item["devices"])
 
 
+def memory_text(item: dict[str, Any]) -> str:
+    """A lease's size per GPU: ``8 GiB``, or for an elastic slice ``2 GiB (6 GiB now, up to 16 GiB)``."""
+    memory = int(item["memory"])
+    guarantee = int(item.get("guarantee") or memory)
+    limit = int(item.get("burst_limit") or 0)
+    if limit <= guarantee:
+        return format_size(memory)
+    return f"{format_size(guarantee)} ({format_size(memory)} now, up to {format_size(limit)})"
+
+
 def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
     rows = []
     for item in leases:
@@ -102,7 +112,7 @@ def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
                 item.get("id") or "-",
                 item.get("owner") or "(another user)",
                 lease_state_text(item),
-                slice_size(item["memory"], item.get("num_gpus") or 1),
+                (f"{item['num_gpus']} × " if (item.get("num_gpus") or 1) > 1 else "") + memory_text(item),
                 lease_place_text(item),
                 format_duration(now - since),
                 (item.get("kernel_id") or item.get("label") or "")[:36],
@@ -442,6 +452,8 @@ class ReportApp(GpuPoolBaseApp):
                 "gpu_hours": "GPU·h",
                 "gib_hours_held": "GiB·h held",
                 "gib_hours_active": "GiB·h active",
+                "gib_hours_burst": "GiB·h burst",
+                "gpu_hours_burst": "GPU·h burst",
                 "cost": "cost",
                 "currency": "",
             }

@@ -602,8 +602,11 @@ class RemotePool(GrantWaiting):
         return result
 
     def resize(
-        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None
+        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None,
+        limit: int | None = None,
     ) -> Lease:
+        if limit is not None:
+            raise RequestRefused("a slice's limit cannot be changed through the broker; the pool's burst policy sets it")
         return _lease(
             self.call("POST", f"{API}/leases/{_q(lease_id)}/resize", {"memory": memory, "duration": duration})
         )

@@ -312,7 +312,7 @@ class Broker(LoggingConfigurable):
         pool = self.pool
         live = {lease.id: lease for lease in pool.leases()}
         granted = {lease_id: lease for lease_id, lease in live.items() if lease.state is LeaseState.GRANTED}
-        limits = {lease_id: lease.memory * lease.num_gpus for lease_id, lease in granted.items()}
+        limits = {lease_id: lease.watch_limit() for lease_id, lease in granted.items()}  # an elastic slice: its limit
         self.watchdog.default_unpooled_action = "stop"  # a multi-user host: GPUs are used through the pool
         report = self.watchdog.check({}, limits, leases=live, host=HOSTNAME, env_var=self.lease_env_var)
         if report.error:

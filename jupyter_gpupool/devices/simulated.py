@@ -14,7 +14,7 @@ from jupyter_gpupool.devices.base import DeviceBackend, ProcessUsage
 from jupyter_gpupool.devices.base import process_alive as _alive
 from jupyter_gpupool.devices.checkpoint import devices_now, wait_while_suspended
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.units import GIB, parse_size
+from jupyter_gpupool.units import GIB, format_size, parse_size
 
 SPEC_FORMS = "a spec like 1x16GiB, 2xA100-80GB or 4xRTX3090-24GB,1xT4-16GB"
 
@@ -157,10 +157,52 @@ def usage_dir_for(db_path: str) -> str:
     return os.environ.get("GPUPOOL_SIMULATE_USAGE_DIR") or f"{db_path}.usage"
 
 
+class SimulatedOutOfMemoryError(MemoryError):
+    """What a framework cap raises when an allocation would go past the kernel's slice."""
+
+
+def _slice_limit() -> int | None:
+    """Bytes per GPU this process's framework caps allow now (the kernel's live caps, else
+    ``GPUPOOL_MEMORY_LIMIT``); None when nothing caps it."""
+    from ..kernel import _state
+
+    caps = _state.get("caps")
+    if caps is not None:
+        return caps.limit
+    raw = os.environ.get("GPUPOOL_MEMORY_LIMIT", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def _within_slice(amount: int, gpus: int) -> None:
+    """As a framework cap does: an allocation past the slice first asks the pool to grow an elastic
+    slice; if it cannot, it fails saying why."""
+    limit = _slice_limit()
+    if limit is None or amount <= limit * gpus:
+        return
+    from ..errors import GpuPoolError
+    from ..kernel import _grow_slice
+
+    try:
+        grown = _grow_slice(amount) if os.environ.get("GPUPOOL_LEASE_ID") else limit
+    except GpuPoolError as refusal:
+        reason = str(refusal)
+    else:
+        if amount <= grown * gpus:
+            return
+        reason = "the slice was not grown"
+    raise SimulatedOutOfMemoryError(
+        f"out of GPU memory (simulated): tried to hold {format_size(amount)} in a slice of {format_size(limit * gpus)}; {reason}"
+    )
+
+
 def pretend_to_use(size: str | int, pid: int | None = None) -> int:
     """Inside a kernel on a simulated pool: pretend this process now holds ``size`` of GPU memory
     (``"3GiB"``; ``0`` frees it), spread over its visible GPUs. The watchdog, the sidebar and
     ``%gpupool status`` then show it, as they would real usage. Returns the bytes set.
+
+    Past the kernel's slice it behaves as a framework cap: an elastic slice is first grown (the
+    pool says no when the GPU is full, the slice is fixed, or past its limit), else it raises
+    :class:`SimulatedOutOfMemoryError` saying why, and holds what it held before.
 
     While the pool has this kernel suspended it blocks until the kernel is resumed, as a CUDA
     call does (interrupt the cell to stop waiting); after a resume onto other GPUs it uses those.
@@ -172,6 +214,8 @@ def pretend_to_use(size: str | int, pid: int | None = None) -> int:
     visible = [u for u in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if u.startswith("GPU-")]
     if amount and not visible:
         raise InvalidInput("this kernel holds no GPU slice to use (CUDA_VISIBLE_DEVICES names none)")
+    if amount and pid is None:
+        _within_slice(amount, len(visible))
     folder = usage_dir_for(db)
     os.makedirs(folder, exist_ok=True)
     owner = pid or os.getpid()

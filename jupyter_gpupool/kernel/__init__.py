@@ -62,6 +62,8 @@ def load_ipython_extension(ipython: Any) -> None:
         return
     caps = get_caps()
     caps.install(ipython)
+    if os.environ.get("GPUPOOL_LEASE_ID"):
+        caps.oom.grow = _grow_slice
     ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
     _state["shell"] = ipython
     waiting = _state["resume"] = ResumeOnRun(get_client)  # costs nothing until the kernel has a lease
@@ -74,11 +76,18 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def _answer_quiet_requests(ipython: Any) -> None:
     """Let the server reach this kernel on the quiet channel (control, not a cell, no activity):
-    ``free_caches`` before a checkpoint (see :mod:`.caches`)."""
+    ``free_caches`` before a checkpoint (see :mod:`.caches`), ``set_caps`` when its slice grew or shrank."""
     from jupyter_gpupool.kernel.caches import free_framework_caches
     from jupyter_gpupool.quiet import install_quiet_requests
 
-    install_quiet_requests(getattr(ipython, "kernel", None), {"free_caches": free_framework_caches})
+    install_quiet_requests(
+        getattr(ipython, "kernel", None), {"free_caches": free_framework_caches, "set_caps": get_caps().move_live}
+    )
+
+
+def _grow_slice(needed: int) -> int:
+    """Ask the pool to grow this kernel's slice to hold ``needed`` bytes; its new size per GPU."""
+    return get_client().grow(needed).memory
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -26,9 +26,10 @@ DESCRIPTION = (
 See and manage this kernel's slice of the GPU pool.
 
   %gpupool status                      this kernel's slice, usage, queue position, idle time
-  %gpupool reserve 12GiB [--for 2h] [--gpus 2]
-                                       grow or shrink the slice (or ask for one); --for holds it
-                                       through idle for that long
+  %gpupool reserve 12GiB [--limit 32GiB] [--for 2h] [--gpus 2]
+                                       grow or shrink the slice (or ask for one); --limit: how far
+                                       it may grow while the GPU has room (0: fixed); --for holds
+                                       it through idle for that long
   %gpupool release                     give the slice back to the pool
   %gpupool queue                       the pool's GPUs and who waits
   %gpupool keep [1h]                   hold the slice through idle (default 1h)
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--for", dest="duration", metavar="DURATION", help=_escape(f"hold through idle this long: {DURATION_FORMS}")
     )
     reserve.add_argument("--gpus", type=_gpu_count, metavar="N", help="number of GPUs (1 to 64)")
+    reserve.add_argument(
+        "--limit", metavar="LIMIT",
+        help=_escape(f"how far the slice may grow above its size while the GPU has room: {SIZE_FORMS}; 0 for a fixed slice"),
+    )
     sub.add_parser("release", help="give the slice back to the pool")
     sub.add_parser("queue", help="the pool's GPUs and its queue")
     keep = sub.add_parser("keep", help="hold the slice through idle (default 1h)")
@@ -225,7 +230,7 @@ class GpuPoolMagics(Magics):
 
     def _do_reserve(self, args: argparse.Namespace) -> None:
         before = self.client.status().lease
-        lease = self.client.reserve(args.size, duration=args.duration, num_gpus=args.gpus)
+        lease = self.client.reserve(args.size, duration=args.duration, num_gpus=args.gpus, limit=args.limit)
         status = self.client.status()
         if before is None or before.state is LeaseState.RELEASED:
             title = "gpupool: new slice requested"

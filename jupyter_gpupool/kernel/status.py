@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo, Transition
+from jupyter_gpupool.rest.views import elastic_line
 from jupyter_gpupool.units import GIB, MIB, format_duration, format_size
 from jupyter_gpupool.wording import remaining, slice_size, upcoming_reclaim
 
@@ -147,7 +148,8 @@ class KernelStatus:
         if used is None:
             return f"unknown of {format_size(capacity)} (no usage reported yet)"
         percent = 100.0 * used / capacity if capacity else 0.0
-        over = "  OVER THE SLICE" if used > capacity else ""
+        allowed = self.lease.watch_limit() if self.lease is not None else capacity
+        over = "  OVER THE SLICE" if used > allowed else ""
         return f"{format_size(used)} of {format_size(capacity)} ({percent:.0f}%){over}"
 
     def usage_fraction(self) -> float | None:
@@ -208,6 +210,10 @@ class KernelStatus:
             rows.append(("GPU pool", f"unavailable: {self.unavailable}"))
         if self.lease is not None and self.lease.state is not LeaseState.RELEASED:
             rows.append(("usage", self.usage_text()))
+            if self.lease.elastic:
+                rows.append(("elastic", elastic_line(self.lease)))
+                if self.lease.burst_note:
+                    rows.append(("last step", self.lease.burst_note))
             if self.lease.state is LeaseState.QUEUED:
                 rows.append(("queue", self.queue_text()))
             if self.lease.state is LeaseState.SUSPENDED:

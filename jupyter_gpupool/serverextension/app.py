@@ -39,7 +39,7 @@ from traitlets import Bool, Enum, Float, List, Unicode, default
 
 from jupyter_gpupool.backends.factory import backend_provisioner, pool_from_env
 from jupyter_gpupool.backends.local.pool import HOSTNAME
-from jupyter_gpupool.core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Transition
+from jupyter_gpupool.core.models import Activity, Decision, DecisionKind, Lease, LeaseState, QueueInfo, Transition
 from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
 from jupyter_gpupool.devices.nvml import NvmlBackend
 from jupyter_gpupool.devices.simulated import SimulatedBackend
@@ -156,6 +156,12 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         "'suspend' parks the kernel's GPU memory in host RAM where this host can (CUDA driver 570+ with "
         "`pip install jupyter-gpupool[cuda]`, or a simulated pool) and culls it where not; 'cull' always shuts it "
         "down. The pool's own c.PoolPolicy.reclaim_action can forbid suspends for everyone.",
+    )
+    caps_timeout = Float(
+        10.0,
+        config=True,
+        help="Seconds the server waits for a kernel to answer a request to move its framework caps (an elastic "
+        "slice grew or gave its burst back); the watchdog holds a kernel that does not answer to its size.",
     )
     checkpoint_timeout = Float(
         30.0,
@@ -281,6 +287,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._warned: dict[str, float] = {}
         self._failed: dict[str, str] = {}
         self._moving: set[str] = set()  # lease ids whose suspend, restore or move this server is carrying out
+        self._caps_sent: dict[str, int] = {}  # lease id → bytes per GPU its kernel's caps were last moved to
         #: Steps done here whose confirmation the pool did not get (an outage): confirmed again, never redone.
         self._unconfirmed: dict[str, tuple[Transition, int | None]] = {}
         self._transition_tasks: set[asyncio.Future[None]] = set()
@@ -918,6 +925,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             return decisions, self._kernel_leases(), handed_back
 
         decisions, leases, handed_back = await asyncio.to_thread(step)
+        self.follow_sizes(leases)
         for prov, lease in handed_back:  # told on the event loop: events need it
             prov._notify("released", lease, None, lease.release_reason)
         await self._act_on(leases, activities)
@@ -1224,13 +1232,17 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 roots[lease.id] = int(prov.pid)  # a kernel whose lease is suspended, too: its use is unpooled
                 kernel_of[lease.id] = kernel_id
             if lease.state is LeaseState.GRANTED and prov.pid:
-                limits[lease.id] = lease.memory * max(1, lease.num_gpus)
+                limits[lease.id] = lease.watch_limit()  # an elastic slice's limit, or its size once its burst was taken back
         self.watchdog.act_on_process = lambda use, action: (
             None if use.pid in own_pids else self.watchdog._signal_process(use, action)  # our kernels: below, through the kernel manager
         )
         report = await asyncio.to_thread(self.watchdog.check, roots, limits, None, live, HOSTNAME)
         assert self.serverapp is not None
         km: Any = self.serverapp.kernel_manager  # async at run time, whatever MultiKernelManager's annotations say
+        if any(d.kind in (DecisionKind.GROW, DecisionKind.SHRINK) for d in report.decisions):
+            grown = {d.lease_id for d in report.decisions}
+            fresh = await asyncio.to_thread(lambda: {l.id: l for l in self.pool.leases() if l.id in grown})
+            self.follow_sizes({k: (p, fresh.get(l.id, l)) for k, (p, l) in leases.items()})
         for kind, use, action, line in report.unpooled_events:
             own_kernel = own_pids.get(use.pid)
             if own_kernel is not None:
@@ -1259,10 +1271,52 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 elif event.action == "stop":
                     await km.shutdown_kernel(event_kernel)
 
+    # --- elastic slices: the kernel's caps follow its size -------------------------------------------
+
+    def follow_sizes(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]]) -> None:
+        """Move each running kernel's framework caps to its slice's current size when the pool
+        grew it or took its burst back (through the quiet channel: no activity), and tell the user."""
+        for kernel_id, (prov, lease) in leases.items():
+            if lease.state is not LeaseState.GRANTED or prov.phase != "running" or not prov.pid:
+                self._caps_sent.pop(lease.id, None)
+                continue
+            sent = self._caps_sent.setdefault(lease.id, lease.guarantee_size)  # it started at its guarantee
+            if lease.memory == sent:
+                continue
+            self._caps_sent[lease.id] = lease.memory
+            shrinking = lease.memory < sent
+            if shrinking or lease.burst_note.startswith("burst taken back"):
+                self.emit("burst_taken_back", lease, message=lease.burst_note or f"the slice is {format_size(lease.memory)} now")
+            else:
+                self.emit("grown", lease, message=lease.burst_note or f"the slice grew to {format_size(lease.memory)}")
+            self._spawn(self._move_caps(kernel_id, lease, free_cache=shrinking))
+
+    async def _move_caps(self, kernel_id: str, lease: Lease, free_cache: bool) -> dict[str, Any] | None:
+        """Ask the kernel (a quiet control request: it is answered while a cell runs, and is no
+        activity) to free its frameworks' caches if ``free_cache`` and set its caps to the slice."""
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        if kernel_id not in km:
+            return None
+        gpu_memory = min((d.memory_total for d in self.pool.devices() if d.uuid in lease.devices), default=None)
+        try:
+            reply = await quiet_request(
+                km.get_kernel(kernel_id), "set_caps", self.caps_timeout,
+                limit=int(lease.memory), free_cache=free_cache, gpu_memory=gpu_memory,
+            )
+        except Exception as err:  # noqa: BLE001 - a kernel without the extension, or busy in C code: the watchdog still holds it
+            self.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(lease.memory), err)
+            return None
+        if reply is None or reply.get("status") != "ok":
+            why = "no answer" if reply is None else reply.get("message", "an error")
+            self.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(lease.memory), why)
+        return reply
+
     def emit_unpooled(self, nbytes: int, device: str) -> None:
         """Emit an ``unpooled`` event (no lease; never whose): front ends re-read the pool view."""
         data: dict[str, Any] = {
             "action": "unpooled", "lease_id": None, "kernel_id": None, "state": None, "memory": int(nbytes),
+            "guarantee": None, "limit": None,
             "queue_position": None, "queue_length": None, "deadline": None,
             "message": f"{format_size(nbytes)} of GPU {device} is used outside the pool; the pool does not grant it",
         }
@@ -1332,6 +1386,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             "kernel_id": lease.kernel_id,
             "state": lease.state.value,
             "memory": int(lease.memory),
+            "guarantee": int(lease.guarantee_size),
+            "limit": int(lease.limit_size),
             "queue_position": info.position if info else None,
             "queue_length": info.length if info else None,
             "deadline": deadline,

@@ -108,6 +108,11 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX unpooled_expiry ON unpooled_use(expires_at)
     """,
+    # Elastic slices: what a closed interval was guaranteed (bytes, all GPUs), so the report bills
+    # the burst held above it apart (NULL in older rows: everything held was guaranteed).
+    """
+    ALTER TABLE ledger ADD COLUMN guarantee INTEGER
+    """,
     # What the file is a pool of, by name: ``simulated_inventory`` is the spec of the simulated
     # inventory it was opened with (e.g. ``2xA100-80GB``), so a command given only the file
     # (``--db``) opens the same simulated pool instead of looking for an NVIDIA driver.
@@ -836,7 +841,7 @@ class Store:
         history = [(at, memory * lease.num_gpus) for at, memory in lease.memory_history]
         self.conn.execute(
             "INSERT INTO ledger(lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, "
-            "memory_history) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "memory_history, guarantee) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 lease.id,
                 lease.owner,
@@ -849,6 +854,7 @@ class Store:
                 lease.active_seconds,
                 json.dumps(device_info) if device_info is not None else None,
                 json.dumps(history) if history else None,
+                lease.guarantee_size * lease.num_gpus,
             ),
         )
         segments = memory_segments(start, end, lease.memory * lease.num_gpus, history)
@@ -883,8 +889,8 @@ class Store:
     @_locked
     def ledger(self, since: float | None = None, until: float | None = None) -> list[dict[str, Any]]:
         sql = (
-            "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, memory_history "
-            "FROM ledger WHERE 1=1"
+            "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, memory_history, "
+            "guarantee FROM ledger WHERE 1=1"
         )
         args: list[Any] = []
         if since is not None:
@@ -895,6 +901,7 @@ class Store:
             args.append(until)
         keys = (
             "lease_id", "owner", "groups", "kernel_id", "devices", "memory", "start", "end", "active_seconds", "device_info", "memory_history",
+            "guarantee",
         )
         rows = []
         for row in self.conn.execute(sql, args):
