@@ -8,12 +8,14 @@ import os
 import re
 import threading
 import uuid as uuid_module
+from collections.abc import Callable
+from typing import Any
 
 from jupyter_gpupool.core.models import Device
 from jupyter_gpupool.devices.base import DeviceBackend, ProcessUsage
 from jupyter_gpupool.devices.base import process_alive as _alive
 from jupyter_gpupool.devices.checkpoint import devices_now, wait_while_suspended
-from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.errors import GpuPoolError, InvalidInput
 from jupyter_gpupool.units import GIB, format_size, parse_size
 
 SPEC_FORMS = "a spec like 1x16GiB, 2xA100-80GB or 4xRTX3090-24GB,1xT4-16GB"
@@ -161,14 +163,19 @@ class SimulatedOutOfMemoryError(MemoryError):
     """What a framework cap raises when an allocation would go past the kernel's slice."""
 
 
+#: Set by the kernel extension when it loads in a kernel of a simulated pool (this layer never
+#: imports the kernel's): ``caps_limit()``, the live caps' bytes per GPU, and ``grow(needed)``,
+#: which asks the pool to grow the slice and returns its new size per GPU.
+kernel_hooks: dict[str, Callable[..., Any]] = {}
+
+
 def _slice_limit() -> int | None:
     """Bytes per GPU this process's framework caps allow now (the kernel's live caps, else
     ``GPUPOOL_MEMORY_LIMIT``); None when nothing caps it."""
-    from ..kernel import _state
-
-    caps = _state.get("caps")
-    if caps is not None:
-        return caps.limit
+    caps_limit = kernel_hooks.get("caps_limit")
+    if caps_limit is not None:
+        limit: int | None = caps_limit()
+        return limit
     raw = os.environ.get("GPUPOOL_MEMORY_LIMIT", "").strip()
     return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
@@ -179,11 +186,9 @@ def _within_slice(amount: int, gpus: int) -> None:
     limit = _slice_limit()
     if limit is None or amount <= limit * gpus:
         return
-    from ..errors import GpuPoolError
-    from ..kernel import _grow_slice
-
+    grow = kernel_hooks.get("grow")
     try:
-        grown = _grow_slice(amount) if os.environ.get("GPUPOOL_LEASE_ID") else limit
+        grown = grow(amount) if grow is not None and os.environ.get("GPUPOOL_LEASE_ID") else limit
     except GpuPoolError as refusal:
         reason = str(refusal)
     else:

@@ -64,6 +64,10 @@ def load_ipython_extension(ipython: Any) -> None:
     caps.install(ipython)
     if os.environ.get("GPUPOOL_LEASE_ID"):
         caps.oom.grow = _grow_slice
+    if os.environ.get("GPUPOOL_SIMULATE"):  # pretend_to_use then fails past the slice as a framework cap would
+        from jupyter_gpupool.devices import simulated
+
+        simulated.kernel_hooks.update(caps_limit=lambda: get_caps().limit, grow=_grow_slice)
     ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
     _state["shell"] = ipython
     waiting = _state["resume"] = ResumeOnRun(get_client)  # costs nothing until the kernel has a lease
