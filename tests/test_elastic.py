@@ -167,8 +167,8 @@ def test_a_pool_file_of_the_previous_version_is_taken_forward(tmp_path):
 
     from jupyter_gpupool.core.models import Lease
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.pool import Pool
-    from jupyter_gpupool.store import MIGRATIONS, SCHEMA_VERSION
+    from jupyter_gpupool.backends.local.pool import Pool
+    from jupyter_gpupool.backends.local.store import MIGRATIONS, SCHEMA_VERSION
 
     path = tmp_path / "old.sqlite"
     uuid = SimulatedBackend.from_spec("1x16GiB").devices()[0].uuid
@@ -195,9 +195,9 @@ def test_a_pool_file_of_the_previous_version_is_taken_forward(tmp_path):
 
 
 def test_the_status_line_and_the_leases_table_show_guarantee_now_and_limit(tmp_path):
-    from jupyter_gpupool.cli import memory_text
+    from jupyter_gpupool.apps.cli import memory_text
     from jupyter_gpupool.kernel.status import KernelStatus
-    from jupyter_gpupool.views import elastic_line
+    from jupyter_gpupool.rest.views import elastic_line
 
     pool = make_pool(tmp_path, burst="40GiB", spec="1x80GiB")
     lease = pool.request(req(gib=4), now=T0)
