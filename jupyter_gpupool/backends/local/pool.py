@@ -541,7 +541,7 @@ class Pool(GrantWaiting):
         now = self._now(now)
         ttl = self.unpooled_ttl if ttl is None else ttl
         reporter = reporter or f"{HOSTNAME}:{os.getpid()}"
-        if not uses and reporter not in self._unpooled_reporters:
+        if not uses and reporter not in self._unpooled_reporters and not self.store.unpooled_keys(reporter, now):
             return []  # nothing seen now, nothing of ours on file: no write (a watchdog step's usual case)
         with self._locked():
             earlier = self.store.unpooled_keys(reporter, now)
