@@ -21,6 +21,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from jupyter_gpupool.simulate import copy_rates
 from jupyter_gpupool.units import format_duration, format_size
 
 SCENARIOS: dict[str, tuple[str, list[str]]] = {
@@ -56,7 +57,7 @@ def markdown(title: str, args: list[str], data: dict[str, Any], wall: float) -> 
     if suspending:
         lines[-1] += (
             f" pooled+suspend: idle timeout {format_duration(settings['suspend_idle_timeout'])}, host RAM for parked slices "
-            f"{format_size(settings['parked_limit'])}, suspend/restore at {settings['checkpoint_rate'] / 1e9:g} GB/s."
+            f"{format_size(settings['parked_limit'])}, {copy_rates(settings['checkpoint_rate'], settings.get('restore_rate'))}."
         )
     extra_headers = " suspends | resume wait p95 | parked peak / p95 | work lost |" if suspending else ""
     lines += [

@@ -153,6 +153,84 @@ def parse_shape(text: str) -> DayShape:
     return DayShape(value, tuple(w / peak for w in weights))
 
 
+REQUEST_FORMS = (
+    "'exact' (each session asks for its need rounded up to a GiB), 'default' (the pool's default slice, "
+    "c.PoolPolicy.default_memory), or sizes with weights like 8GiB:0.5,20GiB:0.3,40GiB:0.2 (weights are relative)"
+)
+
+
+@dataclass(frozen=True)
+class RequestSizes:
+    """What sessions ask the pool for, whatever they need (``--requests``).
+
+    ``exact``: the need rounded up to a GiB (users who know their peak: the default, as before
+    ``--requests`` existed). ``default``: the pool's default slice, as users who never set a size.
+    ``mix``: one of ``sizes`` drawn with ``weights`` (normalised to sum to 1), as a lab's kernelspecs
+    offer them. A size is in the project's size grammar (``20GiB``, or ``25%`` of the largest GPU).
+    """
+
+    kind: str = "exact"  # "exact" | "default" | "mix"
+    sizes: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()
+
+    @property
+    def text(self) -> str:
+        if self.kind != "mix":
+            return self.kind
+        return ",".join(f"{size}:{weight:g}" for size, weight in zip(self.sizes, self.weights, strict=True))
+
+    def choose(self, rng: random.Random) -> int:
+        """Index of the size a session asks for (0 outside ``mix``)."""
+        if self.kind != "mix":
+            return 0
+        return rng.choices(range(len(self.sizes)), weights=self.weights)[0]
+
+    def size(self, choice: int, need: int, default: int, largest: int) -> int:
+        """Bytes asked for by a session that needs ``need`` (at most the largest GPU)."""
+        if self.kind == "exact":
+            asked = math.ceil(need / GIB) * GIB
+        elif self.kind == "default":
+            asked = default
+        else:
+            asked = parse_size(self.sizes[choice], gpu_memory=largest)
+        return min(largest, asked)
+
+
+def parse_requests(text: str) -> RequestSizes:
+    """``exact``, ``default`` or ``8GiB:0.5,20GiB:0.3,40GiB:0.2`` → :class:`RequestSizes`.
+
+    Weights are relative (``8GiB:1,40GiB:1`` is half and half) and must be above 0; each size is
+    checked with :func:`~jupyter_gpupool.units.parse_size` (a share like ``25%`` is of the largest GPU).
+    """
+    value = (text or "").strip()
+    if value.lower() in ("exact", "default"):
+        return RequestSizes(value.lower())
+    if not value:
+        raise InvalidInput(f"invalid --requests '': expected {REQUEST_FORMS}")
+    sizes: list[str] = []
+    weights: list[float] = []
+    for part in value.split(","):
+        size, colon, weight_text = part.strip().rpartition(":")
+        if not colon or not size.strip():
+            raise InvalidInput(f"invalid --requests {text[:80]!r}: {part.strip()[:40]!r} needs a size and a weight, like 20GiB:0.3; expected {REQUEST_FORMS}")
+        try:
+            parse_size(size.strip(), gpu_memory=GIB)  # the grammar only: a share is taken of the real GPU later
+        except InvalidInput as err:
+            raise InvalidInput(f"invalid --requests {text[:80]!r}: {err}") from None
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            weight = -1.0
+        if not (weight > 0 and math.isfinite(weight)):
+            raise InvalidInput(f"invalid --requests {text[:80]!r}: the weight of {size.strip()[:40]!r} must be a number above 0, got {weight_text.strip()[:20]!r}")
+        if size.strip() in sizes:
+            raise InvalidInput(f"invalid --requests {text[:80]!r}: {size.strip()[:40]!r} is given twice; give each size once")
+        sizes.append(size.strip())
+        weights.append(weight)
+    total = sum(weights)
+    return RequestSizes("mix", tuple(sizes), tuple(w / total for w in weights))
+
+
 @dataclass(frozen=True)
 class Settings:
     """One simulated scenario (everything except the mode and the GPU count)."""
@@ -165,10 +243,12 @@ class Settings:
     seed: int = 42
     memory_need: MemoryNeed = field(default_factory=lambda: MemoryNeed("trace"))
     session_length: str = "trace"
+    requests: RequestSizes = field(default_factory=RequestSizes)  # what sessions ask for (exact: as before)
     idle_timeout: float = 1800.0
     suspend_idle_timeout: float = SUSPEND_IDLE_TIMEOUT  # pooled+suspend's idle timeout
     parked_limit: int = PARKED_MEMORY_LIMIT  # host RAM for parked slices in pooled+suspend (0: none)
-    checkpoint_rate: float = CHECKPOINT_BYTES_PER_SECOND  # bytes/s copied by a suspend or a restore
+    checkpoint_rate: float = CHECKPOINT_BYTES_PER_SECOND  # bytes/s copied by a suspend (and a restore, unless restore_rate)
+    restore_rate: float | None = None  # bytes/s copied back by a restore (None: checkpoint_rate)
     tick: float = 30.0
     patience: float | None = 3600.0  # a queued user gives up after this long (None: never)
     quota_max: int | None = None  # bytes a user may hold
@@ -179,6 +259,7 @@ class Settings:
         data = asdict(self)
         data["shape"] = self.shape.name
         data["memory_need"] = asdict(self.memory_need)
+        data["requests"] = self.requests.text
         return data
 
 
@@ -192,6 +273,7 @@ class SessionPlan:
     need_kind: str  # "share" (of the largest GPU) or "bytes"
     need: float
     phases: list[tuple[bool, float]]  # (busy, seconds), in the order they happen while granted
+    asks: int = 0  # which of ``--requests``' sizes the session asks for (a mix's index; 0 otherwise)
 
     def need_bytes(self, largest: int) -> int:
         raw = self.need * largest if self.need_kind == "share" else self.need
@@ -216,6 +298,11 @@ def make_plans(settings: Settings, workload: Workload) -> list[SessionPlan]:
         length = lengths.sample(rng)
         user = f"user{rng.randrange(settings.users):03d}"
         plans.append(SessionPlan(len(plans), t, user, kind, need, profile.phases(length, rng)))
+    # The sizes asked for come from a stream of their own: the arrivals and the work drawn above stay
+    # those of the same seed whatever --requests is, and every mode sees the same choices.
+    asking = random.Random(f"requests-{settings.seed}")
+    for plan in plans:
+        plan.asks = settings.requests.choose(asking)
     return plans
 
 
@@ -260,6 +347,7 @@ class ModeResult:
     parked_p95: int = 0  # ... p95 over the ticks of the open hours
     parked_limit: int = 0  # the host-RAM budget of the run (0 outside pooled+suspend)
     work_lost: float = 0.0  # busy seconds culled kernels had computed (their state is gone; not replayed)
+    raised: int = 0  # sessions that needed more than they asked for: taken to have asked for their need
 
     @property
     def served_per_day(self) -> float:
@@ -300,13 +388,14 @@ _ARRIVE, _PHASE, _GIVEUP, _TICK, _TRANSITION_DONE = 0, 1, 2, 3, 4
 
 class _Session:
     __slots__ = (
-        "attempt", "blocked_since", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "parked",
+        "asked", "attempt", "blocked_since", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "parked",
         "phase", "phase_end", "plan", "remaining", "request", "request_at", "resume_at", "state", "tgen", "transition", "used",
         "work_done",
     )
 
-    def __init__(self, plan: SessionPlan, request: int, used: int) -> None:
+    def __init__(self, plan: SessionPlan, request: int, used: int, asked: int = 0) -> None:
         self.plan = plan
+        self.asked = asked or request  # what the user asked for (``--requests``), before any raise to the need
         # queued | running | away | done | abandoned | refused; pooled+suspend: suspended | resuming
         self.state = "pending"
         self.lease_id: str | None = None
@@ -370,10 +459,15 @@ class LabRun:
         self.capacity = sum(d.leasable for d in devices)
         self.sizes = sorted({d.leasable for d in devices})
         largest = self.sizes[-1]
+        self.default_slice = self.pool.default_memory()
         self.sessions = []
+        self.raised = 0  # sessions that needed more than they asked for (taken to have asked for their need)
         for plan in plans:
             used = plan.need_bytes(largest)
-            self.sessions.append(_Session(plan, self._request_size(used), used))
+            asked = settings.requests.size(plan.asks, used, self.default_slice, largest)
+            request = self._request_size(used, asked)
+            self.raised += request > asked and mode != "exclusive"
+            self.sessions.append(_Session(plan, request, used, asked))
         self.by_lease: dict[str, _Session] = {}
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
@@ -394,10 +488,13 @@ class LabRun:
         self.calls = 0
         self._draining = False
 
-    def _request_size(self, used: int) -> int:
+    def _request_size(self, used: int, asked: int) -> int:
+        """The slice a session's lease asks for: a whole GPU (exclusive), else what the user asked for
+        (``--requests``), raised to the need rounded up to a GiB where that is more — a fixed slice
+        below the need would only be interrupted, so the user is taken to have asked for enough."""
         if self.mode == "exclusive":
             return next(size for size in self.sizes if size >= used)
-        return min(self.sizes[-1], math.ceil(used / GIB) * GIB)
+        return max(asked, min(self.sizes[-1], math.ceil(used / GIB) * GIB))
 
     # --- event plumbing ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, index: int, gen: int = 0) -> None:
@@ -465,7 +562,7 @@ class LabRun:
                         self._begin_transition(session, "suspending", at, session.used / self.settings.checkpoint_rate)
                     elif kind == "migrate":
                         self.counts["moves"] += 1
-                        self._begin_transition(session, "migrating", at, 2 * session.used / self.settings.checkpoint_rate)
+                        self._begin_transition(session, "migrating", at, session.used / self.settings.checkpoint_rate + self._restore_seconds(session))
                     elif kind in ("reclaim_idle", "preempt", "release"):
                         self.counts[{"reclaim_idle": "reclaims", "preempt": "preemptions", "release": "expired"}[kind]] += 1
                         self._lost(session, at)
@@ -636,7 +733,11 @@ class LabRun:
         session.gen += 1  # the user no longer gives up
         session.transition = "restoring"
         session.tgen += 1
-        self._push(t + session.used / self.settings.checkpoint_rate, _TRANSITION_DONE, session.plan.index, session.tgen)
+        self._push(t + self._restore_seconds(session), _TRANSITION_DONE, session.plan.index, session.tgen)
+
+    def _restore_seconds(self, session: _Session) -> float:
+        """How long copying the session's parked memory back onto a GPU takes."""
+        return session.used / (self.settings.restore_rate or self.settings.checkpoint_rate)
 
     @staticmethod
     def _distinct(t: float, session: _Session) -> float:
@@ -771,6 +872,7 @@ class LabRun:
             parked_p95=int(percentile([float(b) for b in self.parked_samples], 95)),
             parked_limit=self.parked_limit,
             work_lost=self.work_lost,
+            raised=self.raised,
         )
 
 
@@ -973,6 +1075,31 @@ def suspend_columns(r: ModeResult) -> list[str]:
     return [str(r.suspends), format_duration(r.resume_wait_p95), f"{format_size(r.parked_peak)} / {format_size(r.parked_p95)}", lost]
 
 
+def copy_rates(checkpoint_rate: float, restore_rate: float | None) -> str:
+    """``suspend/restore at 25 GB/s``, or ``suspend at 2 GB/s, restore at 6 GB/s`` where they differ."""
+    if not restore_rate or restore_rate == checkpoint_rate:
+        return f"suspend/restore at {checkpoint_rate / 1e9:g} GB/s"
+    return f"suspend at {checkpoint_rate / 1e9:g} GB/s, restore at {restore_rate / 1e9:g} GB/s"
+
+
+def requests_note(requests: RequestSizes, default_slice: int, results: dict[str, ModeResult]) -> str:
+    """What sessions asked for, and the rule for those that needed more (a note under the table)."""
+    if requests.kind == "exact":
+        asked = "exact: each session asks for its need rounded up to a GiB"
+    elif requests.kind == "default":
+        asked = f"default: each session asks for the pool's default slice ({format_size(default_slice)})"
+    else:
+        asked = f"a mix: {', '.join(f'{w:.0%} ask for {size}' for size, w in zip(requests.sizes, requests.weights, strict=True))}"
+    note = f"Requests {asked}; exclusive GPUs ask for a whole GPU."
+    pooled = [r for r in results.values() if r.mode != "exclusive"]
+    if requests.kind != "exact" and pooled:
+        note += (
+            f" A session that needs more than it asked for is taken to have asked for its need rounded up to a GiB "
+            f"({pooled[0].raised} of {pooled[0].sessions} sessions here)."
+        )
+    return note
+
+
 def search_table(searches: dict[str, SearchResult]) -> str:
     rows = []
     for s in searches.values():
@@ -999,10 +1126,12 @@ class SimulateApp(GpuPoolBaseApp):
         "seed": "SimulateApp.seed",
         "memory-need": "SimulateApp.memory_need",
         "session-length": "SimulateApp.session_length",
+        "requests": "SimulateApp.requests",
         "idle-timeout": "SimulateApp.idle_timeout",
         "suspend-idle-timeout": "SimulateApp.suspend_idle_timeout",
         "parked-memory-limit": "SimulateApp.parked_memory_limit",
         "checkpoint-rate": "SimulateApp.checkpoint_rate",
+        "restore-rate": "SimulateApp.restore_rate",
         "tick": "SimulateApp.tick",
         "patience": "SimulateApp.patience",
         "quota": "SimulateApp.quota",
@@ -1025,6 +1154,12 @@ class SimulateApp(GpuPoolBaseApp):
     memory_need = Unicode("trace", help="Memory a session needs: " + "'trace' (share of its GPU a GenAI-trace pod held), "
                           "'trace-bytes', a size like 8GiB, a share like 25%, or a range like 2GiB-8GiB.").tag(config=True)
     session_length = Unicode("trace", help="How long a session stays open: 'trace' (Philly run times, 5 min-8 h), 45m, or 30m-2h.").tag(config=True)
+    requests = Unicode(
+        "exact",
+        help="What each session asks for: 'exact' (its need rounded up to a GiB; the default, as before this option), "
+        "'default' (the pool's default slice), or sizes with relative weights like 8GiB:0.5,20GiB:0.3,40GiB:0.2 "
+        "(as a lab's kernelspecs offer them). Exclusive GPUs always ask for a whole GPU.",
+    ).tag(config=True)
     idle_timeout = Unicode("30m", help="Idle time after which pooled+reclaim may take a slice back while others wait.").tag(config=True)
     suspend_idle_timeout = Unicode(
         f"{SUSPEND_IDLE_TIMEOUT / 60:g}m",
@@ -1038,6 +1173,11 @@ class SimulateApp(GpuPoolBaseApp):
         CHECKPOINT_BYTES_PER_SECOND / 1e9,
         help="GB/s (decimal) at which a suspend copies GPU memory to host RAM and a restore copies it back "
         "(PCIe Gen5 x16 is ~63 GB/s a direction; cuda-checkpoint was reported at ~15 s per 80 GB H100).",
+    ).tag(config=True)
+    restore_rate = Float(
+        0.0,
+        help="GB/s (decimal) at which a restore copies parked memory back onto a GPU; 0: the --checkpoint-rate "
+        "(an H200 through the CUDA checkpoint API parked at ~2 GB/s and restored at ~6 GB/s, tests/gpu/RESULTS.md).",
     ).tag(config=True)
     tick = Unicode("30s", help="Virtual time between engine ticks (activity reports, reclaims, grants).").tag(config=True)
     patience = Unicode("1h", help="A queued user gives up after waiting this long ('none': never).").tag(config=True)
@@ -1083,6 +1223,8 @@ class SimulateApp(GpuPoolBaseApp):
             raise InvalidInput(f"invalid --jobs {self.jobs}: expected a whole number of processes from 1 to 256")
         if not 0.01 <= self.checkpoint_rate <= 10_000 or not math.isfinite(self.checkpoint_rate):
             raise InvalidInput(f"invalid --checkpoint-rate {self.checkpoint_rate:g}: expected GB/s from 0.01 to 10000, like 25")
+        if self.restore_rate != 0 and (not 0.01 <= self.restore_rate <= 10_000 or not math.isfinite(self.restore_rate)):
+            raise InvalidInput(f"invalid --restore-rate {self.restore_rate:g}: expected GB/s from 0.01 to 10000, like 6, or 0 for the --checkpoint-rate")
         parked_limit = 0
         if self.parked_memory_limit.strip() != "0":
             try:
@@ -1103,10 +1245,12 @@ class SimulateApp(GpuPoolBaseApp):
             seed=self.seed,
             memory_need=parse_memory_need(self.memory_need),
             session_length=self.session_length,
+            requests=parse_requests(self.requests),
             idle_timeout=parse_duration(self.idle_timeout),
             suspend_idle_timeout=parse_duration(self.suspend_idle_timeout),
             parked_limit=parked_limit,
             checkpoint_rate=self.checkpoint_rate * 1e9,
+            restore_rate=self.restore_rate * 1e9 or None,
             tick=parse_duration(self.tick),
             patience=patience,
             quota_max=parse_size(self.quota) if self.quota else None,
@@ -1139,6 +1283,7 @@ class SimulateApp(GpuPoolBaseApp):
         elapsed = time.perf_counter() - started
         backend = SimulatedBackend.from_spec(settings.gpus)
         capacity = sum(d.memory_total for d in backend.devices())
+        largest = max(d.memory_total for d in backend.devices())
         data = {
             "settings": settings.describe(),
             "sessions": len(plans),
@@ -1163,7 +1308,7 @@ class SimulateApp(GpuPoolBaseApp):
                     (
                         f"pooled+suspend: idle timeout {format_duration(settings.suspend_idle_timeout)}, host RAM for parked "
                         f"slices {format_size(settings.parked_limit) if settings.parked_limit else 'none'}, "
-                        f"suspend/restore at {settings.checkpoint_rate / 1e9:g} GB/s"
+                        + copy_rates(settings.checkpoint_rate, settings.restore_rate)
                     )
                 ]
                 if "suspend" in modes
@@ -1177,6 +1322,7 @@ class SimulateApp(GpuPoolBaseApp):
                 "leased/used/busy: GPU memory held by leases / needed by their kernels / needed by kernels computing, "
                 "as a share of all GPU memory, averaged over the day's open hours."
             ),
+            requests_note(settings.requests, PoolPolicy(config=self.config).default_memory_bytes(largest), results),
         ]
         if searches:
             lines += ["", f"Fewest {next(iter(searches.values())).model} GPUs keeping p95 wait within {format_duration(target)}:", search_table(searches)]
