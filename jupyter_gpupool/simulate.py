@@ -6,10 +6,12 @@ server extension would: sessions request a slice, wait in the pool's queue, repo
 activity and heartbeats every tick, and release their slice when they leave. Grants, warnings and
 reclaims are read back from the pool's own event log.
 
-Four modes are compared on the same arrivals (common random numbers):
+Five modes are compared on the same arrivals (common random numbers):
 
 ``exclusive``   one kernel per whole GPU: every request asks for a full GPU; idle policy ``never``.
-``pooled``      each session asks for its need rounded up to a GiB; idle policy ``never``.
+``pooled``      each session asks for what ``--requests`` says (``exact``, the default: its need rounded
+                up to a GiB), a fixed slice (``PoolPolicy.burst = 0``); idle policy ``never``. A session
+                whose need is above what it asked for is taken to have asked for its need.
 ``reclaim``     pooled, with idle policy ``pressure``: idle slices go back while others wait. A
                 reclaimed user comes back when their idle spell ends and requests again (that
                 wait counts too).
@@ -21,6 +23,13 @@ Four modes are compared on the same arrivals (common random numbers):
                 when its next busy phase starts (``pool.resume``; the wait until the memory is
                 restored is a *resume wait*), confirms a restore after the restore time, and a live
                 move (``MIGRATE``) after a suspend plus a restore.
+``elastic``     pooled+suspend with elastic slices: a session is guaranteed what it asked for and its
+                slice grows on the real engine (``pool.grow``, as a framework cap's allocation failure
+                asks, and the watchdog's usage reports) up to the pool's ``burst`` limit while its GPU
+                has memory nobody is guaranteed; the engine takes burst back for a waiting request
+                (``shrink``) and parks a kernel left above its slice when it is idle. A cell whose
+                slice cannot grow waits, retried every tick (a *grow wait*, also in the wait columns);
+                its user gives up after ``--patience``. "leased" is the slices' current sizes.
 
 The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
 upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.
@@ -71,8 +80,15 @@ from .errors import InvalidInput, RequestRefused
 from .units import GIB, format_duration, format_size, parse_duration, parse_size
 from .workload import MemoryNeed, Workload, load_workload, parse_memory_need, parse_session_length
 
-MODES = ("exclusive", "pooled", "reclaim", "suspend")
-MODE_LABELS = {"exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend"}
+#: Whether the engine has elastic slices (``PoolPolicy.burst``): mode ``elastic`` drives them and is
+#: offered only where they exist.
+ELASTIC_ENGINE = "burst" in PoolPolicy.class_trait_names()
+MODES = ("exclusive", "pooled", "reclaim", "suspend", *(("elastic",) if ELASTIC_ENGINE else ()))
+MODE_LABELS = {
+    "exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend", "elastic": "elastic",
+}
+#: Modes whose idle kernels are parked in host RAM instead of culled (the suspend columns are theirs).
+SUSPENDING = ("suspend", "elastic")
 MODE_ALIASES = {
     "exclusive": "exclusive",
     "pooled": "pooled",
@@ -80,6 +96,7 @@ MODE_ALIASES = {
     "pooled+reclaim": "reclaim",
     "suspend": "suspend",
     "pooled+suspend": "suspend",
+    **({"elastic": "elastic"} if ELASTIC_ENGINE else {}),
 }
 
 #: Effective rate, bytes per second, at which a kernel's GPU memory is copied to host RAM (suspend)
@@ -348,6 +365,12 @@ class ModeResult:
     parked_limit: int = 0  # the host-RAM budget of the run (0 outside pooled+suspend)
     work_lost: float = 0.0  # busy seconds culled kernels had computed (their state is gone; not replayed)
     raised: int = 0  # sessions that needed more than they asked for: taken to have asked for their need
+    guaranteed_pct: float = 0.0  # GPU memory granted leases are guaranteed (elastic: below leased by the burst)
+    grows: int = 0  # elastic: slices grown on demand
+    shrinks: int = 0  # elastic: burst taken back for a waiting request
+    over_limit: int = 0  # the pool's over-limit warnings (elastic: a busy kernel above a slice whose burst was taken back)
+    grow_waits: int = 0  # elastic: cells that waited for their slice to grow
+    grow_wait_p95: float = 0.0
 
     @property
     def served_per_day(self) -> float:
@@ -359,7 +382,7 @@ class ModeResult:
         data["abandoned_per_day"] = round(self.abandoned / self.days, 2)
         for key in (
             "leased_pct", "used_pct", "busy_pct", "jain", "wait_p50", "wait_p95", "wait_max", "wait_mean", "elapsed",
-            "resume_wait_p50", "resume_wait_p95", "resume_wait_max", "work_lost",
+            "resume_wait_p50", "resume_wait_p95", "resume_wait_max", "work_lost", "guaranteed_pct", "grow_wait_p95",
         ):
             data[key] = round(data[key], 4)
         return data
@@ -388,7 +411,7 @@ _ARRIVE, _PHASE, _GIVEUP, _TICK, _TRANSITION_DONE = 0, 1, 2, 3, 4
 
 class _Session:
     __slots__ = (
-        "asked", "attempt", "blocked_since", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "parked",
+        "asked", "attempt", "blocked_since", "limit", "size", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "parked",
         "phase", "phase_end", "plan", "remaining", "request", "request_at", "resume_at", "state", "tgen", "transition", "used",
         "work_done",
     )
@@ -396,6 +419,8 @@ class _Session:
     def __init__(self, plan: SessionPlan, request: int, used: int, asked: int = 0) -> None:
         self.plan = plan
         self.asked = asked or request  # what the user asked for (``--requests``), before any raise to the need
+        self.size = request  # the slice's current size (elastic: the guarantee, grown on demand, taken back under pressure)
+        self.limit = 0  # elastic: the limit the request asks for (0: the pool's burst)
         # queued | running | away | done | abandoned | refused; pooled+suspend: suspended | resuming
         self.state = "pending"
         self.lease_id: str | None = None
@@ -430,10 +455,15 @@ class LabRun:
             raise InvalidInput(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.settings, self.plans, self.mode = settings, plans, mode
         policy = PoolPolicy(config=config)
-        policy.idle_policy = "pressure" if mode in ("reclaim", "suspend") else "never"
-        policy.idle_timeout = settings.suspend_idle_timeout if mode == "suspend" else settings.idle_timeout
-        policy.reclaim_action = "suspend" if mode == "suspend" else "cull"
-        self.parked_limit = settings.parked_limit if mode == "suspend" else 0
+        policy.idle_policy = "pressure" if mode in ("reclaim", *SUSPENDING) else "never"
+        policy.idle_timeout = settings.suspend_idle_timeout if mode in SUSPENDING else settings.idle_timeout
+        policy.reclaim_action = "suspend" if mode in SUSPENDING else "cull"
+        self.parked_limit = settings.parked_limit if mode in SUSPENDING else 0
+        self.elastic = mode == "elastic"
+        if self.elastic and policy.burst == "0":
+            raise InvalidInput("mode elastic needs slices that may grow, but PoolPolicy.burst is 0; give a limit like 4x or 80GiB")
+        elif not self.elastic and ELASTIC_ENGINE:
+            policy.burst = "0"  # fixed slices: what every other mode compares
         policy.parked_memory_limit = str(self.parked_limit)  # a byte count ("0": nothing may be parked)
         if settings.quota_max is not None or settings.max_leases is not None:
             quota: dict[str, Any] = {}
@@ -465,9 +495,13 @@ class LabRun:
         for plan in plans:
             used = plan.need_bytes(largest)
             asked = settings.requests.size(plan.asks, used, self.default_slice, largest)
-            request = self._request_size(used, asked)
+            request = asked if self.elastic else self._request_size(used, asked)
             self.raised += request > asked and mode != "exclusive"
-            self.sessions.append(_Session(plan, request, used, asked))
+            session = _Session(plan, request, used, asked)
+            if self.elastic:
+                session.limit = self._limit(policy, asked, used, largest)
+                self.raised += session.limit > 0
+            self.sessions.append(session)
         self.by_lease: dict[str, _Session] = {}
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
@@ -482,11 +516,21 @@ class LabRun:
         self.user_held: dict[str, float] = {}
         self.counts = {
             "served": 0, "abandoned": 0, "refused": 0, "reclaims": 0, "warnings": 0, "preemptions": 0, "expired": 0,
-            "suspends": 0, "resumes": 0, "moves": 0,
+            "suspends": 0, "resumes": 0, "moves": 0, "grows": 0, "shrinks": 0, "over_limit": 0,
         }
-        self.samples = [0.0, 0.0, 0.0, 0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count
+        self.grow_waits: list[float] = []  # elastic: cells that waited for their slice to grow
+        self.samples = [0.0, 0.0, 0.0, 0, 0.0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count; Σ guaranteed
         self.calls = 0
         self._draining = False
+
+    @staticmethod
+    def _limit(policy: PoolPolicy, guarantee: int, used: int, largest: int) -> int:
+        """Elastic: the limit a session asks for, 0 for the pool's ``burst`` — unless its need is above
+        that, when it is taken to have asked for a limit of its need rounded up to a GiB."""
+        need = min(largest, math.ceil(used / GIB) * GIB)
+        if need <= guarantee or need <= (policy.burst_limit_bytes(guarantee, largest) or guarantee):
+            return 0
+        return need
 
     def _request_size(self, used: int, asked: int) -> int:
         """The slice a session's lease asks for: a whole GPU (exclusive), else what the user asked for
@@ -521,7 +565,7 @@ class LabRun:
                 self._request(session, t)
             elif kind == _PHASE and gen == session.gen:
                 self._phase_end(session, t)
-            elif kind == _GIVEUP and gen == session.gen and session.state in ("queued", "resuming"):
+            elif kind == _GIVEUP and gen == session.gen and (session.state in ("queued", "resuming") or self._short(session)):
                 self._give_up(session, t)
             elif kind == _TRANSITION_DONE and gen == session.tgen and session.transition is not None:
                 self._transition_done(session, t)
@@ -560,6 +604,11 @@ class LabRun:
                     elif kind == "suspend":
                         self.counts["suspends"] += 1
                         self._begin_transition(session, "suspending", at, session.used / self.settings.checkpoint_rate)
+                    elif kind in ("grow", "shrink"):
+                        self.counts[kind + "s"] += 1
+                        self._resized(session)
+                    elif kind == "over_limit":
+                        self.counts["over_limit"] += 1
                     elif kind == "migrate":
                         self.counts["moves"] += 1
                         self._begin_transition(session, "migrating", at, session.used / self.settings.checkpoint_rate + self._restore_seconds(session))
@@ -578,7 +627,8 @@ class LabRun:
             memory=session.request,
             kernel_id=f"k{plan.index}-{session.attempt}",
             label=f"session {plan.index}",
-            suspendable=self.mode == "suspend",
+            suspendable=self.mode in SUSPENDING,
+            **({"burst_limit": session.limit or None} if self.elastic else {}),
         )
         self.calls += 1
         try:
@@ -598,7 +648,57 @@ class LabRun:
         self._count_wait(session, t - session.request_at)
         session.state, session.granted_at = "running", t
         session.gen += 1
-        self._start_phase(session, t)
+        self._resized(session)
+        if self._fits(session, t):
+            self._start_phase(session, t)
+        else:
+            self._wait_for_growth(session, t)  # its first cell waits for the slice to grow
+
+    # --- elastic: the kernel's framework caps ask the pool to grow its slice -------------------------
+    def _resized(self, session: _Session) -> None:
+        """Read the slice's current size back from the pool (elastic slices change size)."""
+        if self.elastic and session.lease_id:
+            self.calls += 1
+            session.size = self.pool.get(session.lease_id).memory
+
+    def _fits(self, session: _Session, t: float) -> bool:
+        """Whether the kernel's need fits its slice, asking the pool to grow it first where it does
+        not (as a framework cap's allocation failure does): False while the pool cannot."""
+        if not self.elastic or session.used <= session.size:
+            return True
+        self.calls += 1
+        try:
+            session.size = self.pool.grow(session.lease_id or "", session.used, now=t).memory
+        except RequestRefused:
+            return False
+        finally:
+            self._drain()
+        return session.used <= session.size
+
+    def _holding(self, session: _Session) -> int:
+        """Bytes the kernel holds: its need, or (elastic, its slice not grown yet) what its caps allow."""
+        return min(session.used, session.size) if self._short(session) else session.used
+
+    @staticmethod
+    def _short(session: _Session) -> bool:
+        """A running kernel whose cell waits for its slice to grow (not for a suspend or move)."""
+        return session.state == "running" and session.transition is None and session.blocked_since is not None
+
+    def _wait_for_growth(self, session: _Session, t: float) -> None:
+        """The kernel's cell failed for memory its slice could not grow to: the user runs it again each
+        round until the slice grows, and gives up after ``--patience`` like a queued user."""
+        session.blocked_since = t
+        if self.settings.patience is not None:
+            self._push(t + self.settings.patience, _GIVEUP, session.plan.index, session.gen)
+
+    def _retry_growth(self, t: float) -> None:
+        """Each round, kernels short of memory try again; one that fits runs its cell (that wait counts)."""
+        for session in [s for s in self.by_lease.values() if self._short(s)]:
+            if session.lease_id in self.by_lease and self._short(session) and self._fits(session, t):
+                wait = t - (session.blocked_since or t)
+                self._count_wait(session, wait)
+                self.grow_waits.append(wait)
+                self._continue(session, t)
 
     def _count_wait(self, session: _Session, wait: float, resume: bool = False) -> None:
         self.waits.append(wait)
@@ -703,11 +803,15 @@ class LabRun:
             self.counts["resumes"] += 1
             self._count_wait(session, t - session.resume_at, resume=True)
             session.state, session.granted_at = "running", t
-            self._continue(session, t)
+            self._resized(session)
+            if self._fits(session, t):
+                self._continue(session, t)
+            else:
+                self._wait_for_growth(session, t)  # back on a GPU, its cell now waits for the slice to grow
         else:  # migrating: the kernel runs on, on its new GPU
             self.pool.confirm_transition(session.lease_id or "", now=t)
             self._unpark(session, t)
-            if session.blocked_since is not None:
+            if session.blocked_since is not None and self._fits(session, t):
                 self._count_wait(session, t - session.blocked_since, resume=True)
                 self._continue(session, t)
         self._drain()
@@ -746,7 +850,11 @@ class LabRun:
         return t + 1e-6 * (1 + session.plan.index)
 
     def _give_up(self, session: _Session, t: float) -> None:
-        if session.state == "resuming":
+        if self._short(session):
+            self._count_wait(session, t - (session.blocked_since or t))
+            self.grow_waits.append(t - (session.blocked_since or t))
+            self._end_lease(session, t)
+        elif session.state == "resuming":
             self._count_wait(session, t - session.resume_at, resume=True)
             self._unpark(session, t)
         else:
@@ -791,21 +899,27 @@ class LabRun:
     def _tick(self, t: float) -> None:
         """What a server's periodic round does: report every kernel's activity and run the scheduler."""
         open_hour = self.settings.shape.weight(t) > 0
-        if open_hour and self.mode == "suspend":
+        if open_hour and self.mode in SUSPENDING:
             self.parked_samples.append(self.parked_total)
+        if self.elastic:
+            self._retry_growth(t)
         if not self.by_lease:
             if open_hour:
                 self.samples[3] += 1
             return
         activities: dict[str, Activity] = {}
-        leased = used = busy = 0
+        leased = used = busy = guaranteed = 0
+        usage: dict[str, int] = {}
         for lease_id, session in self.by_lease.items():
             if session.state == "running" and session.transition != "restoring":
-                computing = session.busy and session.transition is None
+                computing = (session.busy and session.transition is None) or self._short(session)  # a short one retries its cell
                 activities[lease_id] = Activity(busy=computing, last_activity=None if computing else session.last_busy_end, connections=1)
-                leased += session.request
-                used += session.used
-                busy += session.used if computing else 0
+                holding = self._holding(session)
+                usage[lease_id] = holding
+                leased += session.size
+                guaranteed += session.request
+                used += holding
+                busy += holding if computing else 0
             else:
                 activities[lease_id] = _NOT_RUNNING
         if open_hour:
@@ -813,6 +927,10 @@ class LabRun:
             self.samples[1] += used
             self.samples[2] += busy
             self.samples[3] += 1
+            self.samples[4] += guaranteed
+        if self.elastic:  # what the watchdog measures: near its size a slice grows, over its limit it is told
+            self.calls += 1
+            self.pool.report_usage(usage, now=t)
         self.calls += 1
         self.pool.tick(now=t, activities=activities)
         self._drain()
@@ -820,6 +938,10 @@ class LabRun:
     def _result(self, horizon: float, elapsed: float) -> ModeResult:
         still = 0
         for session in self.sessions:
+            if self._short(session):  # still waiting for its slice to grow
+                still += 1
+                self._count_wait(session, horizon - (session.blocked_since or horizon))
+                self.grow_waits.append(horizon - (session.blocked_since or horizon))
             if session.state == "running":
                 self._end_lease(session, horizon)
             elif session.state == "queued":
@@ -873,6 +995,12 @@ class LabRun:
             parked_limit=self.parked_limit,
             work_lost=self.work_lost,
             raised=self.raised,
+            guaranteed_pct=100 * self.samples[4] / cap,
+            grows=self.counts["grows"],
+            shrinks=self.counts["shrinks"],
+            over_limit=self.counts["over_limit"],
+            grow_waits=len(self.grow_waits),
+            grow_wait_p95=percentile(self.grow_waits, 95),
         )
 
 
@@ -1042,10 +1170,13 @@ def run_parallel(
 # --- presentation -----------------------------------------------------------------------------------
 def results_table(results: dict[str, ModeResult]) -> str:
     """One row per mode; with pooled+suspend, also its suspends, resume waits and parked host RAM."""
-    suspending = any(r.mode == "suspend" for r in results.values())
+    suspending = any(r.mode in SUSPENDING for r in results.values())
+    elastic = any(r.mode == "elastic" for r in results.values())
     headers = ["mode", "leased", "used", "busy", "wait p50", "wait p95", "wait max", "served/day", "gave up/day", "reclaims", "Jain"]
     if suspending:
         headers += ["suspends", "resume wait p95", "parked peak / p95", "work lost"]
+    if elastic:
+        headers += ["guaranteed", "grows / taken back", "grow wait p95"]
     rows = [
         [
             MODE_LABELS[r.mode],
@@ -1060,6 +1191,7 @@ def results_table(results: dict[str, ModeResult]) -> str:
             str(r.reclaims),
             f"{r.jain:.3f}",
             *(suspend_columns(r) if suspending else []),
+            *(elastic_columns(r) if elastic else []),
         ]
         for r in results.values()
     ]
@@ -1070,7 +1202,7 @@ def suspend_columns(r: ModeResult) -> list[str]:
     """Suspends, p95 resume wait and parked host RAM (peak / p95) of a pooled+suspend result (dashes for
     the other modes), and every mode's work lost: GPU-busy time culled kernels had computed."""
     lost = f"{r.work_lost / 3600:.1f} h"
-    if r.mode != "suspend":
+    if r.mode not in SUSPENDING:
         return ["-", "-", "-", lost]
     return [str(r.suspends), format_duration(r.resume_wait_p95), f"{format_size(r.parked_peak)} / {format_size(r.parked_p95)}", lost]
 
@@ -1091,13 +1223,28 @@ def requests_note(requests: RequestSizes, default_slice: int, results: dict[str,
     else:
         asked = f"a mix: {', '.join(f'{w:.0%} ask for {size}' for size, w in zip(requests.sizes, requests.weights, strict=True))}"
     note = f"Requests {asked}; exclusive GPUs ask for a whole GPU."
-    pooled = [r for r in results.values() if r.mode != "exclusive"]
+    pooled = [r for r in results.values() if r.mode not in ("exclusive", "elastic")]
     if requests.kind != "exact" and pooled:
         note += (
-            f" A session that needs more than it asked for is taken to have asked for its need rounded up to a GiB "
-            f"({pooled[0].raised} of {pooled[0].sessions} sessions here)."
+            f" In the fixed-slice modes a session that needs more than it asked for is taken to have asked for its need "
+            f"rounded up to a GiB ({pooled[0].raised} of {pooled[0].sessions} sessions here)."
+        )
+    if "elastic" in results:
+        r = results["elastic"]
+        note += (
+            f" elastic: each is guaranteed what it asked for and its slice grows on demand up to the pool's burst limit "
+            f"(PoolPolicy.burst) while its GPU has memory nobody is guaranteed; leased counts current sizes. A session "
+            f"whose need is above that limit is taken to have asked for a limit of its need ({r.raised} of {r.sessions})."
         )
     return note
+
+
+def elastic_columns(r: ModeResult) -> list[str]:
+    """Elastic slices: memory guaranteed (leased is their current size), grows and burst taken back, and
+    the p95 wait of a cell for its slice to grow (dashes for the other modes)."""
+    if r.mode != "elastic":
+        return ["-", "-", "-"]
+    return [f"{r.guaranteed_pct:.1f}%", f"{r.grows} / {r.shrinks}", format_duration(r.grow_wait_p95)]
 
 
 def search_table(searches: dict[str, SearchResult]) -> str:
@@ -1183,7 +1330,8 @@ class SimulateApp(GpuPoolBaseApp):
     patience = Unicode("1h", help="A queued user gives up after waiting this long ('none': never).").tag(config=True)
     quota = Unicode("", help="Most memory one user may hold at once, e.g. 40GiB (default: no limit).").tag(config=True)
     max_leases = Integer(0, help="Most concurrent leases per user (0: no limit).").tag(config=True)
-    modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim), suspend (pooled+suspend).").tag(config=True)
+    modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim), suspend (pooled+suspend), "
+                    "elastic (guaranteed what was asked, grown on demand, with suspend).").tag(config=True)
     target_p95_wait = Unicode("", help="Also find, per mode, the fewest GPUs of the model that keep p95 wait within this, e.g. 5m.").tag(config=True)
     max_gpus = Integer(32, help="Largest GPU count the --target-p95-wait search tries.").tag(config=True)
     jobs = Integer(1, help="Processes running the modes and the GPU-count search in parallel (same tables as 1).").tag(config=True)
@@ -1210,7 +1358,7 @@ class SimulateApp(GpuPoolBaseApp):
         for item in self.modes.split(","):
             key = MODE_ALIASES.get(item.strip().lower())
             if key is None:
-                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from exclusive, pooled, reclaim, suspend")
+                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from {', '.join(MODES)}")
             if key not in modes:
                 modes.append(key)
         if self.store not in ("memory", "file"):
@@ -1290,6 +1438,7 @@ class SimulateApp(GpuPoolBaseApp):
             "workload": workload.sources,
             "results": {mode: r.to_json() for mode, r in results.items()},
             "search": {mode: s.to_json() for mode, s in searches.items()},
+            "default_slice": PoolPolicy(config=self.config).default_memory_bytes(largest),
             "elapsed_s": round(elapsed, 2),
             "cpu_s": round(_cpu_seconds() - cpu_started, 2),  # --jobs workers included
         }
@@ -1322,7 +1471,7 @@ class SimulateApp(GpuPoolBaseApp):
                 "leased/used/busy: GPU memory held by leases / needed by their kernels / needed by kernels computing, "
                 "as a share of all GPU memory, averaged over the day's open hours."
             ),
-            requests_note(settings.requests, PoolPolicy(config=self.config).default_memory_bytes(largest), results),
+            requests_note(settings.requests, data["default_slice"], results),
         ]
         if searches:
             lines += ["", f"Fewest {next(iter(searches.values())).model} GPUs keeping p95 wait within {format_duration(target)}:", search_table(searches)]

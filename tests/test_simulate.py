@@ -18,6 +18,7 @@ from jupyter_gpupool import workload as workload_module
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.simulate import (
+    ELASTIC_ENGINE,
     MODES,
     LabRun,
     Settings,
@@ -259,6 +260,63 @@ def test_requests_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> Non
     assert data["results"]["pooled"]["raised"] == data["results"]["pooled"]["sessions"]  # 7.2 GiB needed, 6 GiB asked
     code, out, err = run_app(argv, capsys)
     assert "Requests exact: each session asks for its need rounded up to a GiB" in out and "taken to have" not in out
+
+
+# --- elastic: guaranteed what was asked, grown on demand by the real engine ---------------------------------
+needs_elastic_engine = pytest.mark.skipif(not ELASTIC_ENGINE, reason="the engine has no elastic slices (PoolPolicy.burst)")
+
+
+@needs_elastic_engine
+def test_elastic_slices_grow_to_the_need_and_only_elastic_grows() -> None:
+    # Each asks for 2 GiB of a 24 GiB GPU and needs 4.8 GiB: nobody waits, so every slice grows.
+    settings = Settings(gpus="1x24GiB", users=3, rate=2, shape=parse_shape("flat"), days=0.1, requests=parse_requests("2GiB:1"))
+    work = synthetic(0.2, 300, 300, 1800)
+    results = simulate(settings, ("pooled", "elastic"), work)
+    pooled, elastic = results["pooled"], results["elastic"]
+    assert elastic.grows > 0 and elastic.shrinks == 0 and elastic.raised == 0
+    assert elastic.guaranteed_pct < elastic.leased_pct  # leased = current sizes, above the 2 GiB guarantees
+    assert elastic.used_pct <= elastic.leased_pct + 1e-9
+    assert elastic.served == pooled.served > 0 and elastic.wait_p95 == pooled.wait_p95 == 0
+    # Fixed-slice modes stay fixed whatever the pool's burst: taken to have asked for their need.
+    assert pooled.grows == 0 and pooled.raised == pooled.sessions and pooled.guaranteed_pct == pytest.approx(pooled.leased_pct)
+
+
+@needs_elastic_engine
+def test_elastic_takes_burst_back_for_a_waiting_request_and_parks_idle_kernels() -> None:
+    settings = replace(SUSPEND_SETTINGS, requests=parse_requests("4GiB:1"), suspend_idle_timeout=120)
+    result = simulate(settings, ("elastic",), synthetic(*LONG_IDLE))["elastic"]  # 12 GiB needed, 4 GiB guaranteed
+    assert result.grows > 0 and result.shrinks > 0  # grown while the GPU had room, taken back when someone waited
+    assert result.suspends > 0 and result.reclaims == 0 and result.work_lost == 0  # parked, never culled
+    assert result.expired == 0 and result.grow_waits > 0
+
+
+@needs_elastic_engine
+def test_elastic_limit_below_the_need_is_taken_as_a_limit_of_the_need() -> None:
+    from traitlets.config import Config
+
+    config = Config()
+    config.PoolPolicy.burst = "1.5x"  # 4 GiB may grow to 6 GiB, but the kernels need 12 GiB
+    settings = replace(SUSPEND_SETTINGS, requests=parse_requests("4GiB:1"), days=0.05)
+    run = LabRun(settings, make_plans(settings, synthetic(*LONG_IDLE)), "elastic", SimulatedBackend.from_spec("1x24GiB"), config)
+    assert {s.request for s in run.sessions} == {4 * GIB} and {s.limit for s in run.sessions} == {12 * GIB}
+    assert run.raised == len(run.sessions)
+    assert run.run().grows > 0  # grown past the pool's 1.5x to the need
+    config.PoolPolicy.burst = "0"
+    with pytest.raises(InvalidInput, match="mode elastic needs slices that may grow, but PoolPolicy.burst is 0"):
+        LabRun(settings, [], "elastic", SimulatedBackend.from_spec("1x24GiB"), config)
+
+
+@needs_elastic_engine
+def test_elastic_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1", "--memory-need", "30%",
+            "--session-length", "30m", "--modes", "pooled,elastic", "--requests", "default"]
+    code, out, err = run_app(argv, capsys)
+    assert code == 0, err
+    for label in ("elastic", "guaranteed", "grows / taken back", "grow wait p95", "leased counts current sizes"):
+        assert label in out
+    code, out, err = run_app([*argv, "--json"], capsys)
+    data = json.loads(out)["results"]["elastic"]
+    assert data["grows"] > 0 and data["guaranteed_pct"] < data["leased_pct"]
 
 
 # --- pooled+suspend ----------------------------------------------------------------------------------
@@ -672,8 +730,32 @@ def test_lab_sim_prints_pooled_suspend_beside_the_other_modes() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| mode |"))
-    assert header.endswith("| Jain | suspends | resume wait p95 | parked peak / p95 | work lost |")
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| pooled", "| exclusive"))]
-    assert [row.split(" | ")[0] for row in rows] == ["| exclusive GPUs", "| pooled", "| pooled+reclaim", "| pooled+suspend"]
+    assert "| Jain | suspends | resume wait p95 | parked peak / p95 | work lost |" in header
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| pooled", "| exclusive", "| elastic"))]
+    assert [row.split(" | ")[0] for row in rows] == ["| exclusive GPUs", "| pooled", "| pooled+reclaim", "| pooled+suspend",
+                                                     *(["| elastic"] if ELASTIC_ENGINE else [])]
     assert all(len(row.split(" | ")) == len(header.split(" | ")) for row in rows)
     assert "--jobs 2" in proc.stdout and "pooled+suspend: idle timeout 5 min" in proc.stdout
+    assert "Requests exact: each session asks for its need rounded up to a GiB" in proc.stdout
+
+
+def test_lab_sim_sweeps_the_suspend_idle_timeout() -> None:
+    script = Path(__file__).resolve().parent.parent / "bench" / "lab_sim.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--scenario", "class", "--days", "0.42", "--target", "", "--sweep-suspend-idle", "1m,5m",
+         "--checkpoint-rate", "2", "--restore-rate", "6"],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--suspend-idle-timeout 1m" in proc.stdout and "--suspend-idle-timeout 5m" in proc.stdout
+    assert "suspend at 2 GB/s, restore at 6 GB/s" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 1 min |", "| 5 min |"))]
+    assert len(rows) == 2 and all(row.count("|") == 12 for row in rows)
+
+
+def test_mode_elastic_is_offered_exactly_when_the_engine_has_elastic_slices(capsys: pytest.CaptureFixture[str]) -> None:
+    from jupyter_gpupool.core.policy import PoolPolicy
+
+    assert ("elastic" in MODES) == ("burst" in PoolPolicy.class_trait_names()) == ELASTIC_ENGINE
+    code, out, err = run_app(["--modes", "bogus"], capsys)
+    assert f"choose from {', '.join(MODES)}" in err
