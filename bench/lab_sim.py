@@ -176,7 +176,9 @@ def main() -> int:
             args += ["--modes", options.modes]
         if options.jobs != "1":
             args += ["--jobs", options.jobs]
-        for flag in ("requests", "gpus", "checkpoint_rate", "restore_rate"):
+        if options.gpus:  # another inventory than the scenario's
+            args[args.index("--gpus") + 1] = options.gpus
+        for flag in ("requests", "checkpoint_rate", "restore_rate"):
             if getattr(options, flag):
                 args += ["--" + flag.replace("_", "-"), getattr(options, flag)]
         if options.sweep_suspend_idle:
