@@ -415,19 +415,17 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return lease.copy()
 
-    def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None) -> Lease:
-        """Grow or shrink a lease; ``duration`` holds it through idle that long."""
+    def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None,
+               limit: int | None = None) -> Lease:
+        """Grow or shrink what a lease is guaranteed (``limit``: how far it may grow, 0 for a fixed
+        slice); ``duration`` holds it through idle that long. Metering bills each size for its own
+        time (the engine records it: see core.metering.memory_segments)."""
         now = self._now(now)
         with self._locked():
             state = self._load(now)
             lease = self.engine.get(state, lease_id)
-            held_before = lease.memory if lease.state is LeaseState.GRANTED else None
-            if memory is not None:
-                self.engine.resize(state, lease_id, memory, now)
-            if held_before is not None and lease.memory != held_before:
-                # Metering bills each size for its own time (see core.metering.memory_segments).
-                lease.memory_history = (*lease.memory_history, (now, held_before))
-                state.touch(lease)
+            if memory is not None or limit is not None:
+                self.engine.resize(state, lease_id, memory if memory is not None else lease.guarantee_size, now, limit)
             if duration is not None:
                 self.engine.keep(state, lease_id, duration, now)
             decisions = self.engine.schedule(state, now)
@@ -485,12 +483,22 @@ class Pool(GrantWaiting):
         with self._decide(now) as state:
             return self.engine.grace_after_outage(state, now)
 
+    def grow(self, lease_id: str, needed: int, now: float | None = None) -> Lease:
+        """Grow an elastic slice so its kernel can hold ``needed`` bytes (all its GPUs), as a
+        framework cap's allocation failure asks; raises :class:`RequestRefused` saying why not."""
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            decision = self.engine.grow(state, lease_id, needed, now)
+            self._save(state, [decision] if decision is not None else [])
+            return state.leases[lease_id].copy()
+
     def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
         now = self._now(now)
         with self._locked():
             state = self._load(now)
             decisions = self.engine.report_usage(state, usage, now)
-            self._save(state, [d for d in decisions if d.kind is DecisionKind.OVER_LIMIT and self._first_over(state, d)])
+            self._save(state, [d for d in decisions if d.kind is not DecisionKind.OVER_LIMIT or self._first_over(state, d)])
             return decisions
 
     #: Seconds a watcher's sighting of unpooled use counts: a watcher that stopped looking (it died)

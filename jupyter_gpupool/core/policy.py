@@ -35,6 +35,8 @@ ENV_TRAITS: dict[str, str] = {
     "GPUPOOL_RECLAIM_ACTION": "reclaim_action",
     "GPUPOOL_PARKED_MEMORY_LIMIT": "parked_memory_limit",
     "GPUPOOL_TRANSITION_TIMEOUT": "transition_timeout",
+    "GPUPOOL_BURST": "burst",
+    "GPUPOOL_BURST_STEP": "burst_step",
 }
 
 _DURATION_TRAITS = {
@@ -49,6 +51,7 @@ _DURATION_TRAITS = {
     "backfill_max_head_wait",
     "transition_timeout",
     "defragment_min_idle",
+    "burst_settle",
 }
 
 WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -377,6 +380,66 @@ class PoolPolicy(Configurable):
         60.0,
         help="Seconds a kernel must have been idle before live defragmentation may move it.",
     ).tag(config=True)
+
+    burst = Unicode(
+        "4x",
+        help="How far an elastic slice may grow above what its kernel asked for (its guarantee) while its GPU has "
+        "memory nobody is guaranteed: a limit (40GiB), a factor of the guarantee (4x), or 0 for fixed slices. "
+        "Bounded by the user's and group's maximum quota and by the GPU. Burst is taken back, before anyone's "
+        "guarantee, when a request cannot be placed. A kernel may ask for its own limit (%gpupool reserve 8GiB "
+        "--limit 32GiB). Env: GPUPOOL_BURST.",
+    ).tag(config=True)
+
+    burst_step = Unicode(
+        "1GiB",
+        help="Least a slice grows by at a time when its kernel's use nears its size (a size, or a share of the "
+        "GPU: 5%). Env: GPUPOOL_BURST_STEP.",
+    ).tag(config=True)
+
+    burst_settle = Float(
+        15.0,
+        help="Seconds a kernel has to bring its use down to its guarantee after its burst was taken back (its "
+        "caps lowered, its framework caches freed). Still above it after that: it is suspended if idle; if busy "
+        "the watchdog warns and, after its grace, interrupts it, and it is suspended when idle.",
+    ).tag(config=True)
+
+    @validate("burst", "burst_step")
+    def _check_burst(self, proposal: Any) -> str:
+        value = str(proposal["value"]).strip()
+        name = proposal["trait"].name
+        if name == "burst":
+            if value in ("0", "off", ""):
+                return "0"
+            if value.lower().endswith("x"):
+                try:
+                    factor = float(value[:-1])
+                except ValueError:
+                    factor = 0.0
+                if not 1.0 <= factor <= 1000.0:
+                    raise InvalidInput(f"invalid burst {value!r}: a factor is 1x to 1000x (4x: up to four times the guarantee)")
+                return value.lower()
+        try:
+            parse_size(value, gpu_memory=1 << 40)
+        except InvalidInput as err:
+            forms = "a size (40GiB), a factor of the guarantee (4x) or 0 for fixed slices" if name == "burst" else "a size (1GiB) or a share of the GPU (5%)"
+            raise InvalidInput(f"invalid {name} {value!r}: give {forms}") from err
+        return value
+
+    def burst_limit_bytes(self, guarantee: int, gpu_memory: int) -> int:
+        """Bytes per GPU a slice guaranteed ``guarantee`` may grow to by the pool's ``burst`` (never
+        above ``gpu_memory``); 0 when slices do not burst."""
+        value = self.burst
+        if value == "0":
+            return 0
+        if value.endswith("x"):
+            limit = int(guarantee * float(value[:-1]))
+        else:
+            limit = parse_size(value, gpu_memory=gpu_memory)
+        limit = min(limit, gpu_memory)
+        return limit if limit > guarantee else 0
+
+    def burst_step_bytes(self, gpu_memory: int) -> int:
+        return parse_size(self.burst_step, gpu_memory=gpu_memory)
 
     def parked_budget(self, host_memory: int | None) -> int:
         """Bytes of host RAM parked slices may take (a share is of ``host_memory``; 0 when unknown)."""
