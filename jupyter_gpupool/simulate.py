@@ -80,10 +80,7 @@ from .errors import InvalidInput, RequestRefused
 from .units import GIB, format_duration, format_size, parse_duration, parse_size
 from .workload import MemoryNeed, Workload, load_workload, parse_memory_need, parse_session_length
 
-#: Whether the engine has elastic slices (``PoolPolicy.burst``): mode ``elastic`` drives them and is
-#: offered only where they exist.
-ELASTIC_ENGINE = "burst" in PoolPolicy.class_trait_names()
-MODES = ("exclusive", "pooled", "reclaim", "suspend", *(("elastic",) if ELASTIC_ENGINE else ()))
+MODES = ("exclusive", "pooled", "reclaim", "suspend", "elastic")
 MODE_LABELS = {
     "exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend", "elastic": "elastic",
 }
@@ -96,7 +93,7 @@ MODE_ALIASES = {
     "pooled+reclaim": "reclaim",
     "suspend": "suspend",
     "pooled+suspend": "suspend",
-    **({"elastic": "elastic"} if ELASTIC_ENGINE else {}),
+    "elastic": "elastic",
 }
 
 #: Effective rate, bytes per second, at which a kernel's GPU memory is copied to host RAM (suspend)
@@ -462,7 +459,7 @@ class LabRun:
         self.elastic = mode == "elastic"
         if self.elastic and policy.burst == "0":
             raise InvalidInput("mode elastic needs slices that may grow, but PoolPolicy.burst is 0; give a limit like 4x or 80GiB")
-        elif not self.elastic and ELASTIC_ENGINE:
+        elif not self.elastic:
             policy.burst = "0"  # fixed slices: what every other mode compares
         policy.parked_memory_limit = str(self.parked_limit)  # a byte count ("0": nothing may be parked)
         if settings.quota_max is not None or settings.max_leases is not None:

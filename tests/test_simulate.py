@@ -18,7 +18,6 @@ from jupyter_gpupool import workload as workload_module
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.simulate import (
-    ELASTIC_ENGINE,
     MODES,
     LabRun,
     Settings,
@@ -263,10 +262,6 @@ def test_requests_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 # --- elastic: guaranteed what was asked, grown on demand by the real engine ---------------------------------
-needs_elastic_engine = pytest.mark.skipif(not ELASTIC_ENGINE, reason="the engine has no elastic slices (PoolPolicy.burst)")
-
-
-@needs_elastic_engine
 def test_elastic_slices_grow_to_the_need_and_only_elastic_grows() -> None:
     # Each asks for 2 GiB of a 24 GiB GPU and needs 4.8 GiB: nobody waits, so every slice grows.
     settings = Settings(gpus="1x24GiB", users=3, rate=2, shape=parse_shape("flat"), days=0.1, requests=parse_requests("2GiB:1"))
@@ -281,7 +276,6 @@ def test_elastic_slices_grow_to_the_need_and_only_elastic_grows() -> None:
     assert pooled.grows == 0 and pooled.raised == pooled.sessions and pooled.guaranteed_pct == pytest.approx(pooled.leased_pct)
 
 
-@needs_elastic_engine
 def test_elastic_takes_burst_back_for_a_waiting_request_and_parks_idle_kernels() -> None:
     settings = replace(SUSPEND_SETTINGS, requests=parse_requests("4GiB:1"), suspend_idle_timeout=120)
     result = simulate(settings, ("elastic",), synthetic(*LONG_IDLE))["elastic"]  # 12 GiB needed, 4 GiB guaranteed
@@ -290,7 +284,6 @@ def test_elastic_takes_burst_back_for_a_waiting_request_and_parks_idle_kernels()
     assert result.expired == 0 and result.grow_waits > 0
 
 
-@needs_elastic_engine
 def test_elastic_limit_below_the_need_is_taken_as_a_limit_of_the_need() -> None:
     from traitlets.config import Config
 
@@ -306,7 +299,6 @@ def test_elastic_limit_below_the_need_is_taken_as_a_limit_of_the_need() -> None:
         LabRun(settings, [], "elastic", SimulatedBackend.from_spec("1x24GiB"), config)
 
 
-@needs_elastic_engine
 def test_elastic_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1", "--memory-need", "30%",
             "--session-length", "30m", "--modes", "pooled,elastic", "--requests", "default"]
@@ -665,7 +657,7 @@ def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["--checkpoint-rate", "0"], "invalid --checkpoint-rate 0"),
         (["--restore-rate", "-1"], "invalid --restore-rate -1: expected GB/s from 0.01 to 10000"),
         (["--suspend-idle-timeout", "soon"], "invalid duration 'soon'"),
-        (["--modes", "suspended"], "invalid mode 'suspended': choose from exclusive, pooled, reclaim, suspend"),
+        (["--modes", "suspended"], "invalid mode 'suspended': choose from exclusive, pooled, reclaim, suspend, elastic"),
         (["--requests", "20GiB:0.5,40GiB"], "invalid --requests '20GiB:0.5,40GiB': '40GiB' needs a size and a weight"),
         (["--requests", "20GiB:0"], "the weight of '20GiB' must be a number above 0"),
     ],
@@ -733,7 +725,7 @@ def test_lab_sim_prints_pooled_suspend_beside_the_other_modes() -> None:
     assert "| Jain | suspends | resume wait p95 | parked peak / p95 | work lost |" in header
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| pooled", "| exclusive", "| elastic"))]
     assert [row.split(" | ")[0] for row in rows] == ["| exclusive GPUs", "| pooled", "| pooled+reclaim", "| pooled+suspend",
-                                                     *(["| elastic"] if ELASTIC_ENGINE else [])]
+                                                     "| elastic"]
     assert all(len(row.split(" | ")) == len(header.split(" | ")) for row in rows)
     assert "--jobs 2" in proc.stdout and "pooled+suspend: idle timeout 5 min" in proc.stdout
     assert "Requests exact: each session asks for its need rounded up to a GiB" in proc.stdout
@@ -751,11 +743,3 @@ def test_lab_sim_sweeps_the_suspend_idle_timeout() -> None:
     assert "suspend at 2 GB/s, restore at 6 GB/s" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 1 min |", "| 5 min |"))]
     assert len(rows) == 2 and all(row.count("|") == 12 for row in rows)
-
-
-def test_mode_elastic_is_offered_exactly_when_the_engine_has_elastic_slices(capsys: pytest.CaptureFixture[str]) -> None:
-    from jupyter_gpupool.core.policy import PoolPolicy
-
-    assert ("elastic" in MODES) == ("burst" in PoolPolicy.class_trait_names()) == ELASTIC_ENGINE
-    code, out, err = run_app(["--modes", "bogus"], capsys)
-    assert f"choose from {', '.join(MODES)}" in err
