@@ -916,7 +916,7 @@ class LabRun:
                 leased += session.size
                 guaranteed += session.request
                 used += holding
-                busy += holding if computing else 0
+                busy += holding if session.busy and session.transition is None else 0  # a short kernel only retries
             else:
                 activities[lease_id] = _NOT_RUNNING
         if open_hour:

@@ -284,6 +284,15 @@ def test_elastic_takes_burst_back_for_a_waiting_request_and_parks_idle_kernels()
     assert result.expired == 0 and result.grow_waits > 0
 
 
+def test_a_kernel_whose_slice_cannot_grow_waits_and_computes_nothing() -> None:
+    # A 4 GiB quota caps every slice at its 4 GiB guarantee: kernels needing 12 GiB never get to run a cell.
+    settings = replace(SUSPEND_SETTINGS, requests=parse_requests("4GiB:1"), quota_max=4 * GIB, days=0.1)
+    result = simulate(settings, ("elastic",), synthetic(*LONG_IDLE))["elastic"]
+    assert result.grows == 0 and result.served == 0 and result.grow_waits > 0
+    assert result.used_pct > 0 and result.busy_pct == 0  # what they hold counts as used, never as computing
+    assert result.grow_wait_p95 == pytest.approx(0.1 * 86400, abs=3600)  # still waiting when the run ends
+
+
 def test_elastic_limit_below_the_need_is_taken_as_a_limit_of_the_need() -> None:
     from traitlets.config import Config
 
