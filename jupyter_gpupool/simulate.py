@@ -408,8 +408,29 @@ _ARRIVE, _PHASE, _GIVEUP, _TICK, _TRANSITION_DONE = 0, 1, 2, 3, 4
 
 class _Session:
     __slots__ = (
-        "asked", "attempt", "blocked_since", "limit", "size", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "parked",
-        "phase", "phase_end", "plan", "remaining", "request", "request_at", "resume_at", "state", "tgen", "transition", "used",
+        "asked",
+        "attempt",
+        "blocked_since",
+        "busy",
+        "busy_since",
+        "gen",
+        "granted_at",
+        "last_busy_end",
+        "lease_id",
+        "limit",
+        "parked",
+        "phase",
+        "phase_end",
+        "plan",
+        "remaining",
+        "request",
+        "request_at",
+        "resume_at",
+        "size",
+        "state",
+        "tgen",
+        "transition",
+        "used",
         "work_done",
     )
 
@@ -625,7 +646,7 @@ class LabRun:
             kernel_id=f"k{plan.index}-{session.attempt}",
             label=f"session {plan.index}",
             suspendable=self.mode in SUSPENDING,
-            **({"burst_limit": session.limit or None} if self.elastic else {}),
+            burst_limit=(session.limit or None) if self.elastic else 0,  # None: the pool's burst; 0: a fixed slice
         )
         self.calls += 1
         try:
@@ -1429,13 +1450,14 @@ class SimulateApp(GpuPoolBaseApp):
         backend = SimulatedBackend.from_spec(settings.gpus)
         capacity = sum(d.memory_total for d in backend.devices())
         largest = max(d.memory_total for d in backend.devices())
+        default_slice = PoolPolicy(config=self.config).default_memory_bytes(largest)
         data = {
             "settings": settings.describe(),
             "sessions": len(plans),
             "workload": workload.sources,
             "results": {mode: r.to_json() for mode, r in results.items()},
             "search": {mode: s.to_json() for mode, s in searches.items()},
-            "default_slice": PoolPolicy(config=self.config).default_memory_bytes(largest),
+            "default_slice": default_slice,
             "elapsed_s": round(elapsed, 2),
             "cpu_s": round(_cpu_seconds() - cpu_started, 2),  # --jobs workers included
         }
@@ -1468,7 +1490,7 @@ class SimulateApp(GpuPoolBaseApp):
                 "leased/used/busy: GPU memory held by leases / needed by their kernels / needed by kernels computing, "
                 "as a share of all GPU memory, averaged over the day's open hours."
             ),
-            requests_note(settings.requests, data["default_slice"], results),
+            requests_note(settings.requests, default_slice, results),
         ]
         if searches:
             lines += ["", f"Fewest {next(iter(searches.values())).model} GPUs keeping p95 wait within {format_duration(target)}:", search_table(searches)]

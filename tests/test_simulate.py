@@ -20,12 +20,12 @@ from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.simulate import (
     MODES,
     LabRun,
+    RequestSizes,
     Settings,
     SimulateApp,
     fewest_gpus,
     jain_index,
     make_plans,
-    RequestSizes,
     parse_requests,
     parse_shape,
     percentile,
