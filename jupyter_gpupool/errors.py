@@ -24,6 +24,14 @@ class RequestRefused(GpuPoolError):
     exit_code = 3
 
 
+class SizeTooLarge(RequestRefused, InvalidInput):
+    """A size beyond what any pool holds: refused as too large with exit code 3, like a request
+    larger than this pool's GPUs, and still an :class:`InvalidInput` where a value is checked
+    (over REST a 400, as every value outside the bounds the API accepts)."""
+
+    http_status = 400
+
+
 class LeaseNotFound(GpuPoolError, KeyError):
     """No lease (or kernel) with that id."""
 

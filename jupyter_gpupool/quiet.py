@@ -12,6 +12,12 @@ marker, :data:`QUIET_KEY`:
   each message it publishes;
 - **server → kernel**: :func:`mark_quiet` puts ``QUIET_KEY`` in a request's header; the kernel
   copies that header into the ``parent_header`` of the busy/idle status and replies it causes.
+  :func:`quiet_request` sends such a request on the kernel's *control* channel
+  (:data:`QUIET_REQUEST`, answered by the handler :func:`install_quiet_requests` adds to the
+  kernel): ipykernel serves control on a thread of its own, so the request is answered while a
+  cell runs or waits (a cell sent while its kernel is being suspended waits for the resume, and a
+  request queued behind it on the shell channel would never be answered), and the server waits
+  for the answer a bounded time only. Freeing the frameworks' caches before a checkpoint uses it.
 
 :class:`ActivityClocks` (server side) reads each kernel's IOPub as jupyter_server's
 ``start_watching_activity`` does, less the marked messages: the pool's idle clock. What a
@@ -20,9 +26,12 @@ person does (a cell, a click on a widget's button) is unmarked and counts as bef
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
-from collections.abc import Iterable
+import queue
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 #: The marker, in a message's metadata (kernel → front end) or a request's header (server → kernel).
@@ -99,7 +108,73 @@ def is_quiet(msg: dict[str, Any]) -> bool:
     return bool((msg.get("metadata") or {}).get(QUIET_KEY) or (msg.get("parent_header") or {}).get(QUIET_KEY))
 
 
+#: The message type of a request of the quiet channel on a kernel's control channel, and of its reply.
+QUIET_REQUEST = "gpupool_quiet_request"
+QUIET_REPLY = "gpupool_quiet_reply"
+
+#: A quiet action: the request's content in, the reply's fields out (``status`` is added).
+QuietAction = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def install_quiet_requests(kernel: Any, actions: dict[str, QuietAction]) -> bool:
+    """Answer :data:`QUIET_REQUEST` on ``kernel``'s control channel with ``actions[content["action"]]``
+    (an ipykernel ``Kernel``); False where the kernel has no control handlers to add to."""
+    handlers = getattr(kernel, "control_handlers", None)
+    session = getattr(kernel, "session", None)
+    if not isinstance(handlers, dict) or session is None:
+        return False
+
+    def handle(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        content = parent.get("content") or {}
+        name = content.get("action") if isinstance(content, dict) else None
+        action = actions.get(name) if isinstance(name, str) else None
+        if action is None:
+            reply: dict[str, Any] = {"status": "error", "message": f"unknown quiet action {name!r}; known: {', '.join(sorted(actions))}"}
+        else:
+            try:
+                reply = {"status": "ok", **action(content)}
+            except Exception as err:  # noqa: BLE001 -- one line back to the server, never a traceback in the kernel
+                reply = {"status": "error", "message": f"{type(err).__name__}: {err}".splitlines()[0]}
+        session.send(stream, QUIET_REPLY, reply, parent, ident)
+
+    handlers[QUIET_REQUEST] = handle
+    return True
+
+
 # --- server side ---------------------------------------------------------------------------------
+
+
+async def quiet_request(kernel: Any, action: str, timeout: float, **content: Any) -> dict[str, Any] | None:
+    """Ask ``kernel`` (a server's kernel manager) for ``action`` on its control channel, marked quiet:
+    no activity, answered even while a cell runs or waits. Its reply's content, or None when it did
+    not answer within ``timeout`` seconds (a kernel without our extension never does)."""
+    from jupyter_client.session import Session
+
+    # A session of its own: the kernel's control socket routes replies by the session id, which
+    # every client sharing the manager's session (the server's own channels, a test's) also uses.
+    session = Session(config=kernel.session.config, key=kernel.session.key, signature_scheme=kernel.session.signature_scheme)
+    client = kernel.client(session=session)
+    client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+    try:
+        msg = mark_quiet(client.session.msg(QUIET_REQUEST, {"action": action, **content}))
+        client.control_channel.send(msg)
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                reply = await client.control_channel.get_msg(timeout=left)
+            except (queue.Empty, asyncio.TimeoutError, TimeoutError):
+                return None
+            if (reply.get("parent_header") or {}).get("msg_id") == msg["header"]["msg_id"]:
+                answer: dict[str, Any] = dict(reply.get("content") or {})
+                return answer
+    finally:
+        with contextlib.suppress(Exception):
+            client.stop_channels()
+
+
 
 
 def _utcnow() -> datetime.datetime:

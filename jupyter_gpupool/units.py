@@ -9,37 +9,32 @@ from __future__ import annotations
 import math
 import re
 
-from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.errors import InvalidInput, SizeTooLarge
 
 KIB = 1024
 MIB = 1024**2
 GIB = 1024**3
 TIB = 1024**4
+PIB = 1024**5
+EIB = 1024**6
 
 SIZE_FORMS = "a size like 8GiB, 8G, 8GB, 512MiB, 1073741824 (bytes) or 25% (of a GPU)"
+#: The units a size may carry, as an error names them (each also as its one letter or its "B" form).
+SIZE_UNITS_NAMED = "B, KiB, MiB, GiB, TiB, PiB, EiB, as in 8GiB (K/KB, M/MB, G/GB, T/TB, P/PB, E/EB are the same binary units)"
 DURATION_FORMS = "a duration like 90s, 30m, 2h, 1h30m, 1d or 3600 (seconds)"
 
-# Binary units on purpose: GPU memory is sold in GiB even when labelled "GB".
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": KIB,
-    "kb": KIB,
-    "kib": KIB,
-    "m": MIB,
-    "mb": MIB,
-    "mib": MIB,
-    "g": GIB,
-    "gb": GIB,
-    "gib": GIB,
-    "t": TIB,
-    "tb": TIB,
-    "tib": TIB,
-}
+# Binary units on purpose: GPU memory is sold in GiB even when labelled "GB" (docs/sizes.md).
+# Every prefix up to exa is known, so a size too large for any GPU says so rather than
+# "unknown unit".
+_SIZE_UNITS = {"": 1, "b": 1}
+for _power, _letter in enumerate("kmgtpe", start=1):
+    _SIZE_UNITS.update({_letter: 1024**_power, _letter + "b": 1024**_power, _letter + "ib": 1024**_power})
 _SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
 _PERCENT_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d+)?)\s*%\s*$")
 # Largest size we accept: no GPU has more than 1 PiB, and bigger numbers are typos.
-MAX_SIZE = 1024 * TIB
+MAX_SIZE = PIB
+#: What a size over :data:`MAX_SIZE` is told, wherever it is typed.
+TOO_LARGE = "too large: no GPU pool holds more than 1 PiB; expected at most 1PiB"
 #: Longest size or duration text we read: anything longer is a mistake, not a size.
 MAX_TEXT = 64
 
@@ -58,7 +53,7 @@ def parse_size(text: str | float, *, gpu_memory: int | None = None) -> int:
         if text <= 0:
             raise InvalidInput(f"invalid size {_shown(text)}: a size must be above 0; expected {SIZE_FORMS}")
         if text > MAX_SIZE:
-            raise InvalidInput(f"invalid size {_shown(text)}: must be at most 1 PiB; expected {SIZE_FORMS}")
+            raise SizeTooLarge(f"invalid size {_shown(text)}: {TOO_LARGE}")
         return max(1, int(text))
     raw = str(text)
     if len(raw) > MAX_TEXT:
@@ -78,10 +73,12 @@ def parse_size(text: str | float, *, gpu_memory: int | None = None) -> int:
         raise InvalidInput(f"invalid size {raw!r}: expected {SIZE_FORMS}")
     unit = match.group("unit").lower()
     if unit not in _SIZE_UNITS:
-        raise InvalidInput(f"invalid size {raw!r}: unknown unit {match.group('unit')!r}; expected {SIZE_FORMS}")
+        raise InvalidInput(f"invalid size {raw!r}: unknown unit {match.group('unit')!r}; units are {SIZE_UNITS_NAMED}")
     value = float(match.group("num")) * _SIZE_UNITS[unit]
-    if not math.isfinite(value) or value < 1 or value > MAX_SIZE:
-        raise InvalidInput(f"invalid size {raw!r}: must be between 1 byte and 1 PiB; expected {SIZE_FORMS}")
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise SizeTooLarge(f"invalid size {raw!r}: {TOO_LARGE}")
+    if value < 1:
+        raise InvalidInput(f"invalid size {raw!r}: a size must be at least 1 byte; expected {SIZE_FORMS}")
     return int(value)
 
 
@@ -139,7 +136,7 @@ def format_size(num_bytes: float | None) -> str:
     if num_bytes is None:
         return "unknown"
     value = float(num_bytes)
-    for unit, factor in (("TiB", TIB), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+    for unit, factor in (("EiB", EIB), ("PiB", PIB), ("TiB", TIB), ("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if abs(value) >= factor:
             scaled = value / factor
             text = f"{scaled:.1f}".rstrip("0").rstrip(".")

@@ -25,6 +25,7 @@ from jupyter_gpupool.kernel import get_client
 from jupyter_gpupool.kernel.client import DEFAULT_KEEP, PoolClient
 from jupyter_gpupool.kernel.status import KernelStatus, unavailable_status
 from jupyter_gpupool.quiet import quiet_widget
+from jupyter_gpupool.rest.views import elastic_line
 from jupyter_gpupool.units import format_duration, format_size, parse_duration
 
 _STATE_COLORS = {
@@ -151,7 +152,9 @@ class PoolStatus(widgets.VBox):
         self.title.value = (
             f"<b>GPU slice</b> <span style='color:{color};font-weight:bold'>{html.escape(status.state)}</span>"
         )
-        self.share.value = html.escape(status.share_text())
+        granted = status.lease is not None and status.lease.state is LeaseState.GRANTED
+        elastic = elastic_line(status.lease) if granted and status.lease is not None else ""
+        self.share.value = html.escape(status.share_text() + (f" — {elastic}" if elastic else ""))
         fraction = status.usage_fraction()
         percent = 0 if fraction is None else round(100 * fraction)
         self.usage_bar.value = max(0, min(100, percent))

@@ -106,6 +106,7 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
         {"outcome": "done", "transition": "suspending", "parked_bytes": 0},
         OWNER,
     ),
+    ("ChangesHandler", "GET"): ("changes?timeout=0", None, ALL),
     ("ActivityHandler", "POST"): ("activity", {"activities": {"{lease}": {"busy": True}}}, OWNER),
     ("HeartbeatHandler", "POST"): ("heartbeat", {"lease_ids": ["{lease}"]}, OWNER),
     ("ReconcileHandler", "POST"): ("reconcile", {"holder_host": "h", "holder_pid": 1, "live_kernel_ids": []}, ALL),

@@ -123,7 +123,7 @@ def test_the_contract_check_finds_a_missing_member_and_an_incompatible_signature
 
 
 def test_the_factory_returns_the_backend_the_environment_names(tmp_path: Any) -> None:
-    from jupyter_gpupool.backends import pool_from_env
+    from jupyter_gpupool.backends.factory import pool_from_env
 
     pool = pool_from_env(environ={"GPUPOOL_SIMULATE": "1x16GiB", "GPUPOOL_DB": str(tmp_path / "pool.db")})
     try:

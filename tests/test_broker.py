@@ -503,7 +503,8 @@ def test_broker_watchdog_finds_the_kernel_by_its_lease_variable_and_interrupts_i
     make_harness: Callable[..., BrokerHarness],
 ) -> None:
     harness = make_harness(
-        watchdog={"interval": 0.1, "grace": 0.0, "action": "interrupt", "tolerance_bytes": 0, "tolerance": 0.0}
+        watchdog={"interval": 0.1, "grace": 0.0, "action": "interrupt", "tolerance_bytes": 0, "tolerance": 0.0},
+        policy={"burst": "0"},  # fixed slices: use over the slice is over its limit (an elastic one would grow)
     )
     alice = harness.remote(ALICE)
     lease = alice.request(LeaseRequest(owner="", memory=4 * GIB))

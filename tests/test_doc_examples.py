@@ -14,7 +14,8 @@ How each kind runs:
   runs every form: ``[--json]`` with and without, ``user|group|kernel`` each alternative.
   ``LEASE_ID`` becomes the id of a lease made for that command. Long-running programs
   (``jupyter gpupool demo``/``broker``, ``jupyter lab``/``server``) must be alive and listening
-  within a minute, then exit cleanly on SIGTERM. Checked without running: ``pip install``
+  within a minute, then exit cleanly on SIGTERM; one whose line ends in ``&`` keeps running for
+  the block's later lines (``GPUPOOL_URL=unix://... jupyter gpupool status`` reaches it). Checked without running: ``pip install``
   (the path, the package name and its extras must exist in pyproject.toml), ``apt-get install``
   (every package one that CI's ``.ci/run`` installs), ``python -m pytest``
   (this suite itself), ``npm test``/``npm run X`` (the script exists), ``bash FILE`` (the file
@@ -571,34 +572,67 @@ def check_statically(argv: list[str], cwd: Path) -> bool:
 def run_long_running(sandbox: Sandbox, argv: list[str], env: dict[str, str], ready_within: float = 90) -> None:
     """Started, alive and listening within ``ready_within`` s (its arguments were accepted), then
     SIGTERM: it must exit cleanly."""
-    log_path = sandbox.dir / f"server-{len(sandbox.ran)}.log"
+    stop_long_running(sandbox, *start_long_running(sandbox, argv, env, ready_within))
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of ``--name V`` or ``--name=V`` in ``argv``, else None."""
+    if name in argv and argv.index(name) + 1 < len(argv):
+        return argv[argv.index(name) + 1]
+    return next((a.split("=", 1)[1] for a in argv if a.startswith(name + "=")), None)
+
+
+def _answers(port: int | None, unix_socket: str | None) -> bool:
+    """Whether something accepts connections on the TCP port or the Unix socket."""
+    if unix_socket:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1)
+            return probe.connect_ex(unix_socket) == 0
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", port or 0)) == 0
+
+
+def start_long_running(
+    sandbox: Sandbox, argv: list[str], env: dict[str, str], ready_within: float = 90
+) -> tuple[list[str], subprocess.Popen[bytes], Path]:
+    """Start a long-running program and return once it listens (on its --port, its --socket, or the
+    port its log names); it is killed if it does not."""
+    log_path = sandbox.dir / f"server-{len(sandbox.ran)}-{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, env=env, cwd=sandbox.work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        port = None
-        if "--port" in argv:
-            port = int(argv[argv.index("--port") + 1])
-        port = port or next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--port=")), None)
+        unix_socket = _option(argv, "--socket")
+        port_text = _option(argv, "--port")
+        port = int(port_text) if port_text else None
         deadline = time.monotonic() + ready_within
         listening = False
         while time.monotonic() < deadline and not listening:
             time.sleep(0.5)
             assert process.poll() is None, f"`{shlex.join(argv)}` exited {process.returncode}:\n{log_path.read_text()[-3000:]}"
             text = log_path.read_text(errors="replace")
-            if port is None:
+            if port is None and unix_socket is None:
                 found = re.search(r"https?://(?:localhost|127\.0\.0\.1)[^\s:/]*:(\d+)/", text)
                 if not found:
                     continue
                 port = int(found.group(1))
-            with socket.socket() as probe:
-                probe.settimeout(1)
-                listening = probe.connect_ex(("127.0.0.1", port)) == 0
+            listening = _answers(port, unix_socket)
         assert listening, f"`{shlex.join(argv)}` is not listening after {ready_within:.0f} s:\n{log_path.read_text()[-3000:]}"
         if "broker" not in argv:  # a Jupyter server: the wheel enables the pool's server extension
             deadline = time.monotonic() + 30
             while "jupyter_gpupool | extension was successfully loaded" not in log_path.read_text(errors="replace"):
                 assert time.monotonic() < deadline, f"`{shlex.join(argv)}` did not load jupyter_gpupool:\n{log_path.read_text()[-3000:]}"
                 time.sleep(0.5)
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
+        raise
+    return argv, process, log_path
+
+
+def stop_long_running(sandbox: Sandbox, argv: list[str], process: subprocess.Popen[bytes], log_path: Path) -> None:
+    """SIGTERM a program :func:`start_long_running` started: it must exit 0 within a minute."""
+    try:
         process.send_signal(signal.SIGTERM)
         code = process.wait(60)
         assert code == 0, f"`{shlex.join(argv)}` exited {code} on SIGTERM:\n{log_path.read_text()[-3000:]}"
@@ -610,10 +644,23 @@ def run_long_running(sandbox: Sandbox, argv: list[str], env: dict[str, str], rea
 
 
 def run_shell_block(block: Block, sandbox: Sandbox) -> None:
+    background: list[tuple[list[str], subprocess.Popen[bytes], Path]] = []
+    try:
+        _run_shell_lines(block, sandbox, background)
+    finally:
+        for started in reversed(background):
+            stop_long_running(sandbox, *started)
+
+
+def _run_shell_lines(block: Block, sandbox: Sandbox, background: list[tuple[list[str], subprocess.Popen[bytes], Path]]) -> None:
+    """Each line of a shell block in turn; a long-running program ending in ``&`` keeps running
+    (listening) for the lines after it, and is stopped when the block ends."""
     for line in logical_lines(block.text):
         exit_comment = _EXIT.search(line)
         expect = int(exit_comment.group("code")) if exit_comment else 0
         tokens = shlex.split(line, comments=True)
+        in_background = tokens[-1:] == ["&"]
+        tokens = tokens[:-1] if in_background else tokens
         assert not {"|", ";", "||", ">", ">>", "<"} & set(tokens), (
             f"{block.id}: `{line}` uses a pipe or redirection this test does not run; split it, or mark the block")
         cwd = REPO
@@ -643,7 +690,11 @@ def run_shell_block(block: Block, sandbox: Sandbox) -> None:
                 if check_statically(argv, cwd):
                     continue
                 argv = [sandbox.new_lease(env) if token in PLACEHOLDERS else token for token in argv]
-                if any(starts_with(argv, prefix) for prefix in LONG_RUNNING) and "--dry-run" not in argv:
+                long_running = any(starts_with(argv, prefix) for prefix in LONG_RUNNING) and "--dry-run" not in argv
+                assert long_running or not in_background, f"{block.id}: `{line}`: only a long-running program may end in &"
+                if in_background:
+                    background.append(start_long_running(sandbox, argv, env))
+                elif long_running:
                     run_long_running(sandbox, argv, env)
                 else:
                     sandbox.run(argv, env, expect)

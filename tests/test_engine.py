@@ -456,7 +456,7 @@ def test_snapshot_hides_other_users_unless_admin(tmp_path):
 
 
 def test_watchdog_usage_is_recorded_with_peak_and_over_limit(tmp_path):
-    pool = make_pool(tmp_path)
+    pool = make_pool(tmp_path, burst="0")  # fixed slices: use over the slice is over the limit
     lease = pool.request(req(gib=4), now=T0)
     assert pool.report_usage({lease.id: 3 * GIB}, now=T0 + 1) == []
     decisions = pool.report_usage({lease.id: 5 * GIB}, now=T0 + 2)

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pool_helpers import T0
 
 from jupyter_gpupool.core.engine import PoolState, held_by_device
+from jupyter_gpupool.core.index import excess_per_device
 from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass, Transition, model_matches
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
@@ -35,8 +36,9 @@ class PoolMachine(RuleBasedStateMachine):
         placement=st.sampled_from(["best-fit", "fgd"]),
         user_max=st.sampled_from([None, 24, 48]),
         reserve=st.sampled_from([None, 8, 16]),
+        burst=st.sampled_from(["0", "4x", "4x", "40GiB"]),
     )
-    def setup(self, gpus, overcommit, idle_policy, placement, user_max, reserve):
+    def setup(self, gpus, overcommit, idle_policy, placement, user_max, reserve, burst):
         spec = ",".join(f"1x{g}" for g in gpus)
         self.tmp = tempfile.TemporaryDirectory()
         quotas = {"ann": {"maximum": f"{user_max}GiB", "max_leases": 3}} if user_max else {}
@@ -66,6 +68,8 @@ class PoolMachine(RuleBasedStateMachine):
             parked_memory_limit="48GiB",
             transition_timeout=600,
             defragment_min_idle=60,
+            burst=burst,
+            burst_settle=15,
         )
         if reserve:
             devices = SimulatedBackend.from_spec(spec).devices()
@@ -174,6 +178,48 @@ class PoolMachine(RuleBasedStateMachine):
         self.unpooled = {device.uuid: gib * GIB} if gib else {}
         self.granted_before = {(l.id, l.granted_at) for l in self.pool.leases() if l.state is LeaseState.GRANTED}
 
+    def _granted(self):
+        return [lease for lease in self.pool.leases() if lease.state is LeaseState.GRANTED]
+
+    def _check_no_grow_over_a_waiting_request(self, before):
+        """A slice that grew did so while no queued request could be placed on its GPUs."""
+        queued = [lease for lease in self.pool.leases() if lease.state is LeaseState.QUEUED]
+        state = self.pool._load(self.now)
+        for lease in self._granted():
+            if lease.memory > before.get(lease.id, lease.memory):
+                for other in queued:
+                    candidates = {d.uuid for d in self.pool.engine._lease_candidates(state, other)}
+                    assert not candidates & set(lease.devices), f"{lease.id} grew while {other.id} waited for its GPU"
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), gib=st.sampled_from([0, 1, 3, 6, 14, 30]))
+    def use(self, data, gib):
+        """The watchdog measures a granted kernel's use: near its size, an elastic slice grows."""
+        granted = self._granted()
+        if not granted:
+            return
+        lease = data.draw(st.sampled_from(granted))
+        before = {lease.id: lease.memory for lease in granted}
+        self.pool.report_usage({lease.id: gib * GIB}, now=self.now)
+        self._check_no_grow_over_a_waiting_request(before)
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), gib=st.sampled_from([2, 8, 20, 60]))
+    def grow(self, data, gib):
+        """A framework cap's allocation failure asks for more."""
+        granted = self._granted()
+        if not granted:
+            return
+        lease = data.draw(st.sampled_from(granted))
+        before = {lease.id: lease.memory for lease in granted}
+        try:
+            grown = self.pool.grow(lease.id, gib * GIB, now=self.now)
+        except RequestRefused as refusal:
+            assert str(refusal).startswith("the slice was not grown")
+            return
+        assert grown.memory * grown.num_gpus >= min(gib * GIB, grown.memory * grown.num_gpus)
+        self._check_no_grow_over_a_waiting_request(before)
+
     @rule(seconds=st.sampled_from([1, 30, 200, 700, 3600]))
     def advance(self, seconds):
         self.now += seconds
@@ -190,6 +236,24 @@ class PoolMachine(RuleBasedStateMachine):
         for lease in live:
             if lease.state is LeaseState.GRANTED:
                 assert len(set(lease.devices)) == lease.num_gpus  # one slice per distinct GPU
+
+    @invariant()
+    def guarantees_never_exceed_capacity_and_slices_stay_between_guarantee_and_limit(self):
+        """Per GPU the guarantees of granted slices fit (so burst never holds memory someone is
+        guaranteed: the current sizes fit too, checked above); each slice is at least its guarantee
+        and at most its limit."""
+        if not hasattr(self, "pool"):
+            return
+        guaranteed: dict[str, int] = {}
+        for lease in self.pool.leases():
+            if lease.state is LeaseState.GRANTED:
+                for uuid in (*lease.devices, *lease.migrate_from):
+                    guaranteed[uuid] = guaranteed.get(uuid, 0) + lease.guarantee_size
+                assert lease.guarantee_size <= lease.memory <= lease.limit_size
+            if lease.live:
+                assert lease.burst_limit == 0 or lease.burst_limit > lease.guarantee_size
+        for device in self.pool.devices():
+            assert guaranteed.get(device.uuid, 0) <= device.leasable
 
     @invariant()
     def nothing_granted_out_of_memory_held_outside_the_pool(self):
@@ -275,8 +339,15 @@ class PoolMachine(RuleBasedStateMachine):
                     ends[lease.id] = lease.expected_end
             else:
                 beats[lease.id] = lease.heartbeat_at
+        taken = dict(held_by_device(live))  # each slice, or what its kernel uses above it
+        guaranteed: dict[str, int] = {}
+        for lease in held:
+            for uuid in (*lease.devices, *lease.migrate_from):
+                taken[uuid] = taken.get(uuid, 0) + excess_per_device(lease)
+                guaranteed[uuid] = guaranteed.get(uuid, 0) + lease.guarantee_size
         expected = {
-            "held": {uuid: b for uuid, b in held_by_device(live).items() if b},
+            "held": {uuid: b for uuid, b in taken.items() if b},
+            "guaranteed": {uuid: b for uuid, b in guaranteed.items() if b},
             "owners": {k: tuple(v) for k, v in owners.items()},
             "groups": {k: tuple(v) for k, v in groups.items()},
             "queued": {l.id for l in live if l.state is LeaseState.QUEUED},

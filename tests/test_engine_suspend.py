@@ -288,3 +288,74 @@ def test_a_restore_that_failed_with_the_memory_still_parked_is_tried_once_more(t
     assert pool.get(a.id).transition is Transition.RESTORING
     gone = pool.fail_transition(a.id, "device busy", still_running=True, now=T0 + 21)
     assert gone.state is LeaseState.RELEASED and gone.release_reason.startswith("stopped: restoring its GPU memory failed")
+
+
+@pytest.mark.parametrize("suspendable", [True, False])
+def test_suspend_idle_timeout_shortens_the_idle_time_before_a_suspend_only(tmp_path, suspendable):
+    """With suspend_idle_timeout 120 s and idle_timeout 600 s, a kernel that can be suspended is
+    warned after 120 s idle while someone waits; one that would be culled still waits 600 s."""
+    pool = make_pool(tmp_path, **{**IDLE, "suspend_idle_timeout": 120})
+    alice = pool.request(req("alice", suspendable=suspendable, kernel_id="ka"), now=T0)
+    bob = pool.request(req("bob", kernel_id="kb"), now=T0)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1)
+    pool.request(req("carol", kernel_id="kc"), now=T0 + 100)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 130)
+    pool.tick(now=T0 + 130)  # alice idle 130 s
+    warned = pool.get(alice.id)
+    if suspendable:
+        assert warned.reclaim_at == pytest.approx(T0 + 190) and "idle for 2 min" in warned.reclaim_reason
+        pool.report_activity(bob.id, Activity(busy=True), now=T0 + 190)
+        pool.tick(now=T0 + 190)
+        assert pool.get(alice.id).transition is Transition.SUSPENDING
+    else:
+        assert warned.reclaim_at is None  # a cull keeps the long idle timeout
+        pool.report_activity(bob.id, Activity(busy=True), now=T0 + 601)
+        pool.tick(now=T0 + 601)
+        assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 661)
+
+
+def test_suspend_idle_timeout_unset_is_idle_timeout_and_its_env_var_and_bad_values(tmp_path):
+    from jupyter_gpupool.core.policy import PoolPolicy
+
+    policy = PoolPolicy()
+    assert policy.suspend_idle_timeout is None and policy.idle_timeout_for(True) == policy.idle_timeout == 1800
+    policy.apply_env({"GPUPOOL_SUSPEND_IDLE_TIMEOUT": "2m"})
+    assert policy.suspend_idle_timeout == 120 and policy.idle_timeout_for(True) == 120 and policy.idle_timeout_for(False) == 1800
+    with pytest.raises(InvalidInput, match="GPUPOOL_SUSPEND_IDLE_TIMEOUT"):
+        PoolPolicy().apply_env({"GPUPOOL_SUSPEND_IDLE_TIMEOUT": "soon"})
+    with pytest.raises(InvalidInput, match="0 seconds or more"):
+        PoolPolicy(suspend_idle_timeout=-1)
+
+
+def test_a_resume_ahead_of_a_cell_queues_behind_real_requests_and_makes_no_room_for_itself(tmp_path):
+    """Alice's notebook got focus while her kernel was parked: her resume ahead waits behind dave's
+    real request, takes nothing from the idle holder, and becomes a real one when her cell asks."""
+    pool, alice, bob, carol = idle_holder_and_waiter(tmp_path)
+    pool.confirm_transition(alice.id, parked_bytes=2 * GIB, now=T0 + 775)  # carol got alice's GPU
+    ahead = pool.resume(alice.id, now=T0 + 780, ahead=True)
+    assert ahead.state is LeaseState.QUEUED and ahead.resuming and ahead.resume_ahead
+    dave = pool.request(req("dave"), now=T0 + 790)  # a real request, asked later
+    assert [lease.id for lease in pool.queue(now=T0 + 791)] == [dave.id, alice.id]
+    # Carol idles past the idle timeout: only dave's wait may reclaim her slice, not alice's resume ahead.
+    pool.release(dave.id, now=T0 + 800)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1500)
+    pool.tick(now=T0 + 1500)
+    assert pool.get(carol.id).reclaim_at is None, "a resume ahead of a cell made room for itself"
+    # Her cell runs: the resume is a real one now, and carol (idle) is warned for it.
+    real = pool.resume(alice.id, now=T0 + 1501)
+    assert real.state is LeaseState.QUEUED and not real.resume_ahead
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1502)
+    pool.tick(now=T0 + 1502)
+    assert pool.get(carol.id).reclaim_at is not None
+
+
+def test_a_resume_ahead_on_a_free_gpu_restores_at_once_and_idles_from_the_restore(tmp_path):
+    pool = make_pool(tmp_path, **IDLE)
+    alice = pool.request(req("alice", suspendable=True, kernel_id="ka"), now=T0)
+    pool.suspend(alice.id, now=T0 + 10)
+    pool.confirm_transition(alice.id, parked_bytes=GIB, now=T0 + 11)
+    restoring = pool.resume(alice.id, now=T0 + 20, ahead=True)
+    assert restoring.state is LeaseState.GRANTED and restoring.transition is Transition.RESTORING
+    assert not restoring.resume_ahead and not restoring.resuming
+    back = pool.confirm_transition(alice.id, now=T0 + 21)
+    assert back.last_activity == T0 + 21  # unused from here on, the idle rules park it again

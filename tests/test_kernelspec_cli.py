@@ -141,3 +141,14 @@ def test_every_subcommand_refuses_stray_words(tmp_path, command):
                             timeout=60, check=False)
     assert result.returncode == 2, (command, result.stdout[-500:], result.stderr[-500:])
     assert "unexpected argument 'stray'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_kernelspec_may_give_its_kernels_a_limit_to_grow_to(tmp_path):
+    result = install(tmp_path, "--name", "python3-gpu-elastic", "--memory", "4GiB", "--limit", "32GiB")
+    assert result.returncode == 0, result.stderr
+    manager = KernelSpecManager(kernel_dirs=[str(tmp_path / "share" / "jupyter" / "kernels")])
+    spec = manager.get_kernel_spec("python3-gpu-elastic")
+    assert spec.metadata["kernel_provisioner"]["config"] == {"memory": "4GiB", "limit": "32GiB"}
+    assert spec.display_name.endswith("(GPU 4GiB, up to 32GiB)")
+    below = install(tmp_path, "--name", "k2", "--memory", "8GiB", "--limit", "4GiB")
+    assert below.returncode == 2 and "--limit 4GiB is below --memory 8GiB" in below.stderr and "Traceback" not in below.stderr

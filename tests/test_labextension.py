@@ -62,8 +62,11 @@ def test_browser_check_passes_without_node_in_path(tmp_path):
 def test_sidebar_and_status_bar_in_headless_chromium(tmp_path):
     """Two notebooks granted, a third queued at position 1, granted after a shutdown; Keep and Release act;
     an idle slice counts down; a suspended kernel shows with its Resume button, which brings it back;
-    a process without a lease shows as memory used outside the pool (run.sh's suites gpupool, idle,
-    suspend, unpooled and unavailable, on this checkout's build when it has one)."""
+    focusing a suspended kernel's notebook (or editing a cell) resumes it before any cell runs;
+    a process without a lease shows as memory used outside the pool; every text of the sidebar meets
+    WCAG AA contrast in the light and dark themes, measured from computed styles (run.sh's suites
+    gpupool, idle, suspend, resume-ahead, unpooled, unavailable and contrast, on this checkout's
+    build when it has one)."""
     shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
     env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
     returncode, output = run_suites([], env, timeout=1200)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
-from jupyter_gpupool.units import GIB, SIZE_FORMS
+from jupyter_gpupool.units import GIB, SIZE_FORMS, SIZE_UNITS_NAMED
 
 try:
     from test_kernel_extension import (
@@ -95,6 +95,11 @@ def test_reserve_status_release_round_trip(pool_env: PoolEnv, kernel_factory: An
     status = kernel.run("%gpupool status").plain()
     assert "4 GiB on GPU 0" in status and "granted" in status
 
+    limited = kernel.run("%gpupool reserve 4GiB --limit 12GiB")
+    assert (pool.get(pool_env.lease_id).guarantee, pool.get(pool_env.lease_id).burst_limit) == (4 * GIB, 12 * GIB)
+    assert "4 GiB guaranteed · 4 GiB now, up to 12 GiB" in limited.plain()
+    assert "below the slice's size" in one_line_error(kernel.run("%gpupool reserve 4GiB --limit 2GiB", allow_error=True))
+
     kept = kernel.run("%gpupool keep 3h")
     keep_until = pool.get(pool_env.lease_id).keep_until
     assert keep_until is not None and abs(keep_until - (time.time() + 3 * 3600)) < 120
@@ -142,7 +147,7 @@ def test_state_changed_elsewhere_shows_in_status(pool_env: PoolEnv, kernel_facto
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("reserve 12XB", f"invalid size '12XB': unknown unit 'XB'; expected {SIZE_FORMS}"),
+        ("reserve 12XB", f"invalid size '12XB': unknown unit 'XB'; units are {SIZE_UNITS_NAMED}"),
         ("reserve lots", f"invalid size 'lots': expected {SIZE_FORMS}"),
         ("reserve 8GiB --for soon", "invalid duration 'soon'"),
         ("reserve 8GiB --gpus x", "invalid GPU count 'x': expected a whole number from 1 to 64"),
@@ -180,7 +185,7 @@ def test_a_size_in_two_words_is_read_as_over_rest(pool_env: PoolEnv, kernel_fact
 def test_help_lists_commands_and_forms(shared_kernel: tuple[PoolEnv, Kernel]) -> None:
     _, kernel = shared_kernel
     text = kernel.run("%gpupool help").stdout
-    for command in ("status", "reserve 12GiB [--for 2h] [--gpus 2]", "release", "queue", "keep [1h]", "wait"):
+    for command in ("status", "reserve 12GiB [--limit 32GiB] [--for 2h] [--gpus 2]", "release", "queue", "keep [1h]", "wait"):
         assert command in text
     assert SIZE_FORMS in text
     sub = kernel.run("%gpupool reserve --help").stdout
@@ -300,3 +305,36 @@ def test_cpu_only_kernel_and_unreachable_pool_say_unavailable_with_the_reason(
     assert result.status == "ok", result.errors
     text = result.plain()
     assert "unavailable" in text and str(broken) in text, text
+
+
+def test_a_keep_reads_back_as_the_time_asked_for_not_a_minute_less(pool_env: PoolEnv, kernel_factory: Any) -> None:
+    kernel = kernel_factory(pool_env.kernel_env())
+    kept = kernel.run("%gpupool keep 1h").plain()
+    assert "held through idle until" in kept and "(1 h)" in kept, kept
+    time.sleep(1.5)  # a status read a moment later still says the hour the user asked for
+    status = kernel.run("%gpupool status").plain()
+    assert "(1 h left)" in status and "59 min" not in status, status
+
+
+def test_a_wait_that_ends_in_a_restore_says_so_in_its_heading(tmp_path: Any, kernel_factory: Any) -> None:
+    """A suspended kernel asked back is granted while its memory comes back: `%gpupool wait`'s
+    heading says "restoring", as its state does, not only "slice granted"."""
+    penv = make_pool_env(tmp_path)
+    pool = penv.pool
+    pool.release(penv.lease_id)
+    lease = pool.request(
+        LeaseRequest(owner="alice", memory=4 * GIB, kernel_id=penv.kernel_id, suspendable=True,
+                     holder_pid=os.getpid(), holder_host=socket.gethostname())
+    )
+    penv.lease_id = lease.id
+    kernel = kernel_factory(penv.kernel_env())
+    pool.suspend(lease.id)
+    pool.confirm_transition(lease.id, parked_bytes=GIB)
+    pool.resume(lease.id)
+    back = pool.get(lease.id)
+    assert back.state is LeaseState.GRANTED and back.transition.value == "restoring"
+    result = kernel.run("%gpupool wait --timeout 5s")
+    assert result.status == "ok", result.all_text()
+    text = result.plain()
+    assert "gpupool: slice granted, restoring its GPU memory from host RAM" in text, text
+    pool.close()

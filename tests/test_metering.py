@@ -180,7 +180,7 @@ def test_cost_per_model_per_gib_hour_and_for_a_mig_instance() -> None:
 def test_no_prices_no_cost_column() -> None:
     row = only(report_rows([interval(8)]))
     assert "cost" not in row and "currency" not in row
-    assert columns("group", "week", priced=False) == ["period", "group", "leases", "gpu_hours", "gib_hours_held", "gib_hours_active"]
+    assert columns("group", "week", priced=False) == ["period", "group", "leases", "gpu_hours", "gib_hours_held", "gib_hours_active", "gib_hours_burst", "gpu_hours_burst"]
     assert columns("user", "none", priced=True)[-2:] == ["cost", "currency"]
     assert "cost" in only(report_rows([interval(8)], prices=Prices(per_gib_hour=0.01)))  # GiB·hours alone are a price
 
@@ -312,11 +312,11 @@ def test_report_csv_and_json_shapes(tmp_path: Path) -> None:
     plain = cli(["report", "--by", "user", "--period", "day", "--format", "csv"], tmp_path)
     assert plain.returncode == 0, plain.stderr
     header, *rows = list(csv.reader(io.StringIO(plain.stdout)))
-    assert header == ["period", "user", "leases", "gpu_hours", "gib_hours_held", "gib_hours_active"]  # no prices: no cost
+    assert header == ["period", "user", "leases", "gpu_hours", "gib_hours_held", "gib_hours_active", "gib_hours_burst", "gpu_hours_burst"]  # no prices: no cost
     assert len(rows) == 1 and rows[0][2] == "1"
     priced = ["--PoolPolicy.price_per_gpu_hour={'*': 1.5}", "--PoolPolicy.currency=EUR"]
     data = json.loads(cli(["report", "--format", "json", "--period", "week", *priced], tmp_path).stdout)
-    assert list(data[0]) == ["period", "user", "leases", "gpu_hours", "gib_hours_held", "gib_hours_active", "cost", "currency"]
+    assert list(data[0]) == ["period", "user", "leases", "gpu_hours", "gib_hours_held", "gib_hours_active", "gib_hours_burst", "gpu_hours_burst", "cost", "currency"]
     assert data[0]["currency"] == "EUR" and data[0]["gpu_hours"] >= 0
     text = cli(["report", *priced], tmp_path).stdout
     assert "GPU·h" in text and "EUR" in text

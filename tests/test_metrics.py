@@ -258,3 +258,15 @@ def test_alerts_fire_on_used_and_on_leased_memory_in_promtool_unit_tests() -> No
         cwd=folder,
     )
     assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
+
+
+def test_guaranteed_and_burst_memory_are_exposed_apart(tmp_path) -> None:
+    from pool_helpers import T0, make_pool, req
+
+    pool = make_pool(tmp_path, name="elastic.sqlite", burst="16GiB")
+    lease = pool.request(req(gib=2), now=T0)
+    pool.grow(lease.id, 6 * GIB, now=T0 + 1)
+    values = scrape(make_registry(pool))
+    assert values[("gpupool_memory_guaranteed_bytes", ())] == 2 * GIB
+    assert values[("gpupool_memory_burst_bytes", ())] == 4 * GIB
+    assert values[("gpupool_slice_grows_total", ())] == 1

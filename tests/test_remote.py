@@ -12,7 +12,7 @@ from broker_harness import BrokerHarness
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized, PoolUnavailable
 from jupyter_gpupool.backends.local.pool import Pool
-from jupyter_gpupool.backends import pool_from_env
+from jupyter_gpupool.backends.factory import pool_from_env
 from jupyter_gpupool.backends.remote import RemotePool, _Endpoint
 from jupyter_gpupool.units import GIB
 
@@ -47,7 +47,7 @@ def test_pool_from_env_picks_the_broker_and_never_falls_back(tmp_path: Path) -> 
     }
     pool = pool_from_env(environ=env)
     assert isinstance(pool, RemotePool)
-    with pytest.raises(PoolUnavailable, match="not reachable .*no socket.*GPUPOOL_URL is set"):
+    with pytest.raises(PoolUnavailable, match="not reachable .*no socket.*unset GPUPOOL_URL"):
         pool.request(LeaseRequest(owner="x", memory=GIB))
     with pytest.raises(PoolUnavailable):
         pool_from_env(environ=env, check=True)

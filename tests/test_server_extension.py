@@ -335,8 +335,10 @@ def test_openapi_spec_covers_every_route_and_field() -> None:
 
 
 @pytest.mark.gpupool_config({"Watchdog": {"interval": 0.2, "action": "stop", "grace": 0.5}})
+@pytest.mark.gpupool_env(GPUPOOL_BURST="0")
 def test_watchdog_warns_then_stops_a_kernel_over_its_slice(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec):
-    """GPU memory of the kernel's process tree over the slice: warned, then (policy) stopped."""
+    """GPU memory of the kernel's process tree over a fixed slice (an elastic one would grow): warned,
+    then (policy) stopped."""
     events = record_events(jp_serverapp)
 
     async def scenario() -> None:

@@ -20,11 +20,13 @@ from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.apps.simulate import (
     MODES,
     LabRun,
+    RequestSizes,
     Settings,
     SimulateApp,
     fewest_gpus,
     jain_index,
     make_plans,
+    parse_requests,
     parse_shape,
     percentile,
     simulate,
@@ -154,6 +156,170 @@ def test_exclusive_requests_a_whole_gpu_and_pooled_its_need() -> None:
     pooled.pool.close()
 
 
+# --- what sessions ask for (--requests) ----------------------------------------------------------------
+def test_requests_exact_is_the_default_and_matches_the_need_rounded_up() -> None:
+    assert Settings().requests == RequestSizes("exact") == parse_requests("exact")
+    settings = Settings(gpus="2x24GiB", users=4, rate=4, shape=parse_shape("flat"), days=0.05)
+    plans = make_plans(settings, synthetic(0.2, 300, 300, 600))
+    pooled = LabRun(settings, plans, "pooled", SimulatedBackend.from_spec("2x24GiB"))
+    assert {s.request for s in pooled.sessions} == {s.asked for s in pooled.sessions} == {5 * GIB}
+    assert pooled.raised == 0
+    pooled.pool.close()
+
+
+def test_requests_default_asks_for_the_pools_default_slice_and_a_bigger_need_is_raised() -> None:
+    settings = Settings(gpus="2x24GiB", users=4, rate=4, shape=parse_shape("flat"), days=0.05, requests=parse_requests("default"))
+    small = make_plans(settings, synthetic(0.1, 300, 300, 600))  # needs 2.4 GiB of 24 GiB: below the 6 GiB default (25%)
+    run = LabRun(settings, small, "pooled", SimulatedBackend.from_spec("2x24GiB"))
+    assert {s.request for s in run.sessions} == {6 * GIB} and run.raised == 0  # they hold what they asked for, not their need
+    run.pool.close()
+    big = make_plans(settings, synthetic(0.5, 300, 300, 600))  # needs 12 GiB: more than the 6 GiB asked
+    run = LabRun(settings, big, "pooled", SimulatedBackend.from_spec("2x24GiB"))
+    assert {s.asked for s in run.sessions} == {6 * GIB}
+    assert {s.request for s in run.sessions} == {12 * GIB}  # max(request, need): taken to have asked for enough
+    assert run.raised == len(run.sessions) > 0
+    run.pool.close()
+    # The pool's own default_memory decides the default slice.
+    from traitlets.config import Config
+
+    config = Config()
+    config.PoolPolicy.default_memory = "3GiB"
+    run = LabRun(settings, small, "pooled", SimulatedBackend.from_spec("2x24GiB"), config)
+    assert {s.request for s in run.sessions} == {3 * GIB}
+    run.pool.close()
+
+
+def test_a_mix_of_requests_is_drawn_with_its_weights_the_same_for_every_mode_and_keeps_the_arrivals() -> None:
+    mix = parse_requests("4GiB:0.5, 8GiB:0.3 ,50%:0.2")
+    assert mix == RequestSizes("mix", ("4GiB", "8GiB", "50%"), (0.5, 0.3, 0.2))
+    assert parse_requests("4GiB:1,8GiB:3").weights == (0.25, 0.75)  # relative weights, normalised
+    settings = Settings(gpus="2x24GiB", users=20, rate=60, shape=parse_shape("flat"), days=0.5, requests=mix)
+    work = synthetic(0.05, 300, 300, 600)  # 1.2 GiB: below every size asked for
+    plans = make_plans(settings, work)
+    exact = make_plans(replace(settings, requests=RequestSizes()), work)
+    assert [(p.arrival, p.user, p.phases) for p in plans] == [(p.arrival, p.user, p.phases) for p in exact]  # same sessions
+    assert {p.asks for p in exact} == {0}
+    shares = [sum(1 for p in plans if p.asks == i) / len(plans) for i in range(3)]
+    assert len(plans) > 300 and all(abs(share - w) < 0.08 for share, w in zip(shares, mix.weights, strict=True))
+    pooled = LabRun(settings, plans, "pooled", SimulatedBackend.from_spec("2x24GiB"))
+    suspend = LabRun(settings, plans, "suspend", SimulatedBackend.from_spec("2x24GiB"))
+    sizes = {4 * GIB, 8 * GIB, 12 * GIB}  # 50% of the 24 GiB GPU
+    assert {s.request for s in pooled.sessions} == sizes
+    assert [s.request for s in pooled.sessions] == [s.request for s in suspend.sessions]
+    exclusive = LabRun(settings, plans, "exclusive", SimulatedBackend.from_spec("2x24GiB"))
+    assert {s.request for s in exclusive.sessions} == {24 * GIB}  # whole GPUs whatever was asked
+    for run in (pooled, suspend, exclusive):
+        run.pool.close()
+
+
+def test_asking_for_more_than_the_need_leases_more_and_waits_longer() -> None:
+    settings = Settings(gpus="1x24GiB", users=10, rate=6, shape=parse_shape("flat"), days=0.25, patience=1800)
+    work = synthetic(0.2, 600, 600, 3600)
+    exact = simulate(settings, ("pooled",), work)["pooled"]
+    generous = simulate(replace(settings, requests=parse_requests("12GiB:1")), ("pooled",), work)["pooled"]
+    assert generous.leased_pct > 1.5 * generous.used_pct and exact.leased_pct < 1.1 * exact.used_pct
+    assert generous.wait_p50 > exact.wait_p50 and generous.served < exact.served
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "invalid --requests '': expected 'exact'"),
+        ("lots", "'lots' needs a size and a weight, like 20GiB:0.3"),
+        ("8GiB", "'8GiB' needs a size and a weight"),
+        (":0.5", "':0.5' needs a size and a weight"),
+        ("8GiB:0.5,", "'' needs a size and a weight"),
+        ("8GiB:0", "the weight of '8GiB' must be a number above 0, got '0'"),
+        ("8GiB:-1,4GiB:2", "the weight of '8GiB' must be a number above 0, got '-1'"),
+        ("8GiB:nan", "must be a number above 0, got 'nan'"),
+        ("8GiB:inf", "must be a number above 0, got 'inf'"),
+        ("8GiB:half", "got 'half'"),
+        ("8 parsecs:1", "unknown unit 'parsecs'"),
+        ("0GiB:1", "must be between 1 byte and 1 PiB"),
+        ("120%:1", "a percentage must be above 0% and at most 100%"),
+        ("8GiB:1,8GiB:2", "'8GiB' is given twice"),
+    ],
+)
+def test_bad_requests_are_refused_in_one_line(text: str, message: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        parse_requests(text)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_requests_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1", "--memory-need", "30%",
+            "--session-length", "30m", "--modes", "exclusive,pooled"]
+    code, out, err = run_app([*argv, "--requests", "4GiB:0.5,16GiB:0.5"], capsys)
+    assert code == 0, err
+    assert "Requests a mix: 50% ask for 4GiB, 50% ask for 16GiB; exclusive GPUs ask for a whole GPU." in out
+    assert "taken to have asked for its need rounded up to a GiB (" in out
+    code, out, err = run_app([*argv, "--requests", "default", "--json"], capsys)
+    data = json.loads(out)
+    assert data["settings"]["requests"] == "default"
+    assert data["results"]["pooled"]["raised"] == data["results"]["pooled"]["sessions"]  # 7.2 GiB needed, 6 GiB asked
+    code, out, err = run_app(argv, capsys)
+    assert "Requests exact: each session asks for its need rounded up to a GiB" in out and "taken to have" not in out
+
+
+# --- elastic: guaranteed what was asked, grown on demand by the real engine ---------------------------------
+def test_elastic_slices_grow_to_the_need_and_only_elastic_grows() -> None:
+    # Each asks for 2 GiB of a 24 GiB GPU and needs 4.8 GiB: nobody waits, so every slice grows.
+    settings = Settings(gpus="1x24GiB", users=3, rate=2, shape=parse_shape("flat"), days=0.1, requests=parse_requests("2GiB:1"))
+    work = synthetic(0.2, 300, 300, 1800)
+    results = simulate(settings, ("pooled", "elastic"), work)
+    pooled, elastic = results["pooled"], results["elastic"]
+    assert elastic.grows > 0 and elastic.shrinks == 0 and elastic.raised == 0
+    assert elastic.guaranteed_pct < elastic.leased_pct  # leased = current sizes, above the 2 GiB guarantees
+    assert elastic.used_pct <= elastic.leased_pct + 1e-9
+    assert elastic.served == pooled.served > 0 and elastic.wait_p95 == pooled.wait_p95 == 0
+    # Fixed-slice modes stay fixed whatever the pool's burst: taken to have asked for their need.
+    assert pooled.grows == 0 and pooled.raised == pooled.sessions and pooled.guaranteed_pct == pytest.approx(pooled.leased_pct)
+
+
+def test_elastic_takes_burst_back_for_a_waiting_request_and_parks_idle_kernels() -> None:
+    settings = replace(SUSPEND_SETTINGS, requests=parse_requests("4GiB:1"), suspend_idle_timeout=120)
+    result = simulate(settings, ("elastic",), synthetic(*LONG_IDLE))["elastic"]  # 12 GiB needed, 4 GiB guaranteed
+    assert result.grows > 0 and result.shrinks > 0  # grown while the GPU had room, taken back when someone waited
+    assert result.suspends > 0 and result.reclaims == 0 and result.work_lost == 0  # parked, never culled
+    assert result.expired == 0 and result.grow_waits > 0
+
+
+def test_a_kernel_whose_slice_cannot_grow_waits_and_computes_nothing() -> None:
+    # A 4 GiB quota caps every slice at its 4 GiB guarantee: kernels needing 12 GiB never get to run a cell.
+    settings = replace(SUSPEND_SETTINGS, requests=parse_requests("4GiB:1"), quota_max=4 * GIB, days=0.1)
+    result = simulate(settings, ("elastic",), synthetic(*LONG_IDLE))["elastic"]
+    assert result.grows == 0 and result.served == 0 and result.grow_waits > 0
+    assert result.used_pct > 0 and result.busy_pct == 0  # what they hold counts as used, never as computing
+    assert result.grow_wait_p95 == pytest.approx(0.1 * 86400, abs=3600)  # still waiting when the run ends
+
+
+def test_elastic_limit_below_the_need_is_taken_as_a_limit_of_the_need() -> None:
+    from traitlets.config import Config
+
+    config = Config()
+    config.PoolPolicy.burst = "1.5x"  # 4 GiB may grow to 6 GiB, but the kernels need 12 GiB
+    settings = replace(SUSPEND_SETTINGS, requests=parse_requests("4GiB:1"), days=0.05)
+    run = LabRun(settings, make_plans(settings, synthetic(*LONG_IDLE)), "elastic", SimulatedBackend.from_spec("1x24GiB"), config)
+    assert {s.request for s in run.sessions} == {4 * GIB} and {s.limit for s in run.sessions} == {12 * GIB}
+    assert run.raised == len(run.sessions)
+    assert run.run().grows > 0  # grown past the pool's 1.5x to the need
+    config.PoolPolicy.burst = "0"
+    with pytest.raises(InvalidInput, match="mode elastic needs slices that may grow, but PoolPolicy.burst is 0"):
+        LabRun(settings, [], "elastic", SimulatedBackend.from_spec("1x24GiB"), config)
+
+
+def test_elastic_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1", "--memory-need", "30%",
+            "--session-length", "30m", "--modes", "pooled,elastic", "--requests", "default"]
+    code, out, err = run_app(argv, capsys)
+    assert code == 0, err
+    for label in ("elastic", "guaranteed", "grows / taken back", "grow wait p95", "leased counts current sizes"):
+        assert label in out
+    code, out, err = run_app([*argv, "--json"], capsys)
+    data = json.loads(out)["results"]["elastic"]
+    assert data["grows"] > 0 and data["guaranteed_pct"] < data["leased_pct"]
+
+
 # --- pooled+suspend ----------------------------------------------------------------------------------
 #: Work 10 minutes, then sit idle for hours holding half a 24 GiB GPU: where taking slices back matters.
 LONG_IDLE = (0.5, 600, 3 * 3600, 4 * 3600)
@@ -212,6 +378,22 @@ def test_a_resume_waits_at_least_the_restore_time() -> None:
     assert fast.resume_wait_p50 < slow.resume_wait_p50
 
 
+def test_a_restore_rate_of_its_own_sets_the_resume_wait() -> None:
+    """Measured checkpoints park slower than they restore (H200: ~2 GB/s out, ~6 GB/s back)."""
+    work = synthetic(*LONG_IDLE)
+    used = int(0.5 * 24 * GIB)
+    slow_back = simulate(replace(SUSPEND_SETTINGS, restore_rate=used / 200.0), ("suspend",), work)["suspend"]
+    assert slow_back.resumes > 0 and slow_back.resume_wait_p50 >= 200.0  # the restore's copy is what a resume waits for
+    settings = replace(SUSPEND_SETTINGS, checkpoint_rate=2e9, restore_rate=6e9)
+    run = LabRun(settings, make_plans(settings, work), "suspend", SimulatedBackend.from_spec(settings.gpus))
+    session = run.sessions[0]
+    assert run._restore_seconds(session) == pytest.approx(session.used / 6e9)
+    same = LabRun(replace(settings, restore_rate=None), run.plans, "suspend", SimulatedBackend.from_spec(settings.gpus))
+    assert same._restore_seconds(same.sessions[0]) == pytest.approx(session.used / 2e9)  # none given: the checkpoint rate
+    run.pool.close()
+    same.pool.close()
+
+
 def test_suspend_moves_idle_kernels_to_make_room_and_confirms_the_moves() -> None:
     # Mixed slice sizes on two GPUs fragment them: the engine plans live moves (MIGRATE).
     settings = Settings(gpus="2x24GiB", users=10, rate=6, shape=parse_shape("flat"), days=0.2, seed=1,
@@ -234,6 +416,9 @@ def test_suspend_mode_on_the_command_line(capsys: pytest.CaptureFixture[str]) ->
     data = json.loads(out)["results"]["suspend"]
     assert data["parked_limit"] == 64 * GIB and data["parked_peak"] <= 64 * GIB
     assert json.loads(out)["settings"]["suspend_idle_timeout"] == 120
+    code, out, err = run_app([*argv, "--restore-rate", "6"], capsys)
+    assert code == 0, err
+    assert "suspend at 10 GB/s, restore at 6 GB/s" in out
 
 
 # --- workload from the traces -------------------------------------------------------------------------
@@ -479,8 +664,11 @@ def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         (["--parked-memory-limit", "40%"], "invalid --parked-memory-limit '40%'"),
         (["--parked-memory-limit", "lots"], "invalid --parked-memory-limit 'lots': expected a size of host RAM"),
         (["--checkpoint-rate", "0"], "invalid --checkpoint-rate 0"),
+        (["--restore-rate", "-1"], "invalid --restore-rate -1: expected GB/s from 0.01 to 10000"),
         (["--suspend-idle-timeout", "soon"], "invalid duration 'soon'"),
-        (["--modes", "suspended"], "invalid mode 'suspended': choose from exclusive, pooled, reclaim, suspend"),
+        (["--modes", "suspended"], "invalid mode 'suspended': choose from exclusive, pooled, reclaim, suspend, elastic"),
+        (["--requests", "20GiB:0.5,40GiB"], "invalid --requests '20GiB:0.5,40GiB': '40GiB' needs a size and a weight"),
+        (["--requests", "20GiB:0"], "the weight of '20GiB' must be a number above 0"),
     ],
 )
 def test_cli_rejects_bad_input_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -543,8 +731,24 @@ def test_lab_sim_prints_pooled_suspend_beside_the_other_modes() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| mode |"))
-    assert header.endswith("| Jain | suspends | resume wait p95 | parked peak / p95 | work lost |")
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| pooled", "| exclusive"))]
-    assert [row.split(" | ")[0] for row in rows] == ["| exclusive GPUs", "| pooled", "| pooled+reclaim", "| pooled+suspend"]
+    assert "| Jain | suspends | resume wait p95 | parked peak / p95 | work lost |" in header
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| pooled", "| exclusive", "| elastic"))]
+    assert [row.split(" | ")[0] for row in rows] == ["| exclusive GPUs", "| pooled", "| pooled+reclaim", "| pooled+suspend",
+                                                     "| elastic"]
     assert all(len(row.split(" | ")) == len(header.split(" | ")) for row in rows)
     assert "--jobs 2" in proc.stdout and "pooled+suspend: idle timeout 5 min" in proc.stdout
+    assert "Requests exact: each session asks for its need rounded up to a GiB" in proc.stdout
+
+
+def test_lab_sim_sweeps_the_suspend_idle_timeout() -> None:
+    script = Path(__file__).resolve().parent.parent / "bench" / "lab_sim.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--scenario", "class", "--days", "0.42", "--target", "", "--sweep-suspend-idle", "1m,5m",
+         "--checkpoint-rate", "2", "--restore-rate", "6"],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--suspend-idle-timeout 1m" in proc.stdout and "--suspend-idle-timeout 5m" in proc.stdout
+    assert "suspend at 2 GB/s, restore at 6 GB/s" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 1 min |", "| 5 min |"))]
+    assert len(rows) == 2 and all(row.count("|") == 12 for row in rows)

@@ -8,7 +8,7 @@ from jupyter_gpupool.core.models import model_matches
 from jupyter_gpupool.devices import ProcessUsage, make_backend
 from jupyter_gpupool.devices.simulated import SPEC_FORMS, SimulatedBackend, parse_inventory
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.units import GIB, MIB
+from jupyter_gpupool.units import GIB, MIB, SIZE_FORMS
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_specs(spec, expected):
     [
         ("0x16GiB", "invalid GPU count 0 in '0x16GiB': expected 1 to 1024"),
         ("1025xT4", "invalid GPU count 1025"),
-        ("2xFOO", "unknown GPU 'FOO' in '2xFOO': give its memory (e.g. FOO-24GB)"),
+        ("2xFOO", "unknown GPU 'FOO' in '2xFOO': give its memory with a unit (e.g. 2xFOO-24GB)"),
         ("abc", "unknown GPU 'abc'"),
         ("", "empty simulated inventory"),
         ("   ", "empty simulated inventory"),
@@ -46,7 +46,8 @@ def test_specs(spec, expected):
         ("1x16XB", "unknown GPU '16XB'"),
         ("2xA100-80GB,,1xT4", "invalid inventory item ''"),
         ("1x16GiB;rm -rf", "invalid inventory item"),
-        ("1x2000TiB", "must be between 1 byte and 1 PiB"),
+        ("1x2000TiB", "too large: no GPU pool holds more than 1 PiB"),
+        ("1x24", "unknown GPU '24' in '1x24': give its memory with a unit (e.g. 1x24GiB)"),
     ],
 )
 def test_bad_specs_are_one_line_errors_naming_the_forms(spec, says):
@@ -55,7 +56,7 @@ def test_bad_specs_are_one_line_errors_naming_the_forms(spec, says):
     message = str(info.value)
     assert says in message
     assert "\n" not in message
-    assert SPEC_FORMS in message or "expected 1 to 1024" in message or "1 PiB" in message
+    assert SPEC_FORMS in message or "expected 1 to 1024" in message or "1 PiB" in message or SIZE_FORMS in message
 
 
 def test_make_backend_reads_a_spec_and_rejects_a_bad_one():

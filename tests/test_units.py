@@ -2,8 +2,8 @@
 
 import pytest
 
-from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.units import GIB, MIB, format_duration, format_size, parse_duration, parse_size
+from jupyter_gpupool.errors import InvalidInput, RequestRefused, SizeTooLarge
+from jupyter_gpupool.units import EIB, GIB, MIB, PIB, TIB, format_duration, format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_formatting():
     [
         ("-5GiB", "a size must be above 0"),
         (" -5 GiB", "a size must be above 0"),
-        (10**400, "must be at most 1 PiB"),
+        (10**400, "too large: no GPU pool holds more than 1 PiB"),
         (-(10**400), "a size must be above 0"),
         ("9" * 400, "too long"),
         ("1e400", "expected a size like"),
@@ -107,3 +107,29 @@ def test_one_size_grammar_for_rest_magic_and_cli(text):
     assert validate.size(text) == text  # accepted over REST as typed
     args = build_parser().parse_args(["reserve", *text.split()])
     assert parse_size(args.size) == 12 * GIB
+
+
+@pytest.mark.parametrize("text, expected", [("1PB", PIB), ("1P", PIB), ("1 pib", PIB), ("0.5PiB", PIB // 2), ("2TB", 2 * TIB)])
+def test_every_unit_up_to_peta_is_read_as_binary(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1025TiB", "4PB", "2PiB", "1EB", "3EiB", "1e", 2 * PIB])
+def test_a_size_over_1_pib_is_too_large_not_an_unknown_unit(text):
+    """Too large is the pool's refusal (exit 3) wherever the size is typed, and still bad input (HTTP 400)."""
+    with pytest.raises(SizeTooLarge) as err:
+        parse_size(text)
+    assert isinstance(err.value, RequestRefused) and isinstance(err.value, InvalidInput)
+    assert (err.value.exit_code, err.value.http_status) == (RequestRefused.exit_code, InvalidInput.http_status)
+    assert "too large: no GPU pool holds more than 1 PiB" in str(err.value)
+    assert "unknown unit" not in str(err.value)
+
+
+def test_an_unknown_unit_names_the_units_there_are():
+    with pytest.raises(InvalidInput, match=r"unknown unit 'XB'; units are B, KiB, MiB, GiB, TiB, PiB, EiB") as err:
+        parse_size("8XB")
+    assert not isinstance(err.value, SizeTooLarge)
+
+
+def test_sizes_are_printed_up_to_exbibytes():
+    assert [format_size(PIB), format_size(3 * EIB), format_size(int(1.5 * TIB))] == ["1 PiB", "3 EiB", "1.5 TiB"]

@@ -265,7 +265,7 @@ def test_a_pool_file_of_the_previous_version_is_migrated_with_its_leases(tmp_pat
     conn.close()
     store = Store(str(path))
     try:
-        assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 4
         with store.transaction():
             assert list(store.live_leases()) == ["l-old"]
             assert store.unpooled(T0) == []
@@ -360,3 +360,24 @@ def test_a_server_opted_out_by_its_environment_says_so_and_its_kernels_gpu_use_i
         if client is not None:
             client.stop_channels()
         server.stop()
+
+
+def test_an_empty_sighting_clears_the_reporters_rows_whichever_pool_object_wrote_them(tmp_path):
+    """A watcher that reopened its pool (a new Pool on the same file, same reporter) and now sees
+    nothing gives the memory back at once, not when the old sighting expires."""
+    from jupyter_gpupool.enforcement.unpooled import UnpooledUse
+
+    backend = SimulatedBackend.from_spec("1x16GiB")
+    first = Pool(backend, str(tmp_path / "pool.sqlite"), clock=lambda: T0)
+    uuid = first.devices()[0].uuid
+    first.report_unpooled([UnpooledUse(device=uuid, pid=4242, bytes=12 * GIB, host="h", why="no lease")],
+                          reporter="watcher", ttl=3600, now=T0)
+    first.close()
+    reopened = Pool(backend, str(tmp_path / "pool.sqlite"), clock=lambda: T0)
+    try:
+        assert reopened.unpooled(now=T0)
+        reopened.report_unpooled([], reporter="watcher", now=T0 + 1)
+        assert reopened.unpooled(now=T0 + 1) == []
+        assert _granted(reopened, "alice", 15).state is LeaseState.GRANTED
+    finally:
+        reopened.close()

@@ -36,7 +36,7 @@ def test_granted_slice_shows_share_usage_idle_and_keep(pool_env: PoolEnv) -> Non
     widget = PoolStatus(client=client_for(pool_env), autostart=False)
     try:
         assert "granted" in widget.title.value
-        assert widget.share.value == "4 GiB on GPU 0 (Simulated GPU 16GiB)"
+        assert widget.share.value == "4 GiB on GPU 0 (Simulated GPU 16GiB) — 4 GiB guaranteed · 4 GiB now, up to 16 GiB"
         assert widget.usage_bar.value == 75 and widget.usage_bar.bar_style == "success"
         assert "3 GiB of 4 GiB (75%)" in widget.usage_text.value
         assert widget.queue.value == ""
@@ -87,6 +87,7 @@ def test_queued_slice_shows_position_and_disables_keep(tmp_path: Path) -> None:
 
 
 def test_usage_over_the_slice_turns_the_bar_red(pool_env: PoolEnv) -> None:
+    pool_env.pool.resize(pool_env.lease_id, 4 * GIB, limit=0)  # a fixed slice: an elastic one would grow
     pool_env.pool.report_usage({pool_env.lease_id: 5 * GIB})
     widget = PoolStatus(client=client_for(pool_env), autostart=False)
     try:
@@ -210,7 +211,7 @@ def test_widget_model_state_in_a_real_kernel(pool_env: PoolEnv, kernel_factory: 
     views = [m for m in result.messages if m["msg_type"] == "display_data"]
     assert any("application/vnd.jupyter.widget-view+json" in m["content"]["data"] for m in views)
     html_values = [s.get("value", "") for s in states if s.get("_model_name") == "HTMLModel"]
-    assert "4 GiB on GPU 0 (Simulated GPU 16GiB)" in html_values
+    assert "4 GiB on GPU 0 (Simulated GPU 16GiB) — 4 GiB guaranteed · 4 GiB now, up to 16 GiB" in html_values
     progress = [s for s in states if s.get("_model_name") == "IntProgressModel"]
     assert len(progress) == 1 and progress[0]["max"] == 100
     buttons = [s for s in states if s.get("_model_name") == "ButtonModel"]

@@ -28,6 +28,7 @@ from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, Priorit
 from jupyter_gpupool.core.policy import WEEKDAYS
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized
 from jupyter_gpupool.units import format_duration, format_size, parse_duration
+from jupyter_gpupool.wording import slice_size
 
 
 def device_rows(snapshot: Any) -> list[list[str]]:
@@ -92,6 +93,16 @@ def lease_place_text(item: dict[str, Any]) -> str:
     return ",".join(u[:12] for u in item["devices"])
 
 
+def memory_text(item: dict[str, Any]) -> str:
+    """A lease's size per GPU: ``8 GiB``, or for an elastic slice ``2 GiB (6 GiB now, up to 16 GiB)``."""
+    memory = int(item["memory"])
+    guarantee = int(item.get("guarantee") or memory)
+    limit = int(item.get("burst_limit") or 0)
+    if limit <= guarantee:
+        return format_size(memory)
+    return f"{format_size(guarantee)} ({format_size(memory)} now, up to {format_size(limit)})"
+
+
 def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
     rows = []
     for item in leases:
@@ -101,7 +112,7 @@ def lease_rows(leases: list[dict[str, Any]], now: float) -> list[list[str]]:
                 item.get("id") or "-",
                 item.get("owner") or "(another user)",
                 lease_state_text(item),
-                format_size(item["memory"]) + (f" x{item['num_gpus']}" if item.get("num_gpus", 1) > 1 else ""),
+                (f"{item['num_gpus']} × " if (item.get("num_gpus") or 1) > 1 else "") + memory_text(item),
                 lease_place_text(item),
                 format_duration(now - since),
                 (item.get("kernel_id") or item.get("label") or "")[:36],
@@ -208,7 +219,7 @@ class StatusApp(GpuPoolBaseApp):
         }
         text = "\n".join(
             [
-                f"Pool: {pool.backend.describe()}  (db {pool.db_path})",
+                f"Pool: {pool.backend.describe()}" + ("" if pool.db_path in pool.backend.describe() else f"  (db {pool.db_path})"),
                 "",
                 table(["GPU", "name", "total", "leased", "used", "outside pool", "free", "health"], device_rows(snapshot)),
                 *unpooled_section(snapshot),
@@ -263,7 +274,7 @@ class QueueApp(GpuPoolBaseApp):
                     str(view["position"]),
                     lease.id,
                     lease.owner,
-                    format_size(lease.memory),
+                    slice_size(lease.memory, lease.num_gpus),
                     lease.priority.value,
                     format_duration(info.estimated_wait if info else None),
                     info.reason if info else "",
@@ -287,7 +298,7 @@ class ReleaseApp(GpuPoolBaseApp):
         if not getattr(pool, "remote", False) and lease.owner != user and not local_admin(pool.db_path):
             raise NotAuthorized(f"lease {lease.id} belongs to another user; only its owner or a pool admin may release it")
         released = pool.release(lease.id, reason=f"released by {user} from the command line")
-        self.emit(released.to_json(), f"released {released.id} ({format_size(released.memory)})")
+        self.emit(released.to_json(), f"released {released.id} ({slice_size(released.memory, released.num_gpus)})")
 
 
 class _TransitionApp(GpuPoolBaseApp):
@@ -328,7 +339,7 @@ class SuspendApp(_TransitionApp):
             changed = pool.suspend(lease.id, reason=reason)  # RequestRefused says why not (exit 3)
         self.emit(
             changed.to_json(),
-            f"suspending {changed.id} ({format_size(changed.memory)}): its server parks the GPU memory in host RAM;"
+            f"suspending {changed.id} ({slice_size(changed.memory, changed.num_gpus)}): its server parks the GPU memory in host RAM;"
             " the kernel's next cell resumes it",
         )
 
@@ -441,6 +452,8 @@ class ReportApp(GpuPoolBaseApp):
                 "gpu_hours": "GPU·h",
                 "gib_hours_held": "GiB·h held",
                 "gib_hours_active": "GiB·h active",
+                "gib_hours_burst": "GiB·h burst",
+                "gpu_hours_burst": "GPU·h burst",
                 "cost": "cost",
                 "currency": "",
             }
@@ -553,7 +566,7 @@ class RequestApp(GpuPoolBaseApp):
 
             lease = pool.wait_for_grant(lease.id, on_update=show)
             print(file=sys.stderr)
-        self.emit(lease.to_json(), f"{lease.id} {lease.state.value} {format_size(lease.memory)}")
+        self.emit(lease.to_json(), f"{lease.id} {lease.state.value} {slice_size(lease.memory, lease.num_gpus)}")
 
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -15,6 +15,7 @@ with exit code 3; with no pool to ask, it is installed with a warning.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,8 +44,9 @@ _NAME_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
 
 
 def gpu_kernelspec(base: dict[str, Any], memory: str, num_gpus: int = 1, priority: str = "", model: str = "",
-                   display_name: str = "") -> dict[str, Any]:
-    """A copy of ``base`` (a kernel.json dict) whose kernels get a fixed GPU slice."""
+                   display_name: str = "", limit: str = "") -> dict[str, Any]:
+    """A copy of ``base`` (a kernel.json dict) whose kernels are guaranteed a GPU slice of ``memory``
+    and may grow to ``limit`` while the GPU has room (``0``: a fixed slice; empty: the pool's burst)."""
     size = parse_size(memory, gpu_memory=GIB)  # validate early: "25%" is fine, "8XB" is not
     if size < MIN_SLICE and not memory.strip().endswith("%"):
         bare = memory.strip().isdigit()
@@ -57,8 +59,14 @@ def gpu_kernelspec(base: dict[str, Any], memory: str, num_gpus: int = 1, priorit
         raise InvalidInput(f"--gpus must be at least 1, got {num_gpus}")
     if priority and priority not in {c.value for c in PriorityClass}:
         raise InvalidInput(f"--priority must be batch, normal or high, got {priority!r}")
+    if limit and limit.strip() != "0":
+        ceiling = parse_size(limit, gpu_memory=GIB)
+        if not memory.strip().endswith("%") and not limit.strip().endswith("%") and ceiling < size:
+            raise InvalidInput(f"--limit {limit.strip()} is below --memory {memory.strip()}; give a limit of at least the size, or 0 for a fixed slice")
     spec = json.loads(json.dumps(base))
     config: dict[str, Any] = {"memory": memory}
+    if limit:
+        config["limit"] = limit.strip()
     if num_gpus != 1:
         config["num_gpus"] = num_gpus
     if priority:
@@ -68,7 +76,8 @@ def gpu_kernelspec(base: dict[str, Any], memory: str, num_gpus: int = 1, priorit
     metadata = spec.setdefault("metadata", {})
     metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME, "config": config}
     gpus = f"{num_gpus}x " if num_gpus != 1 else ""
-    spec["display_name"] = display_name or f"{base.get('display_name', 'Kernel')} (GPU {gpus}{memory})"
+    up_to = f", up to {limit.strip()}" if limit and limit.strip() != "0" else ""
+    spec["display_name"] = display_name or f"{base.get('display_name', 'Kernel')} (GPU {gpus}{memory}{up_to})"
     return spec
 
 
@@ -80,6 +89,7 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
         "name": "KernelSpecInstallApp.kernel_name",
         "display-name": "KernelSpecInstallApp.display_name",
         "memory": "KernelSpecInstallApp.memory",
+        "limit": "KernelSpecInstallApp.limit",
         "gpus": "KernelSpecInstallApp.gpus",
         "priority": "KernelSpecInstallApp.priority",
         "model": "KernelSpecInstallApp.model",
@@ -95,7 +105,12 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
 
     kernel_name = Unicode("", help="Name of the new kernelspec, e.g. python3-gpu-8g.").tag(config=True)
     display_name = Unicode("", help="Name shown in the launcher (default: the base's name plus the slice).").tag(config=True)
-    memory = Unicode("", help=f"GPU slice for its kernels: {SIZE_FORMS}.").tag(config=True)
+    memory = Unicode("", help=f"GPU slice its kernels are guaranteed: {SIZE_FORMS}.").tag(config=True)
+    limit = Unicode(
+        "",
+        help=f"How far its kernels' slices may grow above --memory while the GPU has room: {SIZE_FORMS}; 0 for a "
+        "fixed slice (default: the pool's c.PoolPolicy.burst).",
+    ).tag(config=True)
     gpus = Unicode("1", help="Number of GPUs per kernel.").tag(config=True)
     priority = Unicode("", help="Priority class of its kernels: batch (e.g. autograding), normal or high.").tag(config=True)
     model = Unicode("", help="GPU model its kernels need, e.g. A100 (default: any).").tag(config=True)
@@ -111,13 +126,18 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             raise InvalidInput(f"give --memory: {SIZE_FORMS}")
         if not self.gpus.isdigit():
             raise InvalidInput(f"--gpus must be a whole number like 2, got {self.gpus!r}")
-        manager = KernelSpecManager()
+        # jupyter_client logs its own "Installed kernelspec ..." and path warning: this command
+        # says each once, in its own words.
+        quiet = logging.getLogger("jupyter_gpupool.apps.kernelspec.install")
+        quiet.setLevel(logging.ERROR)
+        manager = KernelSpecManager(log=quiet)
         try:
             base = manager.get_kernel_spec(self.base_kernel)
         except NoSuchKernel:
             names = ", ".join(sorted(manager.find_kernel_specs()))
             raise InvalidInput(f"no kernelspec {self.base_kernel!r} to copy; installed: {names}") from None
-        spec = gpu_kernelspec(base.to_dict(), self.memory, int(self.gpus), self.priority, self.model, self.display_name)
+        spec = gpu_kernelspec(base.to_dict(), self.memory, int(self.gpus), self.priority, self.model, self.display_name,
+                              self.limit)
         self.check_fits_the_pool(int(self.gpus))
         target = manager._get_destination_dir(self.kernel_name, user=self.user, prefix=self.prefix or None)
         if not self.replace and (os.path.exists(target) or self.kernel_name in manager.find_kernel_specs()):
@@ -133,6 +153,11 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
             destination = manager.install_kernel_spec(
                 staging, self.kernel_name, user=self.user, prefix=self.prefix or None, replace=True
             )
+        kernel_dirs = {os.path.realpath(path) for path in manager.kernel_dirs}
+        if os.path.realpath(os.path.dirname(destination)) not in kernel_dirs:
+            print(f"jupyter gpupool kernelspec install: warning: {os.path.dirname(destination)} is not on Jupyter's kernel path, "
+                  "so Jupyter will not list this kernel; add its share/jupyter folder to JUPYTER_PATH, or use --user or --sys-prefix",
+                  file=sys.stderr)
         self.emit({"name": self.kernel_name, "path": destination, "spec": spec}, f"installed {spec['display_name']!r} in {destination}")
 
 
@@ -194,6 +219,7 @@ class KernelSpecApp(JupyterApp):
     name = "jupyter-gpupool-kernelspec"
     description = "Manage GPU kernelspecs: jupyter gpupool kernelspec install --name NAME --memory 8GiB"
     subcommands = {"install": (KernelSpecInstallApp, KernelSpecInstallApp.description)}
+    subcommand_description = "For the options of a subcommand: jupyter gpupool kernelspec SUBCOMMAND --help."
 
     def start(self) -> None:
         if self.subapp is None:

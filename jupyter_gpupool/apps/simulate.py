@@ -6,10 +6,12 @@ server extension would: sessions request a slice, wait in the pool's queue, repo
 activity and heartbeats every tick, and release their slice when they leave. Grants, warnings and
 reclaims are read back from the pool's own event log.
 
-Four modes are compared on the same arrivals (common random numbers):
+Five modes are compared on the same arrivals (common random numbers):
 
 ``exclusive``   one kernel per whole GPU: every request asks for a full GPU; idle policy ``never``.
-``pooled``      each session asks for its need rounded up to a GiB; idle policy ``never``.
+``pooled``      each session asks for what ``--requests`` says (``exact``, the default: its need rounded
+                up to a GiB), a fixed slice (``PoolPolicy.burst = 0``); idle policy ``never``. A session
+                whose need is above what it asked for is taken to have asked for its need.
 ``reclaim``     pooled, with idle policy ``pressure``: idle slices go back while others wait. A
                 reclaimed user comes back when their idle spell ends and requests again (that
                 wait counts too).
@@ -21,6 +23,13 @@ Four modes are compared on the same arrivals (common random numbers):
                 when its next busy phase starts (``pool.resume``; the wait until the memory is
                 restored is a *resume wait*), confirms a restore after the restore time, and a live
                 move (``MIGRATE``) after a suspend plus a restore.
+``elastic``     pooled+suspend with elastic slices: a session is guaranteed what it asked for and its
+                slice grows on the real engine (``pool.grow``, as a framework cap's allocation failure
+                asks, and the watchdog's usage reports) up to the pool's ``burst`` limit while its GPU
+                has memory nobody is guaranteed; the engine takes burst back for a waiting request
+                (``shrink``) and parks a kernel left above its slice when it is idle. A cell whose
+                slice cannot grow waits, retried every tick (a *grow wait*, also in the wait columns);
+                its user gives up after ``--patience``. "leased" is the slices' current sizes.
 
 The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
 upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.
@@ -72,9 +81,15 @@ from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend, parse_inventory
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.units import GIB, format_duration, format_size, parse_duration, parse_size
+from jupyter_gpupool.wording import count as counted
+from jupyter_gpupool.wording import with_article
 
-MODES = ("exclusive", "pooled", "reclaim", "suspend")
-MODE_LABELS = {"exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend"}
+MODES = ("exclusive", "pooled", "reclaim", "suspend", "elastic")
+MODE_LABELS = {
+    "exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend", "elastic": "elastic",
+}
+#: Modes whose idle kernels are parked in host RAM instead of culled (the suspend columns are theirs).
+SUSPENDING = ("suspend", "elastic")
 MODE_ALIASES = {
     "exclusive": "exclusive",
     "pooled": "pooled",
@@ -82,6 +97,7 @@ MODE_ALIASES = {
     "pooled+reclaim": "reclaim",
     "suspend": "suspend",
     "pooled+suspend": "suspend",
+    "elastic": "elastic",
 }
 
 #: Effective rate, bytes per second, at which a kernel's GPU memory is copied to host RAM (suspend)
@@ -132,6 +148,13 @@ class DayShape:
         return sum(self.weights)
 
 
+def day_of_shape(name: str) -> str:
+    """A day shape as a summary names it: ``a workday``, ``a flat day``, ``a day shaped 9-11:1``."""
+    if name.endswith("day"):
+        return with_article(name)
+    return f"{with_article(name)} day" if name in SHAPES else f"a day shaped {name}"
+
+
 def parse_shape(text: str) -> DayShape:
     """``workday`` or ``9-11:1,13-17:0.4`` → :class:`DayShape`; InvalidInput names the forms."""
     value = (text or "").strip().lower()
@@ -155,6 +178,84 @@ def parse_shape(text: str) -> DayShape:
     return DayShape(value, tuple(w / peak for w in weights))
 
 
+REQUEST_FORMS = (
+    "'exact' (each session asks for its need rounded up to a GiB), 'default' (the pool's default slice, "
+    "c.PoolPolicy.default_memory), or sizes with weights like 8GiB:0.5,20GiB:0.3,40GiB:0.2 (weights are relative)"
+)
+
+
+@dataclass(frozen=True)
+class RequestSizes:
+    """What sessions ask the pool for, whatever they need (``--requests``).
+
+    ``exact``: the need rounded up to a GiB (users who know their peak: the default, as before
+    ``--requests`` existed). ``default``: the pool's default slice, as users who never set a size.
+    ``mix``: one of ``sizes`` drawn with ``weights`` (normalised to sum to 1), as a lab's kernelspecs
+    offer them. A size is in the project's size grammar (``20GiB``, or ``25%`` of the largest GPU).
+    """
+
+    kind: str = "exact"  # "exact" | "default" | "mix"
+    sizes: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()
+
+    @property
+    def text(self) -> str:
+        if self.kind != "mix":
+            return self.kind
+        return ",".join(f"{size}:{weight:g}" for size, weight in zip(self.sizes, self.weights, strict=True))
+
+    def choose(self, rng: random.Random) -> int:
+        """Index of the size a session asks for (0 outside ``mix``)."""
+        if self.kind != "mix":
+            return 0
+        return rng.choices(range(len(self.sizes)), weights=self.weights)[0]
+
+    def size(self, choice: int, need: int, default: int, largest: int) -> int:
+        """Bytes asked for by a session that needs ``need`` (at most the largest GPU)."""
+        if self.kind == "exact":
+            asked = math.ceil(need / GIB) * GIB
+        elif self.kind == "default":
+            asked = default
+        else:
+            asked = parse_size(self.sizes[choice], gpu_memory=largest)
+        return min(largest, asked)
+
+
+def parse_requests(text: str) -> RequestSizes:
+    """``exact``, ``default`` or ``8GiB:0.5,20GiB:0.3,40GiB:0.2`` → :class:`RequestSizes`.
+
+    Weights are relative (``8GiB:1,40GiB:1`` is half and half) and must be above 0; each size is
+    checked with :func:`~jupyter_gpupool.units.parse_size` (a share like ``25%`` is of the largest GPU).
+    """
+    value = (text or "").strip()
+    if value.lower() in ("exact", "default"):
+        return RequestSizes(value.lower())
+    if not value:
+        raise InvalidInput(f"invalid --requests '': expected {REQUEST_FORMS}")
+    sizes: list[str] = []
+    weights: list[float] = []
+    for part in value.split(","):
+        size, colon, weight_text = part.strip().rpartition(":")
+        if not colon or not size.strip():
+            raise InvalidInput(f"invalid --requests {text[:80]!r}: {part.strip()[:40]!r} needs a size and a weight, like 20GiB:0.3; expected {REQUEST_FORMS}")
+        try:
+            parse_size(size.strip(), gpu_memory=GIB)  # the grammar only: a share is taken of the real GPU later
+        except InvalidInput as err:
+            raise InvalidInput(f"invalid --requests {text[:80]!r}: {err}") from None
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            weight = -1.0
+        if not (weight > 0 and math.isfinite(weight)):
+            raise InvalidInput(f"invalid --requests {text[:80]!r}: the weight of {size.strip()[:40]!r} must be a number above 0, got {weight_text.strip()[:20]!r}")
+        if size.strip() in sizes:
+            raise InvalidInput(f"invalid --requests {text[:80]!r}: {size.strip()[:40]!r} is given twice; give each size once")
+        sizes.append(size.strip())
+        weights.append(weight)
+    total = sum(weights)
+    return RequestSizes("mix", tuple(sizes), tuple(w / total for w in weights))
+
+
 @dataclass(frozen=True)
 class Settings:
     """One simulated scenario (everything except the mode and the GPU count)."""
@@ -167,10 +268,12 @@ class Settings:
     seed: int = 42
     memory_need: MemoryNeed = field(default_factory=lambda: MemoryNeed("trace"))
     session_length: str = "trace"
+    requests: RequestSizes = field(default_factory=RequestSizes)  # what sessions ask for (exact: as before)
     idle_timeout: float = 1800.0
     suspend_idle_timeout: float = SUSPEND_IDLE_TIMEOUT  # pooled+suspend's idle timeout
     parked_limit: int = PARKED_MEMORY_LIMIT  # host RAM for parked slices in pooled+suspend (0: none)
-    checkpoint_rate: float = CHECKPOINT_BYTES_PER_SECOND  # bytes/s copied by a suspend or a restore
+    checkpoint_rate: float = CHECKPOINT_BYTES_PER_SECOND  # bytes/s copied by a suspend (and a restore, unless restore_rate)
+    restore_rate: float | None = None  # bytes/s copied back by a restore (None: checkpoint_rate)
     tick: float = 30.0
     patience: float | None = 3600.0  # a queued user gives up after this long (None: never)
     quota_max: int | None = None  # bytes a user may hold
@@ -181,6 +284,7 @@ class Settings:
         data = asdict(self)
         data["shape"] = self.shape.name
         data["memory_need"] = asdict(self.memory_need)
+        data["requests"] = self.requests.text
         return data
 
 
@@ -194,6 +298,7 @@ class SessionPlan:
     need_kind: str  # "share" (of the largest GPU) or "bytes"
     need: float
     phases: list[tuple[bool, float]]  # (busy, seconds), in the order they happen while granted
+    asks: int = 0  # which of ``--requests``' sizes the session asks for (a mix's index; 0 otherwise)
 
     def need_bytes(self, largest: int) -> int:
         raw = self.need * largest if self.need_kind == "share" else self.need
@@ -218,6 +323,11 @@ def make_plans(settings: Settings, workload: Workload) -> list[SessionPlan]:
         length = lengths.sample(rng)
         user = f"user{rng.randrange(settings.users):03d}"
         plans.append(SessionPlan(len(plans), t, user, kind, need, profile.phases(length, rng)))
+    # The sizes asked for come from a stream of their own: the arrivals and the work drawn above stay
+    # those of the same seed whatever --requests is, and every mode sees the same choices.
+    asking = random.Random(f"requests-{settings.seed}")
+    for plan in plans:
+        plan.asks = settings.requests.choose(asking)
     return plans
 
 
@@ -262,6 +372,13 @@ class ModeResult:
     parked_p95: int = 0  # ... p95 over the ticks of the open hours
     parked_limit: int = 0  # the host-RAM budget of the run (0 outside pooled+suspend)
     work_lost: float = 0.0  # busy seconds culled kernels had computed (their state is gone; not replayed)
+    raised: int = 0  # sessions that needed more than they asked for: taken to have asked for their need
+    guaranteed_pct: float = 0.0  # GPU memory granted leases are guaranteed (elastic: below leased by the burst)
+    grows: int = 0  # elastic: slices grown on demand
+    shrinks: int = 0  # elastic: burst taken back for a waiting request
+    over_limit: int = 0  # the pool's over-limit warnings (elastic: a busy kernel above a slice whose burst was taken back)
+    grow_waits: int = 0  # elastic: cells that waited for their slice to grow
+    grow_wait_p95: float = 0.0
 
     @property
     def served_per_day(self) -> float:
@@ -273,7 +390,7 @@ class ModeResult:
         data["abandoned_per_day"] = round(self.abandoned / self.days, 2)
         for key in (
             "leased_pct", "used_pct", "busy_pct", "jain", "wait_p50", "wait_p95", "wait_max", "wait_mean", "elapsed",
-            "resume_wait_p50", "resume_wait_p95", "resume_wait_max", "work_lost",
+            "resume_wait_p50", "resume_wait_p95", "resume_wait_max", "work_lost", "guaranteed_pct", "grow_wait_p95",
         ):
             data[key] = round(data[key], 4)
         return data
@@ -302,13 +419,37 @@ _ARRIVE, _PHASE, _GIVEUP, _TICK, _TRANSITION_DONE = 0, 1, 2, 3, 4
 
 class _Session:
     __slots__ = (
-        "attempt", "blocked_since", "busy", "busy_since", "gen", "granted_at", "last_busy_end", "lease_id", "parked",
-        "phase", "phase_end", "plan", "remaining", "request", "request_at", "resume_at", "state", "tgen", "transition", "used",
+        "asked",
+        "attempt",
+        "blocked_since",
+        "busy",
+        "busy_since",
+        "gen",
+        "granted_at",
+        "last_busy_end",
+        "lease_id",
+        "limit",
+        "parked",
+        "phase",
+        "phase_end",
+        "plan",
+        "remaining",
+        "request",
+        "request_at",
+        "resume_at",
+        "size",
+        "state",
+        "tgen",
+        "transition",
+        "used",
         "work_done",
     )
 
-    def __init__(self, plan: SessionPlan, request: int, used: int) -> None:
+    def __init__(self, plan: SessionPlan, request: int, used: int, asked: int = 0) -> None:
         self.plan = plan
+        self.asked = asked or request  # what the user asked for (``--requests``), before any raise to the need
+        self.size = request  # the slice's current size (elastic: the guarantee, grown on demand, taken back under pressure)
+        self.limit = 0  # elastic: the limit the request asks for (0: the pool's burst)
         # queued | running | away | done | abandoned | refused; pooled+suspend: suspended | resuming
         self.state = "pending"
         self.lease_id: str | None = None
@@ -341,10 +482,15 @@ class LabRun:
             raise InvalidInput(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.settings, self.plans, self.mode = settings, plans, mode
         policy = PoolPolicy(config=config)
-        policy.idle_policy = "pressure" if mode in ("reclaim", "suspend") else "never"
-        policy.idle_timeout = settings.suspend_idle_timeout if mode == "suspend" else settings.idle_timeout
-        policy.reclaim_action = "suspend" if mode == "suspend" else "cull"
-        self.parked_limit = settings.parked_limit if mode == "suspend" else 0
+        policy.idle_policy = "pressure" if mode in ("reclaim", *SUSPENDING) else "never"
+        policy.idle_timeout = settings.suspend_idle_timeout if mode in SUSPENDING else settings.idle_timeout
+        policy.reclaim_action = "suspend" if mode in SUSPENDING else "cull"
+        self.parked_limit = settings.parked_limit if mode in SUSPENDING else 0
+        self.elastic = mode == "elastic"
+        if self.elastic and policy.burst == "0":
+            raise InvalidInput("mode elastic needs slices that may grow, but PoolPolicy.burst is 0; give a limit like 4x or 80GiB")
+        elif not self.elastic:
+            policy.burst = "0"  # fixed slices: what every other mode compares
         policy.parked_memory_limit = str(self.parked_limit)  # a byte count ("0": nothing may be parked)
         if settings.quota_max is not None or settings.max_leases is not None:
             quota: dict[str, Any] = {}
@@ -370,10 +516,19 @@ class LabRun:
         self.capacity = sum(d.leasable for d in devices)
         self.sizes = sorted({d.leasable for d in devices})
         largest = self.sizes[-1]
+        self.default_slice = self.pool.default_memory()
         self.sessions = []
+        self.raised = 0  # sessions that needed more than they asked for (taken to have asked for their need)
         for plan in plans:
             used = plan.need_bytes(largest)
-            self.sessions.append(_Session(plan, self._request_size(used), used))
+            asked = settings.requests.size(plan.asks, used, self.default_slice, largest)
+            request = asked if self.elastic else self._request_size(used, asked)
+            self.raised += request > asked and mode != "exclusive"
+            session = _Session(plan, request, used, asked)
+            if self.elastic:
+                session.limit = self._limit(policy, asked, used, largest)
+                self.raised += session.limit > 0
+            self.sessions.append(session)
         self.by_lease: dict[str, _Session] = {}
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
@@ -388,16 +543,29 @@ class LabRun:
         self.user_held: dict[str, float] = {}
         self.counts = {
             "served": 0, "abandoned": 0, "refused": 0, "reclaims": 0, "warnings": 0, "preemptions": 0, "expired": 0,
-            "suspends": 0, "resumes": 0, "moves": 0,
+            "suspends": 0, "resumes": 0, "moves": 0, "grows": 0, "shrinks": 0, "over_limit": 0,
         }
-        self.samples = [0.0, 0.0, 0.0, 0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count
+        self.grow_waits: list[float] = []  # elastic: cells that waited for their slice to grow
+        self.samples = [0.0, 0.0, 0.0, 0, 0.0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count; Σ guaranteed
         self.calls = 0
         self._draining = False
 
-    def _request_size(self, used: int) -> int:
+    @staticmethod
+    def _limit(policy: PoolPolicy, guarantee: int, used: int, largest: int) -> int:
+        """Elastic: the limit a session asks for, 0 for the pool's ``burst`` — unless its need is above
+        that, when it is taken to have asked for a limit of its need rounded up to a GiB."""
+        need = min(largest, math.ceil(used / GIB) * GIB)
+        if need <= guarantee or need <= (policy.burst_limit_bytes(guarantee, largest) or guarantee):
+            return 0
+        return need
+
+    def _request_size(self, used: int, asked: int) -> int:
+        """The slice a session's lease asks for: a whole GPU (exclusive), else what the user asked for
+        (``--requests``), raised to the need rounded up to a GiB where that is more — a fixed slice
+        below the need would only be interrupted, so the user is taken to have asked for enough."""
         if self.mode == "exclusive":
             return next(size for size in self.sizes if size >= used)
-        return min(self.sizes[-1], math.ceil(used / GIB) * GIB)
+        return max(asked, min(self.sizes[-1], math.ceil(used / GIB) * GIB))
 
     # --- event plumbing ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, index: int, gen: int = 0) -> None:
@@ -424,7 +592,7 @@ class LabRun:
                 self._request(session, t)
             elif kind == _PHASE and gen == session.gen:
                 self._phase_end(session, t)
-            elif kind == _GIVEUP and gen == session.gen and session.state in ("queued", "resuming"):
+            elif kind == _GIVEUP and gen == session.gen and (session.state in ("queued", "resuming") or self._short(session)):
                 self._give_up(session, t)
             elif kind == _TRANSITION_DONE and gen == session.tgen and session.transition is not None:
                 self._transition_done(session, t)
@@ -463,9 +631,14 @@ class LabRun:
                     elif kind == "suspend":
                         self.counts["suspends"] += 1
                         self._begin_transition(session, "suspending", at, session.used / self.settings.checkpoint_rate)
+                    elif kind in ("grow", "shrink"):
+                        self.counts[kind + "s"] += 1
+                        self._resized(session)
+                    elif kind == "over_limit":
+                        self.counts["over_limit"] += 1
                     elif kind == "migrate":
                         self.counts["moves"] += 1
-                        self._begin_transition(session, "migrating", at, 2 * session.used / self.settings.checkpoint_rate)
+                        self._begin_transition(session, "migrating", at, session.used / self.settings.checkpoint_rate + self._restore_seconds(session))
                     elif kind in ("reclaim_idle", "preempt", "release"):
                         self.counts[{"reclaim_idle": "reclaims", "preempt": "preemptions", "release": "expired"}[kind]] += 1
                         self._lost(session, at)
@@ -481,7 +654,8 @@ class LabRun:
             memory=session.request,
             kernel_id=f"k{plan.index}-{session.attempt}",
             label=f"session {plan.index}",
-            suspendable=self.mode == "suspend",
+            suspendable=self.mode in SUSPENDING,
+            burst_limit=(session.limit or None) if self.elastic else 0,  # None: the pool's burst; 0: a fixed slice
         )
         self.calls += 1
         try:
@@ -501,7 +675,57 @@ class LabRun:
         self._count_wait(session, t - session.request_at)
         session.state, session.granted_at = "running", t
         session.gen += 1
-        self._start_phase(session, t)
+        self._resized(session)
+        if self._fits(session, t):
+            self._start_phase(session, t)
+        else:
+            self._wait_for_growth(session, t)  # its first cell waits for the slice to grow
+
+    # --- elastic: the kernel's framework caps ask the pool to grow its slice -------------------------
+    def _resized(self, session: _Session) -> None:
+        """Read the slice's current size back from the pool (elastic slices change size)."""
+        if self.elastic and session.lease_id:
+            self.calls += 1
+            session.size = self.pool.get(session.lease_id).memory
+
+    def _fits(self, session: _Session, t: float) -> bool:
+        """Whether the kernel's need fits its slice, asking the pool to grow it first where it does
+        not (as a framework cap's allocation failure does): False while the pool cannot."""
+        if not self.elastic or session.used <= session.size:
+            return True
+        self.calls += 1
+        try:
+            session.size = self.pool.grow(session.lease_id or "", session.used, now=t).memory
+        except RequestRefused:
+            return False
+        finally:
+            self._drain()
+        return session.used <= session.size
+
+    def _holding(self, session: _Session) -> int:
+        """Bytes the kernel holds: its need, or (elastic, its slice not grown yet) what its caps allow."""
+        return min(session.used, session.size) if self._short(session) else session.used
+
+    @staticmethod
+    def _short(session: _Session) -> bool:
+        """A running kernel whose cell waits for its slice to grow (not for a suspend or move)."""
+        return session.state == "running" and session.transition is None and session.blocked_since is not None
+
+    def _wait_for_growth(self, session: _Session, t: float) -> None:
+        """The kernel's cell failed for memory its slice could not grow to: the user runs it again each
+        round until the slice grows, and gives up after ``--patience`` like a queued user."""
+        session.blocked_since = t
+        if self.settings.patience is not None:
+            self._push(t + self.settings.patience, _GIVEUP, session.plan.index, session.gen)
+
+    def _retry_growth(self, t: float) -> None:
+        """Each round, kernels short of memory try again; one that fits runs its cell (that wait counts)."""
+        for session in [s for s in self.by_lease.values() if self._short(s)]:
+            if session.lease_id in self.by_lease and self._short(session) and self._fits(session, t):
+                wait = t - (session.blocked_since or t)
+                self._count_wait(session, wait)
+                self.grow_waits.append(wait)
+                self._continue(session, t)
 
     def _count_wait(self, session: _Session, wait: float, resume: bool = False) -> None:
         self.waits.append(wait)
@@ -606,11 +830,15 @@ class LabRun:
             self.counts["resumes"] += 1
             self._count_wait(session, t - session.resume_at, resume=True)
             session.state, session.granted_at = "running", t
-            self._continue(session, t)
+            self._resized(session)
+            if self._fits(session, t):
+                self._continue(session, t)
+            else:
+                self._wait_for_growth(session, t)  # back on a GPU, its cell now waits for the slice to grow
         else:  # migrating: the kernel runs on, on its new GPU
             self.pool.confirm_transition(session.lease_id or "", now=t)
             self._unpark(session, t)
-            if session.blocked_since is not None:
+            if session.blocked_since is not None and self._fits(session, t):
                 self._count_wait(session, t - session.blocked_since, resume=True)
                 self._continue(session, t)
         self._drain()
@@ -636,7 +864,11 @@ class LabRun:
         session.gen += 1  # the user no longer gives up
         session.transition = "restoring"
         session.tgen += 1
-        self._push(t + session.used / self.settings.checkpoint_rate, _TRANSITION_DONE, session.plan.index, session.tgen)
+        self._push(t + self._restore_seconds(session), _TRANSITION_DONE, session.plan.index, session.tgen)
+
+    def _restore_seconds(self, session: _Session) -> float:
+        """How long copying the session's parked memory back onto a GPU takes."""
+        return session.used / (self.settings.restore_rate or self.settings.checkpoint_rate)
 
     @staticmethod
     def _distinct(t: float, session: _Session) -> float:
@@ -645,7 +877,11 @@ class LabRun:
         return t + 1e-6 * (1 + session.plan.index)
 
     def _give_up(self, session: _Session, t: float) -> None:
-        if session.state == "resuming":
+        if self._short(session):
+            self._count_wait(session, t - (session.blocked_since or t))
+            self.grow_waits.append(t - (session.blocked_since or t))
+            self._end_lease(session, t)
+        elif session.state == "resuming":
             self._count_wait(session, t - session.resume_at, resume=True)
             self._unpark(session, t)
         else:
@@ -690,21 +926,27 @@ class LabRun:
     def _tick(self, t: float) -> None:
         """What a server's periodic round does: report every kernel's activity and run the scheduler."""
         open_hour = self.settings.shape.weight(t) > 0
-        if open_hour and self.mode == "suspend":
+        if open_hour and self.mode in SUSPENDING:
             self.parked_samples.append(self.parked_total)
+        if self.elastic:
+            self._retry_growth(t)
         if not self.by_lease:
             if open_hour:
                 self.samples[3] += 1
             return
         activities: dict[str, Activity] = {}
-        leased = used = busy = 0
+        leased = used = busy = guaranteed = 0
+        usage: dict[str, int] = {}
         for lease_id, session in self.by_lease.items():
             if session.state == "running" and session.transition != "restoring":
-                computing = session.busy and session.transition is None
+                computing = (session.busy and session.transition is None) or self._short(session)  # a short one retries its cell
                 activities[lease_id] = Activity(busy=computing, last_activity=None if computing else session.last_busy_end, connections=1)
-                leased += session.request
-                used += session.used
-                busy += session.used if computing else 0
+                holding = self._holding(session)
+                usage[lease_id] = holding
+                leased += session.size
+                guaranteed += session.request
+                used += holding
+                busy += holding if session.busy and session.transition is None else 0  # a short kernel only retries
             else:
                 activities[lease_id] = _NOT_RUNNING
         if open_hour:
@@ -712,6 +954,10 @@ class LabRun:
             self.samples[1] += used
             self.samples[2] += busy
             self.samples[3] += 1
+            self.samples[4] += guaranteed
+        if self.elastic:  # what the watchdog measures: near its size a slice grows, over its limit it is told
+            self.calls += 1
+            self.pool.report_usage(usage, now=t)
         self.calls += 1
         self.pool.tick(now=t, activities=activities)
         self._drain()
@@ -719,6 +965,10 @@ class LabRun:
     def _result(self, horizon: float, elapsed: float) -> ModeResult:
         still = 0
         for session in self.sessions:
+            if self._short(session):  # still waiting for its slice to grow
+                still += 1
+                self._count_wait(session, horizon - (session.blocked_since or horizon))
+                self.grow_waits.append(horizon - (session.blocked_since or horizon))
             if session.state == "running":
                 self._end_lease(session, horizon)
             elif session.state == "queued":
@@ -771,6 +1021,13 @@ class LabRun:
             parked_p95=int(percentile([float(b) for b in self.parked_samples], 95)),
             parked_limit=self.parked_limit,
             work_lost=self.work_lost,
+            raised=self.raised,
+            guaranteed_pct=100 * self.samples[4] / cap,
+            grows=self.counts["grows"],
+            shrinks=self.counts["shrinks"],
+            over_limit=self.counts["over_limit"],
+            grow_waits=len(self.grow_waits),
+            grow_wait_p95=percentile(self.grow_waits, 95),
         )
 
 
@@ -940,10 +1197,13 @@ def run_parallel(
 # --- presentation -----------------------------------------------------------------------------------
 def results_table(results: dict[str, ModeResult]) -> str:
     """One row per mode; with pooled+suspend, also its suspends, resume waits and parked host RAM."""
-    suspending = any(r.mode == "suspend" for r in results.values())
+    suspending = any(r.mode in SUSPENDING for r in results.values())
+    elastic = any(r.mode == "elastic" for r in results.values())
     headers = ["mode", "leased", "used", "busy", "wait p50", "wait p95", "wait max", "served/day", "gave up/day", "reclaims", "Jain"]
     if suspending:
         headers += ["suspends", "resume wait p95", "parked peak / p95", "work lost"]
+    if elastic:
+        headers += ["guaranteed", "grows / taken back", "grow wait p95"]
     rows = [
         [
             MODE_LABELS[r.mode],
@@ -958,6 +1218,7 @@ def results_table(results: dict[str, ModeResult]) -> str:
             str(r.reclaims),
             f"{r.jain:.3f}",
             *(suspend_columns(r) if suspending else []),
+            *(elastic_columns(r) if elastic else []),
         ]
         for r in results.values()
     ]
@@ -968,9 +1229,49 @@ def suspend_columns(r: ModeResult) -> list[str]:
     """Suspends, p95 resume wait and parked host RAM (peak / p95) of a pooled+suspend result (dashes for
     the other modes), and every mode's work lost: GPU-busy time culled kernels had computed."""
     lost = f"{r.work_lost / 3600:.1f} h"
-    if r.mode != "suspend":
+    if r.mode not in SUSPENDING:
         return ["-", "-", "-", lost]
     return [str(r.suspends), format_duration(r.resume_wait_p95), f"{format_size(r.parked_peak)} / {format_size(r.parked_p95)}", lost]
+
+
+def copy_rates(checkpoint_rate: float, restore_rate: float | None) -> str:
+    """``suspend/restore at 25 GB/s``, or ``suspend at 2 GB/s, restore at 6 GB/s`` where they differ."""
+    if not restore_rate or restore_rate == checkpoint_rate:
+        return f"suspend/restore at {checkpoint_rate / 1e9:g} GB/s"
+    return f"suspend at {checkpoint_rate / 1e9:g} GB/s, restore at {restore_rate / 1e9:g} GB/s"
+
+
+def requests_note(requests: RequestSizes, default_slice: int, results: dict[str, ModeResult]) -> str:
+    """What sessions asked for, and the rule for those that needed more (a note under the table)."""
+    if requests.kind == "exact":
+        asked = "exact: each session asks for its need rounded up to a GiB"
+    elif requests.kind == "default":
+        asked = f"default: each session asks for the pool's default slice ({format_size(default_slice)})"
+    else:
+        asked = f"a mix: {', '.join(f'{w:.0%} ask for {size}' for size, w in zip(requests.sizes, requests.weights, strict=True))}"
+    note = f"Requests {asked}; exclusive GPUs ask for a whole GPU."
+    pooled = [r for r in results.values() if r.mode not in ("exclusive", "elastic")]
+    if requests.kind != "exact" and pooled:
+        note += (
+            f" In the fixed-slice modes a session that needs more than it asked for is taken to have asked for its need "
+            f"rounded up to a GiB ({pooled[0].raised} of {pooled[0].sessions} sessions here)."
+        )
+    if "elastic" in results:
+        r = results["elastic"]
+        note += (
+            f" elastic: each is guaranteed what it asked for and its slice grows on demand up to the pool's burst limit "
+            f"(PoolPolicy.burst) while its GPU has memory nobody is guaranteed; leased counts current sizes. A session "
+            f"whose need is above that limit is taken to have asked for a limit of its need ({r.raised} of {r.sessions})."
+        )
+    return note
+
+
+def elastic_columns(r: ModeResult) -> list[str]:
+    """Elastic slices: memory guaranteed (leased is their current size), grows and burst taken back, and
+    the p95 wait of a cell for its slice to grow (dashes for the other modes)."""
+    if r.mode != "elastic":
+        return ["-", "-", "-"]
+    return [f"{r.guaranteed_pct:.1f}%", f"{r.grows} / {r.shrinks}", format_duration(r.grow_wait_p95)]
 
 
 def search_table(searches: dict[str, SearchResult]) -> str:
@@ -999,10 +1300,12 @@ class SimulateApp(GpuPoolBaseApp):
         "seed": "SimulateApp.seed",
         "memory-need": "SimulateApp.memory_need",
         "session-length": "SimulateApp.session_length",
+        "requests": "SimulateApp.requests",
         "idle-timeout": "SimulateApp.idle_timeout",
         "suspend-idle-timeout": "SimulateApp.suspend_idle_timeout",
         "parked-memory-limit": "SimulateApp.parked_memory_limit",
         "checkpoint-rate": "SimulateApp.checkpoint_rate",
+        "restore-rate": "SimulateApp.restore_rate",
         "tick": "SimulateApp.tick",
         "patience": "SimulateApp.patience",
         "quota": "SimulateApp.quota",
@@ -1025,6 +1328,12 @@ class SimulateApp(GpuPoolBaseApp):
     memory_need = Unicode("trace", help="Memory a session needs: " + "'trace' (share of its GPU a GenAI-trace pod held), "
                           "'trace-bytes', a size like 8GiB, a share like 25%, or a range like 2GiB-8GiB.").tag(config=True)
     session_length = Unicode("trace", help="How long a session stays open: 'trace' (Philly run times, 5 min-8 h), 45m, or 30m-2h.").tag(config=True)
+    requests = Unicode(
+        "exact",
+        help="What each session asks for: 'exact' (its need rounded up to a GiB; the default, as before this option), "
+        "'default' (the pool's default slice), or sizes with relative weights like 8GiB:0.5,20GiB:0.3,40GiB:0.2 "
+        "(as a lab's kernelspecs offer them). Exclusive GPUs always ask for a whole GPU.",
+    ).tag(config=True)
     idle_timeout = Unicode("30m", help="Idle time after which pooled+reclaim may take a slice back while others wait.").tag(config=True)
     suspend_idle_timeout = Unicode(
         f"{SUSPEND_IDLE_TIMEOUT / 60:g}m",
@@ -1039,11 +1348,17 @@ class SimulateApp(GpuPoolBaseApp):
         help="GB/s (decimal) at which a suspend copies GPU memory to host RAM and a restore copies it back "
         "(PCIe Gen5 x16 is ~63 GB/s a direction; cuda-checkpoint was reported at ~15 s per 80 GB H100).",
     ).tag(config=True)
+    restore_rate = Float(
+        0.0,
+        help="GB/s (decimal) at which a restore copies parked memory back onto a GPU; 0: the --checkpoint-rate "
+        "(an H200 through the CUDA checkpoint API parked at ~2 GB/s and restored at ~6 GB/s, tests/gpu/RESULTS.md).",
+    ).tag(config=True)
     tick = Unicode("30s", help="Virtual time between engine ticks (activity reports, reclaims, grants).").tag(config=True)
     patience = Unicode("1h", help="A queued user gives up after waiting this long ('none': never).").tag(config=True)
     quota = Unicode("", help="Most memory one user may hold at once, e.g. 40GiB (default: no limit).").tag(config=True)
     max_leases = Integer(0, help="Most concurrent leases per user (0: no limit).").tag(config=True)
-    modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim), suspend (pooled+suspend).").tag(config=True)
+    modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim), suspend (pooled+suspend), "
+                    "elastic (guaranteed what was asked, grown on demand, with suspend).").tag(config=True)
     target_p95_wait = Unicode("", help="Also find, per mode, the fewest GPUs of the model that keep p95 wait within this, e.g. 5m.").tag(config=True)
     max_gpus = Integer(32, help="Largest GPU count the --target-p95-wait search tries.").tag(config=True)
     jobs = Integer(1, help="Processes running the modes and the GPU-count search in parallel (same tables as 1).").tag(config=True)
@@ -1070,7 +1385,7 @@ class SimulateApp(GpuPoolBaseApp):
         for item in self.modes.split(","):
             key = MODE_ALIASES.get(item.strip().lower())
             if key is None:
-                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from exclusive, pooled, reclaim, suspend")
+                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from {', '.join(MODES)}")
             if key not in modes:
                 modes.append(key)
         if self.store not in ("memory", "file"):
@@ -1083,6 +1398,8 @@ class SimulateApp(GpuPoolBaseApp):
             raise InvalidInput(f"invalid --jobs {self.jobs}: expected a whole number of processes from 1 to 256")
         if not 0.01 <= self.checkpoint_rate <= 10_000 or not math.isfinite(self.checkpoint_rate):
             raise InvalidInput(f"invalid --checkpoint-rate {self.checkpoint_rate:g}: expected GB/s from 0.01 to 10000, like 25")
+        if self.restore_rate != 0 and (not 0.01 <= self.restore_rate <= 10_000 or not math.isfinite(self.restore_rate)):
+            raise InvalidInput(f"invalid --restore-rate {self.restore_rate:g}: expected GB/s from 0.01 to 10000, like 6, or 0 for the --checkpoint-rate")
         parked_limit = 0
         if self.parked_memory_limit.strip() != "0":
             try:
@@ -1103,10 +1420,12 @@ class SimulateApp(GpuPoolBaseApp):
             seed=self.seed,
             memory_need=parse_memory_need(self.memory_need),
             session_length=self.session_length,
+            requests=parse_requests(self.requests),
             idle_timeout=parse_duration(self.idle_timeout),
             suspend_idle_timeout=parse_duration(self.suspend_idle_timeout),
             parked_limit=parked_limit,
             checkpoint_rate=self.checkpoint_rate * 1e9,
+            restore_rate=self.restore_rate * 1e9 or None,
             tick=parse_duration(self.tick),
             patience=patience,
             quota_max=parse_size(self.quota) if self.quota else None,
@@ -1139,19 +1458,22 @@ class SimulateApp(GpuPoolBaseApp):
         elapsed = time.perf_counter() - started
         backend = SimulatedBackend.from_spec(settings.gpus)
         capacity = sum(d.memory_total for d in backend.devices())
+        largest = max(d.memory_total for d in backend.devices())
+        default_slice = PoolPolicy(config=self.config).default_memory_bytes(largest)
         data = {
             "settings": settings.describe(),
             "sessions": len(plans),
             "workload": workload.sources,
             "results": {mode: r.to_json() for mode, r in results.items()},
             "search": {mode: s.to_json() for mode, s in searches.items()},
+            "default_slice": default_slice,
             "elapsed_s": round(elapsed, 2),
             "cpu_s": round(_cpu_seconds() - cpu_started, 2),  # --jobs workers included
         }
         lines = [
             (
                 f"Simulated lab: {settings.gpus} ({format_size(capacity)}), {settings.users} users, "
-                f"{settings.rate:g} sessions/h at the peak of a {settings.shape.name} day, {settings.days:g} day(s), "
+                f"{settings.rate:g} sessions/h at the peak of {day_of_shape(settings.shape.name)}, {counted(settings.days, 'day')}, "
                 f"seed {settings.seed}: {len(plans)} sessions"
             ),
             (
@@ -1163,7 +1485,7 @@ class SimulateApp(GpuPoolBaseApp):
                     (
                         f"pooled+suspend: idle timeout {format_duration(settings.suspend_idle_timeout)}, host RAM for parked "
                         f"slices {format_size(settings.parked_limit) if settings.parked_limit else 'none'}, "
-                        f"suspend/restore at {settings.checkpoint_rate / 1e9:g} GB/s"
+                        + copy_rates(settings.checkpoint_rate, settings.restore_rate)
                     )
                 ]
                 if "suspend" in modes
@@ -1177,6 +1499,7 @@ class SimulateApp(GpuPoolBaseApp):
                 "leased/used/busy: GPU memory held by leases / needed by their kernels / needed by kernels computing, "
                 "as a share of all GPU memory, averaged over the day's open hours."
             ),
+            requests_note(settings.requests, default_slice, results),
         ]
         if searches:
             lines += ["", f"Fewest {next(iter(searches.values())).model} GPUs keeping p95 wait within {format_duration(target)}:", search_table(searches)]

@@ -29,6 +29,7 @@ from typing import Any
 import pluggy
 
 from jupyter_gpupool.broker.auth import ADMIN_SCOPE
+from jupyter_gpupool.wording import plural
 
 hookimpl = pluggy.HookimplMarker("tljh")
 
@@ -54,7 +55,7 @@ def configure_hub(c: Any, settings: Mapping[str, Any] | None = None, python: str
     unknown = set(settings) - set(ENV_SETTINGS) - {"port", "db"}
     if unknown:
         raise ValueError(
-            f"unknown gpupool setting(s) {sorted(unknown)}; use {', '.join(sorted([*ENV_SETTINGS, 'port', 'db']))}"
+            f"unknown gpupool {plural(len(unknown), 'setting')} {sorted(unknown)}; use {', '.join(sorted([*ENV_SETTINGS, 'port', 'db']))}"
         )
     port = int(settings.get("port") or DEFAULT_PORT)
     db = str(settings.get("db") or DEFAULT_DB)

@@ -15,18 +15,8 @@ simulated GPUs), which a pool backend reads through its ``backend`` attribute.
 
 from __future__ import annotations
 
+# Only the contract here: importing one backend's module (or the kernel side's wake-ups) loads
+# no other backend. The factory is ``jupyter_gpupool.backends.factory``.
 from jupyter_gpupool.backends.contract import CAPABILITY_MEMBERS, Capability, PoolBackend, SuspendingBackend, supports
-from jupyter_gpupool.backends.factory import BACKENDS, GpuPool, backend_provisioner, pool_from_env, selected_backend
 
-__all__ = [
-    "BACKENDS",
-    "CAPABILITY_MEMBERS",
-    "Capability",
-    "GpuPool",
-    "PoolBackend",
-    "SuspendingBackend",
-    "backend_provisioner",
-    "pool_from_env",
-    "selected_backend",
-    "supports",
-]
+__all__ = ["CAPABILITY_MEMBERS", "Capability", "PoolBackend", "SuspendingBackend", "supports"]

@@ -35,6 +35,7 @@ import json
 import os
 import random
 import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -402,9 +403,8 @@ class RemotePool(GrantWaiting):
         except (OSError, http.client.HTTPException) as err:
             if not sent:
                 raise BrokerUnreachable(
-                    f"the GPU pool broker at {self.url} is not reachable ({_reason(err)}); GPUPOOL_URL is set, so the "
-                    "pool is used only through it: start the broker (or ask your admin), or unset GPUPOOL_URL for a "
-                    "single-user pool",
+                    f"the GPU pool broker at {self.url} is not reachable ({_reason(err)}); start the broker "
+                    "(or ask your admin), or unset GPUPOOL_URL to use a pool of your own",
                     request_sent=False,
                 ) from None
             raise BrokerUnreachable(
@@ -557,9 +557,10 @@ class RemotePool(GrantWaiting):
         confirms. Raises :class:`RequestRefused` saying why when it cannot be suspended."""
         return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/suspend", {"reason": reason}))
 
-    def resume(self, lease_id: str, now: float | None = None) -> Lease:
-        """Queue a suspended lease to come back (harmless if already resuming or running)."""
-        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/resume", {}))
+    def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
+        """Queue a suspended lease to come back (harmless if already resuming or running); ``ahead``:
+        before a cell needs it, behind every real request."""
+        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/resume", {"ahead": True} if ahead else {}))
 
     def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
         """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move.
@@ -601,8 +602,11 @@ class RemotePool(GrantWaiting):
         return result
 
     def resize(
-        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None
+        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None,
+        limit: int | None = None,
     ) -> Lease:
+        if limit is not None:
+            raise RequestRefused("a slice's limit cannot be changed through the broker; the pool's burst policy sets it")
         return _lease(
             self.call("POST", f"{API}/leases/{_q(lease_id)}/resize", {"memory": memory, "duration": duration})
         )
@@ -636,6 +640,47 @@ class RemotePool(GrantWaiting):
     ) -> list[Lease]:
         body = {"holder_host": holder_host, "holder_pid": holder_pid, "live_kernel_ids": sorted(live_kernel_ids)}
         return [_lease(item) for item in self.call("POST", f"{API}/reconcile", body)]
+
+    # --- hearing of changes ---------------------------------------------------------------------
+    def wait_for_change(self, since: int | None, timeout: float) -> int:
+        """Long-poll the broker (``GET .../changes``) until its pool changed after version ``since``
+        or ``timeout`` seconds passed (cut into polls of at most :attr:`wait_chunk`); the version now."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            chunk = max(0.0, min(self.wait_chunk, deadline - time.monotonic()))
+            query = {"timeout": f"{chunk:.3f}"} if since is None else {"since": since, "timeout": f"{chunk:.3f}"}
+            data = self.call("GET", f"{API}/changes", query=query, timeout=chunk + self.timeout, retries=0)
+            version = int((data or {}).get("version", 0))
+            if since is None or version != since or time.monotonic() >= deadline:
+                return version
+
+    def subscribe_changes(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` after every change of the broker's pool, from a thread that long-polls
+        it (riding out an outage with backoff); returns the function that stops it."""
+        stopped = threading.Event()
+
+        def follow() -> None:
+            since: int | None = None
+            backoff = _Backoff(self, limit=None)
+            while not stopped.is_set():
+                try:
+                    version = self.wait_for_change(since, self.wait_chunk)
+                except PoolUnavailable as err:
+                    since = None  # the broker may have restarted: its versions start again
+                    stopped.wait(backoff.delay(err))
+                    listener()  # look again once it answers: a decision may have been missed
+                    continue
+                except Exception:  # noqa: BLE001 -- a refusal (e.g. an old broker): look now and then instead
+                    stopped.wait(self.wait_chunk)
+                    listener()
+                    continue
+                backoff.reset()
+                if since is not None and version != since and not stopped.is_set():
+                    listener()
+                since = version
+
+        threading.Thread(target=follow, name="gpupool-broker-changes", daemon=True).start()
+        return stopped.set
 
     # --- waiting ------------------------------------------------------------------------------------
     def _wait_once(self, lease_id: str, position: int | None, seconds: float) -> tuple[Lease, QueueInfo | None]:

@@ -44,6 +44,7 @@ from jupyter_gpupool.errors import InvalidInput, NotAuthorized, RequestRefused
 from jupyter_gpupool.rest.metrics import PoolCollector, make_registry, render
 from jupyter_gpupool.rest.views import kernel_status
 from jupyter_gpupool.units import parse_duration
+from jupyter_gpupool.wording import count
 
 #: Policy traits a client may read (``GET /api/gpupool/info``).
 PUBLIC_POLICY = (
@@ -152,7 +153,8 @@ class Broker(LoggingConfigurable):
         try:
             touched = int(self.pool.grace_after_outage())
             if touched:
-                self.log.info("gpupool broker: %d live lease(s) from the pool file get a fresh start", touched)
+                verb = "gets" if touched == 1 else "get"
+                self.log.info("gpupool broker: %s from the pool file %s a fresh start", count(touched, "live lease"), verb)
             return touched
         except Exception:  # the scheduler loop reports a broken store on its own
             self.log.exception("gpupool broker: could not refresh the heartbeats of the live leases")
@@ -179,6 +181,9 @@ class Broker(LoggingConfigurable):
         if self.hub is None:
             raise Unauthenticated(
                 "this broker takes TCP requests only with JupyterHub tokens; connect over its Unix socket"
+                if self.peer is not None
+                else "this broker takes TCP requests only with JupyterHub tokens and has no hub to check them: "
+                "run it as a JupyterHub service, or serve callers on this host with --socket PATH"
             )
         return await self.hub.identify(handler)
 
@@ -307,7 +312,7 @@ class Broker(LoggingConfigurable):
         pool = self.pool
         live = {lease.id: lease for lease in pool.leases()}
         granted = {lease_id: lease for lease_id, lease in live.items() if lease.state is LeaseState.GRANTED}
-        limits = {lease_id: lease.memory * lease.num_gpus for lease_id, lease in granted.items()}
+        limits = {lease_id: lease.watch_limit() for lease_id, lease in granted.items()}  # an elastic slice: its limit
         self.watchdog.default_unpooled_action = "stop"  # a multi-user host: GPUs are used through the pool
         report = self.watchdog.check({}, limits, leases=live, host=HOSTNAME, env_var=self.lease_env_var)
         if report.error:

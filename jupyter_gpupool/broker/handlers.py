@@ -295,11 +295,15 @@ class LeaseResumeHandler(BrokerHandler):
     on a lease already queued to resume, being restored, or running."""
 
     async def post(self, lease_id: str) -> None:
-        self.json_body()  # a body, if any, must still be a JSON object
+        # {"ahead": true}: asked before a cell needs it; queues behind every real request (owner only).
+        ahead = validate.boolean(self.json_body().get("ahead", False), "ahead")
 
         def resume() -> dict[str, Any]:
             pool = self.broker.pool
-            lease = pool.resume(self.owned(lease_id).id)
+            owned = self.owned(lease_id)
+            if ahead and owned.owner != self.identity.name:
+                raise NotAuthorized(f"lease {lease_id} belongs to another user; only its owner may resume it ahead of a cell")
+            lease = pool.resume(owned.id, ahead=True) if ahead else pool.resume(owned.id)
             return lease_json(lease, pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None)
 
         self.write_json(await self.run(resume))
@@ -426,6 +430,26 @@ class LeaseWaitHandler(BrokerHandler):
                 return
             await asyncio.sleep(min(self.broker.wait_poll, max(0.0, deadline - time.monotonic())))
         self.write_json(lease_json(lease, info))
+
+
+class ChangesHandler(BrokerHandler):
+    """``GET /api/gpupool/changes?since=V&timeout=S``: long poll until the pool changed after version
+    ``V`` (any decision, by anyone), or ``S`` seconds passed; answers ``{"version": ...}``. Without
+    ``since`` it answers at once. What changed is not said: a server reads its own leases, as any
+    caller may, and carries out a suspend, restore or move the moment it is decided."""
+
+    async def get(self) -> None:
+        raw_since, raw_timeout = self.query("since"), self.query("timeout")
+        since = validate.whole_number(raw_since, "since (the version you last saw)", 0, 2**63 - 1) if raw_since else None
+        timeout = validate.number(raw_timeout, "timeout", 0.0, validate.MAX_TIME) if raw_timeout else 10.0
+        changes = getattr(self.broker.pool, "changes", None)
+        if changes is None:  # a pool that cannot tell: the caller looks again after the timeout
+            if since is not None:
+                await asyncio.sleep(min(MAX_WAIT, timeout))
+            version = 0
+        else:
+            version = await changes.wait_async(since, min(MAX_WAIT, timeout))
+        self.write_json({"version": version})
 
 
 # --- batch routes for a server's periodic loop ----------------------------------------------------------
@@ -728,6 +752,7 @@ def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
         (rf"{api}/leases/{_ID}/suspend", LeaseSuspendHandler),
         (rf"{api}/leases/{_ID}/resume", LeaseResumeHandler),
         (rf"{api}/leases/{_ID}/transition", LeaseTransitionHandler),
+        (rf"{api}/changes", ChangesHandler),
         (rf"{api}/activity", ActivityHandler),
         (rf"{api}/heartbeat", HeartbeatHandler),
         (rf"{api}/reconcile", ReconcileHandler),

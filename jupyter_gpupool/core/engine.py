@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from jupyter_gpupool.core.index import LeaseIndex
+from jupyter_gpupool.core.index import LeaseIndex, excess_per_device
 from jupyter_gpupool.core.models import (
     MODEL_FORMS,
     Activity,
@@ -33,11 +33,17 @@ from jupyter_gpupool.core.placement import Demand, GpuSlot, NodeView, PlacementP
 from jupyter_gpupool.core.policy import PoolPolicy, Quota, Reservation
 from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
 from jupyter_gpupool.units import GIB, MIB, format_duration, format_size
+from jupyter_gpupool.wording import count as counted
+from jupyter_gpupool.wording import with_article
 
 HELD_STATES = (LeaseState.GRANTED,)  # suspended leases hold no GPU memory
 #: Reclaim reasons of leases freed for a reservation (idle reclaims, then preemptions).
 RESERVATION_RECLAIM = "reclaimed for the reservation "
 RESERVATION_PREEMPT = "preempted for the reservation "
+#: How a lease's ``burst_note`` begins once the pool took its burst back.
+BURST_TAKEN = "burst taken back"
+#: Share of its current size a kernel's measured use must reach before its elastic slice grows.
+GROW_WHEN_USED = 0.9
 
 
 @dataclass
@@ -131,11 +137,12 @@ class Engine:
                     f"requested {format_size(total)} but {who} maximum quota is {format_size(quota.maximum)}; "
                     f"ask for at most {format_size(quota.maximum)}"
                 )
+        limit = self.burst_limit_for(request.burst_limit, memory, num_gpus, candidates, request.owner, request.groups)
         self._check_queue_limits(state, request)
         priority = self.policy.priority_for(request.owner, request.groups, request.priority)
         earlier = state.derived().kernels.get(request.kernel_id) if request.kernel_id else None
         if earlier is not None:
-            return self._ask_again(state, state.leases[earlier], request, memory, num_gpus, priority, now)
+            return self._ask_again(state, state.leases[earlier], request, memory, num_gpus, priority, now, limit)
         lease = Lease(
             id=lease_id,
             owner=request.owner,
@@ -155,6 +162,8 @@ class Engine:
             heartbeat_at=now,
             last_activity=now,
             suspendable=request.suspendable,
+            guarantee=memory,
+            burst_limit=limit,
         )
         state.leases[lease.id] = lease
         state.touch(lease)
@@ -162,7 +171,7 @@ class Engine:
         return lease
 
     def _ask_again(self, state: PoolState, lease: Lease, request: LeaseRequest, memory: int, num_gpus: int,
-                   priority: PriorityClass, now: float) -> Lease:
+                   priority: PriorityClass, now: float, limit: int = 0) -> Lease:
         """A request for a kernel that has a live lease (its restart, most often): the same lease
         asks again, so a kernel never holds two. Whatever it held or parked is worthless to the new
         process: parked memory is dropped (no restore), a granted interval is closed for metering,
@@ -177,6 +186,8 @@ class Engine:
         lease.state = LeaseState.QUEUED
         lease.created_at = now  # it queues from now, behind those who asked before
         lease.memory, lease.num_gpus, lease.priority = memory, num_gpus, priority
+        lease.guarantee, lease.burst_limit = memory, limit
+        lease.burst_taken_at, lease.burst_note = None, ""
         lease.compute_share, lease.model, lease.duration = request.compute_share, request.model, request.duration
         lease.holder_pid, lease.holder_host, lease.label = request.holder_pid, request.holder_host, request.label
         lease.suspendable = request.suspendable
@@ -210,27 +221,52 @@ class Engine:
             if span is None:
                 most_k, most = self._most_that_fits(sizes)
                 raise RequestRefused(
-                    f"requested {format_size(request.memory)} but at most {format_size(most)} fits on this pool's GPUs{of_model} "
+                    f"too large: requested {format_size(request.memory)} but at most {format_size(most)} fits on this pool's GPUs{of_model} "
                     f"({most_k} × {format_size(most // most_k)}); ask for at most {format_size(most)}"
                 )
             num_gpus, per_gpu = span
             if self.policy.span_large_requests:
                 return per_gpu, num_gpus
             raise RequestRefused(
-                f"requested {format_size(request.memory)} but the largest GPU{of_model} has {format_size(largest)}; "
+                f"too large for one GPU: requested {format_size(request.memory)} but the largest GPU{of_model} has {format_size(largest)}; "
                 f"ask for --gpus {num_gpus} with {format_size(per_gpu)} each, or at most {format_size(largest)} on one GPU"
             )
         if request.num_gpus > len(sizes):
             raise RequestRefused(
-                f"requested {request.num_gpus} GPUs but this pool has {len(sizes)}{of_model}; ask for at most {len(sizes)}"
+                f"too many GPUs: requested {request.num_gpus} but this pool has {len(sizes)}{of_model}; ask for at most {len(sizes)}"
             )
         fitting = sizes[request.num_gpus - 1]
         if request.memory > fitting:
             raise RequestRefused(
-                f"requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
+                f"too large: requested {format_size(request.memory)} on each of {request.num_gpus} GPUs but only "
                 f"{format_size(fitting)} fits on {request.num_gpus} GPUs; ask for at most {format_size(fitting)} each"
             )
         return request.memory, request.num_gpus
+
+    def burst_limit_for(self, asked: int | None, guarantee: int, num_gpus: int, candidates: list[Device], owner: str,
+                        groups: Iterable[str]) -> int:
+        """Bytes per GPU a slice guaranteed ``guarantee`` may grow to: what the kernel asked for
+        (``asked``; None: the pool's ``burst``; 0: a fixed slice), never above the largest GPU nor
+        the user's or a group's maximum quota. 0 when it cannot grow at all."""
+        if asked == 0:
+            return 0
+        largest = max((d.leasable for d in candidates), default=0)
+        if asked is None:
+            limit = self.policy.burst_limit_bytes(guarantee, largest)
+        elif self.policy.burst == "0":
+            raise RequestRefused(
+                "this pool's slices are fixed (PoolPolicy.burst = 0), so a slice cannot have a limit above its size; ask without --limit"
+            )
+        elif asked < guarantee:
+            raise InvalidInput(
+                f"limit {format_size(asked)} is below the slice's size {format_size(guarantee)}; give a limit of at least the size"
+            )
+        else:
+            limit = min(asked, largest)
+        for _, quota in self._quotas(owner, groups):
+            if quota.maximum is not None:
+                limit = min(limit, quota.maximum // max(1, num_gpus))
+        return limit if limit > guarantee else 0
 
     def _most_that_fits(self, sizes: list[int]) -> tuple[int, int]:
         """(GPUs, total bytes) of the largest single lease GPUs of ``sizes`` (largest first) can hold."""
@@ -289,7 +325,7 @@ class Engine:
                 break
             devices = self._place(state, lease)
             if devices is None:
-                if blocked is None:
+                if blocked is None and not lease.resume_ahead:  # a resume ahead of a cell makes no room for itself
                     blocked = lease
                 continue
             self._grant(state, lease, devices, now)
@@ -298,6 +334,14 @@ class Engine:
             what = ("resumed: restoring " + ("onto another GPU of the same model" if moved else "on its GPU")) if restoring else "granted"
             decisions.append(self._decision(DecisionKind.GRANT, lease, f"{what} {format_size(lease.memory)}", now))
 
+        decisions += self._follow_burst_reclaims(state, now)
+        if blocked is not None:
+            given_back, coming = self._plan_burst_reclaims(state, blocked, now)
+            decisions += given_back
+            if coming:
+                if blocked.state is LeaseState.GRANTED:  # what it was short of was burst alone, and is free now
+                    decisions.append(self._decision(DecisionKind.GRANT, blocked, f"granted {format_size(blocked.memory)}", now))
+                blocked = None  # room is on its way from others' burst: nobody's guarantee is touched
         waiting = bool(state.derived().queued)
         decisions += self._plan_reservation_reclaims(state, now)
         moves = self._plan_defragmentation(state, blocked, now) if blocked is not None else []
@@ -318,6 +362,7 @@ class Engine:
         return sorted(
             queued,
             key=lambda lease: (
+                lease.resume_ahead,  # asked ahead of a cell: behind every real request
                 -self.effective_rank(lease, now),
                 not lease.resuming,  # a kernel resuming after a suspend goes first within its class
                 usage.get(lease.owner, 0.0),
@@ -425,11 +470,14 @@ class Engine:
 
     def _grant(self, state: PoolState, lease: Lease, devices: tuple[str, ...], now: float) -> None:
         if lease.resuming:  # its server restores the parked memory onto `devices`, then confirms
-            lease.resuming = False
+            lease.resuming = lease.resume_ahead = False
             lease.transition = Transition.RESTORING
             lease.transition_at = now
         lease.state = LeaseState.GRANTED
         lease.devices = devices
+        if lease.burst_limit:  # it grows on these GPUs: no further than the smallest of them holds
+            smallest = min((d.leasable for d in state.devices if d.uuid in devices), default=lease.burst_limit)
+            lease.burst_limit = min(lease.burst_limit, smallest) if min(lease.burst_limit, smallest) > lease.guarantee_size else 0
         lease.granted_at = now
         lease.heartbeat_at = now
         lease.last_activity = now
@@ -543,7 +591,7 @@ class Engine:
         if not state.derived().reclaiming:
             return []
         decisions = []
-        someone_waits = any(lease.state is LeaseState.QUEUED for lease in state.leases.values())
+        someone_waits = any(lease.state is LeaseState.QUEUED and not lease.resume_ahead for lease in state.leases.values())
         for lease in list(state.leases.values()):
             if lease.state not in HELD_STATES or lease.reclaim_at is None:
                 continue
@@ -584,7 +632,7 @@ class Engine:
             and lease.reclaim_at is None
             and lease.transition is Transition.NONE
             and self._still_idle(lease, now)
-            and lease.idle_seconds(now) >= self.policy.idle_timeout
+            and lease.idle_seconds(now) >= self._idle_timeout(state, lease)
             and (policy == "always" or not protected(lease))
         ]
         idle.sort(key=lambda lease: -lease.idle_seconds(now))
@@ -593,7 +641,7 @@ class Engine:
             chosen = idle
         elif blocked is not None:
             # Longest idle first, only as many as make room for the request that cannot fit.
-            free = self._free_with_room_on_its_way(state, blocked)
+            free = self._free_with_room_on_its_way(state, blocked, now)
             for lease in idle:
                 if self._place(state, blocked, free) is not None:
                     break
@@ -609,9 +657,9 @@ class Engine:
             lease.reclaim_at = now + self.policy.warning_period
             idle_for = format_duration(lease.idle_seconds(now))
             lease.reclaim_reason = (
-                f"reclaimed: idle for {idle_for} while {waiting} request(s) waited for a GPU"
+                f"reclaimed: idle for {idle_for} while {counted(waiting, 'request')} waited for a GPU"
                 if policy == "pressure"
-                else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+                else f"reclaimed: idle for {idle_for}, over the {format_duration(self._idle_timeout(state, lease))} idle timeout"
             )
             state.touch(lease)
             decisions.append(
@@ -619,9 +667,10 @@ class Engine:
             )
         return decisions
 
-    def _free_with_room_on_its_way(self, state: PoolState, head: Lease) -> dict[str, int]:
+    def _free_with_room_on_its_way(self, state: PoolState, head: Lease, now: float) -> dict[str, int]:
         """Free bytes per device as ``head`` sees them, plus what leases already on their way out
-        will free: warned leases, leases being suspended, and the GPUs moving leases leave."""
+        will free: warned leases, leases being suspended, the GPUs moving leases leave, and burst
+        being given back (within ``burst_settle`` of being taken back)."""
         free = self.free_by_device(state, head)
         index = state.derived()
         for lease_id in (*index.reclaiming, *index.transitions):
@@ -634,6 +683,10 @@ class Engine:
                 leaving = lease.devices
             for uuid in leaving:
                 free[uuid] = free.get(uuid, 0) + lease.memory
+        for lease in state.leases.values():  # burst being given back, within the time it has for that
+            if lease.burst_taken_at is not None and now_within(lease.burst_taken_at, now, self.policy.burst_settle):
+                for uuid in lease.devices:
+                    free[uuid] = free.get(uuid, 0) + excess_per_device(lease)
         return free
 
     def grace_after_outage(self, state: PoolState, now: float) -> int:
@@ -657,6 +710,13 @@ class Engine:
     def parked_budget(self, state: PoolState) -> int:
         """Bytes of host RAM parked slices may take together."""
         return self.policy.parked_budget(state.host_memory)
+
+    def _idle_timeout(self, state: PoolState, lease: Lease) -> float:
+        """Idle time before ``lease`` may be reclaimed: the policy's suspend idle timeout where the
+        reclaim would suspend it now, else its idle timeout (a cull)."""
+        if self.policy.suspend_idle_timeout is None:
+            return float(self.policy.idle_timeout)
+        return self.policy.idle_timeout_for(not self.suspend_refusal(state, lease))
 
     def suspend_refusal(self, state: PoolState, lease: Lease) -> str:
         """Why ``lease`` cannot be suspended now (one clause for the user), or ``""`` if it can."""
@@ -698,14 +758,20 @@ class Engine:
         state.touch(lease)
         return self._decision(DecisionKind.SUSPEND, lease, reason, now)
 
-    def resume(self, state: PoolState, lease_id: str, now: float) -> Lease:
+    def resume(self, state: PoolState, lease_id: str, now: float, ahead: bool = False) -> Lease:
         """Queue a suspended lease to come back (its next cell, a Resume button). Harmless on a lease
-        that is already queued to resume, being restored, or running."""
+        that is already queued to resume, being restored, or running. ``ahead``: asked before any
+        cell needs it (the notebook got focus), so it waits behind every real request; a real ask
+        later makes it a real one."""
         lease = self.get(state, lease_id)
         if lease.state is LeaseState.SUSPENDED:
             lease.state = LeaseState.QUEUED
             lease.resuming = True
             lease.resume_asked_at = now
+            lease.resume_ahead = ahead
+            state.touch(lease)
+        elif lease.resume_ahead and not ahead and lease.state is LeaseState.QUEUED:
+            lease.resume_ahead = False
             state.touch(lease)
         return lease
 
@@ -834,7 +900,7 @@ class Engine:
             return []
         if any(step is Transition.MIGRATING for step in index.transitions.values()):
             return []  # a move is under way: its room is coming
-        free = self._free_with_room_on_its_way(state, head)
+        free = self._free_with_room_on_its_way(state, head, now)
         if self._place(state, head, free) is not None:
             return []
         movable = [
@@ -885,6 +951,164 @@ class Engine:
                 decisions.append(self._decision(DecisionKind.MIGRATE, lease, lease.suspend_reason, now))
             return decisions
         return []
+
+    # --- elastic slices: grow on demand, give burst back under pressure -----------------------------
+    def _set_size(self, state: PoolState, lease: Lease, memory: int, now: float) -> None:
+        """Change a lease's current size, keeping what metering needs: each size's time."""
+        if memory == lease.memory:
+            return
+        if lease.state is LeaseState.GRANTED:
+            lease.memory_history = (*lease.memory_history, (now, lease.memory))
+        lease.memory = memory
+        state.touch(lease)
+
+    def _waiting_for(self, state: PoolState, lease: Lease) -> list[Lease]:
+        """Queued requests that could be placed on one of ``lease``'s GPUs: burst never takes their room."""
+        mine = set(lease.devices)
+        waiting = []
+        for lease_id in state.derived().queued:
+            other = state.leases[lease_id]
+            if other.id != lease.id and any(d.uuid in mine for d in self._lease_candidates(state, other)):
+                waiting.append(other)
+        return waiting
+
+    def _others_on(self, state: PoolState, lease: Lease) -> tuple[int, int]:
+        """(other granted slices, bytes they are guaranteed) on ``lease``'s GPUs, for the user."""
+        mine = set(lease.devices)
+        others = [o for o in state.leases.values() if o.id != lease.id and o.state in HELD_STATES and mine & set(o.devices)]
+        return len(others), sum(o.guarantee_size * len(mine & set(o.devices)) for o in others)
+
+    def grow(self, state: PoolState, lease_id: str, needed: int, now: float) -> Decision | None:
+        """Grow an elastic slice so its kernel can hold ``needed`` bytes (all its GPUs together), by
+        at least ``PoolPolicy.burst_step``, up to its limit, into memory nobody is guaranteed.
+        None when it is that large already; raises :class:`RequestRefused` saying why it cannot."""
+        lease = self.get(state, lease_id)
+        gpus = max(1, lease.num_gpus)
+        wanted = -(-max(0, needed) // gpus)
+        if wanted <= lease.memory:
+            return None
+        size = format_size(lease.memory)
+        if lease.state is not LeaseState.GRANTED or lease.transition is not Transition.NONE:
+            raise RequestRefused(f"the slice was not grown: the kernel is not running on a GPU right now ({lease.state.value})")
+        if not lease.elastic:
+            why = "the pool's slices are fixed (PoolPolicy.burst = 0)" if self.policy.burst == "0" else "it was asked for as a fixed slice"
+            raise RequestRefused(f"the slice was not grown: it is fixed at {size} ({why}); ask for more with %gpupool reserve")
+        limit = lease.limit_size
+        if wanted > limit:
+            raise RequestRefused(
+                f"the slice was not grown: it needs {format_size(wanted * gpus)} but its limit is {format_size(limit * gpus)}; "
+                "free memory, or ask for a larger limit (%gpupool reserve SIZE --limit LIMIT)"
+            )
+        waiting = self._waiting_for(state, lease)
+        if waiting:
+            asked = sum(w.memory * w.num_gpus for w in waiting)
+            raise RequestRefused(
+                f"the slice was not grown: {len(waiting)} request(s) wait for this GPU ({format_size(asked)}), "
+                f"and burst never takes their room; it stays {size}"
+            )
+        largest = max((d.leasable for d in state.devices if d.uuid in lease.devices), default=limit)
+        step = self.policy.burst_step_bytes(largest)
+        target = min(limit, max(wanted, lease.memory + step))
+        target = min(limit, -(-target // MIB) * MIB)
+        free = self.free_by_device(state, lease)
+        room = min((free.get(uuid, 0) for uuid in lease.devices), default=0) + excess_per_device(lease)
+        if lease.memory + room < wanted:
+            count, guaranteed = self._others_on(state, lease)
+            raise RequestRefused(
+                f"the slice was not grown: the GPU is full ({count} other slice(s) there are guaranteed "
+                f"{format_size(guaranteed)}); it stays {size}"
+            )
+        target = min(target, lease.memory + max(0, room))
+        for who, quota in self._quotas(lease.owner, lease.groups):
+            held, _ = self.holdings(state, owner=lease.owner) if who == "your" else self.holdings(state, group=who.split(" ", 1)[1].rsplit("'", 1)[0])
+            if quota.maximum is not None and held + (target - lease.memory) * gpus > quota.maximum:
+                most = lease.memory + max(0, quota.maximum - held) // gpus
+                if most < wanted:
+                    raise RequestRefused(f"the slice was not grown: {who} maximum quota is {format_size(quota.maximum)}; it stays {size}")
+                target = most
+        self._set_size(state, lease, target, now)
+        lease.burst_taken_at = None
+        lease.over_limit_since = None
+        lease.burst_note = (
+            f"grown to {format_size(target * gpus)} on demand ({format_size(lease.guarantee_size * gpus)} guaranteed, "
+            f"up to {format_size(limit * gpus)})"
+        )
+        state.touch(lease)
+        return self._decision(DecisionKind.GROW, lease, lease.burst_note, now)
+
+    def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float) -> tuple[list[Decision], bool]:
+        """Make room for ``head`` from other slices' burst, before anyone's guarantee: lower their
+        size toward their guarantee (their kernels free framework caches and lower caps to it).
+        Returns the decisions and whether room for ``head`` is on its way (it may be granted already)."""
+        free = self.free_by_device(state, head)
+        coming = dict(free)
+        burst_on: dict[str, list[Lease]] = {}
+        for lease in state.leases.values():
+            if lease.state is not LeaseState.GRANTED or lease.transition is not Transition.NONE or lease.reclaim_at is not None:
+                continue
+            taken = lease.memory + excess_per_device(lease)
+            above = taken - lease.guarantee_size
+            if above <= 0:
+                continue
+            for uuid in lease.devices:
+                coming[uuid] = coming.get(uuid, 0) + above
+                burst_on.setdefault(uuid, []).append(lease)
+        if not burst_on:
+            return [], False
+        devices = self._place(state, head, coming)
+        if devices is None:
+            return [], False  # even every slice at its guarantee leaves no room: the pool's other means
+        decisions = []
+        for uuid in devices:
+            missing = head.memory - free.get(uuid, 0)
+            for lease in sorted(burst_on.get(uuid, ()), key=lambda lease: -(lease.memory - lease.guarantee_size)):
+                if missing <= 0:
+                    break
+                taken = lease.memory + excess_per_device(lease)
+                new_size = min(lease.memory, max(lease.guarantee_size, taken - missing))
+                missing -= taken - new_size
+                if new_size < lease.memory or lease.burst_taken_at is None:
+                    gpus = max(1, lease.num_gpus)
+                    self._set_size(state, lease, new_size, now)
+                    lease.burst_taken_at = now
+                    lease.burst_note = (
+                        f"{BURST_TAKEN} for a request of {format_size(head.memory * head.num_gpus)}: the slice is "
+                        f"{format_size(new_size * gpus)} now ({format_size(lease.guarantee_size * gpus)} guaranteed)"
+                    )
+                    state.touch(lease)
+                    decisions.append(self._decision(DecisionKind.SHRINK, lease, lease.burst_note, now))
+        placed = self._place(state, head)
+        if placed is not None and not self._quota_block_reason(state, head):
+            self._grant(state, head, placed, now)
+        return decisions, True
+
+    def _follow_burst_reclaims(self, state: PoolState, now: float) -> list[Decision]:
+        """Slices whose burst was taken back but whose kernel still uses more than its size once
+        ``burst_settle`` passed: suspended if idle (the kernel keeps its variables). A busy one is
+        the watchdog's: its limit is its size now, so it is warned and, after its grace, interrupted
+        (then, idle, suspended here). Never an out-of-memory kill."""
+        decisions = []
+        someone_waits = bool(state.derived().queued)
+        for lease in list(state.leases.values()):
+            if lease.burst_taken_at is None or lease.state is not LeaseState.GRANTED:
+                continue
+            if not someone_waits:
+                lease.burst_taken_at = None  # who it was taken back for is gone: it may grow again
+                state.touch(lease)
+                continue
+            if excess_per_device(lease) <= 0 or now - lease.burst_taken_at < self.policy.burst_settle:
+                continue
+            if lease.transition is not Transition.NONE or lease.reclaim_at is not None or not self._still_idle(lease, now):
+                continue
+            if self.suspend_refusal(state, lease):
+                continue
+            used = format_size(lease.used_memory or 0)
+            reason = (
+                f"suspended: its burst was taken back for a waiting request and it still used {used} of its "
+                f"{format_size(lease.memory * max(1, lease.num_gpus))} slice; it resumes on its next cell"
+            )
+            decisions.append(self._begin_suspend(state, lease, reason, now))
+        return decisions
 
     # --- reservations -----------------------------------------------------------------------------
     @staticmethod
@@ -939,7 +1163,11 @@ class Engine:
         ]
         decisions = []
         if self.policy.idle_policy != "never":
-            idle = [lease for lease in candidates if self._still_idle(lease, now) and lease.idle_seconds(now) >= self.policy.idle_timeout]
+            idle = [
+                lease
+                for lease in candidates
+                if self._still_idle(lease, now) and lease.idle_seconds(now) >= self._idle_timeout(state, lease)
+            ]
             idle.sort(key=lambda lease: -lease.idle_seconds(now))
             for lease in idle:
                 if shortfall <= 0:
@@ -1054,7 +1282,7 @@ class Engine:
             return []
         # Least cost first: idle before busy, over-quota before within, youngest before oldest.
         victims.sort(key=lambda v: (v.busy, not self.over_guarantee(state, v), -(v.granted_at or 0.0)))
-        free = self._free_with_room_on_its_way(state, head)
+        free = self._free_with_room_on_its_way(state, head, now)
         if self._place(state, head, free) is not None:
             return []  # room is already on its way (warned, suspending or moving leases)
         chosen = []
@@ -1106,8 +1334,9 @@ class Engine:
             state.released.append(lease)
         return lease
 
-    def resize(self, state: PoolState, lease_id: str, memory: int, now: float) -> Lease:
-        """Shrink at once; grow in place if the same devices have room, else refuse with what fits."""
+    def resize(self, state: PoolState, lease_id: str, memory: int, now: float, limit: int | None = None) -> Lease:
+        """Set what a lease is guaranteed (and, with ``limit``, how far it may grow: 0 for a fixed
+        slice): shrink at once; grow in place if the same devices have room, else refuse with what fits."""
         lease = self.get(state, lease_id)
         if memory <= 0:
             raise InvalidInput("memory must be positive")
@@ -1119,10 +1348,14 @@ class Engine:
             probe = LeaseRequest(owner=lease.owner, memory=memory, groups=lease.groups, num_gpus=lease.num_gpus, model=lease.model)
             shaped = self._check_fits_ever(state, probe)
             lease.memory, lease.num_gpus = shaped.memory, shaped.num_gpus  # may span GPUs, as a new request would
+            lease.guarantee = lease.memory
+            self._set_limit(state, lease, limit)
             state.touch(lease)
             return lease
         if memory <= lease.memory:
-            lease.memory = memory
+            self._set_size(state, lease, memory, now)
+            lease.guarantee = memory
+            self._set_limit(state, lease, limit)
             state.touch(lease)
             return lease
         sizes = sorted((d.leasable for d in self._candidate_devices(state.devices, lease.model)), reverse=True)
@@ -1164,9 +1397,19 @@ class Engine:
                 f"cannot grow to {format_size(memory)}: {gpus} {format_size(room)} free; "
                 f"ask for at most {format_size(lease.memory + room)} now, or release and request again to queue"
             )
-        lease.memory = memory
+        self._set_size(state, lease, memory, now)
+        lease.guarantee = memory
+        self._set_limit(state, lease, limit)
         state.touch(lease)
         return lease
+
+    def _set_limit(self, state: PoolState, lease: Lease, limit: int | None) -> None:
+        """After a resize: the asked ``limit`` (None: the one it had, or the pool's burst for the new size)."""
+        candidates = self._candidate_devices(state.devices, lease.model)
+        if lease.devices:
+            candidates = [d for d in candidates if d.uuid in lease.devices] or candidates
+        asked = limit if limit is not None else (lease.burst_limit if lease.burst_limit > lease.guarantee_size else None)
+        lease.burst_limit = self.burst_limit_for(asked, lease.guarantee_size, lease.num_gpus, candidates, lease.owner, lease.groups)
 
     def _check_fits_ever(self, state: PoolState, request: LeaseRequest) -> Lease:
         """The lease ``request`` would be admitted as on an empty pool; raises if it never fits."""
@@ -1244,6 +1487,10 @@ class Engine:
             lease.heartbeat_at = max(lease.heartbeat_at, until)
 
     def report_usage(self, state: PoolState, usage: dict[str, int], now: float) -> list[Decision]:
+        """Take measured use (bytes, all GPUs, per lease id). An elastic slice whose use nears its
+        size grows (a GROW decision: its kernel's caps follow); one whose burst was taken back and
+        whose use came down to its size may grow again later. Use above what the watchdog allows
+        (:meth:`Lease.watch_limit`) is an OVER_LIMIT decision."""
         decisions = []
         for lease_id, used in usage.items():
             lease = state.leases.get(lease_id)
@@ -1251,14 +1498,30 @@ class Engine:
                 continue
             lease.used_memory = used
             lease.peak_memory = max(lease.peak_memory or 0, used)
-            limit = lease.memory * lease.num_gpus
+            state.touch(lease)  # what it uses above its slice is taken: a grow must see that
+            gpus = max(1, lease.num_gpus)
+            size = lease.memory * gpus
+            if lease.burst_taken_at is not None and used <= size:
+                lease.burst_taken_at = None
+                lease.burst_note = f"gave its burst back: {format_size(used)} used of its {format_size(size)} slice"
+            elif lease.elastic and lease.burst_taken_at is None and used >= size * GROW_WHEN_USED and lease.memory < lease.limit_size:
+                largest = max((d.leasable for d in state.devices if d.uuid in lease.devices), default=lease.limit_size)
+                try:
+                    grown = self.grow(state, lease_id, used + self.policy.burst_step_bytes(largest) * gpus, now)
+                except RequestRefused as refusal:
+                    note = str(refusal)
+                    if note != lease.burst_note:
+                        lease.burst_note = note
+                else:
+                    if grown is not None:
+                        decisions.append(grown)
+            limit = lease.watch_limit()
             if used > limit:
                 if lease.over_limit_since is None:
                     lease.over_limit_since = now
+                what = "its slice" if lease.burst_taken_at is not None or not lease.elastic else "its slice's limit"
                 decisions.append(
-                    self._decision(
-                        DecisionKind.OVER_LIMIT, lease, f"uses {format_size(used)}, over its slice of {format_size(limit)}", now
-                    )
+                    self._decision(DecisionKind.OVER_LIMIT, lease, f"uses {format_size(used)}, over {what} of {format_size(limit)}", now)
                 )
             else:
                 lease.over_limit_since = None
@@ -1277,14 +1540,14 @@ class Engine:
             or self._reservation_wait_reason(state, lease, now)
             or (
                 (
-                    f"resuming: waits for a {lease.home_model} GPU with {format_size(lease.memory)} free"
+                    f"resuming: waits for {with_article(lease.home_model)} GPU with {format_size(lease.memory)} free"
                     if lease.resuming and lease.home_model
                     else f"waits for a GPU of model {lease.model} with enough free memory"
                     if lease.model
                     else "waits for a GPU with enough free memory"
                 )
                 if position == 1
-                else f"{position - 1} request(s) ahead"
+                else f"{counted(position - 1, 'request')} ahead"
             )
         )
         return QueueInfo(position=position, length=len(order), estimated_wait=self.estimate_wait(state, lease, order, now), reason=reason)
@@ -1348,13 +1611,19 @@ class Engine:
         if self.policy.idle_policy == "never" or lease.busy or lease.state is not LeaseState.GRANTED:
             return None
         idle_since = lease.last_activity or lease.granted_at or lease.created_at
-        eligible = max(idle_since + self.policy.idle_timeout, lease.keep_until or 0.0, now)
+        suspends = lease.suspendable and self.policy.reclaim_action == "suspend"
+        eligible = max(idle_since + self.policy.idle_timeout_for(suspends), lease.keep_until or 0.0, now)
         return eligible + self.policy.warning_period
 
     # --- helpers ----------------------------------------------------------------------------------
     @staticmethod
     def _decision(kind: DecisionKind, lease: Lease, reason: str, now: float, deadline: float | None = None) -> Decision:
         return Decision(kind=kind, lease_id=lease.id, kernel_id=lease.kernel_id, owner=lease.owner, reason=reason, at=now, deadline=deadline)
+
+
+def now_within(since: float, now: float, seconds: float) -> bool:
+    """Whether ``now`` is less than ``seconds`` after ``since``."""
+    return now - since < seconds
 
 
 def _window_starts(reservation: Reservation, start: float, end: float) -> list[float]:

@@ -19,10 +19,10 @@ from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 
 #: What one lease adds to the index: (state, owner, groups, memory, num_gpus, devices held,
 #: reclaim pending, flagged, heartbeat deadline key, booked-slice end, transition under way,
-#: bytes parked in host RAM, bytes per device used above the slice).
+#: bytes parked in host RAM, bytes per device used above the slice, bytes per device guaranteed).
 _Entry = tuple[
     LeaseState, str, tuple[str, ...], int, int, tuple[str, ...], bool, bool, "float | None", "float | None", Transition, int,
-    int,
+    int, int,
 ]
 
 
@@ -62,6 +62,7 @@ def _entry(lease: Lease) -> _Entry | None:
         lease.transition,
         lease.parked_memory,
         excess_per_device(lease) if held else 0,
+        lease.guarantee_size if held else 0,
     )
 
 
@@ -73,6 +74,8 @@ class LeaseIndex:
         self.entries: dict[str, _Entry] = {}
         #: device uuid → bytes taken by granted leases: each its slice, or what it uses when that is more (no zeros)
         self.held: dict[str, int] = {}
+        #: device uuid → bytes granted leases there are guaranteed (their current size may be more: burst)
+        self.guaranteed: dict[str, int] = {}
         self.owners: dict[str, list[int]] = {}  # owner → [bytes held, live non-queued leases]
         self.groups: dict[str, list[int]] = {}  # group → [bytes held by members, their live non-queued leases]
         self.queued: dict[str, None] = {}  # ids of queued leases
@@ -127,7 +130,7 @@ class LeaseIndex:
             self._push(self._beats, (beat, lease.id))
 
     def _apply(self, lease_id: str, entry: _Entry, sign: int) -> None:
-        state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked, excess = entry
+        state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked, excess, guarantee = entry
         held_bytes = memory * num_gpus if state is LeaseState.GRANTED else 0
         if state is LeaseState.QUEUED:
             if sign > 0:
@@ -147,6 +150,11 @@ class LeaseIndex:
                 self.held[uuid] = total
             else:
                 self.held.pop(uuid, None)
+            promised = self.guaranteed.get(uuid, 0) + sign * guarantee
+            if promised:
+                self.guaranteed[uuid] = promised
+            else:
+                self.guaranteed.pop(uuid, None)
         if reclaiming:
             if sign > 0:
                 self.reclaiming[lease_id] = None
@@ -205,6 +213,7 @@ class LeaseIndex:
         """Everything the index answers, comparable with ``==`` (for the tests)."""
         return {
             "held": dict(self.held),
+            "guaranteed": dict(self.guaranteed),
             "owners": {k: tuple(v) for k, v in self.owners.items()},
             "groups": {k: tuple(v) for k, v in self.groups.items()},
             "queued": set(self.queued),

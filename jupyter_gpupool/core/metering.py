@@ -100,6 +100,10 @@ class Interval:
     devices: tuple[DeviceInfo | None, ...] = ()
     #: (when, bytes of all GPUs held until then) for each resize; ``memory`` is held after the last.
     memory_history: tuple[tuple[float, int], ...] = ()
+    #: Bytes (all GPUs) the lease was guaranteed; what it held above is burst. None: all of it was
+    #: guaranteed (fixed slices, and rows written before elastic slices). A resize by the user
+    #: changes the guarantee: the interval is billed with the one it had when it closed.
+    guarantee: int | None = None
 
     def keys(self, by: str) -> list[str]:
         """The report rows this interval counts in (a lease of two groups counts in both)."""
@@ -226,7 +230,7 @@ def columns(by: str, period: str, priced: bool) -> list[str]:
     when prices are set."""
     head = ["period"] if period != "none" else []
     tail = ["cost", "currency"] if priced else []
-    return [*head, by, "leases", "gpu_hours", "gib_hours_held", "gib_hours_active", *tail]
+    return [*head, by, "leases", "gpu_hours", "gib_hours_held", "gib_hours_active", "gib_hours_burst", "gpu_hours_burst", *tail]
 
 
 def report_rows(
@@ -239,7 +243,9 @@ def report_rows(
 ) -> list[dict[str, Any]]:
     """One row per key (user, group or kernel) per period, with the parts of intervals inside
     ``[since, until)``: ``leases`` (distinct leases), ``gpu_hours``, ``gib_hours_held``,
-    ``gib_hours_active`` and, when prices are set, ``cost`` and ``currency``."""
+    ``gib_hours_active``, the parts of ``gib_hours_held`` and ``gpu_hours`` held above the
+    guarantee (``gib_hours_burst``, ``gpu_hours_burst``; the rest was guaranteed) and, when
+    prices are set, ``cost`` and ``currency``."""
     check_choice(by, REPORT_KEYS, "by")
     check_choice(period, PERIODS, "period")
     prices = prices or Prices()
@@ -266,6 +272,8 @@ def report_rows(
             per_gpu = memory / len(item.devices) if item.devices else float(memory)
             shares = [gpu_share(d, per_gpu) for d in item.devices]
             gpu_hours = sum(shares) * hours
+            above = max(0, memory - item.guarantee) if item.guarantee is not None and memory > 0 else 0
+            burst_share = above / memory if memory > 0 else 0.0
             cost = sum(share * price for share, price in zip(shares, gpu_prices)) * hours + held * prices.per_gib_hour
             for key in item.keys(by):
                 slot = (label, key)
@@ -278,6 +286,8 @@ def report_rows(
                         "gpu_hours": 0.0,
                         "gib_hours_held": 0.0,
                         "gib_hours_active": 0.0,
+                        "gib_hours_burst": 0.0,
+                        "gpu_hours_burst": 0.0,
                         **({"cost": 0.0, "currency": prices.currency} if prices.priced else {}),
                     }
                     lease_ids[slot] = set()
@@ -285,11 +295,13 @@ def report_rows(
                 row["gpu_hours"] += gpu_hours
                 row["gib_hours_held"] += held
                 row["gib_hours_active"] += active
+                row["gib_hours_burst"] += held * burst_share
+                row["gpu_hours_burst"] += gpu_hours * burst_share
                 if prices.priced:
                     row["cost"] += cost
     for slot, row in totals.items():
         row["leases"] = len(lease_ids[slot])
-        for name in ("gpu_hours", "gib_hours_held", "gib_hours_active", "cost"):
+        for name in ("gpu_hours", "gib_hours_held", "gib_hours_active", "gib_hours_burst", "gpu_hours_burst", "cost"):
             if name in row:
                 row[name] = round(row[name], 4)
     return sorted(totals.values(), key=lambda r: (r.get("period") or "", -r["gib_hours_held"], str(r[by])))

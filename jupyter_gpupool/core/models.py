@@ -178,6 +178,10 @@ class LeaseRequest:
     #: The holder can park the kernel's GPU memory in host RAM and restore it (its server has a
     #: working checkpoint backend); only such leases are suspended instead of culled.
     suspendable: bool = False
+    #: Bytes per GPU the slice may grow to while its GPU has room (an elastic slice's limit):
+    #: None takes the pool's ``PoolPolicy.burst``, 0 asks for a fixed slice. ``memory`` is what
+    #: is guaranteed.
+    burst_limit: int | None = None
 
 
 class Transition(str, enum.Enum):
@@ -242,10 +246,51 @@ class Lease:
     home_model: str = ""  # exact model of those GPUs: it is restored onto that model only
     resuming: bool = False  # queued to resume after a suspend
     resume_asked_at: float | None = None
+    #: Queued to resume ahead of a cell (the notebook got focus): it queues behind every real request,
+    #: never blocks, reclaims or preempts anyone, and a cell's own resume makes it a real one.
+    resume_ahead: bool = False
     migrate_from: tuple[str, ...] = ()  # uuids it is moving off (held until the move is confirmed)
     suspensions: int = 0
     parked_seconds: float = 0.0  # total time spent suspended
     restore_failures: int = 0  # restores in a row that failed and left the memory parked
+    # --- elastic slices: ``memory`` is the slice's current size; it never goes below ``guarantee``
+    # and grows up to ``burst_limit`` while the GPU has memory nobody is guaranteed.
+    #: Bytes per GPU the lease is guaranteed (what was asked, or the default). 0 on a lease written
+    #: before elastic slices existed: its ``memory`` is its guarantee.
+    guarantee: int = 0
+    #: Bytes per GPU the slice may grow to (0: it never grows above its guarantee).
+    burst_limit: int = 0
+    #: When the pool last took this slice's burst back for someone else's request; its kernel's use
+    #: must follow down to ``memory`` (its caps are lowered). None once its use is back within.
+    burst_taken_at: float | None = None
+    #: The last grow or give-back step, for the user ("grown to 8 GiB: ...", "burst taken back: ...").
+    burst_note: str = ""
+
+    @property
+    def guarantee_size(self) -> int:
+        """Bytes per GPU guaranteed: the lease's ``guarantee`` (its ``memory`` on a lease from before elastic slices)."""
+        return self.guarantee or self.memory
+
+    @property
+    def limit_size(self) -> int:
+        """Bytes per GPU the slice may grow to: its burst limit, never less than its current size."""
+        return max(self.burst_limit, self.memory)
+
+    @property
+    def burst(self) -> int:
+        """Bytes per GPU the slice holds now above its guarantee."""
+        return max(0, self.memory - self.guarantee_size)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the slice may grow above its guarantee."""
+        return self.burst_limit > self.guarantee_size
+
+    def watch_limit(self) -> int:
+        """Bytes (all GPUs) the watchdog lets the kernel use before it warns and interrupts: the
+        slice's limit, or its current size once the pool took its burst back."""
+        per_gpu = self.memory if self.burst_taken_at is not None or not self.elastic else self.limit_size
+        return per_gpu * max(1, self.num_gpus)
 
     @property
     def queued_since(self) -> float:
@@ -364,7 +409,9 @@ class DecisionKind(str, enum.Enum):
     PREEMPT_WARN = "preempt_warn"  # eviction decided, grace period running
     PREEMPT = "preempt"  # grace over: adapters stop the kernel now
     RELEASE = "release"  # released by the engine (expired holder, duration over, GPU lost)
-    OVER_LIMIT = "over_limit"  # watchdog saw usage above the slice
+    OVER_LIMIT = "over_limit"  # watchdog saw usage above the slice's limit (or above it once its burst was taken back)
+    GROW = "grow"  # an elastic slice grew on demand: adapters move the kernel's caps up
+    SHRINK = "shrink"  # an elastic slice's burst was taken back: adapters free caches and move caps down
     SUSPEND = "suspend"  # adapters checkpoint the kernel's GPU memory to host RAM, then confirm
     MIGRATE = "migrate"  # adapters move the kernel's GPU memory to other GPUs, then confirm
     UNPOOLED = "unpooled"  # the watcher saw GPU memory held outside any granted lease (no lease id)

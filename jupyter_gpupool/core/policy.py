@@ -20,11 +20,13 @@ from jupyter_gpupool.core.models import PriorityClass
 from jupyter_gpupool.core.placement import POLICIES
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.units import parse_duration, parse_size
+from jupyter_gpupool.wording import plural
 
 #: Environment variables that override traits (name → (trait, parser)).
 ENV_TRAITS: dict[str, str] = {
     "GPUPOOL_DEFAULT_MEMORY": "default_memory",
     "GPUPOOL_IDLE_TIMEOUT": "idle_timeout",
+    "GPUPOOL_SUSPEND_IDLE_TIMEOUT": "suspend_idle_timeout",
     "GPUPOOL_IDLE_POLICY": "idle_policy",
     "GPUPOOL_WARNING_PERIOD": "warning_period",
     "GPUPOOL_PLACEMENT": "placement",
@@ -36,10 +38,13 @@ ENV_TRAITS: dict[str, str] = {
     "GPUPOOL_RECLAIM_ACTION": "reclaim_action",
     "GPUPOOL_PARKED_MEMORY_LIMIT": "parked_memory_limit",
     "GPUPOOL_TRANSITION_TIMEOUT": "transition_timeout",
+    "GPUPOOL_BURST": "burst",
+    "GPUPOOL_BURST_STEP": "burst_step",
 }
 
 _DURATION_TRAITS = {
     "idle_timeout",
+    "suspend_idle_timeout",
     "warning_period",
     "heartbeat_ttl",
     "grace_period",
@@ -50,6 +55,7 @@ _DURATION_TRAITS = {
     "backfill_max_head_wait",
     "transition_timeout",
     "defragment_min_idle",
+    "burst_settle",
 }
 
 WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -134,7 +140,7 @@ def parse_quota(spec: dict[str, Any], where: str) -> Quota:
     """``{"guaranteed": "8GiB", "maximum": "16GiB", "max_leases": 2}`` → :class:`Quota`."""
     unknown = set(spec) - {"guaranteed", "maximum", "max_leases"}
     if unknown:
-        raise InvalidInput(f"{where}: unknown quota key(s) {str(sorted(map(str, unknown)))[:80]}; use guaranteed, maximum, max_leases")
+        raise InvalidInput(f"{where}: unknown quota {plural(len(unknown), 'key')} {str(sorted(map(str, unknown)))[:80]}; use guaranteed, maximum, max_leases")
     guaranteed = parse_size(spec["guaranteed"]) if spec.get("guaranteed") else 0
     maximum = parse_size(spec["maximum"]) if spec.get("maximum") else None
     max_leases = spec.get("max_leases")
@@ -244,6 +250,31 @@ class PoolPolicy(Configurable):
         1800.0,
         help="Seconds a kernel must be idle before its slice may be reclaimed. Env: GPUPOOL_IDLE_TIMEOUT (e.g. 30m).",
     ).tag(config=True)
+
+    suspend_idle_timeout = Float(
+        None,
+        allow_none=True,
+        help="Seconds a kernel must be idle before its slice may be taken back by suspending it (its GPU memory "
+        "parked in host RAM, restored on its next cell), where it can be suspended now: its server can checkpoint, "
+        "reclaim_action is 'suspend', the parked-memory budget has room. Kernels that would be culled instead keep "
+        "idle_timeout. None (the default): idle_timeout for every kernel. Env: GPUPOOL_SUSPEND_IDLE_TIMEOUT (e.g. 2m).",
+    ).tag(config=True)
+
+    @validate("suspend_idle_timeout")
+    def _check_suspend_idle_timeout(self, proposal: Any) -> float | None:
+        value = proposal["value"]
+        if value is None:
+            return None
+        if not 0 <= float(value) < float("inf"):
+            raise InvalidInput(f"suspend_idle_timeout must be 0 seconds or more (or None for idle_timeout), got {value}")
+        return float(value)
+
+    def idle_timeout_for(self, suspends: bool) -> float:
+        """The idle time before a reclaim: :attr:`suspend_idle_timeout` where the reclaim would
+        suspend the kernel (``suspends``) and one is set, else :attr:`idle_timeout`."""
+        if suspends and self.suspend_idle_timeout is not None:
+            return float(self.suspend_idle_timeout)
+        return float(self.idle_timeout)
 
     warning_period = Float(
         120.0,
@@ -378,6 +409,66 @@ class PoolPolicy(Configurable):
         60.0,
         help="Seconds a kernel must have been idle before live defragmentation may move it.",
     ).tag(config=True)
+
+    burst = Unicode(
+        "4x",
+        help="How far an elastic slice may grow above what its kernel asked for (its guarantee) while its GPU has "
+        "memory nobody is guaranteed: a limit (40GiB), a factor of the guarantee (4x), or 0 for fixed slices. "
+        "Bounded by the user's and group's maximum quota and by the GPU. Burst is taken back, before anyone's "
+        "guarantee, when a request cannot be placed. A kernel may ask for its own limit (%gpupool reserve 8GiB "
+        "--limit 32GiB). Env: GPUPOOL_BURST.",
+    ).tag(config=True)
+
+    burst_step = Unicode(
+        "1GiB",
+        help="Least a slice grows by at a time when its kernel's use nears its size (a size, or a share of the "
+        "GPU: 5%). Env: GPUPOOL_BURST_STEP.",
+    ).tag(config=True)
+
+    burst_settle = Float(
+        15.0,
+        help="Seconds a kernel has to bring its use down to its guarantee after its burst was taken back (its "
+        "caps lowered, its framework caches freed). Still above it after that: it is suspended if idle; if busy "
+        "the watchdog warns and, after its grace, interrupts it, and it is suspended when idle.",
+    ).tag(config=True)
+
+    @validate("burst", "burst_step")
+    def _check_burst(self, proposal: Any) -> str:
+        value = str(proposal["value"]).strip()
+        name = proposal["trait"].name
+        if name == "burst":
+            if value in ("0", "off", ""):
+                return "0"
+            if value.lower().endswith("x"):
+                try:
+                    factor = float(value[:-1])
+                except ValueError:
+                    factor = 0.0
+                if not 1.0 <= factor <= 1000.0:
+                    raise InvalidInput(f"invalid burst {value!r}: a factor is 1x to 1000x (4x: up to four times the guarantee)")
+                return value.lower()
+        try:
+            parse_size(value, gpu_memory=1 << 40)
+        except InvalidInput as err:
+            forms = "a size (40GiB), a factor of the guarantee (4x) or 0 for fixed slices" if name == "burst" else "a size (1GiB) or a share of the GPU (5%)"
+            raise InvalidInput(f"invalid {name} {value!r}: give {forms}") from err
+        return value
+
+    def burst_limit_bytes(self, guarantee: int, gpu_memory: int) -> int:
+        """Bytes per GPU a slice guaranteed ``guarantee`` may grow to by the pool's ``burst`` (never
+        above ``gpu_memory``); 0 when slices do not burst."""
+        value = self.burst
+        if value == "0":
+            return 0
+        if value.endswith("x"):
+            limit = int(guarantee * float(value[:-1]))
+        else:
+            limit = parse_size(value, gpu_memory=gpu_memory)
+        limit = min(limit, gpu_memory)
+        return limit if limit > guarantee else 0
+
+    def burst_step_bytes(self, gpu_memory: int) -> int:
+        return parse_size(self.burst_step, gpu_memory=gpu_memory)
 
     def parked_budget(self, host_memory: int | None) -> int:
         """Bytes of host RAM parked slices may take (a share is of ``host_memory``; 0 when unknown)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.units import DURATION_FORMS, MAX_SIZE, SIZE_FORMS, parse_duration, parse_size
+from jupyter_gpupool.wording import plural
 
 # --- bounds -----------------------------------------------------------------------------------------
 
@@ -355,7 +356,7 @@ def reservation_body(body: Mapping[str, Any]) -> dict[str, Any]:
     allowed = {"name", "memory", "users", "user", "groups", "group", "weekdays", "days", "start", "end", "duration"}
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise InvalidInput(f"unknown reservation field(s) {_shown(unknown[:5])}; use {', '.join(sorted(allowed))}")
+        raise InvalidInput(f"unknown reservation {plural(len(unknown), 'field')} {_shown(unknown[:5])}; use {', '.join(sorted(allowed))}")
     clean: dict[str, Any] = {}
     for key, value in body.items():
         if key == "name":
@@ -444,7 +445,7 @@ def preferences(values: Mapping[str, Any], max_gpus: int = 64) -> dict[str, Any]
         raise InvalidInput('preferences must be an object such as {"memory": "8GiB", "num_gpus": 1}')
     unknown = sorted(str(k) for k in values if k not in PREFERENCE_FORMS)
     if unknown:
-        raise InvalidInput(f"unknown preference(s) {_shown(unknown[:5])}; use {', '.join(sorted(PREFERENCE_FORMS))}")
+        raise InvalidInput(f"unknown {plural(len(unknown), 'preference')} {_shown(unknown[:5])}; use {', '.join(sorted(PREFERENCE_FORMS))}")
     clean = {}
     for key, value in values.items():
         try:

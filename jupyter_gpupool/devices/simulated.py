@@ -8,13 +8,15 @@ import os
 import re
 import threading
 import uuid as uuid_module
+from collections.abc import Callable
+from typing import Any
 
 from jupyter_gpupool.core.models import Device
 from jupyter_gpupool.devices.base import DeviceBackend, ProcessUsage
 from jupyter_gpupool.devices.base import process_alive as _alive
 from jupyter_gpupool.devices.checkpoint import devices_now, wait_while_suspended
-from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.units import GIB, parse_size
+from jupyter_gpupool.errors import GpuPoolError, InvalidInput
+from jupyter_gpupool.units import GIB, format_size, parse_size
 
 SPEC_FORMS = "a spec like 1x16GiB, 2xA100-80GB or 4xRTX3090-24GB,1xT4-16GB"
 
@@ -60,8 +62,9 @@ def parse_inventory(spec: str) -> list[tuple[str, int]]:
             memory = KNOWN_MODELS[what.upper()]
             name = what
         else:
+            example = f"{count}x{what}GiB" if what.replace(".", "", 1).isdigit() else f"{count}x{what}-24GB"
             raise InvalidInput(
-                f"unknown GPU {what!r} in {item.strip()!r}: give its memory (e.g. {what}-24GB); expected {SPEC_FORMS}"
+                f"unknown GPU {what!r} in {item.strip()!r}: give its memory with a unit (e.g. {example}); expected {SPEC_FORMS}"
             )
         gpus.extend((name, memory) for _ in range(count))
     return gpus
@@ -156,10 +159,55 @@ def usage_dir_for(db_path: str) -> str:
     return os.environ.get("GPUPOOL_SIMULATE_USAGE_DIR") or f"{db_path}.usage"
 
 
+class SimulatedOutOfMemoryError(MemoryError):
+    """What a framework cap raises when an allocation would go past the kernel's slice."""
+
+
+#: Set by the kernel extension when it loads in a kernel of a simulated pool (this layer never
+#: imports the kernel's): ``caps_limit()``, the live caps' bytes per GPU, and ``grow(needed)``,
+#: which asks the pool to grow the slice and returns its new size per GPU.
+kernel_hooks: dict[str, Callable[..., Any]] = {}
+
+
+def _slice_limit() -> int | None:
+    """Bytes per GPU this process's framework caps allow now (the kernel's live caps, else
+    ``GPUPOOL_MEMORY_LIMIT``); None when nothing caps it."""
+    caps_limit = kernel_hooks.get("caps_limit")
+    if caps_limit is not None:
+        limit: int | None = caps_limit()
+        return limit
+    raw = os.environ.get("GPUPOOL_MEMORY_LIMIT", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def _within_slice(amount: int, gpus: int) -> None:
+    """As a framework cap does: an allocation past the slice first asks the pool to grow an elastic
+    slice; if it cannot, it fails saying why."""
+    limit = _slice_limit()
+    if limit is None or amount <= limit * gpus:
+        return
+    grow = kernel_hooks.get("grow")
+    try:
+        grown = grow(amount) if grow is not None and os.environ.get("GPUPOOL_LEASE_ID") else limit
+    except GpuPoolError as refusal:
+        reason = str(refusal)
+    else:
+        if amount <= grown * gpus:
+            return
+        reason = "the slice was not grown"
+    raise SimulatedOutOfMemoryError(
+        f"out of GPU memory (simulated): tried to hold {format_size(amount)} in a slice of {format_size(limit * gpus)}; {reason}"
+    )
+
+
 def pretend_to_use(size: str | int, pid: int | None = None) -> int:
     """Inside a kernel on a simulated pool: pretend this process now holds ``size`` of GPU memory
     (``"3GiB"``; ``0`` frees it), spread over its visible GPUs. The watchdog, the sidebar and
     ``%gpupool status`` then show it, as they would real usage. Returns the bytes set.
+
+    Past the kernel's slice it behaves as a framework cap: an elastic slice is first grown (the
+    pool says no when the GPU is full, the slice is fixed, or past its limit), else it raises
+    :class:`SimulatedOutOfMemoryError` saying why, and holds what it held before.
 
     While the pool has this kernel suspended it blocks until the kernel is resumed, as a CUDA
     call does (interrupt the cell to stop waiting); after a resume onto other GPUs it uses those.
@@ -171,6 +219,8 @@ def pretend_to_use(size: str | int, pid: int | None = None) -> int:
     visible = [u for u in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if u.startswith("GPU-")]
     if amount and not visible:
         raise InvalidInput("this kernel holds no GPU slice to use (CUDA_VISIBLE_DEVICES names none)")
+    if amount and pid is None:
+        _within_slice(amount, len(visible))
     folder = usage_dir_for(db)
     os.makedirs(folder, exist_ok=True)
     owner = pid or os.getpid()

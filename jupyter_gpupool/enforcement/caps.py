@@ -15,7 +15,16 @@ imports them, wherever that import happens:
   in-process call keeps it right after ``%gpupool reserve`` changes the slice).
 
 It also installs an IPython custom exception handler that appends a hint naming this
-kernel's slice to the framework's out-of-memory errors.
+kernel's slice to the framework's out-of-memory errors; with an elastic slice it first asks the
+pool to grow it, and says whether it was grown (re-run the cell) or why not.
+
+Elastic slices move the caps while the kernel runs: the server sends a quiet control request
+(the quiet channel's ``set_caps`` request, answered even while a cell runs, and no activity) when the pool grew the
+slice or took its burst back. PyTorch's per-process fraction and CuPy's pool limit follow at once
+(and their free caches are emptied first when the slice shrinks). TensorFlow's logical-device
+limit and JAX's preallocation are fixed when they start their GPU backend: a kernel using them
+keeps the limit it started with (``%gpupool status`` says so), so give it the size it needs, or a
+fixed slice at its limit (``--limit`` equal to the size).
 
 Nothing here may break an import or a cell: failures are recorded and shown by
 ``%gpupool status``, never raised.
@@ -37,8 +46,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from jupyter_gpupool.units import MIB, format_size
+from jupyter_gpupool.wording import gpus as gpu_count
 
 ImportCallback = Callable[[types.ModuleType], None]
+#: Callback that asks the pool to grow this kernel's slice to hold ``needed`` bytes: returns the
+#: new size per GPU, or raises with the pool's reason.
+GrowCallback = Callable[[int], int]
 
 # Status words of a CapRecord.
 APPLIED = "applied"
@@ -201,6 +214,36 @@ class FrameworkCaps:
         self.oom.uninstall()
         self._installed = False
 
+    def free_cache(self) -> None:
+        """Give the frameworks' cached, unused GPU memory back to the driver (PyTorch's caching
+        allocator, CuPy's pools): the first step when the pool takes a slice's burst back."""
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None)
+        with contextlib.suppress(Exception):
+            if cuda is not None and cuda.is_available() and cuda.is_initialized():
+                cuda.empty_cache()
+        cupy = sys.modules.get("cupy")
+        with contextlib.suppress(Exception):
+            if cupy is not None:
+                cupy.get_default_memory_pool().free_all_blocks()
+                cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+    def move_live(self, content: dict[str, Any]) -> dict[str, Any]:
+        """The server's ``set_caps`` quiet request (see :func:`jupyter_gpupool.quiet.install_quiet_requests`):
+        free the frameworks' caches if asked, set the caps to the slice (``limit`` bytes per GPU),
+        and say how much this process uses now. A bad request raises ValueError (one line back)."""
+        try:
+            limit = int(content["limit"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"bad caps request: {err}") from None
+        if limit <= 0:
+            raise ValueError("bad caps request: limit must be positive")
+        if content.get("free_cache"):
+            self.free_cache()
+        gpu_memory = content.get("gpu_memory")
+        self.set_limit(limit, int(gpu_memory) if gpu_memory else None)
+        return {"limit": limit, "used": self.local_usage()}
+
     def set_limit(self, limit: int | None, gpu_memory: int | None = None) -> None:
         """The slice changed (``%gpupool reserve``): update the env for child processes and re-cap.
 
@@ -305,7 +348,7 @@ class FrameworkCaps:
         except RuntimeError as err:
             self._record("tensorflow", TOO_LATE, f"GPUs already initialized, not capped ({err}); restart the kernel")
             return
-        self._record("tensorflow", APPLIED, f"memory_limit {megabytes} MiB on {len(gpus)} GPU(s)")
+        self._record("tensorflow", APPLIED, f"memory_limit {megabytes} MiB on {gpu_count(len(gpus))}")
 
     def _on_cupy(self, cupy: types.ModuleType, resized: bool = False) -> None:
         memory = getattr(getattr(cupy, "cuda", None), "memory", None)
@@ -410,6 +453,8 @@ class OomHint:
 
     def __init__(self, caps: FrameworkCaps) -> None:
         self.caps = caps
+        #: Set by the kernel extension when the slice is elastic: asks the pool to grow it.
+        self.grow: GrowCallback | None = None
         self.types: list[tuple[type[BaseException], str | None]] = []
         self.shell: Any = None
         self._previous: tuple[tuple[type[BaseException], ...], Any] | None = None
@@ -442,14 +487,41 @@ class OomHint:
             self.types.append((exc_type, needs))
         self._apply()
 
-    def message(self) -> str:
+    def message(self, error: BaseException | None = None) -> str:
         limit = self.caps.limit
+        live = error is not None and type(error).__module__.split(".")[0] in ("torch", "cupy", "cupy_backends")
+        if limit is not None and self.grow is not None and error is not None and live:  # caps that follow a grow
+            grown = self._try_grow(limit, error)
+            if grown:
+                return grown
         if limit is None:
             return "gpupool: this kernel has no GPU slice; ask for one with %gpupool reserve 8GiB"
         return (
             f"gpupool: this kernel's GPU slice is {format_size(limit)}; "
             f"ask for more with %gpupool reserve {suggest_size(limit)}"
         )
+
+    def _try_grow(self, limit: int, error: BaseException) -> str:
+        """Ask the pool to grow the slice by what the failed allocation wanted (PyTorch names it;
+        else one more slice's worth); the line to show, or ``""`` to show the plain hint."""
+        import re
+
+        wanted = re.search(r"[Tt]ried to allocate (\d+(?:\.\d+)?) ?([KMGT]i?B)", str(error))
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+        extra = int(float(wanted.group(1)) * scale[wanted.group(2)[0]]) if wanted else limit
+        used = self.local_usage_or(limit)
+        assert self.grow is not None
+        try:
+            size = self.grow(used + extra)
+        except Exception as refusal:  # noqa: BLE001 - RequestRefused with the pool's reason, or the pool unreachable
+            return f"gpupool: this kernel's GPU slice is {format_size(limit)}; {refusal}"
+        if size > limit:
+            return f"gpupool: the slice was grown from {format_size(limit)} to {format_size(size)}: re-run the cell"
+        return ""
+
+    def local_usage_or(self, default: int) -> int:
+        used = self.caps.local_usage()
+        return used if used is not None else default
 
     def matches(self, value: BaseException) -> bool:
         for exc_type, needs in list(self.types):
@@ -481,7 +553,7 @@ class OomHint:
                 return None
             sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
             stb = sh.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
-            stb = list(stb) + [f"\x1b[1;33m{hint.message()}\x1b[0m"]
+            stb = list(stb) + [f"\x1b[1;33m{hint.message(value)}\x1b[0m"]
             sh._showtraceback(etype, value, stb)
             return None
 

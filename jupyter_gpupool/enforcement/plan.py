@@ -151,12 +151,12 @@ def plan_enforcement(
         env["CUPY_GPU_MEMORY_LIMIT"] = str(memory)
         env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
         if not parts:
-            parts.append(f"JAX, CuPy, TensorFlow and PyTorch are capped at {size}; other code is not")
+            parts.append(f"PyTorch, JAX, CuPy and TensorFlow are capped at {size}")
         else:
             parts.append("frameworks capped too")
 
     mechanisms.append("watchdog")
-    parts.append("the watchdog checks usage" + ("" if level != "soft" else " and stops kernels far over it"))
+    parts.append("the watchdog stops a kernel far over it" if level == "soft" else "the watchdog checks usage")
     env["GPUPOOL_ENFORCEMENT"] = level
     description = "; ".join(parts) + "."
     return EnforcementPlan(env=env, level=level, mechanisms=tuple(mechanisms), description=description, prepend=prepend)

@@ -2,7 +2,8 @@
 
 On load it caps PyTorch / TensorFlow / CuPy at this kernel's slice when they are imported
 (see :mod:`.caps`), adds a hint to out-of-memory errors, registers the ``%gpupool``
-magic, and makes a cell wait while the kernel is suspended (see :mod:`.resume`). The pool
+magic, makes a cell wait while the kernel is suspended (see :mod:`.resume`), and answers the
+server's quiet requests (freeing framework caches before a checkpoint: :mod:`.caches`). The pool
 itself is opened only when a cell, a magic or the widget needs it, so the kernel starts as
 fast as without the extension.
 
@@ -61,13 +62,36 @@ def load_ipython_extension(ipython: Any) -> None:
         return
     caps = get_caps()
     caps.install(ipython)
+    if os.environ.get("GPUPOOL_LEASE_ID"):
+        caps.oom.grow = _grow_slice
+    if os.environ.get("GPUPOOL_SIMULATE"):  # pretend_to_use then fails past the slice as a framework cap would
+        from jupyter_gpupool.devices import simulated
+
+        simulated.kernel_hooks.update(caps_limit=lambda: get_caps().limit, grow=_grow_slice)
     ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
     _state["shell"] = ipython
     waiting = _state["resume"] = ResumeOnRun(get_client)  # costs nothing until the kernel has a lease
     waiting.start(ipython)
+    _answer_quiet_requests(ipython)
     if os.environ.get("GPUPOOL_LEASE_ID"):
         reporter = _state["activity"] = ActivityReporter(lambda: get_client().lease_id, lambda: get_client().pool)
         reporter.start(ipython)
+
+
+def _answer_quiet_requests(ipython: Any) -> None:
+    """Let the server reach this kernel on the quiet channel (control, not a cell, no activity):
+    ``free_caches`` before a checkpoint (see :mod:`.caches`), ``set_caps`` when its slice grew or shrank."""
+    from jupyter_gpupool.kernel.caches import free_framework_caches
+    from jupyter_gpupool.quiet import install_quiet_requests
+
+    install_quiet_requests(
+        getattr(ipython, "kernel", None), {"free_caches": free_framework_caches, "set_caps": get_caps().move_live}
+    )
+
+
+def _grow_slice(needed: int) -> int:
+    """Ask the pool to grow this kernel's slice to hold ``needed`` bytes; its new size per GPU."""
+    return get_client().grow(needed).memory
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -76,6 +100,11 @@ def unload_ipython_extension(ipython: Any) -> None:
         hook = _state.pop(name, None)
         if hook is not None:
             hook.stop(ipython)
+    handlers = getattr(getattr(ipython, "kernel", None), "control_handlers", None)
+    if isinstance(handlers, dict):
+        from jupyter_gpupool.quiet import QUIET_REQUEST
+
+        handlers.pop(QUIET_REQUEST, None)
     caps = _state.pop("caps", None)
     if caps is not None:
         caps.uninstall()

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+from jupyter_gpupool.backends.changes import wait_for_change
 from jupyter_gpupool.core.models import (
     Device,
     Lease,
@@ -36,6 +37,7 @@ from jupyter_gpupool.core.models import (
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from jupyter_gpupool.kernel.status import KernelStatus
 from jupyter_gpupool.units import parse_duration, parse_size
+from jupyter_gpupool.wording import count
 
 UpdateCallback = Callable[[Lease, "QueueInfo | None"], None]
 NO_LEASE = (
@@ -61,8 +63,10 @@ class PoolClient(abc.ABC):
         """The lease, its queue position, its devices and the idle policy, fresh from the pool."""
 
     @abc.abstractmethod
-    def reserve(self, memory: str | None, duration: str | None = None, num_gpus: int | None = None) -> Lease:
-        """Grow, shrink or hold the slice; or ask for a new one if the kernel has none.
+    def reserve(self, memory: str | None, duration: str | None = None, num_gpus: int | None = None,
+                limit: str | None = None) -> Lease:
+        """Grow, shrink or hold the slice; or ask for a new one if the kernel has none. ``limit``:
+        how far the slice may grow above ``memory`` while the GPU has room (``0``: a fixed slice).
 
         Raises InvalidInput for a bad size or duration, RequestRefused when it cannot be granted.
         """
@@ -105,6 +109,12 @@ class PoolClient(abc.ABC):
         Calls ``on_update`` as the queue moves and while a transition runs; raises TimeoutError,
         or RequestRefused / LeaseNotFound when the lease is released meanwhile (with the reason).
         """
+
+    def grow(self, needed: int) -> Lease:
+        """Ask the pool to grow this kernel's elastic slice so it holds ``needed`` bytes (all its
+        GPUs), as a framework cap's allocation failure does; the caps follow. Raises
+        RequestRefused with the pool's reason (the GPU is full, the slice is fixed, its limit)."""
+        raise RequestRefused("the slice was not grown: this pool connection cannot grow a slice")
 
     def close(self) -> None:
         """Release connections and file handles."""
@@ -282,9 +292,23 @@ class InProcessPoolClient(PoolClient):
             backend=self.pool.lease_details(lease) if lease is not None and hasattr(self.pool, "lease_details") else {},
         )
 
-    def reserve(self, memory: str | None, duration: str | None = None, num_gpus: int | None = None) -> Lease:
-        if memory is None and duration is None and num_gpus is None:
-            raise InvalidInput("nothing to reserve: give a size (e.g. 12GiB), --for DURATION or --gpus N")
+    def grow(self, needed: int) -> Lease:
+        lease = self._live()
+        grow = getattr(self.pool, "grow", None)
+        if grow is None:
+            return super().grow(needed)
+        updated: Lease = grow(lease.id, needed)
+        self._set_lease(updated)
+        self._recap(updated)
+        return updated
+
+    def reserve(self, memory: str | None, duration: str | None = None, num_gpus: int | None = None,
+                limit: str | None = None) -> Lease:
+        if memory is None and duration is None and num_gpus is None and limit is None:
+            raise InvalidInput("nothing to reserve: give a size (e.g. 12GiB), --limit LIMIT, --for DURATION or --gpus N")
+        limit_bytes: int | None = None
+        if limit is not None:
+            limit_bytes = 0 if str(limit).strip() == "0" else parse_size(limit, gpu_memory=self._largest(None))
         if num_gpus is not None and not 1 <= num_gpus <= 64:
             raise InvalidInput(f"invalid GPU count {num_gpus}: expected a whole number from 1 to 64")
         seconds = parse_duration(duration) if duration is not None else None
@@ -295,18 +319,20 @@ class InProcessPoolClient(PoolClient):
         if memory is not None and size is None:
             size = parse_size(memory, gpu_memory=self._largest(lease))
         if lease is None or lease.state is LeaseState.RELEASED:
-            return self._request_new(lease, size, seconds, num_gpus)
+            return self._request_new(lease, size, seconds, num_gpus, limit_bytes)
         if num_gpus is not None and num_gpus != lease.num_gpus:
             raise RequestRefused(
-                f"this kernel's slice spans {lease.num_gpus} GPU(s) and the pool cannot change that while the kernel runs;"
+                f"this kernel's slice spans {count(lease.num_gpus, 'GPU')} and the pool cannot change that while the kernel runs;"
                 f" %gpupool release, then %gpupool reserve {memory or 'SIZE'} --gpus {num_gpus} and restart the kernel"
             )
-        updated = self.pool.resize(lease.id, memory=size, duration=seconds)
+        extra = {"limit": limit_bytes} if limit_bytes is not None else {}
+        updated = self.pool.resize(lease.id, memory=size, duration=seconds, **extra)
         self._set_lease(updated)
         self._recap(updated)
         return updated
 
-    def _request_new(self, old: Lease | None, size: int | None, seconds: float | None, num_gpus: int | None) -> Lease:
+    def _request_new(self, old: Lease | None, size: int | None, seconds: float | None, num_gpus: int | None,
+                     limit: int | None = None) -> Lease:
         policy = getattr(self.pool, "policy", None)
         memory = size or (old.memory if old else None) or getattr(policy, "default_memory", None)
         if not memory:
@@ -323,6 +349,7 @@ class InProcessPoolClient(PoolClient):
             holder_host=socket.gethostname(),
             label=(old.label if old else "") or "requested from the kernel with %gpupool reserve",
             suspendable=self._suspendable(old),
+            burst_limit=limit,
         )
         lease = self.pool.request(request)
         self._set_lease(lease)
@@ -369,6 +396,7 @@ class InProcessPoolClient(PoolClient):
         self, timeout: float | None = None, on_update: UpdateCallback | None = None, poll: float = 0.5
     ) -> Lease:
         deadline = None if timeout is None else time.monotonic() + timeout
+        since = wait_for_change(self.pool, None, 0.0)  # the pool's version before each look
         while True:
             lease = self._live()
             if lease.state is LeaseState.GRANTED and lease.transition is Transition.NONE:
@@ -386,7 +414,8 @@ class InProcessPoolClient(PoolClient):
                 continue
             if on_update is not None:  # granted, with a suspend, restore or move still under way
                 on_update(lease, None)
-            time.sleep(poll if left is None else max(0.0, min(poll, left)))
+            # Woken the moment the pool changes (the server confirmed the restore), else after ``poll``.
+            since = wait_for_change(self.pool, since, poll if left is None else max(0.0, min(poll, left)))
 
     def snapshot(self) -> PoolSnapshot:
         lease = self.current()

@@ -17,17 +17,19 @@ from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo
 from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
 from jupyter_gpupool.kernel.client import DEFAULT_KEEP, PoolClient
 from jupyter_gpupool.kernel.resume import ProgressLine, needs_waiting, progress_text
-from jupyter_gpupool.kernel.status import QueueReport, Report, status_report, unavailable_status
+from jupyter_gpupool.kernel.status import QueueReport, Report, granted_title, status_report, unavailable_status
 from jupyter_gpupool.units import DURATION_FORMS, SIZE_FORMS, format_duration, format_size, parse_duration
+from jupyter_gpupool.wording import remaining, slice_on
 
 DESCRIPTION = (
     """\
 See and manage this kernel's slice of the GPU pool.
 
   %gpupool status                      this kernel's slice, usage, queue position, idle time
-  %gpupool reserve 12GiB [--for 2h] [--gpus 2]
-                                       grow or shrink the slice (or ask for one); --for holds it
-                                       through idle for that long
+  %gpupool reserve 12GiB [--limit 32GiB] [--for 2h] [--gpus 2]
+                                       grow or shrink the slice (or ask for one); --limit: how far
+                                       it may grow while the GPU has room (0: fixed); --for holds
+                                       it through idle for that long
   %gpupool release                     give the slice back to the pool
   %gpupool queue                       the pool's GPUs and who waits
   %gpupool keep [1h]                   hold the slice through idle (default 1h)
@@ -133,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--for", dest="duration", metavar="DURATION", help=_escape(f"hold through idle this long: {DURATION_FORMS}")
     )
     reserve.add_argument("--gpus", type=_gpu_count, metavar="N", help="number of GPUs (1 to 64)")
+    reserve.add_argument(
+        "--limit", metavar="LIMIT",
+        help=_escape(f"how far the slice may grow above its size while the GPU has room: {SIZE_FORMS}; 0 for a fixed slice"),
+    )
     sub.add_parser("release", help="give the slice back to the pool")
     sub.add_parser("queue", help="the pool's GPUs and its queue")
     keep = sub.add_parser("keep", help="hold the slice through idle (default 1h)")
@@ -224,7 +230,7 @@ class GpuPoolMagics(Magics):
 
     def _do_reserve(self, args: argparse.Namespace) -> None:
         before = self.client.status().lease
-        lease = self.client.reserve(args.size, duration=args.duration, num_gpus=args.gpus)
+        lease = self.client.reserve(args.size, duration=args.duration, num_gpus=args.gpus, limit=args.limit)
         status = self.client.status()
         if before is None or before.state is LeaseState.RELEASED:
             title = "gpupool: new slice requested"
@@ -247,7 +253,7 @@ class GpuPoolMagics(Magics):
         display(
             Report(
                 "gpupool: slice released",
-                [("released", f"{format_size(lease.memory)} on {len(lease.devices) or lease.num_gpus} GPU(s)")],
+                [("released", slice_on(lease.memory, len(lease.devices) or lease.num_gpus))],
                 "GPU memory this kernel still holds is not yours anymore; %gpupool reserve SIZE asks for a new slice",
             )
         )
@@ -259,7 +265,7 @@ class GpuPoolMagics(Magics):
         lease = self.client.keep(args.duration)
         until = lease.keep_until
         text = time.strftime("%H:%M", time.localtime(until)) if until else "unknown"
-        left = format_duration(until - time.time()) if until else "?"
+        left = remaining(until - time.time()) if until else "?"
         display(Report("gpupool: slice kept", [("held through idle until", f"{text} ({left})")]))
 
     def _do_wait(self, args: argparse.Namespace) -> None:
@@ -275,7 +281,8 @@ class GpuPoolMagics(Magics):
             raise MagicError(f"still queued after {format_duration(timeout)}; the request stays in the queue")
         if lease.state is LeaseState.RELEASED:
             raise MagicError(f"the request was released while waiting: {lease.release_reason or 'no reason given'}")
-        report = status_report(self.client.status(), "gpupool: slice granted")
+        status = self.client.status()
+        report = status_report(status, granted_title(status.lease))
         if progress.handle is not None:
             progress.handle.update(report)
         else:
@@ -291,7 +298,7 @@ class GpuPoolMagics(Magics):
         display(
             Report(
                 title,
-                [("GPU slice", f"{format_size(lease.memory)} on {len(lease.devices) or lease.num_gpus} GPU(s)")],
+                [("GPU slice", slice_on(lease.memory, len(lease.devices) or lease.num_gpus))],
                 "GPU memory will be parked in host RAM; your next cell resumes it",
             )
         )

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo, Transition
+from jupyter_gpupool.rest.views import elastic_line
 from jupyter_gpupool.units import GIB, MIB, format_duration, format_size
+from jupyter_gpupool.wording import remaining, slice_size, upcoming_reclaim
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,7 @@ class KernelStatus:
             return "none: the GPU pool is unavailable, so this kernel runs CPU-only (CUDA_VISIBLE_DEVICES=''); restart it once the pool is back"
         if lease is None:
             return "no GPU slice" + (f": {self.note}" if self.note else "")
-        size = format_size(lease.memory)
-        per = f"{lease.num_gpus} × {size}" if lease.num_gpus > 1 else size
+        per = slice_size(lease.memory, lease.num_gpus)
         if lease.state is LeaseState.GRANTED:
             on = f"{per} on {self.devices_text()}"
             if lease.transition is Transition.SUSPENDING:
@@ -147,7 +148,8 @@ class KernelStatus:
         if used is None:
             return f"unknown of {format_size(capacity)} (no usage reported yet)"
         percent = 100.0 * used / capacity if capacity else 0.0
-        over = "  OVER THE SLICE" if used > capacity else ""
+        allowed = self.lease.watch_limit() if self.lease is not None else capacity
+        over = "  OVER THE SLICE" if used > allowed else ""
         return f"{format_size(used)} of {format_size(capacity)} ({percent:.0f}%){over}"
 
     def usage_fraction(self) -> float | None:
@@ -187,11 +189,11 @@ class KernelStatus:
         if lease is None or lease.state is not LeaseState.GRANTED:
             return "—"
         if lease.reclaim_at is not None:
-            why = f" ({lease.reclaim_reason})" if lease.reclaim_reason else ""
+            why = f" ({upcoming_reclaim(lease.reclaim_reason)})" if lease.reclaim_reason else ""
             left = max(0.0, lease.reclaim_at - self.now)
             return f"reclaimed in {format_duration(left)}{why} unless you run %gpupool keep"
         if lease.keep_until is not None and lease.keep_until > self.now:
-            return f"kept through idle until {_clock(lease.keep_until)} ({format_duration(lease.keep_until - self.now)} left)"
+            return f"kept through idle until {_clock(lease.keep_until)} ({remaining(lease.keep_until - self.now)} left)"
         if lease.busy:
             return "busy"
         idle = lease.idle_seconds(self.now)
@@ -208,6 +210,10 @@ class KernelStatus:
             rows.append(("GPU pool", f"unavailable: {self.unavailable}"))
         if self.lease is not None and self.lease.state is not LeaseState.RELEASED:
             rows.append(("usage", self.usage_text()))
+            if self.lease.elastic:
+                rows.append(("elastic", elastic_line(self.lease)))
+                if self.lease.burst_note:
+                    rows.append(("last step", self.lease.burst_note))
             if self.lease.state is LeaseState.QUEUED:
                 rows.append(("queue", self.queue_text()))
             if self.lease.state is LeaseState.SUSPENDED:
@@ -276,6 +282,19 @@ def unavailable_status(reason: str) -> KernelStatus:
 
 def status_report(status: KernelStatus, title: str = "gpupool: this kernel's GPU slice") -> Report:
     return Report(title, status.rows())
+
+
+def granted_title(lease: Lease | None) -> str:
+    """The heading once a wait ends: what the slice is doing now, not only that it was granted."""
+    if lease is not None and lease.state is LeaseState.GRANTED:
+        if lease.transition is Transition.RESTORING:
+            return "gpupool: slice granted, restoring its GPU memory from host RAM"
+        if lease.transition is Transition.MIGRATING:
+            return "gpupool: slice granted, moving to another GPU"
+        if lease.transition is Transition.SUSPENDING:
+            return "gpupool: slice granted, being suspended"
+        return "gpupool: slice granted"
+    return "gpupool: this kernel's GPU slice"
 
 
 class QueueReport:

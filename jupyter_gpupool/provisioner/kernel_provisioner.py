@@ -64,6 +64,7 @@ from jupyter_gpupool.errors import (
     RequestRefused,
 )
 from jupyter_gpupool.units import SIZE_FORMS
+from jupyter_gpupool.wording import cpu_only_description
 
 if TYPE_CHECKING:
     from jupyter_gpupool.backends.contract import PoolBackend
@@ -100,7 +101,7 @@ def cpu_only_plan(reason: str) -> EnforcementPlan:
         env={**NO_GPU_ENV, "GPUPOOL_ENFORCEMENT": "none", UNAVAILABLE_ENV: reason},
         level="none",
         mechanisms=(),
-        description=f"GPU pool unavailable ({reason}): this kernel runs CPU-only",
+        description=cpu_only_description(reason),
     )
 
 
@@ -271,6 +272,12 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         config=True,
         help=f"GPU memory per GPU for this kernel, {SIZE_FORMS}. Empty: the user's saved preference, else the policy default.",
     )
+    limit = Unicode(
+        "",
+        config=True,
+        help=f"How far this kernel's slice may grow above `memory` while its GPU has memory nobody is guaranteed, "
+        f"{SIZE_FORMS}; 0: a fixed slice. Empty: the pool's c.PoolPolicy.burst.",
+    )
     num_gpus = Int(0, config=True, help="Number of GPUs. 0: the user's saved preference, else 1.")
     compute_share = Int(
         0, config=True, help="Percent of each GPU's SMs (MPS/HAMi only). 0: the saved preference, else no compute cap."
@@ -365,6 +372,12 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
                 raise InvalidInput(f"{err} (from {where})") from None
         else:
             memory = pool.default_memory()
+        burst_limit: int | None = None
+        if self.limit.strip():
+            try:
+                burst_limit = 0 if self.limit.strip() == "0" else pool.parse_memory(self.limit)
+            except InvalidInput as err:
+                raise InvalidInput(f"{err} (the limit in the kernelspec's provisioner config)") from None
         num_gpus = self.num_gpus or int(prefs.get("num_gpus") or 1)
         share = self.compute_share or prefs.get("compute_share") or None
         # Outside a server (no ServerBinding) nobody is at the keyboard: a batch run unless the kernelspec says.
@@ -388,6 +401,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             holder_host=host,
             label=self.label or kernel_name,
             suspendable=self._suspendable(),
+            burst_limit=burst_limit,
         )
 
     def _suspendable(self) -> bool:

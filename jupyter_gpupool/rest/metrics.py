@@ -43,6 +43,8 @@ DECISION_COUNTERS: dict[str, tuple[str, str]] = {
     "preempt_warn": ("gpupool_preemption_warnings", "Preemption warnings given before an eviction."),
     "suspend": ("gpupool_suspends", "Suspends begun: a kernel's GPU memory to be parked in host RAM."),
     "migrate": ("gpupool_migrations", "Live moves begun: a kernel's GPU memory to another GPU of the same model."),
+    "grow": ("gpupool_slice_grows", "Times an elastic slice grew on demand."),
+    "shrink": ("gpupool_burst_reclaims", "Times an elastic slice's burst was taken back for a waiting request."),
 }
 
 METRIC_NAMES: tuple[str, ...] = (
@@ -65,6 +67,8 @@ METRIC_NAMES: tuple[str, ...] = (
     "gpupool_transitions",
     "gpupool_parked_memory_bytes",
     "gpupool_parked_memory_limit_bytes",
+    "gpupool_memory_guaranteed_bytes",
+    "gpupool_memory_burst_bytes",
     "gpupool_parked_seconds_total",
     "gpupool_resumes_total",
     "gpupool_resume_wait_seconds",
@@ -279,6 +283,18 @@ class PoolCollector(Collector):
                 "gpupool_parked_memory_bytes",
                 "Host RAM taken by suspended kernels' parked GPU memory (and set aside for suspends under way).",
                 value=sum(int(lease.get("parked_memory") or 0) for lease in snapshot.leases),
+            )
+            granted = [lease for lease in snapshot.leases if lease.get("state") == "granted"]
+            guaranteed = sum(int(l.get("guarantee") or l["memory"]) * int(l.get("num_gpus") or 1) for l in granted)
+            yield GaugeMetricFamily(
+                "gpupool_memory_guaranteed_bytes",
+                "GPU memory granted leases are guaranteed (never taken back for anyone's request).",
+                value=guaranteed,
+            )
+            yield GaugeMetricFamily(
+                "gpupool_memory_burst_bytes",
+                "GPU memory elastic slices hold above their guarantee now (taken back first under pressure).",
+                value=sum(int(l["memory"]) * int(l.get("num_gpus") or 1) for l in granted) - guaranteed,
             )
             yield GaugeMetricFamily(
                 "gpupool_parked_memory_limit_bytes",

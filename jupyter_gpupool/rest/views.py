@@ -6,6 +6,8 @@ from typing import Any
 
 from jupyter_gpupool.core.models import Lease, LeaseState
 from jupyter_gpupool.enforcement.plan import EnforcementConfig, plan_enforcement
+from jupyter_gpupool.units import format_size
+from jupyter_gpupool.wording import cpu_only_description
 
 #: Kernel states besides a lease's: ``none`` (runs without a slice), ``unavailable`` (runs CPU-only
 #: because the pool could not be used), ``failed`` (its start failed; no kernel process).
@@ -19,15 +21,22 @@ _DESCRIPTIONS = {
 
 
 def kernel_status_without_pool(
-    kernel_id: str, owner: str, now: float, state: str, reason: str | None, lease: Lease | None = None
+    kernel_id: str,
+    owner: str,
+    now: float,
+    state: str,
+    reason: str | None,
+    lease: Lease | None = None,
+    pool_is_back: bool = False,
 ) -> dict[str, Any]:
     """A kernel's body when no live slice describes it: ``state`` is one of
-    :data:`KERNEL_STATES_WITHOUT_LEASE`, ``reason`` says why (one line, for the user)."""
+    :data:`KERNEL_STATES_WITHOUT_LEASE`, ``reason`` says why (one line, for the user);
+    ``pool_is_back``: the pool that was unavailable when an ``unavailable`` kernel started is back."""
     body = _no_slice(kernel_id, owner, now, state)
     body["reason"] = reason
     if reason:
         if state == "unavailable":
-            body["enforcement"]["description"] = f"GPU pool unavailable ({reason}): this kernel runs CPU-only"
+            body["enforcement"]["description"] = cpu_only_description(reason, pool_is_back)
         else:
             body["enforcement"]["description"] = f"{_DESCRIPTIONS[state]}: {reason}"
     if lease is not None:  # e.g. a request released while queued: keep its id and why
@@ -89,6 +98,36 @@ def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> di
         "now": now,
         "reason": None,
         **_NO_SUSPEND,
+        **_NO_BURST,
+    }
+
+
+#: The elastic-slice fields of a body with no lease (see :func:`elastic_fields`).
+_NO_BURST: dict[str, Any] = {"guarantee": 0, "limit": 0, "burst": 0, "burst_note": None, "burst_taken_at": None}
+
+
+def elastic_line(lease: Lease) -> str:
+    """``4 GiB guaranteed · 9.2 GiB now, up to 40 GiB`` (all its GPUs); ``""`` for a fixed slice."""
+    if not lease.elastic:
+        return ""
+    gpus = max(1, lease.num_gpus)
+    return (
+        f"{format_size(lease.guarantee_size * gpus)} guaranteed · {format_size(lease.memory * gpus)} now, "
+        f"up to {format_size(lease.limit_size * gpus)}"
+    )
+
+
+def elastic_fields(lease: Lease) -> dict[str, Any]:
+    """What a user sees of an elastic slice (bytes per GPU): ``guarantee`` (never taken back),
+    ``limit`` (how far it may grow; the guarantee for a fixed slice), ``burst`` (held above the
+    guarantee now: ``memory`` is guarantee + burst), the last grow or give-back step and, while
+    its burst is being given back, since when."""
+    return {
+        "guarantee": lease.guarantee_size,
+        "limit": lease.limit_size,
+        "burst": lease.burst,
+        "burst_note": lease.burst_note or None,
+        "burst_taken_at": lease.burst_taken_at,
     }
 
 
@@ -164,6 +203,7 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
         "now": now,
         "reason": None,
         **suspend_fields(lease),
+        **elastic_fields(lease),
         # A reclaim suspends it only if the pool allows suspends too (else the warning must say "shut down").
         "suspendable": lease.suspendable and getattr(getattr(pool, "policy", None), "reclaim_action", "suspend") == "suspend",
     }

@@ -39,7 +39,7 @@ from traitlets import Bool, Enum, Float, List, Unicode, default
 
 from jupyter_gpupool.backends.factory import backend_provisioner, pool_from_env
 from jupyter_gpupool.backends.local.pool import HOSTNAME
-from jupyter_gpupool.core.models import Activity, Decision, Lease, LeaseState, QueueInfo, Transition
+from jupyter_gpupool.core.models import Activity, Decision, DecisionKind, Lease, LeaseState, QueueInfo, Transition
 from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
 from jupyter_gpupool.devices.nvml import NvmlBackend
 from jupyter_gpupool.devices.simulated import SimulatedBackend
@@ -58,7 +58,7 @@ from jupyter_gpupool.provisioner.kernel_provisioner import (
     one_line,
     when_unavailable_from_env,
 )
-from jupyter_gpupool.quiet import ActivityClocks
+from jupyter_gpupool.quiet import ActivityClocks, quiet_request
 from jupyter_gpupool.rest.metrics import PoolCollector
 from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from jupyter_gpupool.serverextension.configguard import FailClosedConfig
@@ -157,11 +157,24 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         "`pip install jupyter-gpupool[cuda]`, or a simulated pool) and culls it where not; 'cull' always shuts it "
         "down. The pool's own c.PoolPolicy.reclaim_action can forbid suspends for everyone.",
     )
+    caps_timeout = Float(
+        10.0,
+        config=True,
+        help="Seconds the server waits for a kernel to answer a request to move its framework caps (an elastic "
+        "slice grew or gave its burst back); the watchdog holds a kernel that does not answer to its size.",
+    )
     checkpoint_timeout = Float(
         30.0,
         config=True,
         help="Seconds a suspend waits for the kernel's running GPU work to finish before it gives up "
         "(and the reclaim falls back to culling).",
+    )
+    free_caches_timeout = Float(
+        5.0,
+        config=True,
+        help="Seconds a suspend or move waits for the kernel to free its frameworks' cached GPU memory first "
+        "(PyTorch's caching allocator, CuPy's pools: asked on the quiet channel, not a cell, not activity), so "
+        "only live bytes are parked; the checkpoint goes ahead when the kernel does not answer in time. 0: never ask.",
     )
     when_unavailable = Enum(
         list(WHEN_UNAVAILABLE),
@@ -274,13 +287,21 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._warned: dict[str, float] = {}
         self._failed: dict[str, str] = {}
         self._moving: set[str] = set()  # lease ids whose suspend, restore or move this server is carrying out
+        self._caps_sent: dict[str, int] = {}  # lease id → bytes per GPU its kernel's caps were last moved to
         #: Steps done here whose confirmation the pool did not get (an outage): confirmed again, never redone.
         self._unconfirmed: dict[str, tuple[Transition, int | None]] = {}
         self._transition_tasks: set[asyncio.Future[None]] = set()
         self._checkpointer: Any = None
+        #: Lease id → what freeing the kernel's caches before its last park found (see _free_caches).
+        self._parking: dict[str, dict[str, Any]] = {}
+        self._no_quiet_answer: set[str] = set()  # kernels that never answered a quiet request: not asked again
         self._restarts: dict[str, asyncio.Future[Any]] = {}
         self._stopping = False
         self.tick_count = 0
+        self.change_count = 0  # rounds of act_on_changes (a change of the pool, heard at once)
+        self._act_lock = asyncio.Lock()
+        self._changed: asyncio.Event | None = None
+        self._unsubscribe_changes: Any = None
         self.reconcile_count = 0
         self.open_attempts = 0
         self.watchdog: Any = None
@@ -384,7 +405,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         # A source checkout has no entry point metadata: make the name resolvable in this process.
         KernelProvisionerFactory.provisioners.setdefault(
             PROVISIONER_NAME,
-            EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
+            EntryPoint(PROVISIONER_NAME, "jupyter_gpupool.provisioner.kernel_provisioner:GpuPoolProvisioner", KernelProvisionerFactory.GROUP_NAME),
         )
         assert self.serverapp is not None
         # A backend with its own provisioner (Slurm: kernels as jobs) makes that one the default.
@@ -731,10 +752,44 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._tasks += [
             loop.create_task(self._every(lambda: self.tick_interval, self.tick_once, "tick")),
             loop.create_task(self._every(lambda: self.reconcile_interval, self.reconcile_once, "reconcile")),
+            loop.create_task(self._follow_changes()),
         ]
         if self.watchdog_enabled and not getattr(self._pool, "remote", False):
             self.watchdog = Watchdog(backend=self._pool.backend, pool=self._pool, parent=self)
             self._tasks.append(loop.create_task(self._every(lambda: self.watchdog.interval, self.watchdog_once, "watchdog")))
+
+    async def _follow_changes(self) -> None:
+        """Act on the pool the moment it changed (see jupyter_gpupool.backends.changes): in this process, in
+        another sharing the pool file, or behind the broker. No suspend, restore or move waits for
+        ``tick_interval``; the tick remains for activity reports and the scheduler's clock."""
+        loop = asyncio.get_running_loop()
+        changed = self._changed = asyncio.Event()
+        subscribe = getattr(self._pool, "subscribe_changes", None)
+        if not callable(subscribe):
+            return  # a pool that cannot tell (Slurm): the tick does it
+        self._unsubscribe_changes = subscribe(lambda: loop.call_soon_threadsafe(changed.set))
+        try:
+            while True:
+                await changed.wait()
+                changed.clear()
+                try:
+                    await self.act_on_changes()
+                except asyncio.CancelledError:
+                    raise
+                except GpuPoolError as err:  # the tick reports an unavailable pool; once here is enough
+                    self.log.debug("gpupool: acting on a change of the pool failed: %s", err)
+                except Exception:
+                    self.log.exception("gpupool: acting on a change of the pool failed")
+                # A burst of commits is one round (behind a broker each round is a few HTTP reads).
+                await asyncio.sleep(self.change_debounce * (5 if getattr(self._pool, "remote", False) else 1))
+        finally:
+            unsubscribe, self._unsubscribe_changes = self._unsubscribe_changes, None
+            if unsubscribe is not None:
+                with contextlib.suppress(Exception):
+                    unsubscribe()
+
+    #: Seconds between two rounds of acting on changes (a burst of commits is read once).
+    change_debounce = 0.02
 
     async def _reopen_until_available(self) -> None:
         """While the pool could not be opened, try again every ``retry_interval`` seconds."""
@@ -870,8 +925,26 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             return decisions, self._kernel_leases(), handed_back
 
         decisions, leases, handed_back = await asyncio.to_thread(step)
+        self.follow_sizes(leases)
         for prov, lease in handed_back:  # told on the event loop: events need it
             prov._notify("released", lease, None, lease.release_reason)
+        await self._act_on(leases, activities)
+        self.tick_count += 1
+        return decisions
+
+    async def act_on_changes(self) -> None:
+        """Carry out at once what the pool now says about our kernels (a suspend, restore or move,
+        a warning, a reclaim), whoever decided it: called whenever the pool changed."""
+        leases = await asyncio.to_thread(self._kernel_leases)
+        await self._act_on(leases, {})
+        self.change_count += 1
+
+    async def _act_on(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]], activities: dict[str, Activity]) -> None:
+        """Act on our kernels' leases as read; one caller at a time (the tick and the change follower)."""
+        async with self._act_lock:
+            await self._act_on_leases(leases, activities)
+
+    async def _act_on_leases(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]], activities: dict[str, Activity]) -> None:
         # State, not decisions: another process sharing the pool file (nbconvert waiting for a
         # grant) may be the one whose scheduler run warned or reclaimed one of our kernels.
         for kernel_id, (prov, lease) in leases.items():
@@ -899,8 +972,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 # Work arrived (a cell, from a client without our kernel extension): bring it back.
                 resumed = await asyncio.to_thread(self.pool.resume, lease.id)
                 self.emit("resuming", resumed, message="resuming: the kernel got work")
-        self.tick_count += 1
-        return decisions
 
     # --- suspend, resume and moves ----------------------------------------------------------------
 
@@ -981,6 +1052,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         try:
             if refusal:
                 raise CheckpointError(refusal)
+            freed = await self._free_caches(kernel_id, lease)
             parked = await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
         except CheckpointError as err:
             running = getattr(err, "state", "running") in ("running", "")  # a failed checkpoint is undone where it can be
@@ -989,8 +1061,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             self.emit("suspend_failed", after, message=f"suspending failed: {err}; {what}")
             raise
         done = await self._confirm(lease, parked)
-        self.log.info("gpupool: kernel %s suspended (%s parked): %s", kernel_id, format_size(parked), lease.suspend_reason)
-        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM): {lease.suspend_reason}")
+        first = f"; {format_size(freed)} of framework cache freed first" if freed else ""
+        self.log.info("gpupool: kernel %s suspended (%s parked%s): %s", kernel_id, format_size(parked), first, lease.suspend_reason)
+        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM{first}): {lease.suspend_reason}")
 
     async def _restore(self, kernel_id: str, lease: Lease, pid: int, mapping: dict[str, str], action: str = "resumed") -> None:
         moved = {old: new for old, new in mapping.items() if old != new}
@@ -1011,6 +1084,40 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         where = "onto another GPU of the same model" if moved else "on its GPU"
         self.emit(action, done, message=f"{action} {where} after {time.time() - started:.1f} s")
 
+    async def _free_caches(self, kernel_id: str, lease: Lease) -> int:
+        """Ask the kernel to free its frameworks' cached GPU memory before it is parked (the quiet
+        channel: its control channel, not a cell, not activity, answered while a cell waits); bytes
+        freed (0 when it did not answer within ``free_caches_timeout``: the checkpoint goes ahead)."""
+        self._parking[lease.id] = {"used_before": lease.used_memory, "cache_freed": None}
+        if self.free_caches_timeout <= 0 or kernel_id in self._no_quiet_answer:
+            return 0
+        assert self.serverapp is not None
+        try:
+            kernel = self.serverapp.kernel_manager.get_kernel(kernel_id)
+            reply = await quiet_request(kernel, "free_caches", self.free_caches_timeout)
+        except Exception as err:  # noqa: BLE001 -- the checkpoint goes ahead, caches and all
+            self.log.info("gpupool: kernel %s: could not ask it to free its caches before parking: %s", kernel_id, err)
+            return 0
+        if reply is None:
+            self._no_quiet_answer.add(kernel_id)
+            self.log.info("gpupool: kernel %s did not answer a request to free its caches (no gpupool kernel extension?); "
+                          "parking its GPU memory as it is", kernel_id)
+            return 0
+        if reply.get("status") != "ok":
+            self.log.info("gpupool: kernel %s could not free its caches: %s", kernel_id, reply.get("message"))
+            return 0
+        freed = max(0, int(reply.get("freed") or 0))
+        self._parking[lease.id] = {"used_before": lease.used_memory, "cache_freed": freed, "held": reply.get("held")}
+        return freed
+
+    def parking_of(self, lease: Lease | None) -> dict[str, Any] | None:
+        """For a suspended (or resuming) lease: the GPU memory its kernel used before it was parked,
+        and how much framework cache was freed first (None where this server did not park it)."""
+        if lease is None:
+            return None
+        parked = lease.state is LeaseState.SUSPENDED or lease.resuming or lease.transition is Transition.RESTORING
+        return self._parking.get(lease.id) if parked else None
+
     def _observe_restore(self, lease: Lease) -> None:
         """Count a confirmed restore in ``gpupool_restore_seconds`` (from the resumed kernel's grant
         to now), on this server's /metrics, as the broker counts those it confirms."""
@@ -1030,6 +1137,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         """Live defragmentation: park the kernel's memory, restore it on the GPU the engine chose."""
         self.emit("migrating", lease, message=lease.suspend_reason)
         try:
+            await self._free_caches(kernel_id, lease)
             await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
         except CheckpointError as err:
             running = getattr(err, "state", "running") in ("running", "")
@@ -1124,13 +1232,17 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 roots[lease.id] = int(prov.pid)  # a kernel whose lease is suspended, too: its use is unpooled
                 kernel_of[lease.id] = kernel_id
             if lease.state is LeaseState.GRANTED and prov.pid:
-                limits[lease.id] = lease.memory * max(1, lease.num_gpus)
+                limits[lease.id] = lease.watch_limit()  # an elastic slice's limit, or its size once its burst was taken back
         self.watchdog.act_on_process = lambda use, action: (
             None if use.pid in own_pids else self.watchdog._signal_process(use, action)  # our kernels: below, through the kernel manager
         )
         report = await asyncio.to_thread(self.watchdog.check, roots, limits, None, live, HOSTNAME)
         assert self.serverapp is not None
         km: Any = self.serverapp.kernel_manager  # async at run time, whatever MultiKernelManager's annotations say
+        if any(d.kind in (DecisionKind.GROW, DecisionKind.SHRINK) for d in report.decisions):
+            grown = {d.lease_id for d in report.decisions}
+            fresh = await asyncio.to_thread(lambda: {l.id: l for l in self.pool.leases() if l.id in grown})
+            self.follow_sizes({k: (p, fresh.get(l.id, l)) for k, (p, l) in leases.items()})
         for kind, use, action, line in report.unpooled_events:
             own_kernel = own_pids.get(use.pid)
             if own_kernel is not None:
@@ -1159,10 +1271,52 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 elif event.action == "stop":
                     await km.shutdown_kernel(event_kernel)
 
+    # --- elastic slices: the kernel's caps follow its size -------------------------------------------
+
+    def follow_sizes(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]]) -> None:
+        """Move each running kernel's framework caps to its slice's current size when the pool
+        grew it or took its burst back (through the quiet channel: no activity), and tell the user."""
+        for kernel_id, (prov, lease) in leases.items():
+            if lease.state is not LeaseState.GRANTED or prov.phase != "running" or not prov.pid:
+                self._caps_sent.pop(lease.id, None)
+                continue
+            sent = self._caps_sent.setdefault(lease.id, lease.guarantee_size)  # it started at its guarantee
+            if lease.memory == sent:
+                continue
+            self._caps_sent[lease.id] = lease.memory
+            shrinking = lease.memory < sent
+            if shrinking or lease.burst_note.startswith("burst taken back"):
+                self.emit("burst_taken_back", lease, message=lease.burst_note or f"the slice is {format_size(lease.memory)} now")
+            else:
+                self.emit("grown", lease, message=lease.burst_note or f"the slice grew to {format_size(lease.memory)}")
+            self._spawn(self._move_caps(kernel_id, lease, free_cache=shrinking))
+
+    async def _move_caps(self, kernel_id: str, lease: Lease, free_cache: bool) -> dict[str, Any] | None:
+        """Ask the kernel (a quiet control request: it is answered while a cell runs, and is no
+        activity) to free its frameworks' caches if ``free_cache`` and set its caps to the slice."""
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        if kernel_id not in km:
+            return None
+        gpu_memory = min((d.memory_total for d in self.pool.devices() if d.uuid in lease.devices), default=None)
+        try:
+            reply = await quiet_request(
+                km.get_kernel(kernel_id), "set_caps", self.caps_timeout,
+                limit=int(lease.memory), free_cache=free_cache, gpu_memory=gpu_memory,
+            )
+        except Exception as err:  # noqa: BLE001 - a kernel without the extension, or busy in C code: the watchdog still holds it
+            self.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(lease.memory), err)
+            return None
+        if reply is None or reply.get("status") != "ok":
+            why = "no answer" if reply is None else reply.get("message", "an error")
+            self.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(lease.memory), why)
+        return reply
+
     def emit_unpooled(self, nbytes: int, device: str) -> None:
         """Emit an ``unpooled`` event (no lease; never whose): front ends re-read the pool view."""
         data: dict[str, Any] = {
             "action": "unpooled", "lease_id": None, "kernel_id": None, "state": None, "memory": int(nbytes),
+            "guarantee": None, "limit": None,
             "queue_position": None, "queue_length": None, "deadline": None,
             "message": f"{format_size(nbytes)} of GPU {device} is used outside the pool; the pool does not grant it",
         }
@@ -1198,17 +1352,18 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             return kernel_status_without_pool(kernel_id, self.owner, now, "failed", failure, lease)
         prov = self.provisioner_of(kernel_id)
         if prov is not None and prov.cpu_only_reason and not prov.lease_id:
-            reason = prov.cpu_only_reason
-            if self.available:
-                reason += " (the pool is available again: restart this kernel to get a GPU slice)"
-            return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", reason, None)
+            return kernel_status_without_pool(
+                kernel_id, self.owner, now, "unavailable", prov.cpu_only_reason, None, pool_is_back=self.available
+            )
         if lease is None and prov is not None and prov.phase == "waiting" and prov.queue_update is not None:
             # Queued, and the pool cannot be asked now: what the wait last heard ("pool unavailable, retrying").
             queued, info = prov.queue_update
             return queued_status_while_unreachable(kernel_id, queued, info, self.owner, now)
         if self._pool is None or (lease is None and not self.available):
             return kernel_status_without_pool(kernel_id, self.owner, now, "unavailable", self.availability()["reason"], None)
-        return kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)
+        status = kernel_status(self.pool, kernel_id, lease, self.enforcement, self.owner, now)
+        status["parking"] = self.parking_of(lease)
+        return status
 
     # --- events -----------------------------------------------------------------------------------
 
@@ -1231,6 +1386,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             "kernel_id": lease.kernel_id,
             "state": lease.state.value,
             "memory": int(lease.memory),
+            "guarantee": int(lease.guarantee_size),
+            "limit": int(lease.limit_size),
             "queue_position": info.position if info else None,
             "queue_length": info.length if info else None,
             "deadline": deadline,

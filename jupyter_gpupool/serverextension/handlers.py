@@ -268,20 +268,29 @@ class SuspendHandler(KernelHandlerBase):
 
 
 class ResumeHandler(KernelHandlerBase):
-    """``POST .../resume``: bring a suspended kernel back; it queues for a GPU by policy."""
+    """``POST .../resume``: bring a suspended kernel back; it queues for a GPU by policy.
+
+    ``{"ahead": true}`` (the front end, when the user starts working in the kernel's notebook):
+    a resume asked before any cell needs it, which queues behind every real request and takes
+    nothing from anyone; only the kernel's owner may ask it. Unused, the idle rules park the
+    kernel again."""
 
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:
         pool = self.ext.pool
+        ahead = validate.boolean(self.json_body().get("ahead", False), "ahead")
 
         def resume() -> dict[str, Any]:
             lease = self.live_lease(kernel_id)
-            resumed = pool.resume(lease.id)
+            if ahead and lease.owner != self.viewer():
+                raise NotAuthorized(f"kernel {kernel_id} belongs to another user; only its owner may resume it ahead of a cell")
+            resumed = pool.resume(lease.id, ahead=True) if ahead else pool.resume(lease.id)
             return {"lease": resumed, "status": self.ext.kernel_status(kernel_id, resumed)}
 
         result = await asyncio.to_thread(resume)
-        self.ext.emit("resuming", result["lease"], message="resuming: asked by the user")
+        why = "resuming ahead of a cell: the user is working in its notebook" if ahead else "resuming: asked by the user"
+        self.ext.emit("resuming", result["lease"], message=why)
         self.write_json(result["status"])
 
 

@@ -81,11 +81,15 @@ export class GpuPoolClient {
     return reply.data;
   }
 
-  /** Bring a suspended kernel back (`POST .../resume`): it queues for a GPU by policy. */
-  async resumeKernel(kernelId: string): Promise<IKernelStatus | null> {
+  /**
+   * Bring a suspended kernel back (`POST .../resume`): it queues for a GPU by policy. `ahead`:
+   * before any cell needs it (its notebook got focus, a cell was edited); such a resume queues
+   * behind every real request and takes no GPU from anyone.
+   */
+  async resumeKernel(kernelId: string, ahead = false): Promise<IKernelStatus | null> {
     const reply = await this._request<IKernelStatus | null>(
       `kernels/${encodeURIComponent(kernelId)}/resume`,
-      { method: 'POST', body: '{}' }
+      { method: 'POST', body: ahead ? '{"ahead": true}' : '{}' }
     );
     return reply.data;
   }

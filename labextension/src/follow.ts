@@ -18,10 +18,17 @@ export interface ISessionTracker {
   readonly currentChanged: ISignal<any, SessionWidget | null>;
 }
 
+/** Options of a {@link KernelFollower}. */
+export interface IKernelFollowerOptions {
+  /** Whether to resume a suspended kernel when its notebook gets focus or an edit (the setting `resumeAhead`). */
+  resumeAhead?: () => boolean;
+}
+
 export class KernelFollower implements IDisposable {
   constructor(
     private readonly _model: GpuPoolModel,
-    private readonly _trackers: ISessionTracker[]
+    private readonly _trackers: ISessionTracker[],
+    private readonly _options: IKernelFollowerOptions = {}
   ) {
     for (const tracker of _trackers) {
       tracker.currentChanged.connect(this._onCurrentChanged, this);
@@ -66,6 +73,7 @@ export class KernelFollower implements IDisposable {
       ctx.statusChanged.disconnect(this._onStatus, this);
       ctx.disposed.disconnect(this._onDisposed, this);
     }
+    this._documentModel(this._current)?.contentChanged.disconnect(this._onEdited, this);
     this._current = widget;
     if (widget) {
       const ctx = widget.sessionContext;
@@ -73,8 +81,30 @@ export class KernelFollower implements IDisposable {
       ctx.sessionChanged.connect(this._update, this);
       ctx.statusChanged.connect(this._onStatus, this);
       ctx.disposed.connect(this._onDisposed, this);
+      this._documentModel(widget)?.contentChanged.connect(this._onEdited, this);
     }
     this._update();
+    if (widget) {
+      this._resumeAhead(true); // the notebook got focus: a suspended kernel's memory starts on its way back
+    }
+  }
+
+  /** The notebook's document model (a console has none): its `contentChanged` says a cell was edited. */
+  private _documentModel(widget: SessionWidget | null): { contentChanged: ISignal<any, void> } | null {
+    const model = (widget as any)?.context?.model;
+    return model && model.contentChanged ? model : null;
+  }
+
+  private _onEdited(): void {
+    this._resumeAhead();
+  }
+
+  private _resumeAhead(fresh = false): void {
+    const kernelId = this._current?.sessionContext?.session?.kernel?.id;
+    const wanted = this._options.resumeAhead ? this._options.resumeAhead() : true;
+    if (kernelId && wanted) {
+      void this._model.resumeAhead(kernelId, fresh);
+    }
   }
 
   private _onDisposed(): void {
@@ -96,7 +126,11 @@ export class KernelFollower implements IDisposable {
   private _update(): void {
     const ctx = this._current?.sessionContext;
     const kernelId = ctx?.session?.kernel?.id ?? null;
+    const changed = kernelId !== this._model.kernelId;
     this._model.setKernel(kernelId, ctx?.path || ctx?.name || '');
+    if (changed && kernelId) {
+      this._resumeAhead(true); // a notebook whose kernel became known (opened, reconnected)
+    }
   }
 
   private _current: SessionWidget | null = null;

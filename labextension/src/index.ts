@@ -49,12 +49,14 @@ interface ISettings {
   refreshInterval: number;
   keepDuration: string;
   showNotifications: boolean;
+  resumeAhead: boolean;
 }
 
 const DEFAULTS: ISettings = {
   refreshInterval: 1000,
   keepDuration: '1h',
-  showNotifications: true
+  showNotifications: true,
+  resumeAhead: true
 };
 
 const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
@@ -106,7 +108,7 @@ const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
     const trackers = [notebooks, consoles].filter(
       (t): t is NonNullable<typeof t> => !!t
     ) as unknown as ISessionTracker[];
-    new KernelFollower(model, trackers);
+    new KernelFollower(model, trackers, { resumeAhead: () => settings.resumeAhead });
     new GpuPoolNotifier(model, {
       enabled: () => settings.showNotifications,
       keepDuration,
@@ -209,6 +211,7 @@ const plugin: JupyterFrontEndPlugin<GpuPoolModel> = {
         }
         settings.keepDuration = keep;
         settings.showNotifications = composite.showNotifications !== false;
+        settings.resumeAhead = composite.resumeAhead !== false;
         model.interval = settings.refreshInterval;
         app.commands.notifyCommandChanged(CommandIDs.keep);
         void model.refresh();

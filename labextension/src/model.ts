@@ -189,6 +189,37 @@ export class GpuPoolModel implements IDisposable {
     this._apply(kernelId, await this.client.resumeKernel(kernelId));
   }
 
+  /**
+   * The user is working in this kernel's notebook (it got focus, a cell was edited): if the kernel
+   * is suspended, ask for its resume now (`{"ahead": true}`), so its memory is on its way before a
+   * cell runs. Once per suspension; never throws (a refusal is only logged).
+   */
+  async resumeAhead(kernelId: string, fresh = false): Promise<boolean> {
+    // What the page knows may be from before the kernel was parked (its notebook was in the
+    // background): ask the server, on focus always, on edits at most every 2 s.
+    const checked = this._aheadChecked.get(kernelId) ?? 0;
+    if (fresh || !this._records.get(kernelId)?.status || Date.now() - checked > 2000) {
+      this._aheadChecked.set(kernelId, Date.now());
+      await this._fetchKernel(kernelId);
+    }
+    const status = this._records.get(kernelId)?.status ?? null;
+    if (!status || status.state !== 'suspended') {
+      return false;
+    }
+    const key = `${kernelId}@${status.suspended_at ?? ''}`;
+    if (this._resumedAhead.has(key)) {
+      return false;
+    }
+    this._resumedAhead.add(key);
+    try {
+      this._apply(kernelId, await this.client.resumeKernel(kernelId, true));
+      return true;
+    } catch (error) {
+      console.warn(`jupyter-gpupool: could not resume kernel ${kernelId} ahead of its next cell: ${(error as Error).message}`);
+      return false;
+    }
+  }
+
   get isDisposed(): boolean {
     return this._poll.isDisposed;
   }
@@ -368,5 +399,7 @@ export class GpuPoolModel implements IDisposable {
   private _poolStale = false;
   private _poolWanted = false;
   private _records = new Map<string, IKernelRecord>();
+  private _resumedAhead = new Set<string>();
+  private _aheadChecked = new Map<string, number>();
   private _ticker: ReturnType<typeof setInterval> | null = null;
 }

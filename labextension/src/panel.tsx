@@ -420,7 +420,7 @@ function PanelBody(props: {
         )}
         {view.enforcement && (
           <p className="jp-GpuPool-enforcement">
-            <span className="jp-GpuPool-muted">Enforced ({view.enforcement.level}):</span>{' '}
+            <span className="jp-GpuPool-muted">{view.enforcement.label}:</span>{' '}
             {view.enforcement.text}
           </p>
         )}

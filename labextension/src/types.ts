@@ -182,12 +182,14 @@ export interface IKernelStatus {
   suspendable?: boolean;
   /** Queued to come back after a suspend (`state` is then `queued`, with its position). */
   resuming?: boolean;
-  /** Why it was suspended, e.g. `reclaimed: idle for 31 min while 2 request(s) waited for a GPU`. */
+  /** Why it was suspended, e.g. `reclaimed: idle for 31 min while 2 requests waited for a GPU`. */
   suspend_reason?: string | null;
   /** When it was suspended (epoch s). */
   suspended_at?: number | null;
   /** Bytes of host RAM its parked GPU memory takes while suspended (or resuming). */
   parked_memory?: number | null;
+  /** While suspended or resuming: what its server found when it parked it (null where it did not). */
+  parking?: IParking | null;
   /** Uuids of the GPUs it ran on before the suspend. */
   home_devices?: string[];
 }
@@ -243,4 +245,14 @@ export function errorMessage(status: number, body: unknown): string {
     default:
       return `the server answered ${status}`;
   }
+}
+
+/** What a server found when it parked a kernel: parked bytes are compared against these. */
+export interface IParking {
+  /** GPU memory the kernel's process used before it was parked (the watchdog's last reading). */
+  used_before?: number | null;
+  /** Bytes of framework cache (PyTorch, CuPy) the kernel freed before the checkpoint. */
+  cache_freed?: number | null;
+  /** Bytes its frameworks said they held live. */
+  held?: number | null;
 }

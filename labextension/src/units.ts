@@ -10,6 +10,8 @@ export const KIB = 1024;
 export const MIB = 1024 ** 2;
 export const GIB = 1024 ** 3;
 export const TIB = 1024 ** 4;
+export const PIB = 1024 ** 5;
+export const EIB = 1024 ** 6;
 
 /** The accepted size forms, worded as the server words them. */
 export const SIZE_FORMS =
@@ -18,28 +20,26 @@ export const SIZE_FORMS =
 export const DURATION_FORMS =
   'a duration like 90s, 30m, 2h, 1h30m, 1d or 3600 (seconds)';
 
+/** The units a size may carry, as an error names them. */
+export const SIZE_UNITS_NAMED =
+  'B, KiB, MiB, GiB, TiB, PiB, EiB, as in 8GiB (K/KB, M/MB, G/GB, T/TB, P/PB, E/EB are the same binary units)';
+
 /** Largest size accepted: bigger numbers are typos. */
-export const MAX_SIZE = 1024 * TIB;
+export const MAX_SIZE = PIB;
+/** What a size over {@link MAX_SIZE} is told, wherever it is typed. */
+export const TOO_LARGE = 'too large: no GPU pool holds more than 1 PiB; expected at most 1PiB';
 /** Longest duration accepted (366 days). */
 export const MAX_DURATION = 366 * 86400;
 
-// Binary units on purpose: GPU memory is sold in GiB even when labelled "GB".
-const SIZE_UNITS: { [unit: string]: number } = {
-  '': 1,
-  b: 1,
-  k: KIB,
-  kb: KIB,
-  kib: KIB,
-  m: MIB,
-  mb: MIB,
-  mib: MIB,
-  g: GIB,
-  gb: GIB,
-  gib: GIB,
-  t: TIB,
-  tb: TIB,
-  tib: TIB
-};
+// Binary units on purpose: GPU memory is sold in GiB even when labelled "GB". Every prefix up
+// to exa is known, so a size too large for any GPU says so rather than "unknown unit".
+const SIZE_UNITS: { [unit: string]: number } = { '': 1, b: 1 };
+Array.from('kmgtpe').forEach((letter, i) => {
+  const factor = 1024 ** (i + 1);
+  SIZE_UNITS[letter] = factor;
+  SIZE_UNITS[letter + 'b'] = factor;
+  SIZE_UNITS[letter + 'ib'] = factor;
+});
 const SIZE_RE = /^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$/;
 const PERCENT_RE = /^\s*(\d+(?:\.\d+)?)\s*%\s*$/;
 
@@ -59,6 +59,14 @@ export class InvalidInput extends Error {
   constructor(message: string) {
     super(message);
     this.name = 'InvalidInput';
+  }
+}
+
+/** A size beyond what any pool holds (the server answers it with 409, as a request too large). */
+export class SizeTooLarge extends InvalidInput {
+  constructor(message: string) {
+    super(message);
+    this.name = 'SizeTooLarge';
   }
 }
 
@@ -99,13 +107,16 @@ export function parseSize(text: string, gpuMemory?: number | null): number {
   const unit = match[2].toLowerCase();
   if (!(unit in SIZE_UNITS)) {
     throw new InvalidInput(
-      `invalid size ${quote(raw)}: unknown unit ${quote(match[2])}; expected ${SIZE_FORMS}`
+      `invalid size ${quote(raw)}: unknown unit ${quote(match[2])}; units are ${SIZE_UNITS_NAMED}`
     );
   }
   const value = parseFloat(match[1]) * SIZE_UNITS[unit];
-  if (value < 1 || value > MAX_SIZE) {
+  if (!isFinite(value) || value > MAX_SIZE) {
+    throw new SizeTooLarge(`invalid size ${quote(raw)}: ${TOO_LARGE}`);
+  }
+  if (value < 1) {
     throw new InvalidInput(
-      `invalid size ${quote(raw)}: must be between 1 byte and 1 PiB; expected ${SIZE_FORMS}`
+      `invalid size ${quote(raw)}: a size must be at least 1 byte; expected ${SIZE_FORMS}`
     );
   }
   return Math.floor(value);
@@ -149,6 +160,8 @@ function oneDecimal(value: number): string {
 }
 
 const SIZE_STEPS: [string, number][] = [
+  ['EiB', EIB],
+  ['PiB', PIB],
   ['TiB', TIB],
   ['GiB', GIB],
   ['MiB', MIB],
@@ -278,4 +291,14 @@ export function formatGibHours(value: number | null | undefined): string {
     return 'unknown';
   }
   return `${value < 10 ? value.toFixed(1) : Math.round(value)} GiB·h`;
+}
+
+/**
+ * Time left as a person reads it: from 10 min on, to the nearest minute, so the moment it took
+ * to answer does not turn "1 h" into "59 min"; below, to the second, rounded up
+ * (`remaining` in jupyter_gpupool/wording.py).
+ */
+export function formatRemaining(seconds: number): string {
+  const left = Math.max(0, seconds);
+  return formatDuration(left >= 600 ? pyRound(left / 60) * 60 : Math.ceil(left));
 }

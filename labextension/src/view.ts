@@ -8,6 +8,7 @@ import {
   formatCountdown,
   formatDuration,
   formatGibHours,
+  formatRemaining,
   formatSize,
   formatSizePair,
   formatWait,
@@ -18,6 +19,7 @@ import {
   sizeArgument,
   sizeUnit
 } from './units';
+import { upcomingReclaim } from './wording';
 
 /** Where the current kernel stands, as far as the front end knows. */
 export type KernelPhase =
@@ -54,7 +56,7 @@ export interface IKernelView {
   slice: IBar | null;
   usage: IBar | null;
   hint: { text: string; memory: string; button: string } | null;
-  enforcement: { level: string; text: string } | null;
+  enforcement: { level: string; label: string; text: string } | null;
   queue: { text: string; reason: string } | null;
   /** Where an external scheduler runs the kernel ("Slurm job 12 · partition gpu · …"), or null. */
   scheduler: string | null;
@@ -103,6 +105,17 @@ export interface IKernelInput {
   pool?: Pick<IPoolSnapshot, 'state' | 'reason' | 'no_gpu' | 'when_unavailable'> | null;
 }
 
+/** How the sidebar names an enforcement level in a word or two: `Soft limit`, `No limit`. */
+export function enforcementLabel(level: string): string {
+  if (level === 'none') {
+    return 'No limit';
+  }
+  if (['soft', 'strong', 'hard'].includes(level)) {
+    return `${level[0].toUpperCase()}${level.slice(1)} limit`;
+  }
+  return 'Limit';
+}
+
 /** "No GPU pool" when the host simply has no GPU, else "GPU pool unavailable". */
 export function unavailableTitle(pool: { no_gpu?: boolean } | null | undefined): string {
   return pool?.no_gpu ? 'No GPU pool' : 'GPU pool unavailable';
@@ -148,10 +161,23 @@ const TRANSITIONS: { [step: string]: { text: string; status: string; badge: stri
   migrating: { text: 'moving to another GPU…', status: 'GPU moving…', badge: 'moving' }
 };
 
-/** `GPU suspended · 6.2 GiB parked` (without the size when the server did not say). */
+/**
+ * `GPU suspended · 6.2 GiB parked` (without the size when the server did not say), and against
+ * what the kernel used where its server knows: `GPU suspended · 6.2 GiB parked of 6.5 GiB used`.
+ */
 export function parkedText(status: IKernelStatus): string {
   const parked = num(status.parked_memory);
-  return 'GPU suspended' + (parked !== null && parked > 0 ? ` · ${formatSize(parked)} parked` : '');
+  if (parked === null || parked <= 0) {
+    return 'GPU suspended';
+  }
+  const used = num(status.parking?.used_before);
+  return `GPU suspended · ${formatSize(parked)} parked` + (used !== null && used > 0 ? ` of ${formatSize(used)} used` : '');
+}
+
+/** ` 0.3 GiB of framework cache was freed first, so only live memory was copied.` (empty when none). */
+export function cacheFreedText(status: IKernelStatus): string {
+  const freed = num(status.parking?.cache_freed);
+  return freed !== null && freed > 0 ? ` ${formatSize(freed)} of framework cache was freed first, so only live memory was copied.` : '';
 }
 
 function clamp01(value: number): number {
@@ -405,7 +431,7 @@ function kernelViewOf(input: IKernelInput): IKernelView {
       phase: 'suspended',
       statusText: 'GPU suspended',
       statusTitle: text + (reason ? ` (${reason})` : ''),
-      summary: `${formatSize(memory)} slice suspended: the kernel keeps its variables, its GPU memory waits in host RAM.`,
+      summary: `${formatSize(memory)} slice suspended: the kernel keeps its variables, its GPU memory waits in host RAM.${cacheFreedText(status)}`,
       suspended: { text, reason },
       canRelease: true,
       canResume: true,
@@ -457,9 +483,11 @@ function kernelViewOf(input: IKernelInput): IKernelView {
         }
       : null;
 
+  const level = status.enforcement?.level ?? 'unknown';
   const enforcement = status.enforcement
     ? {
-        level: status.enforcement.level ?? 'unknown',
+        level,
+        label: enforcementLabel(level),
         text:
           status.enforcement.description ||
           (status.enforcement.mechanisms ?? []).join(', ') ||
@@ -482,14 +510,16 @@ function kernelViewOf(input: IKernelInput): IKernelView {
           : `slice goes back to the pool in ${countdown} unless you keep it`),
       countdown,
       secondsLeft,
-      reason: status.reclaim_reason || 'others are waiting for a GPU',
+      reason: status.reclaim_reason
+        ? upcomingReclaim(status.reclaim_reason)
+        : 'others are waiting for a GPU',
       suspends
     };
   }
   const keepUntil = num(status.keep_until);
   const kept =
     keepUntil !== null && keepUntil > now
-      ? `kept through idle for another ${formatDuration(keepUntil - now)}`
+      ? `kept through idle for another ${formatRemaining(keepUntil - now)}`
       : null;
 
   const overSince = num(status.over_limit_since);

@@ -63,8 +63,8 @@ class FakeClient {
     return suspending;
   }
 
-  async resumeKernel(id: string): Promise<IKernelStatus> {
-    this.calls.push(`resume:${id}`);
+  async resumeKernel(id: string, ahead = false): Promise<IKernelStatus> {
+    this.calls.push(ahead ? `resume-ahead:${id}` : `resume:${id}`);
     const current = this.kernels.get(id) as IKernelStatus;
     const resuming: IKernelStatus = { ...current, state: 'queued', resuming: true, queue_position: 1, queue_length: 1 };
     this.kernels.set(id, resuming);
@@ -102,6 +102,43 @@ function setup(interval = 40) {
 describe('GpuPoolModel', () => {
   let model: GpuPoolModel | null = null;
   afterEach(() => model?.dispose());
+
+  it('resumes a suspended kernel ahead of its next cell once per suspension, and a running one never', async () => {
+    const s = setup(10 * 1000);
+    model = s.model;
+    s.client.kernels.set('a', granted('a'));
+    s.model.setKernel('a', 'a.ipynb');
+    await until(() => s.model.view.phase === 'granted');
+    expect(await s.model.resumeAhead('a')).toBe(false);
+    s.client.kernels.set('a', { ...granted('a'), state: 'suspended', suspended_at: 100, parked_memory: 3 * GIB });
+    await s.model.refresh();
+    await until(() => s.model.view.phase === 'suspended');
+    expect(await s.model.resumeAhead('a')).toBe(true);
+    s.client.kernels.set('a', { ...granted('a'), state: 'suspended', suspended_at: 100, parked_memory: 3 * GIB });
+    await s.model.refresh();
+    await until(() => s.model.view.phase === 'suspended');
+    expect(await s.model.resumeAhead('a')).toBe(false); // asked already for this suspension
+    s.client.kernels.set('a', { ...granted('a'), state: 'suspended', suspended_at: 200, parked_memory: 3 * GIB });
+    await s.model.refresh();
+    await until(() => s.model.status?.suspended_at === 200);
+    expect(await s.model.resumeAhead('a')).toBe(true); // suspended again: asked again
+    expect(s.client.calls.filter(c => c.startsWith('resume'))).toEqual(['resume-ahead:a', 'resume-ahead:a']);
+  });
+
+  it('shows parked bytes against used bytes and the cache freed first', async () => {
+    const s = setup(10 * 1000);
+    model = s.model;
+    s.client.kernels.set('a', {
+      ...granted('a'),
+      state: 'suspended',
+      parked_memory: 3 * GIB,
+      parking: { used_before: 4 * GIB, cache_freed: 1 * GIB, held: 3 * GIB }
+    });
+    s.model.setKernel('a', 'a.ipynb');
+    await until(() => s.model.view.phase === 'suspended');
+    expect(s.model.view.suspended?.text).toBe('GPU suspended · 3 GiB parked of 4 GiB used — resumes on your next cell');
+    expect(s.model.view.summary).toContain('1 GiB of framework cache was freed first');
+  });
 
   it('asks only about the current kernel, and about the pool only while wanted', async () => {
     const s = setup();

@@ -5,15 +5,30 @@
 import { execFileSync } from 'child_process';
 import * as path from 'path';
 
-import { formatDuration, formatSize, parseDuration, parseSize } from '../src/units';
+import { formatDuration, formatRemaining, formatSize, parseDuration, parseSize } from '../src/units';
+import { article, count, sliceSize, upcomingReclaim } from '../src/wording';
 import { rightSizeHint } from '../src/view';
 
 const REPO = path.resolve(__dirname, '..', '..');
 const PYTHON = process.env.PYTHON || 'python3';
 
-const SIZES = ['8GiB', '8G', '8GB', '512MiB', '25%', '1.5g', '12 GiB', '0', '8XB', 'x', '100%', '101%', '1073741824', '1024TiB', '1025TiB', '3.7kb', ' 7 t '];
+const SIZES = ['8GiB', '8G', '8GB', '512MiB', '25%', '1.5g', '12 GiB', '0', '8XB', 'x', '100%', '101%', '1073741824', '1024TiB', '1025TiB', '3.7kb', ' 7 t ',
+  '1PB', '1P', '0.5PiB', '4PB', '2EiB', '1e', '0.5b'];
 const DURATIONS = ['90s', '30m', '2h', '1h30m', '1h 30m', '1d', '3600', '2ms', '1h30', '30min', '90sec', '0', '367d', '1.5h', 'soon', '2H'];
-const NUMBERS = [0, 1, 100, 1023, 1024, 1536, 3.1 * 1024 ** 3, 8 * 1024 ** 3, 80 * 1024 ** 3, 1.05 * 1024 ** 4, 123456789];
+const NUMBERS = [0, 1, 100, 1023, 1024, 1536, 3.1 * 1024 ** 3, 8 * 1024 ** 3, 80 * 1024 ** 3, 1.05 * 1024 ** 4, 123456789, 1024 ** 5, 3 * 1024 ** 6];
+/** Words the messages put an article before, counts of nouns, slices and reclaim reasons. */
+const WORDS = ['A100-80GB', 'H100', 'GPU', 'T4', 'L40S', 'RTX 6000', 'MI300X', 'V100', 'user', 'idle', 'hour', '80 GiB', '8 GiB', '18 GiB', '11 GiB', '110 GiB', '1 GiB', 'unit', 'A10G', 'Quadro'];
+const COUNTS: Array<[number, string]> = [[0, 'request'], [1, 'request'], [2, 'request'], [1, 'GPU'], [4, 'GPU'], [2, 'process'], [1.5, 'hour']];
+const SLICES: Array<[number, number]> = [[70 * 1024 ** 3, 2], [8 * 1024 ** 3, 1], [3.5 * 1024 ** 3, 4]];
+const REASONS = [
+  'reclaimed: idle for 1 min while 1 request waited for a GPU',
+  'reclaimed: idle for 31 min while 2 requests waited for a GPU',
+  'reclaimed: idle for 31 min, over the 30 min idle timeout',
+  'reclaimed for the reservation lab: idle for 5 min',
+  'preempted for a higher priority (8 GiB for bob)',
+  'reclaimed: idle for 2 min while 3 jobs waited in partition gpu'
+];
+const LEFT = [0.2, 59.2, 61, 599.5, 600, 3540.5, 3599.2, 86399];
 const GB = 1024 ** 3;
 /** (slice, peak) pairs for the right-sizing hint, around each edge of the rule. */
 const HINTS: Array<[number, number | null]> = [
@@ -28,6 +43,7 @@ import json, sys
 from jupyter_gpupool.units import parse_size, parse_duration, format_size, format_duration
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.kernel.status import right_size_hint
+from jupyter_gpupool.wording import article, count, remaining, slice_size, upcoming_reclaim
 data = json.load(sys.stdin)
 def run(fn, *a, **kw):
     try:
@@ -40,6 +56,11 @@ print(json.dumps({
     "formatted": [format_size(n) for n in data["numbers"]],
     "durations_formatted": [format_duration(n) for n in data["seconds"]],
     "hints": [h and {"text": h.text, "memory": h.memory, "button": h.button} for h in (right_size_hint(m, p) for m, p in data["hints"])],
+    "articles": [article(w) for w in data["words"]],
+    "counts": [count(n, noun) for n, noun in data["counts"]],
+    "slices": [slice_size(int(m), g) for m, g in data["slices"]],
+    "reasons": [upcoming_reclaim(r) for r in data["reasons"]],
+    "remaining": [remaining(s) for s in data["left"]],
 }))
 `;
 
@@ -47,7 +68,10 @@ function python(): any {
   const out = execFileSync(PYTHON, ['-c', SCRIPT], {
     cwd: REPO,
     env: { ...process.env, PYTHONPATH: REPO },
-    input: JSON.stringify({ sizes: SIZES, durations: DURATIONS, numbers: NUMBERS, seconds: SECONDS, hints: HINTS })
+    input: JSON.stringify({
+      sizes: SIZES, durations: DURATIONS, numbers: NUMBERS, seconds: SECONDS, hints: HINTS,
+      words: WORDS, counts: COUNTS, slices: SLICES, reasons: REASONS, left: LEFT
+    })
   });
   return JSON.parse(out.toString());
 }
@@ -78,5 +102,13 @@ describe('parity with jupyter_gpupool/units.py', () => {
   it('formats sizes and durations the same', () => {
     expect(NUMBERS.map(formatSize)).toEqual(expected.formatted);
     expect(SECONDS.map(formatDuration)).toEqual(expected.durations_formatted);
+  });
+
+  it('words counts, articles, slices, reclaim countdowns and time left the same', () => {
+    expect(WORDS.map(article)).toEqual(expected.articles);
+    expect(COUNTS.map(([n, noun]) => count(n, noun))).toEqual(expected.counts);
+    expect(SLICES.map(([m, g]) => sliceSize(m, g))).toEqual(expected.slices);
+    expect(REASONS.map(upcomingReclaim)).toEqual(expected.reasons);
+    expect(LEFT.map(formatRemaining)).toEqual(expected.remaining);
   });
 });

@@ -10,7 +10,10 @@ import {
   MIB,
   parseDuration,
   parseSize,
-  sizeArgument
+  PIB,
+  SizeTooLarge,
+  sizeArgument,
+  TIB
 } from '../src/units';
 
 describe('parseSize', () => {
@@ -38,7 +41,7 @@ describe('parseSize', () => {
     expect(() => parseSize('101%', GIB)).toThrow('above 0% and at most 100%');
   });
 
-  it.each(['', 'lots', '8 XB', '-1GiB', '8GiBs', '1e9', '8,5G', '2PiB'])(
+  it.each(['', 'lots', '-1GiB', '1e9', '8,5G', '0'])(
     'refuses %j naming the accepted forms',
     text => {
       let error: unknown;
@@ -54,13 +57,38 @@ describe('parseSize', () => {
     }
   );
 
-  it('names the unknown unit', () => {
-    expect(() => parseSize('8 XB')).toThrow("unknown unit 'XB'");
+  it('names the unknown unit, and the units there are', () => {
+    expect(() => parseSize('8GiBs')).toThrow("unknown unit 'GiBs'");
+    expect(() => parseSize('8 XB')).toThrow(
+      "unknown unit 'XB'; units are B, KiB, MiB, GiB, TiB, PiB, EiB"
+    );
   });
 
-  it('refuses zero and sizes above 1 PiB', () => {
-    expect(() => parseSize('0')).toThrow('between 1 byte and 1 PiB');
-    expect(() => parseSize('1025TiB')).toThrow('between 1 byte and 1 PiB');
+  it('knows every unit up to EiB and reads each as binary', () => {
+    expect(parseSize('1PB')).toBe(PIB);
+    expect(parseSize('1P')).toBe(PIB);
+    expect(parseSize('0.5PiB')).toBe(PIB / 2);
+    expect(parseSize('2TB')).toBe(2 * TIB);
+  });
+
+  it.each(['1025TiB', '4PB', '2PiB', '1EB', '3EiB', '1e'])(
+    'refuses %j as too large, not as an unknown unit',
+    text => {
+      let error: unknown;
+      try {
+        parseSize(text);
+      } catch (e) {
+        error = e;
+      }
+      expect(error).toBeInstanceOf(SizeTooLarge);
+      expect((error as Error).message).toBe(
+        `invalid size '${text}': too large: no GPU pool holds more than 1 PiB; expected at most 1PiB`
+      );
+    }
+  );
+
+  it('refuses zero', () => {
+    expect(() => parseSize('0')).toThrow('a size must be at least 1 byte');
   });
 });
 

@@ -1,6 +1,15 @@
 import { IKernelStatus, IPoolSnapshot } from '../src/types';
 import { GIB, MIB } from '../src/units';
-import { checkReserve, kernelView, outsideView, poolView, quotaLines, reservationWindow, rightSizeHint } from '../src/view';
+import {
+  checkReserve,
+  enforcementLabel,
+  kernelView,
+  outsideView,
+  poolView,
+  quotaLines,
+  reservationWindow,
+  rightSizeHint
+} from '../src/view';
 
 const NOW = 1_700_000_000;
 const A100 = { index: 0, uuid: 'GPU-a', name: 'NVIDIA A100-SXM4-80GB', memory_total: 80 * GIB };
@@ -65,7 +74,7 @@ describe('kernelView', () => {
     expect(v.usage!.fraction).toBeCloseTo(3.1 / 8);
     expect(v.usage!.label).toBe('using 3.1 GiB of 8 GiB · peak 5 GiB');
     expect(v.usage!.markers).toEqual([{ fraction: 5 / 8, label: 'peak 5 GiB' }]);
-    expect(v.enforcement).toEqual({ level: 'soft', text: 'PyTorch cap and NVML watchdog' });
+    expect(v.enforcement).toEqual({ level: 'soft', label: 'Soft limit', text: 'PyTorch cap and NVML watchdog' });
     expect(v.canKeep && v.canRelease && v.canReserve).toBe(true);
     expect(v.idle).toBeNull();
     expect(v.overLimit).toBeNull();
@@ -180,7 +189,7 @@ describe('kernelView', () => {
 });
 
 describe('kernelView of a suspended kernel', () => {
-  const REASON = 'reclaimed: idle for 31 min while 2 request(s) waited for a GPU';
+  const REASON = 'reclaimed: idle for 31 min while 2 requests waited for a GPU';
   const suspended = (overrides: Partial<IKernelStatus> = {}) =>
     status({
       state: 'suspended',
@@ -630,5 +639,17 @@ describe('memory used outside the pool', () => {
     expect(v.outside).toBe(false);
     expect(v.devices[0].segments.map(s => s.outside)).toEqual([false]);
     expect(v.devices[0].text).toBe('8 GiB of 16 GiB leased, 8 GiB free · 9 GiB in use');
+  });
+});
+
+describe('enforcementLabel', () => {
+  it('names each level in two words', () => {
+    expect(['soft', 'strong', 'hard', 'none', 'unknown'].map(enforcementLabel)).toEqual([
+      'Soft limit',
+      'Strong limit',
+      'Hard limit',
+      'No limit',
+      'Limit'
+    ]);
   });
 });

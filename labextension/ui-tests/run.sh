@@ -8,7 +8,7 @@
 # (slurm_cluster_steps.py, tests/slurm_cluster.py), which is stopped whatever happens.
 #
 #   bash labextension/ui-tests/run.sh                 # both suites
-#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | unpooled | notebook7 | unavailable | slurm
+#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | resume-ahead | unpooled | notebook7 | unavailable | contrast | slurm
 #   GPUPOOL_UI_SCREENSHOTS=/tmp/shots bash ...        # screenshots (default ui-tests/screenshots)
 #
 # Needs: jupyter_gpupool importable (pip install -e .) and `npm ci` done in labextension/.
@@ -281,7 +281,7 @@ start_slurm() {
 
 SUITES=("$@")
 if [ "${#SUITES[@]}" -eq 0 ]; then
-  SUITES=(gpupool idle suspend unpooled unavailable)
+  SUITES=(gpupool idle suspend resume-ahead unpooled unavailable contrast)
   if "$PYTHON" -c "import notebook.app" 2>/dev/null && [ "$USE_CHECKOUT_BUILD" = 0 ]; then
     SUITES+=(notebook7)
   elif [ "$USE_CHECKOUT_BUILD" = 1 ]; then
@@ -308,7 +308,13 @@ for suite in "${SUITES[@]}"; do
       run_suite notebook7 app=notebook
       ;;
     suspend) run_suite suspend GPUPOOL_RECLAIM_ACTION=suspend GPUPOOL_PARKED_MEMORY_LIMIT=32GiB ;;
+    resume-ahead) run_suite resume-ahead GPUPOOL_RECLAIM_ACTION=suspend GPUPOOL_PARKED_MEMORY_LIMIT=32GiB ;;
     unavailable) run_suite unavailable pool=corrupt ;;
+    # Readability in both themes, with an idle countdown on screen (the warning lasts 10 min).
+    contrast)
+      run_suite contrast GPUPOOL_IDLE_POLICY=always GPUPOOL_IDLE_TIMEOUT=3 GPUPOOL_WARNING_PERIOD=600 \
+        GPUPOOL_RECLAIM_ACTION=cull --GpuPoolExtension.reclaim_action=cull --GpuPoolExtension.tick_interval=1
+      ;;
     # A process without a lease holds GPU memory: the watchdog looks every half second.
     unpooled) run_suite unpooled --Watchdog.interval=0.5 ;;
     slurm)
@@ -319,7 +325,7 @@ for suite in "${SUITES[@]}"; do
         --GpuPoolExtension.tick_interval=0.5 --GpuPoolExtension.reconcile_interval=1 \
         --SlurmPool.cache_seconds=0.3 --SlurmPool.poll_interval=0.5
       ;;
-    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, unpooled, notebook7, unavailable, slurm)" >&2; exit 2 ;;
+    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, resume-ahead, unpooled, notebook7, unavailable, contrast, slurm)" >&2; exit 2 ;;
   esac
 done
 echo "ui-tests: passed; screenshots in $GPUPOOL_UI_SCREENSHOTS"

@@ -79,6 +79,13 @@ async function hasEndpoint(request: APIRequestContext, kernelId: string, action:
 }
 
 test('a suspended kernel shows in the sidebar, and its Resume button brings it back', async ({ page, request }) => {
+  // This test shows the Resume button, so the resume ahead of a cell (a suspended kernel's
+  // notebook that gets focus resumes at once) is off here; resume-ahead.spec.ts shows it.
+  const off = await request.put('lab/api/settings/jupyter-gpupool:plugin', {
+    headers: { Authorization: `token ${TOKEN}` },
+    data: { raw: '{"resumeAhead": false}' }
+  });
+  expect(off.status(), await off.text()).toBe(204);
   await openLab(page);
   const status = page.locator('.jp-GpuPool-status');
   const panel = page.locator('#jupyter-gpupool-panel');

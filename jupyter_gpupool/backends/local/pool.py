@@ -23,8 +23,9 @@ from typing import Any
 import psutil
 from traitlets.config import Config
 
+from jupyter_gpupool.backends.changes import PoolChanges
 from jupyter_gpupool.backends.contract import Capability
-from jupyter_gpupool.backends.local.store import Store
+from jupyter_gpupool.backends.local.store import SIMULATED_INVENTORY, Store
 from jupyter_gpupool.backends.waiting import GrantWaiting
 from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
 from jupyter_gpupool.core.index import LeaseIndex
@@ -93,6 +94,11 @@ class Pool(GrantWaiting):
         self.clock = clock
         self.engine = Engine(self.policy)
         self.store = Store(db_path)
+        self._remember_inventory()
+        #: Wakes whoever waits on this pool when it changed (this process's commits at once, other
+        #: processes' within ``PoolChanges.interval``): see :meth:`wait_for_change`.
+        self.changes = PoolChanges(None if self.store.path == ":memory:" else self.store.path)
+        self.store.on_commit = self.changes.notify
         self._devices: tuple[float, list[Device]] | None = None
         self._simulated_host_memory: int | None = None  # of the cached device list (forgotten when it is read again)
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
@@ -105,6 +111,14 @@ class Pool(GrantWaiting):
         #: Watchers of this process whose last sighting of unpooled use is on file (see report_unpooled).
         self._unpooled_reporters: set[str] = set()
 
+    def _remember_inventory(self) -> None:
+        """Record a simulated inventory's spec in the pool file (once; again only if it changes)."""
+        spec = getattr(self.backend, "spec", None) if getattr(self.backend, "name", "") == "simulated" else None
+        if not spec or self.store.fact(SIMULATED_INVENTORY) == spec:
+            return
+        with self.store.transaction():
+            self.store.remember(SIMULATED_INVENTORY, spec)
+
     @classmethod
     def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
         """A pool from ``GPUPOOL_SIMULATE`` (inventory; empty → NVML), ``GPUPOOL_DB`` and the
@@ -112,8 +126,15 @@ class Pool(GrantWaiting):
         env = dict(os.environ) if environ is None else environ
         policy = overrides.pop("policy", None) or PoolPolicy(config=config)
         policy.apply_env(env)
-        backend = overrides.pop("backend", None) or make_backend(env.get("GPUPOOL_SIMULATE") or None)
-        db_path = overrides.pop("db_path", None) or env.get("GPUPOOL_DB") or default_db_path()
+        chosen_db = overrides.pop("db_path", None) or env.get("GPUPOOL_DB")
+        db_path = chosen_db or default_db_path()
+        backend = overrides.pop("backend", None)
+        if backend is None:
+            spec = (env.get("GPUPOOL_SIMULATE") or "").strip() or None
+            if spec is None and chosen_db:
+                # A file named alone opens the pool it was: a simulated one stays simulated.
+                spec = Store.recorded_fact(chosen_db, SIMULATED_INVENTORY)
+            backend = make_backend(spec)
         if isinstance(backend, SimulatedBackend) and backend.usage_dir is None:
             backend.usage_dir = env.get("GPUPOOL_SIMULATE_USAGE_DIR") or usage_dir_for(db_path)
         return cls(backend=backend, db_path=db_path, policy=policy, **overrides)
@@ -345,12 +366,13 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return state.leases[lease_id].copy()
 
-    def resume(self, lease_id: str, now: float | None = None) -> Lease:
-        """Queue a suspended lease to come back; granted by policy like any request."""
+    def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
+        """Queue a suspended lease to come back; granted by policy like any request. ``ahead``: a
+        resume asked before a cell needs it, which queues behind every real request."""
         now = self._now(now)
         with self._locked():
             state = self._load(now)
-            self.engine.resume(state, lease_id, now)
+            self.engine.resume(state, lease_id, now, ahead=ahead)
             decisions = self.engine.schedule(state, now)
             self._save(state, decisions)
             return state.leases[lease_id].copy()
@@ -422,19 +444,17 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return lease.copy()
 
-    def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None) -> Lease:
-        """Grow or shrink a lease; ``duration`` holds it through idle that long."""
+    def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None,
+               limit: int | None = None) -> Lease:
+        """Grow or shrink what a lease is guaranteed (``limit``: how far it may grow, 0 for a fixed
+        slice); ``duration`` holds it through idle that long. Metering bills each size for its own
+        time (the engine records it: see core.metering.memory_segments)."""
         now = self._now(now)
         with self._locked():
             state = self._load(now)
             lease = self.engine.get(state, lease_id)
-            held_before = lease.memory if lease.state is LeaseState.GRANTED else None
-            if memory is not None:
-                self.engine.resize(state, lease_id, memory, now)
-            if held_before is not None and lease.memory != held_before:
-                # Metering bills each size for its own time (see core.metering.memory_segments).
-                lease.memory_history = (*lease.memory_history, (now, held_before))
-                state.touch(lease)
+            if memory is not None or limit is not None:
+                self.engine.resize(state, lease_id, memory if memory is not None else lease.guarantee_size, now, limit)
             if duration is not None:
                 self.engine.keep(state, lease_id, duration, now)
             decisions = self.engine.schedule(state, now)
@@ -490,12 +510,22 @@ class Pool(GrantWaiting):
         with self._decide(now) as state:
             return self.engine.grace_after_outage(state, now)
 
+    def grow(self, lease_id: str, needed: int, now: float | None = None) -> Lease:
+        """Grow an elastic slice so its kernel can hold ``needed`` bytes (all its GPUs), as a
+        framework cap's allocation failure asks; raises :class:`RequestRefused` saying why not."""
+        now = self._now(now)
+        with self._locked():
+            state = self._load(now)
+            decision = self.engine.grow(state, lease_id, needed, now)
+            self._save(state, [decision] if decision is not None else [])
+            return state.leases[lease_id].copy()
+
     def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
         now = self._now(now)
         with self._locked():
             state = self._load(now)
             decisions = self.engine.report_usage(state, usage, now)
-            self._save(state, [d for d in decisions if d.kind is DecisionKind.OVER_LIMIT and self._first_over(state, d)])
+            self._save(state, [d for d in decisions if d.kind is not DecisionKind.OVER_LIMIT or self._first_over(state, d)])
             return decisions
 
     #: Seconds a watcher's sighting of unpooled use counts: a watcher that stopped looking (it died)
@@ -511,7 +541,7 @@ class Pool(GrantWaiting):
         now = self._now(now)
         ttl = self.unpooled_ttl if ttl is None else ttl
         reporter = reporter or f"{HOSTNAME}:{os.getpid()}"
-        if not uses and reporter not in self._unpooled_reporters:
+        if not uses and reporter not in self._unpooled_reporters and not self.store.unpooled_keys(reporter, now):
             return []  # nothing seen now, nothing of ours on file: no write (a watchdog step's usual case)
         with self._locked():
             earlier = self.store.unpooled_keys(reporter, now)
@@ -744,6 +774,7 @@ class Pool(GrantWaiting):
                     active_seconds=lease.active_seconds,
                     devices=tuple(inventory.get(u) for u in lease.devices),
                     memory_history=tuple((at, memory * lease.num_gpus) for at, memory in lease.memory_history),
+                    guarantee=lease.guarantee_size * lease.num_gpus,
                 )
             )
         return report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
@@ -762,6 +793,7 @@ class Pool(GrantWaiting):
             active_seconds=float(row["active_seconds"]),
             devices=tuple(recorded.get(u) or inventory.get(u) for u in row["devices"]),
             memory_history=tuple(row.get("memory_history") or ()),
+            guarantee=int(row["guarantee"]) if row.get("guarantee") is not None else None,
         )
 
     def _inventory(self) -> dict[str, DeviceInfo]:
@@ -808,7 +840,18 @@ class Pool(GrantWaiting):
     def events(self, after_seq: int = 0) -> list[dict[str, Any]]:
         return self._reads().events(after_seq)
 
+    # --- hearing of changes -------------------------------------------------------------------
+    def wait_for_change(self, since: int | None, timeout: float) -> int:
+        """Block until the pool changed after version ``since`` (any process's commit) or ``timeout``
+        seconds passed; the version now (``since`` None: at once). Wakes in milliseconds, not on a tick."""
+        return self.changes.wait(since, timeout)
+
+    def subscribe_changes(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` (from any thread) after every change of the pool; returns the unsubscriber."""
+        return self.changes.subscribe(listener)
+
     def close(self) -> None:
+        self.changes.close()
         self.store.close()
         if self._view_store is not None:
             self._view_store.close()

@@ -108,8 +108,24 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX unpooled_expiry ON unpooled_use(expires_at)
     """,
+    # Elastic slices: what a closed interval was guaranteed (bytes, all GPUs), so the report bills
+    # the burst held above it apart (NULL in older rows: everything held was guaranteed).
+    """
+    ALTER TABLE ledger ADD COLUMN guarantee INTEGER
+    """,
+    # What the file is a pool of, by name: ``simulated_inventory`` is the spec of the simulated
+    # inventory it was opened with (e.g. ``2xA100-80GB``), so a command given only the file
+    # (``--db``) opens the same simulated pool instead of looking for an NVIDIA driver.
+    """
+    CREATE TABLE pool_facts (
+        name TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    )
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+#: The ``pool_facts`` name of a simulated pool's inventory spec.
+SIMULATED_INVENTORY = "simulated_inventory"
 
 #: ``PRAGMA application_id`` of a pool file ("JGPP"): what tells our file from another SQLite file.
 APPLICATION_ID = 0x4A475050
@@ -272,6 +288,8 @@ class Store:
         self._identity: tuple[int, int] | None = None
         self._failure: PoolUnavailable | None = None
         self._guard: PathGuard | None = None
+        #: Called after each successful COMMIT of this store (the pool's in-process wake-up, see backends/changes.py).
+        self.on_commit: Callable[[], None] | None = None
         # One connection per Store; the lock serialises threads (the server's executor, to_thread).
         self.lock = threading.RLock()
         if path == ":memory:":
@@ -596,6 +614,9 @@ class Store:
                         self._committed_ids.add(lease_id)
                 self._texts.update(texts)
                 # Our own commits do not change data_version for this connection: the cache stays valid.
+            if self.on_commit is not None:
+                with contextlib.suppress(Exception):  # a wake-up that failed must not fail the decision
+                    self.on_commit()
 
     @contextlib.contextmanager
     def read_transaction(self) -> Iterator[sqlite3.Connection]:
@@ -820,7 +841,7 @@ class Store:
         history = [(at, memory * lease.num_gpus) for at, memory in lease.memory_history]
         self.conn.execute(
             "INSERT INTO ledger(lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, "
-            "memory_history) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "memory_history, guarantee) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 lease.id,
                 lease.owner,
@@ -833,6 +854,7 @@ class Store:
                 lease.active_seconds,
                 json.dumps(device_info) if device_info is not None else None,
                 json.dumps(history) if history else None,
+                lease.guarantee_size * lease.num_gpus,
             ),
         )
         segments = memory_segments(start, end, lease.memory * lease.num_gpus, history)
@@ -867,8 +889,8 @@ class Store:
     @_locked
     def ledger(self, since: float | None = None, until: float | None = None) -> list[dict[str, Any]]:
         sql = (
-            "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, memory_history "
-            "FROM ledger WHERE 1=1"
+            "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, memory_history, "
+            "guarantee FROM ledger WHERE 1=1"
         )
         args: list[Any] = []
         if since is not None:
@@ -879,6 +901,7 @@ class Store:
             args.append(until)
         keys = (
             "lease_id", "owner", "groups", "kernel_id", "devices", "memory", "start", "end", "active_seconds", "device_info", "memory_history",
+            "guarantee",
         )
         rows = []
         for row in self.conn.execute(sql, args):
@@ -947,6 +970,38 @@ class Store:
     @_locked
     def event_counts(self) -> dict[str, int]:
         return dict(self.conn.execute("SELECT kind, COUNT(*) FROM events GROUP BY kind").fetchall())
+
+    @_locked
+    def fact(self, name: str) -> str | None:
+        """A fact the file keeps about its pool (see ``pool_facts``), or None."""
+        row = self.conn.execute("SELECT value FROM pool_facts WHERE name = ?", (name,)).fetchone()
+        return str(row[0]) if row else None
+
+    def remember(self, name: str, value: str) -> None:
+        """Keep a fact about the pool (inside :meth:`transaction`)."""
+        self.conn.execute(
+            "INSERT INTO pool_facts VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value=excluded.value", (name, value)
+        )
+
+    @staticmethod
+    def recorded_fact(path: str, name: str) -> str | None:
+        """A fact a pool file keeps, read without opening it for writing (no lock, no migration):
+        None when there is no such file, it is not a pool file, or it predates the fact."""
+        if not path or not os.path.isfile(path):
+            return None
+        try:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        except sqlite3.Error:
+            return None
+        try:
+            if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+                return None
+            row = conn.execute("SELECT value FROM pool_facts WHERE name = ?", (name,)).fetchone()
+            return str(row[0]) if row else None
+        except sqlite3.Error:
+            return None  # an older file (no pool_facts yet), or one being replaced: nothing recorded
+        finally:
+            conn.close()
 
     @_locked
     def reservations(self) -> list[dict[str, Any]]:

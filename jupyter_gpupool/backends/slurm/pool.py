@@ -63,6 +63,7 @@ from jupyter_gpupool.core.models import (
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from jupyter_gpupool.units import SIZE_FORMS, format_duration, format_size, parse_size
+from jupyter_gpupool.wording import count as counted
 
 BACKEND_NAME = "slurm"
 PROVISIONER_NAME = "gpupool-slurm-provisioner"
@@ -758,9 +759,9 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         lease.warned_at = now
         lease.reclaim_at = now + self.policy.warning_period
         lease.reclaim_reason = (
-            f"reclaimed: idle for {idle_for} while {waiting} job(s) waited in partition {job.get('partition') or '(default)'}"
+            f"reclaimed: idle for {idle_for} while {counted(waiting, 'job')} waited in partition {job.get('partition') or '(default)'}"
             if policy == "pressure"
-            else f"reclaimed: idle for {idle_for} (idle timeout {format_duration(self.policy.idle_timeout)})"
+            else f"reclaimed: idle for {idle_for}, over the {format_duration(self.policy.idle_timeout)} idle timeout"
         )
         self._put(lease, job)
         return Decision(

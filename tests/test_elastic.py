@@ -1,0 +1,210 @@
+"""Elastic slices in the engine: a lease is guaranteed what it asked for, grows on demand while its
+GPU has memory nobody is guaranteed, and gives the burst back before anyone's guarantee."""
+
+from __future__ import annotations
+
+import pytest
+from pool_helpers import T0, make_pool, req
+
+from jupyter_gpupool.core.models import Activity, DecisionKind, LeaseState, Transition
+from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.units import GIB
+
+
+def test_burst_is_on_by_default_as_four_times_the_guarantee_bounded_by_the_gpu(tmp_path):
+    pool = make_pool(tmp_path)
+    small = pool.request(req(gib=2), now=T0)
+    assert (small.memory, small.guarantee, small.burst_limit) == (2 * GIB, 2 * GIB, 8 * GIB)
+    big = pool.request(req("bob", gib=6), now=T0)
+    assert big.burst_limit == 16 * GIB  # 4x is 24 GiB: the GPU has 16
+
+
+@pytest.mark.parametrize(("burst", "limit"), [("40GiB", 16), ("3x", 6), ("0", 0)])
+def test_burst_policy_forms(tmp_path, burst, limit):
+    pool = make_pool(tmp_path, burst=burst)
+    assert pool.request(req(gib=2), now=T0).burst_limit == limit * GIB
+
+
+def test_burst_env_and_bad_values_are_refused_in_one_line():
+    assert PoolPolicy.from_env({"GPUPOOL_BURST": "16GiB"}).burst == "16GiB"
+    assert PoolPolicy.from_env({"GPUPOOL_BURST": "off"}).burst == "0"
+    for bad in ("lots", "0.5x", "-3GiB"):
+        with pytest.raises(InvalidInput, match="GPUPOOL_BURST") as info:
+            PoolPolicy.from_env({"GPUPOOL_BURST": bad})
+        assert "\n" not in str(info.value)
+
+
+def test_the_limit_is_bounded_by_the_users_and_groups_maximum(tmp_path):
+    pool = make_pool(tmp_path, user_quotas={"alice": {"maximum": "10GiB"}}, group_quotas={"lab": {"maximum": "6GiB"}})
+    assert pool.request(req(gib=2), now=T0).burst_limit == 8 * GIB
+    assert pool.request(req(gib=2, groups=("lab",)), now=T0).burst_limit == 6 * GIB
+
+
+def test_an_asked_limit_replaces_the_pools_and_zero_asks_for_a_fixed_slice(tmp_path):
+    pool = make_pool(tmp_path)
+    assert pool.request(req(gib=2, burst_limit=12 * GIB), now=T0).burst_limit == 12 * GIB
+    assert pool.request(req(gib=2, burst_limit=0), now=T0).burst_limit == 0
+    with pytest.raises(InvalidInput, match="below the slice's size"):
+        pool.request(req(gib=4, burst_limit=2 * GIB), now=T0)
+    fixed = make_pool(tmp_path, name="fixed.sqlite", burst="0")
+    with pytest.raises(RequestRefused, match="fixed"):
+        fixed.request(req(gib=2, burst_limit=8 * GIB), now=T0)
+
+
+def test_a_slice_grows_when_its_use_nears_its_size_and_is_not_over_its_limit(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB")
+    lease = pool.request(req(gib=2), now=T0)
+    decisions = pool.report_usage({lease.id: 6 * GIB}, now=T0 + 5)
+    assert [d.kind for d in decisions] == [DecisionKind.GROW]
+    grown = pool.get(lease.id)
+    assert grown.memory >= 6 * GIB and grown.guarantee == 2 * GIB
+    assert grown.over_limit_since is None and "grown to" in grown.burst_note
+    assert grown.memory_history == ((T0 + 5, 2 * GIB),)  # metering bills each size for its own time
+
+
+def test_a_grow_asked_by_an_allocation_failure_reaches_what_was_needed_or_says_why_not(tmp_path):
+    pool = make_pool(tmp_path, burst="8GiB")
+    lease = pool.request(req(gib=2), now=T0)
+    assert pool.grow(lease.id, 5 * GIB, now=T0 + 1).memory >= 5 * GIB
+    with pytest.raises(RequestRefused, match="limit is 8 GiB"):
+        pool.grow(lease.id, 9 * GIB, now=T0 + 2)
+    pool.request(req("bob", gib=10), now=T0 + 3)  # guaranteed 10 GiB: 1 GiB left
+    with pytest.raises(RequestRefused, match=r"GPU is full \(1 other slice\(s\) there are guaranteed 10 GiB\)"):
+        pool.grow(lease.id, 8 * GIB, now=T0 + 4)
+
+
+def test_burst_never_takes_the_room_of_a_request_that_waits(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB")
+    first = pool.request(req(gib=4), now=T0)
+    pool.request(req("bob", gib=4), now=T0)
+    third = pool.request(req("cat", gib=10), now=T0)  # 4 + 4 + 10 > 16: waits
+    assert third.state is LeaseState.QUEUED
+    with pytest.raises(RequestRefused, match="1 request\\(s\\) wait for this GPU"):
+        pool.grow(first.id, 7 * GIB, now=T0 + 1)
+
+
+def test_burst_is_given_back_before_anyones_guarantee_and_the_request_is_granted_at_once(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB")
+    first = pool.request(req(gib=2), now=T0)
+    pool.report_usage({first.id: 6 * GIB}, now=T0 + 1)
+    pool.report_usage({first.id: 14 * GIB}, now=T0 + 2)
+    assert pool.get(first.id).memory >= 14 * GIB
+    pool.report_usage({first.id: 1 * GIB}, now=T0 + 3)  # its use drops: the burst stays until someone needs it
+    second = pool.request(req("bob", gib=12), now=T0 + 4)
+    assert second.state is LeaseState.GRANTED
+    after = pool.get(first.id)
+    assert after.memory <= 4 * GIB and after.memory >= after.guarantee == 2 * GIB
+    assert after.burst_note.startswith("burst taken back")
+    kinds = [e["kind"] for e in pool.events()]
+    assert "shrink" in kinds
+
+
+def test_use_above_the_guarantee_after_the_burst_is_taken_back_suspends_an_idle_kernel(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB", burst_settle=15, idle_policy="never")
+    first = pool.request(req(gib=2, suspendable=True, kernel_id="k1"), now=T0)
+    pool.report_usage({first.id: 10 * GIB}, now=T0 + 1)
+    second = pool.request(req("bob", gib=12), now=T0 + 2)
+    assert second.state is LeaseState.QUEUED  # the kernel still uses 10 GiB: room comes when it frees
+    shrunk = pool.get(first.id)
+    assert shrunk.memory < 10 * GIB and shrunk.burst_taken_at == T0 + 2
+    assert shrunk.watch_limit() == shrunk.memory  # the watchdog now holds it to its size
+    pool.report_activity(first.id, Activity(busy=False, last_activity=T0), now=T0 + 3)
+    pool.tick(now=T0 + 10)
+    assert pool.get(first.id).transition is Transition.NONE  # it has burst_settle to free caches
+    pool.tick(now=T0 + 20)
+    suspending = pool.get(first.id)
+    assert suspending.transition is Transition.SUSPENDING and "burst was taken back" in suspending.suspend_reason
+    pool.confirm_transition(first.id, parked_bytes=10 * GIB, now=T0 + 21)
+    assert pool.get(second.id).state is LeaseState.GRANTED
+
+
+def test_a_kernel_that_frees_its_cache_in_time_is_left_running_and_the_request_granted(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB")
+    first = pool.request(req(gib=2), now=T0)
+    pool.report_usage({first.id: 10 * GIB}, now=T0 + 1)
+    second = pool.request(req("bob", gib=12), now=T0 + 2)
+    assert second.state is LeaseState.QUEUED
+    pool.report_usage({first.id: 2 * GIB}, now=T0 + 4)  # caches freed, caps lowered
+    pool.tick(now=T0 + 5)
+    assert pool.get(second.id).state is LeaseState.GRANTED
+    assert pool.get(first.id).burst_taken_at is None
+
+
+def test_a_user_resize_sets_the_guarantee_and_may_set_the_limit(tmp_path):
+    pool = make_pool(tmp_path, burst="4x")
+    lease = pool.request(req(gib=2), now=T0)
+    resized = pool.resize(lease.id, 3 * GIB, limit=10 * GIB, now=T0 + 1)
+    assert (resized.memory, resized.guarantee, resized.burst_limit) == (3 * GIB, 3 * GIB, 10 * GIB)
+    fixed = pool.resize(lease.id, 3 * GIB, limit=0, now=T0 + 2)
+    assert fixed.burst_limit == 0 and not fixed.elastic
+
+
+def test_fixed_slices_never_grow(tmp_path):
+    pool = make_pool(tmp_path, burst="0")
+    lease = pool.request(req(gib=2), now=T0)
+    decisions = pool.report_usage({lease.id: 6 * GIB}, now=T0 + 1)
+    assert [d.kind for d in decisions] == [DecisionKind.OVER_LIMIT]
+    assert pool.get(lease.id).memory == 2 * GIB
+
+
+def test_report_bills_burst_apart_from_the_guarantee(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB")
+    lease = pool.request(req(gib=2), now=T0)
+    pool.grow(lease.id, 6 * GIB, now=T0 + 3600)  # 2 GiB for an hour, then 6 GiB for an hour
+    pool.release(lease.id, now=T0 + 7200)
+    (row,) = pool.report(now=T0 + 7200)
+    assert row["gib_hours_held"] == pytest.approx(8.0)
+    assert row["gib_hours_burst"] == pytest.approx(4.0)  # 4 GiB above the guarantee for an hour
+    assert row["gpu_hours_burst"] == pytest.approx(4 / 16)
+
+
+def test_a_pool_file_of_the_previous_version_is_taken_forward(tmp_path):
+    """A file written before elastic slices: its granted lease is guaranteed its size and does not
+    burst (it asked for a fixed slice then), and its ledger rows bill nothing as burst."""
+    import json
+    import sqlite3
+
+    from jupyter_gpupool.core.models import Lease
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
+    from jupyter_gpupool.backends.local.pool import Pool
+    from jupyter_gpupool.backends.local.store import MIGRATIONS, SCHEMA_VERSION
+
+    path = tmp_path / "old.sqlite"
+    uuid = SimulatedBackend.from_spec("1x16GiB").devices()[0].uuid
+    before = len(MIGRATIONS) - 1
+    conn = sqlite3.connect(path)
+    conn.executescript(";".join(MIGRATIONS[:before]) + f"; PRAGMA user_version={before}; PRAGMA application_id={0x4A475050};")
+    old = Lease(id="l-old", owner="alice", memory=4 * GIB, state=LeaseState.GRANTED, created_at=T0, granted_at=T0,
+                devices=(uuid,), heartbeat_at=T0).to_json()
+    for field in ("guarantee", "burst_limit", "burst_taken_at", "burst_note"):
+        del old[field]
+    conn.execute("INSERT INTO leases VALUES (?,?,?,?,?,?)", ("l-old", "granted", "alice", None, T0, json.dumps(old)))
+    conn.execute("INSERT INTO ledger(lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds) VALUES (?,?,?,?,?,?,?,?,?)",
+                 ("l-0", "bob", "[]", None, json.dumps([uuid]), 8 * GIB, T0 - 3600, T0, 0.0))
+    conn.commit()
+    conn.close()
+    pool = make_pool(tmp_path, name="old.sqlite")
+    assert isinstance(pool, Pool)
+    assert pool.store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    lease = pool.get("l-old")
+    assert (lease.guarantee_size, lease.limit_size, lease.elastic) == (4 * GIB, 4 * GIB, False)
+    rows = {r["user"]: r for r in pool.report(now=T0 + 3600)}
+    assert rows["bob"]["gib_hours_held"] == pytest.approx(8.0) and rows["bob"]["gib_hours_burst"] == 0.0
+    assert rows["alice"]["gib_hours_burst"] == 0.0
+
+
+def test_the_status_line_and_the_leases_table_show_guarantee_now_and_limit(tmp_path):
+    from jupyter_gpupool.apps.cli import memory_text
+    from jupyter_gpupool.kernel.status import KernelStatus
+    from jupyter_gpupool.rest.views import elastic_line
+
+    pool = make_pool(tmp_path, burst="40GiB", spec="1x80GiB")
+    lease = pool.request(req(gib=4), now=T0)
+    grown = pool.grow(lease.id, int(9.2 * GIB), now=T0 + 1)
+    assert elastic_line(grown) == "4 GiB guaranteed · 9.2 GiB now, up to 40 GiB"
+    assert memory_text(grown.to_json()) == "4 GiB (9.2 GiB now, up to 40 GiB)"
+    rows = dict(KernelStatus(lease=grown, now=T0 + 1).rows())
+    assert rows["elastic"] == "4 GiB guaranteed · 9.2 GiB now, up to 40 GiB" and rows["last step"].startswith("grown to")
+    fixed = pool.request(req("bob", gib=4, burst_limit=0), now=T0)
+    assert elastic_line(fixed) == "" and memory_text(fixed.to_json()) == "4 GiB"
