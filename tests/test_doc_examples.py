@@ -43,6 +43,7 @@ import csv
 import functools
 import io
 import json
+import contextlib
 import os
 import re
 import shlex
@@ -624,7 +625,8 @@ def start_long_running(
                 assert time.monotonic() < deadline, f"`{shlex.join(argv)}` did not load jupyter_gpupool:\n{log_path.read_text()[-3000:]}"
                 time.sleep(0.5)
     except BaseException:
-        os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it exited (and was reaped) already
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
         raise
     return argv, process, log_path
@@ -639,7 +641,8 @@ def stop_long_running(sandbox: Sandbox, argv: list[str], process: subprocess.Pop
         sandbox.ran.append(shlex.join(argv))
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait(30)
 
 
