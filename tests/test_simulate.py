@@ -235,7 +235,7 @@ def test_asking_for_more_than_the_need_leases_more_and_waits_longer() -> None:
         ("8GiB:inf", "must be a number above 0, got 'inf'"),
         ("8GiB:half", "got 'half'"),
         ("8 parsecs:1", "unknown unit 'parsecs'"),
-        ("0GiB:1", "must be between 1 byte and 1 PiB"),
+        ("0GiB:1", "a size must be at least 1 byte"),
         ("120%:1", "a percentage must be above 0% and at most 100%"),
         ("8GiB:1,8GiB:2", "'8GiB' is given twice"),
     ],
