@@ -78,7 +78,8 @@ def test_a_kernel_grows_past_its_default_and_gives_the_burst_back_for_a_request(
         assert lease_b.memory == 12 * GIB and waited < 10
         back = pool.get(grown.id)
         assert back.state is LeaseState.GRANTED and back.guarantee == 2 * GIB and back.memory <= 4 * GIB
-        assert back.burst_note.startswith("burst taken back")
+        # Taken back for B, or given back by A itself once its use had dropped (whichever came first).
+        assert back.burst_note.startswith(("burst taken back", "gave its burst back")), back.burst_note
         # A's caps were moved down by the server through the quiet channel: no activity for A.
         await gpupool_wait(lambda: gpupool_ext._caps_sent.get(grown.id) == back.memory, what="A's caps request sent")
         await asyncio.sleep(1.5)
