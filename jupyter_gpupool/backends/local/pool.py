@@ -108,8 +108,9 @@ class Pool(GrantWaiting):
         self._view_store: Store | None = None
         self._view_index: tuple[int, LeaseIndex] | None = None
         self._view_store_lock = threading.Lock()
-        #: Watchers of this process whose last sighting of unpooled use is on file (see report_unpooled).
-        self._unpooled_reporters: set[str] = set()
+        #: Watchers whose last sighting of unpooled use is on file (see report_unpooled): read once
+        #: here, so that an empty sighting clears rows an earlier pool object of the same watcher wrote.
+        self._unpooled_reporters: set[str] = self.store.unpooled_reporters()
 
     def _remember_inventory(self) -> None:
         """Record a simulated inventory's spec in the pool file (once; again only if it changes)."""
@@ -541,7 +542,7 @@ class Pool(GrantWaiting):
         now = self._now(now)
         ttl = self.unpooled_ttl if ttl is None else ttl
         reporter = reporter or f"{HOSTNAME}:{os.getpid()}"
-        if not uses and reporter not in self._unpooled_reporters and not self.store.unpooled_keys(reporter, now):
+        if not uses and reporter not in self._unpooled_reporters:
             return []  # nothing seen now, nothing of ours on file: no write (a watchdog step's usual case)
         with self._locked():
             earlier = self.store.unpooled_keys(reporter, now)

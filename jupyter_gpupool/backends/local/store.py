@@ -936,6 +936,11 @@ class Store:
         )
         return {(host, device, int(pid)) for host, device, pid in rows}
 
+    def unpooled_reporters(self) -> set[str]:
+        """Watchers with a sighting on file (expired or not: their next write clears it)."""
+        rows = self.conn.execute("SELECT DISTINCT reporter FROM unpooled_use")
+        return {reporter for (reporter,) in rows}
+
     def unpooled(self, now: float) -> list[dict[str, Any]]:
         """Unexpired unpooled use, one row per (host, device, pid): the largest figure when two
         watchers saw the same process (a server's and the broker's)."""
