@@ -175,6 +175,30 @@ def test_the_pool_file_alone_opens_the_simulated_pool_it_was(tmp_path):
     assert status.returncode == 0 and status.stdout.startswith("Pool: simulated 2xA100-80GB"), status.stdout + status.stderr
 
 
+def test_a_recorded_simulated_inventory_is_not_used_on_a_host_with_an_nvidia_driver(tmp_path, monkeypatch):
+    """On a GPU host a pool file that was once simulated opens on the real GPUs (NVML), never on
+    fake ones nobody watches; the kernel's autolease looks for the driver in the same places."""
+    from jupyter_gpupool.devices import base
+    from jupyter_gpupool.devices.nvml import NvmlBackend
+    from jupyter_gpupool.errors import PoolUnavailable
+    from jupyter_gpupool.kernel import autolease
+
+    assert autolease.NVIDIA_MARKERS == base.NVIDIA_MARKERS
+    path = str(tmp_path / "was-simulated.sqlite")
+    Pool.from_env(environ={"GPUPOOL_SIMULATE": "1xT4-16GB", "GPUPOOL_DB": path}).close()
+    driver = tmp_path / "nvidiactl"
+    driver.touch()
+    monkeypatch.setattr(base, "NVIDIA_MARKERS", (str(driver),))
+    try:
+        pool = Pool.from_env(environ={"GPUPOOL_DB": path})
+    except PoolUnavailable:
+        return  # NVML was asked for, and this machine has none: not the recorded fake inventory
+    try:
+        assert isinstance(pool.backend, NvmlBackend), pool.backend.describe()
+    finally:
+        pool.close()
+
+
 def test_a_pool_file_of_the_previous_version_is_taken_forward_and_then_remembers(tmp_path):
     """The file of the schema before ``pool_facts`` opens, keeps its leases, and learns its inventory."""
     path = tmp_path / "old.sqlite"

@@ -40,6 +40,16 @@ class DeviceBackend(abc.ABC):
         """Release driver handles (NVML shutdown)."""
 
 
+#: Where an NVIDIA driver shows itself on a host (the kernel's autolease keeps its own copy, so that
+#: a kernel that stands aside imports nothing of the pool).
+NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
+
+
+def nvidia_driver_present() -> bool:
+    """Whether this host shows an NVIDIA driver (two ``stat`` calls, no NVML)."""
+    return any(os.path.exists(path) for path in NVIDIA_MARKERS)
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (another user's counts; a zombie does not)."""
     try:

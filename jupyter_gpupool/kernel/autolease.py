@@ -53,7 +53,7 @@ PROVISIONED_ENV = ("GPUPOOL_LEASE_ID", "GPUPOOL_UNAVAILABLE", "GPUPOOL_KERNEL_ID
 #: Provisioners of ours: a kernelspec naming one of them is pooled by its provisioner.
 OUR_PROVISIONERS = ("gpupool-provisioner", "gpupool-slurm-provisioner")
 #: Where an NVIDIA driver shows itself; neither present and no simulated pool: no GPU to pool.
-NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
+NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")  # as devices.base.NVIDIA_MARKERS
 KERNEL_EXTENSION = "jupyter_gpupool.kernel"
 #: What a lease taken here is released with when the kernel exits.
 EXIT_REASON = "kernel shut down"

@@ -46,6 +46,7 @@ from jupyter_gpupool.core.models import (
 from jupyter_gpupool.core.policy import PoolPolicy, Reservation, parse_reservation
 from jupyter_gpupool.core.validate import preferences as validate_preferences
 from jupyter_gpupool.devices import DeviceBackend, make_backend
+from jupyter_gpupool.devices.base import nvidia_driver_present
 from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
 from jupyter_gpupool.enforcement.unpooled import UnpooledUse, held_by_lease, unpooled_line
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, RequestRefused
@@ -132,8 +133,9 @@ class Pool(GrantWaiting):
         backend = overrides.pop("backend", None)
         if backend is None:
             spec = (env.get("GPUPOOL_SIMULATE") or "").strip() or None
-            if spec is None and chosen_db:
-                # A file named alone opens the pool it was: a simulated one stays simulated.
+            if spec is None and chosen_db and not nvidia_driver_present():
+                # A file named alone opens the pool it was: a simulated one stays simulated. Not on
+                # a host with an NVIDIA driver: there the real GPUs are pooled, and NVML watches them.
                 spec = Store.recorded_fact(chosen_db, SIMULATED_INVENTORY)
             backend = make_backend(spec)
         if isinstance(backend, SimulatedBackend) and backend.usage_dir is None:
