@@ -314,11 +314,15 @@ def test_suspend_idle_timeout_shortens_the_idle_time_before_a_suspend_only(tmp_p
         assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 661)
 
 
-def test_suspend_idle_timeout_unset_is_idle_timeout_and_its_env_var_and_bad_values(tmp_path):
+def test_suspend_idle_timeout_unset_is_two_minutes_capped_at_idle_timeout_and_its_env_var_and_bad_values(tmp_path):
     from jupyter_gpupool.core.policy import PoolPolicy
 
     policy = PoolPolicy()
-    assert policy.suspend_idle_timeout is None and policy.idle_timeout_for(True) == policy.idle_timeout == 1800
+    assert policy.suspend_idle_timeout is None and policy.idle_timeout == 1800
+    assert policy.idle_timeout_for(True) == 120 and policy.idle_timeout_for(False) == 1800
+    policy.idle_timeout = 60  # a pool that culls sooner than 2 min suspends no later than it culls
+    assert policy.idle_timeout_for(True) == policy.idle_timeout_for(False) == 60
+    policy.idle_timeout = 1800
     policy.apply_env({"GPUPOOL_SUSPEND_IDLE_TIMEOUT": "2m"})
     assert policy.suspend_idle_timeout == 120 and policy.idle_timeout_for(True) == 120 and policy.idle_timeout_for(False) == 1800
     with pytest.raises(InvalidInput, match="GPUPOOL_SUSPEND_IDLE_TIMEOUT"):

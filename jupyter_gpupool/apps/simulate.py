@@ -484,6 +484,7 @@ class LabRun:
         policy = PoolPolicy(config=config)
         policy.idle_policy = "pressure" if mode in ("reclaim", *SUSPENDING) else "never"
         policy.idle_timeout = settings.suspend_idle_timeout if mode in SUSPENDING else settings.idle_timeout
+        policy.suspend_idle_timeout = policy.idle_timeout  # the simulator's own setting, not the pool's default
         policy.reclaim_action = "suspend" if mode in SUSPENDING else "cull"
         self.parked_limit = settings.parked_limit if mode in SUSPENDING else 0
         self.elastic = mode == "elastic"

@@ -714,8 +714,6 @@ class Engine:
     def _idle_timeout(self, state: PoolState, lease: Lease) -> float:
         """Idle time before ``lease`` may be reclaimed: the policy's suspend idle timeout where the
         reclaim would suspend it now, else its idle timeout (a cull)."""
-        if self.policy.suspend_idle_timeout is None:
-            return float(self.policy.idle_timeout)
         return self.policy.idle_timeout_for(not self.suspend_refusal(state, lease))
 
     def suspend_refusal(self, state: PoolState, lease: Lease) -> str:

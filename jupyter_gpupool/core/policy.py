@@ -60,6 +60,11 @@ _DURATION_TRAITS = {
 
 WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
+DEFAULT_SUSPEND_IDLE_TIMEOUT = 120.0
+"""Idle seconds before a suspend when ``suspend_idle_timeout`` is unset: the simulator's sweep of
+30 s, 1, 2 and 5 min (bench/RESULTS.md, "Suspend idle timeout") served the most sessions with the
+shortest waits at 2 min on both the lab and the class scenario."""
+
 
 @dataclass(frozen=True)
 class Quota:
@@ -257,7 +262,8 @@ class PoolPolicy(Configurable):
         help="Seconds a kernel must be idle before its slice may be taken back by suspending it (its GPU memory "
         "parked in host RAM, restored on its next cell), where it can be suspended now: its server can checkpoint, "
         "reclaim_action is 'suspend', the parked-memory budget has room. Kernels that would be culled instead keep "
-        "idle_timeout. None (the default): idle_timeout for every kernel. Env: GPUPOOL_SUSPEND_IDLE_TIMEOUT (e.g. 2m).",
+        "idle_timeout. None (the default): 2 minutes, or idle_timeout where that is shorter (chosen from the "
+        "simulator's sweep in bench/RESULTS.md). Env: GPUPOOL_SUSPEND_IDLE_TIMEOUT (e.g. 2m).",
     ).tag(config=True)
 
     @validate("suspend_idle_timeout")
@@ -270,11 +276,14 @@ class PoolPolicy(Configurable):
         return float(value)
 
     def idle_timeout_for(self, suspends: bool) -> float:
-        """The idle time before a reclaim: :attr:`suspend_idle_timeout` where the reclaim would
-        suspend the kernel (``suspends``) and one is set, else :attr:`idle_timeout`."""
-        if suspends and self.suspend_idle_timeout is not None:
+        """The idle time before a reclaim: where the reclaim would suspend the kernel
+        (``suspends``), :attr:`suspend_idle_timeout`, or when that is unset
+        :data:`DEFAULT_SUSPEND_IDLE_TIMEOUT` capped at :attr:`idle_timeout`; else :attr:`idle_timeout`."""
+        if not suspends:
+            return float(self.idle_timeout)
+        if self.suspend_idle_timeout is not None:
             return float(self.suspend_idle_timeout)
-        return float(self.idle_timeout)
+        return min(DEFAULT_SUSPEND_IDLE_TIMEOUT, float(self.idle_timeout))
 
     warning_period = Float(
         120.0,
