@@ -235,6 +235,8 @@ class FakeNvml:
         self.legacy_bytes = legacy_bytes
         self.driver_version = driver_version
         self.calls: Counter[str] = Counter()
+        #: MPS memory partitioning: (GPU index, cgroup path) -> (soft, hard) bytes that were set.
+        self.memory_limits: dict[tuple[int, str], tuple[int, int]] = {}
         self.init_count = 0  # NVML's reference count of nvmlInit minus nvmlShutdown
         for i, gpu in enumerate(gpus):
             gpu.uuid = gpu.uuid or f"GPU-{i:08x}-fake-4000-8000-{i:012x}"
@@ -255,6 +257,8 @@ class FakeNvml:
         for name, value in C.items():
             setattr(module, name, value)
         self.NVMLError = _make_error_classes(module)
+        module.c_nvmlGetMemoryLimits_v1_t = _Struct  # ctypes structs take their fields as keywords too
+        module.c_nvmlSetMemoryLimits_v1_t = _Struct
         for name in dir(self):
             if name.startswith("nvml"):
                 setattr(module, name, getattr(self, name))
@@ -444,6 +448,26 @@ class FakeNvml:
 
     def nvmlDeviceGetMPSComputeRunningProcesses(self, handle):
         return self._running("nvmlDeviceGetMPSComputeRunningProcesses", handle, "mps")
+
+    # MPS memory partitioning: the call exists from driver r615 (older drivers: FUNCTION_NOT_FOUND,
+    # as pynvml's _nvmlGetFunctionPointer raises); MIG handles are not supported.
+    def _limits_gpu(self, fn: str, handle: _Handle) -> FakeGpu:
+        gpu = self._gpu(fn, handle)
+        if int(self.driver_version.split(".")[0]) < 615:
+            self._raise(C["NVML_ERROR_FUNCTION_NOT_FOUND"])
+        if gpu.mig or handle.slot is not None:
+            self._raise(C["NVML_ERROR_NOT_SUPPORTED"])
+        return gpu
+
+    def nvmlDeviceGetMemoryLimits_v1(self, device, limits):
+        self._limits_gpu("nvmlDeviceGetMemoryLimits_v1", device)
+        name = limits.nameSpace.decode()
+        soft, hard = self.memory_limits.get((device.gpu, name), (0, 2**64 - 1))  # none set: 0 and NVML_DEVICE_MEMORY_LIMIT_MAX
+        limits.softLimit, limits.hardLimit, limits.currentUsed = soft, hard, 0
+
+    def nvmlDeviceSetMemoryLimits_v1(self, device, limits):
+        self._limits_gpu("nvmlDeviceSetMemoryLimits_v1", device)
+        self.memory_limits[(device.gpu, limits.nameSpace.decode())] = (int(limits.softLimit), int(limits.hardLimit))
 
 
 # --- inventories -------------------------------------------------------------------------------

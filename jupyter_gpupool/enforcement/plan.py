@@ -7,7 +7,9 @@ provisioner (which puts ``env`` into the kernel's environment) and the REST API 
 Mechanisms, strongest first (DESIGN.md, "Enforcement is a plan"):
 
 ``mig``             the device is an existing MIG instance: memory and SMs isolated by hardware.
-``mps``             CUDA MPS with a per-client pinned memory limit (allocations above it fail).
+``mps``             CUDA MPS with a per-client pinned memory limit (allocations above it fail); with
+                    memory partitioning (driver r615+), a soft bound at the guarantee and a hard one
+                    at the limit (see :mod:`.partition`).
 ``hami``            HAMi-core (``libvgpu.so`` preloaded) caps what the CUDA driver API hands out.
 ``framework-caps``  JAX, CuPy, TensorFlow (and PyTorch, via the kernel extension) cap themselves.
 ``watchdog``        NVML per-process usage is checked against the slice; always on.
@@ -15,17 +17,21 @@ Mechanisms, strongest first (DESIGN.md, "Enforcement is a plan"):
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from traitlets import Bool, Unicode
+from traitlets import Bool, Enum, Unicode
 from traitlets.config import Configurable
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState
+from jupyter_gpupool.enforcement.partition import CGROUP_ROOT, MemoryPartitioning, probe_memory_partitioning
 from jupyter_gpupool.units import MIB, format_size
+
+log = logging.getLogger(__name__)
 
 #: ``level`` values, strongest first. ``none``: no slice (queued, released, or no GPU at all).
 LEVELS = ("hard", "strong", "soft", "none")
@@ -37,6 +43,8 @@ class EnforcementConfig:
 
     framework_caps: bool = True
     mps_pipe_directory: str | None = None  # an MPS control daemon serves this pipe directory
+    mps_memory_partitioning: bool = False  # the driver sets soft and hard bounds per cgroup (probed)
+    cgroup_root: str = CGROUP_ROOT  # where cgroup v2 is mounted (kernels' cgroups go under it)
     hami_library: str | None = None  # absolute path of HAMi-core's libvgpu.so
     hami_cache_dir: str | None = None  # where per-kernel shared-region files go (default: /tmp)
 
@@ -51,10 +59,17 @@ class EnforcementPlan:
     description: str
     #: variables to prepend to (not replace) in the kernel's environment, e.g. LD_PRELOAD
     prepend: dict[str, str] = field(default_factory=dict)
+    #: Why this slice cannot grow above its guarantee ("" where it may burst).
+    fixed_because: str = ""
+    #: The kernel's cgroup gets these soft (guaranteed) and hard (limit) bytes (MPS memory partitioning).
+    partition: tuple[int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The part the sidebar and REST API show."""
-        return {"level": self.level, "mechanisms": list(self.mechanisms), "description": self.description}
+        return {
+            "level": self.level, "mechanisms": list(self.mechanisms), "description": self.description,
+            "bursts": not self.fixed_because, "fixed_because": self.fixed_because or None,
+        }
 
     def apply(self, env: Mapping[str, str]) -> dict[str, str]:
         """Return a copy of ``env`` with this plan's variables set (prepends joined with ``:``)."""
@@ -111,6 +126,8 @@ def plan_enforcement(
     mechanisms: list[str] = []
     parts: list[str] = []
     level = "soft"
+    fixed_because = ""
+    partition: tuple[int, int] | None = None
     size = format_size(memory) + (f" on each of {len(lease.devices)} GPUs" if len(lease.devices) > 1 else "")
 
     is_mig = bool(held) and all(d.is_mig for d in held)
@@ -118,16 +135,28 @@ def plan_enforcement(
         mechanisms.append("mig")
         level = "hard"
         parts.append(f"MIG instance ({format_size(min(d.memory_total for d in held))}): memory and compute isolated by the GPU")
+        fixed_because = "a MIG instance has a fixed size"
     elif config.mps_pipe_directory:
         mechanisms.append("mps")
         level = "strong"
         env["CUDA_MPS_PIPE_DIRECTORY"] = config.mps_pipe_directory
+        share = f", {lease.compute_share}% of the SMs" if lease.compute_share else ""
+        if config.mps_memory_partitioning and lease.elastic:
+            # The hard bound is the limit: the slice grows under it, its guarantee is the soft bound.
+            limit = int(lease.limit_size)
+            partition = (int(lease.guarantee_size), limit)
+            mib = max(1, limit // MIB)
+            parts.append(
+                f"CUDA MPS guarantees this kernel {format_size(lease.guarantee_size)} and fails allocations above "
+                f"{format_size(limit)}{share} (memory partitioning)"
+            )
+        else:
+            fixed_because = "CUDA MPS sets a kernel's memory limit when it starts"
+            parts.append(f"CUDA MPS limits this kernel to {size}{share}; allocations above it fail")
         # Indices are relative to CUDA_VISIBLE_DEVICES: 0..n-1.
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i in range(len(lease.devices)))
         if lease.compute_share:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(lease.compute_share))
-        share = f", {lease.compute_share}% of the SMs" if lease.compute_share else ""
-        parts.append(f"CUDA MPS limits this kernel to {size}{share}; allocations above it fail")
     elif config.hami_library:
         mechanisms.append("hami")
         level = "strong"
@@ -141,6 +170,7 @@ def plan_enforcement(
         env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = os.path.join(cache_dir, f"gpupool-{lease.id}.cache")
         share = f", {lease.compute_share}% of the SMs" if lease.compute_share else ""
         parts.append(f"HAMi-core limits this kernel to {size}{share}; allocations above it fail")
+        fixed_because = "HAMi-core sets a kernel's memory limit when it starts"
 
     if config.framework_caps:
         mechanisms.append("framework-caps")
@@ -159,7 +189,20 @@ def plan_enforcement(
     parts.append("the watchdog stops a kernel far over it" if level == "soft" else "the watchdog checks usage")
     env["GPUPOOL_ENFORCEMENT"] = level
     description = "; ".join(parts) + "."
-    return EnforcementPlan(env=env, level=level, mechanisms=tuple(mechanisms), description=description, prepend=prepend)
+    return EnforcementPlan(
+        env=env, level=level, mechanisms=tuple(mechanisms), description=description, prepend=prepend,
+        fixed_because=fixed_because, partition=partition,
+    )
+
+
+def size_fixed_at_start(config: EnforcementConfig) -> str:
+    """Why slices on this host cannot grow once their kernel runs ("" where they can): MPS without
+    memory partitioning and HAMi-core read their limit once, when the kernel starts."""
+    if config.mps_pipe_directory and not config.mps_memory_partitioning:
+        return "CUDA MPS sets a kernel's memory limit when it starts"
+    if not config.mps_pipe_directory and config.hami_library:
+        return "HAMi-core sets a kernel's memory limit when it starts"
+    return ""
 
 
 class EnforcementSettings(Configurable):
@@ -179,6 +222,23 @@ class EnforcementSettings(Configurable):
             "Env: GPUPOOL_MPS_PIPE_DIRECTORY."
         ),
     )
+    mps_memory_partitioning = Enum(
+        ["auto", "on", "off"],
+        os.environ.get("GPUPOOL_MPS_MEMORY_PARTITIONING", "auto").strip().lower() or "auto",
+        config=True,
+        help=(
+            "With MPS: give each kernel a cgroup whose soft memory bound is its guarantee and whose hard bound is its "
+            "burst limit (MPS memory partitioning, driver r615 / CUDA 13.4 and newer, cgroup v2, root). 'auto': use it "
+            "where a probe of NVML finds it; 'on': always (kernels fail to get their bounds where it is missing); "
+            "'off': never. Without it an MPS slice does not grow. Env: GPUPOOL_MPS_MEMORY_PARTITIONING."
+        ),
+    )
+    cgroup_root = Unicode(
+        os.environ.get("GPUPOOL_CGROUP_ROOT", CGROUP_ROOT),
+        config=True,
+        help="Where cgroup v2 is mounted; kernels' cgroups for MPS memory partitioning go in its gpupool/ folder. "
+        "Env: GPUPOOL_CGROUP_ROOT.",
+    )
     hami_library = Unicode(
         os.environ.get("GPUPOOL_HAMI_LIBRARY", ""),
         config=True,
@@ -193,14 +253,43 @@ class EnforcementSettings(Configurable):
         help="Directory for HAMi-core's per-kernel shared-region files (CUDA_DEVICE_MEMORY_SHARED_CACHE). Empty: /tmp.",
     )
 
+    def partitioning(self) -> MemoryPartitioning | None:
+        """The probe's answer (``None`` where MPS is not used or partitioning is off)."""
+        if not self.mps_pipe_directory or self.mps_memory_partitioning == "off":
+            return None
+        if self.mps_memory_partitioning == "on":
+            return MemoryPartitioning(True, "", self.cgroup_root)
+        return _probe_once(self.cgroup_root)
+
     def to_config(self) -> EnforcementConfig:
         """The plain-data form :func:`plan_enforcement` takes."""
+        partitioning = self.partitioning()
         return EnforcementConfig(
             framework_caps=self.framework_caps,
             mps_pipe_directory=self.mps_pipe_directory or None,
+            mps_memory_partitioning=bool(partitioning and partitioning.available),
+            cgroup_root=self.cgroup_root,
             hami_library=self.hami_library or None,
             hami_cache_dir=self.hami_cache_dir or None,
         )
 
 
-__all__ = ["LEVELS", "EnforcementConfig", "EnforcementPlan", "EnforcementSettings", "memory_fraction", "plan_enforcement"]
+_PROBES: dict[str, MemoryPartitioning] = {}
+
+
+def _probe_once(cgroup_root: str) -> MemoryPartitioning:
+    """Probe MPS memory partitioning once per process (NVML is asked only where MPS is used)."""
+    if cgroup_root not in _PROBES:
+        try:
+            import pynvml  # optional at this point: only a host with MPS configured gets here
+        except ImportError:
+            _PROBES[cgroup_root] = MemoryPartitioning(False, "nvidia-ml-py is not installed", cgroup_root)
+        else:
+            _PROBES[cgroup_root] = probe_memory_partitioning(pynvml, cgroup_root)
+        found = _PROBES[cgroup_root]
+        if not found.available:
+            log.info("gpupool: MPS memory partitioning is not available (%s): MPS slices do not grow", found.why)
+    return _PROBES[cgroup_root]
+
+
+__all__ = ["LEVELS", "EnforcementConfig", "EnforcementPlan", "EnforcementSettings", "memory_fraction", "plan_enforcement", "size_fixed_at_start"]

@@ -38,6 +38,7 @@ import functools
 import importlib.util
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -53,7 +54,14 @@ from jupyter_gpupool.backends.factory import pool_from_env
 from jupyter_gpupool.backends.owner import default_owner, holder_identity
 from jupyter_gpupool.core.models import Activity, Lease, LeaseRequest, LeaseState, PriorityClass, QueueInfo
 from jupyter_gpupool.core.validate import usable_preferences
-from jupyter_gpupool.enforcement.plan import EnforcementConfig, EnforcementPlan, EnforcementSettings, plan_enforcement
+from jupyter_gpupool.enforcement.partition import create_kernel_cgroup, join_command, load_nvml, remove_kernel_cgroup
+from jupyter_gpupool.enforcement.plan import (
+    EnforcementConfig,
+    EnforcementPlan,
+    EnforcementSettings,
+    plan_enforcement,
+    size_fixed_at_start,
+)
 from jupyter_gpupool.errors import (
     GpuPoolError,
     InvalidInput,
@@ -311,6 +319,8 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     lease_id: str | None = None
     plan: EnforcementPlan | None = None
+    #: The kernel's cgroup (MPS memory partitioning); None where it has none.
+    cgroup: str | None = None
     phase: str = "new"  # new, waiting, launching, running, restarting, stopping, stopped, failed
     #: Why the last start failed (the pool refused it, or was unavailable with ``refuse``); None if it did not.
     failure: str | None = None
@@ -378,6 +388,11 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
                 burst_limit = 0 if self.limit.strip() == "0" else pool.parse_memory(self.limit)
             except InvalidInput as err:
                 raise InvalidInput(f"{err} (the limit in the kernelspec's provisioner config)") from None
+        fixed_because = size_fixed_at_start(self._enforcement())
+        if fixed_because and burst_limit != 0:
+            if burst_limit:
+                self.log.warning("gpupool: kernel %s gets a fixed slice, not its limit: %s", self.kernel_id, fixed_because)
+            burst_limit = 0  # the limit the kernel starts with is the one it keeps: no burst to promise
         num_gpus = self.num_gpus or int(prefs.get("num_gpus") or 1)
         share = self.compute_share or prefs.get("compute_share") or None
         # Outside a server (no ServerBinding) nobody is at the keyboard: a batch run unless the kernelspec says.
@@ -556,7 +571,11 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         self.cpu_only_reason = None
         self.phase = "launching"
         devices = {d.uuid: d for d in await in_thread(self.pool.devices)}
-        self.plan = plan_enforcement(lease, devices, self._enforcement())
+        enforcement = self._enforcement()
+        self.plan = plan_enforcement(lease, devices, enforcement)
+        if self.plan.partition is not None:
+            indices = [devices[uuid].index for uuid in lease.devices if uuid in devices]
+            await in_thread(self._make_cgroup, lease.id, indices, enforcement.cgroup_root)
         env = dict(kwargs.get("env") or os.environ)
         env.pop(UNAVAILABLE_ENV, None)
         env.update(pool_env(self.pool))
@@ -601,8 +620,21 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         )
         return await super().pre_launch(**kwargs)
 
+    def _make_cgroup(self, lease_id: str, device_indices: list[int], cgroup_root: str) -> None:
+        """Give the kernel its cgroup with the plan's soft and hard bounds (MPS memory partitioning).
+        A failure is a warning: the kernel still has its MPS hard limit and the watchdog."""
+        assert self.plan is not None and self.plan.partition is not None
+        soft, hard = self.plan.partition
+        try:
+            self.cgroup = create_kernel_cgroup(load_nvml(), device_indices, lease_id, soft, hard, cgroup_root)
+        except Exception as err:  # noqa: BLE001 - NVMLError, OSError: the start goes on with the hard limit
+            self.cgroup = None
+            self.log.warning("gpupool: kernel %s runs without its memory partition: %s", self.kernel_id, one_line(err))
+
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
         """Launch the kernel; a launch that fails (a missing program, a bad ``cwd``) gives its lease back at once."""
+        if self.cgroup:
+            cmd = join_command(self.cgroup, cmd, sys.executable)
         try:
             return await super().launch_kernel(cmd, **kwargs)
         except Exception as err:
@@ -674,6 +706,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         if released is not None:
             self._notify("released", released, None, "kernel shut down")
         self.lease_id = None
+        if self.cgroup:
+            remove_kernel_cgroup(self.cgroup)
+            self.cgroup = None
         stale = await in_thread(self._release_stale_quietly, "kernel shut down")
         if stale is not None:
             self._notify("released", stale, None, "kernel shut down")
