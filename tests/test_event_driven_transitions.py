@@ -222,6 +222,36 @@ def test_through_a_broker_suspend_and_the_next_cell_do_not_wait_for_any_tick(tmp
         server.stop()
 
 
+def test_a_broker_killed_during_the_long_poll_is_followed_again_once_it_is_back(tmp_path: Path, broker: BrokerProcess) -> None:
+    """SIGKILL the broker while the server's ``/changes`` long poll is open, start it again: a
+    suspend decided the moment it is back is carried out within one backoff, not at a tick."""
+    server = JupyterServer(
+        tmp_path, "alice", broker.url, ALICE,
+        config={"GpuPoolExtension": {"tick_interval": TEN_MINUTES, "reconcile_interval": TEN_MINUTES}},
+    )
+    try:
+        kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        wait_until(lambda: (lease := _lease_of(broker, kernel)) and lease.state is LeaseState.GRANTED, what="the grant")
+        wait_until((server.root / "runtime" / f"kernel-{kernel}.json").exists, what="the kernel to launch")
+        assert server.run_code(kernel, "w = 7\nprint('set')").strip() == "set"
+        lease = _lease_of(broker, kernel)
+        assert lease is not None
+        time.sleep(0.5)  # the server's long poll is open now
+        broker.kill()
+        time.sleep(1.5)  # its poll failed; it backs off and tries again
+        broker.start()
+        remote = RemotePool(broker.url, token=ALICE, timeout=15)
+        decided = time.monotonic()
+        remote.call("POST", f"api/gpupool/leases/{lease.id}/suspend", {"reason": "lunch"}, idempotent=False)
+        wait_until(lambda: remote.get(lease.id).state is LeaseState.SUSPENDED, timeout=PROMPT + RemotePool.retry_max,
+                   what="the suspend after the broker came back")
+        assert time.monotonic() - decided < PROMPT + RemotePool.retry_max
+        out = server.run_code(kernel, "print(w)", timeout=PROMPT + RemotePool.retry_max)
+        assert out.strip().splitlines()[-1] == "7", out  # nothing lost across the broker's death
+    finally:
+        server.stop()
+
+
 def test_the_changes_long_poll_answers_when_the_pool_changes_and_needs_credentials(broker: BrokerProcess) -> None:
     remote = RemotePool(broker.url, token=ALICE, timeout=15)
     version = remote.wait_for_change(None, 0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,3 +167,38 @@ def test_remote_suspend_errors_are_the_local_pools(broker: BrokerHarness) -> Non
     with pytest.raises(RequestRefused, match="it is suspending"):
         pool.suspend(able.id)
     assert pool.fail_transition(able.id, "x" * 800 + "\nmore", still_running=True).state is LeaseState.GRANTED
+
+
+class _ScriptedChanges(RemotePool):
+    """A RemotePool whose long polls follow a script, to hit one exact interleaving that a real
+    broker's timing cannot be made to show on demand (the change follower is the code under test)."""
+
+    def __init__(self, script: list[object]) -> None:
+        super().__init__("http://127.0.0.1:9", token="t")
+        self.script = script
+        self.retry_initial = 0.01
+        self.asked = threading.Event()
+
+    def wait_for_change(self, since: int | None, timeout: float) -> int:
+        if not self.script:
+            self.asked.set()
+            time.sleep(0.05)
+            return since or 0
+        step = self.script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        assert isinstance(step, int)
+        return step
+
+
+def test_the_first_answer_after_a_broker_outage_is_looked_at_even_if_nothing_changes_after_it() -> None:
+    """Down, then back with version 7, which holds a decision taken after the follower's last look:
+    the follower must look again after that first answer, or the decision waits for a tick."""
+    looks: list[float] = []
+    remote = _ScriptedChanges([PoolUnavailable("connection refused"), 7])
+    stop = remote.subscribe_changes(lambda: looks.append(time.monotonic()))
+    try:
+        assert remote.asked.wait(10), "the follower never polled again"
+    finally:
+        stop()
+    assert len(looks) == 2, looks  # once after the outage's backoff, once after the first answer

@@ -661,12 +661,13 @@ class RemotePool(GrantWaiting):
 
         def follow() -> None:
             since: int | None = None
+            reconnected = False  # the broker did not answer: what it decided meanwhile is unknown
             backoff = _Backoff(self, limit=None)
             while not stopped.is_set():
                 try:
                     version = self.wait_for_change(since, self.wait_chunk)
                 except PoolUnavailable as err:
-                    since = None  # the broker may have restarted: its versions start again
+                    since, reconnected = None, True  # the broker may have restarted: its versions start again
                     stopped.wait(backoff.delay(err))
                     listener()  # look again once it answers: a decision may have been missed
                     continue
@@ -675,9 +676,11 @@ class RemotePool(GrantWaiting):
                     listener()
                     continue
                 backoff.reset()
-                if since is not None and version != since and not stopped.is_set():
+                # Look once more on the first answer after an outage: a decision taken between the
+                # last look and this answer is in ``version`` already, so no later change reveals it.
+                if (reconnected or (since is not None and version != since)) and not stopped.is_set():
                     listener()
-                since = version
+                since, reconnected = version, False
 
         threading.Thread(target=follow, name="gpupool-broker-changes", daemon=True).start()
         return stopped.set
