@@ -71,7 +71,9 @@ test('an elastic slice grows with its use and gives its burst back for a request
   await expect(line).toHaveText(/^2 GiB guaranteed · [\d.]+ GiB now, up to 16 GiB$/);
   await expect(step).toContainText('grown to');
   await expect(status).toHaveAttribute('title', /^2 GiB guaranteed · [\d.]+ GiB now, up to 16 GiB; GPU 0/);
-  await expect(panel.locator('.jp-GpuPool-warning')).toHaveCount(0); // within its limit: no warning
+  // The watchdog measured the 6 GiB: within its slice's limit, so no warning.
+  await expect(panel.locator('.jp-GpuPool-usage')).toContainText(/^using 6 GiB of [\d.]+ GiB/, { timeout: 15 * 1000 });
+  await expect(panel.locator('.jp-GpuPool-warning')).toHaveCount(0);
   const grown = await kernelStatus(request, kernelA);
   expect(grown.state).toBe('granted');
   expect(grown.memory).toBeGreaterThanOrEqual(6 * 1024 ** 3);
