@@ -208,3 +208,20 @@ def test_the_status_line_and_the_leases_table_show_guarantee_now_and_limit(tmp_p
     assert rows["elastic"] == "4 GiB guaranteed · 9.2 GiB now, up to 40 GiB" and rows["last step"].startswith("grown to")
     fixed = pool.request(req("bob", gib=4, burst_limit=0), now=T0)
     assert elastic_line(fixed) == "" and memory_text(fixed.to_json()) == "4 GiB"
+
+
+def test_the_kernel_body_says_when_enforcement_fixed_the_size_at_start(tmp_path):
+    from jupyter_gpupool.enforcement.plan import EnforcementConfig
+    from jupyter_gpupool.rest.views import burst_fixed, kernel_status
+
+    pool = make_pool(tmp_path, burst="16GiB")
+    lease = pool.request(req(gib=2), now=T0)
+    plain = kernel_status(pool, "k1", lease, EnforcementConfig(), "alice", T0)
+    assert plain["burst_fixed"] is None and plain["limit"] == 16 * GIB
+    mps = kernel_status(pool, "k1", lease, EnforcementConfig(mps_pipe_directory="/tmp/mps"), "alice", T0)
+    assert mps["burst_fixed"] == "CUDA MPS set this kernel's memory limit when it started"
+    hami = kernel_status(pool, "k1", lease, EnforcementConfig(hami_library="/opt/libvgpu.so"), "alice", T0)
+    assert hami["burst_fixed"] == "HAMi-core set this kernel's memory limit when it started"
+    fixed = pool.request(req("bob", gib=2, burst_limit=0), now=T0)
+    assert kernel_status(pool, "k2", fixed, EnforcementConfig(mps_pipe_directory="/tmp/mps"), "bob", T0)["burst_fixed"] is None
+    assert burst_fixed(fixed, ("watchdog",), "slurm") == "Slurm set this job's GPU shards when it was submitted"

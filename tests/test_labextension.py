@@ -122,3 +122,24 @@ def test_sidebar_shows_slurm_job_partition_and_queue_position_in_headless_chromi
     assert returncode == 0, output[-6000:]
     for name in SLURM_SHOTS:
         assert (shots / f"{name}.png").is_file(), f"no screenshot {name}.png"
+
+
+ELASTIC_SHOTS = ("elastic-01-default-slice", "elastic-02-grown-on-demand", "elastic-03-second-kernel-granted",
+                 "elastic-04-burst-given-back")  # fmt: skip
+
+
+@pytest.mark.browser
+@needs_node
+@needs_chromium
+def test_sidebar_shows_an_elastic_slice_grow_and_give_its_burst_back_in_headless_chromium(tmp_path):
+    """A simulated 1x16GiB pool, a 2 GiB default and GPUPOOL_BURST=16GiB: a kernel that uses 6 GiB
+    shows `2 GiB guaranteed · 6 GiB now, up to 16 GiB` (or more now) in the sidebar; once its use
+    drops to 1 GiB a notebook whose kernelspec asks for 12 GiB is granted, and the first kernel's
+    line is back near its guarantee with the pool's reason (run.sh's elastic suite)."""
+    shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
+    env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
+    returncode, output = run_suites(["elastic"], env, timeout=600)
+    print(output[-6000:])
+    assert returncode == 0, output[-6000:]
+    for name in ELASTIC_SHOTS:
+        assert (shots / f"{name}.png").is_file(), f"no screenshot {name}.png"

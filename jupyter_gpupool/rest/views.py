@@ -103,7 +103,16 @@ def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> di
 
 
 #: The elastic-slice fields of a body with no lease (see :func:`elastic_fields`).
-_NO_BURST: dict[str, Any] = {"guarantee": 0, "limit": 0, "burst": 0, "burst_note": None, "burst_taken_at": None}
+_NO_BURST: dict[str, Any] = {
+    "guarantee": 0, "limit": 0, "burst": 0, "burst_note": None, "burst_taken_at": None, "burst_fixed": None,
+}  # fmt: skip
+
+#: What fixes a kernel's size when it starts, by enforcement mechanism (the pool may grow its
+#: lease, but the kernel cannot use more than it started with).
+_FIXED_AT_START = {
+    "mps": "CUDA MPS set this kernel's memory limit when it started",
+    "hami": "HAMi-core set this kernel's memory limit when it started",
+}
 
 
 def elastic_line(lease: Lease) -> str:
@@ -129,6 +138,16 @@ def elastic_fields(lease: Lease) -> dict[str, Any]:
         "burst_note": lease.burst_note or None,
         "burst_taken_at": lease.burst_taken_at,
     }
+
+
+def burst_fixed(lease: Lease, mechanisms: tuple[str, ...] | list[str], backend_kind: str) -> str | None:
+    """Why this kernel cannot use burst, where its enforcement fixed its size when it started
+    (an MPS or HAMi-core limit; a Slurm job's shards, set at submission); None where nothing does."""
+    if backend_kind == "slurm":
+        return "Slurm set this job's GPU shards when it was submitted"
+    if not lease.elastic:
+        return None
+    return next((why for mechanism, why in _FIXED_AT_START.items() if mechanism in mechanisms), None)
 
 
 #: The suspend fields of a body with no lease (see :func:`suspend_fields`).
@@ -204,6 +223,7 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
         "reason": None,
         **suspend_fields(lease),
         **elastic_fields(lease),
+        "burst_fixed": burst_fixed(lease, plan.mechanisms, getattr(pool, "kind", "")),
         # A reclaim suspends it only if the pool allows suspends too (else the warning must say "shut down").
         "suspendable": lease.suspendable and getattr(getattr(pool, "policy", None), "reclaim_action", "suspend") == "suspend",
     }

@@ -377,6 +377,19 @@ function PanelBody(props: {
         {view.usage && (
           <Meter bar={view.usage} name="Memory used of the slice" className="jp-GpuPool-usage" />
         )}
+        {view.elastic && (
+          <div className="jp-GpuPool-elastic" role="status" aria-live="polite">
+            <p className="jp-GpuPool-elasticLine">{view.elastic.line}</p>
+            {view.elastic.step && (
+              <p
+                className={`jp-GpuPool-burstStep${view.elastic.takenBack ? ' jp-mod-takenBack' : ' jp-GpuPool-muted'}`}
+              >
+                {view.elastic.step}
+              </p>
+            )}
+          </div>
+        )}
+        {view.burstFixed && <p className="jp-GpuPool-muted jp-GpuPool-burstFixed">{view.burstFixed}</p>}
         {view.overLimit && (
           <p className="jp-GpuPool-warning" role="alert">
             {view.overLimit}

@@ -192,6 +192,19 @@ export interface IKernelStatus {
   parking?: IParking | null;
   /** Uuids of the GPUs it ran on before the suspend. */
   home_devices?: string[];
+  /** Elastic slices, bytes per GPU (absent from older servers): never taken back for anyone's request. */
+  guarantee?: number | null;
+  /** How far the slice may grow while its GPU has room; `guarantee` for a fixed slice. */
+  limit?: number | null;
+  /** Held above the guarantee now (`memory` = `guarantee` + `burst`). */
+  burst?: number | null;
+  /** The last grow or give-back step, or why a grow was refused, in the pool's words. */
+  burst_note?: string | null;
+  /** While the kernel gives its burst back: when the pool took it back (epoch s). */
+  burst_taken_at?: number | null;
+  /** Why this kernel cannot use burst: its enforcement fixed its size when it started. */
+  burst_fixed?: string | null;
+  num_gpus?: number | null;
 }
 
 /**

@@ -72,6 +72,16 @@ export interface IKernelView {
   suspended: { text: string; reason: string } | null;
   /** A move of the GPU memory under way (`suspending — parking GPU memory in host RAM…`), or null. */
   transition: string | null;
+  /**
+   * An elastic slice: `4 GiB guaranteed · 9.2 GiB now, up to 40 GiB` (as `%gpupool status` words it),
+   * and the pool's last grow or give-back step (or why it did not grow). Null for a fixed slice.
+   */
+  elastic: IElasticView | null;
+  /**
+   * `No burst: CUDA MPS set this kernel's memory limit when it started.` where the kernel's
+   * enforcement fixed its size at start (MPS, HAMi-core; a Slurm job's shards), else null.
+   */
+  burstFixed: string | null;
   /** The panel's badge when the phase alone says too little (`resuming`, `suspending`), else null. */
   badge: string | null;
   kept: string | null;
@@ -86,6 +96,16 @@ export interface IKernelView {
   canResume: boolean;
   /** Memory of the kernel's GPU, for `25%` in the reserve form. */
   gpuMemory: number | null;
+}
+
+/** What the sidebar shows of an elastic slice (see `IKernelView.elastic`). */
+export interface IElasticView {
+  /** `4 GiB guaranteed · 9.2 GiB now, up to 40 GiB` (all its GPUs). */
+  line: string;
+  /** The last step in the pool's words: `grown to 8 GiB on demand (...)`, `burst taken back for ...`. */
+  step: string | null;
+  /** The pool took its burst back and the kernel is giving it back now. */
+  takenBack: boolean;
 }
 
 /** What the view of a kernel is computed from. */
@@ -134,6 +154,8 @@ const EMPTY: Omit<IKernelView, 'phase' | 'summary'> = {
   idle: null,
   suspended: null,
   transition: null,
+  elastic: null,
+  burstFixed: null,
   badge: null,
   kept: null,
   overLimit: null,
@@ -215,6 +237,46 @@ export function rightSizeHint(
     text: `peaked at ${formatSize(peak)} of ${sliceText} — shrink to ${target}?`,
     memory: sizeArgument(suggested),
     button: `Shrink to ${target}`
+  };
+}
+
+/**
+ * An elastic slice in one line, as `%gpupool status` says it (jupyter_gpupool/rest/views.py
+ * `elastic_line`): `4 GiB guaranteed · 9.2 GiB now, up to 40 GiB`, all its GPUs together; an
+ * empty string for a fixed slice (its limit is its guarantee) or a server without elastic slices.
+ */
+export function elasticLine(
+  status: Pick<IKernelStatus, 'memory' | 'guarantee' | 'limit' | 'num_gpus'>
+): string {
+  const guarantee = num(status.guarantee);
+  const limit = num(status.limit);
+  const memory = num(status.memory) ?? 0;
+  if (guarantee === null || limit === null || guarantee <= 0 || limit <= guarantee) {
+    return '';
+  }
+  const gpus = Math.max(1, num(status.num_gpus) ?? 1);
+  return (
+    `${formatSize(guarantee * gpus)} guaranteed · ${formatSize(memory * gpus)} now, ` +
+    `up to ${formatSize(Math.max(limit, memory) * gpus)}`
+  );
+}
+
+/** `No burst: ...` where enforcement fixed the size at start (also for a fixed Slurm slice). */
+function burstFixedText(status: IKernelStatus): string | null {
+  const why = (status.burst_fixed ?? '').trim().replace(/[.;:]+$/, '');
+  return why ? `No burst: ${why}.` : null;
+}
+
+/** What the sidebar shows of an elastic slice, or null for a fixed one. */
+export function elasticView(status: IKernelStatus): IElasticView | null {
+  const line = elasticLine(status);
+  if (!line) {
+    return null;
+  }
+  return {
+    line,
+    step: (status.burst_note ?? '').trim() || null,
+    takenBack: num(status.burst_taken_at) !== null
   };
 }
 
@@ -460,7 +522,10 @@ function kernelViewOf(input: IKernelInput): IKernelView {
       : null;
   const used = num(status.used_memory);
   const peak = num(status.peak_memory);
-  const over = used !== null && memory > 0 && used > memory;
+  const elastic = elasticView(status);
+  // What the watchdog allows: an elastic slice's limit, or its size once its burst was taken back.
+  const allowed = elastic && !elastic.takenBack ? Math.max(num(status.limit) ?? memory, memory) : memory;
+  const over = used !== null && allowed > 0 && used > allowed;
   const usage: IBar | null =
     memory > 0
       ? {
@@ -525,7 +590,8 @@ function kernelViewOf(input: IKernelInput): IKernelView {
   const overSince = num(status.over_limit_since);
   const overLimit =
     over || overSince !== null
-      ? `using ${formatSize(used)}, above the ${formatSize(memory)} slice` +
+      ? `using ${formatSize(used)}, above the ${formatSize(allowed)} ` +
+        (allowed > memory ? "slice's limit" : 'slice') +
         (overSince !== null
           ? ` for ${formatDuration(Math.max(0, now - overSince))}`
           : '') +
@@ -544,12 +610,13 @@ function kernelViewOf(input: IKernelInput): IKernelView {
     statusText,
     statusTitle:
       (step ? `${step.text}; ` : '') +
-      `${formatSize(memory)}${perGpu}` +
-      (gpu ? ` on ${gpu}` : '') +
+      (elastic ? `${elastic.line}${gpu ? `; ${gpu}` : ''}` : `${formatSize(memory)}${perGpu}` + (gpu ? ` on ${gpu}` : '')) +
       (used !== null ? `, using ${formatSize(used)}` : '') +
       (idle ? `; ${idle.text}` : ''),
     summary: `${formatSize(memory)}${perGpu} granted` + (gpu ? ` on ${gpu}` : ''),
     transition: step ? step.text : null,
+    elastic,
+    burstFixed: burstFixedText(status),
     gpu,
     slice,
     usage,

@@ -7,7 +7,7 @@ import * as path from 'path';
 
 import { formatDuration, formatRemaining, formatSize, parseDuration, parseSize } from '../src/units';
 import { article, count, sliceSize, upcomingReclaim } from '../src/wording';
-import { rightSizeHint } from '../src/view';
+import { elasticLine, rightSizeHint } from '../src/view';
 
 const REPO = path.resolve(__dirname, '..', '..');
 const PYTHON = process.env.PYTHON || 'python3';
@@ -36,6 +36,10 @@ const HINTS: Array<[number, number | null]> = [
   [1.5 * GB, 0.1 * GB], [8 * GB, null], [8 * GB, 0], [80 * GB, 0.5 * GB], [2 * GB, 0.5 * GB], [3 * GB, 0.7 * GB],
   [1.05 * 1024 ** 4, 3.3 * GB], [16 * GB, 6.4 * GB]
 ];
+/** Elastic slices (GiB per GPU): guarantee, current size, the limit it asked for (0: fixed), GPUs. */
+const ELASTIC: Array<[number, number, number, number]> = [
+  [4, 9.2, 40, 1], [4, 4, 40, 1], [2, 6.5, 16, 1], [0.5, 0.5, 2, 1], [4, 4, 0, 1], [8, 8, 8, 1], [4, 6, 8, 2], [2, 16, 16, 1]
+];
 const SECONDS = [0, 1, 59, 60, 61, 270, 599, 600, 630, 3599, 3600, 5400, 86399, 172800, 3 * 86400 + 3600, 2.5];
 
 const SCRIPT = `
@@ -44,6 +48,11 @@ from jupyter_gpupool.units import parse_size, parse_duration, format_size, forma
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.kernel.status import right_size_hint
 from jupyter_gpupool.wording import article, count, remaining, slice_size, upcoming_reclaim
+from jupyter_gpupool.core.models import Lease, LeaseState
+from jupyter_gpupool.rest.views import elastic_fields, elastic_line
+def elastic(g, m, limit, gpus):
+    lease = Lease(id="l", owner="u", memory=int(m * 1024**3), guarantee=int(g * 1024**3), burst_limit=int(limit * 1024**3), num_gpus=gpus, state=LeaseState.GRANTED, created_at=0.0)
+    return {"fields": {**elastic_fields(lease), "memory": lease.memory, "num_gpus": gpus}, "line": elastic_line(lease)}
 data = json.load(sys.stdin)
 def run(fn, *a, **kw):
     try:
@@ -61,6 +70,7 @@ print(json.dumps({
     "slices": [slice_size(int(m), g) for m, g in data["slices"]],
     "reasons": [upcoming_reclaim(r) for r in data["reasons"]],
     "remaining": [remaining(s) for s in data["left"]],
+    "elastic": [elastic(*e) for e in data["elastic"]],
 }))
 `;
 
@@ -70,7 +80,7 @@ function python(): any {
     env: { ...process.env, PYTHONPATH: REPO },
     input: JSON.stringify({
       sizes: SIZES, durations: DURATIONS, numbers: NUMBERS, seconds: SECONDS, hints: HINTS,
-      words: WORDS, counts: COUNTS, slices: SLICES, reasons: REASONS, left: LEFT
+      words: WORDS, counts: COUNTS, slices: SLICES, reasons: REASONS, left: LEFT, elastic: ELASTIC
     })
   });
   return JSON.parse(out.toString());
@@ -110,5 +120,11 @@ describe('parity with jupyter_gpupool/units.py', () => {
     expect(SLICES.map(([m, g]) => sliceSize(m, g))).toEqual(expected.slices);
     expect(REASONS.map(upcomingReclaim)).toEqual(expected.reasons);
     expect(LEFT.map(formatRemaining)).toEqual(expected.remaining);
+  });
+
+  it("words an elastic slice's line as %gpupool status does, from the REST fields", () => {
+    const lines = (expected.elastic as Array<{ fields: any; line: string }>).map(e => elasticLine(e.fields));
+    expect(lines).toEqual(expected.elastic.map((e: { line: string }) => e.line));
+    expect(lines[0]).toBe('4 GiB guaranteed · 9.2 GiB now, up to 40 GiB');
   });
 });

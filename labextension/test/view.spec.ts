@@ -2,6 +2,7 @@ import { IKernelStatus, IPoolSnapshot } from '../src/types';
 import { GIB, MIB } from '../src/units';
 import {
   checkReserve,
+  elasticLine,
   enforcementLabel,
   kernelView,
   outsideView,
@@ -651,5 +652,81 @@ describe('enforcementLabel', () => {
       'No limit',
       'Limit'
     ]);
+  });
+});
+
+describe('elastic slices', () => {
+  const elastic = (overrides: Partial<IKernelStatus>) =>
+    status({ memory: 9.2 * GIB, guarantee: 4 * GIB, limit: 40 * GIB, burst: 5.2 * GIB, num_gpus: 1, ...overrides });
+
+  it('words the slice as %gpupool status does: guaranteed, now, up to', () => {
+    expect(elasticLine(elastic({}))).toBe('4 GiB guaranteed · 9.2 GiB now, up to 40 GiB');
+    expect(elasticLine(elastic({ memory: 4 * GIB, burst: 0 }))).toBe('4 GiB guaranteed · 4 GiB now, up to 40 GiB');
+    expect(elasticLine(elastic({ memory: 512 * MIB, guarantee: 512 * MIB, limit: 2 * GIB }))).toBe(
+      '512 MiB guaranteed · 512 MiB now, up to 2 GiB'
+    );
+    // All its GPUs together, as the Python line counts them.
+    expect(elasticLine(elastic({ memory: 6 * GIB, guarantee: 4 * GIB, limit: 8 * GIB, num_gpus: 2 }))).toBe(
+      '8 GiB guaranteed · 12 GiB now, up to 16 GiB'
+    );
+  });
+
+  it('leaves a fixed slice, and a server without elastic slices, as they were', () => {
+    expect(elasticLine(status({ guarantee: 8 * GIB, limit: 8 * GIB }))).toBe('');
+    expect(elasticLine(status({}))).toBe('');
+    const fixed = view(status({ guarantee: 8 * GIB, limit: 8 * GIB, burst: 0, burst_note: null }));
+    const before = view(status({}));
+    expect(fixed.elastic).toBeNull();
+    expect(fixed.burstFixed).toBeNull();
+    expect([fixed.summary, fixed.statusText, fixed.statusTitle]).toEqual([before.summary, before.statusText, before.statusTitle]);
+  });
+
+  it('shows the line in the sidebar and the status bar tooltip, with the last step', () => {
+    const v = view(elastic({ used_memory: 8 * GIB, burst_note: 'grown to 9.2 GiB on demand (4 GiB guaranteed, up to 40 GiB)' }));
+    expect(v.elastic).toEqual({
+      line: '4 GiB guaranteed · 9.2 GiB now, up to 40 GiB',
+      step: 'grown to 9.2 GiB on demand (4 GiB guaranteed, up to 40 GiB)',
+      takenBack: false
+    });
+    expect(v.statusText).toBe('GPU 8 / 9.2 GiB');
+    expect(v.statusTitle).toBe('4 GiB guaranteed · 9.2 GiB now, up to 40 GiB; GPU 0 · NVIDIA A100-SXM4-80GB, using 8 GiB');
+  });
+
+  it('says why burst was taken back, or why the slice did not grow, in the pool\'s words', () => {
+    const taken = view(
+      elastic({
+        memory: 4 * GIB,
+        burst: 0,
+        used_memory: 6 * GIB,
+        burst_taken_at: NOW - 3,
+        burst_note: 'burst taken back for a request of 12 GiB: the slice is 4 GiB now (4 GiB guaranteed)'
+      })
+    );
+    expect(taken.elastic?.takenBack).toBe(true);
+    expect(taken.elastic?.step).toBe('burst taken back for a request of 12 GiB: the slice is 4 GiB now (4 GiB guaranteed)');
+    // Once its burst is taken back, use above its size is what the watchdog acts on.
+    expect(taken.overLimit).toBe('using 6 GiB, above the 4 GiB slice — free memory or reserve more, or the kernel may be stopped');
+    const refused = view(elastic({ burst_note: 'the slice was not grown: the GPU is full (3 other slice(s) there are guaranteed 60 GiB); it stays 9.2 GiB' }));
+    expect(refused.elastic?.step).toMatch(/^the slice was not grown: the GPU is full/);
+    expect(refused.elastic?.takenBack).toBe(false);
+  });
+
+  it('does not warn about use above the current size while the slice may still grow to its limit', () => {
+    const growing = view(elastic({ used_memory: 12 * GIB }));
+    expect(growing.overLimit).toBeNull();
+    expect(growing.usage?.warn).toBe(false);
+    const over = view(elastic({ used_memory: 41 * GIB }));
+    expect(over.overLimit).toBe(
+      "using 41 GiB, above the 40 GiB slice's limit — free memory or reserve more, or the kernel may be stopped"
+    );
+  });
+
+  it('says briefly when enforcement fixed the size at start', () => {
+    const mps = view(elastic({ burst_fixed: "CUDA MPS set this kernel's memory limit when it started" }));
+    expect(mps.burstFixed).toBe("No burst: CUDA MPS set this kernel's memory limit when it started.");
+    expect(mps.elastic?.line).toBe('4 GiB guaranteed · 9.2 GiB now, up to 40 GiB');
+    const slurm = view(status({ guarantee: 8 * GIB, limit: 8 * GIB, burst_fixed: "Slurm set this job's GPU shards when it was submitted" }));
+    expect(slurm.elastic).toBeNull();
+    expect(slurm.burstFixed).toBe("No burst: Slurm set this job's GPU shards when it was submitted.");
   });
 });

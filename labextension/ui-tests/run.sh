@@ -3,12 +3,14 @@
 # For each suite it starts `jupyter lab` on a free port with token auth and a throw-away
 # config (GPUPOOL_SIMULATE=1x16GiB, GPUPOOL_DEFAULT_MEMORY=8GiB), runs the Playwright test
 # in headless Chromium (/usr/bin/chromium, never downloaded), and stops the server.
-# The slurm suite (not run by default: it needs root and Debian's slurm-wlm and munge) puts
-# the server on the Slurm backend and starts a real single-node Slurm cluster for it
-# (slurm_cluster_steps.py, tests/slurm_cluster.py), which is stopped whatever happens.
+# The elastic suite (not run by default: tests/test_labextension.py runs it on its own) shows an
+# elastic slice grow and give its burst back. The slurm suite (not run by default: it needs root
+# and Debian's slurm-wlm and munge) puts the server on the Slurm backend and starts a real
+# single-node Slurm cluster for it (slurm_cluster_steps.py, tests/slurm_cluster.py), which is
+# stopped whatever happens.
 #
 #   bash labextension/ui-tests/run.sh                 # both suites
-#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | resume-ahead | unpooled | notebook7 | unavailable | contrast | slurm
+#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | resume-ahead | elastic | unpooled | notebook7 | unavailable | contrast | slurm
 #   GPUPOOL_UI_SCREENSHOTS=/tmp/shots bash ...        # screenshots (default ui-tests/screenshots)
 #
 # Needs: jupyter_gpupool importable (pip install -e .) and `npm ci` done in labextension/.
@@ -120,9 +122,12 @@ else
 fi
 
 # run_suite SPEC [NAME=VALUE | unset=NAME | --Server.option=value | app=notebook | pool=corrupt |
-# slurm=cluster ...]: a fresh server with these environment variables and options, then SPEC.
-# pool=corrupt starts it on a pool file that is not a pool (the server then serves with the pool
-# unavailable); slurm=cluster starts a Slurm cluster first and gives the server its SLURM_CONF.
+# slurm=cluster | kernelspec=NAME:SIZE ...]: a fresh server with these environment variables and
+# options, then SPEC. pool=corrupt starts it on a pool file that is not a pool (the server then
+# serves with the pool unavailable); slurm=cluster starts a Slurm cluster first and gives the
+# server its SLURM_CONF; kernelspec=NAME:SIZE installs a kernelspec whose kernels ask for SIZE
+# (`jupyter gpupool kernelspec install`, in the server's data folder) and a notebook NAME.ipynb
+# that uses it.
 run_suite() {
   local spec="$1"
   shift
@@ -178,6 +183,21 @@ JSON
         ;;
       pool=corrupt)
         head -c 8192 /dev/urandom >"$WORK/pool.sqlite"
+        ;;
+      kernelspec=*)
+        local spec_name="${item#kernelspec=}"
+        local spec_size="${spec_name#*:}"
+        spec_name="${spec_name%%:*}"
+        JUPYTER_DATA_DIR="$WORK/data" GPUPOOL_SIMULATE="${GPUPOOL_SIMULATE:-1x16GiB}" GPUPOOL_DB="$WORK/pool.sqlite" PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
+          "$PYTHON" -m jupyter_gpupool.apps.cli kernelspec install --user --name "$spec_name" \
+          --display-name "Python 3 ($spec_size)" --memory "$spec_size" >/dev/null
+        cat >"$WORK/root/$spec_name.ipynb" <<NB
+{"cells": [{"cell_type": "code", "execution_count": null, "id": "c1", "metadata": {}, "outputs": [],
+  "source": ["import os; os.environ.get('GPUPOOL_MEMORY_LIMIT')"]}],
+ "metadata": {"kernelspec": {"display_name": "Python 3 ($spec_size)", "language": "python", "name": "$spec_name"},
+              "language_info": {"name": "python"}},
+ "nbformat": 4, "nbformat_minor": 5}
+NB
         ;;
       app=notebook)
         module=notebook
@@ -309,6 +329,9 @@ for suite in "${SUITES[@]}"; do
       ;;
     suspend) run_suite suspend GPUPOOL_RECLAIM_ACTION=suspend GPUPOOL_PARKED_MEMORY_LIMIT=32GiB ;;
     resume-ahead) run_suite resume-ahead GPUPOOL_RECLAIM_ACTION=suspend GPUPOOL_PARKED_MEMORY_LIMIT=32GiB ;;
+    # Elastic slices: a 2 GiB default that may grow to the whole 16 GiB GPU, and a notebook whose
+    # kernelspec asks for 12 GiB (the room another slice's burst holds).
+    elastic) run_suite elastic GPUPOOL_DEFAULT_MEMORY=2GiB GPUPOOL_BURST=16GiB kernelspec=python3-12gib:12GiB ;;
     unavailable) run_suite unavailable pool=corrupt ;;
     # Readability in both themes, with an idle countdown on screen (the warning lasts 10 min).
     contrast)
@@ -325,7 +348,7 @@ for suite in "${SUITES[@]}"; do
         --GpuPoolExtension.tick_interval=0.5 --GpuPoolExtension.reconcile_interval=1 \
         --SlurmPool.cache_seconds=0.3 --SlurmPool.poll_interval=0.5
       ;;
-    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, resume-ahead, unpooled, notebook7, unavailable, contrast, slurm)" >&2; exit 2 ;;
+    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, resume-ahead, elastic, unpooled, notebook7, unavailable, contrast, slurm)" >&2; exit 2 ;;
   esac
 done
 echo "ui-tests: passed; screenshots in $GPUPOOL_UI_SCREENSHOTS"
