@@ -211,7 +211,7 @@ def test_the_status_line_and_the_leases_table_show_guarantee_now_and_limit(tmp_p
 
 
 def test_the_kernel_body_says_when_enforcement_fixed_the_size_at_start(tmp_path):
-    from jupyter_gpupool.enforcement.plan import EnforcementConfig
+    from jupyter_gpupool.enforcement.plan import EnforcementConfig, plan_enforcement
     from jupyter_gpupool.rest.views import burst_fixed, kernel_status
 
     pool = make_pool(tmp_path, burst="16GiB")
@@ -222,6 +222,16 @@ def test_the_kernel_body_says_when_enforcement_fixed_the_size_at_start(tmp_path)
     assert mps["burst_fixed"] == "CUDA MPS set this kernel's memory limit when it started"
     hami = kernel_status(pool, "k1", lease, EnforcementConfig(hami_library="/opt/libvgpu.so"), "alice", T0)
     assert hami["burst_fixed"] == "HAMi-core set this kernel's memory limit when it started"
+    # Under MPS the provisioner asks for a fixed slice; on a pool whose slices burst it says why.
     fixed = pool.request(req("bob", gib=2, burst_limit=0), now=T0)
-    assert kernel_status(pool, "k2", fixed, EnforcementConfig(mps_pipe_directory="/tmp/mps"), "bob", T0)["burst_fixed"] is None
-    assert burst_fixed(fixed, ("watchdog",), "slurm") == "Slurm set this job's GPU shards when it was submitted"
+    assert kernel_status(pool, "k2", fixed, EnforcementConfig(mps_pipe_directory="/tmp/mps"), "bob", T0)["burst_fixed"] == (
+        "CUDA MPS set this kernel's memory limit when it started"
+    )
+    partitioned = EnforcementConfig(mps_pipe_directory="/tmp/mps", mps_memory_partitioning=True)
+    assert kernel_status(pool, "k1", lease, partitioned, "alice", T0)["burst_fixed"] is None  # soft/hard bounds: it bursts
+    assert kernel_status(pool, "k2", fixed, EnforcementConfig(), "bob", T0)["burst_fixed"] is None  # a fixed slice by choice
+    still = make_pool(tmp_path / "fixed-pool", burst="0")
+    carol = still.request(req("carol", gib=2), now=T0)
+    assert kernel_status(still, "k3", carol, EnforcementConfig(mps_pipe_directory="/tmp/mps"), "carol", T0)["burst_fixed"] is None
+    plain_plan = plan_enforcement(fixed, pool.devices())
+    assert burst_fixed(fixed, plain_plan, "slurm") == "Slurm set this job's GPU shards when it was submitted"

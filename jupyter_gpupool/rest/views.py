@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jupyter_gpupool.core.models import Lease, LeaseState
-from jupyter_gpupool.enforcement.plan import EnforcementConfig, plan_enforcement
+from jupyter_gpupool.enforcement.plan import EnforcementConfig, EnforcementPlan, plan_enforcement
 from jupyter_gpupool.units import format_size
 from jupyter_gpupool.wording import cpu_only_description
 
@@ -110,6 +110,7 @@ _NO_BURST: dict[str, Any] = {
 #: What fixes a kernel's size when it starts, by enforcement mechanism (the pool may grow its
 #: lease, but the kernel cannot use more than it started with).
 _FIXED_AT_START = {
+    "mig": "a MIG instance has a fixed size",
     "mps": "CUDA MPS set this kernel's memory limit when it started",
     "hami": "HAMi-core set this kernel's memory limit when it started",
 }
@@ -140,14 +141,22 @@ def elastic_fields(lease: Lease) -> dict[str, Any]:
     }
 
 
-def burst_fixed(lease: Lease, mechanisms: tuple[str, ...] | list[str], backend_kind: str) -> str | None:
+def _pool_bursts(pool: Any) -> bool:
+    """Whether the pool's policy lets slices grow (``PoolPolicy.burst`` not 0); True where unknown."""
+    burst = getattr(getattr(pool, "policy", None), "burst", None)
+    return burst is None or str(burst).strip() != "0"
+
+
+def burst_fixed(lease: Lease, plan: EnforcementPlan, backend_kind: str, pool_bursts: bool = True) -> str | None:
     """Why this kernel cannot use burst, where its enforcement fixed its size when it started
-    (an MPS or HAMi-core limit; a Slurm job's shards, set at submission); None where nothing does."""
+    (a MIG instance; an MPS limit without memory partitioning, a HAMi-core limit: such slices are
+    asked for fixed; a Slurm job's shards, set at submission); None where nothing does, or where
+    the pool lets no slice burst (``pool_bursts`` false) and so there is nothing to explain."""
     if backend_kind == "slurm":
         return "Slurm set this job's GPU shards when it was submitted"
-    if not lease.elastic:
+    if not plan.fixed_because or not (pool_bursts or lease.elastic):
         return None
-    return next((why for mechanism, why in _FIXED_AT_START.items() if mechanism in mechanisms), None)
+    return next((why for mechanism, why in _FIXED_AT_START.items() if mechanism in plan.mechanisms), plan.fixed_because)
 
 
 #: The suspend fields of a body with no lease (see :func:`suspend_fields`).
@@ -223,7 +232,7 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
         "reason": None,
         **suspend_fields(lease),
         **elastic_fields(lease),
-        "burst_fixed": burst_fixed(lease, plan.mechanisms, getattr(pool, "kind", "")),
+        "burst_fixed": burst_fixed(lease, plan, getattr(pool, "kind", ""), _pool_bursts(pool)),
         # A reclaim suspends it only if the pool allows suspends too (else the warning must say "shut down").
         "suspendable": lease.suspendable and getattr(getattr(pool, "policy", None), "reclaim_action", "suspend") == "suspend",
     }
