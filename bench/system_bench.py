@@ -55,8 +55,18 @@ def ms(values: list[float]) -> dict[str, float]:
     return {"p50_ms": round(percentile(values, 50) * 1000, 3), "p99_ms": round(percentile(values, 99) * 1000, 3), "n": len(values)}
 
 
+#: What every benchmark pool runs with (set from the command line: --burst, --follow-changes).
+POOL_OPTIONS: dict[str, Any] = {"burst": "4x", "follow_changes": False}
+
+
 def make_pool(folder: str) -> Pool:
-    return Pool(SimulatedBackend.from_spec(INVENTORY), os.path.join(folder, "pool.sqlite"), policy=PoolPolicy(idle_policy="never"))
+    """A fresh pool file; with ``follow_changes`` a listener is subscribed to its changes, as a
+    Jupyter server's is (the change watcher's cost is in every decision then)."""
+    policy = PoolPolicy(idle_policy="never", burst=POOL_OPTIONS["burst"])
+    pool = Pool(SimulatedBackend.from_spec(INVENTORY), os.path.join(folder, "pool.sqlite"), policy=policy)
+    if POOL_OPTIONS["follow_changes"]:
+        pool.subscribe_changes(lambda: None)
+    return pool
 
 
 def prefill(pool: Pool, count: int, now: float) -> None:
@@ -222,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ticks", type=int, default=5000, help="ticks (30 s of virtual time each) of the long-running pool")
     parser.add_argument("--churn", type=int, default=1, help="kernels that end (and are replaced) each tick")
     parser.add_argument("--samples", type=int, default=10, help="RSS samples taken over the long run")
+    parser.add_argument("--burst", default="4x", help="PoolPolicy.burst of the pools (4x, the default; 0: fixed slices)")
+    parser.add_argument("--follow-changes", action="store_true", help="subscribe a listener to each pool's changes, as a server does")
+    parser.add_argument("--skip-long-run", action="store_true", help="measure only the decisions at --sizes")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -235,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name} must be at least 1")
     if not 0 <= args.churn <= args.kernels:
         parser.error("--churn must be between 0 and --kernels")
-    result: dict[str, Any] = {"machine": machine(), "inventory": INVENTORY, "slice_bytes": SLICE, "throughput": []}
+    POOL_OPTIONS.update(burst=args.burst, follow_changes=args.follow_changes)
+    result: dict[str, Any] = {"machine": machine(), "inventory": INVENTORY, "slice_bytes": SLICE, "throughput": [], **POOL_OPTIONS}
     # The long run goes first: after the 10,000-lease stage the allocator keeps its high-water
     # mark and RSS would no longer show this pool's own growth.
-    long_run = bench_long_running(args.kernels, args.ticks, args.churn, args.samples)
+    long_run = None if args.skip_long_run else bench_long_running(args.kernels, args.ticks, args.churn, args.samples)
     result["long_running"] = long_run
     for live in sizes:
         row = bench_size(live, args.decisions, args.ticks_per_size)
@@ -255,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
+    elif long_run is not None:
         print(
             f"{long_run['kernels']} kernels, {long_run['ticks']} ticks ({long_run['virtual_hours']} h virtual): "
             f"RSS {long_run['rss_start_mib']} -> {long_run['rss_end_mib']} MiB, DB {long_run['db_end_mib']} MiB "
