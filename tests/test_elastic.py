@@ -235,3 +235,18 @@ def test_the_kernel_body_says_when_enforcement_fixed_the_size_at_start(tmp_path)
     assert kernel_status(still, "k3", carol, EnforcementConfig(mps_pipe_directory="/tmp/mps"), "carol", T0)["burst_fixed"] is None
     plain_plan = plan_enforcement(fixed, pool.devices())
     assert burst_fixed(fixed, plain_plan, "slurm") == "Slurm set this job's GPU shards when it was submitted"
+
+
+def test_the_right_size_hint_of_an_elastic_slice_looks_at_its_guarantee_not_its_burst(tmp_path):
+    """A 2 GiB guarantee grown to 16 GiB for a 6 GiB peak has nothing to shrink; a 12 GiB
+    guarantee that peaked at 2 GiB is offered 3 GiB (the widget and %gpupool status)."""
+    import dataclasses
+
+    from jupyter_gpupool.kernel.status import KernelStatus
+
+    pool = make_pool(tmp_path, burst="16GiB")
+    grown = dataclasses.replace(pool.request(req(gib=2), now=T0), memory=16 * GIB, peak_memory=6 * GIB)
+    assert KernelStatus(lease=grown).hint() is None
+    roomy = dataclasses.replace(pool.request(req("bob", gib=12), now=T0), peak_memory=2 * GIB)
+    hint = KernelStatus(lease=roomy).hint()
+    assert hint is not None and hint.button == "Shrink to 3 GiB"

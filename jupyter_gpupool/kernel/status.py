@@ -163,7 +163,7 @@ class KernelStatus:
         lease = self.lease
         if lease is None or lease.state is not LeaseState.GRANTED:
             return None
-        return right_size_hint(lease.memory, lease.peak_memory)
+        return right_size_hint(lease.guarantee_size, lease.peak_memory)  # burst above the guarantee goes back by itself
 
     def queue_text(self) -> str:
         if self.lease is None or self.lease.state is not LeaseState.QUEUED:

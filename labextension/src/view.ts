@@ -620,7 +620,8 @@ function kernelViewOf(input: IKernelInput): IKernelView {
     gpu,
     slice,
     usage,
-    hint: running ? rightSizeHint(memory, peak) : null,
+    // An elastic slice is sized by its guarantee: what it holds above that goes back by itself.
+    hint: running ? rightSizeHint(num(status.guarantee) || memory, peak) : null,
     enforcement,
     idle,
     kept,

@@ -671,6 +671,15 @@ describe('elastic slices', () => {
     );
   });
 
+  it('offers to shrink an elastic slice only below its guarantee, never the burst it holds', () => {
+    // 2 GiB guaranteed, grown to 8 GiB for a 6 GiB peak: nothing to shrink.
+    expect(view(elastic({ memory: 8 * GIB, guarantee: 2 * GIB, limit: 16 * GIB, peak_memory: 6 * GIB })).hint).toBeNull();
+    // 16 GiB guaranteed, peaked at 2 GiB: shrink the guarantee.
+    expect(view(elastic({ memory: 16 * GIB, guarantee: 16 * GIB, limit: 64 * GIB, peak_memory: 2 * GIB })).hint!.button).toBe(
+      'Shrink to 3 GiB'
+    );
+  });
+
   it('leaves a fixed slice, and a server without elastic slices, as they were', () => {
     expect(elasticLine(status({ guarantee: 8 * GIB, limit: 8 * GIB }))).toBe('');
     expect(elasticLine(status({}))).toBe('');
