@@ -17,6 +17,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -252,31 +253,38 @@ def test_a_broker_killed_during_the_long_poll_is_followed_again_once_it_is_back(
         server.stop()
 
 
-def test_the_changes_long_poll_answers_when_the_pool_changes_and_needs_credentials(broker: BrokerProcess) -> None:
+def test_the_changes_long_poll_answers_when_the_callers_leases_change_and_needs_credentials(broker: BrokerProcess) -> None:
+    """Alice's poll answers when her own lease changes, within seconds; bob's request does not
+    wake her (nor tell her when bob is active)."""
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.units import GIB
+
     remote = RemotePool(broker.url, token=ALICE, timeout=15)
     version = remote.wait_for_change(None, 0)
     started = time.monotonic()
     assert remote.wait_for_change(version, 0.5) == version  # nothing changed: it waited, then said so
     assert time.monotonic() - started >= 0.4
 
-    from jupyter_gpupool.core.models import LeaseRequest
-    from jupyter_gpupool.units import GIB
+    def poll_while(action: Any, timeout: float) -> dict[str, Any]:
+        result: dict[str, Any] = {}
 
-    result: dict[str, Any] = {}
+        def wait() -> None:
+            begun = time.monotonic()
+            result["version"] = remote.wait_for_change(version, timeout)
+            result["after"] = time.monotonic() - begun
 
-    def wait() -> None:
-        begun = time.monotonic()
-        result["version"] = remote.wait_for_change(version, 20)
-        result["after"] = time.monotonic() - begun
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)
+        action()
+        waiter.join(timeout + 30)
+        return result
 
-    import threading
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    time.sleep(0.3)
-    RemotePool(broker.url, token="bob-hub-token", timeout=15).request(LeaseRequest(owner="bob", memory=GIB))
-    waiter.join(30)
-    assert result["version"] != version and result["after"] < 5, result
+    bob = RemotePool(broker.url, token="bob-hub-token", timeout=15)
+    others = poll_while(lambda: bob.request(LeaseRequest(owner="bob", memory=GIB)), 2.0)
+    assert others["version"] == version and others["after"] >= 1.5, others  # bob's grant is not alice's news
+    own = poll_while(lambda: remote.request(LeaseRequest(owner="alice", memory=GIB)), 20.0)
+    assert own["version"] != version and own["after"] < 5, own
 
     stranger = RemotePool(broker.url, token="no-such-token", timeout=15)
     from jupyter_gpupool.errors import NotAuthorized

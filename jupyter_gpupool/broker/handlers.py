@@ -21,6 +21,7 @@ from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, PriorityClass, Transition
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
 from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin
+from jupyter_gpupool.rest.views import view_version
 
 _ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
 _KERNEL = r"(?P<kernel_id>[\w-]+)"
@@ -433,23 +434,34 @@ class LeaseWaitHandler(BrokerHandler):
 
 
 class ChangesHandler(BrokerHandler):
-    """``GET /api/gpupool/changes?since=V&timeout=S``: long poll until the pool changed after version
-    ``V`` (any decision, by anyone), or ``S`` seconds passed; answers ``{"version": ...}``. Without
-    ``since`` it answers at once. What changed is not said: a server reads its own leases, as any
-    caller may, and carries out a suspend, restore or move the moment it is decided."""
+    """``GET /api/gpupool/changes?since=V&timeout=S``: long poll until something changed in the
+    caller's own leases after version ``V`` (a suspend, restore or move decided, a warning, a grow,
+    a lease granted or released), or ``S`` seconds passed; answers ``{"version": ...}``, an opaque
+    number of the caller's view. Without ``since`` it answers at once. What changed is not said: a
+    server reads its own leases and carries out the decision the moment it is taken. Others'
+    decisions do not wake it, so the poll tells nobody when other users are active."""
 
     async def get(self) -> None:
         raw_since, raw_timeout = self.query("since"), self.query("timeout")
         since = validate.whole_number(raw_since, "since (the version you last saw)", 0, 2**63 - 1) if raw_since else None
         timeout = validate.number(raw_timeout, "timeout", 0.0, validate.MAX_TIME) if raw_timeout else 10.0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(MAX_WAIT, timeout)
         changes = getattr(self.broker.pool, "changes", None)
-        if changes is None:  # a pool that cannot tell: the caller looks again after the timeout
-            if since is not None:
-                await asyncio.sleep(min(MAX_WAIT, timeout))
-            version = 0
-        else:
-            version = await changes.wait_async(since, min(MAX_WAIT, timeout))
-        self.write_json({"version": version})
+        pool_version = None if changes is None else changes.version
+        while True:
+            mine = await self.run(self._view_version)
+            left = deadline - loop.time()
+            if since is None or mine != since or left <= 0:
+                break
+            if changes is None:  # a pool that cannot tell: look again now and then
+                await asyncio.sleep(min(left, 1.0))
+            else:  # woken by any change of the pool; answered only if it changed the caller's view
+                pool_version = await changes.wait_async(pool_version, left)
+        self.write_json({"version": mine})
+
+    def _view_version(self) -> int:
+        return view_version(self.broker.pool.leases(owner=self.identity.name))
 
 
 # --- batch routes for a server's periodic loop ----------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 from jupyter_gpupool.core.models import Lease, LeaseState
@@ -236,3 +238,19 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
         # A reclaim suspends it only if the pool allows suspends too (else the warning must say "shut down").
         "suspendable": lease.suspendable and getattr(getattr(pool, "policy", None), "reclaim_action", "suspend") == "suspend",
     }
+
+
+def view_version(leases: Iterable[Lease]) -> int:
+    """A number that moves when anything a server acts on changed in ``leases`` (a caller's live
+    leases): their states, transitions, sizes, devices, warnings and burst steps, or the set itself
+    (a lease released or new). Heartbeats and usage readings leave it alone. Opaque: only equality
+    means anything (the broker's ``/changes`` answers with it, per caller)."""
+    seen = sorted(
+        (
+            lease.id, lease.state.value, lease.transition.value, lease.memory, tuple(lease.devices), lease.resuming,
+            lease.reclaim_at, lease.reclaim_reason, lease.burst_taken_at, lease.burst_note, lease.release_reason,
+        )
+        for lease in leases
+    )
+    return int.from_bytes(hashlib.blake2b(repr(seen).encode(), digest_size=7).digest(), "big")
+
