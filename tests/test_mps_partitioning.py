@@ -76,6 +76,14 @@ def test_the_probe_says_what_is_missing(tmp_path, driver, gpu, error, why):
     assert not found.available and why in found.why, found
 
 
+def test_the_probe_needs_a_cgroup_folder_it_may_write(tmp_path):
+    """A per-user server (not root) cannot make kernels' cgroups: it keeps fixed MPS slices. (The
+    tests run as root, who may write anywhere, so the access check is the probe's argument here.)"""
+    root = str(cgroup_root(tmp_path))
+    found = probe_memory_partitioning(nvml().module, root, may_write=lambda path: False)
+    assert not found.available and "cannot create cgroups" in found.why and "needs root" in found.why
+
+
 def test_the_probe_needs_cgroup_v2_and_a_recent_nvidia_ml_py(tmp_path):
     assert "cgroup v2 is not mounted" in probe_memory_partitioning(nvml().module, str(tmp_path)).why
     old = nvml()

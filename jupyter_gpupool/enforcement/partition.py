@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -53,13 +53,25 @@ def _nvml_error_name(nvml: ModuleType, exc: Exception) -> str:
     return names.get(code, f"code {code}")
 
 
-def probe_memory_partitioning(nvml: ModuleType, cgroup_root: str = CGROUP_ROOT) -> MemoryPartitioning:
+def _writable(path: str) -> bool:
+    return os.access(path, os.W_OK)
+
+
+def probe_memory_partitioning(
+    nvml: ModuleType, cgroup_root: str = CGROUP_ROOT, may_write: Callable[[str], bool] = _writable
+) -> MemoryPartitioning:
     """Ask this host whether MPS memory partitioning can be used, without changing anything:
-    cgroup v2 mounted, an nvidia-ml-py that knows the call, a driver of r615 or newer, and NVML
-    answering a read of the root cgroup's limits on the first GPU (initialises NVML if needed)."""
+    cgroup v2 mounted and writable by this process (kernels' cgroups are made here), an
+    nvidia-ml-py that knows the call, a driver of r615 or newer, and NVML answering a read of the
+    root cgroup's limits on the first GPU (initialises NVML if needed)."""
     root = Path(cgroup_root)
     if not (root / "cgroup.controllers").is_file():
         return MemoryPartitioning(False, f"cgroup v2 is not mounted at {cgroup_root}", cgroup_root)
+    parent = root / CGROUP_PARENT if (root / CGROUP_PARENT).is_dir() else root
+    if not may_write(str(parent)):
+        return MemoryPartitioning(
+            False, f"this process cannot create cgroups in {parent} (it needs root, or that folder delegated to it)", cgroup_root
+        )
     if not hasattr(nvml, "nvmlDeviceGetMemoryLimits_v1") or not hasattr(nvml, "c_nvmlGetMemoryLimits_v1_t"):
         return MemoryPartitioning(False, "nvidia-ml-py is too old to set memory limits (needs 13.615 or newer)", cgroup_root)
     try:
