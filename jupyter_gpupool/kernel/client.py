@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from jupyter_gpupool.backends.changes import wait_for_change
+from jupyter_gpupool.backends.contract import NO_BURST, Capability, supports
 from jupyter_gpupool.core.models import (
     Device,
     Lease,
@@ -294,10 +295,9 @@ class InProcessPoolClient(PoolClient):
 
     def grow(self, needed: int) -> Lease:
         lease = self._live()
-        grow = getattr(self.pool, "grow", None)
-        if grow is None:
-            return super().grow(needed)
-        updated: Lease = grow(lease.id, needed)
+        if not supports(self.pool, Capability.GROW):
+            raise RequestRefused(f"the slice was not grown: {getattr(self.pool, 'no_burst', NO_BURST)}")
+        updated: Lease = self.pool.grow(lease.id, needed)
         self._set_lease(updated)
         self._recap(updated)
         return updated
@@ -325,6 +325,8 @@ class InProcessPoolClient(PoolClient):
                 f"this kernel's slice spans {count(lease.num_gpus, 'GPU')} and the pool cannot change that while the kernel runs;"
                 f" %gpupool release, then %gpupool reserve {memory or 'SIZE'} --gpus {num_gpus} and restart the kernel"
             )
+        if limit_bytes and not supports(self.pool, Capability.GROW):
+            raise RequestRefused(f"no limit was set: {getattr(self.pool, 'no_burst', NO_BURST)}")
         extra = {"limit": limit_bytes} if limit_bytes is not None else {}
         updated = self.pool.resize(lease.id, memory=size, duration=seconds, **extra)
         self._set_lease(updated)
