@@ -294,9 +294,9 @@ class InProcessPoolClient(PoolClient):
         )
 
     def grow(self, needed: int) -> Lease:
-        lease = self._live()
         if not supports(self.pool, Capability.GROW):
             raise RequestRefused(f"the slice was not grown: {getattr(self.pool, 'no_burst', NO_BURST)}")
+        lease = self._live()
         updated: Lease = self.pool.grow(lease.id, needed)
         self._set_lease(updated)
         self._recap(updated)
@@ -309,6 +309,8 @@ class InProcessPoolClient(PoolClient):
         limit_bytes: int | None = None
         if limit is not None:
             limit_bytes = 0 if str(limit).strip() == "0" else parse_size(limit, gpu_memory=self._largest(None))
+            if limit_bytes and not supports(self.pool, Capability.GROW):
+                raise RequestRefused(f"no limit was set: {getattr(self.pool, 'no_burst', NO_BURST)}")
         if num_gpus is not None and not 1 <= num_gpus <= 64:
             raise InvalidInput(f"invalid GPU count {num_gpus}: expected a whole number from 1 to 64")
         seconds = parse_duration(duration) if duration is not None else None
@@ -325,8 +327,6 @@ class InProcessPoolClient(PoolClient):
                 f"this kernel's slice spans {count(lease.num_gpus, 'GPU')} and the pool cannot change that while the kernel runs;"
                 f" %gpupool release, then %gpupool reserve {memory or 'SIZE'} --gpus {num_gpus} and restart the kernel"
             )
-        if limit_bytes and not supports(self.pool, Capability.GROW):
-            raise RequestRefused(f"no limit was set: {getattr(self.pool, 'no_burst', NO_BURST)}")
         extra = {"limit": limit_bytes} if limit_bytes is not None else {}
         updated = self.pool.resize(lease.id, memory=size, duration=seconds, **extra)
         self._set_lease(updated)

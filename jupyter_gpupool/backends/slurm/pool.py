@@ -378,7 +378,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         """Submit the holder job for ``req``; the lease, queued (or granted if Slurm started it at once)."""
         now = self.clock() if now is None else now
         if req.burst_limit and req.burst_limit > req.memory:
-            raise RequestRefused(f"nothing was submitted: {self.no_burst} (ask without a limit, or for the limit as the size)")
+            raise RequestRefused(f"nothing was submitted: {self.no_burst}")
         gres, memory = self.gres_for(req.memory, req.num_gpus, req.model)
         partition = getattr(req, "partition", "") or self.partition
         account = getattr(req, "account", "") or self.account
@@ -637,7 +637,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
     #: What a user who asks for a limit or a grow is told (Slurm has no Capability.GROW).
     no_burst = (
         "a Slurm kernel's slice does not burst: its job's GPU shards are fixed when the job is submitted; "
-        "start the kernel with the size it needs"
+        "start the kernel with the size it needs, without a limit"
     )
 
     def resize(
