@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpupool.backends import CAPABILITY_MEMBERS, Capability, PoolBackend, SuspendingBackend, supports
+from jupyter_gpupool.backends import CAPABILITY_MEMBERS, Capability, ElasticBackend, PoolBackend, SuspendingBackend, supports
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.backends.slurm.pool import SlurmPool
@@ -75,6 +75,8 @@ def contract_problems(implementation: type) -> list[str]:
     promised = protocol_methods(PoolBackend)
     if Capability.SUSPEND in capabilities:
         promised.update(protocol_methods(SuspendingBackend))
+    if Capability.GROW in capabilities:
+        promised.update(protocol_methods(ElasticBackend))
     for name, member in promised.items():
         ours = inspect.getattr_static(implementation, name, None)
         if ours is None:
@@ -101,6 +103,9 @@ def test_backends_say_what_they_are_and_what_they_can() -> None:
     assert not supports(SlurmPool, Capability.SUSPEND)  # a Slurm job's memory cannot be parked
     assert supports(Pool, Capability.UNPOOLED) and not supports(RemotePool, Capability.UNPOOLED)
     assert not supports(object(), Capability.SUSPEND)
+    # Elastic slices: the local pool and the broker grow a slice; a Slurm job's shards are fixed at submit.
+    assert supports(Pool, Capability.GROW) and supports(RemotePool, Capability.GROW)
+    assert not supports(SlurmPool, Capability.GROW) and "fixed when the job is submitted" in SlurmPool.no_burst
 
 
 def test_the_contract_check_finds_a_missing_member_and_an_incompatible_signature() -> None:
@@ -120,6 +125,20 @@ def test_the_contract_check_finds_a_missing_member_and_an_incompatible_signature
     assert "no member 'resume'" in problems
     assert any("release: no parameter 'reason'" in p for p in problems)
     assert any("release: requires 'why'" in p for p in problems)
+    assert not any("grow" in p or "limit" in p for p in problems), problems
+
+    class FixedResize(RemotePool):
+        """Claims elastic slices, but its resize takes no limit and it has no grow."""
+
+        grow = None  # type: ignore[assignment]
+
+        def resize(self, lease_id: str, memory: int | None = None, duration: float | None = None,  # type: ignore[override]
+                   now: float | None = None) -> Any:
+            return None
+
+    problems = contract_problems(FixedResize)
+    assert "no member 'grow'" in problems and "claims 'grow' but has no grow()" in problems
+    assert "resize: no parameter 'limit'" in problems
 
 
 def test_the_factory_returns_the_backend_the_environment_names(tmp_path: Any) -> None:

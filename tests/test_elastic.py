@@ -84,7 +84,10 @@ def test_burst_never_takes_the_room_of_a_request_that_waits(tmp_path):
         pool.grow(first.id, 7 * GIB, now=T0 + 1)
 
 
-def test_burst_is_given_back_before_anyones_guarantee_and_the_request_is_granted_at_once(tmp_path):
+def test_burst_is_given_back_before_anyones_guarantee_and_goes_on_once_measured_within(tmp_path):
+    """The room a shrunk slice gives up goes to the request at the first measurement after the
+    shrink that shows the kernel within its new size: one from before (its caps still allowed
+    14 GiB then, and it may have filled them since) hands nothing on."""
     pool = make_pool(tmp_path, burst="16GiB")
     first = pool.request(req(gib=2), now=T0)
     pool.report_usage({first.id: 6 * GIB}, now=T0 + 1)
@@ -92,10 +95,17 @@ def test_burst_is_given_back_before_anyones_guarantee_and_the_request_is_granted
     assert pool.get(first.id).memory >= 14 * GIB
     pool.report_usage({first.id: 1 * GIB}, now=T0 + 3)  # its use drops: the burst stays until someone needs it
     second = pool.request(req("bob", gib=12), now=T0 + 4)
-    assert second.state is LeaseState.GRANTED
+    assert second.state is LeaseState.QUEUED
     after = pool.get(first.id)
     assert after.memory <= 4 * GIB and after.memory >= after.guarantee == 2 * GIB
-    assert after.burst_note.startswith("burst taken back")
+    assert after.burst_note.startswith("burst taken back") and after.burst_from >= 14 * GIB
+    pool.report_usage({first.id: 1 * GIB}, now=T0 + 3.5)  # measured before the shrink: says nothing of since
+    pool.tick(now=T0 + 4.5)
+    assert pool.get(second.id).state is LeaseState.QUEUED
+    pool.report_usage({first.id: 1 * GIB}, now=T0 + 5)
+    pool.tick(now=T0 + 5)
+    assert pool.get(second.id).state is LeaseState.GRANTED
+    assert pool.get(first.id).burst_from == 0
     kinds = [e["kind"] for e in pool.events()]
     assert "shrink" in kinds
 

@@ -164,6 +164,8 @@ def lease_state(pool: Any) -> Any:
             lease.priority.value,
             lease.keep_until,
             lease.devices,
+            lease.guarantee,
+            lease.burst_limit,
         )
         for lease in pool.leases(include_released=True)
     )

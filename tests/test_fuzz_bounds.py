@@ -43,6 +43,8 @@ def lease_state(pool: Any) -> Any:
             lease.priority.value,
             lease.keep_until,
             lease.holder_pid,
+            lease.guarantee,
+            lease.burst_limit,
         )
         for lease in pool.leases(include_released=True)
     )
@@ -87,6 +89,12 @@ def broker_cases(lease_id: str) -> list[tuple[str, str, Any]]:
         for field in (*sizes, "duration"):
             cases.append(("POST", f"api/gpupool/leases/{lease_id}/resize", {field: bad}))
             cases.append(("POST", "api/gpupool/kernels/k-alice/reserve", {field: bad}))
+        if sizes:  # an elastic slice's limit and a grow's need are sizes too
+            cases.append(("POST", "api/gpupool/leases", {"memory": "1GiB", "limit": bad}))
+            cases.append(("POST", f"api/gpupool/leases/{lease_id}/resize", {"limit": bad}))
+            cases.append(("POST", f"api/gpupool/leases/{lease_id}/resize", {"memory": "4GiB", "limit": bad}))
+            cases.append(("POST", "api/gpupool/kernels/k-alice/reserve", {"limit": bad}))
+            cases.append(("POST", f"api/gpupool/leases/{lease_id}/grow", {"needed": bad}))
         cases.append(("POST", f"api/gpupool/leases/{lease_id}/keepalive", {"duration": bad}))
         cases.append(("POST", "api/gpupool/kernels/k-alice/keepalive", {"duration": bad}))
         for field in ("connections",) if bad == 2**31 else ("last_activity", "connections"):  # 2**31 s: in 2038
@@ -125,6 +133,10 @@ def broker_cases(lease_id: str) -> list[tuple[str, str, Any]]:
         ("PATCH", "api/gpupool/preferences", {"model": ["A100"]}),
         ("PATCH", "api/gpupool/preferences", {"compute_share": 101}),
         ("PATCH", "api/gpupool/preferences", {"colour": "blue"}),
+        ("POST", f"api/gpupool/leases/{lease_id}/grow", {}),
+        ("POST", f"api/gpupool/leases/{lease_id}/grow", {"needed": None}),
+        ("POST", f"api/gpupool/leases/{lease_id}/grow", {"needed": "1e400GiB"}),
+        ("POST", f"api/gpupool/leases/{lease_id}/resize", {"limit": "-1GiB"}),
     ]
     return cases
 

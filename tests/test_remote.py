@@ -202,3 +202,43 @@ def test_the_first_answer_after_a_broker_outage_is_looked_at_even_if_nothing_cha
     finally:
         stop()
     assert len(looks) == 2, looks  # once after the outage's backoff, once after the first answer
+
+
+def test_elastic_slices_work_through_the_broker(broker: BrokerHarness) -> None:
+    """A limit on a request and on a resize, and a grow, decided by the broker as the local pool decides
+    them; each refusal says why and changes nothing."""
+    from jupyter_gpupool.errors import RequestRefused
+
+    pool = broker.remote("tok-alice")
+    lease = pool.request(LeaseRequest(owner="", memory=2 * GIB, kernel_id="k-elastic", burst_limit=6 * GIB))
+    assert (lease.guarantee_size, lease.limit_size, lease.memory) == (2 * GIB, 6 * GIB, 2 * GIB)
+    grown = pool.grow(lease.id, 5 * GIB)
+    assert grown.memory >= 5 * GIB and grown.guarantee_size == 2 * GIB and "grown to" in grown.burst_note
+    assert pool.grow(lease.id, GIB).memory == grown.memory, "a slice that large already stays as it is"
+    with pytest.raises(RequestRefused, match="its limit is 6 GiB"):
+        pool.grow(lease.id, 7 * GIB)
+    relimited = pool.resize(lease.id, memory=3 * GIB, limit=12 * GIB)
+    assert (relimited.guarantee_size, relimited.burst_limit) == (3 * GIB, 12 * GIB)
+    fixed = pool.resize(lease.id, limit=0)
+    assert not fixed.elastic and fixed.guarantee_size == 3 * GIB
+    with pytest.raises(RequestRefused, match="it is fixed at 3 GiB"):
+        pool.grow(lease.id, 4 * GIB)
+    with pytest.raises(InvalidInput, match="limit 1 GiB is below the slice's size 3 GiB"):
+        pool.resize(lease.id, limit=GIB)
+    assert pool.get(lease.id).burst_limit == 0, "a refused limit changed the slice"
+    fixed_request = pool.request(LeaseRequest(owner="", memory=GIB, kernel_id="k-fixed", burst_limit=0))
+    assert not fixed_request.elastic
+
+
+def test_the_kernel_asks_for_a_limit_and_grows_through_the_broker(broker: BrokerHarness) -> None:
+    """``%gpupool reserve 4GiB --limit 12GiB`` and a framework cap's grow, in a kernel behind a broker."""
+    from jupyter_gpupool.kernel.client import connect
+
+    lease = broker.remote("tok-alice").request(LeaseRequest(owner="", memory=2 * GIB, kernel_id="kern-e"))
+    env = {"GPUPOOL_URL": broker.url, "JUPYTERHUB_API_TOKEN": "tok-alice", "GPUPOOL_LEASE_ID": lease.id,
+           "GPUPOOL_KERNEL_ID": "kern-e"}
+    client = connect(env)
+    reserved = client.reserve("4GiB", limit="12GiB")
+    assert (reserved.guarantee_size, reserved.burst_limit) == (4 * GIB, 12 * GIB)
+    grown = client.grow(9 * GIB)
+    assert grown.memory >= 9 * GIB and env["GPUPOOL_MEMORY_LIMIT"] == str(grown.memory)

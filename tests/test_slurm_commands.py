@@ -223,3 +223,26 @@ def test_a_release_whose_scancel_fails_keeps_the_lease_live(tmp_path):
     kept, job = pool._row("l-1")
     assert kept.state is LeaseState.GRANTED and kept.release_reason == "" and "end_state" not in job
     pool.close()
+
+
+def test_a_slurm_slice_does_not_burst_and_says_why_where_a_user_asks(tmp_path):
+    """A limit on a kernelspec or ``%gpupool reserve --limit``, and a framework cap's grow: each is
+    refused with Slurm's reason (shards are fixed at submit), and nothing is submitted."""
+    from jupyter_gpupool.backends.contract import Capability, supports
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.errors import RequestRefused
+    from jupyter_gpupool.kernel.client import InProcessPoolClient
+
+    pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    assert not supports(pool, Capability.GROW)
+    why = "its job's GPU shards are fixed when the job is submitted"
+    with pytest.raises(RequestRefused, match=f"nothing was submitted: .*{why}"):
+        pool.request(LeaseRequest(owner="alice", memory=8 * GIB, burst_limit=32 * GIB))
+    assert pool.leases(include_released=True) == []
+    kernel = InProcessPoolClient(env={"GPUPOOL_LEASE_ID": "l-any"}, pool_factory=lambda: pool)
+    with pytest.raises(RequestRefused, match=f"the slice was not grown: .*{why}"):
+        kernel.grow(9 * GIB)
+    with pytest.raises(RequestRefused, match=f"no limit was set: .*{why}"):
+        kernel.reserve("8GiB", limit="32GiB")
+    pool.close()

@@ -17,6 +17,13 @@ from __future__ import annotations
 
 # Only the contract here: importing one backend's module (or the kernel side's wake-ups) loads
 # no other backend. The factory is ``jupyter_gpupool.backends.factory``.
-from jupyter_gpupool.backends.contract import CAPABILITY_MEMBERS, Capability, PoolBackend, SuspendingBackend, supports
+from jupyter_gpupool.backends.contract import (
+    CAPABILITY_MEMBERS,
+    Capability,
+    ElasticBackend,
+    PoolBackend,
+    SuspendingBackend,
+    supports,
+)
 
-__all__ = ["CAPABILITY_MEMBERS", "Capability", "PoolBackend", "SuspendingBackend", "supports"]
+__all__ = ["CAPABILITY_MEMBERS", "Capability", "ElasticBackend", "PoolBackend", "SuspendingBackend", "supports"]

@@ -37,6 +37,12 @@ class Capability(str, enum.Enum):
     #: Park a kernel's GPU memory in host RAM and bring it back (``suspend``, ``resume`` and the
     #: holder's ``confirm_transition`` / ``fail_transition``). Slurm has none.
     SUSPEND = "suspend"
+    #: Elastic slices: a slice has a guarantee and a limit and grows between them while its GPU has
+    #: memory nobody is guaranteed (``grow``, and ``resize(..., limit=)`` / a request's
+    #: ``burst_limit``). The single-host pool and the broker have it (the broker grows slices from
+    #: its own NVML measurements and takes burst back for waiting requests). Slurm has none: a
+    #: kernel's GPU shards are fixed when its job is submitted, so its slice never bursts.
+    GROW = "grow"
     #: Set what NVML shows against the pool's leases (``report_unpooled``, ``unpooled``): only a pool
     #: that owns this host's GPUs. A client's word about unpooled use is never taken.
     UNPOOLED = "unpooled"
@@ -234,9 +240,30 @@ class SuspendingBackend(PoolBackend, Protocol):
         ...
 
 
+class ElasticBackend(PoolBackend, Protocol):
+    """A pool backend with :attr:`Capability.GROW`."""
+
+    def resize(
+        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None,
+        limit: int | None = None,
+    ) -> Lease:
+        """As :meth:`PoolBackend.resize`; ``limit``: bytes per GPU the slice may grow to (0: a fixed
+        slice; None keeps the one it has)."""
+        ...
+
+    def grow(self, lease_id: str, needed: int, now: float | None = None) -> Lease:
+        """Grow the elastic slice so its kernel can hold ``needed`` bytes (all its GPUs), into memory
+        nobody is guaranteed and up to its limit; RequestRefused saying why not."""
+        ...
+
+
+#: What a user who asks a backend without :attr:`Capability.GROW` for a limit or a grow is told.
+NO_BURST = "this pool's slices are fixed in size: they do not grow above what was asked"
+
 #: The members each capability adds to :class:`PoolBackend`.
 CAPABILITY_MEMBERS: dict[Capability, tuple[str, ...]] = {
     Capability.SUSPEND: ("suspend", "resume", "confirm_transition", "fail_transition"),
+    Capability.GROW: ("grow",),
     Capability.UNPOOLED: ("report_unpooled", "unpooled"),
     Capability.CLIENT_ENV: ("client_env",),
     Capability.WHOAMI: ("whoami",),
@@ -249,4 +276,4 @@ def supports(pool: object, capability: Capability) -> bool:
     return capability in getattr(pool, "capabilities", frozenset())
 
 
-__all__ = ["CAPABILITY_MEMBERS", "Capability", "PoolBackend", "SuspendingBackend", "UpdateCallback", "supports"]
+__all__ = ["CAPABILITY_MEMBERS", "NO_BURST", "Capability", "ElasticBackend", "PoolBackend", "SuspendingBackend", "UpdateCallback", "supports"]

@@ -257,7 +257,7 @@ class RemotePool(GrantWaiting):
     """The ``broker`` :class:`~jupyter_gpupool.backends.contract.PoolBackend`: the contract, served by a broker."""
 
     kind = "broker"
-    capabilities = frozenset({Capability.SUSPEND, Capability.CLIENT_ENV, Capability.WHOAMI})
+    capabilities = frozenset({Capability.SUSPEND, Capability.GROW, Capability.CLIENT_ENV, Capability.WHOAMI})
 
     #: Adapters may check this to skip work the broker does itself (watchdog, scheduler loop).
     remote = True
@@ -500,6 +500,7 @@ class RemotePool(GrantWaiting):
             "holder_host": req.holder_host,
             "label": req.label,
             "suspendable": req.suspendable,
+            "limit": req.burst_limit,  # None: the broker's burst policy; 0: a fixed slice
         }
         # Naming its kernel makes the request idempotent: the broker answers the kernel's live lease
         # if an earlier try was committed but its answer lost. Without a kernel it is repeated only
@@ -605,11 +606,16 @@ class RemotePool(GrantWaiting):
         self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None,
         limit: int | None = None,
     ) -> Lease:
+        """As :meth:`Pool.resize <jupyter_gpupool.backends.local.pool.Pool.resize>`, decided by the broker."""
+        body: dict[str, Any] = {"memory": memory, "duration": duration}
         if limit is not None:
-            raise RequestRefused("a slice's limit cannot be changed through the broker; the pool's burst policy sets it")
-        return _lease(
-            self.call("POST", f"{API}/leases/{_q(lease_id)}/resize", {"memory": memory, "duration": duration})
-        )
+            body["limit"] = int(limit)
+        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/resize", body))
+
+    def grow(self, lease_id: str, needed: int, now: float | None = None) -> Lease:
+        """Grow an elastic slice so its kernel can hold ``needed`` bytes (all its GPUs); the broker
+        decides (RequestRefused saying why not). Safe to repeat: a slice that large already stays."""
+        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/grow", {"needed": int(needed)}))
 
     def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
         return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/keepalive", {"duration": seconds}))
@@ -626,7 +632,9 @@ class RemotePool(GrantWaiting):
             self.call("POST", f"{API}/heartbeat", {"lease_ids": list(lease_ids)})
 
     def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
-        """No-op: in multi-user mode the broker's watchdog measures every process on the host."""
+        """No-op, and on purpose: a server's figures are its user's word. The broker's own watchdog
+        measures every process on its host (NVML, set against the leases), and only that decides
+        when a slice grows or when the burst it gave back may go to someone else."""
         return []
 
     def tick(self, now: float | None = None, activities: dict[str, Activity] | None = None) -> list[Decision]:

@@ -243,6 +243,8 @@ class Broker(LoggingConfigurable):
             raise InvalidInput(f"num_gpus must be from 1 to {pool.policy.max_gpus_per_lease}, got {num_gpus}")
         if compute_share is not None and not 1 <= compute_share <= 100:
             raise InvalidInput(f"compute_share is a percentage from 1 to 100, got {compute_share}")
+        limit_raw = body.get("limit")
+        burst_limit = None if limit_raw in (None, "") else 0 if limit_raw == 0 else pool.parse_memory(limit_raw)
         duration_raw = body.get("duration")
         duration = parse_duration(duration_raw) if duration_raw not in (None, "") else None
         if identity.pid is not None and holder_pid is None and duration is None:
@@ -263,6 +265,7 @@ class Broker(LoggingConfigurable):
             holder_host=str(body["holder_host"]) if body.get("holder_host") else None,
             label=str(body.get("label") or "")[:200],
             suspendable=bool(body.get("suspendable")),
+            burst_limit=burst_limit,  # None: the pool's burst policy; 0: a fixed slice
         )
 
     def request_lease(self, identity: Identity, body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:

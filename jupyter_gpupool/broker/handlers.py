@@ -244,19 +244,40 @@ async def release_lease(handler: BrokerHandler, lease_id: str, reason: str) -> N
     handler.write_json(await handler.run(release))
 
 
+def resize_on(pool: Any, lease: Lease, memory: int | str | None, seconds: float | None, limit: int | str | None) -> Lease:
+    """Worker thread: a resize or reserve with sizes read against the pool's GPUs (``limit``: how far
+    the slice may grow, 0 for a fixed slice; None keeps the one it has)."""
+    size = pool.parse_memory(memory) if memory is not None else None
+    extra = {"limit": 0 if limit == 0 else pool.parse_memory(limit)} if limit is not None else {}
+    return pool.resize(lease.id, memory=size, duration=seconds, **extra)
+
+
 class LeaseResizeHandler(BrokerHandler):
-    """``POST .../leases/{id}/resize`` ``{"memory": "12GiB" | bytes, "duration": "2h" | seconds}``."""
+    """``POST .../leases/{id}/resize`` ``{"memory": "12GiB" | bytes, "limit": "32GiB" | 0, "duration": "2h" | seconds}``."""
 
     async def post(self, lease_id: str) -> None:
-        memory, seconds = validate.resize_body(self.json_body())
+        memory, seconds, limit = validate.resize_limit_body(self.json_body())
 
         def resize() -> dict[str, Any]:
-            pool = self.broker.pool
-            size = pool.parse_memory(memory) if memory is not None else None
-            lease = self.owned(lease_id)
-            return lease_json(pool.resize(lease.id, memory=size, duration=seconds))
+            return lease_json(resize_on(self.broker.pool, self.owned(lease_id), memory, seconds, limit))
 
         self.write_json(await self.run(resize))
+
+
+class LeaseGrowHandler(BrokerHandler):
+    """``POST .../leases/{id}/grow`` ``{"needed": "6GiB" | bytes}``: grow an elastic slice so its kernel
+    can hold that much (all its GPUs), as a framework cap's allocation failure asks (owner or admin);
+    409 saying why not (the GPU is full, the slice is fixed, its limit, a request waits)."""
+
+    async def post(self, lease_id: str) -> None:
+        needed = validate.grow_body(self.json_body())
+
+        def grow() -> dict[str, Any]:
+            pool = self.broker.pool
+            lease = self.owned(lease_id)
+            return lease_json(pool.grow(lease.id, pool.parse_memory(needed)))
+
+        self.write_json(await self.run(grow))
 
 
 class LeasePriorityHandler(BrokerHandler):
@@ -567,16 +588,14 @@ class KernelStatusHandler(KernelHandlerBase):
 
 
 class KernelReserveHandler(KernelHandlerBase):
-    """``POST .../kernels/{kernel_id}/reserve`` ``{"memory": "12GiB", "duration": "2h"}``."""
+    """``POST .../kernels/{kernel_id}/reserve`` ``{"memory": "12GiB", "limit": "32GiB", "duration": "2h"}``."""
 
     async def post(self, kernel_id: str) -> None:
-        memory, seconds = validate.resize_body(self.json_body())
+        memory, seconds, limit = validate.resize_limit_body(self.json_body())
 
         def reserve() -> dict[str, Any]:
-            pool = self.broker.pool
-            size = pool.parse_memory(memory) if memory is not None else None
             lease = self.live_lease(kernel_id)
-            return self.broker.kernel_status(kernel_id, pool.resize(lease.id, memory=size, duration=seconds))
+            return self.broker.kernel_status(kernel_id, resize_on(self.broker.pool, lease, memory, seconds, limit))
 
         self.write_json(await self.run(reserve))
 
@@ -757,6 +776,7 @@ def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
         (rf"{api}/leases/{_ID}", LeaseHandler),
         (rf"{api}/leases/{_ID}/release", LeaseReleaseHandler),
         (rf"{api}/leases/{_ID}/resize", LeaseResizeHandler),
+        (rf"{api}/leases/{_ID}/grow", LeaseGrowHandler),
         (rf"{api}/leases/{_ID}/keepalive", LeaseKeepHandler),
         (rf"{api}/leases/{_ID}/priority", LeasePriorityHandler),
         (rf"{api}/leases/{_ID}/activity", LeaseActivityHandler),

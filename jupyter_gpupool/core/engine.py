@@ -187,7 +187,7 @@ class Engine:
         lease.created_at = now  # it queues from now, behind those who asked before
         lease.memory, lease.num_gpus, lease.priority = memory, num_gpus, priority
         lease.guarantee, lease.burst_limit = memory, limit
-        lease.burst_taken_at, lease.burst_note = None, ""
+        lease.burst_taken_at, lease.burst_from, lease.burst_note = None, 0, ""
         lease.compute_share, lease.model, lease.duration = request.compute_share, request.model, request.duration
         lease.holder_pid, lease.holder_host, lease.label = request.holder_pid, request.holder_host, request.label
         lease.suspendable = request.suspendable
@@ -1025,7 +1025,7 @@ class Engine:
                     raise RequestRefused(f"the slice was not grown: {who} maximum quota is {format_size(quota.maximum)}; it stays {size}")
                 target = most
         self._set_size(state, lease, target, now)
-        lease.burst_taken_at = None
+        lease.burst_taken_at, lease.burst_from = None, 0
         lease.over_limit_since = None
         lease.burst_note = (
             f"grown to {format_size(target * gpus)} on demand ({format_size(lease.guarantee_size * gpus)} guaranteed, "
@@ -1067,6 +1067,8 @@ class Engine:
                 missing -= taken - new_size
                 if new_size < lease.memory or lease.burst_taken_at is None:
                     gpus = max(1, lease.num_gpus)
+                    # What it gave back stays counted until the watchdog measures the kernel within it.
+                    lease.burst_from = max(lease.memory, lease.burst_from if lease.burst_taken_at is not None else 0)
                     self._set_size(state, lease, new_size, now)
                     lease.burst_taken_at = now
                     lease.burst_note = (
@@ -1091,7 +1093,7 @@ class Engine:
             if lease.burst_taken_at is None or lease.state is not LeaseState.GRANTED:
                 continue
             if not someone_waits:
-                lease.burst_taken_at = None  # who it was taken back for is gone: it may grow again
+                lease.burst_taken_at, lease.burst_from = None, 0  # who it was taken back for is gone: it may grow again
                 state.touch(lease)
                 continue
             if excess_per_device(lease) <= 0 or now - lease.burst_taken_at < self.policy.burst_settle:
@@ -1499,8 +1501,10 @@ class Engine:
             state.touch(lease)  # what it uses above its slice is taken: a grow must see that
             gpus = max(1, lease.num_gpus)
             size = lease.memory * gpus
-            if lease.burst_taken_at is not None and used <= size:
-                lease.burst_taken_at = None
+            if lease.burst_taken_at is not None and used <= size and now >= lease.burst_taken_at:
+                # Measured after the burst was taken back (an older figure says nothing of the kernel
+                # since its caps came down): the room it gave back may go to the waiting request.
+                lease.burst_taken_at, lease.burst_from = None, 0
                 lease.burst_note = f"gave its burst back: {format_size(used)} used of its {format_size(size)} slice"
             elif lease.elastic and lease.burst_taken_at is None and used >= size * GROW_WHEN_USED and lease.memory < lease.limit_size:
                 largest = max((d.leasable for d in state.devices if d.uuid in lease.devices), default=lease.limit_size)

@@ -28,10 +28,14 @@ _Entry = tuple[
 
 def excess_per_device(lease: Lease) -> int:
     """Bytes per GPU a granted lease's kernel uses above its slice, as the watchdog last measured
-    (0 when within it or unmeasured): memory that is taken, though no grant covers it."""
-    if lease.state is not LeaseState.GRANTED or not lease.used_memory or not lease.devices:
+    (0 when within it or unmeasured): memory that is taken, though no grant covers it. A slice
+    whose burst was taken back counts what it held before, until a measurement after that showed
+    its kernel within its new size (see :attr:`Lease.burst_from`)."""
+    if lease.state is not LeaseState.GRANTED or not lease.devices:
         return 0
-    return max(0, lease.used_memory // len(lease.devices) - lease.memory)
+    measured = max(0, (lease.used_memory or 0) // len(lease.devices) - lease.memory)
+    unconfirmed = lease.burst_from - lease.memory if lease.burst_taken_at is not None else 0
+    return max(measured, unconfirmed)
 
 #: Seconds of slack when the heaps say nothing is due: float rounding of ``now - heartbeat`` vs
 #: ``heartbeat + ttl`` never matters, the exact test runs whenever something is near due.

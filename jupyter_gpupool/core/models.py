@@ -263,6 +263,11 @@ class Lease:
     #: When the pool last took this slice's burst back for someone else's request; its kernel's use
     #: must follow down to ``memory`` (its caps are lowered). None once its use is back within.
     burst_taken_at: float | None = None
+    #: Bytes per GPU the slice held when its burst was taken back, until the pool's own watchdog
+    #: measured its kernel within its new size after that (0 otherwise): the room it gave back
+    #: counts as taken till then, so neither a measurement older than the shrink nor anyone's word
+    #: hands it to the waiting request.
+    burst_from: int = 0
     #: The last grow or give-back step, for the user ("grown to 8 GiB: ...", "burst taken back: ...").
     burst_note: str = ""
 

@@ -258,6 +258,19 @@ def size(value: Any, field: str = "memory") -> int | str:
     return int(value) if isinstance(value, (int, float)) else value
 
 
+#: What a slice's ``limit`` accepts.
+LIMIT_FORMS = f"{SIZE_FORMS}, or 0 for a fixed slice"
+
+
+def burst_limit(value: Any, field: str = "limit") -> int | str:
+    """How far an elastic slice may grow (see :func:`size`): ``0`` (or ``"0"``) asks for a fixed slice."""
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool) and str(value).strip() in ("0", "0.0"):
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidInput(f"invalid {field} {_shown(value)}: expected {LIMIT_FORMS}")
+    return size(value, field)
+
+
 def duration(value: Any, field: str = "duration") -> float:
     """Seconds from a duration (see :data:`~jupyter_gpupool.units.DURATION_FORMS`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -321,6 +334,8 @@ def lease_request_body(body: Mapping[str, Any], max_gpus: int) -> dict[str, Any]
         clean["holder_host"] = text(value, "holder_host")
     if (value := optional(body, "label")) is not None:
         clean["label"] = text(value, "label", MAX_TEXT)
+    if (value := body.get("limit")) is not None and value != "":
+        clean["limit"] = burst_limit(value)
     return clean
 
 
@@ -330,6 +345,24 @@ def resize_body(body: Mapping[str, Any]) -> tuple[int | str | None, float | None
     if memory is None and seconds is None:
         raise InvalidInput(f'give "memory" ({SIZE_FORMS}) and/or "duration" ({DURATION_FORMS})')
     return (size(memory) if memory is not None else None), (duration(seconds) if seconds is not None else None)
+
+
+def resize_limit_body(body: Mapping[str, Any]) -> tuple[int | str | None, float | None, int | str | None]:
+    """``{"memory", "duration", "limit"}`` of a resize or reserve where slices are elastic: at
+    least one of them (``limit``: see :func:`burst_limit`)."""
+    memory, seconds, raw_limit = optional(body, "memory"), optional(body, "duration"), body.get("limit")
+    limit = burst_limit(raw_limit) if raw_limit is not None and raw_limit != "" else None
+    if memory is None and seconds is None and limit is None:
+        raise InvalidInput(f'give "memory" ({SIZE_FORMS}), "limit" ({LIMIT_FORMS}) and/or "duration" ({DURATION_FORMS})')
+    return (size(memory) if memory is not None else None), (duration(seconds) if seconds is not None else None), limit
+
+
+def grow_body(body: Mapping[str, Any]) -> int | str:
+    """``{"needed": ...}`` of a grow: the bytes (all the slice's GPUs) its kernel needs to hold."""
+    value = optional(body, "needed")
+    if value is None:
+        raise InvalidInput(f'give "needed", what the kernel needs to hold on its GPUs: expected {SIZE_FORMS}')
+    return size(value, "needed")
 
 
 def keep_body(body: Mapping[str, Any]) -> float | None:
@@ -479,13 +512,16 @@ def usable_preferences(
 
 
 __all__ = [
+    "LIMIT_FORMS",
     "MAX_BODY_BYTES",
     "MAX_JSON_DEPTH",
     "BodyTooLarge",
     "activity_fields",
     "boolean",
+    "burst_limit",
     "duration",
     "flag",
+    "grow_body",
     "has_lone_surrogate",
     "json_object",
     "keep_body",
@@ -497,6 +533,7 @@ __all__ = [
     "priority",
     "reservation_body",
     "resize_body",
+    "resize_limit_body",
     "size",
     "suspend_reason",
     "text",

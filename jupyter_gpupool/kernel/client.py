@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from jupyter_gpupool.backends.changes import wait_for_change
+from jupyter_gpupool.backends.contract import NO_BURST, Capability, supports
 from jupyter_gpupool.core.models import (
     Device,
     Lease,
@@ -293,11 +294,10 @@ class InProcessPoolClient(PoolClient):
         )
 
     def grow(self, needed: int) -> Lease:
+        if not supports(self.pool, Capability.GROW):
+            raise RequestRefused(f"the slice was not grown: {getattr(self.pool, 'no_burst', NO_BURST)}")
         lease = self._live()
-        grow = getattr(self.pool, "grow", None)
-        if grow is None:
-            return super().grow(needed)
-        updated: Lease = grow(lease.id, needed)
+        updated: Lease = self.pool.grow(lease.id, needed)
         self._set_lease(updated)
         self._recap(updated)
         return updated
@@ -309,6 +309,8 @@ class InProcessPoolClient(PoolClient):
         limit_bytes: int | None = None
         if limit is not None:
             limit_bytes = 0 if str(limit).strip() == "0" else parse_size(limit, gpu_memory=self._largest(None))
+            if limit_bytes and not supports(self.pool, Capability.GROW):
+                raise RequestRefused(f"no limit was set: {getattr(self.pool, 'no_burst', NO_BURST)}")
         if num_gpus is not None and not 1 <= num_gpus <= 64:
             raise InvalidInput(f"invalid GPU count {num_gpus}: expected a whole number from 1 to 64")
         seconds = parse_duration(duration) if duration is not None else None

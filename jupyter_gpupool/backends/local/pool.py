@@ -71,7 +71,7 @@ class Pool(GrantWaiting):
     the same pool file decides on it, in one SQLite transaction per decision."""
 
     kind = "local"
-    capabilities = frozenset({Capability.SUSPEND, Capability.UNPOOLED})
+    capabilities = frozenset({Capability.SUSPEND, Capability.GROW, Capability.UNPOOLED})
     #: Decisions are taken in this process (the watchdog and scheduler loop run here).
     remote = False
 

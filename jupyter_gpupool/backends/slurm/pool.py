@@ -377,6 +377,8 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
     def request(self, req: LeaseRequest, now: float | None = None) -> Lease:
         """Submit the holder job for ``req``; the lease, queued (or granted if Slurm started it at once)."""
         now = self.clock() if now is None else now
+        if req.burst_limit and req.burst_limit > req.memory:
+            raise RequestRefused(f"nothing was submitted: {self.no_burst}")
         gres, memory = self.gres_for(req.memory, req.num_gpus, req.model)
         partition = getattr(req, "partition", "") or self.partition
         account = getattr(req, "account", "") or self.account
@@ -632,9 +634,19 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
             self._pending_cache = None
         return lease
 
+    #: What a user who asks for a limit or a grow is told (Slurm has no Capability.GROW).
+    no_burst = (
+        "a Slurm kernel's slice does not burst: its job's GPU shards are fixed when the job is submitted; "
+        "start the kernel with the size it needs, without a limit"
+    )
+
     def resize(
-        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None
+        self, lease_id: str, memory: int | None = None, duration: float | None = None, now: float | None = None,
+        limit: int | None = None,
     ) -> Lease:
+        """A Slurm lease's time can change (``duration``); its size and limit cannot while its job runs."""
+        if limit:
+            raise RequestRefused(f"no limit was set: {self.no_burst}")
         lease, job = self._row(lease_id)
         if memory is not None and memory != lease.memory:
             raise RequestRefused(
