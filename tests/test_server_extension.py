@@ -197,6 +197,15 @@ def test_rest_auth_errors_restart_and_release(arun, jp_serverapp, gpupool_fetch,
         assert response.code == 200, response.body
         reserved = json.loads(response.body)
         assert reserved["memory"] == 4 * GIB and reserved["keep_until"] > time.time() + 7000
+        # How far it may grow (%gpupool reserve 4GiB --limit 8GiB, the sidebar): a bad limit changes nothing.
+        response = await gpupool_fetch(*base, "reserve", method="POST", body={"limit": "lots"})
+        assert response.code == 400 and "limit" in json.loads(response.body)["message"], response.body
+        assert (await kernel_state(gpupool_fetch, kernel_id))["limit"] == reserved["limit"]
+        response = await gpupool_fetch(*base, "reserve", method="POST", body={"limit": "8GiB"})
+        assert response.code == 200 and json.loads(response.body)["limit"] == 8 * GIB, response.body
+        response = await gpupool_fetch(*base, "reserve", method="POST", body={"limit": 0})
+        fixed = json.loads(response.body)
+        assert response.code == 200 and fixed["limit"] == fixed["guarantee"] == 4 * GIB, response.body
         # A shorter keep never cuts a longer hold; keepalive without a body uses the default (1 h).
         response = await gpupool_fetch(*base, "keepalive", method="POST", body={"duration": "30m"})
         assert response.code == 200 and json.loads(response.body)["keep_until"] == reserved["keep_until"]

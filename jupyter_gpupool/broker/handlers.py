@@ -20,7 +20,7 @@ from jupyter_gpupool.broker.interface import BrokerInterface
 from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, PriorityClass, Transition
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
-from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin
+from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin, resize_on
 from jupyter_gpupool.rest.views import view_version
 
 _ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
@@ -242,14 +242,6 @@ async def release_lease(handler: BrokerHandler, lease_id: str, reason: str) -> N
         return lease_json(handler.broker.pool.release(lease.id, reason=why))
 
     handler.write_json(await handler.run(release))
-
-
-def resize_on(pool: Any, lease: Lease, memory: int | str | None, seconds: float | None, limit: int | str | None) -> Lease:
-    """Worker thread: a resize or reserve with sizes read against the pool's GPUs (``limit``: how far
-    the slice may grow, 0 for a fixed slice; None keeps the one it has)."""
-    size = pool.parse_memory(memory) if memory is not None else None
-    extra = {"limit": 0 if limit == 0 else pool.parse_memory(limit)} if limit is not None else {}
-    return pool.resize(lease.id, memory=size, duration=seconds, **extra)
 
 
 class LeaseResizeHandler(BrokerHandler):

@@ -6,8 +6,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from jupyter_gpupool.core.models import Lease
 from jupyter_gpupool.core.validate import MAX_ID, json_object
 from jupyter_gpupool.errors import InvalidInput
+
+
+def resize_on(pool: Any, lease: Lease, memory: int | str | None, seconds: float | None, limit: int | str | None) -> Lease:
+    """Worker thread: a resize or reserve from a request body (see ``validate.resize_limit_body``),
+    sizes read against the pool's GPUs (``limit``: how far the slice may grow, 0 for a fixed
+    slice; None keeps the one it has)."""
+    size = pool.parse_memory(memory) if memory is not None else None
+    extra = {"limit": 0 if limit == 0 else pool.parse_memory(limit)} if limit is not None else {}
+    updated: Lease = pool.resize(lease.id, memory=size, duration=seconds, **extra)
+    return updated
 
 
 class JsonHandlerMixin:

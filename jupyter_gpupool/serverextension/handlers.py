@@ -21,7 +21,7 @@ from tornado import web
 from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.models import Lease
 from jupyter_gpupool.errors import GpuPoolError, LeaseNotFound, NotAuthorized, PoolUnavailable, RequestRefused
-from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin
+from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin, resize_on
 
 
 class PoolExtension(Protocol):
@@ -189,22 +189,21 @@ class KernelStatusHandler(KernelHandlerBase):
 
 
 class ReserveHandler(KernelHandlerBase):
-    """``POST .../reserve`` ``{"memory": "12GiB", "duration": "2h"}``: grow, shrink, hold through idle."""
+    """``POST .../reserve`` ``{"memory": "12GiB", "limit": "32GiB", "duration": "2h"}``: grow,
+    shrink, set how far the slice may grow, hold through idle."""
 
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:
-        memory, seconds = validate.resize_body(self.json_body())
+        memory, seconds, limit = validate.resize_limit_body(self.json_body())
         pool = self.ext.pool
 
         def reserve() -> dict[str, Any]:
-            size = pool.parse_memory(memory) if memory is not None else None
-            lease = self.live_lease(kernel_id)
-            updated = pool.resize(lease.id, memory=size, duration=seconds)
+            updated = resize_on(pool, self.live_lease(kernel_id), memory, seconds, limit)
             return {"lease": updated, "status": self.ext.kernel_status(kernel_id, updated)}
 
         result = await asyncio.to_thread(reserve)
-        action = "resized" if memory is not None else "kept"
+        action = "resized" if memory is not None or limit is not None else "kept"
         self.ext.emit(action, result["lease"], message=f"{action} by the user")
         self.write_json(result["status"])
 
