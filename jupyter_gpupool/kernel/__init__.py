@@ -3,7 +3,8 @@
 On load it caps PyTorch / TensorFlow / CuPy at this kernel's slice when they are imported
 (see :mod:`.caps`), adds a hint to out-of-memory errors, registers the ``%gpupool``
 magic, makes a cell wait while the kernel is suspended (see :mod:`.resume`), and answers the
-server's quiet requests (freeing framework caches before a checkpoint: :mod:`.caches`). The pool
+server's quiet requests (freeing framework caches before a checkpoint:
+:func:`~jupyter_gpupool.enforcement.caps.free_framework_caches`). The pool
 itself is opened only when a cell, a magic or the widget needs it, so the kernel starts as
 fast as without the extension.
 
@@ -80,8 +81,8 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def _answer_quiet_requests(ipython: Any) -> None:
     """Let the server reach this kernel on the quiet channel (control, not a cell, no activity):
-    ``free_caches`` before a checkpoint (see :mod:`.caches`), ``set_caps`` when its slice grew or shrank."""
-    from jupyter_gpupool.kernel.caches import free_framework_caches
+    ``free_caches`` before a checkpoint, ``set_caps`` when its slice grew or shrank."""
+    from jupyter_gpupool.enforcement.caps import free_framework_caches
     from jupyter_gpupool.quiet import install_quiet_requests
 
     install_quiet_requests(

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import shlex
-import sys
 import time
 from typing import Any
 
@@ -14,6 +12,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.display import display
 
 from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo
+from jupyter_gpupool.enforcement.caps import free_framework_caches
 from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
 from jupyter_gpupool.kernel.client import DEFAULT_KEEP, PoolClient
 from jupyter_gpupool.kernel.resume import ProgressLine, needs_waiting, progress_text
@@ -249,7 +248,7 @@ class GpuPoolMagics(Magics):
 
     def _do_release(self, args: argparse.Namespace) -> None:
         lease = self.client.release()
-        _free_framework_caches()
+        free_framework_caches()  # after a release, hand cached blocks back so the memory really frees
         display(
             Report(
                 "gpupool: slice released",
@@ -326,15 +325,3 @@ class GpuPoolMagics(Magics):
             ) from None
         status = client.status()
         progress.show(f"gpupool: resumed on {status.devices_text()} after {format_duration(time.time() - started)}")
-
-
-def _free_framework_caches() -> None:
-    """After a release, hand cached blocks back to the driver so the memory really frees."""
-    torch = sys.modules.get("torch")
-    with contextlib.suppress(Exception):  # best effort: the release itself already happened
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-    cupy = sys.modules.get("cupy")
-    with contextlib.suppress(Exception):
-        if cupy is not None and cupy.is_available():
-            cupy.get_default_memory_pool().free_all_blocks()
