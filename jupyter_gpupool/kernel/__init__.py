@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jupyter_gpupool.enforcement.caps import FrameworkCaps
     from jupyter_gpupool.kernel.client import PoolClient
+    from jupyter_gpupool.kernel.parking import FrameworkParking
 
 # In-function imports: the parts are imported when first used, so a kernel that only reads this
 # package's ``autolease`` module at start (and stands aside) pays nothing for the rest.
@@ -41,6 +42,16 @@ def get_caps() -> FrameworkCaps:
     if caps is None:
         caps = _state["caps"] = FrameworkCaps.from_env()
     return caps
+
+
+def get_parking() -> FrameworkParking:
+    """What this kernel's start found about parking its PyTorch memory itself (see :mod:`.parking`)."""
+    from jupyter_gpupool.kernel.parking import FrameworkParking
+
+    parking = _state.get("parking")
+    if parking is None:
+        parking = _state["parking"] = FrameworkParking()
+    return parking
 
 
 def get_client() -> PoolClient:
@@ -69,10 +80,12 @@ def load_ipython_extension(ipython: Any) -> None:
         from jupyter_gpupool.devices import simulated
 
         simulated.kernel_hooks.update(caps_limit=lambda: get_caps().limit, grow=_grow_slice)
-    ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
+    ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client, parking_line=lambda: get_parking().line()))
     _state["shell"] = ipython
     waiting = _state["resume"] = ResumeOnRun(get_client)  # costs nothing until the kernel has a lease
     waiting.start(ipython)
+    parking = get_parking()
+    parking.start(caps.finder.register)  # before the kernel's first allocation: the region covers only later ones
     _answer_quiet_requests(ipython)
     if os.environ.get("GPUPOOL_LEASE_ID"):
         reporter = _state["activity"] = ActivityReporter(lambda: get_client().lease_id, lambda: get_client().pool)
@@ -81,12 +94,14 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def _answer_quiet_requests(ipython: Any) -> None:
     """Let the server reach this kernel on the quiet channel (control, not a cell, no activity):
-    ``free_caches`` before a checkpoint, ``set_caps`` when its slice grew or shrank."""
+    ``free_caches`` before a checkpoint, ``set_caps`` when its slice grew or shrank, and the framework
+    parking path's ``parking_probe``, ``park_framework`` and ``unpark_framework``."""
     from jupyter_gpupool.enforcement.caps import free_framework_caches
     from jupyter_gpupool.quiet import install_quiet_requests
 
     install_quiet_requests(
-        getattr(ipython, "kernel", None), {"free_caches": free_framework_caches, "set_caps": get_caps().move_live}
+        getattr(ipython, "kernel", None),
+        {"free_caches": free_framework_caches, "set_caps": get_caps().move_live, **get_parking().actions()},
     )
 
 
@@ -106,6 +121,7 @@ def unload_ipython_extension(ipython: Any) -> None:
         from jupyter_gpupool.quiet import QUIET_REQUEST
 
         handlers.pop(QUIET_REQUEST, None)
+    _state.pop("parking", None)
     caps = _state.pop("caps", None)
     if caps is not None:
         caps.uninstall()
@@ -117,4 +133,4 @@ def unload_ipython_extension(ipython: Any) -> None:
     line_magics.pop("gpupool", None)
 
 
-__all__ = ["FrameworkCaps", "get_caps", "get_client", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["FrameworkCaps", "get_caps", "get_client", "get_parking", "load_ipython_extension", "unload_ipython_extension"]

@@ -6,6 +6,7 @@ import argparse
 import re
 import shlex
 import time
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -184,9 +185,10 @@ class WaitProgress:
 class GpuPoolMagics(Magics):
     """The ``%gpupool`` magic. The client is made on first use, so loading the extension stays cheap."""
 
-    def __init__(self, shell: Any, client_factory: Any) -> None:
+    def __init__(self, shell: Any, client_factory: Any, parking_line: Callable[[], str] | None = None) -> None:
         super().__init__(shell)
         self._client_factory = client_factory
+        self._parking_line = parking_line  # which path parks this kernel (see kernel/parking.py)
         self._client: PoolClient | None = None
         self.parser = build_parser()
 
@@ -225,6 +227,8 @@ class GpuPoolMagics(Magics):
             status = self.client.status()
         except PoolUnavailable as err:  # the pool's state, not a failure of the magic
             status = unavailable_status(str(err))
+        if self._parking_line is not None and status.lease is not None:
+            status.parking = self._parking_line()
         display(status_report(status))
 
     def _do_reserve(self, args: argparse.Namespace) -> None:
