@@ -261,3 +261,14 @@ def _ended_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
+
+
+@pytest.mark.parametrize("value", ["lots", "150%", "-2GiB"])
+def test_a_bad_parking_pool_size_is_refused_in_one_line(value: str) -> None:
+    from traitlets import TraitError
+
+    from jupyter_gpupool.serverextension.app import GpuPoolExtension
+
+    with pytest.raises(TraitError, match=r"^invalid c\.GpuPoolExtension\.parking_pool_size .*give a size \(32GiB\)"):
+        GpuPoolExtension(parking_pool_size=value)
+    assert GpuPoolExtension(parking_pool_size=" 25% ").parking_pool_size == "25%"
