@@ -107,6 +107,21 @@ def test_a_kernel_whose_framework_can_park_is_parked_by_it_and_comes_back_whole(
     arun(scenario())
 
 
+def test_a_server_that_forgot_which_path_parked_a_kernel_still_brings_its_framework_memory_back(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
+        assert (await _suspend(gpupool_fetch, gpupool_wait, pool, kernel))["parking"]["path"] == SIMULATED_SAVER
+        gpupool_ext._parked_by.clear()  # as after a restart of the server: only the driver checkpoint is known
+        assert (await kernel_exec(kernel, "print(x)")).strip() == "42"
+        assert _gpu_bytes_of(pool, pid) == 2 * GIB, "the tensors the framework released were not mapped back"
+
+    arun(scenario())
+
+
 def test_a_framework_path_that_fails_midway_falls_back_to_the_driver_checkpoint_and_nothing_is_lost(
     arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
 ):

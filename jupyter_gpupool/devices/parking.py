@@ -114,23 +114,24 @@ class FrameworkPath(ParkingPath):
     covers = "the PyTorch tensors allocated in the kernel's memory-saver region; the driver checkpoint parks the rest"
 
     def __init__(self, driver: DriverCheckpointPath, pinned: HostPinnedPool | None, reply_timeout: float = 30.0,
-                 room: Callable[[ParkingKernel, int], str] | None = None) -> None:
+                 probe_timeout: float = 5.0, room: Callable[[ParkingKernel, int], str] | None = None) -> None:
         self.driver = driver
         self.pinned = pinned
-        self.reply_timeout = reply_timeout
+        self.reply_timeout = reply_timeout  # a park or unpark copies the tensors: as long as a checkpoint may take
+        self.probe_timeout = probe_timeout  # a kernel without the extension never answers: do not wait long
         #: ``room(kernel, bytes)``: ``""`` if the parked-memory budget has room for this backup, else why not.
         self.room = room
 
-    async def _ask(self, kernel: ParkingKernel, action: str) -> dict[str, Any] | None:
+    async def _ask(self, kernel: ParkingKernel, action: str, timeout: float | None = None) -> dict[str, Any] | None:
         assert kernel.ask is not None
-        return await kernel.ask(action, timeout=self.reply_timeout)
+        return await kernel.ask(action, timeout=self.reply_timeout if timeout is None else timeout)
 
     async def park(self, kernel: ParkingKernel) -> Parked:
         if kernel.ask is None:
             raise ParkingRefused("the kernel cannot be reached on the quiet channel (no gpupool kernel extension)")
         if self.pinned is None:
             raise ParkingRefused("this host has no pinned parking pool (c.GpuPoolExtension.parking_pool_size is 0)")
-        probe = await self._ask(kernel, "parking_probe")
+        probe = await self._ask(kernel, "parking_probe", self.probe_timeout)
         if probe is None or probe.get("status") != "ok":
             why = (probe or {}).get("message") or "the kernel did not answer its parking probe"
             raise ParkingRefused(str(why))

@@ -1122,7 +1122,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         driver = DriverCheckpointPath(self.checkpointer)
         if not self.fast_parking:
             return [driver]
-        return [FrameworkPath(driver, self._pinned_pool(), reply_timeout=self.checkpoint_timeout, room=self._pinned_room), driver]
+        pinned = self._pinned_pool()
+        probe_timeout = self.free_caches_timeout if self.free_caches_timeout > 0 else 5.0
+        return [FrameworkPath(driver, pinned, reply_timeout=self.checkpoint_timeout, probe_timeout=probe_timeout, room=self._pinned_room), driver]
 
     def _parked_budget(self) -> int:
         """Bytes of host RAM parked GPU memory may take (c.PoolPolicy.parked_memory_limit)."""
@@ -1178,7 +1180,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         async def ask(action: str, timeout: float, **content: Any) -> dict[str, Any] | None:
             return await quiet_request(km.get_kernel(kernel_id), action, timeout, **content)
 
-        reachable = kernel_id not in self._no_quiet_answer and self.free_caches_timeout > 0
+        reachable = kernel_id not in self._no_quiet_answer  # a kernel that never answered is not asked again
         return ParkingKernel(pid=pid, lease_id=lease.id, ask=ask if reachable else None, lock_timeout=self.checkpoint_timeout)
 
     async def _park(self, kernel_id: str, lease: Lease, pid: int) -> Parked:
@@ -1190,12 +1192,19 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         entry.update(path=parked.path, path_note=parked.note or None)
         return parked
 
-    async def _unpark(self, lease: Lease, pid: int, moved: dict[str, str] | None) -> None:
-        """Bring back what :meth:`_park` parked, by the path that parked it (the driver checkpoint for a
-        kernel this server did not park, e.g. before a restart)."""
+    async def _unpark(self, kernel_id: str, lease: Lease, pid: int, moved: dict[str, str] | None) -> None:
+        """Bring back what :meth:`_park` parked, by the path that parked it. A kernel this server does
+        not know the path of (it parked it before a restart) is restored by the driver checkpoint,
+        then asked to map back any framework memory it released (a no-op where it released none)."""
         by = self._parked_by.get(lease.id)
         if by is None:
             await asyncio.to_thread(self.checkpointer.resume, pid, moved)
+            kernel = self._parking_kernel(kernel_id, lease, pid)
+            if kernel.ask is not None:
+                reply = await kernel.ask("unpark_framework", timeout=max(1.0, self.free_caches_timeout))
+                if reply is not None and reply.get("status") != "ok":
+                    raise CheckpointError(f"the kernel's CUDA context is back but its PyTorch memory is not ({reply.get('message')}); "
+                                          "restart the kernel", state="failed")
             return
         path, parked, kernel = by
         await path.unpark(kernel, parked, moved)
@@ -1204,7 +1213,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
     async def _restore(self, kernel_id: str, lease: Lease, pid: int, mapping: dict[str, str], action: str = "resumed") -> None:
         moved = {old: new for old, new in mapping.items() if old != new}
         try:
-            await self._unpark(lease, pid, moved or None)
+            await self._unpark(kernel_id, lease, pid, moved or None)
         except CheckpointError as err:
             parked = getattr(err, "state", "") == "suspended"  # nothing lost: it may be tried again
             after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), parked)
