@@ -11,6 +11,7 @@ budget decide when a backup may be kept.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes.util
 import json
 import os
@@ -143,6 +144,24 @@ def test_a_framework_path_that_fails_midway_falls_back_to_the_driver_checkpoint_
         assert f"parked by the {DRIVER_CHECKPOINT} instead" in out, out
         assert _gpu_bytes_of(pool, pid) == 3 * GIB, "memory was lost in the fallback"
         assert pool.lease_for_kernel(kernel).state is LeaseState.GRANTED
+
+    arun(scenario())
+
+
+def test_a_kernel_suspended_while_a_cell_runs_is_parked_by_the_driver_checkpoint(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
+        running = asyncio.ensure_future(kernel_exec(kernel, "import time\ntime.sleep(4)\nprint('cell done')"))
+        await asyncio.sleep(1.5)  # the cell runs: its tensors may be in use
+        status = await _suspend(gpupool_fetch, gpupool_wait, pool, kernel)
+        assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
+        assert "a cell is running in the kernel" in status["parking"]["path_note"], status
+        assert (await asyncio.wait_for(running, 30)).strip() == "cell done"
+        assert (await kernel_exec(kernel, "print(x)")).strip() == "42" and _gpu_bytes_of(pool, pid) == 2 * GIB
 
     arun(scenario())
 

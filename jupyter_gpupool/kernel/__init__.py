@@ -85,7 +85,7 @@ def load_ipython_extension(ipython: Any) -> None:
     waiting = _state["resume"] = ResumeOnRun(get_client)  # costs nothing until the kernel has a lease
     waiting.start(ipython)
     parking = get_parking()
-    parking.start(caps.finder.register)  # before the kernel's first allocation: the region covers only later ones
+    parking.start(caps.finder.register, ipython)  # before the kernel's first allocation: the region covers only later ones
     _answer_quiet_requests(ipython)
     if os.environ.get("GPUPOOL_LEASE_ID"):
         reporter = _state["activity"] = ActivityReporter(lambda: get_client().lease_id, lambda: get_client().pool)
@@ -121,7 +121,9 @@ def unload_ipython_extension(ipython: Any) -> None:
         from jupyter_gpupool.quiet import QUIET_REQUEST
 
         handlers.pop(QUIET_REQUEST, None)
-    _state.pop("parking", None)
+    parking = _state.pop("parking", None)
+    if parking is not None:
+        parking.stop(ipython)
     caps = _state.pop("caps", None)
     if caps is not None:
         caps.uninstall()

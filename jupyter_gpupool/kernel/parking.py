@@ -28,6 +28,7 @@ from the same caching allocator. On a simulated pool the path is played by
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -104,6 +105,7 @@ class FrameworkParking:
         self.last_parked_by = ""  # which path parked this kernel last, as far as it knows
         self.last_failure = ""
         self._paused = False
+        self._cells_running = 0  # a cell may be using its tensors: the framework must not release them then
         self._lock = threading.Lock()
 
     # --- the probe, at the kernel's start ---------------------------------------------------------
@@ -129,9 +131,13 @@ class FrameworkParking:
             return "PyTorch used the GPU before the gpupool extension loaded: its earlier tensors would not be covered"
         return ""
 
-    def start(self, on_import: Callable[[str, Callable[[types.ModuleType], None]], None]) -> None:
+    def start(self, on_import: Callable[[str, Callable[[types.ModuleType], None]], None], shell: Any = None) -> None:
         """Probe, and enter the region when ``torch`` is imported (``on_import(name, callback)``
-        calls back at once if it already is)."""
+        calls back at once if it already is); with ``shell`` (IPython), follow whether a cell runs."""
+        events = getattr(shell, "events", None)
+        if events is not None:
+            events.register("pre_run_cell", self._cell_started)
+            events.register("post_run_cell", self._cell_ended)
         self.reason = self.refusal()
         if self.reason:
             return
@@ -157,6 +163,23 @@ class FrameworkParking:
         except Exception as err:  # noqa: BLE001 -- never break the user's import: the driver parks it
             self.reason = f"{TORCH_SAVER} could not start: {type(err).__name__}: {err}".splitlines()[0]
 
+    def stop(self, shell: Any) -> None:
+        """Stop following cells (the extension is unloaded; an entered region stays, as PyTorch's allocator keeps it)."""
+        events = getattr(shell, "events", None)
+        if events is None:
+            return
+        for name, callback in (("pre_run_cell", self._cell_started), ("post_run_cell", self._cell_ended)):
+            with contextlib.suppress(Exception):
+                events.unregister(name, callback)
+
+    def _cell_started(self, *_: Any) -> None:
+        with self._lock:
+            self._cells_running += 1
+
+    def _cell_ended(self, *_: Any) -> None:
+        with self._lock:
+            self._cells_running = max(0, self._cells_running - 1)
+
     # --- the quiet actions ------------------------------------------------------------------------
     def probe(self, _request: dict[str, Any] | None = None) -> dict[str, Any]:
         """``parking_probe``: the framework path's name (None when refused), why not, and the bytes covered."""
@@ -171,6 +194,9 @@ class FrameworkParking:
         if saver is None:
             return {"status": "error", "message": self.reason or "no framework path in this kernel", "undone": True}
         with self._lock:
+            if self._cells_running:
+                # The driver checkpoint waits for the cell's GPU work; releasing tensors under it would not.
+                return {"status": "error", "message": "a cell is running in the kernel", "undone": True}
             try:
                 released = saver.pause()
             except Exception as err:  # noqa: BLE001 -- one line back; the server falls back to the driver checkpoint
