@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from jupyter_gpupool.core.models import LeaseState, Transition
-from jupyter_gpupool.kernel.caches import free_framework_caches, register_cache_freer
+from jupyter_gpupool.enforcement import caps
+from jupyter_gpupool.enforcement.caps import free_framework_caches, register_cache_freer
 from jupyter_gpupool.units import GIB
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never")]
@@ -44,7 +45,7 @@ def test_a_suspend_frees_the_kernels_caches_first_quietly_and_the_sidebar_sees_i
         await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
         await kernel_exec(
             kernel,
-            "x = 42\nfrom jupyter_gpupool.kernel import caches\n"
+            "x = 42\nfrom jupyter_gpupool.enforcement import caps as caches\n"
             f"caches.register_cache_freer('framework', lambda: {{'freed': {GIB}, 'held': {3 * GIB}}})",
         )
         clock = await gpupool_wait(lambda: gpupool_ext._activity_clocks.clock(kernel), what="the pool's idle clock")
@@ -78,7 +79,7 @@ def test_a_cell_sent_while_the_kernel_frees_its_caches_for_a_suspend_does_not_de
         await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
         await kernel_exec(
             kernel,
-            "x = 42\nimport time\nfrom jupyter_gpupool.kernel import caches\n"
+            "x = 42\nimport time\nfrom jupyter_gpupool.enforcement import caps as caches\n"
             "caches.register_cache_freer('slow', lambda: (time.sleep(2), {'freed': 0})[1])",
         )
         response = await gpupool_fetch("api", "gpupool", "kernels", kernel, "suspend", method="POST", body={})
@@ -102,7 +103,7 @@ def test_free_caches_timeout_zero_never_asks(arun, jp_serverapp, gpupool_fetch, 
     async def scenario() -> None:
         kernel = await _start(gpupool_fetch)
         await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
-        await kernel_exec(kernel, "from jupyter_gpupool.kernel import caches")
+        await kernel_exec(kernel, "from jupyter_gpupool.enforcement import caps as caches")
         await gpupool_fetch("api", "gpupool", "kernels", kernel, "suspend", method="POST", body={})
         await gpupool_wait(lambda: pool.lease_for_kernel(kernel).state is LeaseState.SUSPENDED, what="the suspend")
         assert (await kernel_exec(kernel, "print(caches.requests_served)")).strip() == "0"
@@ -120,10 +121,20 @@ def test_free_framework_caches_reports_each_framework_and_survives_one_that_fail
     try:
         report = free_framework_caches()
     finally:
-        from jupyter_gpupool.kernel import caches
-
-        caches._extra.pop("fine", None)
-        caches._extra.pop("broken", None)
+        caps._extra_freers.pop("fine", None)
+        caps._extra_freers.pop("broken", None)
     assert report["freed"] >= 5 and report["held"] >= 7
     assert report["frameworks"]["fine"] == {"freed": 5, "held": 7}
     assert report["frameworks"]["broken"] == {"error": "RuntimeError: driver said no"}
+
+
+def test_lowering_caps_and_parking_free_the_caches_through_the_same_freer() -> None:
+    calls: list[str] = []
+    register_cache_freer("counted", lambda: (calls.append("freed"), {"freed": 3})[1])
+    try:
+        served = caps.requests_served
+        report = caps.FrameworkCaps(None, env={}).move_live({"limit": GIB, "free_cache": True})
+        assert calls == ["freed"] and caps.requests_served == served + 1, report
+        assert caps.FrameworkCaps(None, env={}).free_cache()["frameworks"]["counted"] == {"freed": 3}
+    finally:
+        caps._extra_freers.pop("counted", None)

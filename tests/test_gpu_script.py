@@ -68,7 +68,7 @@ def test_select_only_skip_groups_and_commas() -> None:
     assert select(["slices"], None) == list(GROUPS["slices"])
     assert select(["watchdog,inventory", "mps"], None) == ["inventory", "watchdog", "mps"]
     assert select(["slices"], ["slices-jax"]) == ["slices-torch", "slices-cupy"]
-    assert select(None, ["slices", "settings"]) == ["inventory", "watchdog", "unpooled", "suspend", "overhead", "mps"]
+    assert select(None, ["slices", "settings"]) == ["inventory", "watchdog", "unpooled", "suspend", "fast-parking", "overhead", "mps"]
     assert select([" Inventory "], None) == ["inventory"]
 
 
@@ -174,7 +174,7 @@ def gpu_probe(**changes: object) -> Probe:
         gpu_count=1,
         driver="580.159.04",
         nvidia_smi="/usr/bin/nvidia-smi",
-        frameworks={"torch": "2.11.0", "jax": "0.11.2", "cupy": "14.2.0"},
+        frameworks={"torch": "2.11.0", "jax": "0.11.2", "cupy": "14.2.0", "torch_memory_saver": "0.0.10"},
         provisioner_registered=True,
         mps_control="/usr/bin/nvidia-cuda-mps-control",
         checkpoint_api=True,
@@ -522,3 +522,11 @@ def test_unpack_is_a_working_install_without_pip(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert out.split() == ["2.5", "2.5"]
+
+
+def test_the_fast_parking_check_skips_without_torch_memory_saver_and_its_child_compiles() -> None:
+    from gpucheck.checks import fastpark
+
+    probe = gpu_probe(frameworks={"torch": "2.11.0"})
+    assert reasons(probe)["fast-parking"] == f"torch-memory-saver not installed for {probe.python} (import torch_memory_saver fails)"
+    compile(fastpark.CHILD, "fast-parking child", "exec")

@@ -239,3 +239,88 @@ def pretend_to_use(size: str | int, pid: int | None = None) -> int:
             json.dump(share, handle)
         os.replace(temporary, path)  # readers never see half a file
     return amount
+
+
+class SimulatedMemorySaver:
+    """torch-memory-saver played in a kernel on a simulated pool: the memory :func:`pretend_to_use`
+    scripted stands for PyTorch tensors in the saver's region. :meth:`pause` moves it into a backup
+    in this process (the pool then sees the GPU memory freed), :meth:`resume` maps it back onto the
+    GPUs the process uses now (after a move, the new ones).
+
+    ``fail-next-framework-park.json`` in the usage folder (:meth:`fail_next`) makes the next pause
+    of any kernel fail once *midway*: the memory is released, then it raises, as a library that
+    failed partway would, so the caller has to put it back."""
+
+    name = "torch-memory-saver (simulated)"
+
+    def __init__(self) -> None:
+        db = os.environ.get("GPUPOOL_DB", "")
+        self.folder = usage_dir_for(db) if db else ""
+        self.backup: dict[str, int] | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def fail_next(usage_dir: str, reason: str = "injected failure") -> None:
+        """Make the next pause in any kernel of this usage folder fail midway, once."""
+        os.makedirs(usage_dir, exist_ok=True)
+        with open(os.path.join(usage_dir, "fail-next-framework-park.json"), "w") as handle:
+            json.dump({"reason": reason}, handle)
+
+    def _usage_path(self) -> str:
+        return os.path.join(self.folder, f"{os.getpid()}.json")
+
+    def enter(self) -> None:
+        """Nothing to hook: the region is the whole of :func:`pretend_to_use`."""
+        if not self.folder:
+            raise InvalidInput("the simulated memory saver needs GPUPOOL_DB (a kernel on a simulated pool)")
+
+    def held(self) -> int:
+        """Bytes in the region now (what a pause would back up)."""
+        try:
+            with open(self._usage_path()) as handle:
+                usage = json.load(handle)
+        except (OSError, ValueError):
+            return 0
+        return sum(v for v in usage.values() if isinstance(v, int) and v > 0)
+
+    def pause(self) -> int:
+        """Release the region's memory into the backup; the bytes released."""
+        with self._lock:
+            if self.backup is not None:
+                return sum(self.backup.values())
+            path = self._usage_path()
+            try:
+                with open(path) as handle:
+                    usage = {k: v for k, v in json.load(handle).items() if isinstance(v, int) and v > 0}
+            except FileNotFoundError:
+                usage = {}
+            self.backup = usage
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)  # the GPU memory is free now, as NVML would show
+            fault = os.path.join(self.folder, "fail-next-framework-park.json")
+            claimed = f"{fault}.{os.getpid()}"
+            with contextlib.suppress(OSError):
+                os.rename(fault, claimed)  # one pause takes it
+                with open(claimed) as handle:
+                    reason = str(json.load(handle).get("reason") or "injected failure")
+                os.remove(claimed)
+                raise RuntimeError(f"simulated memory saver failed midway: {reason}")
+            return sum(usage.values())
+
+    def resume(self) -> None:
+        """Map the backup back onto the GPUs this process uses now (a no-op when nothing is paused)."""
+        with self._lock:
+            if self.backup is None:
+                return
+            total = sum(self.backup.values())
+            if total:
+                visible = [u for u in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if u.startswith("GPU-")]
+                now_on = [u for u in devices_now(self.folder, os.getpid(), os.environ) if u.startswith("GPU-")] or visible
+                share: dict[str, int] = {}
+                for uuid in now_on:
+                    share[uuid] = share.get(uuid, 0) + total // max(1, len(now_on))
+                temporary = f"{self._usage_path()}.tmp"
+                with open(temporary, "w") as handle:
+                    json.dump(share, handle)
+                os.replace(temporary, self._usage_path())
+            self.backup = None

@@ -169,6 +169,92 @@ def _safe_call(callback: ImportCallback, module: types.ModuleType) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Freeing the frameworks' caches
+# --------------------------------------------------------------------------------------------
+
+#: A framework's freer: frees what it can, returns ``{"freed": bytes, "held": bytes}`` (either may be
+#: absent), or None when the framework is not in use in this kernel.
+CacheFreer = Callable[[], "dict[str, int] | None"]
+
+_extra_freers: dict[str, CacheFreer] = {}
+_freers_lock = threading.Lock()
+#: How many times this process freed its frameworks' caches (``%gpupool status`` and tests read it).
+requests_served = 0
+
+
+def register_cache_freer(name: str, freer: CacheFreer) -> None:
+    """Run ``freer`` with the built-in ones each time the caches are freed (a later one of the same name replaces it)."""
+    with _freers_lock:
+        _extra_freers[name] = freer
+
+
+def _free_torch() -> dict[str, int] | None:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_available() or not cuda.is_initialized():
+        return None
+    devices = range(cuda.device_count())
+    before = sum(int(cuda.memory_reserved(d)) for d in devices)
+    cuda.empty_cache()
+    after = sum(int(cuda.memory_reserved(d)) for d in devices)
+    return {"freed": max(0, before - after), "held": sum(int(cuda.memory_allocated(d)) for d in devices)}
+
+
+def _free_cupy() -> dict[str, int] | None:
+    cupy = sys.modules.get("cupy")
+    if cupy is None or not hasattr(cupy, "get_default_memory_pool"):
+        return None
+    pool = cupy.get_default_memory_pool()
+    before = int(pool.total_bytes())
+    pool.free_all_blocks()
+    with contextlib.suppress(Exception):  # the pinned host pool: not GPU memory, but the same idea
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    return {"freed": max(0, before - int(pool.total_bytes())), "held": int(pool.used_bytes())}
+
+
+def _free_jax() -> dict[str, int] | None:
+    jax = sys.modules.get("jax")
+    clear = getattr(jax, "clear_caches", None)
+    if not callable(clear):
+        return None
+    clear()
+    return {"freed": 0}
+
+
+#: The built-in freers, by framework.
+BUILT_IN_FREERS: dict[str, CacheFreer] = {"torch": _free_torch, "cupy": _free_cupy, "jax": _free_jax}
+
+
+def free_framework_caches(_request: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Free every imported framework's cached GPU memory (before a checkpoint, when a slice shrinks,
+    after a release); ``{"freed": bytes, "held": bytes or None, "frameworks": {name: {...} or
+    {"error": ...}}}``. Only frameworks already using the GPU are touched: this never initialises
+    CUDA. JAX does not hand its arena back while the process lives; its compilation caches are
+    dropped. A framework that fails is reported, not raised. (Also the quiet channel's
+    ``free_caches`` action: ``_request`` is its content, unused.)"""
+    global requests_served
+    with _freers_lock:
+        freers = {**BUILT_IN_FREERS, **_extra_freers}
+        requests_served += 1
+    report: dict[str, Any] = {}
+    freed, held, known = 0, 0, False
+    for name, freer in freers.items():
+        try:
+            result = freer()
+        except Exception as err:  # noqa: BLE001 -- one framework's trouble must not stop the others or the suspend
+            report[name] = {"error": f"{type(err).__name__}: {err}".splitlines()[0]}
+            continue
+        if result is None:
+            continue
+        report[name] = dict(result)
+        freed += int(result.get("freed", 0) or 0)
+        if "held" in result:
+            held += int(result["held"] or 0)
+            known = True
+    return {"freed": freed, "held": held if known else None, "frameworks": report}
+
+
+# --------------------------------------------------------------------------------------------
 # Caps
 # --------------------------------------------------------------------------------------------
 
@@ -214,19 +300,10 @@ class FrameworkCaps:
         self.oom.uninstall()
         self._installed = False
 
-    def free_cache(self) -> None:
-        """Give the frameworks' cached, unused GPU memory back to the driver (PyTorch's caching
-        allocator, CuPy's pools): the first step when the pool takes a slice's burst back."""
-        torch = sys.modules.get("torch")
-        cuda = getattr(torch, "cuda", None)
-        with contextlib.suppress(Exception):
-            if cuda is not None and cuda.is_available() and cuda.is_initialized():
-                cuda.empty_cache()
-        cupy = sys.modules.get("cupy")
-        with contextlib.suppress(Exception):
-            if cupy is not None:
-                cupy.get_default_memory_pool().free_all_blocks()
-                cupy.get_default_pinned_memory_pool().free_all_blocks()
+    def free_cache(self) -> dict[str, Any]:
+        """Give the frameworks' cached, unused GPU memory back to the driver (see
+        :func:`free_framework_caches`): the first step when the pool takes a slice's burst back."""
+        return free_framework_caches()
 
     def move_live(self, content: dict[str, Any]) -> dict[str, Any]:
         """The server's ``set_caps`` quiet request (see :func:`jupyter_gpupool.quiet.install_quiet_requests`):

@@ -3,7 +3,8 @@
 On load it caps PyTorch / TensorFlow / CuPy at this kernel's slice when they are imported
 (see :mod:`.caps`), adds a hint to out-of-memory errors, registers the ``%gpupool``
 magic, makes a cell wait while the kernel is suspended (see :mod:`.resume`), and answers the
-server's quiet requests (freeing framework caches before a checkpoint: :mod:`.caches`). The pool
+server's quiet requests (freeing framework caches before a checkpoint:
+:func:`~jupyter_gpupool.enforcement.caps.free_framework_caches`). The pool
 itself is opened only when a cell, a magic or the widget needs it, so the kernel starts as
 fast as without the extension.
 
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jupyter_gpupool.enforcement.caps import FrameworkCaps
     from jupyter_gpupool.kernel.client import PoolClient
+    from jupyter_gpupool.kernel.parking import FrameworkParking
 
 # In-function imports: the parts are imported when first used, so a kernel that only reads this
 # package's ``autolease`` module at start (and stands aside) pays nothing for the rest.
@@ -40,6 +42,16 @@ def get_caps() -> FrameworkCaps:
     if caps is None:
         caps = _state["caps"] = FrameworkCaps.from_env()
     return caps
+
+
+def get_parking() -> FrameworkParking:
+    """What this kernel's start found about parking its PyTorch memory itself (see :mod:`.parking`)."""
+    from jupyter_gpupool.kernel.parking import FrameworkParking
+
+    parking = _state.get("parking")
+    if parking is None:
+        parking = _state["parking"] = FrameworkParking()
+    return parking
 
 
 def get_client() -> PoolClient:
@@ -68,10 +80,12 @@ def load_ipython_extension(ipython: Any) -> None:
         from jupyter_gpupool.devices import simulated
 
         simulated.kernel_hooks.update(caps_limit=lambda: get_caps().limit, grow=_grow_slice)
-    ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client))
+    ipython.register_magics(GpuPoolMagics(ipython, client_factory=get_client, parking_line=lambda: get_parking().line()))
     _state["shell"] = ipython
     waiting = _state["resume"] = ResumeOnRun(get_client)  # costs nothing until the kernel has a lease
     waiting.start(ipython)
+    parking = get_parking()
+    parking.start(caps.finder.register, ipython)  # before the kernel's first allocation: the region covers only later ones
     _answer_quiet_requests(ipython)
     if os.environ.get("GPUPOOL_LEASE_ID"):
         reporter = _state["activity"] = ActivityReporter(lambda: get_client().lease_id, lambda: get_client().pool)
@@ -80,12 +94,14 @@ def load_ipython_extension(ipython: Any) -> None:
 
 def _answer_quiet_requests(ipython: Any) -> None:
     """Let the server reach this kernel on the quiet channel (control, not a cell, no activity):
-    ``free_caches`` before a checkpoint (see :mod:`.caches`), ``set_caps`` when its slice grew or shrank."""
-    from jupyter_gpupool.kernel.caches import free_framework_caches
+    ``free_caches`` before a checkpoint, ``set_caps`` when its slice grew or shrank, and the framework
+    parking path's ``parking_probe``, ``park_framework`` and ``unpark_framework``."""
+    from jupyter_gpupool.enforcement.caps import free_framework_caches
     from jupyter_gpupool.quiet import install_quiet_requests
 
     install_quiet_requests(
-        getattr(ipython, "kernel", None), {"free_caches": free_framework_caches, "set_caps": get_caps().move_live}
+        getattr(ipython, "kernel", None),
+        {"free_caches": free_framework_caches, "set_caps": get_caps().move_live, **get_parking().actions()},
     )
 
 
@@ -105,6 +121,9 @@ def unload_ipython_extension(ipython: Any) -> None:
         from jupyter_gpupool.quiet import QUIET_REQUEST
 
         handlers.pop(QUIET_REQUEST, None)
+    parking = _state.pop("parking", None)
+    if parking is not None:
+        parking.stop(ipython)
     caps = _state.pop("caps", None)
     if caps is not None:
         caps.uninstall()
@@ -116,4 +135,4 @@ def unload_ipython_extension(ipython: Any) -> None:
     line_magics.pop("gpupool", None)
 
 
-__all__ = ["FrameworkCaps", "get_caps", "get_client", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["FrameworkCaps", "get_caps", "get_client", "get_parking", "load_ipython_extension", "unload_ipython_extension"]

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import shlex
-import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.display import display
 
 from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo
+from jupyter_gpupool.enforcement.caps import free_framework_caches
 from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
 from jupyter_gpupool.kernel.client import DEFAULT_KEEP, PoolClient
 from jupyter_gpupool.kernel.resume import ProgressLine, needs_waiting, progress_text
@@ -185,9 +185,10 @@ class WaitProgress:
 class GpuPoolMagics(Magics):
     """The ``%gpupool`` magic. The client is made on first use, so loading the extension stays cheap."""
 
-    def __init__(self, shell: Any, client_factory: Any) -> None:
+    def __init__(self, shell: Any, client_factory: Any, parking_line: Callable[[], str] | None = None) -> None:
         super().__init__(shell)
         self._client_factory = client_factory
+        self._parking_line = parking_line  # which path parks this kernel (see kernel/parking.py)
         self._client: PoolClient | None = None
         self.parser = build_parser()
 
@@ -226,6 +227,8 @@ class GpuPoolMagics(Magics):
             status = self.client.status()
         except PoolUnavailable as err:  # the pool's state, not a failure of the magic
             status = unavailable_status(str(err))
+        if self._parking_line is not None and status.lease is not None:
+            status.parking = self._parking_line()
         display(status_report(status))
 
     def _do_reserve(self, args: argparse.Namespace) -> None:
@@ -249,7 +252,7 @@ class GpuPoolMagics(Magics):
 
     def _do_release(self, args: argparse.Namespace) -> None:
         lease = self.client.release()
-        _free_framework_caches()
+        free_framework_caches()  # after a release, hand cached blocks back so the memory really frees
         display(
             Report(
                 "gpupool: slice released",
@@ -326,15 +329,3 @@ class GpuPoolMagics(Magics):
             ) from None
         status = client.status()
         progress.show(f"gpupool: resumed on {status.devices_text()} after {format_duration(time.time() - started)}")
-
-
-def _free_framework_caches() -> None:
-    """After a release, hand cached blocks back to the driver so the memory really frees."""
-    torch = sys.modules.get("torch")
-    with contextlib.suppress(Exception):  # best effort: the release itself already happened
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-    cupy = sys.modules.get("cupy")
-    with contextlib.suppress(Exception):
-        if cupy is not None and cupy.is_available():
-            cupy.get_default_memory_pool().free_all_blocks()

@@ -72,6 +72,7 @@ class KernelStatus:
     note: str = ""  # e.g. why there is no lease
     unavailable: str | None = None  # why the GPU pool cannot be used (this kernel then runs CPU-only)
     backend: dict[str, Any] = field(default_factory=dict)  # a backend's own facts, e.g. {"slurm": {"job_id": ...}}
+    parking: str = ""  # which path parks this kernel and which did last (see kernel/parking.py)
 
     # -- derived values, shared by text, HTML and the widget ---------------------------------
     @property
@@ -235,6 +236,8 @@ class KernelStatus:
             rows.append(("lease", f"{self.lease.id} (owner {self.lease.owner})"))
         if self.enforcement:
             rows.append(("enforcement", "; ".join(self.enforcement)))
+        if self.parking:
+            rows.append(("parking", f"parked by {self.parking}"))
         return rows
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 import time
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -35,13 +36,22 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.services.kernels.handlers import KernelActionHandler
 from tornado import web
-from traitlets import Bool, Enum, Float, List, Unicode, default
+from traitlets import Bool, Enum, Float, List, TraitError, Unicode, default, validate
 
 from jupyter_gpupool.backends.factory import backend_provisioner, pool_from_env
-from jupyter_gpupool.backends.local.pool import HOSTNAME
+from jupyter_gpupool.backends.local.pool import HOSTNAME, host_memory
 from jupyter_gpupool.core.models import Activity, Decision, DecisionKind, Lease, LeaseState, QueueInfo, Transition
 from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
 from jupyter_gpupool.devices.nvml import NvmlBackend
+from jupyter_gpupool.devices.parking import (
+    DriverCheckpointPath,
+    FrameworkPath,
+    HostPinnedPool,
+    Parked,
+    ParkingKernel,
+    ParkingPath,
+    park_kernel,
+)
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.enforcement.plan import EnforcementPlan, EnforcementSettings, plan_enforcement
 from jupyter_gpupool.enforcement.watchdog import Watchdog
@@ -63,7 +73,7 @@ from jupyter_gpupool.rest.metrics import PoolCollector
 from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from jupyter_gpupool.serverextension.configguard import FailClosedConfig
 from jupyter_gpupool.serverextension.handlers import default_handlers
-from jupyter_gpupool.units import format_size
+from jupyter_gpupool.units import format_size, parse_size
 
 LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v2"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v2.yaml"
@@ -176,6 +186,28 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         "(PyTorch's caching allocator, CuPy's pools: asked on the quiet channel, not a cell, not activity), so "
         "only live bytes are parked; the checkpoint goes ahead when the kernel does not answer in time. 0: never ask.",
     )
+    fast_parking = Bool(
+        True,
+        config=True,
+        help="Park a kernel's PyTorch memory through the framework itself where its start found that it can "
+        "(torch-memory-saver installed in the kernel, no HAMi-core preloaded; see docs/suspend.md), the driver "
+        "checkpoint parking the rest; any failure falls back to the driver checkpoint alone. False: always the "
+        "driver checkpoint. A kernel can refuse for itself with GPUPOOL_FAST_PARKING=off.",
+    )
+    parking_pool_size = Unicode(
+        "50%",
+        config=True,
+        help="The host's one pool of pinned memory for the fast parking path's backups (kernels keep theirs "
+        "between suspends, so it is pinned ahead): a size (32GiB) or a share of the parked-memory budget "
+        "(c.PoolPolicy.parked_memory_limit), which it is counted against; at most that budget. 0: no pool, "
+        "every kernel is parked by the driver checkpoint.",
+    )
+    parking_pool_file = Unicode(
+        "",
+        config=True,
+        help="The host-wide ledger of the pinned parking pool, shared by every server of the host. Default: in "
+        "the simulated pool's usage folder, else gpupool-pinned-parking-pool.json in the system's temporary folder.",
+    )
     when_unavailable = Enum(
         list(WHEN_UNAVAILABLE),
         "cpu-only",
@@ -197,6 +229,23 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         config=True,
         help="Seconds POST .../keepalive holds a slice through idle when the request gives no duration (capped by the policy's max_keep).",
     )
+
+    @validate("parking_pool_size")
+    def _check_parking_pool_size(self, proposal: Any) -> str:
+        value = str(proposal["value"]).strip()
+        try:
+            if value.endswith("%"):
+                share = float(value[:-1])
+                if not 0 <= share <= 100:
+                    raise ValueError(value)
+            elif value != "0":
+                parse_size(value)
+        except (ValueError, GpuPoolError):
+            raise TraitError(
+                f"invalid c.GpuPoolExtension.parking_pool_size {value[:40]!r}: give a size (32GiB), a share of the "
+                "parked-memory budget (50%), or 0 for no pinned parking pool"
+            ) from None
+        return value
 
     @default("owner")
     def _default_owner(self) -> str:
@@ -292,6 +341,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self._unconfirmed: dict[str, tuple[Transition, int | None]] = {}
         self._transition_tasks: set[asyncio.Future[None]] = set()
         self._checkpointer: Any = None
+        #: Lease id → the path that parked its kernel and what it parked (for its restore).
+        self._parked_by: dict[str, tuple[ParkingPath, Parked, ParkingKernel]] = {}
         #: Lease id → what freeing the kernel's caches before its last park found (see _free_caches).
         self._parking: dict[str, dict[str, Any]] = {}
         self._no_quiet_answer: set[str] = set()  # kernels that never answered a quiet request: not asked again
@@ -1053,7 +1104,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             if refusal:
                 raise CheckpointError(refusal)
             freed = await self._free_caches(kernel_id, lease)
-            parked = await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
+            parked = (await self._park(kernel_id, lease, pid)).parked
         except CheckpointError as err:
             running = getattr(err, "state", "running") in ("running", "")  # a failed checkpoint is undone where it can be
             after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), running)
@@ -1062,13 +1113,107 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             raise
         done = await self._confirm(lease, parked)
         first = f"; {format_size(freed)} of framework cache freed first" if freed else ""
-        self.log.info("gpupool: kernel %s suspended (%s parked%s): %s", kernel_id, format_size(parked), first, lease.suspend_reason)
-        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM{first}): {lease.suspend_reason}")
+        by = self._parking.get(lease.id, {}).get("path") or "driver checkpoint"
+        self.log.info("gpupool: kernel %s suspended (%s parked by %s%s): %s", kernel_id, format_size(parked), by, first, lease.suspend_reason)
+        self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM by {by}{first}): {lease.suspend_reason}")
+
+    def _parking_paths(self) -> list[ParkingPath]:
+        """The paths a park tries, fastest first; the driver checkpoint last (the fallback)."""
+        driver = DriverCheckpointPath(self.checkpointer)
+        if not self.fast_parking:
+            return [driver]
+        pinned = self._pinned_pool()
+        probe_timeout = self.free_caches_timeout if self.free_caches_timeout > 0 else 5.0
+        return [FrameworkPath(driver, pinned, reply_timeout=self.checkpoint_timeout, probe_timeout=probe_timeout, room=self._pinned_room), driver]
+
+    def _parked_budget(self) -> int:
+        """Bytes of host RAM parked GPU memory may take (c.PoolPolicy.parked_memory_limit)."""
+        return int(self.pool.policy.parked_budget(host_memory()))
+
+    def _pinned_pool(self) -> HostPinnedPool | None:
+        """The host's pinned parking pool, sized from ``parking_pool_size`` within the parked-memory budget."""
+        size = self.parking_pool_size.strip()
+        if size == "0":
+            return None
+        budget = self._parked_budget()
+        capacity = round(budget * float(size[:-1]) / 100) if size.endswith("%") else parse_size(size)
+        if capacity > budget:
+            self.log.warning(
+                "gpupool: c.GpuPoolExtension.parking_pool_size %s is over the parked-memory budget of %s "
+                "(c.PoolPolicy.parked_memory_limit); the pool is held to the budget, lower it", size, format_size(budget))
+            capacity = budget
+        path = self.parking_pool_file
+        if not path:
+            usage_dir = getattr(self.checkpointer, "usage_dir", None)
+            folder = usage_dir or tempfile.gettempdir()
+            path = os.path.join(folder, "gpupool-pinned-parking-pool.json")
+        return HostPinnedPool(path, capacity)
+
+    def _pinned_room(self, kernel: ParkingKernel, amount: int) -> str:
+        """Whether the parked-memory budget holds this backup beside the parked slices and the pinned
+        backups other running kernels keep for their next park ("" if it does, else why not)."""
+        pinned = self._pinned_pool()
+        budget = self._parked_budget()
+        parked_leases = {
+            other.id: other
+            for other in self.pool.leases()
+            if other.state is LeaseState.SUSPENDED or other.transition is not Transition.NONE
+        }
+        parked = sum(int(other.parked_memory or 0) for other in parked_leases.values())
+        if kernel.lease_id not in parked_leases:
+            parked += amount
+        kept = 0 if pinned is None else sum(
+            e["bytes"] for lease_id, e in pinned.reservations().items() if lease_id not in parked_leases and lease_id != kernel.lease_id
+        )
+        if parked + kept > budget:
+            return (
+                f"parked slices ({format_size(parked)}) and the pinned backups running kernels keep ({format_size(kept)}) "
+                f"would take more than the parked-memory budget of {format_size(budget)} (parked_memory_limit)"
+            )
+        return ""
+
+    def _parking_kernel(self, kernel_id: str, lease: Lease, pid: int) -> ParkingKernel:
+        """The kernel as the parking paths see it: its process, and its quiet channel where it answers."""
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+
+        async def ask(action: str, timeout: float, **content: Any) -> dict[str, Any] | None:
+            return await quiet_request(km.get_kernel(kernel_id), action, timeout, **content)
+
+        reachable = kernel_id not in self._no_quiet_answer  # a kernel that never answered is not asked again
+        return ParkingKernel(pid=pid, lease_id=lease.id, ask=ask if reachable else None, lock_timeout=self.checkpoint_timeout)
+
+    async def _park(self, kernel_id: str, lease: Lease, pid: int) -> Parked:
+        """Park the kernel through the first path that takes it (see devices/parking.py); remember which."""
+        kernel = self._parking_kernel(kernel_id, lease, pid)
+        path, parked = await park_kernel(self._parking_paths(), kernel)
+        self._parked_by[lease.id] = (path, parked, kernel)
+        entry = self._parking.setdefault(lease.id, {"used_before": lease.used_memory, "cache_freed": None})
+        entry.update(path=parked.path, path_note=parked.note or None)
+        return parked
+
+    async def _unpark(self, kernel_id: str, lease: Lease, pid: int, moved: dict[str, str] | None) -> None:
+        """Bring back what :meth:`_park` parked, by the path that parked it. A kernel this server does
+        not know the path of (it parked it before a restart) is restored by the driver checkpoint,
+        then asked to map back any framework memory it released (a no-op where it released none)."""
+        by = self._parked_by.get(lease.id)
+        if by is None:
+            await asyncio.to_thread(self.checkpointer.resume, pid, moved)
+            kernel = self._parking_kernel(kernel_id, lease, pid)
+            if kernel.ask is not None:
+                reply = await kernel.ask("unpark_framework", timeout=max(1.0, self.free_caches_timeout))
+                if reply is not None and reply.get("status") != "ok":
+                    raise CheckpointError(f"the kernel's CUDA context is back but its PyTorch memory is not ({reply.get('message')}); "
+                                          "restart the kernel", state="failed")
+            return
+        path, parked, kernel = by
+        await path.unpark(kernel, parked, moved)
+        self._parked_by.pop(lease.id, None)
 
     async def _restore(self, kernel_id: str, lease: Lease, pid: int, mapping: dict[str, str], action: str = "resumed") -> None:
         moved = {old: new for old, new in mapping.items() if old != new}
         try:
-            await asyncio.to_thread(self.checkpointer.resume, pid, moved or None)
+            await self._unpark(kernel_id, lease, pid, moved or None)
         except CheckpointError as err:
             parked = getattr(err, "state", "") == "suspended"  # nothing lost: it may be tried again
             after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), parked)
@@ -1138,7 +1283,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         self.emit("migrating", lease, message=lease.suspend_reason)
         try:
             await self._free_caches(kernel_id, lease)
-            await asyncio.to_thread(self.checkpointer.suspend, pid, self.checkpoint_timeout)
+            await self._park(kernel_id, lease, pid)
         except CheckpointError as err:
             running = getattr(err, "state", "running") in ("running", "")
             after = await asyncio.to_thread(self.pool.fail_transition, lease.id, str(err), running)

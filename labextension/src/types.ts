@@ -268,4 +268,8 @@ export interface IParking {
   cache_freed?: number | null;
   /** Bytes its frameworks said they held live. */
   held?: number | null;
+  /** What parked it: `driver checkpoint`, or a framework path such as `torch-memory-saver`. */
+  path?: string | null;
+  /** Why a faster path was not used. */
+  path_note?: string | null;
 }

@@ -193,7 +193,7 @@ export function parkedText(status: IKernelStatus): string {
     return 'GPU suspended';
   }
   const used = num(status.parking?.used_before);
-  return `GPU suspended · ${formatSize(parked)} parked` + (used !== null && used > 0 ? ` of ${formatSize(used)} used` : '');
+  return `GPU suspended · ${formatSize(parked)} parked` + (used !== null && used > 0 ? ` of ${formatSize(used)} used` : '') + (status.parking?.path ? ` · parked by ${status.parking.path}` : '');
 }
 
 /** ` 0.3 GiB of framework cache was freed first, so only live memory was copied.` (empty when none). */

@@ -140,6 +140,22 @@ describe('GpuPoolModel', () => {
     expect(s.model.view.summary).toContain('1 GiB of framework cache was freed first');
   });
 
+  it('says which parking path parked the kernel', async () => {
+    const s = setup(10 * 1000);
+    model = s.model;
+    s.client.kernels.set('a', {
+      ...granted('a'),
+      state: 'suspended',
+      parked_memory: 3 * GIB,
+      parking: { used_before: 4 * GIB, cache_freed: null, held: null, path: 'torch-memory-saver', path_note: null }
+    });
+    s.model.setKernel('a', 'a.ipynb');
+    await until(() => s.model.view.phase === 'suspended');
+    expect(s.model.view.suspended?.text).toBe(
+      'GPU suspended · 3 GiB parked of 4 GiB used · parked by torch-memory-saver — resumes on your next cell'
+    );
+  });
+
   it('asks only about the current kernel, and about the pool only while wanted', async () => {
     const s = setup();
     model = s.model;

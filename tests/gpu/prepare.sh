@@ -29,13 +29,14 @@ mkdir -p "$DEST"
   --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 --platform manylinux_2_5_x86_64 \
   --platform manylinux1_x86_64 \
   -d "$DEST" "${DEPS[@]}" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-# The [cuda] extra for the suspend check: cuda.core.checkpoint on driver bindings 12.x (those run on
+# torch-memory-saver (no deps: the GPU machine's PyTorch) for the fast-parking check; the [cuda] extra for the suspend check: cuda.core.checkpoint on driver bindings 12.x (those run on
 # every driver from 570 up; 13.x bindings need a CUDA 13 driver). No numpy here: the GPU machine's
 # PyTorch stack has it (cuda.core needs it; without it the suspend check falls back to ctypes).
 "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: --no-deps \
   --python-version "$PYVER" --implementation cp --abi "cp${PYVER/./}" \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$DEST" "cuda-core>=1.2" "${GPUCHECK_CUDA_BINDINGS:-cuda-bindings>=12.8,<13}" "cuda-pathfinder>=1.4.2" \
+  "torch-memory-saver>=0.0.10" \
   2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 count=$(ls "$DEST"/*.whl | wc -l)
 size=$(du -sh "$DEST" | cut -f1)

@@ -17,6 +17,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "watchdog",
     "unpooled",
     "suspend",
+    "fast-parking",
     "overhead",
     "mps",
     "settings",

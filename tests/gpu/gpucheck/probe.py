@@ -21,6 +21,7 @@ FRAMEWORKS: dict[str, tuple[str, str]] = {
     "torch": ("torch", "PyTorch"),
     "jax": ("jax", "JAX"),
     "cupy": ("cupy", "CuPy"),
+    "torch_memory_saver": ("torch_memory_saver", "torch-memory-saver"),
 }
 
 SERVER_STACK = ("jupyter_server", "jupyter_client", "ipykernel", "traitlets", "tornado", "zmq")

@@ -1,0 +1,308 @@
+"""Parking paths: the framework path when the kernel can take it, the driver checkpoint otherwise.
+
+Real jupyter_server and ipykernel kernels on a simulated 1x16GiB pool. The framework path is
+played in the kernel by the simulated memory saver (the memory ``pretend_to_use`` scripted stands
+for PyTorch tensors in torch-memory-saver's region); the driver checkpoint by the simulated
+checkpointer. Shown: the choice and where it is said (REST, ``%gpupool status``); a framework path
+that fails midway falls back to the driver checkpoint with nothing lost; HAMi-core preloaded makes
+the kernel refuse the framework path, saying why; the host's one pinned pool and the parked-memory
+budget decide when a backup may be kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes.util
+import json
+import os
+import tempfile
+from typing import Any
+
+import pytest
+
+from jupyter_gpupool.core.models import LeaseState
+from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath, HostPinnedPool
+from jupyter_gpupool.devices.simulated import SimulatedMemorySaver
+from jupyter_gpupool.kernel.parking import FrameworkParking
+from jupyter_gpupool.units import GIB
+
+SIMULATED_SAVER = SimulatedMemorySaver.name
+
+pytestmark = [pytest.mark.slow, pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never")]
+
+
+def _fake_hami_library() -> str:
+    """A library named like HAMi-core's, harmless to preload (a link to libm), for the kernel to detect."""
+    folder = tempfile.mkdtemp(prefix="gpupool-hami-")
+    path = os.path.join(folder, "libvgpu.so")
+    libm = ctypes.util.find_library("m")
+    for candidate in (f"/lib/x86_64-linux-gnu/{libm}", f"/usr/lib/x86_64-linux-gnu/{libm}", f"/lib64/{libm}"):
+        if libm and os.path.exists(candidate):
+            os.symlink(candidate, path)
+            break
+    return path
+
+
+async def _start(gpupool_fetch: Any) -> str:
+    response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
+    assert response.code == 201, response.body
+    return json.loads(response.body)["id"]
+
+
+def _pid(jp_serverapp: Any, kernel_id: str) -> int | None:
+    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    return getattr(getattr(kernel.provisioner, "process", None), "pid", None)
+
+
+def _gpu_bytes_of(pool: Any, pid: int) -> int:
+    """What the simulated GPU shows process ``pid`` holding (as NVML would)."""
+    return sum(u.used_memory for u in pool.backend.process_usage() if u.pid == pid)
+
+
+async def _status(gpupool_fetch: Any, kernel_id: str) -> dict[str, Any]:
+    response = await gpupool_fetch("api", "gpupool", "kernels", kernel_id)
+    assert response.code == 200, response.body
+    return json.loads(response.body)
+
+
+async def _kernel_holding(gpupool_fetch: Any, gpupool_wait: Any, jp_serverapp: Any, kernel_exec: Any, size: str) -> tuple[str, int]:
+    kernel = await _start(gpupool_fetch)
+    pid = await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+    await kernel_exec(kernel, f"x = 42\nfrom jupyter_gpupool.devices.simulated import pretend_to_use\npretend_to_use('{size}')")
+    return kernel, pid
+
+
+#: A cell that prints ``x`` and then ``%gpupool status`` as plain text (the magic displays it).
+PRINT_X_AND_STATUS = (
+    "print(x)\nfrom IPython.utils.capture import capture_output\nwith capture_output() as shown:\n"
+    "    get_ipython().run_line_magic('gpupool', 'status')\nprint(shown.outputs[0].data['text/plain'])"
+)
+
+
+async def _suspend(gpupool_fetch: Any, gpupool_wait: Any, pool: Any, kernel: str) -> dict[str, Any]:
+    response = await gpupool_fetch("api", "gpupool", "kernels", kernel, "suspend", method="POST", body={})
+    assert response.code == 200, response.body
+    await gpupool_wait(lambda: pool.lease_for_kernel(kernel).state is LeaseState.SUSPENDED, what="the suspend")
+    return await _status(gpupool_fetch, kernel)
+
+
+def test_a_kernel_whose_framework_can_park_is_parked_by_it_and_comes_back_whole(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "3GiB")
+        assert _gpu_bytes_of(pool, pid) == 3 * GIB
+        status = await _suspend(gpupool_fetch, gpupool_wait, pool, kernel)
+        assert status["parking"]["path"] == SIMULATED_SAVER and status["parking"]["path_note"] is None, status
+        assert status["parked_memory"] == 3 * GIB, status
+        assert _gpu_bytes_of(pool, pid) == 0, "the GPU memory was not freed"
+
+        out = await kernel_exec(kernel, PRINT_X_AND_STATUS)
+        assert out.splitlines()[0] == "42"
+        assert f"parked by {SIMULATED_SAVER} for its PyTorch tensors" in out and f"last parked by {SIMULATED_SAVER}" in out, out
+        assert _gpu_bytes_of(pool, pid) == 3 * GIB, "the framework's memory did not come back"
+        assert (await _status(gpupool_fetch, kernel))["parking"] is None
+
+    arun(scenario())
+
+
+def test_a_server_that_forgot_which_path_parked_a_kernel_still_brings_its_framework_memory_back(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
+        assert (await _suspend(gpupool_fetch, gpupool_wait, pool, kernel))["parking"]["path"] == SIMULATED_SAVER
+        gpupool_ext._parked_by.clear()  # as after a restart of the server: only the driver checkpoint is known
+        assert (await kernel_exec(kernel, "print(x)")).strip() == "42"
+        assert _gpu_bytes_of(pool, pid) == 2 * GIB, "the tensors the framework released were not mapped back"
+
+    arun(scenario())
+
+
+def test_a_framework_path_that_fails_midway_falls_back_to_the_driver_checkpoint_and_nothing_is_lost(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "3GiB")
+        SimulatedMemorySaver.fail_next(pool.backend.usage_dir, "cuMemUnmap failed")
+        status = await _suspend(gpupool_fetch, gpupool_wait, pool, kernel)
+        assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
+        note = status["parking"]["path_note"]
+        assert note.startswith(f"{FrameworkPath.name} not used: {FrameworkPath.name} failed (RuntimeError: ") and "cuMemUnmap failed" in note, note
+        assert "its memory was put back" in note, note
+        assert status["parked_memory"] == 3 * GIB, "the driver checkpoint did not park what the framework put back"
+        assert _gpu_bytes_of(pool, pid) == 0
+
+        out = await kernel_exec(kernel, PRINT_X_AND_STATUS)
+        assert out.splitlines()[0] == "42"
+        assert f"parked by the {DRIVER_CHECKPOINT} instead" in out, out
+        assert _gpu_bytes_of(pool, pid) == 3 * GIB, "memory was lost in the fallback"
+        assert pool.lease_for_kernel(kernel).state is LeaseState.GRANTED
+
+    arun(scenario())
+
+
+def test_a_kernel_suspended_while_a_cell_runs_is_parked_by_the_driver_checkpoint(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
+        running = asyncio.ensure_future(kernel_exec(kernel, "import time\ntime.sleep(4)\nprint('cell done')"))
+        await asyncio.sleep(1.5)  # the cell runs: its tensors may be in use
+        status = await _suspend(gpupool_fetch, gpupool_wait, pool, kernel)
+        assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
+        assert "a cell is running in the kernel" in status["parking"]["path_note"], status
+        assert (await asyncio.wait_for(running, 30)).strip() == "cell done"
+        assert (await kernel_exec(kernel, "print(x)")).strip() == "42" and _gpu_bytes_of(pool, pid) == 2 * GIB
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_config({"EnforcementSettings": {"hami_library": _fake_hami_library()}})
+def test_a_kernel_with_hami_core_preloaded_refuses_the_framework_path_and_says_why(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
+        assert "libvgpu.so" in (await kernel_exec(kernel, "import os; print(os.environ['LD_PRELOAD'])"))
+        status = await _suspend(gpupool_fetch, gpupool_wait, pool, kernel)
+        assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
+        assert "HAMi-core (libvgpu.so) is preloaded in this kernel" in status["parking"]["path_note"], status
+        assert status["parked_memory"] == 2 * GIB and _gpu_bytes_of(pool, pid) == 0
+        out = await kernel_exec(kernel, PRINT_X_AND_STATUS)
+        assert out.splitlines()[0] == "42" and "HAMi-core" in out, out
+        assert _gpu_bytes_of(pool, pid) == 2 * GIB
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="6GiB", GPUPOOL_IDLE_POLICY="never", GPUPOOL_PARKED_MEMORY_LIMIT="10GiB")
+def test_pinned_backups_kept_between_suspends_count_against_the_parked_memory_budget(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        a, pid_a = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "3GiB")
+        b, _ = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
+        pinned = gpupool_ext._pinned_pool()
+        assert pinned.capacity == 5 * GIB  # 50% of the 10 GiB budget
+        assert (await _suspend(gpupool_fetch, gpupool_wait, pool, a))["parking"]["path"] == SIMULATED_SAVER
+        assert (await kernel_exec(a, "print(x)")).strip() == "42"  # resumed: A keeps its pinned backup
+        assert pinned.reservations() == {pool.lease_for_kernel(a).id: {"pid": pid_a, "bytes": 3 * GIB}}
+
+        # B's slice (6 GiB, set aside while it is parked) and A's kept 3 GiB make 9 GiB: within the
+        # 10 GiB budget; the pool has 2 GiB left of 5, and B needs 2: B's backup fits beside A's.
+        assert (await _suspend(gpupool_fetch, gpupool_wait, pool, b))["parking"]["path"] == SIMULATED_SAVER
+        assert (await kernel_exec(b, "print(x)")).strip() == "42"
+        assert pinned.used() == 5 * GIB
+
+        # A again: its own reservation is reused, whatever else the pool holds.
+        assert (await _suspend(gpupool_fetch, gpupool_wait, pool, a))["parking"]["path"] == SIMULATED_SAVER
+        assert (await kernel_exec(a, "print(x)\npretend_to_use('4GiB')")).strip() == "42"
+
+        # A now holds 4 GiB: the pool (5 GiB, 2 kept by B) has 3 left, so the driver checkpoint parks it.
+        status = await _suspend(gpupool_fetch, gpupool_wait, pool, a)
+        assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
+        assert "pinned parking pool has 3 GiB free of 5 GiB" in status["parking"]["path_note"], status
+        assert status["parked_memory"] == 4 * GIB and _gpu_bytes_of(pool, pid_a) == 0
+        assert (await kernel_exec(a, "print(x)")).strip() == "42" and _gpu_bytes_of(pool, pid_a) == 4 * GIB
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never", GPUPOOL_PARKED_MEMORY_LIMIT="10GiB")
+@pytest.mark.gpupool_config({"GpuPoolExtension": {"parking_pool_size": "8GiB"}})
+def test_a_backup_that_would_take_the_parked_memory_budget_past_its_limit_is_parked_by_the_driver(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        a, _ = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "3GiB")
+        b, _ = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "1GiB")
+        assert (await _suspend(gpupool_fetch, gpupool_wait, pool, a))["parking"]["path"] == SIMULATED_SAVER
+        assert (await kernel_exec(a, "print(x)")).strip() == "42"  # A keeps 3 GiB pinned while it runs
+        # B parked: its 8 GiB slice is set aside, and A's 3 GiB kept pinned make 11 GiB, over 10.
+        status = await _suspend(gpupool_fetch, gpupool_wait, pool, b)
+        assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
+        assert "more than the parked-memory budget of 10 GiB" in status["parking"]["path_note"], status
+        assert (await kernel_exec(b, "print(x)")).strip() == "42"
+
+    arun(scenario())
+
+
+@pytest.mark.gpupool_config({"GpuPoolExtension": {"fast_parking": False}})
+def test_fast_parking_off_parks_every_kernel_by_the_driver_checkpoint(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    pool = gpupool_ext.pool
+
+    async def scenario() -> None:
+        kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "1GiB")
+        status = await _suspend(gpupool_fetch, gpupool_wait, pool, kernel)
+        assert status["parking"]["path"] == DRIVER_CHECKPOINT and status["parking"]["path_note"] is None, status
+        assert (await kernel_exec(kernel, "print(x)")).strip() == "42" and _gpu_bytes_of(pool, pid) == GIB
+
+    arun(scenario())
+
+
+# --- the kernel's probe, without a server ------------------------------------------------------------
+
+
+def test_the_kernels_probe_names_each_reason_to_refuse_the_framework_path() -> None:
+    base = {"CUDA_VISIBLE_DEVICES": "GPU-1"}
+    assert "GPUPOOL_FAST_PARKING=off" in FrameworkParking({**base, "GPUPOOL_FAST_PARKING": "off"}).refusal()
+    hami = FrameworkParking({**base, "LD_PRELOAD": "/opt/hami/libvgpu.so:/usr/lib/other.so", "GPUPOOL_SIMULATE": "1x16GiB"})
+    assert hami.refusal().startswith("HAMi-core (libvgpu.so) is preloaded in this kernel")
+    assert FrameworkParking({"CUDA_VISIBLE_DEVICES": ""}).refusal() == "this kernel has no GPU"
+    assert FrameworkParking({**base, "GPUPOOL_SIMULATE": "1x16GiB"}).refusal() == ""
+
+
+def test_the_host_pinned_pool_is_one_ledger_and_forgets_processes_that_ended(tmp_path: Any) -> None:
+    ledger = str(tmp_path / "pool.json")
+    first, second = HostPinnedPool(ledger, 4 * GIB), HostPinnedPool(ledger, 4 * GIB)  # two servers of one host
+    assert first.reserve("lease-a", os.getpid(), 3 * GIB) == ""
+    assert second.reserve("lease-b", os.getpid(), 2 * GIB) == (
+        "the host's pinned parking pool has 1 GiB free of 4 GiB, and this kernel's backup needs 2 GiB"
+    )
+    assert first.reserve("lease-a", os.getpid(), 4 * GIB) == ""  # its own reservation grows in place
+    gone = _ended_pid()
+    with open(ledger) as handle:
+        entries = json.load(handle)
+    entries["lease-gone"] = {"pid": gone, "bytes": GIB}
+    with open(ledger, "w") as handle:
+        json.dump(entries, handle)
+    assert set(second.reservations()) == {"lease-a"}
+    second.release("lease-a")
+    assert first.used() == 0
+
+
+def _ended_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("value", ["lots", "150%", "-2GiB"])
+def test_a_bad_parking_pool_size_is_refused_in_one_line(value: str) -> None:
+    from traitlets import TraitError
+
+    from jupyter_gpupool.serverextension.app import GpuPoolExtension
+
+    with pytest.raises(TraitError, match=r"^invalid c\.GpuPoolExtension\.parking_pool_size .*give a size \(32GiB\)"):
+        GpuPoolExtension(parking_pool_size=value)
+    assert GpuPoolExtension(parking_pool_size=" 25% ").parking_pool_size == "25%"
