@@ -74,14 +74,27 @@ def test_a_grow_asked_by_an_allocation_failure_reaches_what_was_needed_or_says_w
         pool.grow(lease.id, 8 * GIB, now=T0 + 4)
 
 
-def test_burst_never_takes_the_room_of_a_request_that_waits(tmp_path):
+def test_burst_never_takes_the_room_of_a_request_that_asked_before_the_kernel(tmp_path):
     pool = make_pool(tmp_path, burst="16GiB")
-    first = pool.request(req(gib=4), now=T0)
-    pool.request(req("bob", gib=4), now=T0)
-    third = pool.request(req("cat", gib=10), now=T0)  # 4 + 4 + 10 > 16: waits
-    assert third.state is LeaseState.QUEUED
-    with pytest.raises(RequestRefused, match="1 request\\(s\\) wait for this GPU"):
-        pool.grow(first.id, 7 * GIB, now=T0 + 1)
+    pool.request(req("ann", gib=8), now=T0)
+    big = pool.request(req("cat", gib=10), now=T0 + 1)  # 8 + 10 > 16: waits
+    first = pool.request(req("bob", gib=4), now=T0 + 2)  # fits beside: granted ahead of it
+    assert big.state is LeaseState.QUEUED and first.state is LeaseState.GRANTED
+    with pytest.raises(RequestRefused, match="1 request\\(s\\) that asked before it wait for this GPU"):
+        pool.grow(first.id, 7 * GIB, now=T0 + 3)
+    pool.release(big.id, now=T0 + 4)
+    pool.release(first.id, now=T0 + 4)
+
+
+def test_a_kernel_waiting_to_grow_goes_before_requests_that_came_after_it(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB")
+    pool.request(req("ann", gib=8), now=T0)
+    first = pool.request(req("bob", gib=4), now=T0 + 1)
+    late = pool.request(req("dan", gib=10), now=T0 + 2)  # 8 + 4 + 10 > 16: waits, behind bob's kernel
+    assert late.state is LeaseState.QUEUED
+    grown = pool.grow(first.id, 7 * GIB, now=T0 + 3)
+    assert grown.memory >= 7 * GIB
+    assert pool.get(late.id).state is LeaseState.QUEUED
 
 
 def test_burst_is_given_back_before_anyones_guarantee_and_the_request_is_granted_at_once(tmp_path):

@@ -546,6 +546,7 @@ class LabRun:
             "suspends": 0, "resumes": 0, "moves": 0, "grows": 0, "shrinks": 0, "over_limit": 0,
         }
         self.grow_waits: list[float] = []  # elastic: cells that waited for their slice to grow
+        self.reported: dict[str, tuple[int, int]] = {}  # elastic: (use, slice size) last reported per lease
         self.samples = [0.0, 0.0, 0.0, 0, 0.0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count; Σ guaranteed
         self.calls = 0
         self._draining = False
@@ -634,6 +635,8 @@ class LabRun:
                     elif kind in ("grow", "shrink"):
                         self.counts[kind + "s"] += 1
                         self._resized(session)
+                        if kind == "grow" and self._short(session) and session.used <= session.size:
+                            self._grown(session, at)  # the pool served its wait to grow: the cell runs
                     elif kind == "over_limit":
                         self.counts["over_limit"] += 1
                     elif kind == "migrate":
@@ -718,14 +721,12 @@ class LabRun:
         if self.settings.patience is not None:
             self._push(t + self.settings.patience, _GIVEUP, session.plan.index, session.gen)
 
-    def _retry_growth(self, t: float) -> None:
-        """Each round, kernels short of memory try again; one that fits runs its cell (that wait counts)."""
-        for session in [s for s in self.by_lease.values() if self._short(s)]:
-            if session.lease_id in self.by_lease and self._short(session) and self._fits(session, t):
-                wait = t - (session.blocked_since or t)
-                self._count_wait(session, wait)
-                self.grow_waits.append(wait)
-                self._continue(session, t)
+    def _grown(self, session: _Session, t: float) -> None:
+        """A kernel short of memory got it (the pool grew its slice in its turn): its cell runs now."""
+        wait = t - (session.blocked_since or t)
+        self._count_wait(session, wait)
+        self.grow_waits.append(wait)
+        self._continue(session, t)
 
     def _count_wait(self, session: _Session, wait: float, resume: bool = False) -> None:
         self.waits.append(wait)
@@ -838,9 +839,14 @@ class LabRun:
         else:  # migrating: the kernel runs on, on its new GPU
             self.pool.confirm_transition(session.lease_id or "", now=t)
             self._unpark(session, t)
-            if session.blocked_since is not None and self._fits(session, t):
-                self._count_wait(session, t - session.blocked_since, resume=True)
-                self._continue(session, t)
+            short, since = session.used > session.size, session.blocked_since
+            # (its slice may grow as it lands, and a grow served on the pool's events runs the cell)
+            if since is not None and self._fits(session, t) and session.blocked_since is not None:
+                if short:  # moved to a GPU with room for its slice to grow: a grow wait
+                    self._grown(session, t)
+                else:
+                    self._count_wait(session, t - since, resume=True)
+                    self._continue(session, t)
         self._drain()
 
     def _continue(self, session: _Session, t: float) -> None:
@@ -928,8 +934,6 @@ class LabRun:
         open_hour = self.settings.shape.weight(t) > 0
         if open_hour and self.mode in SUSPENDING:
             self.parked_samples.append(self.parked_total)
-        if self.elastic:
-            self._retry_growth(t)
         if not self.by_lease:
             if open_hour:
                 self.samples[3] += 1
@@ -956,8 +960,14 @@ class LabRun:
             self.samples[3] += 1
             self.samples[4] += guaranteed
         if self.elastic:  # what the watchdog measures: near its size a slice grows, over its limit it is told
-            self.calls += 1
-            self.pool.report_usage(usage, now=t)
+            # Only what changed since the last report (a use, or a slice's size): the engine acts on
+            # nothing else, and one report per kernel per tick was most of an elastic run's time.
+            seen = {lease_id: (used, self.by_lease[lease_id].size) for lease_id, used in usage.items()}
+            changed = {lease_id: usage[lease_id] for lease_id, mark in seen.items() if self.reported.get(lease_id) != mark}
+            self.reported = seen
+            if changed:
+                self.calls += 1
+                self.pool.report_usage(changed, now=t)
         self.calls += 1
         self.pool.tick(now=t, activities=activities)
         self._drain()
