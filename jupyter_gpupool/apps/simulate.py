@@ -635,8 +635,10 @@ class LabRun:
                     elif kind in ("grow", "shrink"):
                         self.counts[kind + "s"] += 1
                         self._resized(session)
-                        if kind == "grow" and self._short(session) and session.used <= session.size:
+                        if self._short(session) and session.used <= session.size:
                             self._grown(session, at)  # the pool served its wait to grow: the cell runs
+                        elif self._short(session) and self._fits(session, at):  # still short: its caps ask again
+                            self._grown(session, at)
                     elif kind == "over_limit":
                         self.counts["over_limit"] += 1
                     elif kind == "migrate":

@@ -341,10 +341,11 @@ class Engine:
             decisions.append(self._decision(DecisionKind.GRANT, lease, f"{what} {format_size(lease.memory)}", now))
         for wanter in wanters:
             decisions += self._serve_growth(state, wanter, held_back, now)
+        grown_now = {d.lease_id for d in decisions if d.kind is DecisionKind.GROW}  # like a backfill: not taken back at once
 
         decisions += self._follow_burst_reclaims(state, now)
         if blocked is not None:
-            given_back, coming = self._plan_burst_reclaims(state, blocked, now)
+            given_back, coming = self._plan_burst_reclaims(state, blocked, now, spare=grown_now)
             decisions += given_back
             if coming:
                 if blocked.state is LeaseState.GRANTED:  # what it was short of was burst alone, and is free now
@@ -357,6 +358,8 @@ class Engine:
         if moves:
             blocked = None  # moving idle kernels makes room: nobody loses their GPU for it
         decisions += self._plan_idle_reclaims(state, now, blocked if waiting else None)
+        if blocked is None and self.policy.idle_policy == "pressure":
+            decisions += self._plan_idle_reclaims_for_growth(state, now)
         if blocked is not None:
             decisions += self._plan_preemption(state, blocked, now)
         return decisions
@@ -459,15 +462,16 @@ class Engine:
     def _place(self, state: PoolState, lease: Lease, free: dict[str, int] | None = None) -> tuple[str, ...] | None:
         free = free if free is not None else self.free_by_device(state, lease)
         candidates = self._lease_candidates(state, lease)
-        if lease.resuming and lease.home_devices:
+        roomy = self._place_elastic(lease, candidates, free) if lease.elastic and lease.num_gpus == 1 and lease.peak_memory else None
+        if lease.resuming and lease.home_devices and (roomy is None or roomy == lease.home_devices):
             # Back where it was when that GPU has room: a restore without a move.
             usable = {d.uuid for d in candidates}
             if all(u in usable and free.get(u, 0) >= lease.memory for u in lease.home_devices):
                 return lease.home_devices
+        if roomy is not None:
+            return roomy
         if sum(1 for d in candidates if free.get(d.uuid, 0) >= lease.memory) < lease.num_gpus:
             return None  # too few GPUs with room: no placement policy finds one (the queue's head, tick after tick)
-        if lease.elastic and lease.num_gpus == 1:
-            return self._place_elastic(lease, candidates, free)
         gpus = [
             GpuSlot(uuid=d.uuid, model=d.model, capacity=d.leasable, free=max(0, free.get(d.uuid, 0)), nvlink_peers=d.nvlink_peers)
             for d in candidates
@@ -479,14 +483,13 @@ class Engine:
         return tuple(placement.gpus)
 
     @staticmethod
-    def _place_elastic(lease: Lease, candidates: list[Device], free: Mapping[str, int]) -> tuple[str, ...]:
-        """A one-GPU elastic slice goes where it can grow to what it is likely to use (its kernel's
-        last peak, else its limit): the tightest GPU with that much free, else the one with the most
-        free. Packed by its guarantee beside others, it could never grow there."""
-        expected = min(lease.limit_size, max(lease.memory, lease.peak_memory or 0)) if lease.peak_memory else lease.limit_size
-        room = [(free.get(d.uuid, 0), d.uuid) for d in candidates if free.get(d.uuid, 0) >= lease.memory]
-        roomy = [item for item in room if item[0] >= expected]
-        return (min(roomy)[1] if roomy else max(room)[1],)
+    def _place_elastic(lease: Lease, candidates: list[Device], free: Mapping[str, int]) -> tuple[str, ...] | None:
+        """A one-GPU elastic slice whose kernel ran before (a resume) goes where it can grow back to
+        its last peak: the tightest GPU with that much free; None (the pool's placement) when none
+        has. Packed by its guarantee beside others, it could not grow there and would have to move."""
+        expected = min(lease.limit_size, max(lease.memory, -(-(lease.peak_memory or 0) // max(1, lease.num_gpus))))
+        roomy = [(free.get(d.uuid, 0), d.uuid) for d in candidates if free.get(d.uuid, 0) >= expected]
+        return (min(roomy)[1],) if roomy else None
 
     def _grant(self, state: PoolState, lease: Lease, devices: tuple[str, ...], now: float) -> None:
         if lease.resuming:  # its server restores the parked memory onto `devices`, then confirms
@@ -611,7 +614,10 @@ class Engine:
         if not state.derived().reclaiming:
             return []
         decisions = []
-        someone_waits = any(lease.state is LeaseState.QUEUED and not lease.resume_ahead for lease in state.leases.values())
+        someone_waits = any(
+            (lease.state is LeaseState.QUEUED and not lease.resume_ahead) or lease.grow_since is not None  # a kernel waiting to grow too
+            for lease in state.leases.values()
+        )
         for lease in list(state.leases.values()):
             if lease.state not in HELD_STATES or lease.reclaim_at is None:
                 continue
@@ -686,6 +692,63 @@ class Engine:
                 self._decision(DecisionKind.WARN_IDLE, lease, f"idle for {idle_for}; its slice goes back unless kept", now, lease.reclaim_at)
             )
         return decisions
+
+    def _plan_idle_reclaims_for_growth(self, state: PoolState, now: float) -> list[Decision]:
+        """Under pressure a kernel waiting to grow is pressure too: reclaim kernels idle past their
+        timeout (longest idle first, as for a request) where that makes its room, on its own GPU or
+        on one of its model it can move to. One kernel at a time; none while a reclaim is under way."""
+        index = state.derived()
+        if index.reclaiming or any(step is Transition.SUSPENDING for step in index.transitions.values()):
+            return []  # room is on its way
+        wanters = [lease for lease in self.grow_wanters(state) if lease.state is LeaseState.GRANTED
+                   and lease.transition is Transition.NONE and lease.num_gpus == 1 and lease.grow_wanted > lease.memory]
+        if not wanters:
+            return []
+        idle = [
+            lease
+            for lease in state.leases.values()
+            if lease.state is LeaseState.GRANTED
+            and lease.reclaim_at is None
+            and lease.transition is Transition.NONE
+            and lease.grow_since is None
+            and self._still_idle(lease, now)
+            and lease.idle_seconds(now) >= self._idle_timeout(state, lease)
+        ]
+        if not idle:
+            return []
+        idle.sort(key=lambda lease: -lease.idle_seconds(now))
+        known = {d.uuid: d for d in state.devices if d.healthy}
+        wanter = wanters[0]
+        free = self.free_by_device(state, wanter)
+        home = wanter.devices[0]
+        model = known[home].model if home in known else None
+        movable = self.policy.defragment and not self.suspend_refusal(state, wanter)
+        options = [(home, wanter.grow_wanted - wanter.memory - excess_per_device(wanter))]
+        if movable:
+            options += [(uuid, wanter.grow_wanted) for uuid, device in known.items() if uuid != home and device.model == model]
+        for uuid, needed in options:
+            missing = needed - free.get(uuid, 0)
+            chosen: list[Lease] = []
+            for lease in idle:
+                if missing <= 0:
+                    break
+                if lease.devices == (uuid,) and lease.id != wanter.id:
+                    chosen.append(lease)
+                    missing -= lease.memory + excess_per_device(lease)
+            if missing > 0 or not chosen:
+                continue
+            decisions = []
+            for lease in chosen:
+                lease.warned_at = now
+                lease.reclaim_at = now + self.policy.warning_period
+                idle_for = format_duration(lease.idle_seconds(now))
+                lease.reclaim_reason = f"reclaimed: idle for {idle_for} while a kernel beside it waited for its slice to grow"
+                state.touch(lease)
+                decisions.append(
+                    self._decision(DecisionKind.WARN_IDLE, lease, f"idle for {idle_for}; its slice goes back unless kept", now, lease.reclaim_at)
+                )
+            return decisions
+        return []
 
     def _free_with_room_on_its_way(self, state: PoolState, head: Lease, now: float) -> dict[str, int]:
         """Free bytes per device as ``head`` sees them, plus what leases already on their way out
@@ -1201,16 +1264,19 @@ class Engine:
             decisions.append(self._decision(DecisionKind.SHRINK, other, other.burst_note, now))
         return decisions
 
-    def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float) -> tuple[list[Decision], bool]:
+    def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float, spare: Collection[str] = ()) -> tuple[list[Decision], bool]:
         """Make room for ``head`` from other slices' burst, before anyone's guarantee: lower their
         size toward their guarantee (their kernels free framework caches and lower caps to it).
-        Returns the decisions and whether room for ``head`` is on its way (it may be granted already)."""
+        Spared: ``spare`` (grown in this pass), kernels waiting to grow, and busy kernels ahead of
+        ``head`` in line (they give their burst back once idle). Returns the decisions and whether room for ``head`` is on its way (it may be granted already)."""
         free = self.free_by_device(state, head)
         coming = dict(free)
         burst_on: dict[str, list[Lease]] = {}
         for lease in state.leases.values():
             if lease.state is not LeaseState.GRANTED or lease.transition is not Transition.NONE or lease.reclaim_at is not None:
                 continue
+            if lease.id in spare or lease.grow_since is not None or (lease.busy and lease.line_time < head.queued_since):
+                continue  # a kernel ahead in line keeps the burst it computes with (or waits for): it gives it back idle
             taken = lease.memory + excess_per_device(lease)
             above = taken - lease.guarantee_size
             if above <= 0:
