@@ -28,8 +28,11 @@ Five modes are compared on the same arrivals (common random numbers):
                 asks, and the watchdog's usage reports) up to the pool's ``burst`` limit while its GPU
                 has memory nobody is guaranteed; the engine takes burst back for a waiting request
                 (``shrink``) and parks a kernel left above its slice when it is idle. A cell whose
-                slice cannot grow waits, retried every tick (a *grow wait*, also in the wait columns);
-                its user gives up after ``--patience``. "leased" is the slices' current sizes.
+                slice cannot grow waits (a *grow wait*, also in the wait columns) while the engine
+                serves the grow in line: in place, by a live move to a GPU with room, or from idle
+                neighbours' burst; the cell runs on the pool's ``grow`` decision. Its user gives up
+                after ``--patience``. Usage is reported when it changes. "leased" is the slices'
+                current sizes.
 
 The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
 upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.
