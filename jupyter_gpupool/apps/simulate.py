@@ -445,6 +445,8 @@ class _Session:
         "tgen",
         "transition",
         "used",
+        "wait_from",
+        "wait_resume",
         "work_done",
     )
 
@@ -475,6 +477,10 @@ class _Session:
         self.remaining: float | None = None  # seconds left of a busy phase a suspend or move paused
         self.resume_at = 0.0  # when the user first needed the GPU back
         self.work_done = 0.0  # busy seconds this kernel has computed: what a cull throws away
+        # elastic: when the cell's wait began (its request, or the cell that resumed it), if it goes
+        # on as a grow wait: one wait for the user, from then until the slice has grown
+        self.wait_from: float | None = None
+        self.wait_resume = False
 
 
 class LabRun:
@@ -680,14 +686,14 @@ class LabRun:
         self._drain()
 
     def _granted(self, session: _Session, t: float) -> None:
-        self._count_wait(session, t - session.request_at)
         session.state, session.granted_at = "running", t
         session.gen += 1
         self._resized(session)
         if self._fits(session, t):
+            self._count_wait(session, t - session.request_at)
             self._start_phase(session, t)
         else:
-            self._wait_for_growth(session, t)  # its first cell waits for the slice to grow
+            self._wait_for_growth(session, t, since=session.request_at)  # its first cell waits on, for the slice to grow
 
     # --- elastic: the kernel's framework caps ask the pool to grow its slice -------------------------
     def _resized(self, session: _Session) -> None:
@@ -719,19 +725,27 @@ class LabRun:
         """A running kernel whose cell waits for its slice to grow (not for a suspend or move)."""
         return session.state == "running" and session.transition is None and session.blocked_since is not None
 
-    def _wait_for_growth(self, session: _Session, t: float) -> None:
+    def _wait_for_growth(self, session: _Session, t: float, since: float | None = None, resume: bool = False) -> None:
         """The kernel's cell failed for memory its slice could not grow to: the user runs it again each
-        round until the slice grows, and gives up after ``--patience`` like a queued user."""
+        round until the slice grows, and gives up after ``--patience`` like a queued user. ``since``:
+        the cell has waited since then already (for its grant or its resume): one wait with this one,
+        and its user's patience runs from then."""
         session.blocked_since = t
+        session.wait_from, session.wait_resume = (t if since is None else since), resume
         if self.settings.patience is not None:
-            self._push(t + self.settings.patience, _GIVEUP, session.plan.index, session.gen)
+            self._push(max(t, session.wait_from + self.settings.patience), _GIVEUP, session.plan.index, session.gen)
 
     def _grown(self, session: _Session, t: float) -> None:
         """A kernel short of memory got it (the pool grew its slice in its turn): its cell runs now."""
-        wait = t - (session.blocked_since or t)
-        self._count_wait(session, wait)
-        self.grow_waits.append(wait)
+        self._count_grow_wait(session, t)
         self._continue(session, t)
+
+    def _count_grow_wait(self, session: _Session, t: float) -> None:
+        """A grow wait ends (grown, given up, or the run's end): the cell's whole wait counts once."""
+        self.grow_waits.append(t - (session.blocked_since if session.blocked_since is not None else t))
+        since = session.wait_from if session.wait_from is not None else session.blocked_since
+        self._count_wait(session, t - (since if since is not None else t), resume=session.wait_resume)
+        session.wait_from, session.wait_resume = None, False
 
     def _count_wait(self, session: _Session, wait: float, resume: bool = False) -> None:
         self.waits.append(wait)
@@ -834,13 +848,13 @@ class LabRun:
             self.pool.confirm_transition(session.lease_id or "", now=t)
             self._unpark(session, t)
             self.counts["resumes"] += 1
-            self._count_wait(session, t - session.resume_at, resume=True)
             session.state, session.granted_at = "running", t
             self._resized(session)
             if self._fits(session, t):
+                self._count_wait(session, t - session.resume_at, resume=True)
                 self._continue(session, t)
-            else:
-                self._wait_for_growth(session, t)  # back on a GPU, its cell now waits for the slice to grow
+            else:  # back on a GPU, its cell waits on, for the slice to grow
+                self._wait_for_growth(session, t, since=session.resume_at, resume=True)
         else:  # migrating: the kernel runs on, on its new GPU
             self.pool.confirm_transition(session.lease_id or "", now=t)
             self._unpark(session, t)
@@ -889,8 +903,7 @@ class LabRun:
 
     def _give_up(self, session: _Session, t: float) -> None:
         if self._short(session):
-            self._count_wait(session, t - (session.blocked_since or t))
-            self.grow_waits.append(t - (session.blocked_since or t))
+            self._count_grow_wait(session, t)
             self._end_lease(session, t)
         elif session.state == "resuming":
             self._count_wait(session, t - session.resume_at, resume=True)
@@ -982,8 +995,7 @@ class LabRun:
         for session in self.sessions:
             if self._short(session):  # still waiting for its slice to grow
                 still += 1
-                self._count_wait(session, horizon - (session.blocked_since or horizon))
-                self.grow_waits.append(horizon - (session.blocked_since or horizon))
+                self._count_grow_wait(session, horizon)
             if session.state == "running":
                 self._end_lease(session, horizon)
             elif session.state == "queued":
