@@ -74,14 +74,27 @@ def test_a_grow_asked_by_an_allocation_failure_reaches_what_was_needed_or_says_w
         pool.grow(lease.id, 8 * GIB, now=T0 + 4)
 
 
-def test_burst_never_takes_the_room_of_a_request_that_waits(tmp_path):
+def test_burst_never_takes_the_room_of_a_request_that_asked_before_the_kernel(tmp_path):
     pool = make_pool(tmp_path, burst="16GiB")
-    first = pool.request(req(gib=4), now=T0)
-    pool.request(req("bob", gib=4), now=T0)
-    third = pool.request(req("cat", gib=10), now=T0)  # 4 + 4 + 10 > 16: waits
-    assert third.state is LeaseState.QUEUED
-    with pytest.raises(RequestRefused, match="1 request\\(s\\) wait for this GPU"):
-        pool.grow(first.id, 7 * GIB, now=T0 + 1)
+    pool.request(req("ann", gib=8), now=T0)
+    big = pool.request(req("cat", gib=10), now=T0 + 1)  # 8 + 10 > 16: waits
+    first = pool.request(req("bob", gib=4), now=T0 + 2)  # fits beside: granted ahead of it
+    assert big.state is LeaseState.QUEUED and first.state is LeaseState.GRANTED
+    with pytest.raises(RequestRefused, match="1 request\\(s\\) that asked before it wait for this GPU"):
+        pool.grow(first.id, 7 * GIB, now=T0 + 3)
+    pool.release(big.id, now=T0 + 4)
+    pool.release(first.id, now=T0 + 4)
+
+
+def test_a_kernel_waiting_to_grow_goes_before_requests_that_came_after_it(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB")
+    pool.request(req("ann", gib=8), now=T0)
+    first = pool.request(req("bob", gib=4), now=T0 + 1)
+    late = pool.request(req("dan", gib=10), now=T0 + 2)  # 8 + 4 + 10 > 16: waits, behind bob's kernel
+    assert late.state is LeaseState.QUEUED
+    grown = pool.grow(first.id, 7 * GIB, now=T0 + 3)
+    assert grown.memory >= 7 * GIB
+    assert pool.get(late.id).state is LeaseState.QUEUED
 
 
 def test_burst_is_given_back_before_anyones_guarantee_and_goes_on_once_measured_within(tmp_path):
@@ -260,3 +273,85 @@ def test_the_right_size_hint_of_an_elastic_slice_looks_at_its_guarantee_not_its_
     roomy = dataclasses.replace(pool.request(req("bob", gib=12), now=T0), peak_memory=2 * GIB)
     hint = KernelStatus(lease=roomy).hint()
     assert hint is not None and hint.button == "Shrink to 3 GiB"
+
+
+def test_a_grow_refused_in_place_moves_the_kernel_to_a_gpu_with_room_and_it_grows_there(tmp_path):
+    pool = make_pool(tmp_path, spec="2x40GiB", burst="40GiB", placement="best-fit")
+    first = pool.request(req("ann", gib=10, suspendable=True, kernel_id="k1"), now=T0)
+    pool.request(req("bob", gib=25), now=T0)  # beside it (best fit): 5 GiB left there
+    home = pool.get(first.id).devices
+    with pytest.raises(RequestRefused, match="GPU is full"):
+        pool.grow(first.id, 30 * GIB, now=T0 + 1)
+    waiting = pool.get(first.id)
+    assert waiting.grow_wanted == 30 * GIB and waiting.grow_since == T0 + 1
+    pool.tick(now=T0 + 2)
+    moving = pool.get(first.id)
+    assert moving.transition is Transition.MIGRATING and moving.migrate_from == home and moving.devices != home
+    assert "room for its slice to grow" in moving.suspend_reason
+    late = pool.request(req("cat", gib=12), now=T0 + 3)  # the room it moves to is held for it
+    assert late.state is LeaseState.QUEUED
+    pool.confirm_transition(first.id, now=T0 + 4)
+    grown = pool.grow(first.id, 30 * GIB, now=T0 + 5)
+    assert grown.memory >= 30 * GIB and grown.grow_since is None and grown.guarantee == 10 * GIB
+    pool.tick(now=T0 + 6)
+    assert pool.get(late.id).state is LeaseState.GRANTED  # room on the GPU it left
+
+
+def test_a_kernel_waiting_to_grow_takes_back_an_idle_neighbours_burst_never_its_guarantee(tmp_path):
+    pool = make_pool(tmp_path, spec="1x40GiB", burst="40GiB", burst_settle=15, idle_policy="never")
+    idle = pool.request(req("ann", gib=8, suspendable=True, kernel_id="k1"), now=T0)
+    pool.report_usage({idle.id: 24 * GIB}, now=T0 + 1)  # grew to about 25 GiB
+    assert pool.get(idle.id).memory >= 24 * GIB
+    pool.report_activity(idle.id, Activity(busy=False, last_activity=T0 + 1), now=T0 + 2)
+    busy = pool.request(req("bob", gib=10, kernel_id="k2"), now=T0 + 3)
+    assert busy.state is LeaseState.GRANTED
+    with pytest.raises(RequestRefused, match="GPU is full"):
+        pool.grow(busy.id, 20 * GIB, now=T0 + 4)
+    pool.tick(now=T0 + 5)
+    shrunk = pool.get(idle.id)
+    assert shrunk.guarantee == 8 * GIB <= shrunk.memory <= 40 * GIB - 20 * GIB
+    assert shrunk.burst_note.startswith("burst taken back for a neighbour's slice")
+    pool.tick(now=T0 + 25)  # still above its slice after burst_settle, and idle: suspended
+    suspending = pool.get(idle.id)
+    assert suspending.transition is Transition.SUSPENDING
+    pool.confirm_transition(idle.id, parked_bytes=24 * GIB, now=T0 + 26)
+    grown = pool.get(busy.id)
+    assert grown.memory >= 20 * GIB and grown.grow_since is None
+    assert [e["kind"] for e in pool.events() if e["lease_id"] == busy.id][-1] == "grow"
+
+
+def test_under_pressure_a_kernel_waiting_to_grow_gets_an_idle_kernels_room(tmp_path):
+    pool = make_pool(tmp_path, spec="1x40GiB", burst="40GiB", idle_policy="pressure", idle_timeout=300, warning_period=60,
+                     reclaim_action="suspend")
+    idle = pool.request(req("ann", gib=24, suspendable=True, kernel_id="k1"), now=T0)
+    pool.report_activity(idle.id, Activity(busy=False, last_activity=T0), now=T0)
+    wants = pool.request(req("bob", gib=10, suspendable=True, kernel_id="k2"), now=T0)
+    with pytest.raises(RequestRefused, match="GPU is full"):
+        pool.grow(wants.id, 20 * GIB, now=T0 + 1)
+    pool.tick(now=T0 + 200)
+    assert pool.get(idle.id).reclaim_at is None  # not idle long enough yet
+    pool.tick(now=T0 + 301)
+    warned = pool.get(idle.id)
+    assert warned.reclaim_at == T0 + 361 and "waited for its slice to grow" in warned.reclaim_reason
+    pool.tick(now=T0 + 362)
+    assert pool.get(idle.id).transition is Transition.SUSPENDING
+    pool.confirm_transition(idle.id, parked_bytes=24 * GIB, now=T0 + 363)
+    assert pool.get(wants.id).memory >= 20 * GIB
+
+
+def test_a_resumed_elastic_slice_is_placed_where_it_can_grow_back_to_its_last_peak(tmp_path):
+    pool = make_pool(tmp_path, spec="3x40GiB", burst="40GiB", burst_settle=15, idle_policy="never")
+    kernel = pool.request(req("ann", gib=8, suspendable=True, kernel_id="k1"), now=T0)
+    pool.report_usage({kernel.id: 30 * GIB}, now=T0 + 1)
+    pool.report_activity(kernel.id, Activity(busy=False, last_activity=T0 + 1), now=T0 + 1)
+    home = pool.get(kernel.id).devices
+    bob = pool.request(req("bob", gib=40), now=T0 + 2)
+    pool.request(req("cat", gib=40), now=T0 + 2)
+    dan = pool.request(req("dan", gib=20), now=T0 + 3)  # its burst is taken back; idle above it, it is suspended
+    pool.tick(now=T0 + 20)
+    pool.confirm_transition(kernel.id, parked_bytes=30 * GIB, now=T0 + 21)
+    assert pool.get(dan.id).devices == home and pool.get(kernel.id).memory <= 20 * GIB
+    pool.release(bob.id, now=T0 + 22)  # an empty GPU, while its own has room for its slice but not its 30 GiB
+    pool.resume(kernel.id, now=T0 + 23)
+    back = pool.get(kernel.id)
+    assert back.transition is Transition.RESTORING and back.devices == pool.get(bob.id).devices

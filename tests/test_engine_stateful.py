@@ -181,13 +181,17 @@ class PoolMachine(RuleBasedStateMachine):
     def _granted(self):
         return [lease for lease in self.pool.leases() if lease.state is LeaseState.GRANTED]
 
-    def _check_no_grow_over_a_waiting_request(self, before):
-        """A slice that grew did so while no queued request could be placed on its GPUs."""
+    def _check_no_grow_over_a_waiting_request(self, before, in_line=False):
+        """A slice that grew did so while no queued request could be placed on its GPUs (``in_line``:
+        no request that asked before its kernel joined the line for its GPU: a kernel waiting to grow
+        goes before those that came after it)."""
         queued = [lease for lease in self.pool.leases() if lease.state is LeaseState.QUEUED]
         state = self.pool._load(self.now)
         for lease in self._granted():
             if lease.memory > before.get(lease.id, lease.memory):
                 for other in queued:
+                    if in_line and other.queued_since >= lease.line_time:
+                        continue
                     candidates = {d.uuid for d in self.pool.engine._lease_candidates(state, other)}
                     assert not candidates & set(lease.devices), f"{lease.id} grew while {other.id} waited for its GPU"
 
@@ -218,7 +222,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert str(refusal).startswith("the slice was not grown")
             return
         assert grown.memory * grown.num_gpus >= min(gib * GIB, grown.memory * grown.num_gpus)
-        self._check_no_grow_over_a_waiting_request(before)
+        self._check_no_grow_over_a_waiting_request(before, in_line=True)
 
     @rule(seconds=st.sampled_from([1, 30, 200, 700, 3600]))
     def advance(self, seconds):
@@ -254,6 +258,21 @@ class PoolMachine(RuleBasedStateMachine):
                 assert lease.burst_limit == 0 or lease.burst_limit > lease.guarantee_size
         for device in self.pool.devices():
             assert guaranteed.get(device.uuid, 0) <= device.leasable
+
+    @invariant()
+    def a_kernel_waits_to_grow_only_while_it_holds_an_elastic_slice_below_what_it_wants(self):
+        """A grow that waits in line (served in place, by a move, or from neighbours' idle burst) is
+        a granted elastic slice's, for more than it holds and at most its limit; a neighbour's burst
+        is taken back only down to its guarantee (checked above), never from one that waits to grow."""
+        if not hasattr(self, "pool"):
+            return
+        for lease in self.pool.leases():
+            if lease.grow_since is None:
+                assert lease.grow_wanted == 0
+                continue
+            assert lease.state is LeaseState.GRANTED and lease.elastic, lease
+            assert lease.memory < lease.grow_wanted <= lease.limit_size or lease.transition is not Transition.NONE
+            assert lease.burst_taken_at is None or lease.grow_since < lease.burst_taken_at
 
     @invariant()
     def nothing_granted_out_of_memory_held_outside_the_pool(self):

@@ -291,6 +291,9 @@ def test_a_kernel_whose_slice_cannot_grow_waits_and_computes_nothing() -> None:
     assert result.grows == 0 and result.served == 0 and result.grow_waits > 0
     assert result.used_pct > 0 and result.busy_pct == 0  # what they hold counts as used, never as computing
     assert result.grow_wait_p95 == pytest.approx(0.1 * 86400, abs=3600)  # still waiting when the run ends
+    # A first cell that waits to grow right after its grant is one wait, from the request: each
+    # session's cell counts once (not a zero for its grant and then the grow wait).
+    assert result.requests == result.sessions
 
 
 def test_elastic_limit_below_the_need_is_taken_as_a_limit_of_the_need() -> None:

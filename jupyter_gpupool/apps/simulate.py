@@ -28,8 +28,11 @@ Five modes are compared on the same arrivals (common random numbers):
                 asks, and the watchdog's usage reports) up to the pool's ``burst`` limit while its GPU
                 has memory nobody is guaranteed; the engine takes burst back for a waiting request
                 (``shrink``) and parks a kernel left above its slice when it is idle. A cell whose
-                slice cannot grow waits, retried every tick (a *grow wait*, also in the wait columns);
-                its user gives up after ``--patience``. "leased" is the slices' current sizes.
+                slice cannot grow waits (a *grow wait*, also in the wait columns) while the engine
+                serves the grow in line: in place, by a live move to a GPU with room, or from idle
+                neighbours' burst; the cell runs on the pool's ``grow`` decision. Its user gives up
+                after ``--patience``. Usage is reported when it changes. "leased" is the slices'
+                current sizes.
 
 The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
 upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.
@@ -442,6 +445,8 @@ class _Session:
         "tgen",
         "transition",
         "used",
+        "wait_from",
+        "wait_resume",
         "work_done",
     )
 
@@ -472,6 +477,10 @@ class _Session:
         self.remaining: float | None = None  # seconds left of a busy phase a suspend or move paused
         self.resume_at = 0.0  # when the user first needed the GPU back
         self.work_done = 0.0  # busy seconds this kernel has computed: what a cull throws away
+        # elastic: when the cell's wait began (its request, or the cell that resumed it), if it goes
+        # on as a grow wait: one wait for the user, from then until the slice has grown
+        self.wait_from: float | None = None
+        self.wait_resume = False
 
 
 class LabRun:
@@ -547,6 +556,7 @@ class LabRun:
             "suspends": 0, "resumes": 0, "moves": 0, "grows": 0, "shrinks": 0, "over_limit": 0,
         }
         self.grow_waits: list[float] = []  # elastic: cells that waited for their slice to grow
+        self.reported: dict[str, tuple[int, int]] = {}  # elastic: (use, slice size) last reported per lease
         self.samples = [0.0, 0.0, 0.0, 0, 0.0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count; Σ guaranteed
         self.calls = 0
         self._draining = False
@@ -635,6 +645,10 @@ class LabRun:
                     elif kind in ("grow", "shrink"):
                         self.counts[kind + "s"] += 1
                         self._resized(session)
+                        if self._short(session) and session.used <= session.size:
+                            self._grown(session, at)  # the pool served its wait to grow: the cell runs
+                        elif self._short(session) and self._fits(session, at):  # still short: its caps ask again
+                            self._grown(session, at)
                     elif kind == "over_limit":
                         self.counts["over_limit"] += 1
                     elif kind == "migrate":
@@ -673,14 +687,14 @@ class LabRun:
         self._drain()
 
     def _granted(self, session: _Session, t: float) -> None:
-        self._count_wait(session, t - session.request_at)
         session.state, session.granted_at = "running", t
         session.gen += 1
         self._resized(session)
         if self._fits(session, t):
+            self._count_wait(session, t - session.request_at)
             self._start_phase(session, t)
         else:
-            self._wait_for_growth(session, t)  # its first cell waits for the slice to grow
+            self._wait_for_growth(session, t, since=session.request_at)  # its first cell waits on, for the slice to grow
 
     # --- elastic: the kernel's framework caps ask the pool to grow its slice -------------------------
     def _resized(self, session: _Session) -> None:
@@ -712,21 +726,27 @@ class LabRun:
         """A running kernel whose cell waits for its slice to grow (not for a suspend or move)."""
         return session.state == "running" and session.transition is None and session.blocked_since is not None
 
-    def _wait_for_growth(self, session: _Session, t: float) -> None:
+    def _wait_for_growth(self, session: _Session, t: float, since: float | None = None, resume: bool = False) -> None:
         """The kernel's cell failed for memory its slice could not grow to: the user runs it again each
-        round until the slice grows, and gives up after ``--patience`` like a queued user."""
+        round until the slice grows, and gives up after ``--patience`` like a queued user. ``since``:
+        the cell has waited since then already (for its grant or its resume): one wait with this one,
+        and its user's patience runs from then."""
         session.blocked_since = t
+        session.wait_from, session.wait_resume = (t if since is None else since), resume
         if self.settings.patience is not None:
-            self._push(t + self.settings.patience, _GIVEUP, session.plan.index, session.gen)
+            self._push(max(t, session.wait_from + self.settings.patience), _GIVEUP, session.plan.index, session.gen)
 
-    def _retry_growth(self, t: float) -> None:
-        """Each round, kernels short of memory try again; one that fits runs its cell (that wait counts)."""
-        for session in [s for s in self.by_lease.values() if self._short(s)]:
-            if session.lease_id in self.by_lease and self._short(session) and self._fits(session, t):
-                wait = t - (session.blocked_since or t)
-                self._count_wait(session, wait)
-                self.grow_waits.append(wait)
-                self._continue(session, t)
+    def _grown(self, session: _Session, t: float) -> None:
+        """A kernel short of memory got it (the pool grew its slice in its turn): its cell runs now."""
+        self._count_grow_wait(session, t)
+        self._continue(session, t)
+
+    def _count_grow_wait(self, session: _Session, t: float) -> None:
+        """A grow wait ends (grown, given up, or the run's end): the cell's whole wait counts once."""
+        self.grow_waits.append(t - (session.blocked_since if session.blocked_since is not None else t))
+        since = session.wait_from if session.wait_from is not None else session.blocked_since
+        self._count_wait(session, t - (since if since is not None else t), resume=session.wait_resume)
+        session.wait_from, session.wait_resume = None, False
 
     def _count_wait(self, session: _Session, wait: float, resume: bool = False) -> None:
         self.waits.append(wait)
@@ -829,19 +849,24 @@ class LabRun:
             self.pool.confirm_transition(session.lease_id or "", now=t)
             self._unpark(session, t)
             self.counts["resumes"] += 1
-            self._count_wait(session, t - session.resume_at, resume=True)
             session.state, session.granted_at = "running", t
             self._resized(session)
             if self._fits(session, t):
+                self._count_wait(session, t - session.resume_at, resume=True)
                 self._continue(session, t)
-            else:
-                self._wait_for_growth(session, t)  # back on a GPU, its cell now waits for the slice to grow
+            else:  # back on a GPU, its cell waits on, for the slice to grow
+                self._wait_for_growth(session, t, since=session.resume_at, resume=True)
         else:  # migrating: the kernel runs on, on its new GPU
             self.pool.confirm_transition(session.lease_id or "", now=t)
             self._unpark(session, t)
-            if session.blocked_since is not None and self._fits(session, t):
-                self._count_wait(session, t - session.blocked_since, resume=True)
-                self._continue(session, t)
+            short, since = session.used > session.size, session.blocked_since
+            # (its slice may grow as it lands, and a grow served on the pool's events runs the cell)
+            if since is not None and self._fits(session, t) and session.blocked_since is not None:
+                if short:  # moved to a GPU with room for its slice to grow: a grow wait
+                    self._grown(session, t)
+                else:
+                    self._count_wait(session, t - since, resume=True)
+                    self._continue(session, t)
         self._drain()
 
     def _continue(self, session: _Session, t: float) -> None:
@@ -879,8 +904,7 @@ class LabRun:
 
     def _give_up(self, session: _Session, t: float) -> None:
         if self._short(session):
-            self._count_wait(session, t - (session.blocked_since or t))
-            self.grow_waits.append(t - (session.blocked_since or t))
+            self._count_grow_wait(session, t)
             self._end_lease(session, t)
         elif session.state == "resuming":
             self._count_wait(session, t - session.resume_at, resume=True)
@@ -929,8 +953,6 @@ class LabRun:
         open_hour = self.settings.shape.weight(t) > 0
         if open_hour and self.mode in SUSPENDING:
             self.parked_samples.append(self.parked_total)
-        if self.elastic:
-            self._retry_growth(t)
         if not self.by_lease:
             if open_hour:
                 self.samples[3] += 1
@@ -957,8 +979,14 @@ class LabRun:
             self.samples[3] += 1
             self.samples[4] += guaranteed
         if self.elastic:  # what the watchdog measures: near its size a slice grows, over its limit it is told
-            self.calls += 1
-            self.pool.report_usage(usage, now=t)
+            # Only what changed since the last report (a use, or a slice's size): the engine acts on
+            # nothing else, and one report per kernel per tick was most of an elastic run's time.
+            seen = {lease_id: (used, self.by_lease[lease_id].size) for lease_id, used in usage.items()}
+            changed = {lease_id: usage[lease_id] for lease_id, mark in seen.items() if self.reported.get(lease_id) != mark}
+            self.reported = seen
+            if changed:
+                self.calls += 1
+                self.pool.report_usage(changed, now=t)
         self.calls += 1
         self.pool.tick(now=t, activities=activities)
         self._drain()
@@ -968,8 +996,7 @@ class LabRun:
         for session in self.sessions:
             if self._short(session):  # still waiting for its slice to grow
                 still += 1
-                self._count_wait(session, horizon - (session.blocked_since or horizon))
-                self.grow_waits.append(horizon - (session.blocked_since or horizon))
+                self._count_grow_wait(session, horizon)
             if session.state == "running":
                 self._end_lease(session, horizon)
             elif session.state == "queued":

@@ -188,6 +188,7 @@ class Engine:
         lease.memory, lease.num_gpus, lease.priority = memory, num_gpus, priority
         lease.guarantee, lease.burst_limit = memory, limit
         lease.burst_taken_at, lease.burst_from, lease.burst_note = None, 0, ""
+        lease.grow_wanted, lease.grow_since = 0, None
         lease.compute_share, lease.model, lease.duration = request.compute_share, request.model, request.duration
         lease.holder_pid, lease.holder_host, lease.label = request.holder_pid, request.holder_host, request.label
         lease.suspendable = request.suspendable
@@ -317,13 +318,18 @@ class Engine:
         decisions += self._carry_out_due_reclaims(state, now)
 
         queue = self.queue_order(state, now)
+        wanters = self.grow_wanters(state)  # kernels waiting to grow take their turn among the requests
+        held_back: dict[str, int] = {}  # room the wanters not yet served wait for
         blocked: Lease | None = None
         for lease in queue:
+            while wanters and wanters[0].line_time <= lease.queued_since:
+                decisions += self._serve_growth(state, wanters.pop(0), held_back, now)
             if self._quota_block_reason(state, lease):
                 continue
             if blocked is not None and not self._may_backfill(blocked, now):
                 break
-            devices = self._place(state, lease)
+            free = self.free_by_device(state, lease)
+            devices = self._place(state, lease, self._free_less(free, held_back) if held_back else free)
             if devices is None:
                 if blocked is None and not lease.resume_ahead:  # a resume ahead of a cell makes no room for itself
                     blocked = lease
@@ -333,10 +339,13 @@ class Engine:
             moved = restoring and tuple(lease.devices) != tuple(lease.home_devices)
             what = ("resumed: restoring " + ("onto another GPU of the same model" if moved else "on its GPU")) if restoring else "granted"
             decisions.append(self._decision(DecisionKind.GRANT, lease, f"{what} {format_size(lease.memory)}", now))
+        for wanter in wanters:
+            decisions += self._serve_growth(state, wanter, held_back, now)
+        grown_now = {d.lease_id for d in decisions if d.kind is DecisionKind.GROW}  # like a backfill: not taken back at once
 
         decisions += self._follow_burst_reclaims(state, now)
         if blocked is not None:
-            given_back, coming = self._plan_burst_reclaims(state, blocked, now)
+            given_back, coming = self._plan_burst_reclaims(state, blocked, now, spare=grown_now)
             decisions += given_back
             if coming:
                 if blocked.state is LeaseState.GRANTED:  # what it was short of was burst alone, and is free now
@@ -349,6 +358,8 @@ class Engine:
         if moves:
             blocked = None  # moving idle kernels makes room: nobody loses their GPU for it
         decisions += self._plan_idle_reclaims(state, now, blocked if waiting else None)
+        if blocked is None and self.policy.idle_policy == "pressure":
+            decisions += self._plan_idle_reclaims_for_growth(state, now)
         if blocked is not None:
             decisions += self._plan_preemption(state, blocked, now)
         return decisions
@@ -451,11 +462,14 @@ class Engine:
     def _place(self, state: PoolState, lease: Lease, free: dict[str, int] | None = None) -> tuple[str, ...] | None:
         free = free if free is not None else self.free_by_device(state, lease)
         candidates = self._lease_candidates(state, lease)
-        if lease.resuming and lease.home_devices:
+        roomy = self._place_elastic(lease, candidates, free) if lease.elastic and lease.num_gpus == 1 and lease.peak_memory else None
+        if lease.resuming and lease.home_devices and (roomy is None or roomy == lease.home_devices):
             # Back where it was when that GPU has room: a restore without a move.
             usable = {d.uuid for d in candidates}
             if all(u in usable and free.get(u, 0) >= lease.memory for u in lease.home_devices):
                 return lease.home_devices
+        if roomy is not None:
+            return roomy
         if sum(1 for d in candidates if free.get(d.uuid, 0) >= lease.memory) < lease.num_gpus:
             return None  # too few GPUs with room: no placement policy finds one (the queue's head, tick after tick)
         gpus = [
@@ -467,6 +481,15 @@ class Engine:
         if placement is None:
             return None
         return tuple(placement.gpus)
+
+    @staticmethod
+    def _place_elastic(lease: Lease, candidates: list[Device], free: Mapping[str, int]) -> tuple[str, ...] | None:
+        """A one-GPU elastic slice whose kernel ran before (a resume) goes where it can grow back to
+        its last peak: the tightest GPU with that much free; None (the pool's placement) when none
+        has. Packed by its guarantee beside others, it could not grow there and would have to move."""
+        expected = min(lease.limit_size, max(lease.memory, -(-(lease.peak_memory or 0) // max(1, lease.num_gpus))))
+        roomy = [(free.get(d.uuid, 0), d.uuid) for d in candidates if free.get(d.uuid, 0) >= expected]
+        return (min(roomy)[1],) if roomy else None
 
     def _grant(self, state: PoolState, lease: Lease, devices: tuple[str, ...], now: float) -> None:
         if lease.resuming:  # its server restores the parked memory onto `devices`, then confirms
@@ -591,7 +614,10 @@ class Engine:
         if not state.derived().reclaiming:
             return []
         decisions = []
-        someone_waits = any(lease.state is LeaseState.QUEUED and not lease.resume_ahead for lease in state.leases.values())
+        someone_waits = any(
+            (lease.state is LeaseState.QUEUED and not lease.resume_ahead) or lease.grow_since is not None  # a kernel waiting to grow too
+            for lease in state.leases.values()
+        )
         for lease in list(state.leases.values()):
             if lease.state not in HELD_STATES or lease.reclaim_at is None:
                 continue
@@ -666,6 +692,63 @@ class Engine:
                 self._decision(DecisionKind.WARN_IDLE, lease, f"idle for {idle_for}; its slice goes back unless kept", now, lease.reclaim_at)
             )
         return decisions
+
+    def _plan_idle_reclaims_for_growth(self, state: PoolState, now: float) -> list[Decision]:
+        """Under pressure a kernel waiting to grow is pressure too: reclaim kernels idle past their
+        timeout (longest idle first, as for a request) where that makes its room, on its own GPU or
+        on one of its model it can move to. One kernel at a time; none while a reclaim is under way."""
+        index = state.derived()
+        if index.reclaiming or any(step is Transition.SUSPENDING for step in index.transitions.values()):
+            return []  # room is on its way
+        wanters = [lease for lease in self.grow_wanters(state) if lease.state is LeaseState.GRANTED
+                   and lease.transition is Transition.NONE and lease.num_gpus == 1 and lease.grow_wanted > lease.memory]
+        if not wanters:
+            return []
+        idle = [
+            lease
+            for lease in state.leases.values()
+            if lease.state is LeaseState.GRANTED
+            and lease.reclaim_at is None
+            and lease.transition is Transition.NONE
+            and lease.grow_since is None
+            and self._still_idle(lease, now)
+            and lease.idle_seconds(now) >= self._idle_timeout(state, lease)
+        ]
+        if not idle:
+            return []
+        idle.sort(key=lambda lease: -lease.idle_seconds(now))
+        known = {d.uuid: d for d in state.devices if d.healthy}
+        wanter = wanters[0]
+        free = self.free_by_device(state, wanter)
+        home = wanter.devices[0]
+        model = known[home].model if home in known else None
+        movable = self.policy.defragment and not self.suspend_refusal(state, wanter)
+        options = [(home, wanter.grow_wanted - wanter.memory - excess_per_device(wanter))]
+        if movable:
+            options += [(uuid, wanter.grow_wanted) for uuid, device in known.items() if uuid != home and device.model == model]
+        for uuid, needed in options:
+            missing = needed - free.get(uuid, 0)
+            chosen: list[Lease] = []
+            for lease in idle:
+                if missing <= 0:
+                    break
+                if lease.devices == (uuid,) and lease.id != wanter.id:
+                    chosen.append(lease)
+                    missing -= lease.memory + excess_per_device(lease)
+            if missing > 0 or not chosen:
+                continue
+            decisions = []
+            for lease in chosen:
+                lease.warned_at = now
+                lease.reclaim_at = now + self.policy.warning_period
+                idle_for = format_duration(lease.idle_seconds(now))
+                lease.reclaim_reason = f"reclaimed: idle for {idle_for} while a kernel beside it waited for its slice to grow"
+                state.touch(lease)
+                decisions.append(
+                    self._decision(DecisionKind.WARN_IDLE, lease, f"idle for {idle_for}; its slice goes back unless kept", now, lease.reclaim_at)
+                )
+            return decisions
+        return []
 
     def _free_with_room_on_its_way(self, state: PoolState, head: Lease, now: float) -> dict[str, int]:
         """Free bytes per device as ``head`` sees them, plus what leases already on their way out
@@ -750,6 +833,7 @@ class Engine:
         lease.transition = Transition.SUSPENDING
         lease.transition_at = now
         lease.suspend_reason = reason
+        lease.grow_wanted, lease.grow_since = 0, None  # parked, it wants nothing; back on a GPU it asks again
         lease.parked_memory = lease.memory * lease.num_gpus  # set aside now; the real figure on confirm
         lease.warned_at = lease.reclaim_at = None
         lease.reclaim_reason = ""
@@ -960,12 +1044,15 @@ class Engine:
         lease.memory = memory
         state.touch(lease)
 
-    def _waiting_for(self, state: PoolState, lease: Lease) -> list[Lease]:
-        """Queued requests that could be placed on one of ``lease``'s GPUs: burst never takes their room."""
+    def _waiting_for(self, state: PoolState, lease: Lease, before: float | None = None) -> list[Lease]:
+        """Queued requests that could be placed on one of ``lease``'s GPUs (those queued before
+        ``before`` when given): burst never takes their room."""
         mine = set(lease.devices)
         waiting = []
         for lease_id in state.derived().queued:
             other = state.leases[lease_id]
+            if before is not None and other.queued_since >= before:
+                continue
             if other.id != lease.id and any(d.uuid in mine for d in self._lease_candidates(state, other)):
                 waiting.append(other)
         return waiting
@@ -976,10 +1063,15 @@ class Engine:
         others = [o for o in state.leases.values() if o.id != lease.id and o.state in HELD_STATES and mine & set(o.devices)]
         return len(others), sum(o.guarantee_size * len(mine & set(o.devices)) for o in others)
 
-    def grow(self, state: PoolState, lease_id: str, needed: int, now: float) -> Decision | None:
+    def grow(self, state: PoolState, lease_id: str, needed: int, now: float, queue: bool = True) -> Decision | None:
         """Grow an elastic slice so its kernel can hold ``needed`` bytes (all its GPUs together), by
         at least ``PoolPolicy.burst_step``, up to its limit, into memory nobody is guaranteed.
-        None when it is that large already; raises :class:`RequestRefused` saying why it cannot."""
+        None when it is that large already; raises :class:`RequestRefused` saying why it cannot.
+
+        Requests queued before the kernel joined the line for its GPU (:attr:`Lease.line_time`) come
+        first; later ones do not block it. ``queue``: a grow refused for room waits in that order
+        (``grow_wanted``), and the scheduler serves it in place, by a move or from neighbours' idle
+        burst; a grow the watchdog asks ahead of need (``queue=False``) yields to every waiting request."""
         lease = self.get(state, lease_id)
         gpus = max(1, lease.num_gpus)
         wanted = -(-max(0, needed) // gpus)
@@ -997,22 +1089,49 @@ class Engine:
                 f"the slice was not grown: it needs {format_size(wanted * gpus)} but its limit is {format_size(limit * gpus)}; "
                 "free memory, or ask for a larger limit (%gpupool reserve SIZE --limit LIMIT)"
             )
-        waiting = self._waiting_for(state, lease)
+        waiting = self._waiting_for(state, lease, before=lease.line_time if queue else None)
         if waiting:
             asked = sum(w.memory * w.num_gpus for w in waiting)
+            self._want_growth(state, lease, wanted, now, queue)
             raise RequestRefused(
-                f"the slice was not grown: {len(waiting)} request(s) wait for this GPU ({format_size(asked)}), "
-                f"and burst never takes their room; it stays {size}"
+                f"the slice was not grown: {len(waiting)} request(s) that asked before it wait for this GPU "
+                f"({format_size(asked)}), and burst never takes their room; it stays {size}"
             )
+        result = self._grow_into(state, lease, wanted, self.free_by_device(state, lease), now)
+        if isinstance(result, str):
+            if result.startswith("the slice was not grown: the GPU is full"):
+                self._want_growth(state, lease, wanted, now, queue)
+            raise RequestRefused(result)
+        return result
+
+    def _want_growth(self, state: PoolState, lease: Lease, wanted: int, now: float, queue: bool) -> None:
+        """Record a grow refused for room: it waits in line (see :meth:`_serve_growth`)."""
+        if not queue:
+            return
+        lease.grow_wanted = max(wanted, lease.grow_wanted if lease.grow_since is not None else 0)
+        if lease.grow_since is None:
+            lease.grow_since = now
+        state.touch(lease)
+
+    @staticmethod
+    def _grow_wanted_done(state: PoolState, lease: Lease) -> None:
+        if lease.grow_wanted or lease.grow_since is not None:
+            lease.grow_wanted, lease.grow_since = 0, None
+            state.touch(lease)
+
+    def _grow_into(self, state: PoolState, lease: Lease, wanted: int, free: Mapping[str, int], now: float) -> Decision | str:
+        """Grow ``lease`` to at least ``wanted`` bytes per GPU out of ``free``: the GROW decision, or why not."""
+        gpus = max(1, lease.num_gpus)
+        size = format_size(lease.memory)
+        limit = lease.limit_size
         largest = max((d.leasable for d in state.devices if d.uuid in lease.devices), default=limit)
         step = self.policy.burst_step_bytes(largest)
         target = min(limit, max(wanted, lease.memory + step))
         target = min(limit, -(-target // MIB) * MIB)
-        free = self.free_by_device(state, lease)
         room = min((free.get(uuid, 0) for uuid in lease.devices), default=0) + excess_per_device(lease)
         if lease.memory + room < wanted:
             count, guaranteed = self._others_on(state, lease)
-            raise RequestRefused(
+            return (
                 f"the slice was not grown: the GPU is full ({count} other slice(s) there are guaranteed "
                 f"{format_size(guaranteed)}); it stays {size}"
             )
@@ -1022,11 +1141,13 @@ class Engine:
             if quota.maximum is not None and held + (target - lease.memory) * gpus > quota.maximum:
                 most = lease.memory + max(0, quota.maximum - held) // gpus
                 if most < wanted:
-                    raise RequestRefused(f"the slice was not grown: {who} maximum quota is {format_size(quota.maximum)}; it stays {size}")
+                    return f"the slice was not grown: {who} maximum quota is {format_size(quota.maximum)}; it stays {size}"
                 target = most
         self._set_size(state, lease, target, now)
         lease.burst_taken_at, lease.burst_from = None, 0
         lease.over_limit_since = None
+        if target >= lease.grow_wanted:
+            lease.grow_wanted, lease.grow_since = 0, None
         lease.burst_note = (
             f"grown to {format_size(target * gpus)} on demand ({format_size(lease.guarantee_size * gpus)} guaranteed, "
             f"up to {format_size(limit * gpus)})"
@@ -1034,16 +1155,126 @@ class Engine:
         state.touch(lease)
         return self._decision(DecisionKind.GROW, lease, lease.burst_note, now)
 
-    def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float) -> tuple[list[Decision], bool]:
+    def grow_wanters(self, state: PoolState) -> list[Lease]:
+        """Granted kernels waiting for their slice to grow, in line order."""
+        wanters = [lease for lease in state.leases.values() if lease.grow_since is not None]
+        return sorted(wanters, key=lambda lease: (lease.line_time, lease.id))
+
+    def _serve_growth(self, state: PoolState, lease: Lease, held_back: dict[str, int], now: float) -> list[Decision]:
+        """Serve a kernel waiting for its slice to grow, in its turn: in place when its GPU has the
+        room nobody is guaranteed; else moved (live, through host RAM) to a GPU of the same model
+        with room for what it needs; else from its neighbours' burst where they are idle or hold
+        more than they use (never anyone's guarantee). Room it still waits for is held back from
+        requests behind it (``held_back``)."""
+        if lease.state is not LeaseState.GRANTED or not lease.elastic or lease.transition in (Transition.SUSPENDING, Transition.RESTORING):
+            self._grow_wanted_done(state, lease)
+            return []
+        wanted = min(lease.grow_wanted, lease.limit_size)
+        if wanted <= lease.memory:
+            self._grow_wanted_done(state, lease)
+            return []
+        if lease.transition is Transition.MIGRATING:  # on its way to a GPU with room: keep that room
+            self._hold_back(held_back, lease, wanted)
+            return []
+        free = self._free_less(self.free_by_device(state, lease), held_back)
+        grown = self._grow_into(state, lease, wanted, free, now)
+        if not isinstance(grown, str):
+            return [grown]
+        if not grown.startswith("the slice was not grown: the GPU is full"):
+            lease.burst_note = grown
+            self._grow_wanted_done(state, lease)  # its limit or quota: waiting does not help
+            return []
+        moved = self._move_to_grow(state, lease, wanted, free, now)
+        if moved is not None:
+            self._hold_back(held_back, lease, wanted)
+            return [moved]
+        decisions = self._take_neighbours_burst(state, lease, wanted, free, now)
+        self._hold_back(held_back, lease, wanted)
+        return decisions
+
+    @staticmethod
+    def _free_less(free: dict[str, int], held_back: Mapping[str, int]) -> dict[str, int]:
+        return {uuid: room - held_back.get(uuid, 0) for uuid, room in free.items()} if held_back else free
+
+    @staticmethod
+    def _hold_back(held_back: dict[str, int], lease: Lease, wanted: int) -> None:
+        for uuid in lease.devices:
+            held_back[uuid] = held_back.get(uuid, 0) + max(0, wanted - lease.memory)
+
+    def _move_to_grow(self, state: PoolState, lease: Lease, wanted: int, free: Mapping[str, int], now: float) -> Decision | None:
+        """A MIGRATE of ``lease`` to the tightest GPU of its model with ``wanted`` bytes free, or None."""
+        if lease.num_gpus != 1 or not self.policy.defragment or self.suspend_refusal(state, lease):
+            return None
+        home = lease.devices[0]
+        known = {d.uuid: d for d in state.devices if d.healthy}
+        model = known[home].model if home in known else None
+        fits = [(room, uuid) for uuid, room in free.items() if uuid != home and uuid in known and known[uuid].model == model and room >= wanted]
+        if model is None or not fits:
+            return None
+        _, target = min(fits)
+        lease.transition = Transition.MIGRATING
+        lease.transition_at = now
+        lease.migrate_from = lease.devices
+        lease.devices = (target,)
+        lease.parked_memory = lease.memory  # passes through host RAM
+        lease.suspend_reason = f"moved to another GPU with room for its slice to grow to {format_size(wanted)}"
+        state.touch(lease)
+        return self._decision(DecisionKind.MIGRATE, lease, lease.suspend_reason, now)
+
+    def _take_neighbours_burst(self, state: PoolState, lease: Lease, wanted: int, free: Mapping[str, int], now: float) -> list[Decision]:
+        """Take back burst from slices beside ``lease`` that are idle (down to their guarantee: an idle
+        kernel still above it is suspended) or hold more than they use (down to their use), when that
+        makes the room ``lease`` waits for. Never below anyone's guarantee."""
+        if lease.num_gpus != 1:
+            return []
+        home = lease.devices[0]
+        missing = wanted - lease.memory - max(0, free.get(home, 0)) - excess_per_device(lease)
+        if missing <= 0:
+            return []
+        givers: list[tuple[Lease, int]] = []
+        for other in state.leases.values():
+            if (other.id == lease.id or other.state is not LeaseState.GRANTED or other.devices != (home,)
+                    or other.transition is not Transition.NONE or other.reclaim_at is not None
+                    or other.burst_taken_at is not None or other.grow_since is not None):
+                continue
+            taken = other.memory + excess_per_device(other)
+            floor = other.guarantee_size
+            if not (self._still_idle(other, now) and not self.suspend_refusal(state, other)):
+                floor = max(floor, other.used_memory or taken)  # busy: only what it holds and does not use
+            if taken > floor:
+                givers.append((other, taken - floor))
+        if sum(give for _, give in givers) < missing:
+            return []
+        decisions = []
+        for other, give in sorted(givers, key=lambda item: -item[1]):
+            if missing <= 0:
+                break
+            taken = other.memory + excess_per_device(other)
+            new_size = min(other.memory, max(other.guarantee_size, taken - min(give, missing)))
+            missing -= min(give, missing)
+            self._set_size(state, other, new_size, now)
+            other.burst_taken_at = now
+            other.burst_note = (
+                f"{BURST_TAKEN} for a neighbour's slice that needs {format_size(wanted)}: the slice is "
+                f"{format_size(new_size)} now ({format_size(other.guarantee_size)} guaranteed)"
+            )
+            state.touch(other)
+            decisions.append(self._decision(DecisionKind.SHRINK, other, other.burst_note, now))
+        return decisions
+
+    def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float, spare: Collection[str] = ()) -> tuple[list[Decision], bool]:
         """Make room for ``head`` from other slices' burst, before anyone's guarantee: lower their
         size toward their guarantee (their kernels free framework caches and lower caps to it).
-        Returns the decisions and whether room for ``head`` is on its way (it may be granted already)."""
+        Spared: ``spare`` (grown in this pass), kernels waiting to grow, and busy kernels ahead of
+        ``head`` in line (they give their burst back once idle). Returns the decisions and whether room for ``head`` is on its way (it may be granted already)."""
         free = self.free_by_device(state, head)
         coming = dict(free)
         burst_on: dict[str, list[Lease]] = {}
         for lease in state.leases.values():
             if lease.state is not LeaseState.GRANTED or lease.transition is not Transition.NONE or lease.reclaim_at is not None:
                 continue
+            if lease.id in spare or lease.grow_since is not None or (lease.busy and lease.line_time < head.queued_since):
+                continue  # a kernel ahead in line keeps the burst it computes with (or waits for): it gives it back idle
             taken = lease.memory + excess_per_device(lease)
             above = taken - lease.guarantee_size
             if above <= 0:
@@ -1088,7 +1319,7 @@ class Engine:
         the watchdog's: its limit is its size now, so it is warned and, after its grace, interrupted
         (then, idle, suspended here). Never an out-of-memory kill."""
         decisions = []
-        someone_waits = bool(state.derived().queued)
+        someone_waits = bool(state.derived().queued) or any(lease.grow_since is not None for lease in state.leases.values())
         for lease in list(state.leases.values()):
             if lease.burst_taken_at is None or lease.state is not LeaseState.GRANTED:
                 continue
@@ -1509,7 +1740,7 @@ class Engine:
             elif lease.elastic and lease.burst_taken_at is None and used >= size * GROW_WHEN_USED and lease.memory < lease.limit_size:
                 largest = max((d.leasable for d in state.devices if d.uuid in lease.devices), default=lease.limit_size)
                 try:
-                    grown = self.grow(state, lease_id, used + self.policy.burst_step_bytes(largest) * gpus, now)
+                    grown = self.grow(state, lease_id, used + self.policy.burst_step_bytes(largest) * gpus, now, queue=False)
                 except RequestRefused as refusal:
                     note = str(refusal)
                     if note != lease.burst_note:

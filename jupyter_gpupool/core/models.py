@@ -270,6 +270,12 @@ class Lease:
     burst_from: int = 0
     #: The last grow or give-back step, for the user ("grown to 8 GiB: ...", "burst taken back: ...").
     burst_note: str = ""
+    #: Bytes per GPU its kernel asked to grow to and could not have yet (0: none): the pool serves
+    #: it in order with queued requests, in place, by a move to a GPU with room, or from neighbours'
+    #: idle burst.
+    grow_wanted: int = 0
+    #: When that ask was first refused.
+    grow_since: float | None = None
 
     @property
     def guarantee_size(self) -> int:
@@ -296,6 +302,12 @@ class Lease:
         slice's limit, or its current size once the pool took its burst back."""
         per_gpu = self.memory if self.burst_taken_at is not None or not self.elastic else self.limit_size
         return per_gpu * max(1, self.num_gpus)
+
+    @property
+    def line_time(self) -> float:
+        """When a granted kernel joined the line for the GPU it holds: its request, or its ask to resume.
+        A grow it waits for is served in that order among queued requests."""
+        return max(self.created_at, self.resume_asked_at or self.created_at)
 
     @property
     def queued_since(self) -> float:

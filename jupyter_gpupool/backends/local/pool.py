@@ -519,9 +519,18 @@ class Pool(GrantWaiting):
         now = self._now(now)
         with self._locked():
             state = self._load(now)
-            decision = self.engine.grow(state, lease_id, needed, now)
+            refusal: RequestRefused | None = None
+            try:
+                decision = self.engine.grow(state, lease_id, needed, now)
+            except RequestRefused as refused:
+                # A grow refused for room waits in line: that is kept. Raised after the commit, so a
+                # refusal (a framework cap's retry, often) costs no rollback of the lease cache.
+                refusal, decision = refused, None
             self._save(state, [decision] if decision is not None else [])
-            return state.leases[lease_id].copy()
+            lease = state.leases[lease_id].copy()
+        if refusal is not None:
+            raise refusal
+        return lease
 
     def report_usage(self, usage: dict[str, int], now: float | None = None) -> list[Decision]:
         now = self._now(now)
