@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from server_kernels import start_kernel
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.units import GIB
 
@@ -23,12 +24,6 @@ pytestmark = [
 ]
 
 USE = "from jupyter_gpupool.devices.simulated import pretend_to_use\nimport jupyter_gpupool.kernel as gpupool_kernel\n"
-
-
-async def _start(gpupool_fetch: Any) -> str:
-    response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
-    assert response.code == 201, response.body
-    return json.loads(response.body)["id"]
 
 
 async def _status(gpupool_fetch: Any, kernel_id: str) -> dict[str, Any]:
@@ -43,7 +38,7 @@ def test_a_kernel_grows_past_its_default_and_gives_the_burst_back_for_a_request(
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        a = await _start(gpupool_fetch)
+        a = await start_kernel(gpupool_fetch)
         lease_a = await gpupool_wait(lambda: (l := pool.lease_for_kernel(a)) and l.state is LeaseState.GRANTED and l,
                                      what="kernel A's slice")
         assert (lease_a.memory, lease_a.guarantee, lease_a.burst_limit) == (2 * GIB, 2 * GIB, 16 * GIB)
@@ -71,7 +66,7 @@ def test_a_kernel_grows_past_its_default_and_gives_the_burst_back_for_a_request(
         idle_since = pool.get(grown.id).last_activity
         pool.set_preference("alice", memory="12GiB")
         asked = time.monotonic()
-        b = await _start(gpupool_fetch)
+        b = await start_kernel(gpupool_fetch)
         lease_b = await gpupool_wait(lambda: (l := pool.lease_for_kernel(b)) and l.state is LeaseState.GRANTED and l,
                                      timeout=15, what="kernel B's 12 GiB")
         waited = time.monotonic() - asked

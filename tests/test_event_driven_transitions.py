@@ -14,7 +14,6 @@ jupyter_server, real ipykernel kernels, a simulated pool and checkpointer (``GPU
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub, wait_until
 
+from server_kernels import start_kernel, kernel_pid
 from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 from jupyter_gpupool.backends.remote import RemotePool
 
@@ -43,25 +43,14 @@ pytestmark = [
 ]
 
 
-async def _start(gpupool_fetch: Any) -> str:
-    response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
-    assert response.code == 201, response.body
-    return json.loads(response.body)["id"]
-
-
-def _pid(jp_serverapp: Any, kernel_id: str) -> int | None:
-    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-    return getattr(getattr(kernel.provisioner, "process", None), "pid", None)
-
-
 def test_a_cell_sent_to_a_suspended_kernel_comes_back_at_once_with_a_ten_minute_tick(
     arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
 ):
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
         assert (await kernel_exec(kernel, "x = 42\nprint('set')")).strip() == "set"
         ticks = gpupool_ext.tick_count
 
@@ -92,8 +81,8 @@ def test_a_suspend_decided_by_another_process_sharing_the_pool_file_starts_at_on
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
         await kernel_exec(kernel, "y = 7")
         lease = pool.lease_for_kernel(kernel)
         ticks = gpupool_ext.tick_count
@@ -131,8 +120,8 @@ def test_a_move_decided_by_another_process_starts_at_once(arun, jp_serverapp, gp
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
         host, me = holder_identity()
         home = pool.lease_for_kernel(kernel).devices
         beside = pool.request(LeaseRequest(owner="dave", memory=8 * GIB, holder_pid=me, holder_host=host))

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from server_kernels import start_kernel
 from jupyter_gpupool.core.policy import PoolPolicy
 
 pytestmark = [
@@ -32,12 +33,6 @@ ENV_CODE = "import os, json; print(json.dumps(dict(os.environ)))"
 async def get_json(fetch: Any, *parts: str, user: str = "alice") -> tuple[int, dict[str, Any]]:
     response = await fetch(*parts, user=user)
     return response.code, json.loads(response.body or b"{}")
-
-
-async def start_kernel(fetch: Any) -> str:
-    response = await fetch("api", "kernels", method="POST", body={"name": "python3"})
-    assert response.code == 201, response.body
-    return json.loads(response.body)["id"]
 
 
 @pytest.fixture

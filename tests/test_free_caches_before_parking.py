@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
 
 import pytest
 
+from server_kernels import start_kernel, kernel_pid
 from jupyter_gpupool.core.models import LeaseState, Transition
 from jupyter_gpupool.enforcement import caps
 from jupyter_gpupool.enforcement.caps import free_framework_caches, register_cache_freer
@@ -24,25 +24,14 @@ from jupyter_gpupool.units import GIB
 pytestmark = [pytest.mark.slow, pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never")]
 
 
-async def _start(gpupool_fetch: Any) -> str:
-    response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
-    assert response.code == 201, response.body
-    return json.loads(response.body)["id"]
-
-
-def _pid(jp_serverapp: Any, kernel_id: str) -> int | None:
-    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-    return getattr(getattr(kernel.provisioner, "process", None), "pid", None)
-
-
 def test_a_suspend_frees_the_kernels_caches_first_quietly_and_the_sidebar_sees_it(
     arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
 ):
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
         await kernel_exec(
             kernel,
             "x = 42\nfrom jupyter_gpupool.enforcement import caps as caches\n"
@@ -75,8 +64,8 @@ def test_a_cell_sent_while_the_kernel_frees_its_caches_for_a_suspend_does_not_de
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
         await kernel_exec(
             kernel,
             "x = 42\nimport time\nfrom jupyter_gpupool.enforcement import caps as caches\n"
@@ -101,8 +90,8 @@ def test_free_caches_timeout_zero_never_asks(arun, jp_serverapp, gpupool_fetch, 
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
         await kernel_exec(kernel, "from jupyter_gpupool.enforcement import caps as caches")
         await gpupool_fetch("api", "gpupool", "kernels", kernel, "suspend", method="POST", body={})
         await gpupool_wait(lambda: pool.lease_for_kernel(kernel).state is LeaseState.SUSPENDED, what="the suspend")

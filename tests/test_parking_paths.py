@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from server_kernels import start_kernel, kernel_pid
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath, HostPinnedPool
 from jupyter_gpupool.devices.simulated import SimulatedMemorySaver
@@ -43,17 +44,6 @@ def _fake_hami_library() -> str:
     return path
 
 
-async def _start(gpupool_fetch: Any) -> str:
-    response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
-    assert response.code == 201, response.body
-    return json.loads(response.body)["id"]
-
-
-def _pid(jp_serverapp: Any, kernel_id: str) -> int | None:
-    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-    return getattr(getattr(kernel.provisioner, "process", None), "pid", None)
-
-
 def _gpu_bytes_of(pool: Any, pid: int) -> int:
     """What the simulated GPU shows process ``pid`` holding (as NVML would)."""
     return sum(u.used_memory for u in pool.backend.process_usage() if u.pid == pid)
@@ -66,8 +56,8 @@ async def _status(gpupool_fetch: Any, kernel_id: str) -> dict[str, Any]:
 
 
 async def _kernel_holding(gpupool_fetch: Any, gpupool_wait: Any, jp_serverapp: Any, kernel_exec: Any, size: str) -> tuple[str, int]:
-    kernel = await _start(gpupool_fetch)
-    pid = await gpupool_wait(lambda: _pid(jp_serverapp, kernel), what="the kernel's process")
+    kernel = await start_kernel(gpupool_fetch)
+    pid = await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
     await kernel_exec(kernel, f"x = 42\nfrom jupyter_gpupool.devices.simulated import pretend_to_use\npretend_to_use('{size}')")
     return kernel, pid
 

@@ -15,6 +15,7 @@ from jupyter_client.session import Session
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import WebSocketClientConnection, websocket_connect
 
+from server_kernels import start_kernel
 from jupyter_gpupool.quiet import QUIET_KEY, ActivityClocks, is_quiet, mark_quiet
 
 pytestmark = [
@@ -72,12 +73,6 @@ class FrontEnd:
     def close(self) -> None:
         self.ws.close()
         self._reader.cancel()
-
-
-async def start_kernel(fetch: Any) -> str:
-    response = await fetch("api", "kernels", method="POST", body={"name": "python3"})
-    assert response.code == 201, response.body
-    return str(json.loads(response.body)["id"])
 
 
 async def kernel_state(fetch: Any, kernel_id: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from server_kernels import start_kernel, kernel_pid
 from jupyter_gpupool.core.models import LeaseState, Transition
 
 pytestmark = [
@@ -36,21 +37,10 @@ def _alive(pid: int) -> bool:
         return handle.read().split(")")[-1].split()[0] != "Z"
 
 
-async def _start(gpupool_fetch: Any) -> str:
-    response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
-    assert response.code == 201, response.body
-    return json.loads(response.body)["id"]
-
-
 async def _status(gpupool_fetch: Any, kernel_id: str, user: str = "alice") -> dict[str, Any]:
     response = await gpupool_fetch("api", "gpupool", "kernels", kernel_id, user=user)
     assert response.code == 200, response.body
     return json.loads(response.body)
-
-
-def _pid(jp_serverapp: Any, kernel_id: str) -> int | None:
-    kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-    return getattr(getattr(kernel.provisioner, "process", None), "pid", None)
 
 
 def test_an_idle_kernel_is_suspended_for_a_waiting_one_and_its_next_cell_waits_then_prints_42(
@@ -59,11 +49,11 @@ def test_an_idle_kernel_is_suspended_for_a_waiting_one_and_its_next_cell_waits_t
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        a = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        a = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, a), what="kernel A's process")
         assert (await kernel_exec(a, "x = 42\nprint('set')")).strip() == "set"
         assert (await _status(gpupool_fetch, a))["suspendable"] is True
-        pid_a = _pid(jp_serverapp, a)
+        pid_a = kernel_pid(jp_serverapp, a)
         seen: list[str] = []
 
         async def watch() -> None:  # A's REST state as the sidebar sees it
@@ -79,9 +69,9 @@ def test_an_idle_kernel_is_suspended_for_a_waiting_one_and_its_next_cell_waits_t
         watcher = asyncio.ensure_future(watch())
         try:
             await asyncio.sleep(2.5)  # A idles past the idle timeout
-            b = await _start(gpupool_fetch)
+            b = await start_kernel(gpupool_fetch)
             await gpupool_wait(lambda: (lease := pool.lease_for_kernel(b)) and lease.state is LeaseState.GRANTED, what="B's grant")
-            c = await _start(gpupool_fetch)
+            c = await start_kernel(gpupool_fetch)
             await gpupool_wait(lambda: pool.lease_for_kernel(c) is not None, what="C's request")
             await gpupool_wait(
                 lambda: pool.lease_for_kernel(a).state is LeaseState.SUSPENDED, timeout=30, what="A to be suspended"
@@ -136,11 +126,11 @@ def test_a_failed_suspend_falls_back_to_culling_with_the_reason(arun, jp_servera
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        a = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        a = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, a), what="kernel A's process")
         SimulatedCheckpointer.fail_next(pool.backend.usage_dir, "suspend", reason="UVM memory cannot be checkpointed")
         await asyncio.sleep(1.5)
-        await _start(gpupool_fetch)
+        await start_kernel(gpupool_fetch)
         await gpupool_wait(lambda: a not in jp_serverapp.kernel_manager, timeout=30, what="A to be shut down")
         lease = pool.last_lease_for_kernel(a)
         assert lease.state is LeaseState.RELEASED
@@ -160,8 +150,8 @@ def test_suspend_and_resume_endpoints_and_a_failed_restore_stops_the_kernel(
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        a = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        a = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, a), what="kernel A's process")
         await kernel_exec(a, "y = 7")
         response = await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST", user="bob")
         assert response.code in (403, 404), response.body  # not bob's kernel
@@ -215,14 +205,14 @@ def test_live_defragmentation_moves_an_idle_kernel_so_a_large_request_fits(
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        a = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        a = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, a), what="kernel A's process")
         await kernel_exec(a, "z = [1, 2, 3]")
         host, me = holder_identity()
         filler = pool.request(LeaseRequest(owner="dave", memory=8 * GIB, holder_pid=me, holder_host=host))
         home = pool.lease_for_kernel(a).devices
         assert filler.devices == home  # packed beside A
-        b = await _start(gpupool_fetch)
+        b = await start_kernel(gpupool_fetch)
         await gpupool_wait(lambda: (l := pool.lease_for_kernel(b)) and l.state is LeaseState.GRANTED, what="B's grant")
         assert pool.lease_for_kernel(b).devices != home
         busy_b = asyncio.ensure_future(kernel_exec(b, "import time; time.sleep(12)", timeout=60))
@@ -251,7 +241,7 @@ def test_live_defragmentation_moves_an_idle_kernel_so_a_large_request_fits(
         assert seen.split() == [",".join(moved.devices)] * 2, (seen, moved.devices, home)
         # ...and the memory it takes now is counted on that GPU, not mapped a second time.
         await kernel_exec(a, "from jupyter_gpupool.devices.simulated import pretend_to_use\npretend_to_use('1GiB')")
-        pid_a = _pid(jp_serverapp, a)
+        pid_a = kernel_pid(jp_serverapp, a)
         used = {u.device_uuid: u.used_memory for u in pool.backend.process_usage() if u.pid == pid_a}
         assert used == {moved.devices[0]: GIB}, (used, moved.devices, home)
         await busy_b
@@ -310,8 +300,8 @@ def test_restarting_a_suspended_kernel_keeps_its_one_lease_and_drops_the_parked_
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        a = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        a = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, a), what="kernel A's process")
         lease_id = pool.lease_for_kernel(a).id
         await kernel_exec(a, "y = 7")
         await gpupool_fetch("api", "gpupool", "kernels", a, "suspend", method="POST")
@@ -338,8 +328,8 @@ def test_a_slice_the_kernel_asked_for_again_is_suspended_by_its_server(
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        a = await _start(gpupool_fetch)
-        await gpupool_wait(lambda: _pid(jp_serverapp, a), what="kernel A's process")
+        a = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: kernel_pid(jp_serverapp, a), what="kernel A's process")
         first = pool.lease_for_kernel(a).id
         await kernel_exec(a, "get_ipython().run_line_magic('gpupool', 'release')")
         await kernel_exec(a, "get_ipython().run_line_magic('gpupool', 'reserve 4GiB')")
