@@ -74,27 +74,47 @@ def test_a_grow_asked_by_an_allocation_failure_reaches_what_was_needed_or_says_w
         pool.grow(lease.id, 8 * GIB, now=T0 + 4)
 
 
-def test_burst_never_takes_the_room_of_a_request_that_asked_before_the_kernel(tmp_path):
+def test_burst_never_takes_the_room_of_a_request_that_asked_before_and_fits_at_guarantees(tmp_path):
+    """Cat's 10 GiB fits only once the others are at their guarantees: while cat waits for that,
+    bob's 2 GiB slice (granted beside, it fits now) may not grow into the room. A request that does
+    not fit even at guarantees waits for a guarantee to end, and blocks no burst (it is taken back
+    for that request when the time comes)."""
     pool = make_pool(tmp_path, burst="16GiB")
-    pool.request(req("ann", gib=8), now=T0)
-    big = pool.request(req("cat", gib=10), now=T0 + 1)  # 8 + 10 > 16: waits
-    first = pool.request(req("bob", gib=4), now=T0 + 2)  # fits beside: granted ahead of it
+    ann = pool.request(req("ann", gib=2), now=T0)
+    pool.report_usage({ann.id: 11 * GIB}, now=T0 + 1)  # ann's slice grows to ~12 GiB
+    big = pool.request(req("cat", gib=10), now=T0 + 2)  # 2 + 10 <= 16 at guarantees: ann's burst is taken back for it
+    first = pool.request(req("bob", gib=2), now=T0 + 3)  # fits in what is free now
     assert big.state is LeaseState.QUEUED and first.state is LeaseState.GRANTED
     with pytest.raises(RequestRefused, match="1 request\\(s\\) that asked before it wait for this GPU"):
-        pool.grow(first.id, 7 * GIB, now=T0 + 3)
-    pool.release(big.id, now=T0 + 4)
-    pool.release(first.id, now=T0 + 4)
+        pool.grow(first.id, 3 * GIB, now=T0 + 4)
+    pool.release(big.id, now=T0 + 5)
+    huge = pool.request(req("dan", gib=15), now=T0 + 6)  # 2 + 2 + 15 > 16: waits for a guarantee to end
+    assert huge.state is LeaseState.QUEUED
+    assert pool.grow(first.id, 3 * GIB, now=T0 + 7).memory >= 3 * GIB
 
 
 def test_a_kernel_waiting_to_grow_goes_before_requests_that_came_after_it(tmp_path):
     pool = make_pool(tmp_path, burst="16GiB")
     pool.request(req("ann", gib=8), now=T0)
     first = pool.request(req("bob", gib=4), now=T0 + 1)
-    late = pool.request(req("dan", gib=10), now=T0 + 2)  # 8 + 4 + 10 > 16: waits, behind bob's kernel
+    late = pool.request(req("dan", gib=10), now=T0 + 2)  # 8 + 4 + 10 > 16: waits for a guarantee to end
     assert late.state is LeaseState.QUEUED
-    grown = pool.grow(first.id, 7 * GIB, now=T0 + 3)
+    grown = pool.grow(first.id, 7 * GIB, now=T0 + 3)  # its burst does not take room dan could have
     assert grown.memory >= 7 * GIB
     assert pool.get(late.id).state is LeaseState.QUEUED
+
+
+def test_burst_taken_back_for_a_request_is_not_grown_back_while_it_waits(tmp_path):
+    """A 12 GiB request fits at guarantees (2 + 12 of 16): the first slice's burst is taken back
+    for it, and that slice cannot grow back into it while the request waits."""
+    pool = make_pool(tmp_path, burst="16GiB")
+    first = pool.request(req(gib=2), now=T0)
+    pool.report_usage({first.id: 6 * GIB}, now=T0 + 1)
+    second = pool.request(req("bob", gib=12), now=T0 + 4)
+    assert second.state is LeaseState.QUEUED and pool.get(first.id).burst_taken_at is not None
+    with pytest.raises(RequestRefused, match=r"1 request\(s\) that asked before it wait for this GPU"):
+        pool.grow(first.id, 8 * GIB, now=T0 + 6)
+    assert pool.get(first.id).memory <= 4 * GIB
 
 
 def test_burst_is_given_back_before_anyones_guarantee_and_goes_on_once_measured_within(tmp_path):
@@ -321,8 +341,8 @@ def test_a_kernel_waiting_to_grow_takes_back_an_idle_neighbours_burst_never_its_
 
 
 def test_under_pressure_a_kernel_waiting_to_grow_gets_an_idle_kernels_room(tmp_path):
-    pool = make_pool(tmp_path, spec="1x40GiB", burst="40GiB", idle_policy="pressure", idle_timeout=300, warning_period=60,
-                     reclaim_action="suspend")
+    pool = make_pool(tmp_path, spec="1x40GiB", burst="40GiB", idle_policy="pressure", idle_timeout=300, suspend_idle_timeout=300,
+                     warning_period=60, reclaim_action="suspend")
     idle = pool.request(req("ann", gib=24, suspendable=True, kernel_id="k1"), now=T0)
     pool.report_activity(idle.id, Activity(busy=False, last_activity=T0), now=T0)
     wants = pool.request(req("bob", gib=10, suspendable=True, kernel_id="k2"), now=T0)

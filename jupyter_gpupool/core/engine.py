@@ -1045,17 +1045,32 @@ class Engine:
         state.touch(lease)
 
     def _waiting_for(self, state: PoolState, lease: Lease, before: float | None = None) -> list[Lease]:
-        """Queued requests that could be placed on one of ``lease``'s GPUs (those queued before
-        ``before`` when given): burst never takes their room."""
+        """Queued requests that would fit on one of ``lease``'s GPUs if every slice there were at
+        its guarantee (those queued before ``before`` when given): burst never takes their room. A
+        request that does not fit even then waits for a guarantee to end, not for burst."""
         mine = set(lease.devices)
         waiting = []
+        room: dict[str, int] | None = None
         for lease_id in state.derived().queued:
             other = state.leases[lease_id]
-            if before is not None and other.queued_since >= before:
+            if other.id == lease.id or (before is not None and other.queued_since >= before):
                 continue
-            if other.id != lease.id and any(d.uuid in mine for d in self._lease_candidates(state, other)):
+            if room is None:
+                room = self._room_at_guarantees(state)
+            if any(d.uuid in mine and room.get(d.uuid, 0) >= other.memory for d in self._lease_candidates(state, other)):
                 waiting.append(other)
         return waiting
+
+    def _room_at_guarantees(self, state: PoolState) -> dict[str, int]:
+        """Bytes free per device if every slice gave its burst back (what admission counts)."""
+        room = self.free_by_device(state)
+        for other in state.leases.values():
+            if other.state in HELD_STATES:
+                above = max(0, other.memory + excess_per_device(other) - other.guarantee_size)
+                for uuid in other.devices:
+                    if uuid in room:
+                        room[uuid] += above
+        return room
 
     def _others_on(self, state: PoolState, lease: Lease) -> tuple[int, int]:
         """(other granted slices, bytes they are guaranteed) on ``lease``'s GPUs, for the user."""
@@ -1068,8 +1083,8 @@ class Engine:
         at least ``PoolPolicy.burst_step``, up to its limit, into memory nobody is guaranteed.
         None when it is that large already; raises :class:`RequestRefused` saying why it cannot.
 
-        Requests queued before the kernel joined the line for its GPU (:attr:`Lease.line_time`) come
-        first; later ones do not block it. ``queue``: a grow refused for room waits in that order
+        Requests queued before the grow was first asked for (:attr:`Lease.line_time`; now, for a new
+        ask) come first; later ones do not block it. ``queue``: a grow refused for room waits in that order
         (``grow_wanted``), and the scheduler serves it in place, by a move or from neighbours' idle
         burst; a grow the watchdog asks ahead of need (``queue=False``) yields to every waiting request."""
         lease = self.get(state, lease_id)
@@ -1089,7 +1104,8 @@ class Engine:
                 f"the slice was not grown: it needs {format_size(wanted * gpus)} but its limit is {format_size(limit * gpus)}; "
                 "free memory, or ask for a larger limit (%gpupool reserve SIZE --limit LIMIT)"
             )
-        waiting = self._waiting_for(state, lease, before=lease.line_time if queue else None)
+        asked = lease.grow_since if lease.grow_since is not None else now  # a new ask joins the line now
+        waiting = self._waiting_for(state, lease, before=asked if queue else None)
         if waiting:
             asked = sum(w.memory * w.num_gpus for w in waiting)
             self._want_growth(state, lease, wanted, now, queue)
@@ -1265,16 +1281,16 @@ class Engine:
     def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float, spare: Collection[str] = ()) -> tuple[list[Decision], bool]:
         """Make room for ``head`` from other slices' burst, before anyone's guarantee: lower their
         size toward their guarantee (their kernels free framework caches and lower caps to it).
-        Spared: ``spare`` (grown in this pass), kernels waiting to grow, and busy kernels ahead of
-        ``head`` in line (they give their burst back once idle). Returns the decisions and whether room for ``head`` is on its way (it may be granted already)."""
+        Spared: ``spare`` (grown in this pass) and kernels whose grow was asked before ``head``; a
+        busy kernel gives its burst back too (warned by the watchdog if it does not, never killed). Returns the decisions and whether room for ``head`` is on its way (it may be granted already)."""
         free = self.free_by_device(state, head)
         coming = dict(free)
         burst_on: dict[str, list[Lease]] = {}
         for lease in state.leases.values():
             if lease.state is not LeaseState.GRANTED or lease.transition is not Transition.NONE or lease.reclaim_at is not None:
                 continue
-            if lease.id in spare or lease.grow_since is not None or (lease.busy and lease.line_time < head.queued_since):
-                continue  # a kernel ahead in line keeps the burst it computes with (or waits for): it gives it back idle
+            if lease.id in spare or lease.line_time < head.queued_since:
+                continue  # a grow asked before ``head`` keeps its turn: burst goes to who asked first
             taken = lease.memory + excess_per_device(lease)
             above = taken - lease.guarantee_size
             if above <= 0:

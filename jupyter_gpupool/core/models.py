@@ -305,9 +305,10 @@ class Lease:
 
     @property
     def line_time(self) -> float:
-        """When a granted kernel joined the line for the GPU it holds: its request, or its ask to resume.
-        A grow it waits for is served in that order among queued requests."""
-        return max(self.created_at, self.resume_asked_at or self.created_at)
+        """When a granted kernel's wait for its slice to grow joined the line (its first grow refused
+        for room); infinity while it waits for nothing. A grow is served in that order among queued
+        requests: one asked before a request comes first, one asked after it waits behind it."""
+        return self.grow_since if self.grow_since is not None else float("inf")
 
     @property
     def queued_since(self) -> float:
