@@ -1160,6 +1160,27 @@ class Engine:
         wanters = [lease for lease in state.leases.values() if lease.grow_since is not None]
         return sorted(wanters, key=lambda lease: (lease.line_time, lease.id))
 
+    def grow_place(self, state: PoolState, lease_id: str, now: float) -> int | None:
+        """1-based place in line of a kernel waiting to grow, counting only who the scheduler
+        serves before it and who could take room on its GPUs: queued requests ahead of its turn
+        (not held back by quota) and kernels that wait to grow and joined the line before it.
+        None when it does not wait to grow."""
+        lease = self.get(state, lease_id)
+        if lease.grow_since is None:
+            return None
+        mine = set(lease.devices)
+        ahead = 0
+        for other in self.queue_order(state, now):  # the scheduler serves the wanter before the first asked at or after its turn
+            if other.queued_since >= lease.line_time:
+                break
+            if not self._quota_block_reason(state, other) and any(d.uuid in mine for d in self._lease_candidates(state, other)):
+                ahead += 1
+        for other in self.grow_wanters(state):
+            if other.id == lease.id:
+                break
+            ahead += bool(mine & set(other.devices))
+        return ahead + 1
+
     def _serve_growth(self, state: PoolState, lease: Lease, held_back: dict[str, int], now: float) -> list[Decision]:
         """Serve a kernel waiting for its slice to grow, in its turn: in place when its GPU has the
         room nobody is guaranteed; else moved (live, through host RAM) to a GPU of the same model

@@ -345,6 +345,15 @@ class Pool(GrantWaiting):
         self.get(lease_id)  # 404 for unknown ids
         return None
 
+    def grow_place(self, lease_id: str, now: float | None = None) -> int | None:
+        """1-based place in line of a kernel waiting for its slice to grow; None when it does not wait."""
+        now = self._now(now)
+        with self._viewing(now) as (state, _):
+            if lease_id in state.leases:
+                return self.engine.grow_place(state, lease_id, now)
+        self.get(lease_id)  # 404 for unknown ids
+        return None
+
     def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
         now = self._now(now)
         with self._locked():
