@@ -65,6 +65,9 @@ class PoolState:
     #: lives as long as its lease cache; built from ``leases`` on first use otherwise).
     index: LeaseIndex | None = None
     host_memory: int | None = None  # bytes of host RAM (the parked-slice budget is a share of it)
+    #: Bytes of pinned host RAM set aside per lease id for a framework backup its kernel keeps
+    #: between suspends (the host's parking pool): they count against the parked-memory budget.
+    pinned_backups: Mapping[str, int] = field(default_factory=dict)
     #: Granted intervals closed without a release (a suspend): metered like released leases.
     closed_intervals: list[Lease] = field(default_factory=list)
     #: Bytes per device uuid that processes outside any granted lease hold (unpooled use, as the
@@ -812,9 +815,15 @@ class Engine:
         budget = self.parked_budget(state)
         parked = state.derived().parked
         needed = lease.memory * lease.num_gpus
-        if parked + needed > budget:
+        # Backups running kernels keep pinned; a parked lease's is in ``parked``, this one's becomes its park.
+        kept = sum(
+            size for lease_id, size in state.pinned_backups.items()
+            if lease_id != lease.id and not (lease_id in state.leases and state.leases[lease_id].parked_memory)
+        )  # fmt: skip
+        if parked + needed + kept > budget:
+            beside = f" beside {format_size(kept)} of pinned backups running kernels keep" if kept else ""
             return (
-                f"parked slices would take {format_size(parked + needed)} of host RAM, over the limit of "
+                f"parked slices would take {format_size(parked + needed)} of host RAM{beside}, over the limit of "
                 f"{format_size(budget)} (parked_memory_limit)"
             )
         return ""
