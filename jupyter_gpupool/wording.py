@@ -94,6 +94,19 @@ def upcoming_reclaim(reason: str) -> str:
     return text.replace(" others waited", " others wait")
 
 
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``22nd``."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def grow_wait(wanted: int, since: str, place: int | None = None) -> str:
+    """A kernel whose grow waits for room: ``waiting to grow to 12 GiB since 14:02 (2nd in line)``
+    (``wanted``: bytes, all its GPUs; ``since``: a clock time; ``place``: 1-based, None if unknown)."""
+    where = "" if place is None else " (next in line)" if place <= 1 else f" ({ordinal(place)} in line)"
+    return f"waiting to grow to {format_size(wanted)} since {since}{where}"
+
+
 def remaining(seconds: float) -> str:
     """Time left as a person reads it: from 10 min on, to the nearest minute, so the moment it
     took to answer does not turn "1 h" into "59 min"; below, to the second, rounded up."""

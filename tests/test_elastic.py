@@ -117,6 +117,35 @@ def test_burst_taken_back_for_a_request_is_not_grown_back_while_it_waits(tmp_pat
     assert pool.get(first.id).memory <= 4 * GIB
 
 
+def test_a_grow_that_waits_says_to_what_since_when_and_its_place_in_line_everywhere(tmp_path):
+    from jupyter_gpupool.enforcement.plan import EnforcementConfig
+    from jupyter_gpupool.kernel.status import KernelStatus, _clock
+    from jupyter_gpupool.rest.views import kernel_status
+
+    pool = make_pool(tmp_path, burst="16GiB")
+    ann = pool.request(req("ann", gib=8), now=T0)
+    big = pool.request(req("cat", gib=10), now=T0 + 1)  # 8 + 10 > 16: waits
+    bob = pool.request(req("bob", gib=4), now=T0 + 2)  # fits beside: granted ahead of it
+    assert big.state is LeaseState.QUEUED and bob.state is LeaseState.GRANTED
+    with pytest.raises(RequestRefused, match="GPU is full"):
+        pool.grow(ann.id, 14 * GIB, now=T0 + 3)
+    with pytest.raises(RequestRefused, match="GPU is full"):
+        pool.grow(bob.id, 10 * GIB, now=T0 + 4)
+    eve = pool.request(req("eve", gib=2), now=T0 + 5)  # asked after both grows: behind them
+    assert eve.state is LeaseState.QUEUED
+    # Ann's grow was asked first; bob's after it. Cat's request does not fit even at guarantees
+    # (8 + 4 + 10 > 16): it waits for a guarantee to end, and is in nobody's way.
+    assert [pool.grow_place(ann.id), pool.grow_place(bob.id), pool.grow_place(big.id)] == [1, 2, None]
+    body = kernel_status(pool, "k2", pool.get(bob.id), EnforcementConfig(), "bob", T0 + 6)
+    assert (body["grow_wanted"], body["grow_since"], body["grow_place"]) == (10 * GIB, T0 + 4, 2)
+    idle = kernel_status(pool, "k3", pool.get(big.id), EnforcementConfig(), "cat", T0 + 6)
+    assert (idle["grow_wanted"], idle["grow_since"], idle["grow_place"]) == (None, None, None)
+    rows = dict(KernelStatus(lease=pool.get(bob.id), grow_place=3, now=T0 + 6).rows())
+    assert rows["waiting"] == f"waiting to grow to 10 GiB since {_clock(T0 + 4)} (3rd in line)"  # the wording of a 3rd place
+    rows = dict(KernelStatus(lease=pool.get(ann.id), grow_place=1, now=T0 + 6).rows())
+    assert rows["waiting"] == f"waiting to grow to 14 GiB since {_clock(T0 + 3)} (next in line)"
+
+
 def test_burst_is_given_back_before_anyones_guarantee_and_goes_on_once_measured_within(tmp_path):
     """The room a shrunk slice gives up goes to the request at the first measurement after the
     shrink that shows the kernel within its new size: one from before (its caps still allowed

@@ -22,6 +22,7 @@ import pytest
 
 from server_kernels import start_kernel, kernel_pid
 from jupyter_gpupool.core.models import LeaseState
+from jupyter_gpupool.errors import RequestRefused
 from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath, HostPinnedPool
 from jupyter_gpupool.devices.simulated import SimulatedMemorySaver
 from jupyter_gpupool.kernel.parking import FrameworkParking
@@ -213,20 +214,28 @@ def test_pinned_backups_kept_between_suspends_count_against_the_parked_memory_bu
 
 @pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never", GPUPOOL_PARKED_MEMORY_LIMIT="10GiB")
 @pytest.mark.gpupool_config({"GpuPoolExtension": {"parking_pool_size": "8GiB"}})
-def test_a_backup_that_would_take_the_parked_memory_budget_past_its_limit_is_parked_by_the_driver(
+def test_a_suspend_that_would_take_the_parked_memory_budget_past_its_limit_beside_kept_backups_is_refused(
     arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
 ):
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
         a, _ = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "3GiB")
-        b, _ = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "1GiB")
+        b, pid_b = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "1GiB")
         assert (await _suspend(gpupool_fetch, gpupool_wait, pool, a))["parking"]["path"] == SIMULATED_SAVER
         assert (await kernel_exec(a, "print(x)")).strip() == "42"  # A keeps 3 GiB pinned while it runs
-        # B parked: its 8 GiB slice is set aside, and A's 3 GiB kept pinned make 11 GiB, over 10.
-        status = await _suspend(gpupool_fetch, gpupool_wait, pool, b)
-        assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
-        assert "more than the parked-memory budget of 10 GiB" in status["parking"]["path_note"], status
+        # B parked, by any path: its 8 GiB slice is set aside, and A's 3 GiB kept pinned make 11 GiB, over 10.
+        # The pool refuses it before any path is tried, as it refuses its own reclaims' suspends.
+        response = await gpupool_fetch("api", "gpupool", "kernels", b, "suspend", method="POST", body={})
+        assert response.code == 409, response.body
+        assert json.loads(response.body)["message"] == (
+            "cannot suspend this kernel: parked slices would take 8 GiB of host RAM beside 3 GiB of pinned backups "
+            "running kernels keep, over the limit of 10 GiB (parked_memory_limit)"
+        )
+        lease_b = pool.lease_for_kernel(b)
+        assert lease_b.state is LeaseState.GRANTED and lease_b.parked_memory == 0 and _gpu_bytes_of(pool, pid_b) == GIB
+        with pytest.raises(RequestRefused, match="beside 3 GiB of pinned backups"):
+            pool.suspend(lease_b.id, reason="reclaimed")  # the pool's own decision counts them too
         assert (await kernel_exec(b, "print(x)")).strip() == "42"
 
     arun(scenario())

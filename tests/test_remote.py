@@ -230,6 +230,20 @@ def test_elastic_slices_work_through_the_broker(broker: BrokerHarness) -> None:
     assert not fixed_request.elastic
 
 
+def test_a_grow_that_waits_says_its_place_in_line_through_the_broker(broker: BrokerHarness) -> None:
+    """The broker keeps a grow refused for room in line, and says where it stands there."""
+    from jupyter_gpupool.errors import RequestRefused
+
+    pool = broker.remote("tok-alice")
+    first = pool.request(LeaseRequest(owner="", memory=10 * GIB, kernel_id="k-wants"))
+    beside = pool.request(LeaseRequest(owner="", memory=5 * GIB, kernel_id="k-beside"))
+    with pytest.raises(RequestRefused, match="GPU is full"):
+        pool.grow(first.id, 14 * GIB)
+    waiting = pool.get(first.id)
+    assert waiting.grow_wanted == 14 * GIB and waiting.grow_since is not None
+    assert (pool.grow_place(first.id), pool.grow_place(beside.id)) == (1, None)
+
+
 def test_the_kernel_asks_for_a_limit_and_grows_through_the_broker(broker: BrokerHarness) -> None:
     """``%gpupool reserve 4GiB --limit 12GiB`` and a framework cap's grow, in a kernel behind a broker."""
     from jupyter_gpupool.kernel.client import connect

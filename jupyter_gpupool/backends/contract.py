@@ -256,6 +256,11 @@ class ElasticBackend(PoolBackend, Protocol):
         nobody is guaranteed and up to its limit; RequestRefused saying why not."""
         ...
 
+    def grow_place(self, lease_id: str, now: float | None = None) -> int | None:
+        """1-based place in line of a kernel whose grow waits for room (``Lease.grow_since``),
+        counting those served before it who could take room on its GPUs; None when it does not wait."""
+        ...
+
 
 #: What a user who asks a backend without :attr:`Capability.GROW` for a limit or a grow is told.
 NO_BURST = "this pool's slices are fixed in size: they do not grow above what was asked"

@@ -617,6 +617,11 @@ class RemotePool(GrantWaiting):
         decides (RequestRefused saying why not). Safe to repeat: a slice that large already stays."""
         return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/grow", {"needed": int(needed)}))
 
+    def grow_place(self, lease_id: str, now: float | None = None) -> int | None:
+        """As :meth:`Pool.grow_place <jupyter_gpupool.backends.local.pool.Pool.grow_place>`, from the broker's view of the lease."""
+        place = self.call("GET", f"{API}/leases/{_q(lease_id)}").get("grow_place")
+        return int(place) if place is not None else None
+
     def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
         return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/keepalive", {"duration": seconds}))
 

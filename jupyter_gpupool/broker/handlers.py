@@ -208,13 +208,15 @@ class LeasesHandler(BrokerHandler):
 
 
 class LeaseHandler(BrokerHandler):
-    """``GET`` a lease (with its queue position) and ``DELETE`` it (release; ``?reason=``)."""
+    """``GET`` a lease (with its queue position, or its place in line while its grow waits) and
+    ``DELETE`` it (release; ``?reason=``)."""
 
     async def get(self, lease_id: str) -> None:
         def get() -> dict[str, Any]:
             lease = self.owned(lease_id)
             info = self.broker.pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
-            return lease_json(lease, info)
+            place = self.broker.pool.grow_place(lease.id) if lease.grow_since is not None else None
+            return lease_json(lease, info) | {"grow_place": place}
 
         self.write_json(await self.run(get))
 

@@ -65,6 +65,9 @@ class PoolState:
     #: lives as long as its lease cache; built from ``leases`` on first use otherwise).
     index: LeaseIndex | None = None
     host_memory: int | None = None  # bytes of host RAM (the parked-slice budget is a share of it)
+    #: Bytes of pinned host RAM set aside per lease id for a framework backup its kernel keeps
+    #: between suspends (the host's parking pool): they count against the parked-memory budget.
+    pinned_backups: Mapping[str, int] = field(default_factory=dict)
     #: Granted intervals closed without a release (a suspend): metered like released leases.
     closed_intervals: list[Lease] = field(default_factory=list)
     #: Bytes per device uuid that processes outside any granted lease hold (unpooled use, as the
@@ -812,9 +815,15 @@ class Engine:
         budget = self.parked_budget(state)
         parked = state.derived().parked
         needed = lease.memory * lease.num_gpus
-        if parked + needed > budget:
+        # Backups running kernels keep pinned; a parked lease's is in ``parked``, this one's becomes its park.
+        kept = sum(
+            size for lease_id, size in state.pinned_backups.items()
+            if lease_id != lease.id and not (lease_id in state.leases and state.leases[lease_id].parked_memory)
+        )  # fmt: skip
+        if parked + needed + kept > budget:
+            beside = f" beside {format_size(kept)} of pinned backups running kernels keep" if kept else ""
             return (
-                f"parked slices would take {format_size(parked + needed)} of host RAM, over the limit of "
+                f"parked slices would take {format_size(parked + needed)} of host RAM{beside}, over the limit of "
                 f"{format_size(budget)} (parked_memory_limit)"
             )
         return ""
@@ -1176,6 +1185,23 @@ class Engine:
         wanters = [lease for lease in state.leases.values() if lease.grow_since is not None]
         return sorted(wanters, key=lambda lease: (lease.line_time, lease.id))
 
+    def grow_place(self, state: PoolState, lease_id: str, now: float) -> int | None:
+        """1-based place in line of a kernel waiting to grow, counting only who the scheduler
+        serves before it and who could take room on its GPUs: queued requests ahead of its turn
+        (not held back by quota) and kernels that wait to grow and joined the line before it.
+        None when it does not wait to grow."""
+        lease = self.get(state, lease_id)
+        if lease.grow_since is None:
+            return None
+        mine = set(lease.devices)
+        # Requests that asked before its grow and would fit at guarantees on its GPUs come first.
+        ahead = sum(1 for other in self._waiting_for(state, lease, before=lease.line_time) if not self._quota_block_reason(state, other))
+        for other in self.grow_wanters(state):
+            if other.id == lease.id:
+                break
+            ahead += bool(mine & set(other.devices))
+        return ahead + 1
+
     def _serve_growth(self, state: PoolState, lease: Lease, held_back: dict[str, int], now: float) -> list[Decision]:
         """Serve a kernel waiting for its slice to grow, in its turn: in place when its GPU has the
         room nobody is guaranteed; else moved (live, through host RAM) to a GPU of the same model
@@ -1192,6 +1218,8 @@ class Engine:
         if lease.transition is Transition.MIGRATING:  # on its way to a GPU with room: keep that room
             self._hold_back(held_back, lease, wanted)
             return []
+        if self._waiting_for(state, lease, before=lease.line_time):
+            return []  # a request that asked before its grow, and fits at guarantees, goes first
         free = self._free_less(self.free_by_device(state, lease), held_back)
         grown = self._grow_into(state, lease, wanted, free, now)
         if not isinstance(grown, str):

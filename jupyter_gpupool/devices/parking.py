@@ -222,6 +222,10 @@ class HostPinnedPool:
         """Lease id → ``{"pid", "bytes"}`` of live processes."""
         return self._read()
 
+    def kept(self) -> dict[str, int]:
+        """Lease id → bytes set aside for its backup, of live processes."""
+        return {lease: entry["bytes"] for lease, entry in self._read().items()}
+
     def used(self) -> int:
         return sum(entry["bytes"] for entry in self._read().values())
 

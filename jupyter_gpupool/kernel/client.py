@@ -37,6 +37,7 @@ from jupyter_gpupool.core.models import (
 )
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from jupyter_gpupool.kernel.status import KernelStatus
+from jupyter_gpupool.rest.views import grow_place
 from jupyter_gpupool.units import parse_duration, parse_size
 from jupyter_gpupool.wording import count
 
@@ -291,6 +292,7 @@ class InProcessPoolClient(PoolClient):
             now=time.time(),
             note="" if lease else "not started through the GPU pool",
             backend=self.pool.lease_details(lease) if lease is not None and hasattr(self.pool, "lease_details") else {},
+            grow_place=grow_place(self.pool, lease) if lease is not None else None,
         )
 
     def grow(self, needed: int) -> Lease:

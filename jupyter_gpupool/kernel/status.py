@@ -12,7 +12,7 @@ from typing import Any
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, PoolSnapshot, QueueInfo, Transition
 from jupyter_gpupool.rest.views import elastic_line
 from jupyter_gpupool.units import GIB, MIB, format_duration, format_size
-from jupyter_gpupool.wording import remaining, slice_size, upcoming_reclaim
+from jupyter_gpupool.wording import grow_wait, remaining, slice_size, upcoming_reclaim
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class KernelStatus:
     unavailable: str | None = None  # why the GPU pool cannot be used (this kernel then runs CPU-only)
     backend: dict[str, Any] = field(default_factory=dict)  # a backend's own facts, e.g. {"slurm": {"job_id": ...}}
     parking: str = ""  # which path parks this kernel and which did last (see kernel/parking.py)
+    grow_place: int | None = None  # while its grow waits for room: its place in line (None: unknown)
 
     # -- derived values, shared by text, HTML and the widget ---------------------------------
     @property
@@ -215,6 +216,9 @@ class KernelStatus:
                 rows.append(("elastic", elastic_line(self.lease)))
                 if self.lease.burst_note:
                     rows.append(("last step", self.lease.burst_note))
+                if self.lease.grow_since is not None:
+                    wanted = self.lease.grow_wanted * max(1, self.lease.num_gpus)
+                    rows.append(("waiting", grow_wait(wanted, _clock(self.lease.grow_since), self.grow_place)))
             if self.lease.state is LeaseState.QUEUED:
                 rows.append(("queue", self.queue_text()))
             if self.lease.state is LeaseState.SUSPENDED:

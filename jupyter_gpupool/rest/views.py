@@ -107,6 +107,7 @@ def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> di
 #: The elastic-slice fields of a body with no lease (see :func:`elastic_fields`).
 _NO_BURST: dict[str, Any] = {
     "guarantee": 0, "limit": 0, "burst": 0, "burst_note": None, "burst_taken_at": None, "burst_fixed": None,
+    "grow_wanted": None, "grow_since": None, "grow_place": None,
 }  # fmt: skip
 
 #: What fixes a kernel's size when it starts, by enforcement mechanism (the pool may grow its
@@ -133,14 +134,26 @@ def elastic_fields(lease: Lease) -> dict[str, Any]:
     """What a user sees of an elastic slice (bytes per GPU): ``guarantee`` (never taken back),
     ``limit`` (how far it may grow; the guarantee for a fixed slice), ``burst`` (held above the
     guarantee now: ``memory`` is guarantee + burst), the last grow or give-back step and, while
-    its burst is being given back, since when."""
+    its burst is being given back, since when; while a grow waits for room, the size it waits
+    for and since when (``grow_place``, its place in line, comes from the pool: see
+    :func:`kernel_status`)."""
+    waiting = lease.grow_since is not None
     return {
         "guarantee": lease.guarantee_size,
         "limit": lease.limit_size,
         "burst": lease.burst,
         "burst_note": lease.burst_note or None,
         "burst_taken_at": lease.burst_taken_at,
+        "grow_wanted": lease.grow_wanted if waiting else None,
+        "grow_since": lease.grow_since,
     }
+
+
+def grow_place(pool: Any, lease: Lease) -> int | None:
+    """The place in line of a kernel whose grow waits (None when it does not wait, or where the
+    pool cannot say: a backend without ``grow_place``)."""
+    place = getattr(pool, "grow_place", None)
+    return place(lease.id) if lease.grow_since is not None and callable(place) else None
 
 
 def _pool_bursts(pool: Any) -> bool:
@@ -235,6 +248,7 @@ def kernel_status(pool: Any, kernel_id: str, lease: Lease | None, enforcement: E
         **suspend_fields(lease),
         **elastic_fields(lease),
         "burst_fixed": burst_fixed(lease, plan, getattr(pool, "kind", ""), _pool_bursts(pool)),
+        "grow_place": grow_place(pool, lease),
         # A reclaim suspends it only if the pool allows suspends too (else the warning must say "shut down").
         "suspendable": lease.suspendable and getattr(getattr(pool, "policy", None), "reclaim_action", "suspend") == "suspend",
     }
@@ -248,7 +262,7 @@ def view_version(leases: Iterable[Lease]) -> int:
     seen = sorted(
         (
             lease.id, lease.state.value, lease.transition.value, lease.memory, tuple(lease.devices), lease.resuming,
-            lease.reclaim_at, lease.reclaim_reason, lease.burst_taken_at, lease.burst_note, lease.release_reason,
+            lease.reclaim_at, lease.reclaim_reason, lease.burst_taken_at, lease.burst_note, lease.grow_since, lease.release_reason,
         )
         for lease in leases
     )

@@ -395,6 +395,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             self._set_unavailable(err)
             return False
         self._pool = pool
+        if self.fast_parking and self.parking_pool_size.strip() != "0" and hasattr(pool, "pinned_backups"):
+            pool.pinned_backups = self._pinned_backups_kept  # the pool's own suspends count them too
         self._set_available()
         self.log.info("gpupool: %s, pool file %s, owner %s", pool.backend.describe(), getattr(pool, "db_path", ""), self.owner)
         return True
@@ -1142,12 +1144,18 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                 "gpupool: c.GpuPoolExtension.parking_pool_size %s is over the parked-memory budget of %s "
                 "(c.PoolPolicy.parked_memory_limit); the pool is held to the budget, lower it", size, format_size(budget))
             capacity = budget
-        path = self.parking_pool_file
-        if not path:
-            usage_dir = getattr(self.checkpointer, "usage_dir", None)
-            folder = usage_dir or tempfile.gettempdir()
-            path = os.path.join(folder, "gpupool-pinned-parking-pool.json")
-        return HostPinnedPool(path, capacity)
+        return HostPinnedPool(self._pinned_pool_path(), capacity)
+
+    def _pinned_pool_path(self) -> str:
+        """The ledger file of the host's pinned parking pool (``parking_pool_file``, else beside the checkpointer's files)."""
+        if self.parking_pool_file:
+            return self.parking_pool_file
+        folder = getattr(self.checkpointer, "usage_dir", None) or tempfile.gettempdir()
+        return os.path.join(folder, "gpupool-pinned-parking-pool.json")
+
+    def _pinned_backups_kept(self) -> dict[str, int]:
+        """Lease id → bytes of pinned host RAM kernels of this host keep for their next park."""
+        return HostPinnedPool(self._pinned_pool_path(), 0).kept()
 
     def _pinned_room(self, kernel: ParkingKernel, amount: int) -> str:
         """Whether the parked-memory budget holds this backup beside the parked slices and the pinned

@@ -387,6 +387,7 @@ function PanelBody(props: {
                 {view.elastic.step}
               </p>
             )}
+            {view.elastic.waiting && <p className="jp-GpuPool-growWait">{view.elastic.waiting}</p>}
           </div>
         )}
         {view.burstFixed && <p className="jp-GpuPool-muted jp-GpuPool-burstFixed">{view.burstFixed}</p>}

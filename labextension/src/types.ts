@@ -204,6 +204,12 @@ export interface IKernelStatus {
   burst_taken_at?: number | null;
   /** Why this kernel cannot use burst: its enforcement fixed its size when it started. */
   burst_fixed?: string | null;
+  /** While a grow waits for room: bytes per GPU the slice waits to grow to. */
+  grow_wanted?: number | null;
+  /** While a grow waits: when it was first refused for room (epoch s). */
+  grow_since?: number | null;
+  /** While a grow waits: its 1-based place in line (null where the pool cannot say). */
+  grow_place?: number | null;
   num_gpus?: number | null;
 }
 

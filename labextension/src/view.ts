@@ -19,7 +19,7 @@ import {
   sizeArgument,
   sizeUnit
 } from './units';
-import { upcomingReclaim } from './wording';
+import { growWait, upcomingReclaim } from './wording';
 
 /** Where the current kernel stands, as far as the front end knows. */
 export type KernelPhase =
@@ -106,6 +106,8 @@ export interface IElasticView {
   step: string | null;
   /** The pool took its burst back and the kernel is giving it back now. */
   takenBack: boolean;
+  /** While a grow waits for room: `waiting to grow to 12 GiB since 14:02 (2nd in line)`. */
+  waiting: string | null;
 }
 
 /** What the view of a kernel is computed from. */
@@ -273,10 +275,17 @@ export function elasticView(status: IKernelStatus): IElasticView | null {
   if (!line) {
     return null;
   }
+  const since = num(status.grow_since);
+  const wanted = num(status.grow_wanted);
+  const gpus = Math.max(1, num(status.num_gpus) ?? 1);
   return {
     line,
     step: (status.burst_note ?? '').trim() || null,
-    takenBack: num(status.burst_taken_at) !== null
+    takenBack: num(status.burst_taken_at) !== null,
+    waiting:
+      since !== null && wanted !== null && wanted > 0
+        ? growWait(wanted * gpus, localClock(new Date(since * 1000)), num(status.grow_place))
+        : null
   };
 }
 
@@ -691,12 +700,14 @@ function twoDigits(value: number): string {
   return String(value).padStart(2, '0');
 }
 
+/** `09:00` in local time. */
+function localClock(date: Date): string {
+  return `${twoDigits(date.getHours())}:${twoDigits(date.getMinutes())}`;
+}
+
 /** `Tue 1 Dec 09:00` in local time. */
 function localDateTime(date: Date): string {
-  return (
-    `${DAY_NAMES[date.getDay()]} ${date.getDate()} ${MONTH_NAMES[date.getMonth()]} ` +
-    `${twoDigits(date.getHours())}:${twoDigits(date.getMinutes())}`
-  );
+  return `${DAY_NAMES[date.getDay()]} ${date.getDate()} ${MONTH_NAMES[date.getMonth()]} ${localClock(date)}`;
 }
 
 /** A reservation's window in words: one-off in local time, weekly as the server states it. */

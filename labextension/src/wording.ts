@@ -95,3 +95,19 @@ export function upcomingReclaim(reason: string): string {
   text = text.replace(/\b(\d+) (requests|jobs) waited\b/g, '$1 $2 wait');
   return text.replace(/ others waited/g, ' others wait');
 }
+
+/** `1st`, `2nd`, `3rd`, `4th`, `11th`, `22nd`. */
+export function ordinal(n: number): string {
+  const tens = n % 100;
+  const suffix = tens >= 10 && tens <= 20 ? 'th' : ({ 1: 'st', 2: 'nd', 3: 'rd' } as Record<number, string>)[n % 10] || 'th';
+  return `${n}${suffix}`;
+}
+
+/**
+ * A kernel whose grow waits for room: `waiting to grow to 12 GiB since 14:02 (2nd in line)`
+ * (`wanted`: bytes, all its GPUs; `since`: a clock time; `place`: 1-based, null if unknown).
+ */
+export function growWait(wanted: number, since: string, place: number | null = null): string {
+  const where = place === null ? '' : place <= 1 ? ' (next in line)' : ` (${ordinal(place)} in line)`;
+  return `waiting to grow to ${formatSize(wanted)} since ${since}${where}`;
+}

@@ -6,7 +6,7 @@ import { execFileSync } from 'child_process';
 import * as path from 'path';
 
 import { formatDuration, formatRemaining, formatSize, parseDuration, parseSize } from '../src/units';
-import { article, count, sliceSize, upcomingReclaim } from '../src/wording';
+import { article, count, growWait, ordinal, sliceSize, upcomingReclaim } from '../src/wording';
 import { elasticLine, rightSizeHint } from '../src/view';
 
 const REPO = path.resolve(__dirname, '..', '..');
@@ -40,6 +40,11 @@ const HINTS: Array<[number, number | null]> = [
 const ELASTIC: Array<[number, number, number, number]> = [
   [4, 9.2, 40, 1], [4, 4, 40, 1], [2, 6.5, 16, 1], [0.5, 0.5, 2, 1], [4, 4, 0, 1], [8, 8, 8, 1], [4, 6, 8, 2], [2, 16, 16, 1]
 ];
+/** Grows that wait (bytes wanted, clock, place in line or null). */
+const GROW_WAITS: Array<[number, string, number | null]> = [
+  [12 * 1024 ** 3, '14:02', 2], [12 * 1024 ** 3, '14:02', 1], [24 * 1024 ** 3, '09:30', null], [9.5 * 1024 ** 3, '23:59', 3],
+  [40 * 1024 ** 3, '00:00', 11], [40 * 1024 ** 3, '00:00', 22], [40 * 1024 ** 3, '00:00', 113]
+];
 const SECONDS = [0, 1, 59, 60, 61, 270, 599, 600, 630, 3599, 3600, 5400, 86399, 172800, 3 * 86400 + 3600, 2.5];
 
 const SCRIPT = `
@@ -47,7 +52,7 @@ import json, sys
 from jupyter_gpupool.units import parse_size, parse_duration, format_size, format_duration
 from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.kernel.status import right_size_hint
-from jupyter_gpupool.wording import article, count, remaining, slice_size, upcoming_reclaim
+from jupyter_gpupool.wording import article, count, grow_wait, remaining, slice_size, upcoming_reclaim
 from jupyter_gpupool.core.models import Lease, LeaseState
 from jupyter_gpupool.rest.views import elastic_fields, elastic_line
 def elastic(g, m, limit, gpus):
@@ -71,6 +76,7 @@ print(json.dumps({
     "reasons": [upcoming_reclaim(r) for r in data["reasons"]],
     "remaining": [remaining(s) for s in data["left"]],
     "elastic": [elastic(*e) for e in data["elastic"]],
+    "grow_waits": [grow_wait(int(w), c, p) for w, c, p in data["grow_waits"]],
 }))
 `;
 
@@ -80,7 +86,8 @@ function python(): any {
     env: { ...process.env, PYTHONPATH: REPO },
     input: JSON.stringify({
       sizes: SIZES, durations: DURATIONS, numbers: NUMBERS, seconds: SECONDS, hints: HINTS,
-      words: WORDS, counts: COUNTS, slices: SLICES, reasons: REASONS, left: LEFT, elastic: ELASTIC
+      words: WORDS, counts: COUNTS, slices: SLICES, reasons: REASONS, left: LEFT, elastic: ELASTIC,
+      grow_waits: GROW_WAITS
     })
   });
   return JSON.parse(out.toString());
@@ -126,5 +133,11 @@ describe('parity with jupyter_gpupool/units.py', () => {
     const lines = (expected.elastic as Array<{ fields: any; line: string }>).map(e => elasticLine(e.fields));
     expect(lines).toEqual(expected.elastic.map((e: { line: string }) => e.line));
     expect(lines[0]).toBe('4 GiB guaranteed · 9.2 GiB now, up to 40 GiB');
+  });
+
+  it('words a grow that waits in line as %gpupool status does', () => {
+    expect(GROW_WAITS.map(([w, c, p]) => growWait(w, c, p))).toEqual(expected.grow_waits);
+    expect(expected.grow_waits[0]).toBe('waiting to grow to 12 GiB since 14:02 (2nd in line)');
+    expect([11, 22, 113].map(ordinal)).toEqual(['11th', '22nd', '113th']);
   });
 });

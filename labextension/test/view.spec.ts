@@ -695,7 +695,8 @@ describe('elastic slices', () => {
     expect(v.elastic).toEqual({
       line: '4 GiB guaranteed · 9.2 GiB now, up to 40 GiB',
       step: 'grown to 9.2 GiB on demand (4 GiB guaranteed, up to 40 GiB)',
-      takenBack: false
+      takenBack: false,
+      waiting: null
     });
     expect(v.statusText).toBe('GPU 8 / 9.2 GiB');
     expect(v.statusTitle).toBe('4 GiB guaranteed · 9.2 GiB now, up to 40 GiB; GPU 0 · NVIDIA A100-SXM4-80GB, using 8 GiB');
@@ -718,6 +719,20 @@ describe('elastic slices', () => {
     const refused = view(elastic({ burst_note: 'the slice was not grown: the GPU is full (3 other slice(s) there are guaranteed 60 GiB); it stays 9.2 GiB' }));
     expect(refused.elastic?.step).toMatch(/^the slice was not grown: the GPU is full/);
     expect(refused.elastic?.takenBack).toBe(false);
+  });
+
+  it('says a grow that waits for room, to what size, since when (local time) and its place in line', () => {
+    const since = new Date(2026, 11, 1, 14, 2, 30).getTime() / 1000;
+    const waiting = view(elastic({ grow_wanted: 12 * GIB, grow_since: since, grow_place: 2 }));
+    expect(waiting.elastic?.waiting).toBe('waiting to grow to 12 GiB since 14:02 (2nd in line)');
+    expect(view(elastic({ grow_wanted: 12 * GIB, grow_since: since, grow_place: 1 })).elastic?.waiting).toBe(
+      'waiting to grow to 12 GiB since 14:02 (next in line)'
+    );
+    // Across two GPUs the size is the slice's whole; a pool that cannot say the place leaves it out.
+    expect(view(elastic({ num_gpus: 2, grow_wanted: 12 * GIB, grow_since: since })).elastic?.waiting).toBe(
+      'waiting to grow to 24 GiB since 14:02'
+    );
+    expect(view(elastic({ grow_wanted: null, grow_since: null })).elastic?.waiting).toBeNull();
   });
 
   it('does not warn about use above the current size while the slice may still grow to its limit', () => {

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -102,6 +102,10 @@ class Pool(GrantWaiting):
         self.store.on_commit = self.changes.notify
         self._devices: tuple[float, list[Device]] | None = None
         self._simulated_host_memory: int | None = None  # of the cached device list (forgotten when it is read again)
+        #: Bytes of pinned host RAM per lease id that kernels on this host keep for a framework
+        #: backup between suspends, read at each decision (a server whose fast parking path keeps
+        #: backups sets it): the engine counts them against the parked-memory budget.
+        self.pinned_backups: Callable[[], Mapping[str, int]] | None = None
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
         #: Derived state of the store's cached leases, and the cache generation it was built for.
         self._index: tuple[int, LeaseIndex] | None = None
@@ -201,6 +205,7 @@ class Pool(GrantWaiting):
             now=now,
             index=index[1],
             host_memory=self._host_memory(),
+            pinned_backups=self.pinned_backups() if self.pinned_backups is not None else {},
             unpooled=self._unpooled_by_device(store.unpooled(now)),
         )
 
@@ -342,6 +347,15 @@ class Pool(GrantWaiting):
         with self._viewing(now) as (state, _):
             if lease_id in state.leases:
                 return self.engine.queue_info(state, lease_id, now)
+        self.get(lease_id)  # 404 for unknown ids
+        return None
+
+    def grow_place(self, lease_id: str, now: float | None = None) -> int | None:
+        """1-based place in line of a kernel waiting for its slice to grow; None when it does not wait."""
+        now = self._now(now)
+        with self._viewing(now) as (state, _):
+            if lease_id in state.leases:
+                return self.engine.grow_place(state, lease_id, now)
         self.get(lease_id)  # 404 for unknown ids
         return None
 
