@@ -191,6 +191,27 @@ def test_use_above_the_guarantee_after_the_burst_is_taken_back_suspends_an_idle_
     assert pool.get(second.id).state is LeaseState.GRANTED
 
 
+def test_a_kernel_suspended_for_its_burst_resumes_as_a_slice_at_its_size_and_is_not_suspended_again(tmp_path):
+    pool = make_pool(tmp_path, burst="16GiB", burst_settle=15, idle_policy="never")
+    first = pool.request(req(gib=2, suspendable=True, kernel_id="k1"), now=T0)
+    pool.report_usage({first.id: 10 * GIB}, now=T0 + 1)
+    second = pool.request(req("bob", gib=12), now=T0 + 2)
+    pool.report_activity(first.id, Activity(busy=False, last_activity=T0), now=T0 + 3)
+    pool.tick(now=T0 + 20)
+    pool.confirm_transition(first.id, parked_bytes=10 * GIB, now=T0 + 21)
+    assert pool.get(second.id).state is LeaseState.GRANTED
+    third = pool.request(req("carol", gib=8), now=T0 + 22)
+    assert third.state is LeaseState.QUEUED  # someone still waits: pressure stands
+    pool.resume(first.id, now=T0 + 30)
+    pool.tick(now=T0 + 31)
+    assert pool.get(first.id).transition is Transition.RESTORING
+    pool.confirm_transition(first.id, now=T0 + 32)
+    restored = pool.get(first.id)
+    assert (restored.burst_taken_at, restored.burst_from) == (None, 0)  # its suspend gave the burst back
+    pool.tick(now=T0 + 60)
+    assert pool.get(first.id).transition is Transition.NONE  # not suspended again the moment it is back
+
+
 def test_a_kernel_that_frees_its_cache_in_time_is_left_running_and_the_request_granted(tmp_path):
     pool = make_pool(tmp_path, burst="16GiB")
     first = pool.request(req(gib=2), now=T0)

@@ -889,6 +889,8 @@ class Engine:
             lease.memory_history = ()
             lease.active_seconds = 0.0  # the closed interval carries it: a resumed one starts again
             lease.used_memory = lease.over_limit_since = None  # it holds no GPU memory: no stale over-limit mark
+            # ...and no burst still to give back: restored, it is a slice at its size again, not one to suspend at once
+            lease.burst_taken_at, lease.burst_from = None, 0
         elif step is Transition.RESTORING:
             lease.restore_failures = 0
             if lease.suspended_at is not None:
