@@ -96,6 +96,7 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("LeaseReleaseHandler", "POST"): ("leases/{lease}/release", {}, OWNER),
     ("LeaseResizeHandler", "POST"): ("leases/{lease}/resize", {"memory": "2MiB", "limit": "8MiB"}, OWNER),
     ("LeaseGrowHandler", "POST"): ("leases/{lease}/grow", {"needed": "3MiB"}, OWNER),
+    ("LeasePinnedBackupHandler", "POST"): ("leases/{lease}/pinned-backup", {"bytes": 0}, OWNER),
     ("LeaseKeepHandler", "POST"): ("leases/{lease}/keepalive", {"duration": "1h"}, OWNER),
     ("LeasePriorityHandler", "POST"): ("leases/{lease}/priority", {"priority": "batch"}, ADMIN),
     ("LeaseActivityHandler", "POST"): ("leases/{lease}/activity", {"busy": True}, OWNER),

@@ -454,3 +454,33 @@ def test_a_forged_suspend_done_is_refused_while_the_kernel_still_holds_its_memor
     finally:
         kernel.kill()
         kernel.wait()
+
+
+# --- the host's pinned parking pool: the broker's books ------------------------------------------------
+def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_or_take_it_all(tmp_path: Path) -> None:
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "4GiB"}).start()
+    try:
+        h.add_user(ALICE, "alice")
+        h.add_user(BOB, "bob")
+        alice, bob = h.remote(ALICE), h.remote(BOB)
+        lease_a = suspendable_lease(alice, "k-alice", memory=4 * GIB)
+        lease_b = suspendable_lease(bob, "k-bob", memory=4 * GIB)
+        assert alice.reserve_pinned_backup(lease_a.id, 3 * GIB).pinned_backup == 3 * GIB
+        before = stored(h)
+        with pytest.raises(NotAuthorized, match="belongs to another user"):
+            bob.reserve_pinned_backup(lease_a.id, 0)  # bob may not give alice's backup away...
+        with pytest.raises(RequestRefused, match="more than this kernel may hold on its GPUs"):
+            bob.reserve_pinned_backup(lease_b.id, 1 << 40)  # ...nor take the pool with a made-up figure
+        with pytest.raises(RequestRefused, match=r"pinned parking pool has 1 GiB free of 4 GiB"):
+            bob.reserve_pinned_backup(lease_b.id, 2 * GIB)
+        status, payload = h.http("POST", f"api/gpupool/leases/{lease_b.id}/pinned-backup", BOB, {"bytes": "lots"})
+        assert status == 400 and "invalid bytes 'lots'" in payload["message"], payload
+        assert stored(h) == before, "a refused reservation changed the broker's books"
+        # Alice's kept backup counts in the broker's own suspend decisions: bob's 4 GiB slice parked
+        # beside it would take 7 GiB of the 8 GiB budget (fits); a third kernel's would not.
+        assert bob.suspend(lease_b.id).parked_memory == 4 * GIB
+        lease_c = suspendable_lease(alice, "k-alice-2", memory=2 * GIB)
+        with pytest.raises(RequestRefused, match="beside 3 GiB of pinned backups running kernels keep"):
+            alice.suspend(lease_c.id)
+    finally:
+        h.stop()

@@ -149,6 +149,15 @@ class PoolMachine(RuleBasedStateMachine):
             pass
 
     @precondition(lambda self: self.ids)
+    @rule(data=st.data(), gib=st.sampled_from([0, 1, 4, 64]))
+    def keep_a_pinned_backup(self, data, gib):
+        """A server books its kernel's framework backup in the host's pinned parking pool (0: gives it back)."""
+        try:
+            self.pool.reserve_pinned_backup(data.draw(st.sampled_from(self.ids)), gib * GIB, now=self.now)
+        except (RequestRefused, LeaseNotFound):
+            pass
+
+    @precondition(lambda self: self.ids)
     @rule(data=st.data())
     def resume(self, data):
         try:
@@ -304,6 +313,7 @@ class PoolMachine(RuleBasedStateMachine):
         live = self.pool.leases()
         kernels = [l.kernel_id for l in live if l.kernel_id]
         assert len(kernels) == len(set(kernels))
+        assert sum(l.pinned_backup for l in live) <= self.pool.policy.parking_pool_bytes(None)  # the pinned pool holds
         for lease in live:
             assert lease.parked_memory <= max(lease.memory * lease.num_gpus, lease.peak_memory or 0)
             if lease.state is LeaseState.RELEASED:
@@ -381,6 +391,7 @@ class PoolMachine(RuleBasedStateMachine):
             "flagged": sum(1 for l in held if l.flagged),
             "transitions": {l.id: l.transition for l in live if l.transition is not Transition.NONE},
             "parked": sum(l.parked_memory for l in live),
+            "pinned": (sum(l.pinned_backup for l in live), sum(l.pinned_backup for l in live if not l.parked_memory)),
             "kernels": {l.kernel_id: l.id for l in live if l.kernel_id},
             "beats": beats,
             "ends": ends,

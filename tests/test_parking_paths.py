@@ -6,7 +6,7 @@ for PyTorch tensors in torch-memory-saver's region); the driver checkpoint by th
 checkpointer. Shown: the choice and where it is said (REST, ``%gpupool status``); a framework path
 that fails midway falls back to the driver checkpoint with nothing lost; HAMi-core preloaded makes
 the kernel refuse the framework path, saying why; the host's one pinned pool and the parked-memory
-budget decide when a backup may be kept.
+budget, booked by the pool itself on each lease, decide when a backup may be kept.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
+from pool_helpers import make_pool, req
 from server_kernels import start_kernel, kernel_pid
 from jupyter_gpupool.core.models import LeaseState
-from jupyter_gpupool.errors import RequestRefused
-from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath, HostPinnedPool
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath
 from jupyter_gpupool.devices.simulated import SimulatedMemorySaver
 from jupyter_gpupool.kernel.parking import FrameworkParking
 from jupyter_gpupool.units import GIB
@@ -186,17 +187,16 @@ def test_pinned_backups_kept_between_suspends_count_against_the_parked_memory_bu
     async def scenario() -> None:
         a, pid_a = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "3GiB")
         b, _ = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
-        pinned = gpupool_ext._pinned_pool()
-        assert pinned.capacity == 5 * GIB  # 50% of the 10 GiB budget
+        assert pool.policy.parking_pool_bytes(None) == 5 * GIB  # 50% of the 10 GiB budget
         assert (await _suspend(gpupool_fetch, gpupool_wait, pool, a))["parking"]["path"] == SIMULATED_SAVER
         assert (await kernel_exec(a, "print(x)")).strip() == "42"  # resumed: A keeps its pinned backup
-        assert pinned.reservations() == {pool.lease_for_kernel(a).id: {"pid": pid_a, "bytes": 3 * GIB}}
+        assert _pinned_backups(pool) == {a: 3 * GIB}  # booked on A's lease, in the pool's own store
 
         # B's slice (6 GiB, set aside while it is parked) and A's kept 3 GiB make 9 GiB: within the
         # 10 GiB budget; the pool has 2 GiB left of 5, and B needs 2: B's backup fits beside A's.
         assert (await _suspend(gpupool_fetch, gpupool_wait, pool, b))["parking"]["path"] == SIMULATED_SAVER
         assert (await kernel_exec(b, "print(x)")).strip() == "42"
-        assert pinned.used() == 5 * GIB
+        assert _pinned_backups(pool) == {a: 3 * GIB, b: 2 * GIB}
 
         # A again: its own reservation is reused, whatever else the pool holds.
         assert (await _suspend(gpupool_fetch, gpupool_wait, pool, a))["parking"]["path"] == SIMULATED_SAVER
@@ -212,8 +212,10 @@ def test_pinned_backups_kept_between_suspends_count_against_the_parked_memory_bu
     arun(scenario())
 
 
-@pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never", GPUPOOL_PARKED_MEMORY_LIMIT="10GiB")
-@pytest.mark.gpupool_config({"GpuPoolExtension": {"parking_pool_size": "8GiB"}})
+@pytest.mark.gpupool_env(
+    GPUPOOL_DEFAULT_MEMORY="8GiB", GPUPOOL_IDLE_POLICY="never", GPUPOOL_PARKED_MEMORY_LIMIT="10GiB",
+    GPUPOOL_PARKING_POOL_SIZE="8GiB",
+)
 def test_a_suspend_that_would_take_the_parked_memory_budget_past_its_limit_beside_kept_backups_is_refused(
     arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
 ):
@@ -268,40 +270,50 @@ def test_the_kernels_probe_names_each_reason_to_refuse_the_framework_path() -> N
     assert FrameworkParking({**base, "GPUPOOL_SIMULATE": "1x16GiB"}).refusal() == ""
 
 
-def test_the_host_pinned_pool_is_one_ledger_and_forgets_processes_that_ended(tmp_path: Any) -> None:
-    ledger = str(tmp_path / "pool.json")
-    first, second = HostPinnedPool(ledger, 4 * GIB), HostPinnedPool(ledger, 4 * GIB)  # two servers of one host
-    assert first.reserve("lease-a", os.getpid(), 3 * GIB) == ""
-    assert second.reserve("lease-b", os.getpid(), 2 * GIB) == (
-        "the host's pinned parking pool has 1 GiB free of 4 GiB, and this kernel's backup needs 2 GiB"
+def _pinned_backups(pool: Any) -> dict[str, int]:
+    """Kernel id → bytes of the pinned parking pool its live lease holds, as the pool's store says."""
+    return {lease.kernel_id: lease.pinned_backup for lease in pool.leases() if lease.pinned_backup}
+
+
+def test_the_pinned_parking_pool_is_booked_by_the_pool_for_every_server_of_its_file(tmp_path: Any) -> None:
+    policy = {"parked_memory_limit": "8GiB", "parking_pool_size": "6GiB", "reclaim_action": "suspend"}
+    first = make_pool(tmp_path, "1x16GiB", **policy)
+    second = make_pool(tmp_path, "1x16GiB", **policy)  # another server of the same user, same pool file
+    a, b, c = (
+        pool.request(req("alice", 4, kernel_id=kernel, suspendable=True))
+        for pool, kernel in ((first, "k-a"), (second, "k-b"), (second, "k-c"))
     )
-    assert first.reserve("lease-a", os.getpid(), 4 * GIB) == ""  # its own reservation grows in place
-    gone = _ended_pid()
-    with open(ledger) as handle:
-        entries = json.load(handle)
-    entries["lease-gone"] = {"pid": gone, "bytes": GIB}
-    with open(ledger, "w") as handle:
-        json.dump(entries, handle)
-    assert set(second.reservations()) == {"lease-a"}
-    second.release("lease-a")
-    assert first.used() == 0
+    assert first.reserve_pinned_backup(a.id, 3 * GIB).pinned_backup == 3 * GIB
+    before = second.get(b.id)
+    with pytest.raises(RequestRefused, match=r"^the host's pinned parking pool has 3 GiB free of 6 GiB, and this kernel's backup needs 4 GiB$"):
+        second.reserve_pinned_backup(b.id, 4 * GIB)
+    assert second.get(b.id) == before, "a refused reservation changed the lease"
+    assert first.reserve_pinned_backup(a.id, 4 * GIB).pinned_backup == 4 * GIB  # its own grows in place
+    # A kernel's word is bounded by what its lease may hold: a made-up figure takes nothing.
+    with pytest.raises(RequestRefused, match=r"more than this kernel may hold on its GPUs \(4 GiB\)"):
+        second.reserve_pinned_backup(b.id, 64 * GIB)
+    # B parked (its 4 GiB slice set aside) beside A's kept 4 GiB fill the 8 GiB budget: C's backup does not fit.
+    assert second.suspend(b.id).parked_memory == 4 * GIB
+    with pytest.raises(RequestRefused, match=r"^parked slices \(5 GiB\) and the pinned backups running kernels keep \(4 GiB\) would take more"):
+        second.reserve_pinned_backup(c.id, GIB)
+    first.release(a.id)  # a lease that ends gives its backup back with it
+    assert second.reserve_pinned_backup(c.id, 2 * GIB).pinned_backup == 2 * GIB
+    assert second.reserve_pinned_backup(c.id, 0).pinned_backup == 0
 
 
-def _ended_pid() -> int:
-    import subprocess
-    import sys
-
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+def test_without_a_pinned_parking_pool_a_reservation_is_refused_in_one_line(tmp_path: Any) -> None:
+    pool = make_pool(tmp_path, "1x16GiB", parked_memory_limit="8GiB", parking_pool_size="0")
+    lease = pool.request(req("alice", 4, kernel_id="k-a", suspendable=True))
+    with pytest.raises(RequestRefused, match=r"^the pool has no pinned parking pool \(parking_pool_size is 0"):
+        pool.reserve_pinned_backup(lease.id, GIB)
 
 
-@pytest.mark.parametrize("value", ["lots", "150%", "-2GiB"])
+@pytest.mark.parametrize("value", ["lots", "150%", "-2GiB", "nan%"])
 def test_a_bad_parking_pool_size_is_refused_in_one_line(value: str) -> None:
-    from traitlets import TraitError
+    from jupyter_gpupool.core.policy import PoolPolicy
 
-    from jupyter_gpupool.serverextension.app import GpuPoolExtension
-
-    with pytest.raises(TraitError, match=r"^invalid c\.GpuPoolExtension\.parking_pool_size .*give a size \(32GiB\)"):
-        GpuPoolExtension(parking_pool_size=value)
-    assert GpuPoolExtension(parking_pool_size=" 25% ").parking_pool_size == "25%"
+    with pytest.raises(InvalidInput, match=r"^invalid parking_pool_size .*give a size \(32GiB\)"):
+        PoolPolicy(parking_pool_size=value)
+    assert PoolPolicy(parking_pool_size=" 25% ").parking_pool_size == "25%"
+    assert PoolPolicy(parked_memory_limit="10GiB", parking_pool_size="25%").parking_pool_bytes(None) == round(2.5 * GIB)
+    assert PoolPolicy(parked_memory_limit="10GiB", parking_pool_size="64GiB").parking_pool_bytes(None) == 10 * GIB

@@ -239,6 +239,11 @@ class SuspendingBackend(PoolBackend, Protocol):
         """The holder could not finish the step under way; the lease as it is now."""
         ...
 
+    def reserve_pinned_backup(self, lease_id: str, amount: int, now: float | None = None) -> Lease:
+        """Set aside ``amount`` bytes of the host's pinned parking pool for the lease's framework
+        backup (0 gives it back); RequestRefused saying why when there is no room."""
+        ...
+
 
 class ElasticBackend(PoolBackend, Protocol):
     """A pool backend with :attr:`Capability.GROW`."""
@@ -267,7 +272,7 @@ NO_BURST = "this pool's slices are fixed in size: they do not grow above what wa
 
 #: The members each capability adds to :class:`PoolBackend`.
 CAPABILITY_MEMBERS: dict[Capability, tuple[str, ...]] = {
-    Capability.SUSPEND: ("suspend", "resume", "confirm_transition", "fail_transition"),
+    Capability.SUSPEND: ("suspend", "resume", "confirm_transition", "fail_transition", "reserve_pinned_backup"),
     Capability.GROW: ("grow",),
     Capability.UNPOOLED: ("report_unpooled", "unpooled"),
     Capability.CLIENT_ENV: ("client_env",),

@@ -617,6 +617,11 @@ class RemotePool(GrantWaiting):
         decides (RequestRefused saying why not). Safe to repeat: a slice that large already stays."""
         return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/grow", {"needed": int(needed)}))
 
+    def reserve_pinned_backup(self, lease_id: str, amount: int, now: float | None = None) -> Lease:
+        """Set aside ``amount`` bytes of the host's pinned parking pool for the lease's framework
+        backup; the broker keeps the books (RequestRefused saying why when there is no room)."""
+        return _lease(self.call("POST", f"{API}/leases/{_q(lease_id)}/pinned-backup", {"bytes": int(amount)}))
+
     def grow_place(self, lease_id: str, now: float | None = None) -> int | None:
         """As :meth:`Pool.grow_place <jupyter_gpupool.backends.local.pool.Pool.grow_place>`, from the broker's view of the lease."""
         place = self.call("GET", f"{API}/leases/{_q(lease_id)}").get("grow_place")

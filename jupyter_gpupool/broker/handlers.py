@@ -274,6 +274,21 @@ class LeaseGrowHandler(BrokerHandler):
         self.write_json(await self.run(grow))
 
 
+class LeasePinnedBackupHandler(BrokerHandler):
+    """``POST .../leases/{id}/pinned-backup`` ``{"bytes": N}``: set aside N bytes of the host's pinned
+    parking pool for the lease's framework backup before a fast park (owner or admin; 0 gives it
+    back). The broker keeps these books, so no server's file decides what another user may park;
+    409 saying why when the pool or the parked-memory budget has no room."""
+
+    async def post(self, lease_id: str) -> None:
+        amount = validate.pinned_backup_body(self.json_body())
+
+        def reserve() -> dict[str, Any]:
+            return lease_json(self.broker.pool.reserve_pinned_backup(self.owned(lease_id).id, amount))
+
+        self.write_json(await self.run(reserve))
+
+
 class LeasePriorityHandler(BrokerHandler):
     """``POST .../leases/{id}/priority`` ``{"priority": "batch" | "normal" | "high"}``: admins re-prioritise."""
 
@@ -771,6 +786,7 @@ def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
         (rf"{api}/leases/{_ID}/release", LeaseReleaseHandler),
         (rf"{api}/leases/{_ID}/resize", LeaseResizeHandler),
         (rf"{api}/leases/{_ID}/grow", LeaseGrowHandler),
+        (rf"{api}/leases/{_ID}/pinned-backup", LeasePinnedBackupHandler),
         (rf"{api}/leases/{_ID}/keepalive", LeaseKeepHandler),
         (rf"{api}/leases/{_ID}/priority", LeasePriorityHandler),
         (rf"{api}/leases/{_ID}/activity", LeaseActivityHandler),

@@ -65,9 +65,6 @@ class PoolState:
     #: lives as long as its lease cache; built from ``leases`` on first use otherwise).
     index: LeaseIndex | None = None
     host_memory: int | None = None  # bytes of host RAM (the parked-slice budget is a share of it)
-    #: Bytes of pinned host RAM set aside per lease id for a framework backup its kernel keeps
-    #: between suspends (the host's parking pool): they count against the parked-memory budget.
-    pinned_backups: Mapping[str, int] = field(default_factory=dict)
     #: Granted intervals closed without a release (a suspend): metered like released leases.
     closed_intervals: list[Lease] = field(default_factory=list)
     #: Bytes per device uuid that processes outside any granted lease hold (unpooled use, as the
@@ -816,10 +813,7 @@ class Engine:
         parked = state.derived().parked
         needed = lease.memory * lease.num_gpus
         # Backups running kernels keep pinned; a parked lease's is in ``parked``, this one's becomes its park.
-        kept = sum(
-            size for lease_id, size in state.pinned_backups.items()
-            if lease_id != lease.id and not (lease_id in state.leases and state.leases[lease_id].parked_memory)
-        )  # fmt: skip
+        kept = state.derived().pinned_kept - lease.pinned_backup
         if parked + needed + kept > budget:
             beside = f" beside {format_size(kept)} of pinned backups running kernels keep" if kept else ""
             return (
@@ -827,6 +821,47 @@ class Engine:
                 f"{format_size(budget)} (parked_memory_limit)"
             )
         return ""
+
+    def reserve_pinned_backup(self, state: PoolState, lease_id: str, amount: int, now: float) -> Lease:
+        """Set aside ``amount`` bytes of the host's pinned parking pool for this lease's framework
+        backup (its holder's server asks before a fast park; a repeat sets its own figure, 0 gives it
+        back). Raises :class:`RequestRefused` saying why when the pool or the parked-memory budget
+        has no room, or the figure is more than the kernel may hold on its GPUs; nothing changes then."""
+        lease = self.get(state, lease_id)
+        if lease.state is LeaseState.RELEASED:
+            raise RequestRefused("cannot keep a pinned backup: the lease was released")
+        amount = max(0, int(amount))
+        # What its kernel may hold now (its slice's current size), or was measured holding: never more.
+        ceiling = max(lease.memory * max(1, lease.num_gpus), lease.peak_memory or 0, lease.parked_memory)
+        if amount > ceiling:
+            raise RequestRefused(
+                f"a pinned backup of {format_size(amount)} is more than this kernel may hold on its GPUs "
+                f"({format_size(ceiling)}); nothing was set aside"
+            )
+        index = state.derived()
+        capacity = self.policy.parking_pool_bytes(state.host_memory)
+        if amount > lease.pinned_backup:
+            others = index.pinned - lease.pinned_backup
+            if not capacity:
+                raise RequestRefused("the pool has no pinned parking pool (parking_pool_size is 0, or no parked-memory budget)")
+            if others + amount > capacity:
+                raise RequestRefused(
+                    f"the host's pinned parking pool has {format_size(max(0, capacity - others))} free of "
+                    f"{format_size(capacity)}, and this kernel's backup needs {format_size(amount)}"
+                )
+            budget = self.parked_budget(state)
+            kept = index.pinned_kept - (0 if lease.parked_memory else lease.pinned_backup)
+            parked = index.parked + (0 if lease.parked_memory else amount)
+            if parked + kept > budget:
+                raise RequestRefused(
+                    f"parked slices ({format_size(parked)}) and the pinned backups running kernels keep "
+                    f"({format_size(kept)}) would take more than the parked-memory budget of {format_size(budget)} "
+                    "(parked_memory_limit)"
+                )
+        if amount != lease.pinned_backup:
+            lease.pinned_backup = amount
+            state.touch(lease)
+        return lease
 
     def suspend(self, state: PoolState, lease_id: str, reason: str, now: float) -> Decision:
         """Ask the holder's server to park this lease's GPU memory (a user's or an admin's wish);

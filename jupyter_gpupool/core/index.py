@@ -19,10 +19,11 @@ from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 
 #: What one lease adds to the index: (state, owner, groups, memory, num_gpus, devices held,
 #: reclaim pending, flagged, heartbeat deadline key, booked-slice end, transition under way,
-#: bytes parked in host RAM, bytes per device used above the slice, bytes per device guaranteed).
+#: bytes parked in host RAM, bytes per device used above the slice, bytes per device guaranteed,
+#: bytes of the pinned parking pool set aside for its backup).
 _Entry = tuple[
     LeaseState, str, tuple[str, ...], int, int, tuple[str, ...], bool, bool, "float | None", "float | None", Transition, int,
-    int, int,
+    int, int, int,
 ]
 
 
@@ -67,6 +68,7 @@ def _entry(lease: Lease) -> _Entry | None:
         lease.parked_memory,
         excess_per_device(lease) if held else 0,
         lease.guarantee_size if held else 0,
+        lease.pinned_backup,
     )
 
 
@@ -87,6 +89,9 @@ class LeaseIndex:
         self.flagged = 0  # held leases flagged (GPU lost)
         self.transitions: dict[str, Transition] = {}  # ids of leases being suspended, restored or moved
         self.parked = 0  # bytes of host RAM parked (or set aside for) suspended slices
+        self.pinned = 0  # bytes of the host's pinned parking pool set aside for live leases' backups
+        #: of ``pinned``, the bytes of kernels not parked now: host RAM beside ``parked``
+        self.pinned_kept = 0
         self.kernels: dict[str, str] = {}  # kernel id → its live lease's id (a kernel has at most one)
         self._beats: list[tuple[float, str]] = []  # (heartbeat_at, id), stale entries dropped lazily
         self._ends: list[tuple[float, str]] = []  # (expected end, id) of booked slices
@@ -134,7 +139,8 @@ class LeaseIndex:
             self._push(self._beats, (beat, lease.id))
 
     def _apply(self, lease_id: str, entry: _Entry, sign: int) -> None:
-        state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked, excess, guarantee = entry
+        (state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked, excess, guarantee,
+         pinned) = entry
         held_bytes = memory * num_gpus if state is LeaseState.GRANTED else 0
         if state is LeaseState.QUEUED:
             if sign > 0:
@@ -166,6 +172,9 @@ class LeaseIndex:
                 del self.reclaiming[lease_id]
         self.flagged += sign * flagged
         self.parked += sign * parked
+        self.pinned += sign * pinned
+        if not parked:  # a parked lease's backup is in ``parked``
+            self.pinned_kept += sign * pinned
         if transition is not Transition.NONE:
             if sign > 0:
                 self.transitions[lease_id] = transition
@@ -225,6 +234,7 @@ class LeaseIndex:
             "flagged": self.flagged,
             "transitions": dict(self.transitions),
             "parked": self.parked,
+            "pinned": (self.pinned, self.pinned_kept),
             "kernels": dict(self.kernels),
             "beats": {lease_id: e[8] for lease_id, e in self.entries.items() if e[8] is not None},
             "ends": {lease_id: e[9] for lease_id, e in self.entries.items() if e[9] is not None},

@@ -242,6 +242,12 @@ class Lease:
     suspend_reason: str = ""  # why it is (being) suspended, for the user
     suspended_at: float | None = None
     parked_memory: int = 0  # bytes of host RAM its parked GPU memory takes (or is set aside for)
+    #: Bytes of the host's pinned parking pool set aside for its kernel's framework backup (the
+    #: fast parking path), kept between suspends until the lease ends; reserved through the pool
+    #: (:meth:`Engine.reserve_pinned_backup`), so the pool's owner, never a file a user may write,
+    #: holds the books. While the kernel runs it counts against the parked-memory budget as
+    #: well; while parked its backup is its ``parked_memory``.
+    pinned_backup: int = 0
     home_devices: tuple[str, ...] = ()  # uuids it ran on before it was suspended (restore maps from them)
     home_model: str = ""  # exact model of those GPUs: it is restored onto that model only
     resuming: bool = False  # queued to resume after a suspend

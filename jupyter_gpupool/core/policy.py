@@ -37,6 +37,7 @@ ENV_TRAITS: dict[str, str] = {
     "GPUPOOL_MAX_KEEP": "max_keep",
     "GPUPOOL_RECLAIM_ACTION": "reclaim_action",
     "GPUPOOL_PARKED_MEMORY_LIMIT": "parked_memory_limit",
+    "GPUPOOL_PARKING_POOL_SIZE": "parking_pool_size",
     "GPUPOOL_TRANSITION_TIMEOUT": "transition_timeout",
     "GPUPOOL_BURST": "burst",
     "GPUPOOL_BURST_STEP": "burst_step",
@@ -400,6 +401,15 @@ class PoolPolicy(Configurable):
         "Env: GPUPOOL_PARKED_MEMORY_LIMIT.",
     ).tag(config=True)
 
+    parking_pool_size = Unicode(
+        "50%",
+        help="The host's one pool of pinned memory for the fast parking path's backups (kernels keep theirs "
+        "between suspends, so it is pinned ahead): a size (32GiB) or a share of the parked-memory budget "
+        "(parked_memory_limit), which it is counted against; held to that budget. 0: no pool, every kernel "
+        "is parked by the driver checkpoint. Set where the pool is kept: a server's config, or the broker's. "
+        "Env: GPUPOOL_PARKING_POOL_SIZE.",
+    ).tag(config=True)
+
     transition_timeout = Float(
         300.0,
         help="Seconds a suspend, restore or move of a kernel's GPU memory may take before the pool gives up on it: "
@@ -485,6 +495,15 @@ class PoolPolicy(Configurable):
             return 0
         return parse_size(self.parked_memory_limit, gpu_memory=host_memory)
 
+    def parking_pool_bytes(self, host_memory: int | None) -> int:
+        """Bytes of the host's pinned parking pool: ``parking_pool_size``, a share of the parked-memory
+        budget or a size, never more than that budget (0: no pool)."""
+        budget = self.parked_budget(host_memory)
+        size = self.parking_pool_size
+        if size == "0" or not budget:
+            return 0
+        return min(budget, round(budget * float(size[:-1]) / 100) if size.endswith("%") else parse_size(size))
+
     max_gpus_per_lease = Integer(
         8,
         help="Most GPUs one lease may span.",
@@ -566,6 +585,23 @@ class PoolPolicy(Configurable):
                     f"invalid parked_memory_limit {value!r}: give a size (256GiB), a share of the host's RAM (50%), or 0 to never park"
                 ) from None
             raise
+        return value
+
+    @validate("parking_pool_size")
+    def _check_parking_pool_size(self, proposal: Any) -> str:
+        value = str(proposal["value"]).strip()
+        try:
+            if value.endswith("%"):
+                share = float(value[:-1])
+                if not 0 <= share <= 100:
+                    raise ValueError(value)
+            elif value != "0":
+                parse_size(value)
+        except (ValueError, InvalidInput):
+            raise InvalidInput(
+                f"invalid parking_pool_size {value[:40]!r}: give a size (32GiB), a share of the parked-memory "
+                "budget (50%), or 0 for no pinned parking pool"
+            ) from None
         return value
 
     @validate("placement")

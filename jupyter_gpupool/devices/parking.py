@@ -10,7 +10,8 @@ leaves it to the next. Two paths exist:
   at the same addresses (PyTorch through torch-memory-saver; see
   :mod:`jupyter_gpupool.kernel.parking`, which does the kernel's side). The driver checkpoint
   then parks the rest (the CUDA context, allocations outside the framework), which is small.
-  The pinned backups of all kernels of a host come out of one :class:`HostPinnedPool`.
+  The pinned backups of all kernels of a host come out of one pool, booked by the GPU pool
+  itself (:class:`PinnedBackups`: a lease's ``pinned_backup``), never by a file a user may write.
 - :class:`DriverCheckpointPath`: the CUDA driver's process checkpoint (:mod:`.checkpoint`) parks
   everything, context included. It is always the last path: the fallback, as before.
 
@@ -23,17 +24,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
-from jupyter_gpupool.devices.base import process_alive
-from jupyter_gpupool.devices.checkpoint import Checkpointer, CheckpointError, _file_lock, _read_json, _write_json
+from jupyter_gpupool.devices.checkpoint import Checkpointer, CheckpointError
 from jupyter_gpupool.errors import GpuPoolError
-from jupyter_gpupool.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +102,20 @@ class DriverCheckpointPath(ParkingPath):
         await asyncio.to_thread(self.checkpointer.resume, kernel.pid, gpu_mapping)
 
 
+class PinnedBackups(Protocol):
+    """The books of the host's pinned parking pool: kept by the GPU pool (its store, or the
+    broker's), which also counts every backup against the parked-memory budget."""
+
+    def reserve(self, lease_id: str, amount: int) -> str:
+        """Set aside ``amount`` bytes for the lease's backup (a repeat sets its own figure); ``""``
+        when done, else one line why not (nothing changed)."""
+        ...
+
+    def release(self, lease_id: str) -> None:
+        """Give the lease's reservation back (its kernel dropped its backup)."""
+        ...
+
+
 class FrameworkPath(ParkingPath):
     """The kernel's framework releases its memory into a pinned host backup (addresses kept), then
     the driver checkpoint parks the rest. The kernel said at its start whether it can (its probe,
@@ -113,14 +124,12 @@ class FrameworkPath(ParkingPath):
     name = "torch-memory-saver"
     covers = "the PyTorch tensors allocated in the kernel's memory-saver region; the driver checkpoint parks the rest"
 
-    def __init__(self, driver: DriverCheckpointPath, pinned: HostPinnedPool | None, reply_timeout: float = 30.0,
-                 probe_timeout: float = 5.0, room: Callable[[ParkingKernel, int], str] | None = None) -> None:
+    def __init__(self, driver: DriverCheckpointPath, pinned: PinnedBackups | None, reply_timeout: float = 30.0,
+                 probe_timeout: float = 5.0) -> None:
         self.driver = driver
         self.pinned = pinned
         self.reply_timeout = reply_timeout  # a park or unpark copies the tensors: as long as a checkpoint may take
         self.probe_timeout = probe_timeout  # a kernel without the extension never answers: do not wait long
-        #: ``room(kernel, bytes)``: ``""`` if the parked-memory budget has room for this backup, else why not.
-        self.room = room
 
     async def _ask(self, kernel: ParkingKernel, action: str, timeout: float | None = None) -> dict[str, Any] | None:
         assert kernel.ask is not None
@@ -130,7 +139,7 @@ class FrameworkPath(ParkingPath):
         if kernel.ask is None:
             raise ParkingRefused("the kernel cannot be reached on the quiet channel (no gpupool kernel extension)")
         if self.pinned is None:
-            raise ParkingRefused("this host has no pinned parking pool (c.GpuPoolExtension.parking_pool_size is 0)")
+            raise ParkingRefused("this pool keeps no books of pinned parking memory (it cannot suspend kernels)")
         probe = await self._ask(kernel, "parking_probe", self.probe_timeout)
         if probe is None or probe.get("status") != "ok":
             why = (probe or {}).get("message") or "the kernel did not answer its parking probe"
@@ -138,11 +147,8 @@ class FrameworkPath(ParkingPath):
         saver = str(probe.get("path") or "")
         if not saver:
             raise ParkingRefused(str(probe.get("reason") or "the kernel has no framework path"))
-        need = max(0, int(probe.get("bytes") or 0))
-        why_not = self.room(kernel, need) if self.room is not None else ""
-        if why_not:
-            raise ParkingRefused(why_not)
-        why_not = await asyncio.to_thread(self.pinned.reserve, kernel.lease_id, kernel.pid, need)
+        need = max(0, int(probe.get("bytes") or 0))  # the kernel's word: the pool bounds it by what the kernel may hold
+        why_not = await asyncio.to_thread(self.pinned.reserve, kernel.lease_id, need)
         if why_not:
             raise ParkingRefused(why_not)
         reply = await self._ask(kernel, "park_framework")
@@ -199,71 +205,14 @@ async def park_kernel(paths: Sequence[ParkingPath], kernel: ParkingKernel) -> tu
     raise CheckpointError("no way to park this kernel is configured", state="running")
 
 
-class HostPinnedPool:
-    """The host's one pool of pinned memory for parking: every kernel's framework backup is
-    reserved here (a ledger file shared by every server of the host, locked per change), never
-    an arena per kernel. A kernel keeps its pinned backup between suspends (so the next park copies
-    at once), until its process ends; reservations of dead processes are dropped when read."""
-
-    def __init__(self, path: str, capacity: int) -> None:
-        self.path = path
-        self.capacity = capacity
-
-    def _read(self) -> dict[str, dict[str, int]]:
-        data = _read_json(self.path) or {}
-        return {
-            lease: {"pid": int(entry["pid"]), "bytes": int(entry["bytes"])}
-            for lease, entry in data.items()
-            if isinstance(entry, dict) and isinstance(entry.get("pid"), int) and isinstance(entry.get("bytes"), int)
-            and process_alive(int(entry["pid"]))
-        }
-
-    def reservations(self) -> dict[str, dict[str, int]]:
-        """Lease id → ``{"pid", "bytes"}`` of live processes."""
-        return self._read()
-
-    def kept(self) -> dict[str, int]:
-        """Lease id → bytes set aside for its backup, of live processes."""
-        return {lease: entry["bytes"] for lease, entry in self._read().items()}
-
-    def used(self) -> int:
-        return sum(entry["bytes"] for entry in self._read().values())
-
-    def reserve(self, lease_id: str, pid: int, amount: int) -> str:
-        """Set aside ``amount`` bytes for ``lease_id``'s backup (a repeat keeps or grows its own);
-        ``""`` when done, else one line why not (nothing changed)."""
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with _file_lock(f"{self.path}.lock", 10.0) as locked:
-            if not locked:
-                return "the host's pinned parking pool stayed locked for 10 s"
-            entries = self._read()
-            others = sum(e["bytes"] for lease, e in entries.items() if lease != lease_id)
-            if others + amount > self.capacity:
-                return (
-                    f"the host's pinned parking pool has {format_size(max(0, self.capacity - others))} free of "
-                    f"{format_size(self.capacity)}, and this kernel's backup needs {format_size(amount)}"
-                )
-            entries[lease_id] = {"pid": pid, "bytes": amount}
-            _write_json(self.path, entries)
-        return ""
-
-    def release(self, lease_id: str) -> None:
-        """Give a lease's reservation back (its kernel ended, or dropped its backup)."""
-        with contextlib.suppress(OSError), _file_lock(f"{self.path}.lock", 10.0) as locked:
-            if locked:
-                entries = self._read()
-                if entries.pop(lease_id, None) is not None:
-                    _write_json(self.path, entries)
-
-
 __all__ = [
     "DRIVER_CHECKPOINT",
     "DriverCheckpointPath",
     "FrameworkPath",
-    "HostPinnedPool",
     "Parked",
     "ParkingKernel",
     "ParkingPath",
     "ParkingRefused",
+    "PinnedBackups",
     "park_kernel",
 ]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 import time
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -36,17 +35,17 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.services.kernels.handlers import KernelActionHandler
 from tornado import web
-from traitlets import Bool, Enum, Float, List, TraitError, Unicode, default, validate
+from traitlets import Bool, Enum, Float, List, Unicode, default
 
+from jupyter_gpupool.backends.contract import Capability, supports
 from jupyter_gpupool.backends.factory import backend_provisioner, pool_from_env
-from jupyter_gpupool.backends.local.pool import HOSTNAME, host_memory
+from jupyter_gpupool.backends.local.pool import HOSTNAME
 from jupyter_gpupool.core.models import Activity, Decision, DecisionKind, Lease, LeaseState, QueueInfo, Transition
 from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
 from jupyter_gpupool.devices.nvml import NvmlBackend
 from jupyter_gpupool.devices.parking import (
     DriverCheckpointPath,
     FrameworkPath,
-    HostPinnedPool,
     Parked,
     ParkingKernel,
     ParkingPath,
@@ -73,7 +72,7 @@ from jupyter_gpupool.rest.metrics import PoolCollector
 from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from jupyter_gpupool.serverextension.configguard import FailClosedConfig
 from jupyter_gpupool.serverextension.handlers import default_handlers
-from jupyter_gpupool.units import format_size, parse_size
+from jupyter_gpupool.units import format_size
 
 LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v2"
 LEASE_SCHEMA_PATH = Path(__file__).parent / "events" / "lease-v2.yaml"
@@ -100,6 +99,25 @@ class KernelActionWhileStartingHandler(KernelActionHandler):  # type: ignore[mis
         if answered is not None:
             await answered
 
+
+
+class PoolPinnedBackups:
+    """The host's pinned parking pool, booked by the GPU pool (the server's store, or the broker's):
+    a lease's ``pinned_backup``, counted against the parked-memory budget where decisions are made."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def reserve(self, lease_id: str, amount: int) -> str:
+        try:
+            self.pool.reserve_pinned_backup(lease_id, amount)
+        except GpuPoolError as refusal:
+            return str(refusal)
+        return ""
+
+    def release(self, lease_id: str) -> None:
+        with contextlib.suppress(GpuPoolError):
+            self.pool.reserve_pinned_backup(lease_id, 0)
 
 
 class GpuPoolExtension(FailClosedConfig, ExtensionApp):
@@ -194,20 +212,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         "checkpoint parking the rest; any failure falls back to the driver checkpoint alone. False: always the "
         "driver checkpoint. A kernel can refuse for itself with GPUPOOL_FAST_PARKING=off.",
     )
-    parking_pool_size = Unicode(
-        "50%",
-        config=True,
-        help="The host's one pool of pinned memory for the fast parking path's backups (kernels keep theirs "
-        "between suspends, so it is pinned ahead): a size (32GiB) or a share of the parked-memory budget "
-        "(c.PoolPolicy.parked_memory_limit), which it is counted against; at most that budget. 0: no pool, "
-        "every kernel is parked by the driver checkpoint.",
-    )
-    parking_pool_file = Unicode(
-        "",
-        config=True,
-        help="The host-wide ledger of the pinned parking pool, shared by every server of the host. Default: in "
-        "the simulated pool's usage folder, else gpupool-pinned-parking-pool.json in the system's temporary folder.",
-    )
     when_unavailable = Enum(
         list(WHEN_UNAVAILABLE),
         "cpu-only",
@@ -229,23 +233,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         config=True,
         help="Seconds POST .../keepalive holds a slice through idle when the request gives no duration (capped by the policy's max_keep).",
     )
-
-    @validate("parking_pool_size")
-    def _check_parking_pool_size(self, proposal: Any) -> str:
-        value = str(proposal["value"]).strip()
-        try:
-            if value.endswith("%"):
-                share = float(value[:-1])
-                if not 0 <= share <= 100:
-                    raise ValueError(value)
-            elif value != "0":
-                parse_size(value)
-        except (ValueError, GpuPoolError):
-            raise TraitError(
-                f"invalid c.GpuPoolExtension.parking_pool_size {value[:40]!r}: give a size (32GiB), a share of the "
-                "parked-memory budget (50%), or 0 for no pinned parking pool"
-            ) from None
-        return value
 
     @default("owner")
     def _default_owner(self) -> str:
@@ -395,8 +382,6 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             self._set_unavailable(err)
             return False
         self._pool = pool
-        if self.fast_parking and self.parking_pool_size.strip() != "0" and hasattr(pool, "pinned_backups"):
-            pool.pinned_backups = self._pinned_backups_kept  # the pool's own suspends count them too
         self._set_available()
         self.log.info("gpupool: %s, pool file %s, owner %s", pool.backend.describe(), getattr(pool, "db_path", ""), self.owner)
         return True
@@ -1124,61 +1109,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         driver = DriverCheckpointPath(self.checkpointer)
         if not self.fast_parking:
             return [driver]
-        pinned = self._pinned_pool()
+        pinned = PoolPinnedBackups(self.pool) if supports(self.pool, Capability.SUSPEND) else None
         probe_timeout = self.free_caches_timeout if self.free_caches_timeout > 0 else 5.0
-        return [FrameworkPath(driver, pinned, reply_timeout=self.checkpoint_timeout, probe_timeout=probe_timeout, room=self._pinned_room), driver]
-
-    def _parked_budget(self) -> int:
-        """Bytes of host RAM parked GPU memory may take (c.PoolPolicy.parked_memory_limit)."""
-        return int(self.pool.policy.parked_budget(host_memory()))
-
-    def _pinned_pool(self) -> HostPinnedPool | None:
-        """The host's pinned parking pool, sized from ``parking_pool_size`` within the parked-memory budget."""
-        size = self.parking_pool_size.strip()
-        if size == "0":
-            return None
-        budget = self._parked_budget()
-        capacity = round(budget * float(size[:-1]) / 100) if size.endswith("%") else parse_size(size)
-        if capacity > budget:
-            self.log.warning(
-                "gpupool: c.GpuPoolExtension.parking_pool_size %s is over the parked-memory budget of %s "
-                "(c.PoolPolicy.parked_memory_limit); the pool is held to the budget, lower it", size, format_size(budget))
-            capacity = budget
-        return HostPinnedPool(self._pinned_pool_path(), capacity)
-
-    def _pinned_pool_path(self) -> str:
-        """The ledger file of the host's pinned parking pool (``parking_pool_file``, else beside the checkpointer's files)."""
-        if self.parking_pool_file:
-            return self.parking_pool_file
-        folder = getattr(self.checkpointer, "usage_dir", None) or tempfile.gettempdir()
-        return os.path.join(folder, "gpupool-pinned-parking-pool.json")
-
-    def _pinned_backups_kept(self) -> dict[str, int]:
-        """Lease id → bytes of pinned host RAM kernels of this host keep for their next park."""
-        return HostPinnedPool(self._pinned_pool_path(), 0).kept()
-
-    def _pinned_room(self, kernel: ParkingKernel, amount: int) -> str:
-        """Whether the parked-memory budget holds this backup beside the parked slices and the pinned
-        backups other running kernels keep for their next park ("" if it does, else why not)."""
-        pinned = self._pinned_pool()
-        budget = self._parked_budget()
-        parked_leases = {
-            other.id: other
-            for other in self.pool.leases()
-            if other.state is LeaseState.SUSPENDED or other.transition is not Transition.NONE
-        }
-        parked = sum(int(other.parked_memory or 0) for other in parked_leases.values())
-        if kernel.lease_id not in parked_leases:
-            parked += amount
-        kept = 0 if pinned is None else sum(
-            e["bytes"] for lease_id, e in pinned.reservations().items() if lease_id not in parked_leases and lease_id != kernel.lease_id
-        )
-        if parked + kept > budget:
-            return (
-                f"parked slices ({format_size(parked)}) and the pinned backups running kernels keep ({format_size(kept)}) "
-                f"would take more than the parked-memory budget of {format_size(budget)} (parked_memory_limit)"
-            )
-        return ""
+        return [FrameworkPath(driver, pinned, reply_timeout=self.checkpoint_timeout, probe_timeout=probe_timeout), driver]
 
     def _parking_kernel(self, kernel_id: str, lease: Lease, pid: int) -> ParkingKernel:
         """The kernel as the parking paths see it: its process, and its quiet channel where it answers."""

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -102,10 +102,6 @@ class Pool(GrantWaiting):
         self.store.on_commit = self.changes.notify
         self._devices: tuple[float, list[Device]] | None = None
         self._simulated_host_memory: int | None = None  # of the cached device list (forgotten when it is read again)
-        #: Bytes of pinned host RAM per lease id that kernels on this host keep for a framework
-        #: backup between suspends, read at each decision (a server whose fast parking path keeps
-        #: backups sets it): the engine counts them against the parked-memory budget.
-        self.pinned_backups: Callable[[], Mapping[str, int]] | None = None
         self._parsed_reservations: tuple[list[dict[str, Any]], list[Reservation]] | None = None
         #: Derived state of the store's cached leases, and the cache generation it was built for.
         self._index: tuple[int, LeaseIndex] | None = None
@@ -205,7 +201,6 @@ class Pool(GrantWaiting):
             now=now,
             index=index[1],
             host_memory=self._host_memory(),
-            pinned_backups=self.pinned_backups() if self.pinned_backups is not None else {},
             unpooled=self._unpooled_by_device(store.unpooled(now)),
         )
 
@@ -526,6 +521,13 @@ class Pool(GrantWaiting):
         now = self._now(now)
         with self._decide(now) as state:
             return self.engine.grace_after_outage(state, now)
+
+    def reserve_pinned_backup(self, lease_id: str, amount: int, now: float | None = None) -> Lease:
+        """Set aside ``amount`` bytes of the host's pinned parking pool for the lease's framework
+        backup (see :meth:`Engine.reserve_pinned_backup`); nothing changes when it is refused."""
+        now = self._now(now)
+        with self._decide(now) as state:
+            return self.engine.reserve_pinned_backup(state, lease_id, amount, now).copy()
 
     def grow(self, lease_id: str, needed: int, now: float | None = None) -> Lease:
         """Grow an elastic slice so its kernel can hold ``needed`` bytes (all its GPUs), as a
