@@ -96,6 +96,13 @@ def test_a_kernel_whose_framework_can_park_is_parked_by_it_and_comes_back_whole(
         assert f"parked by {SIMULATED_SAVER} for its PyTorch tensors" in out and f"last parked by {SIMULATED_SAVER}" in out, out
         assert _gpu_bytes_of(pool, pid) == 3 * GIB, "the framework's memory did not come back"
         assert (await _status(gpupool_fetch, kernel))["parking"] is None
+        assert _pinned_backups(pool) == {kernel: 3 * GIB}  # kept pinned for its next park
+
+        # A restart ends the process and its backup with it: its place in the pinned pool goes back.
+        response = await gpupool_fetch("api", "kernels", kernel, "restart", method="POST", body={})
+        assert response.code == 200, response.body
+        assert _pinned_backups(pool) == {}
+        assert pool.lease_for_kernel(kernel).state is LeaseState.GRANTED
 
     arun(scenario())
 

@@ -436,6 +436,10 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             except LeaseNotFound:
                 kept = None  # pruned: queue again (PoolUnavailable propagates: the lease may well be alive)
             if kept is not None and kept.state is LeaseState.GRANTED:
+                if kept.pinned_backup and supports(pool, Capability.SUSPEND):
+                    # The old process's pinned backup went with it: give its place in the host's pool back.
+                    with contextlib.suppress(GpuPoolError):
+                        kept = await asyncio.to_thread(pool.reserve_pinned_backup, kept.id, 0)
                 return kept
             if kept is not None and kept.state is LeaseState.QUEUED:
                 return await self._wait(kept)
