@@ -313,6 +313,9 @@ def test_without_a_pinned_parking_pool_a_reservation_is_refused_in_one_line(tmp_
     lease = pool.request(req("alice", 4, kernel_id="k-a", suspendable=True))
     with pytest.raises(RequestRefused, match=r"^the pool has no pinned parking pool \(parking_pool_size is 0"):
         pool.reserve_pinned_backup(lease.id, GIB)
+    queued = pool.request(req("alice", 16, kernel_id="k-q", suspendable=True))
+    with pytest.raises(RequestRefused, match=r"^cannot set a pinned backup aside: the kernel is queued"):
+        pool.reserve_pinned_backup(queued.id, GIB)  # a kernel that holds no GPU parks nothing
 
 
 @pytest.mark.parametrize("value", ["lots", "150%", "-2GiB", "nan%"])

@@ -841,6 +841,8 @@ class Engine:
         index = state.derived()
         capacity = self.policy.parking_pool_bytes(state.host_memory)
         if amount > lease.pinned_backup:
+            if lease.state is not LeaseState.GRANTED:
+                raise RequestRefused(f"cannot set a pinned backup aside: the kernel is {lease.state.value}, not running on a GPU")
             others = index.pinned - lease.pinned_backup
             if not capacity:
                 raise RequestRefused("the pool has no pinned parking pool (parking_pool_size is 0, or no parked-memory budget)")
