@@ -191,6 +191,24 @@ def test_use_above_the_guarantee_after_the_burst_is_taken_back_suspends_an_idle_
     assert pool.get(second.id).state is LeaseState.GRANTED
 
 
+@pytest.mark.parametrize("budget", ["12GiB", "9GiB"])
+def test_a_kernel_suspended_for_its_burst_is_booked_what_it_holds_against_the_parked_memory_budget(tmp_path, budget):
+    """Its slice was lowered, but its kernel still holds 10 GiB: parking takes 10 GiB of host RAM,
+    and where the budget has less it is not suspended (the watchdog holds it to its size)."""
+    pool = make_pool(tmp_path, burst="16GiB", burst_settle=15, idle_policy="never", parked_memory_limit=budget)
+    first = pool.request(req(gib=2, suspendable=True, kernel_id="k1"), now=T0)
+    pool.report_usage({first.id: 10 * GIB}, now=T0 + 1)
+    pool.request(req("bob", gib=12), now=T0 + 2)
+    pool.report_activity(first.id, Activity(busy=False, last_activity=T0), now=T0 + 3)
+    pool.tick(now=T0 + 20)
+    lease = pool.get(first.id)
+    assert lease.memory < 9 * GIB  # its slice was lowered below either budget
+    if budget == "12GiB":
+        assert lease.transition is Transition.SUSPENDING and lease.parked_memory == 10 * GIB
+    else:
+        assert lease.transition is Transition.NONE and lease.parked_memory == 0
+
+
 def test_a_kernel_suspended_for_its_burst_resumes_as_a_slice_at_its_size_and_is_not_suspended_again(tmp_path):
     pool = make_pool(tmp_path, burst="16GiB", burst_settle=15, idle_policy="never")
     first = pool.request(req(gib=2, suspendable=True, kernel_id="k1"), now=T0)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from jupyter_gpupool.core.index import LeaseIndex, excess_per_device
+from jupyter_gpupool.core.index import LeaseIndex, excess_per_device, park_size
 from jupyter_gpupool.core.models import (
     MODEL_FORMS,
     Activity,
@@ -814,7 +814,7 @@ class Engine:
             return f"its GPU is unusable ({lease.flagged})"
         budget = self.parked_budget(state)
         parked = state.derived().parked
-        needed = lease.memory * lease.num_gpus
+        needed = park_size(lease)
         # Backups running kernels keep pinned; a parked lease's is in ``parked``, this one's becomes its park.
         kept = sum(
             size for lease_id, size in state.pinned_backups.items()
@@ -843,7 +843,8 @@ class Engine:
         lease.transition_at = now
         lease.suspend_reason = reason
         lease.grow_wanted, lease.grow_since = 0, None  # parked, it wants nothing; back on a GPU it asks again
-        lease.parked_memory = lease.memory * lease.num_gpus  # set aside now; the real figure on confirm
+        lease.used_at_suspend = lease.used_memory or 0  # the GPU's word, before the server's: the floor of its report
+        lease.parked_memory = park_size(lease)  # set aside now; the real figure on confirm
         lease.warned_at = lease.reclaim_at = None
         lease.reclaim_reason = ""
         state.touch(lease)
@@ -914,7 +915,9 @@ class Engine:
     @staticmethod
     def bounded_parked_bytes(state: PoolState, lease: Lease, parked_bytes: int) -> int:
         """What a suspend report may say was parked: never more than the lease held (its slice, or
-        the most the watchdog saw it use). A figure its GPUs could not even hold is refused."""
+        the most the watchdog saw it use), never less than the watchdog measured its kernel holding
+        when the suspend began (a server cannot report its way under the host-RAM budget). A
+        figure its GPUs could not even hold is refused."""
         known = {d.uuid: d.memory_total for d in state.devices}
         capacity = sum(known.get(uuid, 0) for uuid in lease.devices) or lease.memory * lease.num_gpus
         if parked_bytes > capacity:
@@ -922,7 +925,8 @@ class Engine:
                 f"parked_bytes {parked_bytes} is more than this lease's GPUs hold ({format_size(capacity)}); "
                 "report the bytes the suspend copied to host RAM"
             )
-        return min(max(0, int(parked_bytes)), max(lease.memory * lease.num_gpus, lease.peak_memory or 0))
+        reported = min(max(0, int(parked_bytes)), max(lease.memory * lease.num_gpus, lease.peak_memory or 0))
+        return max(reported, lease.used_at_suspend)
 
     def fail_transition(self, state: PoolState, lease_id: str, error: str, still_running: bool, now: float) -> list[Decision]:
         """The server could not finish a suspend, restore or move (``error``: why, one line).
@@ -1021,13 +1025,13 @@ class Engine:
             parked = 0
             for lease in sorted((m for m in movable if m.devices == (device.uuid,)), key=lambda m: -m.memory):
                 fits = [(f, u) for u, f in room.items() if f >= lease.memory and known[u].model == device.model]
-                if not fits or parked + lease.memory > budget_left:
+                if not fits or parked + park_size(lease) > budget_left:
                     continue
                 _, target = min(fits)  # the tightest GPU that takes it
                 room[target] -= lease.memory
                 plan.append((lease, target))
                 gained += lease.memory
-                parked += lease.memory
+                parked += park_size(lease)
                 if gained >= missing:
                     break
             if gained < missing:
@@ -1038,7 +1042,7 @@ class Engine:
                 lease.transition_at = now
                 lease.migrate_from = lease.devices
                 lease.devices = (target,)
-                lease.parked_memory = lease.memory  # passes through host RAM
+                lease.parked_memory = park_size(lease)  # passes through host RAM
                 lease.suspend_reason = f"moved to another GPU to make room for {format_size(head.memory)} for {head.owner}"
                 state.touch(lease)
                 decisions.append(self._decision(DecisionKind.MIGRATE, lease, lease.suspend_reason, now))
@@ -1262,7 +1266,7 @@ class Engine:
         lease.transition_at = now
         lease.migrate_from = lease.devices
         lease.devices = (target,)
-        lease.parked_memory = lease.memory  # passes through host RAM
+        lease.parked_memory = park_size(lease)  # passes through host RAM
         lease.suspend_reason = f"moved to another GPU with room for its slice to grow to {format_size(wanted)}"
         state.touch(lease)
         return self._decision(DecisionKind.MIGRATE, lease, lease.suspend_reason, now)

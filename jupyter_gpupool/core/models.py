@@ -242,6 +242,9 @@ class Lease:
     suspend_reason: str = ""  # why it is (being) suspended, for the user
     suspended_at: float | None = None
     parked_memory: int = 0  # bytes of host RAM its parked GPU memory takes (or is set aside for)
+    #: Bytes (all GPUs) the pool's watchdog measured its kernel holding when its suspend began (0:
+    #: not measured): its confirmation is booked at no less, whatever its server reports parked.
+    used_at_suspend: int = 0
     home_devices: tuple[str, ...] = ()  # uuids it ran on before it was suspended (restore maps from them)
     home_model: str = ""  # exact model of those GPUs: it is restored onto that model only
     resuming: bool = False  # queued to resume after a suspend
