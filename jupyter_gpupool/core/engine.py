@@ -1302,15 +1302,23 @@ class Engine:
             taken = other.memory + excess_per_device(other)
             new_size = min(other.memory, max(other.guarantee_size, taken - min(give, missing)))
             missing -= min(give, missing)
-            self._set_size(state, other, new_size, now)
-            other.burst_taken_at = now
-            other.burst_note = (
-                f"{BURST_TAKEN} for a neighbour's slice that needs {format_size(wanted)}: the slice is "
-                f"{format_size(new_size)} now ({format_size(other.guarantee_size)} guaranteed)"
-            )
-            state.touch(other)
-            decisions.append(self._decision(DecisionKind.SHRINK, other, other.burst_note, now))
+            decisions.append(self._take_burst_back(state, other, new_size, f"a neighbour's slice that needs {format_size(wanted)}", now))
         return decisions
+
+    def _take_burst_back(self, state: PoolState, lease: Lease, new_size: int, taken_for: str, now: float) -> Decision:
+        """Lower ``lease`` to ``new_size`` bytes per GPU for ``taken_for`` (its kernel frees caches and
+        lowers its caps to it): a SHRINK decision. What it gave back stays counted until the
+        watchdog measures its kernel within its new size."""
+        gpus = max(1, lease.num_gpus)
+        lease.burst_from = max(lease.memory, lease.burst_from if lease.burst_taken_at is not None else 0)
+        self._set_size(state, lease, new_size, now)
+        lease.burst_taken_at = now
+        lease.burst_note = (
+            f"{BURST_TAKEN} for {taken_for}: the slice is {format_size(new_size * gpus)} now "
+            f"({format_size(lease.guarantee_size * gpus)} guaranteed)"
+        )
+        state.touch(lease)
+        return self._decision(DecisionKind.SHRINK, lease, lease.burst_note, now)
 
     def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float, spare: Collection[str] = ()) -> tuple[list[Decision], bool]:
         """Make room for ``head`` from other slices' burst, before anyone's guarantee: lower their
@@ -1347,17 +1355,7 @@ class Engine:
                 new_size = min(lease.memory, max(lease.guarantee_size, taken - missing))
                 missing -= taken - new_size
                 if new_size < lease.memory or lease.burst_taken_at is None:
-                    gpus = max(1, lease.num_gpus)
-                    # What it gave back stays counted until the watchdog measures the kernel within it.
-                    lease.burst_from = max(lease.memory, lease.burst_from if lease.burst_taken_at is not None else 0)
-                    self._set_size(state, lease, new_size, now)
-                    lease.burst_taken_at = now
-                    lease.burst_note = (
-                        f"{BURST_TAKEN} for a request of {format_size(head.memory * head.num_gpus)}: the slice is "
-                        f"{format_size(new_size * gpus)} now ({format_size(lease.guarantee_size * gpus)} guaranteed)"
-                    )
-                    state.touch(lease)
-                    decisions.append(self._decision(DecisionKind.SHRINK, lease, lease.burst_note, now))
+                    decisions.append(self._take_burst_back(state, lease, new_size, f"a request of {format_size(head.memory * head.num_gpus)}", now))
         placed = self._place(state, head)
         if placed is not None and not self._quota_block_reason(state, head):
             self._grant(state, head, placed, now)
