@@ -9,6 +9,7 @@ from pool_helpers import T0, make_pool, req
 from jupyter_gpupool.core.models import Activity, DecisionKind, LeaseState, Transition
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.local.store import lease_from_json
 from jupyter_gpupool.units import GIB
 
 IDLE = {"idle_timeout": 600, "warning_period": 60, "preemption": False}
@@ -394,6 +395,8 @@ def test_a_confirm_is_booked_at_no_less_than_the_gpu_showed_the_kernel_holding(t
     pool = make_pool(tmp_path, spec="2x16GiB", parked_memory_limit="12GiB", **IDLE)
     parked = pool.confirm_transition(alice.id, parked_bytes=0, now=T0 + 30)
     assert parked.state is LeaseState.SUSPENDED and parked.parked_memory == 6 * GIB
+    row_from_before = {k: v for k, v in parked.to_json().items() if k != "used_at_suspend"}
+    assert lease_from_json(row_from_before).used_at_suspend == 0  # a row written before the floor loads: nothing measured
     with pytest.raises(RequestRefused, match="parked slices would take 14 GiB of host RAM, over the limit of 12 GiB"):
         pool.suspend(bob.id, now=T0 + 31)
     with pytest.raises(InvalidInput, match="more than this lease's GPUs hold"):  # the upper bound stands
