@@ -191,6 +191,24 @@ def test_use_above_the_guarantee_after_the_burst_is_taken_back_suspends_an_idle_
     assert pool.get(second.id).state is LeaseState.GRANTED
 
 
+@pytest.mark.parametrize("budget", ["12GiB", "9GiB"])
+def test_a_kernel_suspended_for_its_burst_is_booked_what_it_holds_against_the_parked_memory_budget(tmp_path, budget):
+    """Its slice was lowered, but its kernel still holds 10 GiB: parking takes 10 GiB of host RAM,
+    and where the budget has less it is not suspended (the watchdog holds it to its size)."""
+    pool = make_pool(tmp_path, burst="16GiB", burst_settle=15, idle_policy="never", parked_memory_limit=budget)
+    first = pool.request(req(gib=2, suspendable=True, kernel_id="k1"), now=T0)
+    pool.report_usage({first.id: 10 * GIB}, now=T0 + 1)
+    pool.request(req("bob", gib=12), now=T0 + 2)
+    pool.report_activity(first.id, Activity(busy=False, last_activity=T0), now=T0 + 3)
+    pool.tick(now=T0 + 20)
+    lease = pool.get(first.id)
+    assert lease.memory < 9 * GIB  # its slice was lowered below either budget
+    if budget == "12GiB":
+        assert lease.transition is Transition.SUSPENDING and lease.parked_memory == 10 * GIB
+    else:
+        assert lease.transition is Transition.NONE and lease.parked_memory == 0
+
+
 def test_a_kernel_suspended_for_its_burst_resumes_as_a_slice_at_its_size_and_is_not_suspended_again(tmp_path):
     pool = make_pool(tmp_path, burst="16GiB", burst_settle=15, idle_policy="never")
     first = pool.request(req(gib=2, suspendable=True, kernel_id="k1"), now=T0)
@@ -388,6 +406,32 @@ def test_a_kernel_waiting_to_grow_takes_back_an_idle_neighbours_burst_never_its_
     grown = pool.get(busy.id)
     assert grown.memory >= 20 * GIB and grown.grow_since is None
     assert [e["kind"] for e in pool.events() if e["lease_id"] == busy.id][-1] == "grow"
+
+
+def test_a_busy_neighbours_burst_goes_to_the_waiting_grow_only_once_the_watchdog_measures_it_given_back(tmp_path):
+    """A busy kernel gives back only what it held and did not use; until the watchdog measures it
+    within its new size, a reading from before the shrink does not hand that room on."""
+    pool = make_pool(tmp_path, spec="1x40GiB", burst="40GiB", idle_policy="never")
+    busy = pool.request(req("ann", gib=8, kernel_id="k1"), now=T0)
+    pool.report_usage({busy.id: 24 * GIB}, now=T0 + 1)  # grew to about 25 GiB
+    held = pool.get(busy.id).memory
+    pool.report_activity(busy.id, Activity(busy=True), now=T0 + 2)
+    pool.report_usage({busy.id: 12 * GIB}, now=T0 + 2)  # it uses less than it holds
+    wants = pool.request(req("bob", gib=10, kernel_id="k2"), now=T0 + 3)
+    with pytest.raises(RequestRefused, match="GPU is full"):
+        pool.grow(wants.id, 20 * GIB, now=T0 + 4)
+    pool.report_activity(busy.id, Activity(busy=True), now=T0 + 5)
+    pool.tick(now=T0 + 5)
+    shrunk = pool.get(busy.id)
+    assert 12 * GIB <= shrunk.memory < held and shrunk.burst_from == held
+    assert shrunk.burst_note.startswith("burst taken back for a neighbour's slice")
+    pool.report_activity(busy.id, Activity(busy=True), now=T0 + 6)
+    pool.tick(now=T0 + 6)
+    assert pool.get(wants.id).memory < 20 * GIB  # not on the word of a reading older than the shrink
+    pool.report_usage({busy.id: 12 * GIB}, now=T0 + 7)  # measured within its new size
+    pool.report_activity(busy.id, Activity(busy=True), now=T0 + 8)
+    pool.tick(now=T0 + 8)
+    assert pool.get(wants.id).memory >= 20 * GIB
 
 
 def test_under_pressure_a_kernel_waiting_to_grow_gets_an_idle_kernels_room(tmp_path):

@@ -9,6 +9,7 @@ from pool_helpers import T0, make_pool, req
 from jupyter_gpupool.core.models import Activity, DecisionKind, LeaseState, Transition
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.local.store import lease_from_json
 from jupyter_gpupool.units import GIB
 
 IDLE = {"idle_timeout": 600, "warning_period": 60, "preemption": False}
@@ -363,3 +364,55 @@ def test_a_resume_ahead_on_a_free_gpu_restores_at_once_and_idles_from_the_restor
     assert not restoring.resume_ahead and not restoring.resuming
     back = pool.confirm_transition(alice.id, now=T0 + 21)
     assert back.last_activity == T0 + 21  # unused from here on, the idle rules park it again
+
+
+def test_the_parked_memory_budget_counts_what_a_kernel_holds_above_its_slice(tmp_path):
+    """Soft enforcement lets a kernel hold more than its slice: parking it takes what it holds."""
+    pool = make_pool(tmp_path, spec="2x16GiB", parked_memory_limit="18GiB", **IDLE)
+    alice = pool.request(req("alice", suspendable=True, burst_limit=0), now=T0)  # a fixed 8 GiB slice
+    bob = pool.request(req("bob", suspendable=True, burst_limit=0), now=T0)
+    pool.report_usage({alice.id: 12 * GIB, bob.id: 4 * GIB}, now=T0 + 10)  # the watchdog's reading
+    suspending = pool.suspend(alice.id, now=T0 + 20)
+    assert suspending.transition is Transition.SUSPENDING and suspending.parked_memory == 12 * GIB
+    with pytest.raises(RequestRefused) as refused:
+        pool.suspend(bob.id, now=T0 + 21)  # 12 + 8 GiB: over the 18 GiB budget (8 + 8 GiB was not)
+    assert str(refused.value) == (
+        "cannot suspend this kernel: parked slices would take 20 GiB of host RAM, over the limit of 18 GiB (parked_memory_limit)"
+    )
+    assert pool.get(bob.id).transition is Transition.NONE  # refused: nothing changed
+
+
+def test_a_confirm_is_booked_at_no_less_than_the_gpu_showed_the_kernel_holding(tmp_path):
+    """A server's parked figure cannot take its kernel under the budget: the watchdog's reading when
+    the suspend began is the floor, kept on the stored lease across a restart of the pool."""
+    pool = make_pool(tmp_path, spec="2x16GiB", parked_memory_limit="12GiB", **IDLE)
+    alice = pool.request(req("alice", suspendable=True, burst_limit=0), now=T0)
+    bob = pool.request(req("bob", suspendable=True, burst_limit=0), now=T0)
+    pool.report_usage({alice.id: 6 * GIB}, now=T0 + 10)
+    pool.suspend(alice.id, now=T0 + 20)
+    pool.report_usage({alice.id: 0}, now=T0 + 25)  # the checkpoint freed the GPU: the reading now says nothing
+    pool.close()
+    pool = make_pool(tmp_path, spec="2x16GiB", parked_memory_limit="12GiB", **IDLE)
+    parked = pool.confirm_transition(alice.id, parked_bytes=0, now=T0 + 30)
+    assert parked.state is LeaseState.SUSPENDED and parked.parked_memory == 6 * GIB
+    row_from_before = {k: v for k, v in parked.to_json().items() if k != "used_at_suspend"}
+    assert lease_from_json(row_from_before).used_at_suspend == 0  # a row written before the floor loads: nothing measured
+    with pytest.raises(RequestRefused, match="parked slices would take 14 GiB of host RAM, over the limit of 12 GiB"):
+        pool.suspend(bob.id, now=T0 + 31)
+    with pytest.raises(InvalidInput, match="more than this lease's GPUs hold"):  # the upper bound stands
+        pool.confirm_transition(pool.suspend(pool.request(req("carol", gib=4, suspendable=True), now=T0 + 32).id, now=T0 + 33).id,
+                                parked_bytes=40 * GIB, now=T0 + 34)
+
+
+def test_a_live_move_books_what_the_kernel_holds_in_host_ram(tmp_path):
+    """A move passes the kernel's memory through host RAM: all it holds, not just its slice."""
+    pool = make_pool(tmp_path, spec="2x16GiB", defragment_min_idle=60, **IDLE)
+    idle = pool.request(req("alice", suspendable=True, burst_limit=0), now=T0)  # 8 GiB
+    gone = pool.request(req("dave"), now=T0)
+    busy = pool.request(req("bob"), now=T0)
+    pool.release(gone.id, now=T0 + 50)
+    pool.report_usage({idle.id: 9 * GIB}, now=T0 + 60)  # 1 GiB above its slice
+    pool.report_activity(busy.id, Activity(busy=True), now=T0 + 100)
+    pool.request(req("carol", gib=12), now=T0 + 100)  # fits on neither GPU: alice moves
+    moving = pool.get(idle.id)
+    assert moving.transition is Transition.MIGRATING and moving.parked_memory == 9 * GIB

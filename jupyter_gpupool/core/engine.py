@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from jupyter_gpupool.core.index import LeaseIndex, excess_per_device
+from jupyter_gpupool.core.index import LeaseIndex, excess_per_device, park_size
 from jupyter_gpupool.core.models import (
     MODEL_FORMS,
     Activity,
@@ -811,7 +811,7 @@ class Engine:
             return f"its GPU is unusable ({lease.flagged})"
         budget = self.parked_budget(state)
         parked = state.derived().parked
-        needed = lease.memory * lease.num_gpus
+        needed = park_size(lease)
         # Backups running kernels keep pinned; a parked lease's is in ``parked``, this one's becomes its park.
         kept = state.derived().pinned_kept - lease.pinned_backup
         if parked + needed + kept > budget:
@@ -880,7 +880,8 @@ class Engine:
         lease.transition_at = now
         lease.suspend_reason = reason
         lease.grow_wanted, lease.grow_since = 0, None  # parked, it wants nothing; back on a GPU it asks again
-        lease.parked_memory = lease.memory * lease.num_gpus  # set aside now; the real figure on confirm
+        lease.used_at_suspend = lease.used_memory or 0  # the GPU's word, before the server's: the floor of its report
+        lease.parked_memory = park_size(lease)  # set aside now; the real figure on confirm
         lease.warned_at = lease.reclaim_at = None
         lease.reclaim_reason = ""
         state.touch(lease)
@@ -951,7 +952,9 @@ class Engine:
     @staticmethod
     def bounded_parked_bytes(state: PoolState, lease: Lease, parked_bytes: int) -> int:
         """What a suspend report may say was parked: never more than the lease held (its slice, or
-        the most the watchdog saw it use). A figure its GPUs could not even hold is refused."""
+        the most the watchdog saw it use), never less than the watchdog measured its kernel holding
+        when the suspend began (a server cannot report its way under the host-RAM budget). A
+        figure its GPUs could not even hold is refused."""
         known = {d.uuid: d.memory_total for d in state.devices}
         capacity = sum(known.get(uuid, 0) for uuid in lease.devices) or lease.memory * lease.num_gpus
         if parked_bytes > capacity:
@@ -959,7 +962,8 @@ class Engine:
                 f"parked_bytes {parked_bytes} is more than this lease's GPUs hold ({format_size(capacity)}); "
                 "report the bytes the suspend copied to host RAM"
             )
-        return min(max(0, int(parked_bytes)), max(lease.memory * lease.num_gpus, lease.peak_memory or 0))
+        reported = min(max(0, int(parked_bytes)), max(lease.memory * lease.num_gpus, lease.peak_memory or 0))
+        return max(reported, lease.used_at_suspend)
 
     def fail_transition(self, state: PoolState, lease_id: str, error: str, still_running: bool, now: float) -> list[Decision]:
         """The server could not finish a suspend, restore or move (``error``: why, one line).
@@ -1058,13 +1062,13 @@ class Engine:
             parked = 0
             for lease in sorted((m for m in movable if m.devices == (device.uuid,)), key=lambda m: -m.memory):
                 fits = [(f, u) for u, f in room.items() if f >= lease.memory and known[u].model == device.model]
-                if not fits or parked + lease.memory > budget_left:
+                if not fits or parked + park_size(lease) > budget_left:
                     continue
                 _, target = min(fits)  # the tightest GPU that takes it
                 room[target] -= lease.memory
                 plan.append((lease, target))
                 gained += lease.memory
-                parked += lease.memory
+                parked += park_size(lease)
                 if gained >= missing:
                     break
             if gained < missing:
@@ -1075,7 +1079,7 @@ class Engine:
                 lease.transition_at = now
                 lease.migrate_from = lease.devices
                 lease.devices = (target,)
-                lease.parked_memory = lease.memory  # passes through host RAM
+                lease.parked_memory = park_size(lease)  # passes through host RAM
                 lease.suspend_reason = f"moved to another GPU to make room for {format_size(head.memory)} for {head.owner}"
                 state.touch(lease)
                 decisions.append(self._decision(DecisionKind.MIGRATE, lease, lease.suspend_reason, now))
@@ -1299,7 +1303,7 @@ class Engine:
         lease.transition_at = now
         lease.migrate_from = lease.devices
         lease.devices = (target,)
-        lease.parked_memory = lease.memory  # passes through host RAM
+        lease.parked_memory = park_size(lease)  # passes through host RAM
         lease.suspend_reason = f"moved to another GPU with room for its slice to grow to {format_size(wanted)}"
         state.touch(lease)
         return self._decision(DecisionKind.MIGRATE, lease, lease.suspend_reason, now)
@@ -1335,15 +1339,23 @@ class Engine:
             taken = other.memory + excess_per_device(other)
             new_size = min(other.memory, max(other.guarantee_size, taken - min(give, missing)))
             missing -= min(give, missing)
-            self._set_size(state, other, new_size, now)
-            other.burst_taken_at = now
-            other.burst_note = (
-                f"{BURST_TAKEN} for a neighbour's slice that needs {format_size(wanted)}: the slice is "
-                f"{format_size(new_size)} now ({format_size(other.guarantee_size)} guaranteed)"
-            )
-            state.touch(other)
-            decisions.append(self._decision(DecisionKind.SHRINK, other, other.burst_note, now))
+            decisions.append(self._take_burst_back(state, other, new_size, f"a neighbour's slice that needs {format_size(wanted)}", now))
         return decisions
+
+    def _take_burst_back(self, state: PoolState, lease: Lease, new_size: int, taken_for: str, now: float) -> Decision:
+        """Lower ``lease`` to ``new_size`` bytes per GPU for ``taken_for`` (its kernel frees caches and
+        lowers its caps to it): a SHRINK decision. What it gave back stays counted until the
+        watchdog measures its kernel within its new size."""
+        gpus = max(1, lease.num_gpus)
+        lease.burst_from = max(lease.memory, lease.burst_from if lease.burst_taken_at is not None else 0)
+        self._set_size(state, lease, new_size, now)
+        lease.burst_taken_at = now
+        lease.burst_note = (
+            f"{BURST_TAKEN} for {taken_for}: the slice is {format_size(new_size * gpus)} now "
+            f"({format_size(lease.guarantee_size * gpus)} guaranteed)"
+        )
+        state.touch(lease)
+        return self._decision(DecisionKind.SHRINK, lease, lease.burst_note, now)
 
     def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float, spare: Collection[str] = ()) -> tuple[list[Decision], bool]:
         """Make room for ``head`` from other slices' burst, before anyone's guarantee: lower their
@@ -1380,17 +1392,7 @@ class Engine:
                 new_size = min(lease.memory, max(lease.guarantee_size, taken - missing))
                 missing -= taken - new_size
                 if new_size < lease.memory or lease.burst_taken_at is None:
-                    gpus = max(1, lease.num_gpus)
-                    # What it gave back stays counted until the watchdog measures the kernel within it.
-                    lease.burst_from = max(lease.memory, lease.burst_from if lease.burst_taken_at is not None else 0)
-                    self._set_size(state, lease, new_size, now)
-                    lease.burst_taken_at = now
-                    lease.burst_note = (
-                        f"{BURST_TAKEN} for a request of {format_size(head.memory * head.num_gpus)}: the slice is "
-                        f"{format_size(new_size * gpus)} now ({format_size(lease.guarantee_size * gpus)} guaranteed)"
-                    )
-                    state.touch(lease)
-                    decisions.append(self._decision(DecisionKind.SHRINK, lease, lease.burst_note, now))
+                    decisions.append(self._take_burst_back(state, lease, new_size, f"a request of {format_size(head.memory * head.num_gpus)}", now))
         placed = self._place(state, head)
         if placed is not None and not self._quota_block_reason(state, head):
             self._grant(state, head, placed, now)

@@ -38,6 +38,13 @@ def excess_per_device(lease: Lease) -> int:
     unconfirmed = lease.burst_from - lease.memory if lease.burst_taken_at is not None else 0
     return max(measured, unconfirmed)
 
+
+def park_size(lease: Lease) -> int:
+    """Bytes of host RAM a granted lease's GPU memory takes when it is parked or passes through
+    host RAM on a move: its slice (all GPUs), or what the watchdog last measured its kernel
+    holding when that is more (soft enforcement, an elastic slice using its burst)."""
+    return max(lease.memory * max(1, lease.num_gpus), lease.used_memory or 0)
+
 #: Seconds of slack when the heaps say nothing is due: float rounding of ``now - heartbeat`` vs
 #: ``heartbeat + ttl`` never matters, the exact test runs whenever something is near due.
 SLACK = 1e-3

@@ -248,6 +248,9 @@ class Lease:
     #: holds the books. While the kernel runs it counts against the parked-memory budget as
     #: well; while parked its backup is its ``parked_memory``.
     pinned_backup: int = 0
+    #: Bytes (all GPUs) the pool's watchdog measured its kernel holding when its suspend began (0:
+    #: not measured): its confirmation is booked at no less, whatever its server reports parked.
+    used_at_suspend: int = 0
     home_devices: tuple[str, ...] = ()  # uuids it ran on before it was suspended (restore maps from them)
     home_model: str = ""  # exact model of those GPUs: it is restored onto that model only
     resuming: bool = False  # queued to resume after a suspend

@@ -44,12 +44,12 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, Unicode
 
-from jupyter_gpupool.backends.contract import Capability, supports
+from jupyter_gpupool.backends.contract import Capability, SuspendingBackend, supports
 from jupyter_gpupool.backends.factory import pool_from_env
 from jupyter_gpupool.backends.owner import default_owner, holder_identity
 from jupyter_gpupool.core.models import Activity, Lease, LeaseRequest, LeaseState, PriorityClass, QueueInfo
@@ -438,8 +438,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             if kept is not None and kept.state is LeaseState.GRANTED:
                 if kept.pinned_backup and supports(pool, Capability.SUSPEND):
                     # The old process's pinned backup went with it: give its place in the host's pool back.
+                    suspending = cast(SuspendingBackend, pool)
                     with contextlib.suppress(GpuPoolError):
-                        kept = await asyncio.to_thread(pool.reserve_pinned_backup, kept.id, 0)
+                        return await asyncio.to_thread(suspending.reserve_pinned_backup, kept.id, 0)
                 return kept
             if kept is not None and kept.state is LeaseState.QUEUED:
                 return await self._wait(kept)
