@@ -13,10 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from pool_helpers import make_pool, req
 
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.broker.app import Broker
+from jupyter_gpupool.broker.caller_views import CallerViewVersions
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.rest.views import view_version
 
@@ -28,13 +30,22 @@ def _fresh(pool: Pool, owner: str) -> int:
     return view_version(pool.leases(owner=owner))
 
 
-def test_alices_change_answers_her_polls_not_bobs_with_one_read_per_caller(tmp_path: Path) -> None:
+class OwnerReads:
+    """The pool as a backend without a lease cache shows it: one owner's leases per read."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.changes = pool.changes
+        self.leases = pool.leases
+
+
+@pytest.mark.parametrize("reads", ["one pass over the lease cache", "one read per owner"])
+def test_alices_change_answers_her_polls_not_bobs_with_one_read_per_caller(tmp_path: Path, reads: str) -> None:
     pool = make_pool(tmp_path, spec="2x16GiB", heartbeat_ttl=3600)
     alice = pool.request(req("alice", gib=4, suspendable=True))
     bob = pool.request(req("bob", gib=4))
     assert alice.state is LeaseState.GRANTED and bob.state is LeaseState.GRANTED
     broker = Broker(pool=pool)
-    views = broker.view_versions
+    views = broker.view_versions if reads.startswith("one pass") else CallerViewVersions(OwnerReads(pool), broker.run)
 
     async def scenario() -> None:
         mine, theirs = await views.version("alice"), await views.version("bob")
