@@ -185,11 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="rounds of each way, alternated")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     args = parser.parse_args(argv)
-    result = asyncio.run(run(args.callers, args.changes, args.repeats))
-    print("python bench/long_poll.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    for name, most in (("callers", 1000), ("changes", 10000), ("repeats", 100)):
+        if not 1 <= getattr(args, name) <= most:
+            parser.error(f"--{name} {getattr(args, name)}: give 1 to {most}")
+    command = "python bench/long_poll.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"command": command, **asyncio.run(run(args.callers, args.changes, args.repeats))}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    print(command)
     print(f"{args.callers} waiting callers, medians of {args.repeats} rounds of {args.changes} changes; load {result['machine']['load']}")
     for way, label in (("before", "each poll reads"), ("after", "one job per change")):
         s = result["summary"][way]
