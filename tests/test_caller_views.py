@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from pool_helpers import make_pool, req
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.broker.app import Broker
 from jupyter_gpupool.broker.caller_views import CallerViewVersions
-from jupyter_gpupool.core.models import LeaseState
+from jupyter_gpupool.core.models import Lease, LeaseState
 from jupyter_gpupool.rest.views import view_version
 
 POLLS_EACH = 10
@@ -38,13 +39,25 @@ class OwnerReads:
         self.leases = pool.leases
 
 
-@pytest.mark.parametrize("reads", ["one pass over the lease cache", "one read per owner"])
-def test_alices_change_answers_her_polls_not_bobs_with_one_read_per_caller(tmp_path: Path, reads: str) -> None:
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Pool, Broker, Lease, Lease]]:
+    """A broker on a pool file where alice and bob each hold a lease (alice's may be suspended)."""
     pool = make_pool(tmp_path, spec="2x16GiB", heartbeat_ttl=3600)
     alice = pool.request(req("alice", gib=4, suspendable=True))
     bob = pool.request(req("bob", gib=4))
     assert alice.state is LeaseState.GRANTED and bob.state is LeaseState.GRANTED
     broker = Broker(pool=pool)
+    yield pool, broker, alice, bob
+    broker.view_versions.close()
+    broker.executor.shutdown(wait=True)
+    pool.close()
+
+
+@pytest.mark.parametrize("reads", ["one pass over the lease cache", "one read per owner"])
+def test_alices_change_answers_her_polls_not_bobs_with_one_read_per_caller(
+    served: tuple[Pool, Broker, Lease, Lease], reads: str
+) -> None:
+    pool, broker, alice, bob = served
     views = broker.view_versions if reads.startswith("one pass") else CallerViewVersions(OwnerReads(pool), broker.run)
 
     async def scenario() -> None:
@@ -52,8 +65,8 @@ def test_alices_change_answers_her_polls_not_bobs_with_one_read_per_caller(tmp_p
         assert (mine, theirs) == (_fresh(pool, "alice"), _fresh(pool, "bob"))
         alices = [asyncio.ensure_future(views.wait("alice", mine, 20.0)) for _ in range(POLLS_EACH)]
         bobs = [asyncio.ensure_future(views.wait("bob", theirs, 2.0)) for _ in range(POLLS_EACH)]
-        await asyncio.sleep(0.3)  # every poll waits now
         reads, counter = views.reads, pool.changes.version
+        await asyncio.sleep(0.3)  # every poll looks (the version kept: no read) and waits
 
         # A heartbeat is a pool change that moves nobody's view: no poll answers.
         await broker.run(pool.heartbeat, [alice.id, bob.id])
@@ -80,15 +93,10 @@ def test_alices_change_answers_her_polls_not_bobs_with_one_read_per_caller(tmp_p
         asyncio.run(scenario())
     finally:
         views.close()
-        broker.executor.shutdown(wait=True)
-        pool.close()
 
 
-def test_a_change_made_by_another_process_is_not_served_stale(tmp_path: Path) -> None:
-    pool = make_pool(tmp_path, spec="2x16GiB", heartbeat_ttl=3600)
-    alice = pool.request(req("alice", gib=4, suspendable=True))
-    pool.request(req("bob", gib=4))
-    broker = Broker(pool=pool)
+def test_a_change_made_by_another_process_is_not_served_stale(tmp_path: Path, served: tuple[Pool, Broker, Lease, Lease]) -> None:
+    pool, broker, alice, _ = served
     views = broker.view_versions
     code = (
         "import sys\nsys.path.insert(0, sys.argv[2])\nfrom pathlib import Path\nfrom pool_helpers import make_pool\n"
@@ -113,9 +121,4 @@ def test_a_change_made_by_another_process_is_not_served_stale(tmp_path: Path) ->
         bobs.cancel()
         assert await views.version("bob") == theirs
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        views.close()
-        broker.executor.shutdown(wait=True)
-        pool.close()
+    asyncio.run(scenario())
