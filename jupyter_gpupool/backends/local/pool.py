@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -333,7 +333,7 @@ class Pool(GrantWaiting):
         """Every matching lease, newest first (filtered in SQL, never cut short)."""
         return self._reads().leases(owner=owner, include_released=include_released, kernel_id=kernel_id)
 
-    def live_leases_of(self, owners: Collection[str]) -> dict[str, list[Lease]]:
+    def live_leases_of(self, owners: Iterable[str]) -> dict[str, list[Lease]]:
         """Each of ``owners``' live leases (copies; as :meth:`leases` lists them, in no order), from
         the lease cache: nothing is read from the file unless another connection wrote to it since.
         Many owners at once cost one pass over the live leases, not a query and a parse each."""
