@@ -368,6 +368,11 @@ class BrokerProcess:
         leases = [lease_from_json(json.loads(row[0])) for row in rows]
         return leases if include_released else [lease for lease in leases if lease.live]
 
+    def kernel_lease(self, kernel_id: str) -> Lease | None:
+        """The newest lease of a kernel in the pool file."""
+        found = [lease for lease in self.leases() if lease.kernel_id == kernel_id]
+        return found[-1] if found else None
+
 
 class JupyterServer(Server):
     """A real ``jupyter server`` process for one user, pointed at a broker with that user's hub token;

@@ -1,5 +1,5 @@
 """Kernels on the in-process jupyter_server of the ``jp_serverapp`` fixtures: start one over REST,
-find its process."""
+wait for its process, find it; keep a cell busy until the test lets it finish."""
 
 from __future__ import annotations
 
@@ -18,3 +18,21 @@ def kernel_pid(serverapp: Any, kernel_id: str) -> int | None:
     """The kernel's process id, once its provisioner launched it (None before)."""
     kernel = serverapp.kernel_manager.get_kernel(kernel_id)
     return getattr(getattr(kernel.provisioner, "process", None), "pid", None)
+
+
+#: Seconds a kernel may take to start on a loaded machine (a 2-core CI runner starts several at once).
+KERNEL_START_TIMEOUT = 120.0
+
+
+async def start_running_kernel(fetch: Any, serverapp: Any, wait: Any, name: str = "python3", what: str = "the kernel") -> str:
+    """:func:`start_kernel`, then wait (``gpupool_wait``) until its provisioner launched its
+    process; the kernel's id."""
+    kernel = await start_kernel(fetch, name)
+    await wait(lambda: kernel_pid(serverapp, kernel), timeout=KERNEL_START_TIMEOUT, what=f"{what}'s process")
+    return kernel
+
+
+def release_flag(path: Any) -> str:
+    """Code for a cell that stays busy until the file ``path`` exists (the test creates it): a
+    kernel kept busy for as long as the test needs, however slow the machine, not for a guess."""
+    return f"import os, time\nwhile not os.path.exists({str(path)!r}):\n    time.sleep(0.05)\nprint('released')"

@@ -33,9 +33,12 @@ def wait_for(predicate: Any, timeout: float = 60, what: str = "") -> Any:
 
 class Server:
     """`jupyter server` in its own folder under ``tmp``, its environment overridden by ``env``
-    (a value of None removes the variable), reached with its own token."""
+    (a value of None removes the variable), reached with its own token; ``start_timeout``: seconds
+    it may take to answer (a loaded machine takes tens of seconds)."""
 
-    def __init__(self, tmp: Path, user: str, env: dict[str, str | None], args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tmp: Path, user: str, env: dict[str, str | None], args: tuple[str, ...] = (), start_timeout: float = 60
+    ) -> None:
         self.port = free_port()
         self.token = f"{user}-server-token"
         self.root = tmp / user
@@ -54,7 +57,7 @@ class Server:
              "--ServerApp.jpserver_extensions={'jupyter_server_terminals': False}", *args],
             env=environ, stdout=self.log, stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
             try:
                 self.call("GET", "api/status")
@@ -65,11 +68,13 @@ class Server:
                 time.sleep(0.3)
         raise AssertionError(f"{user}'s server did not start: {self.log_path.read_text()[-2000:]}")
 
-    def call(self, method: str, path: str, body: Any = None) -> Any:
+    def call(self, method: str, path: str, body: Any = None, timeout: float = 30) -> Any:
+        """A request with the server's token; its JSON answer. ``timeout``: seconds for the answer
+        (starting a kernel answers once the kernel runs: give a loaded machine more)."""
         data = json.dumps(body).encode() if body is not None else (b"{}" if method == "POST" else None)
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/{path}", data=data, method=method,
                                          headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             raw = response.read()
         return json.loads(raw) if raw else None
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub, read_http_message, wait_until
 
-from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
+from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import PoolUnavailable
 from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.units import GIB
@@ -41,12 +41,6 @@ def brokers() -> Iterator[list[BrokerProcess]]:
     yield started
     for broker in started:
         broker.stop()
-
-
-def kernel_lease(broker: BrokerProcess, kernel_id: str) -> Lease | None:
-    """The newest lease of a kernel in the pool file."""
-    found = [lease for lease in broker.leases() if lease.kernel_id == kernel_id]
-    return found[-1] if found else None
 
 
 def queue_order(broker: BrokerProcess) -> list[str | None]:
@@ -74,11 +68,11 @@ def test_queued_kernels_survive_a_broker_sigkill_and_are_granted_in_turn(
     )
     try:
         k1 = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        wait_until(lambda: (l := kernel_lease(broker, k1)) and l.state is LeaseState.GRANTED, what="k1's grant")
+        wait_until(lambda: (l := broker.kernel_lease(k1)) and l.state is LeaseState.GRANTED, what="k1's grant")
         k2 = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        wait_until(lambda: kernel_lease(broker, k2), what="k2's request")
+        wait_until(lambda: broker.kernel_lease(k2), what="k2's request")
         k3 = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        wait_until(lambda: kernel_lease(broker, k3), what="k3's request")
+        wait_until(lambda: broker.kernel_lease(k3), what="k3's request")
         assert queue_order(broker) == [k2, k3]
         before = {lease.id: lease.kernel_id for lease in broker.leases()}
 
@@ -99,7 +93,7 @@ def test_queued_kernels_survive_a_broker_sigkill_and_are_granted_in_turn(
 
         server.call("DELETE", f"api/kernels/{k1}")
         granted = wait_until(
-            lambda: (l := kernel_lease(broker, k2)) and l.state is LeaseState.GRANTED and l, what="k2's grant"
+            lambda: (l := broker.kernel_lease(k2)) and l.state is LeaseState.GRANTED and l, what="k2's grant"
         )
         connection_file = server.root / "runtime" / f"kernel-{k2}.json"
         wait_until(connection_file.exists, what="k2 to launch")
@@ -107,7 +101,7 @@ def test_queued_kernels_survive_a_broker_sigkill_and_are_granted_in_turn(
             k2, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPUPOOL_LEASE_ID'])"
         )
         assert out.split() == [granted.devices[0], granted.id]
-        assert kernel_lease(broker, k3).state is LeaseState.QUEUED  # type: ignore[union-attr]
+        assert broker.kernel_lease(k3).state is LeaseState.QUEUED  # type: ignore[union-attr]
         live = [lease for lease in broker.leases() if lease.live]
         assert sorted(lease.kernel_id or "" for lease in live) == sorted([k2, k3])
         assert len({lease.kernel_id for lease in broker.leases()}) == len(broker.leases()), "one lease per kernel"
@@ -384,7 +378,7 @@ def test_a_queued_kernel_says_pool_unavailable_retrying_over_rest_while_the_brok
     )
     try:
         k1 = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        wait_until(lambda: (l := kernel_lease(broker, k1)) and l.state is LeaseState.GRANTED, what="k1's grant")
+        wait_until(lambda: (l := broker.kernel_lease(k1)) and l.state is LeaseState.GRANTED, what="k1's grant")
         k2 = server.call("POST", "api/kernels", {"name": "python3"})["id"]
         wait_until(
             lambda: server.call("GET", f"api/gpupool/kernels/{k2}").get("state") == "queued", what="k2 to queue"
@@ -439,7 +433,7 @@ def test_a_kernel_start_while_the_broker_hangs_leaves_the_server_responsive(
             broker.proc.send_signal(signal.SIGCONT)
         post.join(90)
         kernel_id = started_kernel["id"]
-        wait_until(lambda: (l := kernel_lease(broker, kernel_id)) and l.state is LeaseState.GRANTED, what="the grant")
+        wait_until(lambda: (l := broker.kernel_lease(kernel_id)) and l.state is LeaseState.GRANTED, what="the grant")
     finally:
         server.stop()
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub, wait_until
 
-from server_kernels import start_kernel, kernel_pid
+from server_kernels import start_running_kernel
 from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 from jupyter_gpupool.backends.remote import RemotePool
 
@@ -49,8 +49,7 @@ def test_a_cell_sent_to_a_suspended_kernel_comes_back_at_once_with_a_ten_minute_
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await start_kernel(gpupool_fetch)
-        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_running_kernel(gpupool_fetch, jp_serverapp, gpupool_wait)
         assert (await kernel_exec(kernel, "x = 42\nprint('set')")).strip() == "set"
         ticks = gpupool_ext.tick_count
 
@@ -81,8 +80,7 @@ def test_a_suspend_decided_by_another_process_sharing_the_pool_file_starts_at_on
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await start_kernel(gpupool_fetch)
-        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_running_kernel(gpupool_fetch, jp_serverapp, gpupool_wait)
         await kernel_exec(kernel, "y = 7")
         lease = pool.lease_for_kernel(kernel)
         ticks = gpupool_ext.tick_count
@@ -120,8 +118,7 @@ def test_a_move_decided_by_another_process_starts_at_once(arun, jp_serverapp, gp
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await start_kernel(gpupool_fetch)
-        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_running_kernel(gpupool_fetch, jp_serverapp, gpupool_wait)
         host, me = holder_identity()
         home = pool.lease_for_kernel(kernel).devices
         beside = pool.request(LeaseRequest(owner="dave", memory=8 * GIB, holder_pid=me, holder_host=host))
@@ -175,71 +172,65 @@ def broker(tmp_path: Path, hub: StandInHub) -> Iterator[BrokerProcess]:
     process.stop()
 
 
-def _lease_of(broker: BrokerProcess, kernel_id: str) -> Lease | None:
-    found = [lease for lease in broker.leases() if lease.kernel_id == kernel_id]
-    return found[-1] if found else None
-
-
-def test_through_a_broker_suspend_and_the_next_cell_do_not_wait_for_any_tick(tmp_path: Path, broker: BrokerProcess) -> None:
-    server = JupyterServer(
-        tmp_path,
-        "alice",
-        broker.url,
-        ALICE,
-        config={"GpuPoolExtension": {"tick_interval": TEN_MINUTES, "reconcile_interval": TEN_MINUTES}},
+@pytest.fixture
+def server(tmp_path: Path, broker: BrokerProcess) -> Iterator[JupyterServer]:
+    """Alice's real Jupyter server on the broker, its own loops at ten minutes."""
+    process = JupyterServer(
+        tmp_path, "alice", broker.url, ALICE, config={"GpuPoolExtension": SLOW_LOOPS["GpuPoolExtension"]}
     )
-    try:
-        kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        wait_until(lambda: (lease := _lease_of(broker, kernel)) and lease.state is LeaseState.GRANTED, what="the grant")
-        wait_until((server.root / "runtime" / f"kernel-{kernel}.json").exists, what="the kernel to launch")
-        assert server.run_code(kernel, "z = 5\nprint('set')").strip() == "set"
-        lease = _lease_of(broker, kernel)
-        assert lease is not None
-
-        # Another client of the broker (an admin tool, another of alice's processes) decides the suspend.
-        remote = RemotePool(broker.url, token=ALICE, timeout=15)
-        decided = time.monotonic()
-        remote.call("POST", f"api/gpupool/leases/{lease.id}/suspend", {"reason": "lunch"}, idempotent=False)
-        wait_until(lambda: remote.get(lease.id).state is LeaseState.SUSPENDED, timeout=PROMPT, what="the suspend")
-        assert time.monotonic() - decided < PROMPT
-
-        started = time.monotonic()
-        out = server.run_code(kernel, "print(z)", timeout=PROMPT)
-        assert out.strip().splitlines()[-1] == "5", out
-        assert time.monotonic() - started < PROMPT
-        assert remote.get(lease.id).transition is Transition.NONE
-    finally:
-        server.stop()
+    yield process
+    process.stop()
 
 
-def test_a_broker_killed_during_the_long_poll_is_followed_again_once_it_is_back(tmp_path: Path, broker: BrokerProcess) -> None:
+def _kernel_holding(server: JupyterServer, broker: BrokerProcess, code: str) -> tuple[str, Lease]:
+    """Start a kernel on ``server``, wait for its grant and its process, run ``code`` (which
+    prints ``set``) in it; the kernel's id and lease."""
+    kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+    wait_until(lambda: (lease := broker.kernel_lease(kernel)) and lease.state is LeaseState.GRANTED, what="the grant")
+    wait_until((server.root / "runtime" / f"kernel-{kernel}.json").exists, what="the kernel to launch")
+    assert server.run_code(kernel, code).strip() == "set"
+    lease = broker.kernel_lease(kernel)
+    assert lease is not None
+    return kernel, lease
+
+
+def test_through_a_broker_suspend_and_the_next_cell_do_not_wait_for_any_tick(
+    server: JupyterServer, broker: BrokerProcess
+) -> None:
+    kernel, lease = _kernel_holding(server, broker, "z = 5\nprint('set')")
+
+    # Another client of the broker (an admin tool, another of alice's processes) decides the suspend.
+    remote = RemotePool(broker.url, token=ALICE, timeout=15)
+    decided = time.monotonic()
+    remote.call("POST", f"api/gpupool/leases/{lease.id}/suspend", {"reason": "lunch"}, idempotent=False)
+    wait_until(lambda: remote.get(lease.id).state is LeaseState.SUSPENDED, timeout=PROMPT, what="the suspend")
+    assert time.monotonic() - decided < PROMPT
+
+    started = time.monotonic()
+    out = server.run_code(kernel, "print(z)", timeout=PROMPT)
+    assert out.strip().splitlines()[-1] == "5", out
+    assert time.monotonic() - started < PROMPT
+    assert remote.get(lease.id).transition is Transition.NONE
+
+
+def test_a_broker_killed_during_the_long_poll_is_followed_again_once_it_is_back(
+    server: JupyterServer, broker: BrokerProcess
+) -> None:
     """SIGKILL the broker while the server's ``/changes`` long poll is open, start it again: a
     suspend decided the moment it is back is carried out within one backoff, not at a tick."""
-    server = JupyterServer(
-        tmp_path, "alice", broker.url, ALICE,
-        config={"GpuPoolExtension": {"tick_interval": TEN_MINUTES, "reconcile_interval": TEN_MINUTES}},
-    )
-    try:
-        kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        wait_until(lambda: (lease := _lease_of(broker, kernel)) and lease.state is LeaseState.GRANTED, what="the grant")
-        wait_until((server.root / "runtime" / f"kernel-{kernel}.json").exists, what="the kernel to launch")
-        assert server.run_code(kernel, "w = 7\nprint('set')").strip() == "set"
-        lease = _lease_of(broker, kernel)
-        assert lease is not None
-        time.sleep(0.5)  # the server's long poll is open now
-        broker.kill()
-        time.sleep(1.5)  # its poll failed; it backs off and tries again
-        broker.start()
-        remote = RemotePool(broker.url, token=ALICE, timeout=15)
-        decided = time.monotonic()
-        remote.call("POST", f"api/gpupool/leases/{lease.id}/suspend", {"reason": "lunch"}, idempotent=False)
-        wait_until(lambda: remote.get(lease.id).state is LeaseState.SUSPENDED, timeout=PROMPT + RemotePool.retry_max,
-                   what="the suspend after the broker came back")
-        assert time.monotonic() - decided < PROMPT + RemotePool.retry_max
-        out = server.run_code(kernel, "print(w)", timeout=PROMPT + RemotePool.retry_max)
-        assert out.strip().splitlines()[-1] == "7", out  # nothing lost across the broker's death
-    finally:
-        server.stop()
+    kernel, lease = _kernel_holding(server, broker, "w = 7\nprint('set')")
+    time.sleep(0.5)  # the server's long poll is open now
+    broker.kill()
+    time.sleep(1.5)  # its poll failed; it backs off and tries again
+    broker.start()
+    remote = RemotePool(broker.url, token=ALICE, timeout=15)
+    decided = time.monotonic()
+    remote.call("POST", f"api/gpupool/leases/{lease.id}/suspend", {"reason": "lunch"}, idempotent=False)
+    wait_until(lambda: remote.get(lease.id).state is LeaseState.SUSPENDED, timeout=PROMPT + RemotePool.retry_max,
+               what="the suspend after the broker came back")
+    assert time.monotonic() - decided < PROMPT + RemotePool.retry_max
+    out = server.run_code(kernel, "print(w)", timeout=PROMPT + RemotePool.retry_max)
+    assert out.strip().splitlines()[-1] == "7", out  # nothing lost across the broker's death
 
 
 def test_the_changes_long_poll_answers_when_the_callers_leases_change_and_needs_credentials(broker: BrokerProcess) -> None:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from server_kernels import start_kernel, kernel_pid
+from server_kernels import start_running_kernel
 from jupyter_gpupool.core.models import LeaseState, Transition
 from jupyter_gpupool.enforcement import caps
 from jupyter_gpupool.enforcement.caps import free_framework_caches, register_cache_freer
@@ -30,8 +30,7 @@ def test_a_suspend_frees_the_kernels_caches_first_quietly_and_the_sidebar_sees_i
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await start_kernel(gpupool_fetch)
-        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_running_kernel(gpupool_fetch, jp_serverapp, gpupool_wait)
         await kernel_exec(
             kernel,
             "x = 42\nfrom jupyter_gpupool.enforcement import caps as caches\n"
@@ -64,8 +63,7 @@ def test_a_cell_sent_while_the_kernel_frees_its_caches_for_a_suspend_does_not_de
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await start_kernel(gpupool_fetch)
-        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_running_kernel(gpupool_fetch, jp_serverapp, gpupool_wait)
         await kernel_exec(
             kernel,
             "x = 42\nimport time\nfrom jupyter_gpupool.enforcement import caps as caches\n"
@@ -90,8 +88,7 @@ def test_free_caches_timeout_zero_never_asks(arun, jp_serverapp, gpupool_fetch, 
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
-        kernel = await start_kernel(gpupool_fetch)
-        await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
+        kernel = await start_running_kernel(gpupool_fetch, jp_serverapp, gpupool_wait)
         await kernel_exec(kernel, "from jupyter_gpupool.enforcement import caps as caches")
         await gpupool_fetch("api", "gpupool", "kernels", kernel, "suspend", method="POST", body={})
         await gpupool_wait(lambda: pool.lease_for_kernel(kernel).state is LeaseState.SUSPENDED, what="the suspend")

@@ -33,6 +33,7 @@ from jupyter_gpupool.application import GpuPoolBaseApp
 from jupyter_gpupool.backends.discovery import listen_urls, write_discovery
 from jupyter_gpupool.backends.local.pool import HOSTNAME
 from jupyter_gpupool.broker.auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
+from jupyter_gpupool.broker.caller_views import CallerViewVersions
 from jupyter_gpupool.broker.handlers import NotFoundHandler, lease_json, parse_priority, routes
 from jupyter_gpupool.broker.interface import BrokerInterface
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
@@ -103,6 +104,7 @@ class Broker(LoggingConfigurable):
         if self.watchdog is not None and self.watchdog.act is None:
             self.watchdog.act = self._act
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpupool-broker")
+        self.view_versions = CallerViewVersions(pool, self.run)
         self.enforcement = EnforcementSettings(parent=self).to_config()
         self._roots: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -139,6 +141,7 @@ class Broker(LoggingConfigurable):
             except Exception:
                 self.log.exception("gpupool broker: a loop failed while stopping")
         self._tasks.clear()
+        self.view_versions.close()
         self.executor.shutdown(wait=True)
 
     def grace_after_restart(self) -> int:

@@ -21,7 +21,6 @@ from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, PriorityClass, Transition
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
 from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin, resize_on
-from jupyter_gpupool.rest.views import view_version
 
 _ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
 _KERNEL = r"(?P<kernel_id>[\w-]+)"
@@ -475,23 +474,8 @@ class ChangesHandler(BrokerHandler):
         raw_since, raw_timeout = self.query("since"), self.query("timeout")
         since = validate.whole_number(raw_since, "since (the version you last saw)", 0, 2**63 - 1) if raw_since else None
         timeout = validate.number(raw_timeout, "timeout", 0.0, validate.MAX_TIME) if raw_timeout else 10.0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(MAX_WAIT, timeout)
-        changes = getattr(self.broker.pool, "changes", None)
-        pool_version = None if changes is None else changes.version
-        while True:
-            mine = await self.run(self._view_version)
-            left = deadline - loop.time()
-            if since is None or mine != since or left <= 0:
-                break
-            if changes is None:  # a pool that cannot tell: look again now and then
-                await asyncio.sleep(min(left, 1.0))
-            else:  # woken by any change of the pool; answered only if it changed the caller's view
-                pool_version = await changes.wait_async(pool_version, left)
+        mine = await self.broker.view_versions.wait(self.identity.name, since, min(MAX_WAIT, timeout))
         self.write_json({"version": mine})
-
-    def _view_version(self) -> int:
-        return view_version(self.broker.pool.leases(owner=self.identity.name))
 
 
 # --- batch routes for a server's periodic loop ----------------------------------------------------------

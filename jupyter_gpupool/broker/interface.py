@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from tornado import web
 
 from jupyter_gpupool.broker.auth import Identity
+from jupyter_gpupool.broker.caller_views import CallerViewVersions
 from jupyter_gpupool.core.models import Lease, LeaseRequest
 
 
@@ -25,6 +26,8 @@ class BrokerInterface(Protocol):
     pool: Any
     log: logging.Logger | logging.LoggerAdapter[Any]
     wait_poll: float
+    #: Each caller's view version for ``GET /api/gpupool/changes``, read once per pool change.
+    view_versions: CallerViewVersions
     metrics_require_auth: bool
 
     async def run(self, fn: Any, *args: Any) -> Any:

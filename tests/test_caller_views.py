@@ -1,0 +1,124 @@
+"""The broker's ``/changes`` long poll reads each waiting caller's leases once per pool change.
+
+A real broker object on a real SQLite pool file, its real worker thread, and a real second
+process changing the file. Alice's change answers every one of her polls with her new version and
+none of bob's; a change costs one lease read per distinct waiting caller, not one per poll; and a
+version is never served from before a change, whichever process made it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pool_helpers import make_pool, req
+
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.broker.app import Broker
+from jupyter_gpupool.broker.caller_views import CallerViewVersions
+from jupyter_gpupool.core.models import Lease, LeaseState
+from jupyter_gpupool.rest.views import view_version
+
+POLLS_EACH = 10
+
+
+def _fresh(pool: Pool, owner: str) -> int:
+    """The owner's view version read straight from the pool file, bypassing what the broker keeps."""
+    return view_version(pool.leases(owner=owner))
+
+
+class OwnerReads:
+    """The pool as a backend without a lease cache shows it: one owner's leases per read."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.changes = pool.changes
+        self.leases = pool.leases
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Pool, Broker, Lease, Lease]]:
+    """A broker on a pool file where alice and bob each hold a lease (alice's may be suspended)."""
+    pool = make_pool(tmp_path, spec="2x16GiB", heartbeat_ttl=3600)
+    alice = pool.request(req("alice", gib=4, suspendable=True))
+    bob = pool.request(req("bob", gib=4))
+    assert alice.state is LeaseState.GRANTED and bob.state is LeaseState.GRANTED
+    broker = Broker(pool=pool)
+    yield pool, broker, alice, bob
+    broker.view_versions.close()
+    broker.executor.shutdown(wait=True)
+    pool.close()
+
+
+@pytest.mark.parametrize("reads", ["one pass over the lease cache", "one read per owner"])
+def test_alices_change_answers_her_polls_not_bobs_with_one_read_per_caller(
+    served: tuple[Pool, Broker, Lease, Lease], reads: str
+) -> None:
+    pool, broker, alice, bob = served
+    views = broker.view_versions if reads.startswith("one pass") else CallerViewVersions(OwnerReads(pool), broker.run)
+
+    async def scenario() -> None:
+        mine, theirs = await views.version("alice"), await views.version("bob")
+        assert (mine, theirs) == (_fresh(pool, "alice"), _fresh(pool, "bob"))
+        alices = [asyncio.ensure_future(views.wait("alice", mine, 20.0)) for _ in range(POLLS_EACH)]
+        bobs = [asyncio.ensure_future(views.wait("bob", theirs, 2.0)) for _ in range(POLLS_EACH)]
+        reads, counter = views.reads, pool.changes.version
+        await asyncio.sleep(0.3)  # every poll looks (the version kept: no read) and waits
+
+        # A heartbeat is a pool change that moves nobody's view: no poll answers.
+        await broker.run(pool.heartbeat, [alice.id, bob.id])
+        await asyncio.sleep(0.3)
+        assert not any(poll.done() for poll in alices + bobs)
+
+        await broker.run(pool.suspend, alice.id, "lunch")
+        answered = await asyncio.wait_for(asyncio.gather(*alices), 10.0)
+        assert set(answered) == {_fresh(pool, "alice")} and answered[0] != mine
+        assert not any(poll.done() for poll in bobs), "alice's change woke bob's polls"
+        assert await asyncio.gather(*bobs) == [theirs] * POLLS_EACH
+        changes = pool.changes.version - counter
+        assert changes >= 2
+        # Each change read alice and bob once (the polls woken by hers read nothing more).
+        assert views.reads - reads <= 2 * changes, (views.reads - reads, changes)
+
+        # Not served from before a change: her version right after her next change is the new one.
+        before = await views.version("alice")
+        await broker.run(pool.confirm_transition, alice.id)
+        assert await views.version("alice") == _fresh(pool, "alice") != before
+        assert await views.version("bob") == theirs == _fresh(pool, "bob")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        views.close()
+
+
+def test_a_change_made_by_another_process_is_not_served_stale(tmp_path: Path, served: tuple[Pool, Broker, Lease, Lease]) -> None:
+    pool, broker, alice, _ = served
+    views = broker.view_versions
+    code = (
+        "import sys\nsys.path.insert(0, sys.argv[2])\nfrom pathlib import Path\nfrom pool_helpers import make_pool\n"
+        "pool = make_pool(Path(sys.argv[3]), spec='2x16GiB', heartbeat_ttl=3600)\n"
+        "pool.suspend(sys.argv[1], reason='suspended by the admin')\n"
+    )
+
+    async def scenario() -> None:
+        mine, theirs = await views.version("alice"), await views.version("bob")
+        alices = asyncio.ensure_future(views.wait("alice", mine, 60.0))
+        bobs = asyncio.ensure_future(views.wait("bob", theirs, 60.0))
+        await asyncio.sleep(0.2)
+        done = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", code, alice.id, str(Path(__file__).parent), str(tmp_path)],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        # The broker's pool hears the other process through the file's change watcher.
+        assert await asyncio.wait_for(alices, 30.0) == _fresh(pool, "alice") != mine
+        assert await views.version("alice") == _fresh(pool, "alice")
+        assert not bobs.done()
+        bobs.cancel()
+        assert await views.version("bob") == theirs
+
+    asyncio.run(scenario())
