@@ -176,6 +176,8 @@ class FakeGpu:
     ``pcie_switch``: GPUs with the same value share a PCIe switch (topology SINGLE).
     ``errors``: function name → NVML error code raised when that function is called on this GPU.
     ``lost``: every call on this GPU, including getting its handle, raises GPU_IS_LOST.
+    Power (``nvmlDeviceGetPowerUsage``, mW): ``idle_power_mw`` plus ``context_power_mw`` for each
+    compute process listed (a live CUDA context draws power even when it computes nothing).
     """
 
     name: str
@@ -194,6 +196,10 @@ class FakeGpu:
     mps: list[FakeProcess] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     lost: bool = False
+    idle_power_mw: int = 72_000
+    context_power_mw: int = 40_000
+    pstate: int = 0
+    persistence: int = 1
 
 
 class _Handle:
@@ -448,6 +454,16 @@ class FakeNvml:
 
     def nvmlDeviceGetMPSComputeRunningProcesses(self, handle):
         return self._running("nvmlDeviceGetMPSComputeRunningProcesses", handle, "mps")
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        gpu = self._gpu("nvmlDeviceGetPowerUsage", handle)
+        return gpu.idle_power_mw + gpu.context_power_mw * len(gpu.compute)
+
+    def nvmlDeviceGetPerformanceState(self, handle):
+        return self._gpu("nvmlDeviceGetPerformanceState", handle).pstate
+
+    def nvmlDeviceGetPersistenceMode(self, handle):
+        return self._gpu("nvmlDeviceGetPersistenceMode", handle).persistence
 
     # MPS memory partitioning: the call exists from driver r615 (older drivers: FUNCTION_NOT_FOUND,
     # as pynvml's _nvmlGetFunctionPointer raises); MIG handles are not supported.

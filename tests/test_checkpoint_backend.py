@@ -827,6 +827,128 @@ def test_gpu_suspend_check_uses_the_product_checkpointer(host, sleepers):
         compile(code, name, "exec")
 
 
+def _gpu_check(name: str):
+    """A module of tests/gpu's checks (``gpucheck.checks.<name>``)."""
+    import importlib
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    try:
+        return importlib.import_module(f"gpucheck.checks.{name}")
+    finally:
+        sys.path.pop(0)
+
+
+# Speaks the power check's child protocol without a GPU; the fake driver holds its "context".
+POWER_STAND_IN = r"""
+import json, sys
+print(json.dumps({"event": "ready", "bytes": int(sys.argv[1]) * 2**30}), flush=True)
+for line in sys.stdin:
+    if line.strip() != "check":
+        break
+    print(json.dumps({"event": "checked", "intact": True}), flush=True)
+"""
+
+
+@pytest.fixture
+def power_check(host, tmp_path):
+    """``run(on_start=None, stand_in=..., **host_options)`` runs tests/gpu's power check against the fake NVML
+    and cuda.core with a stand-in child (short windows); returns ``(result, nvml, fake, child)``."""
+    power = _gpu_check("power")
+    from gpucheck.checks import Context, Options
+    from gpucheck.probe import Probe
+
+    children: list[subprocess.Popen[str]] = []
+
+    def run(on_start=None, stand_in=POWER_STAND_IN, **options):
+        nvml, fake, _ = host(**options)
+
+        def start(ctx, gib, gpu):
+            with open(ctx.workdir / power.CHILD_LOG, "w") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", stand_in, str(gib)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                )
+            children.append(proc)
+            fake.add_process(proc.pid, {gpu: gib * GIB})
+            if on_start is not None:
+                on_start(fake)
+            return proc
+
+        ctx = Context(name="power", options=Options(), probe=Probe(), workdir=tmp_path)
+        timing = power.Timing(sample_s=0.3, interval_s=0.05, settle_s=0, baseline_settle_s=0, ready_s=30, released_s=2)
+        opened = nvml.init_count  # the host's own backend holds NVML open
+        result = power.measure(ctx, start_child=start, timing=timing)
+        assert nvml.init_count == opened  # the check shut down every nvmlInit it made
+        return result, nvml, fake, children[0] if children else None
+
+    yield run
+    for proc in children:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_gpu_power_check_suspends_through_the_product_and_compares_the_medians(power_check):
+    """The power check drives the product's CudaCheckpointer; the fake GPU draws 40 W per live
+    context over 72 W idle, so suspended must come back to the baseline. It reads, never sets."""
+    result, nvml, fake, child = power_check()
+    assert result.status.value == "pass", result.detail
+    verdict = result.data["verdict"]
+    assert (verdict["baseline_w"], verdict["idle_w"], verdict["suspended_w"]) == (72.0, 112.0, 72.0)
+    assert verdict["saved_w"] == 40.0 and verdict["within"] is True
+    assert result.number == "baseline 72.0 W, idle context 112.0 W, suspended 72.0 W"
+    assert "persistence on" in result.detail and "P-states P0/P0/P0" in result.detail
+    assert "via jupyter_gpupool CudaCheckpointer" in result.detail and "8.00 GiB freed" in result.detail
+    assert result.data["bytes_parked"] == 8 * GIB and result.data["process_bytes_suspended"] == 0
+    assert fake.ops(child.pid) == ["lock", "checkpoint", "restore", "unlock"]
+    assert child.wait(10) == 0  # ended once it had read its memory back
+    assert not [name for name in nvml.calls if "Set" in name]  # no GPU setting touched
+
+
+def test_gpu_power_check_fails_when_the_suspended_gpu_draws_more_than_the_baseline(power_check):
+    """Another context on the GPU during the run keeps the suspended window high: a fail row
+    that says by how much and names the other process."""
+    result, _nvml, _fake, child = power_check(on_start=lambda fake: fake.add_process(4_000_000, {hex_uuid(0): GIB}))
+    assert result.status.value == "fail"
+    assert result.data["verdict"]["suspended_w"] == 112.0 and result.data["verdict"]["within"] is False
+    assert "suspended NOT within 5.0 W of the baseline (+40.0 W)" in result.detail
+    assert "other GPU processes [4000000]" in result.detail
+    assert child.wait(10) == 0
+
+
+def test_gpu_power_check_fails_on_a_refused_checkpoint_and_leaves_the_child_running(power_check):
+    def refuse(fake):
+        fake.fail("checkpoint", "CUDA_ERROR_NOT_SUPPORTED", then_state=LOCKED)
+
+    result, _nvml, fake, child = power_check(on_start=refuse)
+    assert result.status.value == "fail", result.detail
+    assert result.detail.startswith(f"CheckpointError: the CUDA driver could not suspend process {child.pid}")
+    assert "suspended" not in result.data and "baseline" in result.data and "idle_context" in result.data
+    assert fake.processes[child.pid].state == RUNNING  # unlocked again, never left blocked
+    assert child.wait(10) == 0
+
+
+def test_gpu_power_check_fails_with_the_childs_last_words_when_it_cannot_allocate(power_check):
+    dies = "import sys; print('torch.OutOfMemoryError: CUDA out of memory.', file=sys.stderr); sys.exit(1)"
+    result, _nvml, fake, child = power_check(stand_in=dies)
+    assert result.status.value == "fail"
+    assert result.detail == (
+        "RuntimeError: the child ended (exit code 1) before sending 'ready': torch.OutOfMemoryError: CUDA out of memory."
+    )
+    assert fake.ops(child.pid) == []  # nothing to suspend
+
+
+def test_gpu_power_check_skips_a_gpu_without_power_readings(power_check):
+    from fake_pynvml import C
+
+    gpus = two_h100s()
+    gpus[0].errors["nvmlDeviceGetPowerUsage"] = C["NVML_ERROR_NOT_SUPPORTED"]
+    result, _nvml, _fake, child = power_check(gpus=gpus)
+    assert result.status.value == "skip" and child is None
+    assert result.detail == "GPU 0 reports no power draw (nvmlDeviceGetPowerUsage: Not Supported)"
+
+
 def test_a_moved_kernel_that_names_its_new_gpus_is_mapped_from_the_ones_it_started_on(simpool):
     """The kernel's CUDA_VISIBLE_DEVICES follows its moves (what its children and frameworks read);
     its own usage is still mapped from the GPUs it started on (a move is completed into a swap, so

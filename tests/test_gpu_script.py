@@ -68,7 +68,9 @@ def test_select_only_skip_groups_and_commas() -> None:
     assert select(["slices"], None) == list(GROUPS["slices"])
     assert select(["watchdog,inventory", "mps"], None) == ["inventory", "watchdog", "mps"]
     assert select(["slices"], ["slices-jax"]) == ["slices-torch", "slices-cupy"]
-    assert select(None, ["slices", "settings"]) == ["inventory", "watchdog", "unpooled", "suspend", "fast-parking", "overhead", "mps"]
+    assert select(None, ["slices", "settings"]) == [
+        "inventory", "watchdog", "unpooled", "suspend", "fast-parking", "power", "overhead", "mps"
+    ]
     assert select([" Inventory "], None) == ["inventory"]
 
 
@@ -206,6 +208,8 @@ def test_without_gpu_every_check_skips_naming_why() -> None:
         ({"frameworks": {"torch": None, "jax": "0.11", "cupy": "14"}}, "suspend", "PyTorch not installed"),
         ({"mps_control": None}, "mps", "nvidia-cuda-mps-control not on PATH"),
         ({"checkpoint_api": False, "cuda_checkpoint": None}, "suspend", "no CUDA checkpoint API"),
+        ({"checkpoint_api": False, "cuda_checkpoint": None}, "power", "no CUDA checkpoint API"),
+        ({"frameworks": {"torch": None, "jax": "0.11", "cupy": "14"}}, "power", "PyTorch not installed"),
         ({"server_stack_missing": ["jupyter_server", "zmq"]}, "slices-torch", "jupyter_server, zmq not importable"),
         ({"server_stack_missing": ["ipykernel"]}, "watchdog", "run tests/gpu/prepare.sh"),
         ({"provisioner_registered": False}, "slices-cupy", "'gpupool-provisioner' is not registered"),
@@ -231,7 +235,16 @@ def test_each_missing_need_skips_only_the_checks_that_need_it(changes: dict, che
 
 
 def test_a_cuda_checkpoint_binary_is_enough_for_suspend() -> None:
-    assert reasons(gpu_probe(checkpoint_api=False, cuda_checkpoint="/usr/bin/cuda-checkpoint"))["suspend"] is None
+    got = reasons(gpu_probe(checkpoint_api=False, cuda_checkpoint="/usr/bin/cuda-checkpoint"))
+    assert got["suspend"] is None and got["power"] is None
+
+
+def test_the_power_check_needs_no_server_and_names_the_driver_it_lacks() -> None:
+    got = reasons(gpu_probe(server_stack_missing=["jupyter_server"], provisioner_registered=False))
+    assert got["power"] is None and got["suspend"] is not None  # it drives a plain child process
+    old_driver = reasons(gpu_probe(checkpoint_api=False, cuda_checkpoint=None, driver="550.54.15"))
+    assert old_driver["power"] == old_driver["suspend"]
+    assert "(driver 550.54.15; needs 570+)" in old_driver["power"]
 
 
 def test_raw_allocator_reports_a_missing_driver_as_json(tmp_path: Path) -> None:
@@ -336,7 +349,7 @@ def test_budget_spent_skips_the_rest_with_a_reason() -> None:
 
 
 def test_kernel_code_of_every_check_compiles() -> None:
-    from gpucheck.checks import common, overhead, suspend, watchdog
+    from gpucheck.checks import common, overhead, power, suspend, watchdog
     from gpucheck.harness import PRELUDE
 
     snippets = {
@@ -345,6 +358,7 @@ def test_kernel_code_of_every_check_compiles() -> None:
         "overhead-measure": overhead.MEASURE,
         "suspend-fill": suspend._fill(8),
         "suspend-verify": suspend.VERIFY,
+        "power-child": power.CHILD,
         "watchdog-cell": watchdog._cell(5 * 1024**3, "/tmp/r", "/tmp/s", hold=90),
     }
     snippets.update({f"setup-{k}": v for k, v in common.SETUP.items()})
@@ -364,6 +378,67 @@ def test_slice_message_matcher() -> None:
     assert is_framework_oom("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.40 GiB")
     assert is_framework_oom("JaxRuntimeError", "RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
     assert not is_framework_oom("ValueError", "bad shape")
+
+
+# --- the power check's statistics ----------------------------------------------------------------
+
+
+def test_power_median_is_in_watts_and_refuses_no_readings() -> None:
+    from gpucheck.checks.power import median_watts
+
+    assert median_watts([71_000, 250_000, 70_500]) == 71.0  # one spike does not move it
+    assert median_watts([70_000, 71_000, 72_000, 90_000]) == 71.5
+    with pytest.raises(ValueError, match="no power readings"):
+        median_watts([])
+
+
+def test_power_window_summary_names_the_usual_performance_state() -> None:
+    from gpucheck.checks.power import PSTATE_UNKNOWN, pstate_name, summarize_window
+
+    summary = summarize_window([(112_000, 0), (110_000, 0), (150_000, 2), (111_000, PSTATE_UNKNOWN)])
+    assert summary["median_w"] == 111.5 and (summary["min_w"], summary["max_w"]) == (110.0, 150.0)
+    assert (summary["first_w"], summary["last_w"]) == (112.0, 111.0)
+    assert summary["samples"] == 4 and summary["pstate"] == "P0"
+    assert summary["pstates"] == {"P0": 2, "P2": 1, "P?": 1}
+    assert [pstate_name(p) for p in (0, 8, 15, 16, PSTATE_UNKNOWN)] == ["P0", "P8", "P15", "P?", "P?"]
+
+
+@pytest.mark.parametrize(
+    ("baseline", "idle", "suspended", "within", "allowed"),
+    [
+        (72.0, 112.0, 72.0, True, 5.0),  # back to the baseline
+        (72.0, 112.0, 76.9, True, 5.0),  # 5 W is the floor of the margin
+        (72.0, 112.0, 77.5, False, 5.0),  # the context still draws power
+        (72.0, 112.0, 65.0, True, 5.0),  # below the baseline is fine
+        (400.0, 460.0, 419.0, True, 20.0),  # 5 % of a large baseline is more than 5 W
+        (400.0, 460.0, 421.0, False, 20.0),
+    ],
+)
+def test_power_verdict_allows_5_watts_or_5_percent_over_the_baseline(
+    baseline: float, idle: float, suspended: float, within: bool, allowed: float
+) -> None:
+    from gpucheck.checks.power import PowerVerdict
+
+    verdict = PowerVerdict(baseline, idle, suspended)
+    assert verdict.within is within and verdict.allowed_w == allowed
+    assert verdict.context_w == idle - baseline and verdict.saved_w == idle - suspended
+    assert verdict.to_json()["within"] is within
+    assert verdict.explain().startswith("suspended within" if within else "suspended NOT within")
+    assert verdict.number() == f"baseline {baseline:.1f} W, idle context {idle:.1f} W, suspended {suspended:.1f} W"
+
+
+def test_power_sampling_reads_every_interval_for_the_window() -> None:
+    from gpucheck.checks.power import sample
+
+    now = [0.0]
+    readings = iter(range(1000))
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    got = sample(lambda: (float(next(readings)), 0), 10.0, 0.2, clock=lambda: now[0], sleep=sleep)
+    assert len(got) == 51 and got[0] == (0.0, 0) and got[-1] == (50.0, 0)  # t = 0, 0.2, ..., 10.0
+    assert len(sample(lambda: (1.0, 0), 0.0, 0.2, clock=lambda: now[0], sleep=sleep)) == 1
 
 
 # --- the harness against a real jupyter_server (simulated pool, CPU kernels) -----------------------

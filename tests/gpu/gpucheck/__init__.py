@@ -18,6 +18,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "unpooled",
     "suspend",
     "fast-parking",
+    "power",
     "overhead",
     "mps",
     "settings",

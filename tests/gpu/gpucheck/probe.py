@@ -180,6 +180,16 @@ def need_module(probe: Probe, module: str) -> str | None:
     return f"{module} not importable ({reason})" if reason else None
 
 
+def need_checkpoint_api(probe: Probe) -> str | None:
+    """The CUDA checkpoint API in libcuda, or the ``cuda-checkpoint`` tool that drives it."""
+    if probe.checkpoint_api or probe.cuda_checkpoint:
+        return None
+    return (
+        f"no CUDA checkpoint API: libcuda lacks cuCheckpointProcess* (driver {probe.driver or 'unknown'}; "
+        "needs 570+) and cuda-checkpoint is not on PATH"
+    )
+
+
 def need_provisioner(probe: Probe) -> str | None:
     reason = need_module(probe, "jupyter_gpupool.provisioner.kernel_provisioner")
     if reason:

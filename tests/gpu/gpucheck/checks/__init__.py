@@ -93,7 +93,7 @@ def all_check_names() -> tuple[str, ...]:
 
 def registry() -> dict[str, CheckSpec]:
     """All checks by name (imports the check modules, which import no framework at load time)."""
-    from . import fastpark, inventory, mps, overhead, settings, slices, suspend, unpooled, watchdog
+    from . import fastpark, inventory, mps, overhead, power, settings, slices, suspend, unpooled, watchdog
 
     specs = [
         inventory.SPEC,
@@ -102,6 +102,7 @@ def registry() -> dict[str, CheckSpec]:
         unpooled.SPEC,
         suspend.SPEC,
         fastpark.SPEC,
+        power.SPEC,
         overhead.SPEC,
         mps.SPEC,
         settings.SPEC,

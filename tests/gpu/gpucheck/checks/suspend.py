@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 from ..harness import JupyterServer, KernelSession
-from ..probe import Probe, first, need_framework, need_gpu, need_provisioner, need_server
+from ..probe import Probe, first, need_checkpoint_api, need_framework, need_gpu, need_provisioner, need_server
 from ..rawcuda import Driver
 from ..report import Result, Status
 from . import CheckSpec, Context, Options
@@ -30,14 +30,9 @@ LOCK_TIMEOUT_S = 60.0
 
 
 def requires(probe: Probe, options: Options) -> str | None:
-    api = (
-        None
-        if (probe.checkpoint_api or probe.cuda_checkpoint)
-        else (
-            f"no CUDA checkpoint API: libcuda lacks cuCheckpointProcess* (driver {probe.driver or 'unknown'}; needs 570+) and cuda-checkpoint is not on PATH"
-        )
+    return first(
+        need_gpu(probe), need_checkpoint_api(probe), need_framework(probe, "torch"), need_server(probe), need_provisioner(probe)
     )
-    return first(need_gpu(probe), api, need_framework(probe, "torch"), need_server(probe), need_provisioner(probe))
 
 
 def _fill(gib: float) -> str:
