@@ -115,6 +115,10 @@ def test_burst_taken_back_for_a_request_is_not_grown_back_while_it_waits(tmp_pat
     with pytest.raises(RequestRefused, match=r"burst is taken back on this GPU for 1 waiting request\(s\)"):
         pool.grow(first.id, 8 * GIB, now=T0 + 6)
     assert pool.get(first.id).memory <= 4 * GIB
+    # Its grow waits in line, but behind the request: measured within its slice, the room is the request's.
+    pool.report_usage({first.id: 4 * GIB}, now=T0 + 7)
+    pool.tick(now=T0 + 8)
+    assert pool.get(second.id).state is LeaseState.GRANTED and pool.get(first.id).memory <= 4 * GIB
 
 
 def test_a_kernel_waiting_to_grow_gets_the_room_a_guarantee_frees_before_queued_requests(tmp_path):
