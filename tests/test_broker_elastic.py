@@ -166,7 +166,7 @@ def test_a_forged_report_never_frees_burst_the_kernel_still_holds(
         taken = h.alice.get(lease.id)
         assert taken.burst_taken_at is not None and taken.memory < grown.memory, "the burst was not taken back"
         assert taken.used_memory == 6 * GIB, "a forged figure replaced the broker's measurement"
-        with pytest.raises(RequestRefused, match=r"1 request\(s\) that asked before it wait for this GPU"):
+        with pytest.raises(RequestRefused, match=r"burst is taken back on this GPU for 1 waiting request\(s\)"):
             h.alice.grow(lease.id, 8 * GIB)  # nor can her kernel take the burst back while bob waits
 
         h.holds(pid, GIB)  # the kernel's caps came down and its cache was freed: the driver shows it

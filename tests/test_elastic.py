@@ -85,7 +85,7 @@ def test_burst_never_takes_the_room_of_a_request_that_asked_before_and_fits_at_g
     big = pool.request(req("cat", gib=10), now=T0 + 2)  # 2 + 10 <= 16 at guarantees: ann's burst is taken back for it
     first = pool.request(req("bob", gib=2), now=T0 + 3)  # fits in what is free now
     assert big.state is LeaseState.QUEUED and first.state is LeaseState.GRANTED
-    with pytest.raises(RequestRefused, match="1 request\\(s\\) that asked before it wait for this GPU"):
+    with pytest.raises(RequestRefused, match=r"burst is taken back on this GPU for 1 waiting request\(s\)"):
         pool.grow(first.id, 3 * GIB, now=T0 + 4)
     pool.release(big.id, now=T0 + 5)
     huge = pool.request(req("dan", gib=15), now=T0 + 6)  # 2 + 2 + 15 > 16: waits for a guarantee to end
@@ -112,9 +112,56 @@ def test_burst_taken_back_for_a_request_is_not_grown_back_while_it_waits(tmp_pat
     pool.report_usage({first.id: 6 * GIB}, now=T0 + 1)
     second = pool.request(req("bob", gib=12), now=T0 + 4)
     assert second.state is LeaseState.QUEUED and pool.get(first.id).burst_taken_at is not None
-    with pytest.raises(RequestRefused, match=r"1 request\(s\) that asked before it wait for this GPU"):
+    with pytest.raises(RequestRefused, match=r"burst is taken back on this GPU for 1 waiting request\(s\)"):
         pool.grow(first.id, 8 * GIB, now=T0 + 6)
     assert pool.get(first.id).memory <= 4 * GIB
+    # Its grow waits in line, but behind the request: measured within its slice, the room is the request's.
+    pool.report_usage({first.id: 4 * GIB}, now=T0 + 7)
+    pool.tick(now=T0 + 8)
+    assert pool.get(second.id).state is LeaseState.GRANTED and pool.get(first.id).memory <= 4 * GIB
+
+
+def test_a_kernel_waiting_to_grow_gets_the_room_a_guarantee_frees_before_queued_requests(tmp_path):
+    """Four 4 GiB slices fill the 16 GiB GPU at their guarantees; ann's kernel needs 8 GiB. Eve asked
+    before ann's grow, fay after it; both would fit at guarantees once a slice ends. The 4 GiB bob
+    frees go to ann's grow: a kernel admitted beside ann at its guarantee would be one more that
+    waits, while ann's cell runs. Eve and fay come in once the room is there."""
+    pool = make_pool(tmp_path, burst="16GiB")
+    ann, bob, cat, dan = (pool.request(req(who, gib=4), now=T0 + i) for i, who in enumerate(("ann", "bob", "cat", "dan")))
+    eve = pool.request(req("eve", gib=4), now=T0 + 4)  # the GPU is all guarantees: waits
+    with pytest.raises(RequestRefused, match="GPU is full"):
+        pool.grow(ann.id, 8 * GIB, now=T0 + 5)
+    fay = pool.request(req("fay", gib=4), now=T0 + 6)
+    assert pool.grow_place(ann.id, now=T0 + 6) == 1  # nobody goes before it
+    pool.release(bob.id, now=T0 + 7)
+    grown = pool.get(ann.id)
+    assert grown.memory >= 8 * GIB and grown.grow_since is None and grown.guarantee == 4 * GIB
+    assert pool.get(eve.id).state is LeaseState.QUEUED and pool.get(fay.id).state is LeaseState.QUEUED
+    pool.release(cat.id, now=T0 + 8)  # a guarantee ends, and no kernel waits to grow: the queue's turn
+    assert pool.get(eve.id).state is LeaseState.GRANTED and pool.get(fay.id).state is LeaseState.QUEUED
+    assert pool.get(dan.id).memory == 4 * GIB
+
+
+def test_room_given_back_for_a_request_stays_its_own_until_it_is_granted(tmp_path):
+    """Ann's burst is taken back for cat's 10 GiB. Bob's kernel, waiting to grow, goes before the
+    queued requests, but not before cat: not while ann gives the burst back, nor once the watchdog
+    measured her within her slice and the room is free, until cat has it."""
+    pool = make_pool(tmp_path, burst="16GiB")
+    ann = pool.request(req("ann", gib=2), now=T0)
+    pool.report_usage({ann.id: 11 * GIB}, now=T0 + 1)  # ann's slice grows to ~12 GiB
+    cat = pool.request(req("cat", gib=10), now=T0 + 2)  # fits at guarantees: ann's burst is taken back for it
+    bob = pool.request(req("bob", gib=2), now=T0 + 3)
+    assert cat.state is LeaseState.QUEUED and pool.get(cat.id).room_coming_at == T0 + 2
+    with pytest.raises(RequestRefused, match=r"burst is taken back on this GPU for 1 waiting request\(s\) \(10 GiB\)"):
+        pool.grow(bob.id, 6 * GIB, now=T0 + 4)
+    assert pool.grow_place(bob.id, now=T0 + 4) == 2  # cat first
+    pool.report_usage({ann.id: 2 * GIB}, now=T0 + 5)  # measured within: 12 GiB free, cat's until granted
+    with pytest.raises(RequestRefused, match="burst is taken back on this GPU"):
+        pool.grow(bob.id, 6 * GIB, now=T0 + 6)
+    pool.tick(now=T0 + 7)
+    granted = pool.get(cat.id)
+    assert granted.state is LeaseState.GRANTED and granted.room_coming_at is None
+    assert pool.get(bob.id).memory == 2 * GIB  # 2 + 10 + 2 of 16: no room for 6 GiB yet
 
 
 def test_a_grow_that_waits_says_to_what_since_when_and_its_place_in_line_everywhere(tmp_path):

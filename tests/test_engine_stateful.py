@@ -192,8 +192,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _check_no_grow_over_a_waiting_request(self, before, in_line=False):
         """A slice that grew did so while no queued request that would fit on its GPUs with every
-        slice at its guarantee waited (``in_line``: none that asked before the grow, asked now;
-        a request that does not fit even at guarantees waits for a guarantee to end, not for burst)."""
+        slice at its guarantee waited (``in_line``, a grow asked now: none that burst is taken back
+        for, which a kernel waiting to grow yields to; a request that does not fit even at
+        guarantees waits for a guarantee to end, not for burst)."""
         leases = self.pool.leases()
         queued = [lease for lease in leases if lease.state is LeaseState.QUEUED]
         state = self.pool._load(self.now)
@@ -206,7 +207,7 @@ class PoolMachine(RuleBasedStateMachine):
         for lease in self._granted():
             if lease.memory > before.get(lease.id, lease.memory):
                 for other in queued:
-                    if in_line and other.queued_since >= self.now:
+                    if in_line and other.room_coming_at is None:
                         continue
                     candidates = {d.uuid for d in self.pool.engine._lease_candidates(state, other)}
                     fits = [uuid for uuid in candidates & set(lease.devices) if room.get(uuid, 0) >= other.memory]

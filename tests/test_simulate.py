@@ -296,6 +296,20 @@ def test_a_kernel_whose_slice_cannot_grow_waits_and_computes_nothing() -> None:
     assert result.requests == result.sessions
 
 
+def test_users_who_give_up_waiting_to_grow_and_gpus_stalled_on_grows_are_counted() -> None:
+    # Slices capped at their 4 GiB guarantee by quota, kernels needing 12 GiB: every kernel on the GPU
+    # waits to grow from its grant, and each user gives up after the hour's patience.
+    settings = replace(SUSPEND_SETTINGS, requests=parse_requests("4GiB:1"), quota_max=4 * GIB, days=0.2, patience=3600.0)
+    stuck = simulate(settings, ("pooled", "elastic"), synthetic(*LONG_IDLE))
+    assert stuck["elastic"].abandoned > 0 and stuck["elastic"].gave_up_growing == stuck["elastic"].abandoned
+    assert stuck["elastic"].grow_stalled_pct > 50  # the GPU held slices most of the time, and none computed
+    assert stuck["pooled"].gave_up_growing == 0 and stuck["pooled"].grow_stalled_pct == 0  # fixed slices never grow
+    # Without the cap slices grow, and kernels compute: far less GPU time is stalled on grows.
+    grown = simulate(replace(settings, quota_max=None), ("elastic",), synthetic(*LONG_IDLE))["elastic"]
+    assert grown.grows > 0 and grown.gave_up_growing < stuck["elastic"].gave_up_growing
+    assert grown.grow_stalled_pct < stuck["elastic"].grow_stalled_pct / 2
+
+
 def test_elastic_limit_below_the_need_is_taken_as_a_limit_of_the_need() -> None:
     from traitlets.config import Config
 
@@ -321,6 +335,7 @@ def test_elastic_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None
     code, out, err = run_app([*argv, "--json"], capsys)
     data = json.loads(out)["results"]["elastic"]
     assert data["grows"] > 0 and data["guaranteed_pct"] < data["leased_pct"]
+    assert 0 <= data["gave_up_growing"] <= data["abandoned"] and 0 <= data["grow_stalled_pct"] <= 100
 
 
 # --- pooled+suspend ----------------------------------------------------------------------------------

@@ -382,6 +382,10 @@ class ModeResult:
     over_limit: int = 0  # the pool's over-limit warnings (elastic: a busy kernel above a slice whose burst was taken back)
     grow_waits: int = 0  # elastic: cells that waited for their slice to grow
     grow_wait_p95: float = 0.0
+    gave_up_growing: int = 0  # elastic: users of ``abandoned`` who gave up while their slice waited to grow
+    #: elastic: share of the GPU time (open hours) in which every kernel on a GPU waited for its slice to
+    #: grow: the GPU held slices, and none of its kernels could compute
+    grow_stalled_pct: float = 0.0
 
     @property
     def served_per_day(self) -> float:
@@ -394,6 +398,7 @@ class ModeResult:
         for key in (
             "leased_pct", "used_pct", "busy_pct", "jain", "wait_p50", "wait_p95", "wait_max", "wait_mean", "elapsed",
             "resume_wait_p50", "resume_wait_p95", "resume_wait_max", "work_lost", "guaranteed_pct", "grow_wait_p95",
+            "grow_stalled_pct",
         ):
             data[key] = round(data[key], 4)
         return data
@@ -427,6 +432,7 @@ class _Session:
         "blocked_since",
         "busy",
         "busy_since",
+        "devices",
         "gen",
         "granted_at",
         "last_busy_end",
@@ -454,6 +460,7 @@ class _Session:
         self.plan = plan
         self.asked = asked or request  # what the user asked for (``--requests``), before any raise to the need
         self.size = request  # the slice's current size (elastic: the guarantee, grown on demand, taken back under pressure)
+        self.devices: tuple[str, ...] = ()  # elastic: the GPUs its slice is on (read back with its size)
         self.limit = 0  # elastic: the limit the request asks for (0: the pool's burst)
         # queued | running | away | done | abandoned | refused; pooled+suspend: suspended | resuming
         self.state = "pending"
@@ -524,6 +531,7 @@ class LabRun:
         self.now = 0.0
         devices = backend.devices()
         self.capacity = sum(d.leasable for d in devices)
+        self.gpu_count = len(devices)
         self.sizes = sorted({d.leasable for d in devices})
         largest = self.sizes[-1]
         self.default_slice = self.pool.default_memory()
@@ -553,8 +561,9 @@ class LabRun:
         self.user_held: dict[str, float] = {}
         self.counts = {
             "served": 0, "abandoned": 0, "refused": 0, "reclaims": 0, "warnings": 0, "preemptions": 0, "expired": 0,
-            "suspends": 0, "resumes": 0, "moves": 0, "grows": 0, "shrinks": 0, "over_limit": 0,
+            "suspends": 0, "resumes": 0, "moves": 0, "grows": 0, "shrinks": 0, "over_limit": 0, "gave_up_growing": 0,
         }
+        self.gpu_ticks = self.stalled_gpu_ticks = 0  # elastic: GPUs × ticks of the open hours; those stalled on grows
         self.grow_waits: list[float] = []  # elastic: cells that waited for their slice to grow
         self.reported: dict[str, tuple[int, int]] = {}  # elastic: (use, slice size) last reported per lease
         self.samples = [0.0, 0.0, 0.0, 0, 0.0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count; Σ guaranteed
@@ -701,7 +710,8 @@ class LabRun:
         """Read the slice's current size back from the pool (elastic slices change size)."""
         if self.elastic and session.lease_id:
             self.calls += 1
-            session.size = self.pool.get(session.lease_id).memory
+            lease = self.pool.get(session.lease_id)
+            session.size, session.devices = lease.memory, lease.devices
 
     def _fits(self, session: _Session, t: float) -> bool:
         """Whether the kernel's need fits its slice, asking the pool to grow it first where it does
@@ -859,6 +869,7 @@ class LabRun:
         else:  # migrating: the kernel runs on, on its new GPU
             self.pool.confirm_transition(session.lease_id or "", now=t)
             self._unpark(session, t)
+            self._resized(session)  # on its new GPU
             short, since = session.used > session.size, session.blocked_since
             # (its slice may grow as it lands, and a grow served on the pool's events runs the cell)
             if since is not None and self._fits(session, t) and session.blocked_since is not None:
@@ -904,6 +915,7 @@ class LabRun:
 
     def _give_up(self, session: _Session, t: float) -> None:
         if self._short(session):
+            self.counts["gave_up_growing"] += 1
             self._count_grow_wait(session, t)
             self._end_lease(session, t)
         elif session.state == "resuming":
@@ -953,6 +965,8 @@ class LabRun:
         open_hour = self.settings.shape.weight(t) > 0
         if open_hour and self.mode in SUSPENDING:
             self.parked_samples.append(self.parked_total)
+        if open_hour and self.elastic:
+            self._count_stalled_gpus()
         if not self.by_lease:
             if open_hour:
                 self.samples[3] += 1
@@ -990,6 +1004,16 @@ class LabRun:
         self.calls += 1
         self.pool.tick(now=t, activities=activities)
         self._drain()
+
+    def _count_stalled_gpus(self) -> None:
+        """Elastic: count this tick's GPUs, and those where every kernel holding a slice waits for it to grow."""
+        self.gpu_ticks += self.gpu_count
+        waiting: dict[str, bool] = {}  # per GPU: whether every kernel running there waits to grow
+        for session in self.by_lease.values():
+            if session.state == "running" and session.transition is None:
+                for uuid in session.devices:
+                    waiting[uuid] = waiting.get(uuid, True) and self._short(session)
+        self.stalled_gpu_ticks += sum(waiting.values())
 
     def _result(self, horizon: float, elapsed: float) -> ModeResult:
         still = 0
@@ -1056,6 +1080,8 @@ class LabRun:
             over_limit=self.counts["over_limit"],
             grow_waits=len(self.grow_waits),
             grow_wait_p95=percentile(self.grow_waits, 95),
+            gave_up_growing=self.counts["gave_up_growing"],
+            grow_stalled_pct=100 * self.stalled_gpu_ticks / self.gpu_ticks if self.gpu_ticks else 0.0,
         )
 
 
@@ -1291,6 +1317,11 @@ def requests_note(requests: RequestSizes, default_slice: int, results: dict[str,
             f"(PoolPolicy.burst) while its GPU has memory nobody is guaranteed; leased counts current sizes. A session "
             f"whose need is above that limit is taken to have asked for a limit of its need ({r.raised} of {r.sessions})."
         )
+        if r.abandoned:
+            note += (
+                f" Of the {r.abandoned} elastic sessions given up, {r.gave_up_growing} waited for their slice to grow; "
+                f"every kernel on a GPU waited to grow {r.grow_stalled_pct:.1f}% of the GPU time."
+            )
     return note
 
 

@@ -188,7 +188,7 @@ class Engine:
         lease.memory, lease.num_gpus, lease.priority = memory, num_gpus, priority
         lease.guarantee, lease.burst_limit = memory, limit
         lease.burst_taken_at, lease.burst_from, lease.burst_note = None, 0, ""
-        lease.grow_wanted, lease.grow_since = 0, None
+        lease.grow_wanted, lease.grow_since, lease.room_coming_at = 0, None, None
         lease.compute_share, lease.model, lease.duration = request.compute_share, request.model, request.duration
         lease.holder_pid, lease.holder_host, lease.label = request.holder_pid, request.holder_host, request.label
         lease.suspendable = request.suspendable
@@ -318,12 +318,11 @@ class Engine:
         decisions += self._carry_out_due_reclaims(state, now)
 
         queue = self.queue_order(state, now)
-        wanters = self.grow_wanters(state)  # kernels waiting to grow take their turn among the requests
-        held_back: dict[str, int] = {}  # room the wanters not yet served wait for
+        held_back: dict[str, int] = {}  # room the kernels waiting to grow, and not grown, wait for
+        for wanter in self.grow_wanters(state):  # ahead of the queued requests: they hold a GPU and cannot run their cell
+            decisions += self._serve_growth(state, wanter, held_back, now)
         blocked: Lease | None = None
         for lease in queue:
-            while wanters and wanters[0].line_time <= lease.queued_since:
-                decisions += self._serve_growth(state, wanters.pop(0), held_back, now)
             if self._quota_block_reason(state, lease):
                 continue
             if blocked is not None and not self._may_backfill(blocked, now):
@@ -339,13 +338,11 @@ class Engine:
             moved = restoring and tuple(lease.devices) != tuple(lease.home_devices)
             what = ("resumed: restoring " + ("onto another GPU of the same model" if moved else "on its GPU")) if restoring else "granted"
             decisions.append(self._decision(DecisionKind.GRANT, lease, f"{what} {format_size(lease.memory)}", now))
-        for wanter in wanters:
-            decisions += self._serve_growth(state, wanter, held_back, now)
         grown_now = {d.lease_id for d in decisions if d.kind is DecisionKind.GROW}  # like a backfill: not taken back at once
 
         decisions += self._follow_burst_reclaims(state, now)
         if blocked is not None:
-            given_back, coming = self._plan_burst_reclaims(state, blocked, now, spare=grown_now)
+            given_back, coming = self._plan_burst_reclaims(state, blocked, now, spare=grown_now, held_back=held_back)
             decisions += given_back
             if coming:
                 if blocked.state is LeaseState.GRANTED:  # what it was short of was burst alone, and is free now
@@ -498,6 +495,7 @@ class Engine:
             lease.transition_at = now
         lease.state = LeaseState.GRANTED
         lease.devices = devices
+        lease.room_coming_at = None
         if lease.burst_limit:  # it grows on these GPUs: no further than the smallest of them holds
             smallest = min((d.leasable for d in state.devices if d.uuid in devices), default=lease.burst_limit)
             lease.burst_limit = min(lease.burst_limit, smallest) if min(lease.burst_limit, smallest) > lease.guarantee_size else 0
@@ -1096,16 +1094,17 @@ class Engine:
         lease.memory = memory
         state.touch(lease)
 
-    def _waiting_for(self, state: PoolState, lease: Lease, before: float | None = None) -> list[Lease]:
+    def _waiting_for(self, state: PoolState, lease: Lease, in_line: bool = False) -> list[Lease]:
         """Queued requests that would fit on one of ``lease``'s GPUs if every slice there were at
-        its guarantee (those queued before ``before`` when given): burst never takes their room. A
-        request that does not fit even then waits for a guarantee to end, not for burst."""
+        its guarantee (``in_line``: only those the pool is taking burst back for, which a kernel
+        waiting to grow yields to): burst never takes their room. A request that does not fit even
+        then waits for a guarantee to end, not for burst."""
         mine = set(lease.devices)
         waiting = []
         room: dict[str, int] | None = None
         for lease_id in state.derived().queued:
             other = state.leases[lease_id]
-            if other.id == lease.id or (before is not None and other.queued_since >= before):
+            if other.id == lease.id or (in_line and other.room_coming_at is None):
                 continue
             if room is None:
                 room = self._room_at_guarantees(state)
@@ -1135,10 +1134,11 @@ class Engine:
         at least ``PoolPolicy.burst_step``, up to its limit, into memory nobody is guaranteed.
         None when it is that large already; raises :class:`RequestRefused` saying why it cannot.
 
-        Requests queued before the grow was first asked for (:attr:`Lease.line_time`; now, for a new
-        ask) come first; later ones do not block it. ``queue``: a grow refused for room waits in that order
-        (``grow_wanted``), and the scheduler serves it in place, by a move or from neighbours' idle
-        burst; a grow the watchdog asks ahead of need (``queue=False``) yields to every waiting request."""
+        A kernel that asks to grow holds its GPU and cannot run its cell: it goes before the queued
+        requests, but for those the pool is taking burst back for (:attr:`Lease.room_coming_at`).
+        ``queue``: a grow refused for room waits in line (``grow_wanted``), in the order it was
+        asked, and the scheduler serves it in place, by a move or from neighbours' idle burst; a
+        grow the watchdog asks ahead of need (``queue=False``) yields to every waiting request."""
         lease = self.get(state, lease_id)
         gpus = max(1, lease.num_gpus)
         wanted = -(-max(0, needed) // gpus)
@@ -1156,15 +1156,16 @@ class Engine:
                 f"the slice was not grown: it needs {format_size(wanted * gpus)} but its limit is {format_size(limit * gpus)}; "
                 "free memory, or ask for a larger limit (%gpupool reserve SIZE --limit LIMIT)"
             )
-        asked = lease.grow_since if lease.grow_since is not None else now  # a new ask joins the line now
-        waiting = self._waiting_for(state, lease, before=asked if queue else None)
+        waiting = self._waiting_for(state, lease, in_line=queue)
         if waiting:
             asked = sum(w.memory * w.num_gpus for w in waiting)
             self._want_growth(state, lease, wanted, now, queue)
-            raise RequestRefused(
-                f"the slice was not grown: {len(waiting)} request(s) that asked before it wait for this GPU "
-                f"({format_size(asked)}), and burst never takes their room; it stays {size}"
+            why = (
+                f"burst is taken back on this GPU for {len(waiting)} waiting request(s) ({format_size(asked)}), and a grow never takes that room"
+                if queue
+                else f"{len(waiting)} request(s) wait for this GPU ({format_size(asked)}), and burst never takes their room"
             )
+            raise RequestRefused(f"the slice was not grown: {why}; it stays {size}")
         result = self._grow_into(state, lease, wanted, self.free_by_device(state, lease), now)
         if isinstance(result, str):
             if result.startswith("the slice was not grown: the GPU is full"):
@@ -1237,8 +1238,8 @@ class Engine:
         if lease.grow_since is None:
             return None
         mine = set(lease.devices)
-        # Requests that asked before its grow and would fit at guarantees on its GPUs come first.
-        ahead = sum(1 for other in self._waiting_for(state, lease, before=lease.line_time) if not self._quota_block_reason(state, other))
+        # Requests the pool takes burst back for, that would fit at guarantees on its GPUs, come first.
+        ahead = sum(1 for other in self._waiting_for(state, lease, in_line=True) if not self._quota_block_reason(state, other))
         for other in self.grow_wanters(state):
             if other.id == lease.id:
                 break
@@ -1261,8 +1262,8 @@ class Engine:
         if lease.transition is Transition.MIGRATING:  # on its way to a GPU with room: keep that room
             self._hold_back(held_back, lease, wanted)
             return []
-        if self._waiting_for(state, lease, before=lease.line_time):
-            return []  # a request that asked before its grow, and fits at guarantees, goes first
+        if self._waiting_for(state, lease, in_line=True):
+            return []  # a request that burst is taken back for, and that fits at guarantees, goes first
         free = self._free_less(self.free_by_device(state, lease), held_back)
         grown = self._grow_into(state, lease, wanted, free, now)
         if not isinstance(grown, str):
@@ -1357,12 +1358,16 @@ class Engine:
         state.touch(lease)
         return self._decision(DecisionKind.SHRINK, lease, lease.burst_note, now)
 
-    def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float, spare: Collection[str] = ()) -> tuple[list[Decision], bool]:
+    def _plan_burst_reclaims(self, state: PoolState, head: Lease, now: float, spare: Collection[str] = (),
+                             held_back: Mapping[str, int] | None = None) -> tuple[list[Decision], bool]:
         """Make room for ``head`` from other slices' burst, before anyone's guarantee: lower their
         size toward their guarantee (their kernels free framework caches and lower caps to it).
         Spared: ``spare`` (grown in this pass) and kernels whose grow was asked before ``head``; a
-        busy kernel gives its burst back too (warned by the watchdog if it does not, never killed). Returns the decisions and whether room for ``head`` is on its way (it may be granted already)."""
-        free = self.free_by_device(state, head)
+        busy kernel gives its burst back too (warned by the watchdog if it does not, never killed).
+        ``held_back``: room kernels waiting to grow wait for, which ``head`` may not take (burst taken
+        back for ``head`` is its own: they yield it, :attr:`Lease.room_coming_at`). Returns the
+        decisions and whether room for ``head`` is on its way (it may be granted already)."""
+        free = self._free_less(self.free_by_device(state, head), held_back or {})
         coming = dict(free)
         burst_on: dict[str, list[Lease]] = {}
         for lease in state.leases.values():
@@ -1393,10 +1398,24 @@ class Engine:
                 missing -= taken - new_size
                 if new_size < lease.memory or lease.burst_taken_at is None:
                     decisions.append(self._take_burst_back(state, lease, new_size, f"a request of {format_size(head.memory * head.num_gpus)}", now))
-        placed = self._place(state, head)
+        placed = self._place(state, head, self._free_less(self.free_by_device(state, head), held_back or {}))
         if placed is not None and not self._quota_block_reason(state, head):
             self._grant(state, head, placed, now)
+        elif head.room_coming_at is None:
+            self._room_comes_for(state, head, now)
         return decisions, True
+
+    @staticmethod
+    def _room_comes_for(state: PoolState, head: Lease, now: float) -> None:
+        """Mark ``head`` as the request burst is taken back for (kernels waiting to grow yield that
+        room to it): one at a time, so a request the pool moved on from does not hold them back."""
+        for lease_id in state.derived().queued:
+            other = state.leases[lease_id]
+            if other.room_coming_at is not None and other.id != head.id:
+                other.room_coming_at = None
+                state.touch(other)
+        head.room_coming_at = now
+        state.touch(head)
 
     def _follow_burst_reclaims(self, state: PoolState, now: float) -> list[Decision]:
         """Slices whose burst was taken back but whose kernel still uses more than its size once

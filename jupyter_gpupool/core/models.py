@@ -285,6 +285,9 @@ class Lease:
     grow_wanted: int = 0
     #: When that ask was first refused.
     grow_since: float | None = None
+    #: A queued request's: when the pool began taking burst back from slices to make room for it
+    #: (None: it has not). A kernel waiting to grow yields that room to it.
+    room_coming_at: float | None = None
 
     @property
     def guarantee_size(self) -> int:
@@ -315,8 +318,8 @@ class Lease:
     @property
     def line_time(self) -> float:
         """When a granted kernel's wait for its slice to grow joined the line (its first grow refused
-        for room); infinity while it waits for nothing. A grow is served in that order among queued
-        requests: one asked before a request comes first, one asked after it waits behind it."""
+        for room); infinity while it waits for nothing. Grows are served in that order, ahead of the
+        queued requests but for those the pool is taking burst back for (:attr:`room_coming_at`)."""
         return self.grow_since if self.grow_since is not None else float("inf")
 
     @property
