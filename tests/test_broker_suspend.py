@@ -484,3 +484,54 @@ def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_
             alice.suspend(lease_c.id)
     finally:
         h.stop()
+
+
+def test_a_pinned_backup_follows_its_slice_down(tmp_path: Path) -> None:
+    """A reservation is bounded by what the kernel may hold *now*: a slice that shrinks (its user,
+    or its burst taken back) takes its backup's booking down with it, so one user cannot keep the
+    host's pinned pool beyond their slices."""
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "8GiB"}).start()
+    try:
+        h.add_user(ALICE, "alice")
+        h.add_user(BOB, "bob")
+        alice, bob = h.remote(ALICE), h.remote(BOB)
+        lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
+        assert alice.reserve_pinned_backup(lease.id, 8 * GIB).pinned_backup == 8 * GIB
+        status, body = h.http("POST", f"api/gpupool/leases/{lease.id}/resize", ALICE, {"memory": "2GiB"})
+        assert status == 200 and body["memory"] == 2 * GIB and body["pinned_backup"] == 2 * GIB, body
+        with pytest.raises(RequestRefused, match="more than this kernel may hold on its GPUs"):
+            alice.reserve_pinned_backup(lease.id, 8 * GIB)
+        lease_b = suspendable_lease(bob, "k-bob", memory=6 * GIB)  # the room alice's slice gave back
+        assert bob.reserve_pinned_backup(lease_b.id, 6 * GIB).pinned_backup == 6 * GIB
+
+        alice.suspend(lease.id)
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        status, body = h.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": 2 * GIB})
+        assert status == 200 and body["state"] == "suspended" and body["pinned_backup"] == 2 * GIB, body
+        alice.release(lease.id)  # and a lease that ends takes its booking with it
+        assert bob.reserve_pinned_backup(lease_b.id, 6 * GIB).pinned_backup == 6 * GIB
+    finally:
+        h.stop()
+
+
+def test_a_pinned_backup_bigger_than_its_park_counts_in_full_against_the_budget(tmp_path: Path) -> None:
+    """A kernel parked at less than the backup it keeps pinned (a report below it, a measurement
+    taken before it allocated) still holds the whole backup in host RAM: the budget counts it all,
+    before the restore as after."""
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "8GiB"}).start()
+    try:
+        h.add_user(ALICE, "alice")
+        h.add_user(BOB, "bob")
+        alice, bob = h.remote(ALICE), h.remote(BOB)
+        lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
+        alice.suspend(lease.id)
+        assert alice.reserve_pinned_backup(lease.id, 8 * GIB).pinned_backup == 8 * GIB  # as the fast path asks mid-park
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        status, body = h.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": GIB})
+        assert status == 200 and body["parked_memory"] == GIB and body["pinned_backup"] == 8 * GIB, body
+        lease_b = suspendable_lease(bob, "k-bob", memory=4 * GIB)
+        with pytest.raises(RequestRefused, match="beside 7 GiB of pinned backups"):
+            bob.suspend(lease_b.id)  # 1 GiB parked + alice's 7 GiB more pinned + bob's 4 GiB: over 8 GiB
+        assert bob.get(lease_b.id).transition is Transition.NONE
+    finally:
+        h.stop()
