@@ -456,6 +456,33 @@ def test_a_forged_suspend_done_is_refused_while_the_kernel_still_holds_its_memor
         kernel.wait()
 
 
+def test_a_suspend_is_booked_at_what_the_gpu_shows_when_it_begins_not_at_an_older_reading(tmp_path: Path) -> None:
+    """Alice's kernel allocates 12 GiB right after the watchdog's last look and she suspends at once,
+    then reports 1 GiB parked: the broker reads the driver as the suspend begins, so the host RAM
+    it books for her park is the 12 GiB her kernel held, not the watchdog's older reading of none."""
+    import subprocess
+    import sys
+
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", watchdog={"interval": 3600.0}).start()  # no look during the test
+    h.add_user(ALICE, "alice")
+    alice = h.remote(ALICE)
+    lease = suspendable_lease(alice, "k-alice", memory=12 * GIB)
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              env={"GPUPOOL_LEASE_ID": lease.id, "PATH": "/usr/bin:/bin"})
+    try:
+        assert alice.get(lease.id).used_memory is None, "the watchdog looked before the kernel allocated"
+        h.pool.backend.set_usage(kernel.pid, lease.devices[0], 12 * GIB)
+        assert alice.suspend(lease.id).used_at_suspend == 12 * GIB
+        h.pool.backend.set_usage(kernel.pid, lease.devices[0], 0)  # parked
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        status, body = h.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": GIB})
+        assert status == 200 and body["state"] == "suspended" and body["parked_memory"] == 12 * GIB, body
+    finally:
+        kernel.kill()
+        kernel.wait()
+        h.stop()
+
+
 # --- the host's pinned parking pool: the broker's books ------------------------------------------------
 def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_or_take_it_all(tmp_path: Path) -> None:
     h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "4GiB"}).start()

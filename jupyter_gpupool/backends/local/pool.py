@@ -392,10 +392,26 @@ class Pool(GrantWaiting):
         now = self._now(now)
         with self._locked():
             state = self._load(now)
+            self._read_use_now(state, lease_id)
             decisions = [self.engine.suspend(state, lease_id, reason, now)]
             decisions += self.engine.schedule(state, now)
             self._save(state, decisions)
             return state.leases[lease_id].copy()
+
+    def _read_use_now(self, state: PoolState, lease_id: str) -> None:
+        """Before a suspend begins: what the driver shows the lease's kernel holding now, where the
+        watchdog's last reading is lower (its kernel allocated since), so its park is booked at no
+        less than that (see :attr:`Lease.used_at_suspend`), whenever its user asks."""
+        lease = state.leases.get(lease_id)
+        if lease is None or lease.state is not LeaseState.GRANTED or not lease.devices:
+            return
+        if getattr(self.backend, "name", "") not in ("nvml", "simulated"):
+            return  # a backend that sees no processes: the watchdog's reading stands
+        held = sum(held_by_lease(self.backend.process_usage(), lease, lease.devices).values())
+        if held > (lease.used_memory or 0):
+            lease.used_memory = held
+            lease.peak_memory = max(lease.peak_memory or 0, held)
+            state.touch(lease)
 
     def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
         """Queue a suspended lease to come back; granted by policy like any request. ``ahead``: a
