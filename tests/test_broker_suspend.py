@@ -483,6 +483,50 @@ def test_a_suspend_is_booked_at_what_the_gpu_shows_when_it_begins_not_at_an_olde
         h.stop()
 
 
+def test_a_restore_reported_failed_with_its_memory_parked_is_refused_while_the_gpu_shows_it_back(tmp_path: Path) -> None:
+    """Alice's kernel is restored onto the GPU, and her server reports the restore failed with the
+    memory still parked (which gives the GPU back): the broker sees her process holding the memory
+    there and refuses (409), so it is not granted to Bob as well; once the driver shows it gone, the
+    same report is taken."""
+    import subprocess
+    import sys
+
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", watchdog={"interval": 3600.0}).start()  # the check alone decides
+    h.add_user(ALICE, "alice")
+    h.add_user(BOB, "bob")
+    alice, bob = h.remote(ALICE), h.remote(BOB)
+    lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              env={"GPUPOOL_LEASE_ID": lease.id, "PATH": "/usr/bin:/bin"})
+    try:
+        h.pool.confirm_wait = 0.3
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        h.pool.backend.set_usage(kernel.pid, lease.devices[0], 8 * GIB)
+        alice.suspend(lease.id)  # a suspend that failed and was undone keeps its GPU: no check stands in its way
+        undone = {"outcome": "failed", "transition": "suspending", "error": "checkpoint failed", "still_running": True}
+        status, body = h.http("POST", route, ALICE, undone)
+        assert status == 200 and body["state"] == "granted" and body["transition"] == "", body
+        h.pool.backend.set_usage(kernel.pid, lease.devices[0], 0)
+        alice.suspend(lease.id)
+        assert alice.confirm_transition(lease.id, parked_bytes=8 * GIB).state is LeaseState.SUSPENDED
+        alice.resume(lease.id)
+        restoring = alice.wait_for_grant(lease.id, timeout=20)
+        assert restoring.transition is Transition.RESTORING
+        h.pool.backend.set_usage(kernel.pid, restoring.devices[0], 8 * GIB)  # the restore mapped it back
+        report = {"outcome": "failed", "transition": "restoring", "error": "it broke", "still_running": True}
+        status, body = h.http("POST", route, ALICE, report)
+        assert status == 409 and "still shows 8 GiB held by this kernel's process" in body["message"], body
+        assert alice.get(lease.id).transition is Transition.RESTORING
+        assert bob.request(LeaseRequest(owner="", memory=16 * GIB, kernel_id="k-bob")).state is LeaseState.QUEUED
+        h.pool.backend.set_usage(kernel.pid, restoring.devices[0], 0)
+        status, body = h.http("POST", route, ALICE, report)
+        assert status == 200 and body["state"] == "suspended", body
+    finally:
+        kernel.kill()
+        kernel.wait()
+        h.stop()
+
+
 # --- the host's pinned parking pool: the broker's books ------------------------------------------------
 def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_or_take_it_all(tmp_path: Path) -> None:
     h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "4GiB"}).start()

@@ -427,13 +427,17 @@ class Pool(GrantWaiting):
     #: Seconds a suspend's or move's confirmation waits for the driver to show the memory freed.
     confirm_wait = 2.0
 
-    def _held_after(self, lease_id: str) -> tuple[dict[int, int], tuple[str, ...]]:
+    def _held_after(self, lease_id: str, failed_restore: bool = False) -> tuple[dict[int, int], tuple[str, ...]]:
         """Pid → bytes the driver shows a suspending (or moving) lease's processes still holding on
-        the GPUs that step frees, and those GPUs. The GPUs are this pool's host's (NVML or
-        simulated), so whatever holds them runs here: the lease's ``holder_host``, which its client
-        names, decides nothing. A backend that sees no processes (Slurm) takes the holder's word."""
+        the GPUs that step frees, and those GPUs (``failed_restore``: a restore reported failed with
+        its memory still parked, which frees the GPUs it was granted). The GPUs are this pool's
+        host's (NVML or simulated), so whatever holds them runs here: the lease's ``holder_host``,
+        which its client names, decides nothing. A backend that sees no processes (Slurm) takes the
+        holder's word."""
         lease = self.get(lease_id)
-        if lease.transition is Transition.SUSPENDING:
+        if failed_restore:  # a failed suspend or move keeps its GPUs: nothing to check
+            devices = lease.devices if lease.transition is Transition.RESTORING else ()
+        elif lease.transition is Transition.SUSPENDING:
             devices = lease.devices
         elif lease.transition is Transition.MIGRATING:
             devices = tuple(u for u in lease.migrate_from if u not in lease.devices)
@@ -443,19 +447,21 @@ class Pool(GrantWaiting):
             return {}, ()
         return held_by_lease(self.backend.process_usage(), lease, devices), devices
 
-    def _check_memory_freed(self, lease_id: str) -> None:
-        """Refuse a suspend's or move's confirmation while the GPU still shows the kernel's memory."""
+    def _check_memory_freed(self, lease_id: str, failed_restore: bool = False) -> None:
+        """Refuse a suspend's or move's confirmation (or a restore's failure with its memory still
+        parked: ``failed_restore``) while the GPU still shows the kernel's memory."""
         deadline = time.monotonic() + self.confirm_wait
         while True:
-            held, _ = self._held_after(lease_id)
+            held, _ = self._held_after(lease_id, failed_restore)
             if not held:
                 return
             if time.monotonic() >= deadline:
                 pids = ", ".join(str(pid) for pid in sorted(held))
-                step = "suspend" if self.get(lease_id).transition is Transition.SUSPENDING else "move"
+                step = {Transition.SUSPENDING: "a suspend is confirmed", Transition.RESTORING: "a restore is reported failed "
+                        "with its memory still parked"}.get(self.get(lease_id).transition, "a move is confirmed")
                 raise RequestRefused(
-                    f"the GPU still shows {format_size(sum(held.values()))} held by this kernel's process {pids}: a {step} "
-                    "is confirmed once the driver shows that memory freed; nothing was changed"
+                    f"the GPU still shows {format_size(sum(held.values()))} held by this kernel's process {pids}: {step} "
+                    "once the driver shows that memory freed; nothing was changed"
                 )
             time.sleep(0.1)
 
@@ -481,8 +487,12 @@ class Pool(GrantWaiting):
 
     def fail_transition(self, lease_id: str, error: str, still_running: bool, now: float | None = None) -> Lease:
         """The holder's server could not finish a suspend, restore or move (see
-        :meth:`Engine.fail_transition`); returns the lease as it is now (released if the kernel must stop)."""
+        :meth:`Engine.fail_transition`); returns the lease as it is now (released if the kernel must stop).
+        A restore that failed with the memory still parked gives its GPUs back: taken only once the
+        driver shows none of the kernel's memory there, as a suspend's confirmation."""
         now = self._now(now)
+        if still_running and self.get(lease_id).restore_failures < 1:  # a second failure in a row stops it instead
+            self._check_memory_freed(lease_id, failed_restore=True)
         with self._locked():
             state = self._load(now)
             lease = self.engine.get(state, lease_id)
