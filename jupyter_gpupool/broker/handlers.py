@@ -472,22 +472,26 @@ class ChangesHandler(BrokerHandler):
     client hung up stops waiting then, not at its timeout."""
 
     _poll: asyncio.Future[int] | None = None
+    _hung_up = False
 
     async def get(self) -> None:
         raw_since, raw_timeout = self.query("since"), self.query("timeout")
         since = validate.whole_number(raw_since, "since (the version you last saw)", 0, 2**63 - 1) if raw_since else None
         timeout = validate.number(raw_timeout, "timeout", 0.0, validate.MAX_TIME) if raw_timeout else 10.0
+        if self._hung_up:
+            return  # while it was identified
         self._poll = asyncio.ensure_future(self.broker.view_versions.wait(self.identity.name, since, min(MAX_WAIT, timeout)))
         try:
             mine = await self._poll
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # the broker stops
-            return  # the client hung up: nobody to answer
+            if self._hung_up:
+                return  # nobody to answer
+            raise  # the broker stops
         self.write_json({"version": mine})
 
     def on_connection_close(self) -> None:
+        """The client hung up: its poll stops waiting."""
+        self._hung_up = True
         if self._poll is not None:
             self._poll.cancel()
 
