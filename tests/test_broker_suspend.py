@@ -572,6 +572,9 @@ def test_a_pinned_backup_follows_its_slice_down(tmp_path: Path) -> None:
         assert status == 200 and body["memory"] == 2 * GIB and body["pinned_backup"] == 2 * GIB, body
         with pytest.raises(RequestRefused, match="more than this kernel may hold on its GPUs"):
             alice.reserve_pinned_backup(lease.id, 8 * GIB)
+        plain = bob.request(LeaseRequest(owner="", memory=2 * GIB, kernel_id="k-bob-plain"))  # its server cannot park it
+        with pytest.raises(RequestRefused, match="cannot set a pinned backup aside: its server cannot park GPU memory"):
+            bob.reserve_pinned_backup(plain.id, 2 * GIB)
         lease_b = suspendable_lease(bob, "k-bob", memory=6 * GIB)  # the room alice's slice gave back
         assert bob.reserve_pinned_backup(lease_b.id, 6 * GIB).pinned_backup == 6 * GIB
 

@@ -847,6 +847,8 @@ class Engine:
         if amount > lease.pinned_backup:
             if lease.state is not LeaseState.GRANTED:
                 raise RequestRefused(f"cannot set a pinned backup aside: the kernel is {lease.state.value}, not running on a GPU")
+            if not lease.suspendable:  # nothing would ever be parked into it: it would only keep others from parking
+                raise RequestRefused("cannot set a pinned backup aside: its server cannot park GPU memory (no checkpoint support there)")
             others = index.pinned - lease.pinned_backup
             if not capacity:
                 raise RequestRefused("the pool has no pinned parking pool (parking_pool_size is 0, or no parked-memory budget)")
