@@ -262,6 +262,9 @@ class Pool(GrantWaiting):
         return host_memory()
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
+        for decision in decisions or ():
+            if decision.kind is DecisionKind.SUSPEND:
+                self._floor_suspend(state, decision.lease_id)
         changed = [state.leases[i] for i in state.changed if i in state.leases]
         beats = [state.leases[i] for i in state.beats if i not in state.changed and i in state.leases]
         self.store.save_leases(changed, beats)
@@ -398,19 +401,37 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return state.leases[lease_id].copy()
 
+    def _held_now(self, lease: Lease) -> int:
+        """Bytes the driver shows the lease's kernel holding on its GPUs now (0 where this pool's
+        backend sees no processes: Slurm)."""
+        if lease.state is not LeaseState.GRANTED or not lease.devices or getattr(self.backend, "name", "") not in ("nvml", "simulated"):
+            return 0
+        return sum(held_by_lease(self.backend.process_usage(), lease, lease.devices).values())
+
     def _read_use_now(self, state: PoolState, lease_id: str) -> None:
-        """Before a suspend begins: what the driver shows the lease's kernel holding now, where the
-        watchdog's last reading is lower (its kernel allocated since), so its park is booked at no
-        less than that (see :attr:`Lease.used_at_suspend`), whenever its user asks."""
+        """Before a suspend its user asks for is judged: what the driver shows the lease's kernel
+        holding now, where the watchdog's last reading is lower (its kernel allocated since), so
+        the park is judged and booked at that."""
         lease = state.leases.get(lease_id)
-        if lease is None or lease.state is not LeaseState.GRANTED or not lease.devices:
-            return
-        if getattr(self.backend, "name", "") not in ("nvml", "simulated"):
-            return  # a backend that sees no processes: the watchdog's reading stands
-        held = sum(held_by_lease(self.backend.process_usage(), lease, lease.devices).values())
-        if held > (lease.used_memory or 0):
+        held = self._held_now(lease) if lease is not None else 0
+        if lease is not None and held > (lease.used_memory or 0):
             lease.used_memory = held
             lease.peak_memory = max(lease.peak_memory or 0, held)
+            state.touch(lease)
+
+    def _floor_suspend(self, state: PoolState, lease_id: str) -> None:
+        """A suspend just decided (by its user or a reclaim) is booked at no less than what the
+        driver shows its kernel holding as it begins (:attr:`Lease.used_at_suspend`), not at an
+        older watchdog reading its kernel allocated past."""
+        lease = state.leases.get(lease_id)
+        if lease is None or lease.transition is not Transition.SUSPENDING:
+            return
+        held = self._held_now(lease)
+        if held > lease.used_at_suspend:
+            lease.used_at_suspend = held
+            lease.used_memory = max(lease.used_memory or 0, held)
+            lease.peak_memory = max(lease.peak_memory or 0, held)
+            lease.parked_memory = max(lease.parked_memory, held)
             state.touch(lease)
 
     def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
