@@ -858,10 +858,11 @@ class Engine:
                     f"{format_size(capacity)}, and this kernel's backup needs {format_size(amount)}"
                 )
             budget = self.parked_budget(state)
-            # A running kernel's backup is host RAM as a park is; one being parked or restored, what exceeds its park.
             kept = index.pinned_kept - pinned_beside_park(lease)
-            parked = index.parked + (0 if lease.parked_memory else amount)
-            kept += max(0, amount - lease.parked_memory) if lease.parked_memory else 0
+            if lease.parked_memory:  # being parked or restored: what exceeds its park is host RAM beside it
+                parked, kept = index.parked, kept + max(0, amount - lease.parked_memory)
+            else:  # running: its backup takes host RAM as a park does
+                parked = index.parked + amount
             if parked + kept > budget:
                 raise RequestRefused(
                     f"parked slices ({format_size(parked)}) and the pinned backups running kernels keep "

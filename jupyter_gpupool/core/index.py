@@ -59,6 +59,7 @@ def pinned_beside_park(lease: Lease) -> int:
     whole, whatever was reported parked)."""
     return max(0, lease.pinned_backup - lease.parked_memory)
 
+
 #: Seconds of slack when the heaps say nothing is due: float rounding of ``now - heartbeat`` vs
 #: ``heartbeat + ttl`` never matters, the exact test runs whenever something is near due.
 SLACK = 1e-3
