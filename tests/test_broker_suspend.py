@@ -456,6 +456,77 @@ def test_a_forged_suspend_done_is_refused_while_the_kernel_still_holds_its_memor
         kernel.wait()
 
 
+def test_a_suspend_is_booked_at_what_the_gpu_shows_when_it_begins_not_at_an_older_reading(tmp_path: Path) -> None:
+    """Alice's kernel allocates 12 GiB right after the watchdog's last look and she suspends at once,
+    then reports 1 GiB parked: the broker reads the driver as the suspend begins, so the host RAM
+    it books for her park is the 12 GiB her kernel held, not the watchdog's older reading of none."""
+    import subprocess
+    import sys
+
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", watchdog={"interval": 3600.0}).start()  # no look during the test
+    h.add_user(ALICE, "alice")
+    alice = h.remote(ALICE)
+    lease = suspendable_lease(alice, "k-alice", memory=12 * GIB)
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              env={"GPUPOOL_LEASE_ID": lease.id, "PATH": "/usr/bin:/bin"})
+    try:
+        assert alice.get(lease.id).used_memory is None, "the watchdog looked before the kernel allocated"
+        h.pool.backend.set_usage(kernel.pid, lease.devices[0], 12 * GIB)
+        assert alice.suspend(lease.id).used_at_suspend == 12 * GIB
+        h.pool.backend.set_usage(kernel.pid, lease.devices[0], 0)  # parked
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        status, body = h.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": GIB})
+        assert status == 200 and body["state"] == "suspended" and body["parked_memory"] == 12 * GIB, body
+    finally:
+        kernel.kill()
+        kernel.wait()
+        h.stop()
+
+
+def test_a_restore_reported_failed_with_its_memory_parked_is_refused_while_the_gpu_shows_it_back(tmp_path: Path) -> None:
+    """Alice's kernel is restored onto the GPU, and her server reports the restore failed with the
+    memory still parked (which gives the GPU back): the broker sees her process holding the memory
+    there and refuses (409), so it is not granted to Bob as well; once the driver shows it gone, the
+    same report is taken."""
+    import subprocess
+    import sys
+
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", watchdog={"interval": 3600.0}).start()  # the check alone decides
+    h.add_user(ALICE, "alice")
+    h.add_user(BOB, "bob")
+    alice, bob = h.remote(ALICE), h.remote(BOB)
+    lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              env={"GPUPOOL_LEASE_ID": lease.id, "PATH": "/usr/bin:/bin"})
+    try:
+        h.pool.confirm_wait = 0.3
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        h.pool.backend.set_usage(kernel.pid, lease.devices[0], 8 * GIB)
+        alice.suspend(lease.id)  # a suspend that failed and was undone keeps its GPU: no check stands in its way
+        undone = {"outcome": "failed", "transition": "suspending", "error": "checkpoint failed", "still_running": True}
+        status, body = h.http("POST", route, ALICE, undone)
+        assert status == 200 and body["state"] == "granted" and body["transition"] == "", body
+        h.pool.backend.set_usage(kernel.pid, lease.devices[0], 0)
+        alice.suspend(lease.id)
+        assert alice.confirm_transition(lease.id, parked_bytes=8 * GIB).state is LeaseState.SUSPENDED
+        alice.resume(lease.id)
+        restoring = alice.wait_for_grant(lease.id, timeout=20)
+        assert restoring.transition is Transition.RESTORING
+        h.pool.backend.set_usage(kernel.pid, restoring.devices[0], 8 * GIB)  # the restore mapped it back
+        report = {"outcome": "failed", "transition": "restoring", "error": "it broke", "still_running": True}
+        status, body = h.http("POST", route, ALICE, report)
+        assert status == 409 and "still shows 8 GiB held by this kernel's process" in body["message"], body
+        assert alice.get(lease.id).transition is Transition.RESTORING
+        assert bob.request(LeaseRequest(owner="", memory=16 * GIB, kernel_id="k-bob")).state is LeaseState.QUEUED
+        h.pool.backend.set_usage(kernel.pid, restoring.devices[0], 0)
+        status, body = h.http("POST", route, ALICE, report)
+        assert status == 200 and body["state"] == "suspended", body
+    finally:
+        kernel.kill()
+        kernel.wait()
+        h.stop()
+
+
 # --- the host's pinned parking pool: the broker's books ------------------------------------------------
 def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_or_take_it_all(tmp_path: Path) -> None:
     h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "4GiB"}).start()
@@ -482,5 +553,59 @@ def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_
         lease_c = suspendable_lease(alice, "k-alice-2", memory=2 * GIB)
         with pytest.raises(RequestRefused, match="beside 3 GiB of pinned backups running kernels keep"):
             alice.suspend(lease_c.id)
+    finally:
+        h.stop()
+
+
+def test_a_pinned_backup_follows_its_slice_down(tmp_path: Path) -> None:
+    """A reservation is bounded by what the kernel may hold *now*: a slice that shrinks (its user,
+    or its burst taken back) takes its backup's booking down with it, so one user cannot keep the
+    host's pinned pool beyond their slices."""
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "8GiB"}).start()
+    try:
+        h.add_user(ALICE, "alice")
+        h.add_user(BOB, "bob")
+        alice, bob = h.remote(ALICE), h.remote(BOB)
+        lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
+        assert alice.reserve_pinned_backup(lease.id, 8 * GIB).pinned_backup == 8 * GIB
+        status, body = h.http("POST", f"api/gpupool/leases/{lease.id}/resize", ALICE, {"memory": "2GiB"})
+        assert status == 200 and body["memory"] == 2 * GIB and body["pinned_backup"] == 2 * GIB, body
+        with pytest.raises(RequestRefused, match="more than this kernel may hold on its GPUs"):
+            alice.reserve_pinned_backup(lease.id, 8 * GIB)
+        plain = bob.request(LeaseRequest(owner="", memory=2 * GIB, kernel_id="k-bob-plain"))  # its server cannot park it
+        with pytest.raises(RequestRefused, match="cannot set a pinned backup aside: its server cannot park GPU memory"):
+            bob.reserve_pinned_backup(plain.id, 2 * GIB)
+        lease_b = suspendable_lease(bob, "k-bob", memory=6 * GIB)  # the room alice's slice gave back
+        assert bob.reserve_pinned_backup(lease_b.id, 6 * GIB).pinned_backup == 6 * GIB
+
+        alice.suspend(lease.id)
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        status, body = h.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": 2 * GIB})
+        assert status == 200 and body["state"] == "suspended" and body["pinned_backup"] == 2 * GIB, body
+        alice.release(lease.id)  # and a lease that ends takes its booking with it
+        assert bob.reserve_pinned_backup(lease_b.id, 6 * GIB).pinned_backup == 6 * GIB
+    finally:
+        h.stop()
+
+
+def test_a_pinned_backup_bigger_than_its_park_counts_in_full_against_the_budget(tmp_path: Path) -> None:
+    """A kernel parked at less than the backup it keeps pinned (a report below it, a measurement
+    taken before it allocated) still holds the whole backup in host RAM: the budget counts it all,
+    before the restore as after."""
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "8GiB"}).start()
+    try:
+        h.add_user(ALICE, "alice")
+        h.add_user(BOB, "bob")
+        alice, bob = h.remote(ALICE), h.remote(BOB)
+        lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
+        alice.suspend(lease.id)
+        assert alice.reserve_pinned_backup(lease.id, 8 * GIB).pinned_backup == 8 * GIB  # as the fast path asks mid-park
+        route = f"api/gpupool/leases/{lease.id}/transition"
+        status, body = h.http("POST", route, ALICE, {"outcome": "done", "transition": "suspending", "parked_bytes": GIB})
+        assert status == 200 and body["parked_memory"] == GIB and body["pinned_backup"] == 8 * GIB, body
+        lease_b = suspendable_lease(bob, "k-bob", memory=4 * GIB)
+        with pytest.raises(RequestRefused, match="beside 7 GiB of pinned backups"):
+            bob.suspend(lease_b.id)  # 1 GiB parked + alice's 7 GiB more pinned + bob's 4 GiB: over 8 GiB
+        assert bob.get(lease_b.id).transition is Transition.NONE
     finally:
         h.stop()

@@ -9,12 +9,14 @@ version is never served from before a change, whichever process made it.
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from broker_harness import BrokerHarness, wait_until
 from pool_helpers import make_pool, req
 
 from jupyter_gpupool.backends.local.pool import Pool
@@ -122,3 +124,28 @@ def test_a_change_made_by_another_process_is_not_served_stale(tmp_path: Path, se
         assert await views.version("bob") == theirs
 
     asyncio.run(scenario())
+
+
+def test_a_poll_whose_client_hung_up_stops_waiting_at_once(tmp_path: Path) -> None:
+    """A server that opens /changes polls and drops them (or a user who opens many and walks away)
+    leaves nothing waiting in the broker: each poll ends when its connection closes, not at its
+    timeout."""
+    h = BrokerHarness(tmp_path, simulate="1x16GiB").start()
+    try:
+        h.add_user("tok-alice", "alice")
+        status, body = h.http("GET", "api/gpupool/changes", "tok-alice")
+        assert status == 200, body
+        views = h.broker.view_versions
+        route = f"/services/gpupool/api/gpupool/changes?since={body['version']}&timeout=30"
+        clients = []
+        for _ in range(POLLS_EACH):
+            client = socket.create_connection(("127.0.0.1", h.port), timeout=10)
+            client.sendall(f"GET {route} HTTP/1.1\r\nHost: x\r\nAuthorization: token tok-alice\r\n\r\n".encode())
+            clients.append(client)
+        wait_until(lambda: views.polls_waiting() == POLLS_EACH, 20, "every poll waits")
+        for client in clients:
+            client.close()
+        wait_until(lambda: views.polls_waiting() == 0, 5, "the hung-up polls stop waiting")
+        assert h.http("GET", "api/gpupool/changes", "tok-alice")[0] == 200  # and the broker answers as before
+    finally:
+        h.stop()

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pool_helpers import T0
 
 from jupyter_gpupool.core.engine import PoolState, held_by_device
-from jupyter_gpupool.core.index import excess_per_device
+from jupyter_gpupool.core.index import excess_per_device, pinned_ceiling
 from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass, Transition, model_matches
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
@@ -317,6 +317,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert sum(l.pinned_backup for l in live) <= self.pool.policy.parking_pool_bytes(None)  # the pinned pool holds
         for lease in live:
             assert lease.parked_memory <= max(lease.memory * lease.num_gpus, lease.peak_memory or 0)
+            assert lease.pinned_backup <= pinned_ceiling(lease)  # never more than its kernel may hold now
             if lease.state is LeaseState.RELEASED:
                 assert lease.transition is Transition.NONE
 
@@ -392,7 +393,7 @@ class PoolMachine(RuleBasedStateMachine):
             "flagged": sum(1 for l in held if l.flagged),
             "transitions": {l.id: l.transition for l in live if l.transition is not Transition.NONE},
             "parked": sum(l.parked_memory for l in live),
-            "pinned": (sum(l.pinned_backup for l in live), sum(l.pinned_backup for l in live if not l.parked_memory)),
+            "pinned": (sum(l.pinned_backup for l in live), sum(max(0, l.pinned_backup - l.parked_memory) for l in live)),
             "kernels": {l.kernel_id: l.id for l in live if l.kernel_id},
             "beats": beats,
             "ends": ends,

@@ -48,6 +48,34 @@ def test_idle_reclaim_suspends_and_the_memory_frees_only_when_confirmed(tmp_path
     assert pool.get(carol.id).devices == done.home_devices
 
 
+def test_a_reclaim_suspend_is_booked_at_what_the_gpu_shows_as_it_begins(tmp_path):
+    """Alice's idle kernel allocates 8 GiB after the watchdog's last look, just before its reclaim is
+    due: the suspend the pool decides is booked at the 8 GiB the driver shows as it begins, whatever
+    her server reports parked."""
+    import subprocess
+    import sys
+
+    pool = make_pool(tmp_path, **IDLE)
+    alice = pool.request(req("alice", suspendable=True, kernel_id="ka"), now=T0)
+    bob = pool.request(req("bob", kernel_id="kb"), now=T0)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1)
+    pool.request(req("carol", kernel_id="kc"), now=T0 + 700)
+    pool.tick(now=T0 + 701)  # warned
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              env={"GPUPOOL_LEASE_ID": alice.id, "PATH": "/usr/bin:/bin"})
+    try:
+        pool.backend.set_usage(kernel.pid, alice.devices[0], 8 * GIB)
+        pool.report_activity(bob.id, Activity(busy=True), now=T0 + 770)
+        pool.tick(now=T0 + 770)  # due: suspended
+        suspending = pool.get(alice.id)
+        assert suspending.transition is Transition.SUSPENDING and suspending.used_at_suspend == 8 * GIB
+        pool.backend.set_usage(kernel.pid, alice.devices[0], 0)  # parked
+        assert pool.confirm_transition(alice.id, parked_bytes=GIB, now=T0 + 775).parked_memory == 8 * GIB
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
 def test_resume_queues_then_restores_on_its_own_gpu_and_confirms(tmp_path):
     pool, alice, bob, carol = idle_holder_and_waiter(tmp_path)
     pool.confirm_transition(alice.id, parked_bytes=2 * GIB, now=T0 + 775)

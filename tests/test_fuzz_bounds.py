@@ -45,6 +45,7 @@ def lease_state(pool: Any) -> Any:
             lease.holder_pid,
             lease.guarantee,
             lease.burst_limit,
+            lease.pinned_backup,
         )
         for lease in pool.leases(include_released=True)
     )
@@ -96,6 +97,8 @@ def broker_cases(lease_id: str) -> list[tuple[str, str, Any]]:
             cases.append(("POST", "api/gpupool/kernels/k-alice/reserve", {"limit": bad}))
             cases.append(("POST", f"api/gpupool/leases/{lease_id}/grow", {"needed": bad}))
         cases.append(("POST", f"api/gpupool/leases/{lease_id}/keepalive", {"duration": bad}))
+        if bad != 2**31:  # 2 GiB of backup is a fine figure (refused as more than the slice, with 409)
+            cases.append(("POST", f"api/gpupool/leases/{lease_id}/pinned-backup", {"bytes": bad}))
         cases.append(("POST", "api/gpupool/kernels/k-alice/keepalive", {"duration": bad}))
         for field in ("connections",) if bad == 2**31 else ("last_activity", "connections"):  # 2**31 s: in 2038
             cases.append(("POST", f"api/gpupool/leases/{lease_id}/activity", {field: bad}))
@@ -113,6 +116,11 @@ def broker_cases(lease_id: str) -> list[tuple[str, str, Any]]:
         cases.append(("GET", f"api/gpupool/report?{query}", None))
     for query in ("timeout=nan", "timeout=-1", "timeout=1e400", "position=" + "9" * 400, "position=-2"):
         cases.append(("GET", f"api/gpupool/leases/{lease_id}/wait?{query}", None))
+    for query in ("since=-1", "since=" + "9" * 400, "since=1e400", "since=1.5", "since=nan", "timeout=nan", "timeout=-1",
+                  "timeout=1e400", "timeout=inf"):
+        cases.append(("GET", f"api/gpupool/changes?{query}", None))
+    for bad in (1.5, "1.5", "nan", "1e9", None, ""):  # not a whole number of bytes, or none at all
+        cases.append(("POST", f"api/gpupool/leases/{lease_id}/pinned-backup", {"bytes": bad}))
     cases += [
         ("GET", "api/gpupool/events?after=" + "9" * 400, None),
         ("GET", "api/gpupool/events?after=-1", None),

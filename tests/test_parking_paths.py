@@ -308,6 +308,20 @@ def test_the_pinned_parking_pool_is_booked_by_the_pool_for_every_server_of_its_f
     assert second.reserve_pinned_backup(c.id, 0).pinned_backup == 0
 
 
+def test_a_suspended_kernel_that_restarts_asks_again_with_no_backup_booked(tmp_path: Any) -> None:
+    """The old process took its pinned backup with it: the lease that asks again for the new one
+    holds no place in the host's pinned pool, whatever it had (so it is not counted against the
+    parked-memory budget while the new kernel runs)."""
+    pool = make_pool(tmp_path, "1x16GiB", parked_memory_limit="8GiB", parking_pool_size="8GiB")
+    lease = pool.request(req("alice", 4, kernel_id="k-a", suspendable=True))
+    pool.suspend(lease.id, reason="suspended by its user")
+    assert pool.reserve_pinned_backup(lease.id, 4 * GIB).pinned_backup == 4 * GIB
+    assert pool.confirm_transition(lease.id, parked_bytes=4 * GIB).state is LeaseState.SUSPENDED
+    again = pool.request(req("alice", 4, kernel_id="k-a", suspendable=True))  # its restart
+    assert again.id == lease.id and again.state is LeaseState.GRANTED and again.parked_memory == 0
+    assert again.pinned_backup == 0 and _pinned_backups(pool) == {}
+
+
 def test_without_a_pinned_parking_pool_a_reservation_is_refused_in_one_line(tmp_path: Any) -> None:
     pool = make_pool(tmp_path, "1x16GiB", parked_memory_limit="8GiB", parking_pool_size="0")
     lease = pool.request(req("alice", 4, kernel_id="k-a", suspendable=True))

@@ -98,6 +98,10 @@ class CallerViewVersions:
                 if moved is not None and not moved.done():
                     moved.cancel()
 
+    def polls_waiting(self) -> int:
+        """How many polls wait now, every caller's together."""
+        return sum(self._waiting.values())
+
     def close(self) -> None:
         """Stop hearing the pool's changes (the broker stops)."""
         if self._unsubscribe is not None:

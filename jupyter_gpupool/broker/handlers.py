@@ -468,14 +468,32 @@ class ChangesHandler(BrokerHandler):
     a lease granted or released), or ``S`` seconds passed; answers ``{"version": ...}``, an opaque
     number of the caller's view. Without ``since`` it answers at once. What changed is not said: a
     server reads its own leases and carries out the decision the moment it is taken. Others'
-    decisions do not wake it, so the poll tells nobody when other users are active."""
+    decisions do not wake it, so the poll tells nobody when other users are active. A poll whose
+    client hung up stops waiting then, not at its timeout."""
+
+    _poll: asyncio.Future[int] | None = None
+    _hung_up = False
 
     async def get(self) -> None:
         raw_since, raw_timeout = self.query("since"), self.query("timeout")
         since = validate.whole_number(raw_since, "since (the version you last saw)", 0, 2**63 - 1) if raw_since else None
         timeout = validate.number(raw_timeout, "timeout", 0.0, validate.MAX_TIME) if raw_timeout else 10.0
-        mine = await self.broker.view_versions.wait(self.identity.name, since, min(MAX_WAIT, timeout))
+        if self._hung_up:
+            return  # while it was identified
+        self._poll = asyncio.ensure_future(self.broker.view_versions.wait(self.identity.name, since, min(MAX_WAIT, timeout)))
+        try:
+            mine = await self._poll
+        except asyncio.CancelledError:
+            if self._hung_up:
+                return  # nobody to answer
+            raise  # the broker stops
         self.write_json({"version": mine})
+
+    def on_connection_close(self) -> None:
+        """The client hung up: its poll stops waiting."""
+        self._hung_up = True
+        if self._poll is not None:
+            self._poll.cancel()
 
 
 # --- batch routes for a server's periodic loop ----------------------------------------------------------

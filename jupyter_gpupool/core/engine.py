@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from jupyter_gpupool.core.index import LeaseIndex, excess_per_device, park_size
+from jupyter_gpupool.core.index import LeaseIndex, excess_per_device, park_size, pinned_beside_park, pinned_ceiling
 from jupyter_gpupool.core.models import (
     MODEL_FORMS,
     Activity,
@@ -72,7 +72,9 @@ class PoolState:
     unpooled: Mapping[str, int] = field(default_factory=dict)
 
     def touch(self, lease: Lease) -> None:
-        """Record that ``lease`` changed (it is saved, and the index updated): call after every change."""
+        """Record that ``lease`` changed (it is saved, and the index updated): call after every change.
+        Its pinned backup follows its size down here (:func:`pinned_ceiling`), whatever shrank it."""
+        lease.pinned_backup = min(lease.pinned_backup, pinned_ceiling(lease))
         self.changed.add(lease.id)
         if self.index is not None:
             self.index.update(lease)
@@ -197,6 +199,7 @@ class Engine:
         lease.granted_at = lease.suspended_at = lease.resume_asked_at = None
         lease.transition, lease.transition_at = Transition.NONE, None
         lease.parked_memory = 0
+        lease.pinned_backup = 0  # the old process took its backup with it
         lease.resuming = False
         lease.suspend_reason = ""
         lease.restore_failures = 0
@@ -808,10 +811,11 @@ class Engine:
         if lease.flagged:
             return f"its GPU is unusable ({lease.flagged})"
         budget = self.parked_budget(state)
-        parked = state.derived().parked
+        index = state.derived()
+        parked = index.parked
         needed = park_size(lease)
-        # Backups running kernels keep pinned; a parked lease's is in ``parked``, this one's becomes its park.
-        kept = state.derived().pinned_kept - lease.pinned_backup
+        # Pinned backups beyond the parks that hold them; this one's becomes its park, all that does not fit in it stays beside.
+        kept = index.pinned_kept - pinned_beside_park(lease) + max(0, lease.pinned_backup - needed)
         if parked + needed + kept > budget:
             beside = f" beside {format_size(kept)} of pinned backups running kernels keep" if kept else ""
             return (
@@ -829,8 +833,8 @@ class Engine:
         if lease.state is LeaseState.RELEASED:
             raise RequestRefused("cannot keep a pinned backup: the lease was released")
         amount = max(0, int(amount))
-        # What its kernel may hold now (its slice's current size), or was measured holding: never more.
-        ceiling = max(lease.memory * max(1, lease.num_gpus), lease.peak_memory or 0, lease.parked_memory)
+        # What its kernel may hold now (its slice's current size, or its measured use), or has parked: never more.
+        ceiling = pinned_ceiling(lease)
         if amount > ceiling:
             raise RequestRefused(
                 f"a pinned backup of {format_size(amount)} is more than this kernel may hold on its GPUs "
@@ -841,6 +845,8 @@ class Engine:
         if amount > lease.pinned_backup:
             if lease.state is not LeaseState.GRANTED:
                 raise RequestRefused(f"cannot set a pinned backup aside: the kernel is {lease.state.value}, not running on a GPU")
+            if not lease.suspendable:  # nothing would ever be parked into it: it would only keep others from parking
+                raise RequestRefused("cannot set a pinned backup aside: its server cannot park GPU memory (no checkpoint support there)")
             others = index.pinned - lease.pinned_backup
             if not capacity:
                 raise RequestRefused("the pool has no pinned parking pool (parking_pool_size is 0, or no parked-memory budget)")
@@ -850,8 +856,11 @@ class Engine:
                     f"{format_size(capacity)}, and this kernel's backup needs {format_size(amount)}"
                 )
             budget = self.parked_budget(state)
-            kept = index.pinned_kept - (0 if lease.parked_memory else lease.pinned_backup)
-            parked = index.parked + (0 if lease.parked_memory else amount)
+            kept = index.pinned_kept - pinned_beside_park(lease)
+            if lease.parked_memory:  # being parked or restored: what exceeds its park is host RAM beside it
+                parked, kept = index.parked, kept + max(0, amount - lease.parked_memory)
+            else:  # running: its backup takes host RAM as a park does
+                parked = index.parked + amount
             if parked + kept > budget:
                 raise RequestRefused(
                     f"parked slices ({format_size(parked)}) and the pinned backups running kernels keep "

@@ -20,10 +20,10 @@ from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 #: What one lease adds to the index: (state, owner, groups, memory, num_gpus, devices held,
 #: reclaim pending, flagged, heartbeat deadline key, booked-slice end, transition under way,
 #: bytes parked in host RAM, bytes per device used above the slice, bytes per device guaranteed,
-#: bytes of the pinned parking pool set aside for its backup).
+#: bytes of the pinned parking pool set aside for its backup, and of those the bytes beyond its park).
 _Entry = tuple[
     LeaseState, str, tuple[str, ...], int, int, tuple[str, ...], bool, bool, "float | None", "float | None", Transition, int,
-    int, int, int,
+    int, int, int, int,
 ]
 
 
@@ -44,6 +44,21 @@ def park_size(lease: Lease) -> int:
     host RAM on a move: its slice (all GPUs), or what the watchdog last measured its kernel
     holding when that is more (soft enforcement, an elastic slice using its burst)."""
     return max(lease.memory * max(1, lease.num_gpus), lease.used_memory or 0)
+
+
+def pinned_ceiling(lease: Lease) -> int:
+    """The most a lease's pinned backup may be: what its kernel's GPU memory takes parked now
+    (:func:`park_size`: its slice's current size, or its measured use), or what it has parked. Never
+    what it once held: a slice that shrank backs up no more than it may hold now."""
+    return max(park_size(lease), lease.parked_memory)
+
+
+def pinned_beside_park(lease: Lease) -> int:
+    """Bytes of host RAM a lease's pinned backup takes beyond its parked memory: all of it while
+    its kernel runs, what the backup holds above its park while parked (the backup is pinned
+    whole, whatever was reported parked)."""
+    return max(0, lease.pinned_backup - lease.parked_memory)
+
 
 #: Seconds of slack when the heaps say nothing is due: float rounding of ``now - heartbeat`` vs
 #: ``heartbeat + ttl`` never matters, the exact test runs whenever something is near due.
@@ -76,6 +91,7 @@ def _entry(lease: Lease) -> _Entry | None:
         excess_per_device(lease) if held else 0,
         lease.guarantee_size if held else 0,
         lease.pinned_backup,
+        pinned_beside_park(lease),
     )
 
 
@@ -97,7 +113,7 @@ class LeaseIndex:
         self.transitions: dict[str, Transition] = {}  # ids of leases being suspended, restored or moved
         self.parked = 0  # bytes of host RAM parked (or set aside for) suspended slices
         self.pinned = 0  # bytes of the host's pinned parking pool set aside for live leases' backups
-        #: of ``pinned``, the bytes of kernels not parked now: host RAM beside ``parked``
+        #: of ``pinned``, the bytes beyond what ``parked`` counts (:func:`pinned_beside_park`): host RAM beside it
         self.pinned_kept = 0
         self.kernels: dict[str, str] = {}  # kernel id → its live lease's id (a kernel has at most one)
         self._beats: list[tuple[float, str]] = []  # (heartbeat_at, id), stale entries dropped lazily
@@ -147,7 +163,7 @@ class LeaseIndex:
 
     def _apply(self, lease_id: str, entry: _Entry, sign: int) -> None:
         (state, owner, groups, memory, num_gpus, devices, reclaiming, flagged, beat, end, transition, parked, excess, guarantee,
-         pinned) = entry
+         pinned, beside) = entry
         held_bytes = memory * num_gpus if state is LeaseState.GRANTED else 0
         if state is LeaseState.QUEUED:
             if sign > 0:
@@ -180,8 +196,7 @@ class LeaseIndex:
         self.flagged += sign * flagged
         self.parked += sign * parked
         self.pinned += sign * pinned
-        if not parked:  # a parked lease's backup is in ``parked``
-            self.pinned_kept += sign * pinned
+        self.pinned_kept += sign * beside
         if transition is not Transition.NONE:
             if sign > 0:
                 self.transitions[lease_id] = transition

@@ -246,10 +246,12 @@ class Lease:
     #: fast parking path), kept between suspends until the lease ends; reserved through the pool
     #: (:meth:`Engine.reserve_pinned_backup`), so the pool's owner, never a file a user may write,
     #: holds the books. While the kernel runs it counts against the parked-memory budget as
-    #: well; while parked its backup is its ``parked_memory``.
+    #: well; while parked, what of it exceeds its ``parked_memory`` does. Never more than its kernel
+    #: may hold now (:func:`~jupyter_gpupool.core.index.pinned_ceiling`): a slice that shrinks takes it down.
     pinned_backup: int = 0
-    #: Bytes (all GPUs) the pool's watchdog measured its kernel holding when its suspend began (0:
-    #: not measured): its confirmation is booked at no less, whatever its server reports parked.
+    #: Bytes (all GPUs) the pool measured its kernel holding when its suspend began (its watchdog's
+    #: reading, or the driver's read then where that is more; 0: not measured): its confirmation is
+    #: booked at no less, whatever its server reports parked.
     used_at_suspend: int = 0
     home_devices: tuple[str, ...] = ()  # uuids it ran on before it was suspended (restore maps from them)
     home_model: str = ""  # exact model of those GPUs: it is restored onto that model only

@@ -369,7 +369,7 @@ def pinned_backup_body(body: Mapping[str, Any]) -> int:
     """``{"bytes": N}`` of a pinned-backup reservation: bytes of the host's pinned parking pool (0 gives it back)."""
     value = optional(body, "bytes")
     if value is None:
-        raise InvalidInput('give "bytes", the size of the kernel\'s framework backup: a whole number of bytes (0 gives it back)')
+        raise InvalidInput('give "bytes", the size of the kernel\'s framework backup: expected a whole number of bytes (0 gives it back)')
     return whole_number(value, "bytes", 0, MAX_SIZE)
 
 

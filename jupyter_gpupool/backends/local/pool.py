@@ -262,6 +262,9 @@ class Pool(GrantWaiting):
         return host_memory()
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
+        for decision in decisions or ():
+            if decision.kind is DecisionKind.SUSPEND:
+                self._floor_suspend(state, decision.lease_id)
         changed = [state.leases[i] for i in state.changed if i in state.leases]
         beats = [state.leases[i] for i in state.beats if i not in state.changed and i in state.leases]
         self.store.save_leases(changed, beats)
@@ -392,10 +395,44 @@ class Pool(GrantWaiting):
         now = self._now(now)
         with self._locked():
             state = self._load(now)
+            self._read_use_now(state, lease_id)
             decisions = [self.engine.suspend(state, lease_id, reason, now)]
             decisions += self.engine.schedule(state, now)
             self._save(state, decisions)
             return state.leases[lease_id].copy()
+
+    def _held_now(self, lease: Lease) -> int:
+        """Bytes the driver shows the lease's kernel holding on its GPUs now (0 where this pool's
+        backend sees no processes: Slurm)."""
+        if lease.state is not LeaseState.GRANTED or not lease.devices or getattr(self.backend, "name", "") not in ("nvml", "simulated"):
+            return 0
+        return sum(held_by_lease(self.backend.process_usage(), lease, lease.devices).values())
+
+    def _read_use_now(self, state: PoolState, lease_id: str) -> None:
+        """Before a suspend its user asks for is judged: what the driver shows the lease's kernel
+        holding now, where the watchdog's last reading is lower (its kernel allocated since), so
+        the park is judged and booked at that."""
+        lease = state.leases.get(lease_id)
+        held = self._held_now(lease) if lease is not None else 0
+        if lease is not None and held > (lease.used_memory or 0):
+            lease.used_memory = held
+            lease.peak_memory = max(lease.peak_memory or 0, held)
+            state.touch(lease)
+
+    def _floor_suspend(self, state: PoolState, lease_id: str) -> None:
+        """A suspend just decided (by its user or a reclaim) is booked at no less than what the
+        driver shows its kernel holding as it begins (:attr:`Lease.used_at_suspend`), not at an
+        older watchdog reading its kernel allocated past."""
+        lease = state.leases.get(lease_id)
+        if lease is None or lease.transition is not Transition.SUSPENDING:
+            return
+        held = self._held_now(lease)
+        if held > lease.used_at_suspend:
+            lease.used_at_suspend = held
+            lease.used_memory = max(lease.used_memory or 0, held)
+            lease.peak_memory = max(lease.peak_memory or 0, held)
+            lease.parked_memory = max(lease.parked_memory, held)
+            state.touch(lease)
 
     def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
         """Queue a suspended lease to come back; granted by policy like any request. ``ahead``: a
@@ -411,13 +448,17 @@ class Pool(GrantWaiting):
     #: Seconds a suspend's or move's confirmation waits for the driver to show the memory freed.
     confirm_wait = 2.0
 
-    def _held_after(self, lease_id: str) -> tuple[dict[int, int], tuple[str, ...]]:
+    def _held_after(self, lease_id: str, failed_restore: bool = False) -> tuple[dict[int, int], tuple[str, ...]]:
         """Pid → bytes the driver shows a suspending (or moving) lease's processes still holding on
-        the GPUs that step frees, and those GPUs. The GPUs are this pool's host's (NVML or
-        simulated), so whatever holds them runs here: the lease's ``holder_host``, which its client
-        names, decides nothing. A backend that sees no processes (Slurm) takes the holder's word."""
+        the GPUs that step frees, and those GPUs (``failed_restore``: a restore reported failed with
+        its memory still parked, which frees the GPUs it was granted). The GPUs are this pool's
+        host's (NVML or simulated), so whatever holds them runs here: the lease's ``holder_host``,
+        which its client names, decides nothing. A backend that sees no processes (Slurm) takes the
+        holder's word."""
         lease = self.get(lease_id)
-        if lease.transition is Transition.SUSPENDING:
+        if failed_restore:  # a failed suspend or move keeps its GPUs: nothing to check
+            devices = lease.devices if lease.transition is Transition.RESTORING else ()
+        elif lease.transition is Transition.SUSPENDING:
             devices = lease.devices
         elif lease.transition is Transition.MIGRATING:
             devices = tuple(u for u in lease.migrate_from if u not in lease.devices)
@@ -427,19 +468,21 @@ class Pool(GrantWaiting):
             return {}, ()
         return held_by_lease(self.backend.process_usage(), lease, devices), devices
 
-    def _check_memory_freed(self, lease_id: str) -> None:
-        """Refuse a suspend's or move's confirmation while the GPU still shows the kernel's memory."""
+    def _check_memory_freed(self, lease_id: str, failed_restore: bool = False) -> None:
+        """Refuse a suspend's or move's confirmation (or a restore's failure with its memory still
+        parked: ``failed_restore``) while the GPU still shows the kernel's memory."""
         deadline = time.monotonic() + self.confirm_wait
         while True:
-            held, _ = self._held_after(lease_id)
+            held, _ = self._held_after(lease_id, failed_restore)
             if not held:
                 return
             if time.monotonic() >= deadline:
                 pids = ", ".join(str(pid) for pid in sorted(held))
-                step = "suspend" if self.get(lease_id).transition is Transition.SUSPENDING else "move"
+                step = {Transition.SUSPENDING: "a suspend is confirmed", Transition.RESTORING: "a restore is reported failed "
+                        "with its memory still parked"}.get(self.get(lease_id).transition, "a move is confirmed")
                 raise RequestRefused(
-                    f"the GPU still shows {format_size(sum(held.values()))} held by this kernel's process {pids}: a {step} "
-                    "is confirmed once the driver shows that memory freed; nothing was changed"
+                    f"the GPU still shows {format_size(sum(held.values()))} held by this kernel's process {pids}: {step} "
+                    "once the driver shows that memory freed; nothing was changed"
                 )
             time.sleep(0.1)
 
@@ -465,8 +508,12 @@ class Pool(GrantWaiting):
 
     def fail_transition(self, lease_id: str, error: str, still_running: bool, now: float | None = None) -> Lease:
         """The holder's server could not finish a suspend, restore or move (see
-        :meth:`Engine.fail_transition`); returns the lease as it is now (released if the kernel must stop)."""
+        :meth:`Engine.fail_transition`); returns the lease as it is now (released if the kernel must stop).
+        A restore that failed with the memory still parked gives its GPUs back: taken only once the
+        driver shows none of the kernel's memory there, as a suspend's confirmation."""
         now = self._now(now)
+        if still_running and self.get(lease_id).restore_failures < 1:  # a second failure in a row stops it instead
+            self._check_memory_freed(lease_id, failed_restore=True)
         with self._locked():
             state = self._load(now)
             lease = self.engine.get(state, lease_id)
