@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from pool_helpers import make_pool, req
-from server_kernels import start_kernel, kernel_pid
+from server_kernels import kernel_pid, release_flag, start_kernel
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath
@@ -74,7 +74,7 @@ PRINT_X_AND_STATUS = (
 async def _suspend(gpupool_fetch: Any, gpupool_wait: Any, pool: Any, kernel: str) -> dict[str, Any]:
     response = await gpupool_fetch("api", "gpupool", "kernels", kernel, "suspend", method="POST", body={})
     assert response.code == 200, response.body
-    await gpupool_wait(lambda: pool.lease_for_kernel(kernel).state is LeaseState.SUSPENDED, what="the suspend")
+    await gpupool_wait(lambda: pool.lease_for_kernel(kernel).state is LeaseState.SUSPENDED, timeout=120, what="the suspend")
     return await _status(gpupool_fetch, kernel)
 
 
@@ -148,18 +148,22 @@ def test_a_framework_path_that_fails_midway_falls_back_to_the_driver_checkpoint_
 
 
 def test_a_kernel_suspended_while_a_cell_runs_is_parked_by_the_driver_checkpoint(
-    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec, tmp_path
 ):
     pool = gpupool_ext.pool
+    started, release = tmp_path / "cell-started", tmp_path / "cell-may-end"
 
     async def scenario() -> None:
         kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
-        running = asyncio.ensure_future(kernel_exec(kernel, "import time\ntime.sleep(4)\nprint('cell done')"))
-        await asyncio.sleep(1.5)  # the cell runs: its tensors may be in use
+        # The cell runs (its tensors may be in use) from when it says so until the test lets it end.
+        cell = f"open({str(started)!r}, 'w').close()\n" + release_flag(release)
+        running = asyncio.ensure_future(kernel_exec(kernel, cell))
+        await gpupool_wait(started.exists, timeout=120, what="the cell to start")
         status = await _suspend(gpupool_fetch, gpupool_wait, pool, kernel)
+        release.touch()
         assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
         assert "a cell is running in the kernel" in status["parking"]["path_note"], status
-        assert (await asyncio.wait_for(running, 30)).strip() == "cell done"
+        assert (await asyncio.wait_for(running, 120)).strip() == "released"
         assert (await kernel_exec(kernel, "print(x)")).strip() == "42" and _gpu_bytes_of(pool, pid) == 2 * GIB
 
     arun(scenario())
