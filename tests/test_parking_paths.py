@@ -27,6 +27,7 @@ from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath
 from jupyter_gpupool.devices.simulated import SimulatedMemorySaver
 from jupyter_gpupool.kernel.parking import FrameworkParking
+from jupyter_gpupool.serverextension.app import LEASE_SCHEMA_ID
 from jupyter_gpupool.units import GIB
 
 SIMULATED_SAVER = SimulatedMemorySaver.name
@@ -152,6 +153,12 @@ def test_a_kernel_suspended_while_a_cell_runs_is_parked_by_the_driver_checkpoint
 ):
     pool = gpupool_ext.pool
     started, release = tmp_path / "cell-started", tmp_path / "cell-may-end"
+    events: list[dict[str, Any]] = []
+
+    async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        events.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(schema_id=LEASE_SCHEMA_ID, listener=listener)
 
     async def scenario() -> None:
         kernel, pid = await _kernel_holding(gpupool_fetch, gpupool_wait, jp_serverapp, kernel_exec, "2GiB")
@@ -159,10 +166,17 @@ def test_a_kernel_suspended_while_a_cell_runs_is_parked_by_the_driver_checkpoint
         cell = f"open({str(started)!r}, 'w').close()\n" + release_flag(release)
         running = asyncio.ensure_future(kernel_exec(kernel, cell))
         await gpupool_wait(started.exists, timeout=120, what="the cell to start")
-        status = await _suspend(gpupool_fetch, gpupool_wait, pool, kernel)
+        response = await gpupool_fetch("api", "gpupool", "kernels", kernel, "suspend", method="POST", body={})
+        assert response.code == 200, response.body
+        # What the sidebar hears. The kernel is busy, so the server brings it back at once (work
+        # arrived): its suspended state may be too short to poll, the event is not.
+        suspended = await gpupool_wait(
+            lambda: next((e for e in events if e["kernel_id"] == kernel and e["action"] == "suspended"), None),
+            timeout=120, what="the suspended event",
+        )
         release.touch()
-        assert status["parking"]["path"] == DRIVER_CHECKPOINT, status
-        assert "a cell is running in the kernel" in status["parking"]["path_note"], status
+        assert "2 GiB parked in host RAM by driver checkpoint" in suspended["message"], suspended
+        assert "a cell is running in the kernel" in suspended["message"], suspended
         assert (await asyncio.wait_for(running, 120)).strip() == "released"
         assert (await kernel_exec(kernel, "print(x)")).strip() == "42" and _gpu_bytes_of(pool, pid) == 2 * GIB
 

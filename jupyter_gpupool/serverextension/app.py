@@ -1101,6 +1101,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         done = await self._confirm(lease, parked)
         first = f"; {format_size(freed)} of framework cache freed first" if freed else ""
         by = self._parking.get(lease.id, {}).get("path") or "driver checkpoint"
+        note = self._parking.get(lease.id, {}).get("path_note")
+        first += f"; {note}" if note else ""  # why a faster path was not used
         self.log.info("gpupool: kernel %s suspended (%s parked by %s%s): %s", kernel_id, format_size(parked), by, first, lease.suspend_reason)
         self.emit("suspended", done, message=f"suspended ({format_size(parked)} parked in host RAM by {by}{first}): {lease.suspend_reason}")
 
