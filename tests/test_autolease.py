@@ -23,10 +23,10 @@ import nbformat
 import pytest
 import tomllib
 
-from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
-from jupyter_gpupool.kernel import autolease
 from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
 from jupyter_gpupool.enforcement.unpooled import find_kernel_roots
+from jupyter_gpupool.kernel import autolease
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -197,6 +197,19 @@ def test_plain_nbconvert_leases_batch_and_gives_it_back(kernel_prefix: Path, run
     status = outputs(notebook)[2][0]["data"]["text/plain"]
     assert "granted" in status and lease.id in status, status
     assert "CPU-only" not in output
+
+
+def test_a_kernel_slow_to_exit_gives_its_lease_back_before_its_manager_kills_it(
+    kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path
+):
+    # A thread the notebook left running keeps the kernel from exiting: its manager terminates it
+    # (jupyter_client: SIGTERM, then SIGKILL) and no atexit handler runs. The lease is given back
+    # on the shutdown request itself, with the reason a clean exit gives.
+    linger = "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()"
+    notebook = write_notebook(tmp_path / "linger.ipynb", ENV_CELL, linger)
+    finish(nbconvert(kernel_prefix, notebook, run_env, "--ExecutePreprocessor.shutdown_kernel=graceful"))
+    lease = Pool.from_env().get(printed(outputs(notebook)[0])["GPUPOOL_LEASE_ID"])
+    assert lease.state is LeaseState.RELEASED and lease.release_reason == autolease.EXIT_REASON, lease
 
 
 def test_a_queued_batch_kernel_waits_in_its_first_cell(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):

@@ -21,7 +21,8 @@ first call). From there :func:`configure`
 3. loads the kernel extension (``%gpupool``, caps, activity heartbeats) once the shell exists;
 4. re-executes the kernel (same pid, before it binds a socket) so that the environment it starts
    with, the one the pool's watcher reads in ``/proc``, names its lease;
-5. gives the lease back when the kernel exits. A killed kernel's lease goes back through the
+5. gives the lease back when the kernel is asked to shut down (before it replies, so a kernel its
+   manager must terminate for being slow to exit gives it back too), or else when it exits. A killed kernel's lease goes back through the
    pool's holder check: its ``holder_pid`` is this process, so the next scheduling round of any
    process on this host releases it.
 
@@ -33,6 +34,7 @@ Julia kernel started without the provisioner is not reached.
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import os
 import sys
@@ -274,6 +276,7 @@ class AutoLease:
         if shell is None or self.shell is shell:
             return
         self.shell = shell
+        self.release_on_shutdown_request(getattr(shell, "kernel", None))
         try:
             shell.extension_manager.load_extension(KERNEL_EXTENSION)
         except Exception as err:  # noqa: BLE001
@@ -281,6 +284,23 @@ class AutoLease:
         if self.queued:
             self.waiter = FirstCellWait(self)
             self.waiter.start(shell)
+
+    def release_on_shutdown_request(self, kernel: Any) -> None:
+        """Give the lease back when the kernel is asked to shut down, before it replies. Its manager
+        terminates a kernel slow to exit (jupyter_client: SIGTERM after half its
+        ``shutdown_wait_time``, a thread left running is enough), and a terminated process runs no
+        atexit handler. A restart leases again in the new process."""
+        original = getattr(kernel, "do_shutdown", None)
+        if original is None or getattr(original, "_gives_lease_back", False):
+            return
+
+        async def do_shutdown(restart: bool) -> Any:
+            self.release()
+            reply = original(restart)
+            return await reply if inspect.isawaitable(reply) else reply
+
+        do_shutdown._gives_lease_back = True  # type: ignore[attr-defined]
+        kernel.do_shutdown = do_shutdown
 
     def wait_for_grant(self, on_update: Callable[[Any, Any], None] | None = None) -> None:
         """Block until the queued lease is granted, then apply it (the kernel client re-caps the frameworks)."""
