@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,9 @@ import pytest
 from broker_harness import BrokerHarness, BrokerProcess, StandInHub, read_http_message
 from prometheus_client.parser import text_string_to_metric_families
 
+from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState, Transition
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized, PoolUnavailable, RequestRefused
-from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.units import GIB
 
 ALICE, BOB, ADMIN = "tok-alice", "tok-bob", "tok-admin"
@@ -528,12 +529,21 @@ def test_a_restore_reported_failed_with_its_memory_parked_is_refused_while_the_g
 
 
 # --- the host's pinned parking pool: the broker's books ------------------------------------------------
-def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_or_take_it_all(tmp_path: Path) -> None:
-    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "4GiB"}).start()
+@contextmanager
+def parking_broker(tmp_path: Path, parking_pool_size: str) -> Iterator[tuple[BrokerHarness, RemotePool, RemotePool]]:
+    """A broker on one 16 GiB GPU with an 8 GiB parking budget and a pinned pool of the given size;
+    alice's and bob's clients."""
+    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": parking_pool_size}).start()
     try:
         h.add_user(ALICE, "alice")
         h.add_user(BOB, "bob")
-        alice, bob = h.remote(ALICE), h.remote(BOB)
+        yield h, h.remote(ALICE), h.remote(BOB)
+    finally:
+        h.stop()
+
+
+def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_or_take_it_all(tmp_path: Path) -> None:
+    with parking_broker(tmp_path, "4GiB") as (h, alice, bob):
         lease_a = suspendable_lease(alice, "k-alice", memory=4 * GIB)
         lease_b = suspendable_lease(bob, "k-bob", memory=4 * GIB)
         assert alice.reserve_pinned_backup(lease_a.id, 3 * GIB).pinned_backup == 3 * GIB
@@ -553,19 +563,13 @@ def test_the_broker_keeps_the_pinned_parking_pool_and_no_user_can_book_anothers_
         lease_c = suspendable_lease(alice, "k-alice-2", memory=2 * GIB)
         with pytest.raises(RequestRefused, match="beside 3 GiB of pinned backups running kernels keep"):
             alice.suspend(lease_c.id)
-    finally:
-        h.stop()
 
 
 def test_a_pinned_backup_follows_its_slice_down(tmp_path: Path) -> None:
     """A reservation is bounded by what the kernel may hold *now*: a slice that shrinks (its user,
     or its burst taken back) takes its backup's booking down with it, so one user cannot keep the
     host's pinned pool beyond their slices."""
-    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "8GiB"}).start()
-    try:
-        h.add_user(ALICE, "alice")
-        h.add_user(BOB, "bob")
-        alice, bob = h.remote(ALICE), h.remote(BOB)
+    with parking_broker(tmp_path, "8GiB") as (h, alice, bob):
         lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
         assert alice.reserve_pinned_backup(lease.id, 8 * GIB).pinned_backup == 8 * GIB
         status, body = h.http("POST", f"api/gpupool/leases/{lease.id}/resize", ALICE, {"memory": "2GiB"})
@@ -584,19 +588,13 @@ def test_a_pinned_backup_follows_its_slice_down(tmp_path: Path) -> None:
         assert status == 200 and body["state"] == "suspended" and body["pinned_backup"] == 2 * GIB, body
         alice.release(lease.id)  # and a lease that ends takes its booking with it
         assert bob.reserve_pinned_backup(lease_b.id, 6 * GIB).pinned_backup == 6 * GIB
-    finally:
-        h.stop()
 
 
 def test_a_pinned_backup_bigger_than_its_park_counts_in_full_against_the_budget(tmp_path: Path) -> None:
     """A kernel parked at less than the backup it keeps pinned (a report below it, a measurement
     taken before it allocated) still holds the whole backup in host RAM: the budget counts it all,
     before the restore as after."""
-    h = BrokerHarness(tmp_path, simulate="1x16GiB", policy={"parked_memory_limit": "8GiB", "parking_pool_size": "8GiB"}).start()
-    try:
-        h.add_user(ALICE, "alice")
-        h.add_user(BOB, "bob")
-        alice, bob = h.remote(ALICE), h.remote(BOB)
+    with parking_broker(tmp_path, "8GiB") as (h, alice, bob):
         lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
         alice.suspend(lease.id)
         assert alice.reserve_pinned_backup(lease.id, 8 * GIB).pinned_backup == 8 * GIB  # as the fast path asks mid-park
@@ -607,5 +605,3 @@ def test_a_pinned_backup_bigger_than_its_park_counts_in_full_against_the_budget(
         with pytest.raises(RequestRefused, match="beside 7 GiB of pinned backups"):
             bob.suspend(lease_b.id)  # 1 GiB parked + alice's 7 GiB more pinned + bob's 4 GiB: over 8 GiB
         assert bob.get(lease_b.id).transition is Transition.NONE
-    finally:
-        h.stop()

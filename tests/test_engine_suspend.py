@@ -76,6 +76,48 @@ def test_a_reclaim_suspend_is_booked_at_what_the_gpu_shows_as_it_begins(tmp_path
         kernel.wait()
 
 
+def test_a_suspend_its_user_asks_for_reads_the_driver_once_and_is_booked_at_it(tmp_path, monkeypatch):
+    """The driver is read once per suspend (walking /proc for each GPU process is not free), before
+    the write lock, and that one reading both judges the park and floors its booking."""
+    import subprocess
+    import sys
+
+    pool = make_pool(tmp_path, **IDLE)
+    alice = pool.request(req("alice", suspendable=True, kernel_id="ka"), now=T0)
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              env={"GPUPOOL_LEASE_ID": alice.id, "PATH": "/usr/bin:/bin"})
+    from contextlib import contextmanager
+
+    reads: list[bool] = []  # one entry per driver reading: whether it was taken under the write lock
+    locked = [False]
+    read, transaction = pool.backend.process_usage, pool.store.transaction
+
+    def counted():
+        reads.append(locked[0])
+        return read()
+
+    @contextmanager
+    def watched_transaction():
+        with transaction():
+            locked[0] = True
+            try:
+                yield
+            finally:
+                locked[0] = False
+
+    try:
+        pool.backend.set_usage(kernel.pid, alice.devices[0], 5 * GIB)
+        monkeypatch.setattr(pool.backend, "process_usage", counted)
+        monkeypatch.setattr(pool.store, "transaction", watched_transaction)
+        suspending = pool.suspend(alice.id, now=T0 + 10)
+        assert reads == [False]
+        assert suspending.transition is Transition.SUSPENDING
+        assert suspending.used_at_suspend == suspending.used_memory == 5 * GIB  # its park is booked at no less
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
 def test_resume_queues_then_restores_on_its_own_gpu_and_confirms(tmp_path):
     pool, alice, bob, carol = idle_holder_and_waiter(tmp_path)
     pool.confirm_transition(alice.id, parked_bytes=2 * GIB, now=T0 + 775)

@@ -45,7 +45,7 @@ from jupyter_gpupool.core.models import (
 )
 from jupyter_gpupool.core.policy import PoolPolicy, Reservation, parse_reservation
 from jupyter_gpupool.core.validate import preferences as validate_preferences
-from jupyter_gpupool.devices import DeviceBackend, make_backend
+from jupyter_gpupool.devices import DeviceBackend, ProcessUsage, make_backend
 from jupyter_gpupool.devices.base import nvidia_driver_present
 from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
 from jupyter_gpupool.enforcement.unpooled import UnpooledUse, held_by_lease, unpooled_line
@@ -261,10 +261,13 @@ class Pool(GrantWaiting):
             return self._simulated_host_memory
         return host_memory()
 
-    def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
+    def _save(self, state: PoolState, decisions: list[Decision] | None = None, processes: list[ProcessUsage] | None = None) -> None:
+        """Write the transaction's changes. ``processes``: the driver's reading this transaction
+        already took (read here, once, only if a suspend was decided and none was given)."""
         for decision in decisions or ():
             if decision.kind is DecisionKind.SUSPEND:
-                self._floor_suspend(state, decision.lease_id)
+                processes = self._processes_seen() if processes is None else processes
+                self._floor_suspend(state, decision.lease_id, processes)
         changed = [state.leases[i] for i in state.changed if i in state.leases]
         beats = [state.leases[i] for i in state.beats if i not in state.changed and i in state.leases]
         self.store.save_leases(changed, beats)
@@ -393,40 +396,53 @@ class Pool(GrantWaiting):
         """Ask for this lease's GPU memory to be parked in host RAM; its server carries it out and
         confirms. Raises :class:`RequestRefused` saying why when it cannot be suspended."""
         now = self._now(now)
+        processes = self._processes_seen()  # read once, before the write lock: judged and booked at it
         with self._locked():
             state = self._load(now)
-            self._read_use_now(state, lease_id)
+            self._read_use_now(state, lease_id, processes)
             decisions = [self.engine.suspend(state, lease_id, reason, now)]
             decisions += self.engine.schedule(state, now)
-            self._save(state, decisions)
+            self._save(state, decisions, processes)
             return state.leases[lease_id].copy()
 
-    def _held_now(self, lease: Lease) -> int:
-        """Bytes the driver shows the lease's kernel holding on its GPUs now (0 where this pool's
-        backend sees no processes: Slurm)."""
-        if lease.state is not LeaseState.GRANTED or not lease.devices or getattr(self.backend, "name", "") not in ("nvml", "simulated"):
-            return 0
-        return sum(held_by_lease(self.backend.process_usage(), lease, lease.devices).values())
+    def _sees_processes(self) -> bool:
+        """Whether this pool's backend lists the processes on its GPUs (NVML, simulated; not Slurm)."""
+        return getattr(self.backend, "name", "") in ("nvml", "simulated")
 
-    def _read_use_now(self, state: PoolState, lease_id: str) -> None:
+    def _processes_seen(self) -> list[ProcessUsage]:
+        """The driver's per-process GPU use now ([] where the backend sees no processes)."""
+        return self.backend.process_usage() if self._sees_processes() else []
+
+    def _held_on(self, lease: Lease, devices: tuple[str, ...], processes: list[ProcessUsage] | None = None) -> dict[int, int]:
+        """Pid → bytes the driver shows ``lease``'s processes holding on ``devices`` (from
+        ``processes`` when already read); {} where the backend sees no processes."""
+        if not devices or not self._sees_processes():
+            return {}
+        return held_by_lease(self._processes_seen() if processes is None else processes, lease, devices)
+
+    def _held_now(self, lease: Lease, processes: list[ProcessUsage] | None = None) -> int:
+        """Bytes the driver shows a granted lease's kernel holding on its GPUs now."""
+        return sum(self._held_on(lease, lease.devices, processes).values()) if lease.state is LeaseState.GRANTED else 0
+
+    def _read_use_now(self, state: PoolState, lease_id: str, processes: list[ProcessUsage]) -> None:
         """Before a suspend its user asks for is judged: what the driver shows the lease's kernel
         holding now, where the watchdog's last reading is lower (its kernel allocated since), so
         the park is judged and booked at that."""
         lease = state.leases.get(lease_id)
-        held = self._held_now(lease) if lease is not None else 0
+        held = self._held_now(lease, processes) if lease is not None else 0
         if lease is not None and held > (lease.used_memory or 0):
             lease.used_memory = held
             lease.peak_memory = max(lease.peak_memory or 0, held)
             state.touch(lease)
 
-    def _floor_suspend(self, state: PoolState, lease_id: str) -> None:
+    def _floor_suspend(self, state: PoolState, lease_id: str, processes: list[ProcessUsage]) -> None:
         """A suspend just decided (by its user or a reclaim) is booked at no less than what the
         driver shows its kernel holding as it begins (:attr:`Lease.used_at_suspend`), not at an
         older watchdog reading its kernel allocated past."""
         lease = state.leases.get(lease_id)
         if lease is None or lease.transition is not Transition.SUSPENDING:
             return
-        held = self._held_now(lease)
+        held = self._held_now(lease, processes)
         if held > lease.used_at_suspend:
             lease.used_at_suspend = held
             lease.used_memory = max(lease.used_memory or 0, held)
@@ -448,9 +464,9 @@ class Pool(GrantWaiting):
     #: Seconds a suspend's or move's confirmation waits for the driver to show the memory freed.
     confirm_wait = 2.0
 
-    def _held_after(self, lease_id: str, failed_restore: bool = False) -> tuple[dict[int, int], tuple[str, ...]]:
+    def _held_after(self, lease_id: str, failed_restore: bool = False) -> dict[int, int]:
         """Pid → bytes the driver shows a suspending (or moving) lease's processes still holding on
-        the GPUs that step frees, and those GPUs (``failed_restore``: a restore reported failed with
+        the GPUs that step frees (``failed_restore``: a restore reported failed with
         its memory still parked, which frees the GPUs it was granted). The GPUs are this pool's
         host's (NVML or simulated), so whatever holds them runs here: the lease's ``holder_host``,
         which its client names, decides nothing. A backend that sees no processes (Slurm) takes the
@@ -463,17 +479,15 @@ class Pool(GrantWaiting):
         elif lease.transition is Transition.MIGRATING:
             devices = tuple(u for u in lease.migrate_from if u not in lease.devices)
         else:
-            return {}, ()
-        if not devices or getattr(self.backend, "name", "") not in ("nvml", "simulated"):
-            return {}, ()
-        return held_by_lease(self.backend.process_usage(), lease, devices), devices
+            return {}
+        return self._held_on(lease, devices)
 
     def _check_memory_freed(self, lease_id: str, failed_restore: bool = False) -> None:
         """Refuse a suspend's or move's confirmation (or a restore's failure with its memory still
         parked: ``failed_restore``) while the GPU still shows the kernel's memory."""
         deadline = time.monotonic() + self.confirm_wait
         while True:
-            held, _ = self._held_after(lease_id, failed_restore)
+            held = self._held_after(lease_id, failed_restore)
             if not held:
                 return
             if time.monotonic() >= deadline:
