@@ -27,11 +27,11 @@ from server_process import Server, free_port
 from tornado import httpserver, netutil, web
 from traitlets.config import Config
 
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.broker.app import Broker, make_app
 from jupyter_gpupool.broker.auth import ADMIN_SCOPE, HubIdentity, PeerCredIdentity
 from jupyter_gpupool.core.models import Lease
-from jupyter_gpupool.backends.local.pool import Pool
-from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.enforcement.watchdog import Watchdog
 
 ACCESS = "access:services!service=gpupool"

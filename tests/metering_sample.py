@@ -17,10 +17,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import Activity, LeaseRequest
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 #: The sample's GPUs (GPUPOOL_SIMULATE).

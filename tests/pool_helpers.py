@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import LeaseRequest, PriorityClass
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 T0 = 1_800_000_000.0  # a fixed "now" so tests never depend on the wall clock

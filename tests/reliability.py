@@ -72,12 +72,12 @@ if str(REPO) not in sys.path:
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.engine import held_by_device
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, PriorityClass, Transition
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 
@@ -674,8 +674,8 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
     using its GPU). The host's watchdog reconciles after every step, and the invariants of
     :func:`check_suspend_invariants` and :func:`check_pool_file` are checked after every step.
     It runs ``seconds``, and on for at least ``min_operations`` steps (the same steps for a seed)."""
-    from jupyter_gpupool.core.models import Activity
     from jupyter_gpupool.backends.local.pool import HOSTNAME
+    from jupyter_gpupool.core.models import Activity
     from jupyter_gpupool.enforcement.watchdog import Watchdog
 
     db = str(workdir / "suspend-soak.sqlite")
@@ -972,8 +972,8 @@ def unpooled_nvml(workdir: Path) -> dict[str, Any]:
     exits gives its memory back."""
     from fake_pynvml import FakeGpu, FakeNvml, FakeProcess
 
-    from jupyter_gpupool.devices import make_backend
     from jupyter_gpupool.backends.local.pool import HOSTNAME
+    from jupyter_gpupool.devices import make_backend
     from jupyter_gpupool.enforcement.watchdog import Watchdog
 
     figures: dict[str, Any] = {}

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpupool.backends import CAPABILITY_MEMBERS, Capability, ElasticBackend, PoolBackend, SuspendingBackend, supports
+from jupyter_gpupool.backends import (
+    CAPABILITY_MEMBERS,
+    Capability,
+    ElasticBackend,
+    PoolBackend,
+    SuspendingBackend,
+    supports,
+)
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.backends.slurm.pool import SlurmPool

@@ -117,8 +117,8 @@ def test_nbconvert_on_plain_python3_leases_as_batch_and_waits_behind_a_live_user
 
 
 def test_papermill_runs_lease_as_batch_too(tmp_path: Path) -> None:
-    from jupyter_gpupool.devices.simulated import SimulatedBackend
     from jupyter_gpupool.backends.local.pool import Pool
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
 
     db = tmp_path / "pool.sqlite"
     plain_python3_notebook(tmp_path / "in.ipynb")

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub, read_http_message, wait_until
 
+from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import PoolUnavailable
-from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.units import GIB
 
 ALICE = "alice-hub-token"

@@ -109,9 +109,9 @@ def one_line_error(result: subprocess.CompletedProcess, code: int) -> str:
 def test_a_damaged_pool_file_is_one_line_and_exit_6(tmp_path, damage):
     import sqlite3
 
+    from jupyter_gpupool.backends.local.pool import Pool
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.devices.simulated import SimulatedBackend
-    from jupyter_gpupool.backends.local.pool import Pool
 
     db = tmp_path / "pool.sqlite"
     pool = Pool(SimulatedBackend.from_spec("1x16GiB"), str(db))

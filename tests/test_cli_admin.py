@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.broker.auth import ADMIN_SCOPE
 from jupyter_gpupool.core.models import LeaseRequest
-from jupyter_gpupool.backends.local.pool import Pool
 from tests.broker_harness import BrokerHarness
 
 GIB = 1024**3

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import ast
 import configparser
+import contextlib
 import csv
 import functools
 import io
 import json
-import contextlib
 import os
 import re
 import shlex
@@ -268,9 +268,9 @@ def check_our_config(c: Config, tmp_path: Path, build_broker: bool = True) -> li
         return checked
     from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.enforcement.plan import EnforcementSettings
+    from jupyter_gpupool.enforcement.watchdog import Watchdog
     from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner
     from jupyter_gpupool.serverextension.app import GpuPoolExtension
-    from jupyter_gpupool.enforcement.watchdog import Watchdog
 
     PoolPolicy(config=c).validate_all()
     EnforcementSettings(config=c)
@@ -348,8 +348,8 @@ def check_tljh_settings(block: Block) -> None:
     """What an illustrated shell block still lets us check: its ``pip install`` lines name this package
     and its extras; ``tljh-config set gpupool.KEY VALUE`` lines (and the keys their comments offer)
     are accepted by the TLJH plugin, its broker accepts the values, the hub config it writes is well-formed."""
-    from jupyter_gpupool.core.policy import PoolPolicy
     from jupyter_gpupool.apps.tljh import configure_hub
+    from jupyter_gpupool.core.policy import PoolPolicy
 
     settings: dict[str, str] = {}
     for line in logical_lines(block.text):
@@ -401,8 +401,8 @@ def sandbox_base_env(tmp_path: Path) -> dict[str, str]:
 
 def test_the_sandbox_keeps_every_file_in_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A doc example run as root must not record a broker in /etc/jupyter, nor cache in the real home."""
-    from jupyter_gpupool.backends.discovery import candidate_paths, write_paths
     from jupyter_gpupool.apps.workload import cache_folder
+    from jupyter_gpupool.backends.discovery import candidate_paths, write_paths
 
     monkeypatch.setenv("XDG_CACHE_HOME", "/root/.cache")
     env = sandbox_base_env(tmp_path)
@@ -468,8 +468,8 @@ class Sandbox:
     def new_lease(self, env: dict[str, str]) -> str:
         """A granted lease of the sandbox's user, for a ``LEASE_ID`` (made in-process: quicker)."""
         from jupyter_gpupool.apps.cli import current_user
-        from jupyter_gpupool.core.models import LeaseRequest
         from jupyter_gpupool.backends.local.pool import Pool
+        from jupyter_gpupool.core.models import LeaseRequest
 
         pool = Pool.from_env(environ=env)
         try:

@@ -323,10 +323,10 @@ def test_a_pool_file_of_the_previous_version_is_taken_forward(tmp_path):
     import json
     import sqlite3
 
-    from jupyter_gpupool.core.models import Lease
-    from jupyter_gpupool.devices.simulated import SimulatedBackend
     from jupyter_gpupool.backends.local.pool import Pool
     from jupyter_gpupool.backends.local.store import MIGRATIONS, SCHEMA_VERSION
+    from jupyter_gpupool.core.models import Lease
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
 
     path = tmp_path / "old.sqlite"
     uuid = SimulatedBackend.from_spec("1x16GiB").devices()[0].uuid

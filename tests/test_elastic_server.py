@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 import pytest
-
 from server_kernels import start_kernel
+
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.units import GIB
 

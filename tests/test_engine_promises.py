@@ -13,12 +13,12 @@ import subprocess
 import pytest
 from pool_helpers import T0, make_pool, req
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.engine import Engine, PoolState
 from jupyter_gpupool.core.models import Activity, DecisionKind, Device, LeaseRequest, LeaseState, model_matches
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 

@@ -11,15 +11,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from pool_helpers import T0
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.engine import PoolState, held_by_device
 from jupyter_gpupool.core.index import excess_per_device, pinned_ceiling
 from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass, Transition, model_matches
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
-from jupyter_gpupool.backends.local.pool import Pool
-from jupyter_gpupool.units import GIB
 from jupyter_gpupool.enforcement.unpooled import UnpooledUse
+from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
+from jupyter_gpupool.units import GIB
 
 USERS = ["ann", "ben", "cat", "dan"]
 MAX_QUEUED = 3

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from pool_helpers import T0, make_pool, req
 
-from jupyter_gpupool.core.models import Activity, DecisionKind, LeaseState, Transition
-from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.backends.local.store import lease_from_json
+from jupyter_gpupool.core.models import Activity, DecisionKind, LeaseState, Transition
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.units import GIB
 
 IDLE = {"idle_timeout": 600, "warning_period": 60, "preemption": False}

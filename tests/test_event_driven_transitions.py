@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub, wait_until
-
 from server_kernels import start_running_kernel
-from jupyter_gpupool.core.models import Lease, LeaseState, Transition
+
 from jupyter_gpupool.backends.remote import RemotePool
+from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 
 TEN_MINUTES = 600.0
 #: Far below the tick: a step that waited for one would miss it by minutes.

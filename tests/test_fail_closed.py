@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from server_kernels import start_kernel
+
 from jupyter_gpupool.core.policy import PoolPolicy
 
 pytestmark = [

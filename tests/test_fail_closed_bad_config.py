@@ -29,6 +29,7 @@ from traitlets import TraitError
 from traitlets.config import Config
 
 from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.enforcement.watchdog import Watchdog
 from jupyter_gpupool.serverextension.app import GpuPoolExtension
 from jupyter_gpupool.serverextension.configguard import (
     ConfigProblem,
@@ -37,7 +38,6 @@ from jupyter_gpupool.serverextension.configguard import (
     reason_for,
     server_configurables,
 )
-from jupyter_gpupool.enforcement.watchdog import Watchdog
 
 ENV_CODE = "import os, json; print(json.dumps(dict(os.environ)))"
 UNAVAILABLE_LINE = "gpupool: the GPU pool is unavailable: invalid configuration: "

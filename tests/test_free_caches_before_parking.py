@@ -14,8 +14,8 @@ import json
 import time
 
 import pytest
-
 from server_kernels import start_running_kernel
+
 from jupyter_gpupool.core.models import LeaseState, Transition
 from jupyter_gpupool.enforcement import caps
 from jupyter_gpupool.enforcement.caps import free_framework_caches, register_cache_freer

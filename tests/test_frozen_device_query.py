@@ -21,10 +21,10 @@ from pathlib import Path
 
 from pool_helpers import req
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.backends.local.pool import Pool
 
 FROZEN_KERNEL = textwrap.dedent(
     """

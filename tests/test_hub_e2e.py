@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import NotAuthorized
-from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.units import GIB
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(240)]

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from jupyter_client.manager import KernelManager
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.enforcement.caps import (
     APPLIED,
@@ -32,7 +33,6 @@ from jupyter_gpupool.enforcement.caps import (
     PostImportFinder,
     suggest_size,
 )
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 pytestmark = pytest.mark.slow

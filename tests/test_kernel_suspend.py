@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, QueueInfo, Transition
 from jupyter_gpupool.kernel.client import InProcessPoolClient
 from jupyter_gpupool.kernel.resume import ResumeOnRun, needs_waiting, only_gpupool_magics, progress_text
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 try:
@@ -349,8 +349,8 @@ def test_the_broker_client_posts_suspend_and_resume_to_the_lease_routes(penv: Po
     import http.server
     import json
 
-    from jupyter_gpupool.kernel.client import HttpPoolClient
     from jupyter_gpupool.errors import RequestRefused
+    from jupyter_gpupool.kernel.client import HttpPoolClient
 
     seen: list[tuple[str, str, Any]] = []
     lease_json = penv.pool.get(penv.lease_id).to_json()

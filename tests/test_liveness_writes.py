@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pool_helpers import T0, make_pool, req
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core import models
 from jupyter_gpupool.core.models import LIVENESS_FIELDS, Activity, Lease, LeaseState, split_json_text
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 # Text a user controls (labels, names) that looks like the markers the split looks for.

@@ -18,12 +18,12 @@ import pytest
 from metering_sample import COMMAND, run_readme_command
 from pool_helpers import T0, make_pool, req
 
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.local.store import MIGRATIONS
 from jupyter_gpupool.core.metering import DeviceInfo, Interval, Prices, columns, gpu_share, report_rows
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.backends.local.pool import Pool
-from jupyter_gpupool.backends.local.store import MIGRATIONS
 from jupyter_gpupool.units import GIB, MIB
 
 REPO = Path(__file__).resolve().parent.parent

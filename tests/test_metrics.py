@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import Activity, LeaseRequest, Transition
 from jupyter_gpupool.rest.metrics import METRIC_NAMES, PoolCollector, fragmentation, make_registry, render
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 

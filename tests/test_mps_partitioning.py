@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_pynvml import C, FakeGpu, FakeNvml
 from jupyter_client.manager import AsyncKernelManager
+from test_provisioner import envdump_spec, read_dump  # noqa: F401 - the fixture is used by name
 from traitlets.config import Config
 
-from fake_pynvml import C, FakeGpu, FakeNvml
 from jupyter_gpupool.core.models import Device, Lease, LeaseState
 from jupyter_gpupool.enforcement import plan as plan_module
 from jupyter_gpupool.enforcement.partition import (
@@ -26,10 +27,13 @@ from jupyter_gpupool.enforcement.partition import (
     kernel_cgroup_path,
     probe_memory_partitioning,
 )
-from jupyter_gpupool.enforcement.plan import EnforcementConfig, EnforcementSettings, plan_enforcement, size_fixed_at_start
+from jupyter_gpupool.enforcement.plan import (
+    EnforcementConfig,
+    EnforcementSettings,
+    plan_enforcement,
+    size_fixed_at_start,
+)
 from jupyter_gpupool.units import GIB, MIB
-
-from test_provisioner import envdump_spec, read_dump  # noqa: F401 - the fixture is used by name
 
 H200 = Device(index=0, uuid="GPU-a", name="NVIDIA H200", memory_total=140 * GIB)
 

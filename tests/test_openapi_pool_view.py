@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
+from jupyter_gpupool.enforcement.unpooled import UnpooledUse
 from jupyter_gpupool.serverextension.app import LEASE_SCHEMA_ID
 from jupyter_gpupool.units import GIB
-from jupyter_gpupool.enforcement.unpooled import UnpooledUse
 
 REPO = Path(__file__).resolve().parent.parent
 #: Fields of an unpooled item that say whose it is (null unless admin or the viewer's own).

@@ -9,9 +9,9 @@ import sys
 import nbformat
 import pytest
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.backends.local.pool import Pool
 
 pytestmark = pytest.mark.slow
 

@@ -19,13 +19,13 @@ import tempfile
 from typing import Any
 
 import pytest
-
 from pool_helpers import make_pool, req
 from server_kernels import kernel_pid, release_flag, start_kernel
+
 from jupyter_gpupool.core.models import LeaseState
-from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath
 from jupyter_gpupool.devices.simulated import SimulatedMemorySaver
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.kernel.parking import FrameworkParking
 from jupyter_gpupool.serverextension.app import LEASE_SCHEMA_ID
 from jupyter_gpupool.units import GIB

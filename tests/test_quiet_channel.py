@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from jupyter_client.session import Session
+from server_kernels import start_kernel
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import WebSocketClientConnection, websocket_connect
 
-from server_kernels import start_kernel
 from jupyter_gpupool.quiet import QUIET_KEY, ActivityClocks, is_quiet, mark_quiet
 
 pytestmark = [

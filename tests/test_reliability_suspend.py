@@ -12,10 +12,10 @@ import pytest
 import reliability
 from pool_helpers import T0
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import LeaseRequest
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.units import GIB
 
 pytestmark = pytest.mark.slow

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from broker_harness import BrokerHarness
 
+from jupyter_gpupool.backends.factory import pool_from_env
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.remote import RemotePool, _Endpoint
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized, PoolUnavailable
-from jupyter_gpupool.backends.local.pool import Pool
-from jupyter_gpupool.backends.factory import pool_from_env
-from jupyter_gpupool.backends.remote import RemotePool, _Endpoint
 from jupyter_gpupool.units import GIB
 
 

@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpupool.apps import workload as workload_module
-from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.apps.simulate import (
     MODES,
     LabRun,
@@ -31,7 +29,6 @@ from jupyter_gpupool.apps.simulate import (
     percentile,
     simulate,
 )
-from jupyter_gpupool.units import GIB
 from jupyter_gpupool.apps.workload import (
     ActivityProfile,
     Fixed,
@@ -42,6 +39,9 @@ from jupyter_gpupool.apps.workload import (
     parse_memory_need,
     parse_session_length,
 )
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.units import GIB
 
 
 def synthetic(share: float, busy: float, idle: float, length: float) -> Workload:

@@ -13,10 +13,10 @@ import time
 import pytest
 from test_server_extension import kernel_state, start_kernel
 
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.devices.checkpoint import SimulatedCheckpointer
 from jupyter_gpupool.devices.simulated import SimulatedBackend, pretend_to_use
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.backends.local.pool import Pool
 
 pytestmark = [pytest.mark.filterwarnings("error::jupyter_server.utils.JupyterServerAuthWarning")]
 

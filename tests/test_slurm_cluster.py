@@ -388,8 +388,8 @@ def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_j
 
 
 def test_report_by_user_matches_sacct(slurm, tmp_path):
-    from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.backends.slurm.pool import SlurmPool
+    from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.provisioner.slurm import SlurmLeaseRequest
 
     env = {
@@ -441,9 +441,9 @@ def test_report_by_user_matches_sacct(slurm, tmp_path):
 def test_a_controller_outage_releases_nothing_and_a_pending_wait_rides_it_out(slurm, tmp_path):
     import threading
 
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.errors import PoolUnavailable
-    from jupyter_gpupool.backends.slurm.pool import SlurmPool
 
     env = {**os.environ, **slurm.env, "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
     pool = SlurmPool.from_env(environ=env)

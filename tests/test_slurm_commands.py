@@ -8,7 +8,6 @@ import pytest
 from traitlets.config import Config
 
 from jupyter_gpupool.backends.factory import selected_backend
-from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.backends.slurm.commands import (
     SEP,
     end_sentence,
@@ -23,6 +22,7 @@ from jupyter_gpupool.backends.slurm.commands import (
     reason_sentence,
     shards_for,
 )
+from jupyter_gpupool.errors import InvalidInput
 
 GIB = 1 << 30
 
@@ -176,8 +176,8 @@ def test_a_shutdown_is_not_mistaken_for_slurm_ending_the_job(tmp_path):
     lease as live just before, and asks squeue just after the scancel, finds the job gone. The
     lease must keep the shutdown's reason, not "ended by Slurm: cancelled". Under load the real
     cluster test hit this ordering; here it is forced, with Slurm's answers scripted."""
-    from jupyter_gpupool.core.models import Lease, LeaseState
     from jupyter_gpupool.backends.slurm.pool import SlurmPool
+    from jupyter_gpupool.core.models import Lease, LeaseState
 
     pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
     lease = Lease(id="l-1", owner="alice", memory=8 * GIB, state=LeaseState.QUEUED, created_at=1.0, kernel_id="k-1")
@@ -205,9 +205,9 @@ def test_a_shutdown_is_not_mistaken_for_slurm_ending_the_job(tmp_path):
 
 def test_a_release_whose_scancel_fails_keeps_the_lease_live(tmp_path):
     """The controller does not answer: the job may still run, so its lease does too (and says why not)."""
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
     from jupyter_gpupool.core.models import Lease, LeaseState
     from jupyter_gpupool.errors import PoolUnavailable
-    from jupyter_gpupool.backends.slurm.pool import SlurmPool
 
     pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
     lease = Lease(id="l-1", owner="alice", memory=8 * GIB, state=LeaseState.GRANTED, created_at=1.0, kernel_id="k-1")

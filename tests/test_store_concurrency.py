@@ -10,11 +10,11 @@ import sys
 import textwrap
 import time
 
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.local.store import SCHEMA_VERSION, Store
 from jupyter_gpupool.core.engine import held_by_device
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.backends.local.pool import Pool
-from jupyter_gpupool.backends.local.store import SCHEMA_VERSION, Store
 
 SPEC = "2x16GiB"
 
@@ -125,9 +125,8 @@ def test_newer_schema_is_refused_with_a_clear_message(tmp_path):
 
     import pytest
 
-    from jupyter_gpupool.errors import PoolUnavailable
-
     from jupyter_gpupool.backends.local.store import APPLICATION_ID
+    from jupyter_gpupool.errors import PoolUnavailable
 
     db = tmp_path / "future.sqlite"
     conn = sqlite3.connect(db)

@@ -19,13 +19,13 @@ import pytest
 from pool_helpers import make_pool, req
 
 from jupyter_gpupool.backends.local import store as store_module
+from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
+from jupyter_gpupool.backends.local.store import Store
 from jupyter_gpupool.core.engine import held_by_device
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput, PoolUnavailable
-from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
-from jupyter_gpupool.backends.local.store import Store
 from jupyter_gpupool.units import GIB
 
 
@@ -440,8 +440,8 @@ def test_the_wait_histogram_counts_every_grant_however_many(tmp_path):
 
 def test_a_lease_is_stored_as_the_same_json_however_it_is_encoded():
     """The store writes Lease.to_json_text() (the fast path); it must be json.dumps(to_json())."""
-    from jupyter_gpupool.core.models import Lease, PriorityClass
     from jupyter_gpupool.backends.local.store import lease_from_json
+    from jupyter_gpupool.core.models import Lease, PriorityClass
 
     lease = Lease(
         id="l-1", owner="ann", memory=GIB, state=LeaseState.GRANTED, created_at=1.5, groups=("staff", "ml"),

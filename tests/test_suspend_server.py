@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 import pytest
-
 from server_kernels import KERNEL_START_TIMEOUT, kernel_pid, release_flag, start_kernel, start_running_kernel
+
 from jupyter_gpupool.core.models import LeaseState, Transition
 
 #: Seconds a step of real servers and kernels may take on a loaded 2-core machine (a start, a

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 from pool_helpers import T0
 
+from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
+from jupyter_gpupool.backends.local.store import MIGRATIONS, SCHEMA_VERSION, Store
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, Transition
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.errors import InvalidInput, RequestRefused
-from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
-from jupyter_gpupool.backends.local.store import MIGRATIONS, SCHEMA_VERSION, Store
-from jupyter_gpupool.units import GIB
 from jupyter_gpupool.enforcement.unpooled import attribute
 from jupyter_gpupool.enforcement.watchdog import Watchdog
+from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.units import GIB
 
 HERE = Path(__file__).resolve().parent
 

@@ -14,8 +14,8 @@ from traitlets.config import Config
 from jupyter_gpupool.core.models import Decision, DecisionKind
 from jupyter_gpupool.devices import ProcessUsage
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.units import GIB, MIB
 from jupyter_gpupool.enforcement.watchdog import Watchdog, usage_by_root_pid
+from jupyter_gpupool.units import GIB, MIB
 
 # A process that starts a chain of `depth` descendants, prints the pids of its whole chain on one
 # line (itself first), then serves commands on stdin: "exit-child" ends its descendants and

@@ -14,13 +14,13 @@ import pytest
 from pool_helpers import T0, make_pool, req
 
 from jupyter_gpupool.apps import simulate
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.backends.local.store import MIGRATIONS, SCHEMA_VERSION, Store
 from jupyter_gpupool.core.models import Activity, LeaseState, Transition
 from jupyter_gpupool.kernel import status
 from jupyter_gpupool.kernel.status import KernelStatus
-from jupyter_gpupool.backends.local.pool import Pool
-from jupyter_gpupool.backends.local.store import MIGRATIONS, SCHEMA_VERSION, Store
-from jupyter_gpupool.units import GIB
 from jupyter_gpupool.rest.views import kernel_status_without_pool
+from jupyter_gpupool.units import GIB
 from jupyter_gpupool.wording import article, count, cpu_only_description, remaining, slice_size, upcoming_reclaim
 
 #: The ``pool_facts`` name of a simulated inventory (as the store spells it).
