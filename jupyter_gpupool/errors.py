@@ -56,5 +56,12 @@ class PoolUnavailable(GpuPoolError):
     exit_code = 6
 
 
+class TooManyWaits(PoolUnavailable):
+    """A caller already holds as many open long polls (grant waits, change polls) as one user may;
+    a client backs off and looks again, as over an outage."""
+
+    http_status = 429
+
+
 class NoGpuFound(PoolUnavailable):
     """No NVIDIA driver or GPU on this host and no simulated pool configured: kernels run CPU-only."""

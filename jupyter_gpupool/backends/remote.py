@@ -65,6 +65,7 @@ from jupyter_gpupool.errors import (
     NotAuthorized,
     PoolUnavailable,
     RequestRefused,
+    TooManyWaits,
 )
 from jupyter_gpupool.units import format_duration, parse_duration, parse_size
 
@@ -73,7 +74,7 @@ API = "api/gpupool"
 
 _ERRORS: dict[str, type[GpuPoolError]] = {
     cls.__name__: cls
-    for cls in (GpuPoolError, InvalidInput, RequestRefused, LeaseNotFound, NotAuthorized, PoolUnavailable)
+    for cls in (GpuPoolError, InvalidInput, RequestRefused, LeaseNotFound, NotAuthorized, PoolUnavailable, TooManyWaits)
 }
 _BY_STATUS: dict[int, type[GpuPoolError]] = {
     400: InvalidInput,
@@ -81,6 +82,7 @@ _BY_STATUS: dict[int, type[GpuPoolError]] = {
     403: NotAuthorized,
     404: LeaseNotFound,
     409: RequestRefused,
+    429: TooManyWaits,
 }
 #: Answers of a proxy (JupyterHub's) in front of a broker that is down or restarting.
 _GATEWAY_DOWN = (502, 503, 504)

@@ -36,6 +36,7 @@ from jupyter_gpupool.broker.auth import Forbidden, HubIdentity, Identity, PeerCr
 from jupyter_gpupool.broker.caller_views import CallerViewVersions
 from jupyter_gpupool.broker.handlers import NotFoundHandler, lease_json, parse_priority, routes
 from jupyter_gpupool.broker.interface import BrokerInterface
+from jupyter_gpupool.broker.open_waits import OpenWaits
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.enforcement.plan import EnforcementSettings
@@ -87,6 +88,12 @@ class Broker(LoggingConfigurable):
         True,
         help="Require a hub token with read:metrics (or the admin scope), or an admin on the socket, for /metrics.",
     ).tag(config=True)
+    max_waits_per_user = Integer(
+        64,
+        help="Long polls (grant waits and change polls) one user may hold open at once; more are answered "
+        "429 at once and their clients look again with backoff. A Jupyter server holds one change poll and "
+        "one wait per queued kernel. 0: no bound.",
+    ).tag(config=True)
 
     def __init__(
         self,
@@ -105,6 +112,7 @@ class Broker(LoggingConfigurable):
             self.watchdog.act = self._act
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpupool-broker")
         self.view_versions = CallerViewVersions(pool, self.run)
+        self.open_waits = OpenWaits(lambda: self.max_waits_per_user)
         self.enforcement = EnforcementSettings(parent=self).to_config()
         self._roots: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []

@@ -449,16 +449,17 @@ class LeaseWaitHandler(BrokerHandler):
                 return lease, pool.queue_info(lease.id)
             return lease, None
 
-        while True:
-            lease, info = await self.run(poll)
-            if lease.state is not LeaseState.QUEUED:
-                break
-            if info is None or info.position != position or time.monotonic() >= deadline:
-                break
-            stream = getattr(self.request.connection, "stream", None)
-            if stream is not None and stream.closed():
-                return
-            await asyncio.sleep(min(self.broker.wait_poll, max(0.0, deadline - time.monotonic())))
+        with self.broker.open_waits.held(self.identity.name):
+            while True:
+                lease, info = await self.run(poll)
+                if lease.state is not LeaseState.QUEUED:
+                    break
+                if info is None or info.position != position or time.monotonic() >= deadline:
+                    break
+                stream = getattr(self.request.connection, "stream", None)
+                if stream is not None and stream.closed():
+                    return
+                await asyncio.sleep(min(self.broker.wait_poll, max(0.0, deadline - time.monotonic())))
         self.write_json(lease_json(lease, info))
 
 
@@ -480,13 +481,14 @@ class ChangesHandler(BrokerHandler):
         timeout = validate.number(raw_timeout, "timeout", 0.0, validate.MAX_TIME) if raw_timeout else 10.0
         if self._hung_up:
             return  # while it was identified
-        self._poll = asyncio.ensure_future(self.broker.view_versions.wait(self.identity.name, since, min(MAX_WAIT, timeout)))
-        try:
-            mine = await self._poll
-        except asyncio.CancelledError:
-            if self._hung_up:
-                return  # nobody to answer
-            raise  # the broker stops
+        with self.broker.open_waits.held(self.identity.name):
+            self._poll = asyncio.ensure_future(self.broker.view_versions.wait(self.identity.name, since, min(MAX_WAIT, timeout)))
+            try:
+                mine = await self._poll
+            except asyncio.CancelledError:
+                if self._hung_up:
+                    return  # nobody to answer
+                raise  # the broker stops
         self.write_json({"version": mine})
 
     def on_connection_close(self) -> None:

@@ -16,6 +16,7 @@ from tornado import web
 
 from jupyter_gpupool.broker.auth import Identity
 from jupyter_gpupool.broker.caller_views import CallerViewVersions
+from jupyter_gpupool.broker.open_waits import OpenWaits
 from jupyter_gpupool.core.models import Lease, LeaseRequest
 
 
@@ -28,6 +29,8 @@ class BrokerInterface(Protocol):
     wait_poll: float
     #: Each caller's view version for ``GET /api/gpupool/changes``, read once per pool change.
     view_versions: CallerViewVersions
+    #: Each caller's open long polls, bounded by ``Broker.max_waits_per_user``.
+    open_waits: OpenWaits
     metrics_require_auth: bool
 
     async def run(self, fn: Any, *args: Any) -> Any:
