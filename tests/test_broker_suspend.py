@@ -605,3 +605,25 @@ def test_a_pinned_backup_bigger_than_its_park_counts_in_full_against_the_budget(
         with pytest.raises(RequestRefused, match="beside 7 GiB of pinned backups"):
             bob.suspend(lease_b.id)  # 1 GiB parked + alice's 7 GiB more pinned + bob's 4 GiB: over 8 GiB
         assert bob.get(lease_b.id).transition is Transition.NONE
+
+
+def test_a_suspended_kernel_restarted_behind_the_broker_asks_again_and_parks_nothing(tmp_path: Path) -> None:
+    """A server restarts a suspended kernel: what was parked went with the old process, so the
+    request for the new one asks again on the same lease (granted, nothing parked, no backup), as
+    on a local pool; a retried request of a lease that was never suspended still answers it as is."""
+    with parking_broker(tmp_path, "8GiB") as (h, alice, _bob):
+        lease = suspendable_lease(alice, "k-alice", memory=4 * GIB)
+        assert suspendable_lease(alice, "k-alice", memory=4 * GIB).to_json() == alice.get(lease.id).to_json()  # a retry
+        alice.suspend(lease.id)
+        alice.reserve_pinned_backup(lease.id, 4 * GIB)
+        assert alice.confirm_transition(lease.id, parked_bytes=4 * GIB).state is LeaseState.SUSPENDED
+        again = suspendable_lease(alice, "k-alice", memory=4 * GIB)  # the restarted kernel's request
+        assert again.id == lease.id and again.state is LeaseState.GRANTED and again.transition is Transition.NONE
+        assert again.parked_memory == 0 and again.pinned_backup == 0 and not again.resuming
+        lease_b = suspendable_lease(alice, "k-alice-2", memory=4 * GIB)
+        alice.suspend(lease_b.id)
+        alice.confirm_transition(lease_b.id, parked_bytes=4 * GIB)
+        alice.resume(lease_b.id)  # queued to come back behind nobody: granted, restoring
+        assert alice.get(lease_b.id).transition is Transition.RESTORING
+        restarted = suspendable_lease(alice, "k-alice-2", memory=4 * GIB)
+        assert restarted.state is LeaseState.GRANTED and restarted.transition is Transition.NONE and restarted.parked_memory == 0

@@ -285,6 +285,8 @@ class Broker(LoggingConfigurable):
         Idempotent per kernel: a request naming a kernel that already has a live lease of the caller
         answers that lease instead of queueing a second one. So a client that retries after the broker
         committed its request but died (or the connection dropped) before answering never holds two.
+        A lease :attr:`~Lease.tied_to_its_process` (suspended, resuming, mid-step) is asked again
+        instead: its kernel restarted, and what the old process parked went with it.
         """
         pool = self.pool
         req = self.lease_request(identity, body)
@@ -295,8 +297,8 @@ class Broker(LoggingConfigurable):
             if lease is not None and lease.owner != identity.name:
                 raise RequestRefused(f"kernel {req.kernel_id} already has a lease of another user")
             created = lease is None
-        if lease is None:
-            lease = pool.request(req)
+        if lease is None or lease.tied_to_its_process:
+            lease = pool.request(req)  # the same lease asks again (the engine keeps one per kernel)
         info = pool.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
         return lease_json(lease, info), created
 

@@ -339,6 +339,12 @@ class Lease:
     def live(self) -> bool:
         return self.state is not LeaseState.RELEASED
 
+    @property
+    def tied_to_its_process(self) -> bool:
+        """Whether the lease holds what only its kernel's current process can use: memory parked,
+        being parked, restored or moved. A restarted kernel's new process asks again instead."""
+        return self.state is LeaseState.SUSPENDED or self.resuming or self.transition is not Transition.NONE
+
     def idle_seconds(self, now: float) -> float:
         if self.busy or self.state is not LeaseState.GRANTED:
             return 0.0

@@ -435,6 +435,8 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
                 kept: Lease | None = await asyncio.to_thread(pool.get, self.lease_id)
             except LeaseNotFound:
                 kept = None  # pruned: queue again (PoolUnavailable propagates: the lease may well be alive)
+            if kept is not None and kept.tied_to_its_process:
+                kept = None  # parked (or mid-step) for the old process: the new one asks again below
             if kept is not None and kept.state is LeaseState.GRANTED:
                 if kept.pinned_backup and supports(pool, Capability.SUSPEND):
                     # The old process's pinned backup went with it: give its place in the host's pool back.
