@@ -70,6 +70,12 @@ class PoolState:
     #: Bytes per device uuid that processes outside any granted lease hold (unpooled use, as the
     #: host's watcher last saw it through NVML): taken, so never granted to anyone.
     unpooled: Mapping[str, int] = field(default_factory=dict)
+    #: ``(pid, device uuid, bytes)`` the driver shows a lease's processes holding now; set by a
+    #: pool that sees processes (None: it does not, as Slurm). A lease released while they still
+    #: hold memory leaves that memory taken, as unpooled use, until they let go.
+    holdings: Callable[[Lease], list[tuple[int, str, int]]] | None = None
+    #: Leases released in this decision whose processes still held memory, and what they held.
+    released_holdings: list[tuple[Lease, list[tuple[int, str, int]]]] = field(default_factory=list)
 
     def touch(self, lease: Lease) -> None:
         """Record that ``lease`` changed (it is saved, and the index updated): call after every change.
@@ -85,6 +91,19 @@ class PoolState:
         self.beats.add(lease.id)
         if self.index is not None:
             self.index.update_liveness(lease)
+
+    def keep_taken_after_release(self, lease: Lease) -> None:
+        """A granted lease was just released: what the driver shows its processes still holding
+        (a kernel not yet exited) stays taken, so it is granted to nobody in this decision or,
+        once the pool writes it down, in later ones until those processes let go."""
+        held = self.holdings(lease) if self.holdings is not None else []
+        if not held:
+            return
+        unpooled = dict(self.unpooled)
+        for _, uuid, amount in held:
+            unpooled[uuid] = unpooled.get(uuid, 0) + amount
+        self.unpooled = unpooled
+        self.released_holdings.append((lease, held))
 
     def derived(self) -> LeaseIndex:
         if self.index is None:
@@ -1664,6 +1683,8 @@ class Engine:
         # Only a granted interval is metered here: a suspended (or queued to resume) lease's was
         # closed when it was suspended, and billing it again up to now would count the parked time.
         metered = lease.state is LeaseState.GRANTED
+        if metered:
+            state.keep_taken_after_release(lease)  # before its devices count as free
         lease.state = LeaseState.RELEASED
         lease.released_at = now
         lease.release_reason = reason

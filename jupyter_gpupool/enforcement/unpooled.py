@@ -287,19 +287,27 @@ def attribute(
     return result
 
 
-def held_by_lease(processes: Iterable[ProcessUsage], lease: Lease, devices: Iterable[str],
-                  env_var: str = "GPUPOOL_LEASE_ID") -> dict[int, int]:
-    """Pid → bytes that ``lease``'s processes hold on ``devices``, as the driver lists them."""
+def holdings_of_lease(processes: Iterable[ProcessUsage], lease: Lease, devices: Iterable[str],
+                      env_var: str = "GPUPOOL_LEASE_ID") -> list[ProcessUsage]:
+    """The driver's rows of ``lease``'s processes (its kernel and their children) on ``devices``."""
     wanted = set(devices)
     procs = _Processes(env_var, {lease.id: lease})
-    held: dict[int, int] = {}
+    found: list[ProcessUsage] = []
     for usage in processes:
         if usage.device_uuid not in wanted or usage.used_memory <= 0:
             continue
         chain = _ancestry(int(usage.pid))
-        found = _kernel_of(chain, {lease.id: lease}, {}, procs) if chain else None
-        if found is not None:
-            held[int(usage.pid)] = held.get(int(usage.pid), 0) + int(usage.used_memory)
+        if chain and _kernel_of(chain, {lease.id: lease}, {}, procs) is not None:
+            found.append(usage)
+    return found
+
+
+def held_by_lease(processes: Iterable[ProcessUsage], lease: Lease, devices: Iterable[str],
+                  env_var: str = "GPUPOOL_LEASE_ID") -> dict[int, int]:
+    """Pid → bytes that ``lease``'s processes hold on ``devices``, as the driver lists them."""
+    held: dict[int, int] = {}
+    for usage in holdings_of_lease(processes, lease, devices, env_var):
+        held[int(usage.pid)] = held.get(int(usage.pid), 0) + int(usage.used_memory)
     return held
 
 
@@ -358,4 +366,4 @@ def tell_terminal(pid: int, line: str) -> bool:
         os.close(fd)
 
 
-__all__ = ["SYSTEM_PROCESSES", "Attribution", "UnpooledUse", "attribute", "find_kernel_roots", "held_by_lease", "tell_terminal", "terminate_tree", "unpooled_line"]
+__all__ = ["SYSTEM_PROCESSES", "Attribution", "UnpooledUse", "attribute", "find_kernel_roots", "held_by_lease", "holdings_of_lease", "tell_terminal", "terminate_tree", "unpooled_line"]

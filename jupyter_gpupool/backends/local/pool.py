@@ -48,7 +48,7 @@ from jupyter_gpupool.core.validate import preferences as validate_preferences
 from jupyter_gpupool.devices import DeviceBackend, ProcessUsage, make_backend
 from jupyter_gpupool.devices.base import nvidia_driver_present
 from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
-from jupyter_gpupool.enforcement.unpooled import UnpooledUse, held_by_lease, unpooled_line
+from jupyter_gpupool.enforcement.unpooled import UnpooledUse, held_by_lease, holdings_of_lease, unpooled_line
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, RequestRefused
 from jupyter_gpupool.units import format_size, parse_size
 
@@ -201,8 +201,50 @@ class Pool(GrantWaiting):
             now=now,
             index=index[1],
             host_memory=self._host_memory(),
-            unpooled=self._unpooled_by_device(store.unpooled(now)),
+            unpooled=self._unpooled_by_device(self._still_held(store.unpooled(now))),
+            holdings=None if viewing else self._holdings_reader(),
         )
+
+    def _holdings_reader(self, processes: list[ProcessUsage] | None = None) -> Callable[[Lease], list[tuple[int, str, int]]] | None:
+        """What :attr:`PoolState.holdings` calls: the driver read at most once per decision
+        (``processes`` when already read), only when a granted lease is released in it."""
+        if not self._sees_processes():
+            return None
+        read: list[list[ProcessUsage]] = [processes] if processes is not None else []
+
+        def holdings(lease: Lease) -> list[tuple[int, str, int]]:
+            if not read:
+                read.append(self.backend.process_usage())
+            rows = holdings_of_lease(read[0], lease, (*lease.devices, *lease.migrate_from))
+            return [(int(u.pid), u.device_uuid, int(u.used_memory)) for u in rows]
+
+        return holdings
+
+    #: Why memory a released lease's process still holds is not free (an unpooled row's ``why``).
+    RELEASED_BUT_HELD = "its lease was released; the process has not let go of its memory yet"
+    #: Seconds such memory stays taken at the most, should its process never exit (a watchdog
+    #: that sees it meanwhile reports it as unpooled use of its own).
+    released_hold_ttl = 600.0
+
+    def _write_released_holdings(self, state: PoolState, now: float) -> None:
+        """Write down what released leases' processes still held, as unpooled use on this host."""
+        for lease, held in state.released_holdings:
+            rows = [
+                {**UnpooledUse(device=uuid, pid=pid, bytes=amount, host=HOSTNAME, why=self.RELEASED_BUT_HELD, user=lease.owner,
+                               lease_id=lease.id, since=now).to_json(), "expires_at": now + self.released_hold_ttl}
+                for pid, uuid, amount in held
+            ]
+            self.store.replace_unpooled(f"released:{lease.id}", rows, now)
+        state.released_holdings.clear()
+
+    def _still_held(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Unpooled rows less a released lease's memory whose process on this host has exited (or
+        whose pid another process, started since, now has)."""
+        return [
+            row for row in rows
+            if not (row.get("why") == self.RELEASED_BUT_HELD and row.get("host") == HOSTNAME
+                    and not _same_process_alive(row.get("pid"), float(row.get("since") or 0.0)))
+        ]
 
     def _unpooled_by_device(self, rows: list[dict[str, Any]]) -> dict[str, int]:
         """Bytes of unpooled use per device uuid, each device's at most its memory."""
@@ -268,6 +310,8 @@ class Pool(GrantWaiting):
             if decision.kind is DecisionKind.SUSPEND:
                 processes = self._processes_seen() if processes is None else processes
                 self._floor_suspend(state, decision.lease_id, processes)
+        if state.released_holdings:
+            self._write_released_holdings(state, state.now)
         changed = [state.leases[i] for i in state.changed if i in state.leases]
         beats = [state.leases[i] for i in state.beats if i not in state.changed and i in state.leases]
         self.store.save_leases(changed, beats)
@@ -381,10 +425,12 @@ class Pool(GrantWaiting):
 
     def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
         now = self._now(now)
+        processes = self._processes_seen()  # before the write lock: what its kernel may still hold
         with self._locked():
             state = self._load(now)
             if lease_id not in state.leases:
                 return self._found(self.store.lease(lease_id), lease_id)  # already released: releasing twice is harmless
+            state.holdings = self._holdings_reader(processes)
             lease = self.engine.release(state, lease_id, reason, now)
             decisions = [Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now)]
             decisions += self.engine.schedule(state, now)
@@ -673,7 +719,7 @@ class Pool(GrantWaiting):
         """Unexpired unpooled use on this pool's hosts, one row per (host, GPU, pid)."""
         now = self._now(now)
         with self._viewing(now) as (_, store):
-            return store.unpooled(now)
+            return self._still_held(store.unpooled(now))
 
     @staticmethod
     def _first_over(state: PoolState, decision: Decision) -> bool:
@@ -770,7 +816,7 @@ class Pool(GrantWaiting):
             live = {lease_id: lease.copy() for lease_id, lease in state.leases.items()}
             order = [live[lease.id] for lease in order]
             held_bytes, count = self.engine.holdings(state, owner=viewer) if viewer else (0, 0)
-            outside = store.unpooled(now)
+            outside = self._still_held(store.unpooled(now))
             unpooled_by_device = dict(state.unpooled)
         held = held_by_device(live.values())
         used_by_device: dict[str, int] = {}
@@ -1026,6 +1072,17 @@ def check_holder_pid(pid: Any) -> None:
         return
     if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= PID_MAX_LIMIT:
         raise InvalidInput(f"invalid holder_pid {pid!r}: a process id is a whole number from 1 to {PID_MAX_LIMIT}")
+
+
+def _same_process_alive(pid: Any, seen_at: float) -> bool:
+    """Whether the process seen with this id at ``seen_at`` (POSIX time) still runs: alive, and
+    started before then (a process started later reuses the id)."""
+    if not _pid_alive(pid):
+        return False
+    try:
+        return bool(psutil.Process(pid).create_time() <= seen_at + 1.0)
+    except psutil.Error:
+        return False
 
 
 def _pid_alive(pid: Any) -> bool:
