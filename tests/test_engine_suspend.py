@@ -486,3 +486,22 @@ def test_a_live_move_books_what_the_kernel_holds_in_host_ram(tmp_path):
     pool.request(req("carol", gib=12), now=T0 + 100)  # fits on neither GPU: alice moves
     moving = pool.get(idle.id)
     assert moving.transition is Transition.MIGRATING and moving.parked_memory == 9 * GIB
+
+
+def test_a_lease_is_tied_to_its_process_from_its_suspend_until_its_restore_is_done(tmp_path):
+    """What a restarted kernel's new process cannot use (memory parked, being parked or restored):
+    its provisioner, and the broker, ask again on the lease instead of taking it as it is."""
+    pool = make_pool(tmp_path, **IDLE)
+    alice = pool.request(req("alice", suspendable=True, kernel_id="ka"), now=T0)
+    queued = pool.request(req("bob", 16, kernel_id="kb"), now=T0 + 1)
+    assert not alice.tied_to_its_process and not queued.tied_to_its_process
+    assert pool.suspend(alice.id, now=T0 + 2).tied_to_its_process  # suspending
+    assert pool.confirm_transition(alice.id, parked_bytes=GIB, now=T0 + 3).tied_to_its_process  # suspended
+    pool.release(queued.id, now=T0 + 4)
+    dave = pool.request(req("dave", 16, kernel_id="kd"), now=T0 + 5)  # takes the GPU: alice's resume must queue
+    resuming = pool.resume(alice.id, now=T0 + 6)
+    assert resuming.state is LeaseState.QUEUED and resuming.tied_to_its_process
+    pool.release(dave.id, now=T0 + 7)
+    restoring = pool.get(alice.id)
+    assert restoring.transition is Transition.RESTORING and restoring.tied_to_its_process
+    assert not pool.confirm_transition(alice.id, now=T0 + 8).tied_to_its_process  # running again
