@@ -69,7 +69,7 @@ def test_select_only_skip_groups_and_commas() -> None:
     assert select(["watchdog,inventory", "mps"], None) == ["inventory", "watchdog", "mps"]
     assert select(["slices"], ["slices-jax"]) == ["slices-torch", "slices-cupy"]
     assert select(None, ["slices", "settings"]) == [
-        "inventory", "watchdog", "unpooled", "suspend", "fast-parking", "power", "overhead", "mps"
+        "inventory", "watchdog", "unpooled", "released-held", "suspend", "fast-parking", "power", "overhead", "mps"
     ]
     assert select([" Inventory "], None) == ["inventory"]
 
@@ -381,6 +381,17 @@ def test_slice_message_matcher() -> None:
 
 
 # --- the power check's statistics ----------------------------------------------------------------
+
+
+def test_the_released_held_verdict_wants_the_request_kept_waiting_at_nvmls_figure_then_granted() -> None:
+    from gpucheck.checks.released import GIB, problems_of
+
+    good = {"state_while_held": "queued", "listed_bytes": 4 * GIB + 2**20, "nvml_bytes": 4 * GIB, "granted_after_exit_s": 0.4}
+    assert problems_of(good) == []
+    assert "was granted while the released process" in problems_of({**good, "state_while_held": "granted"})[0]
+    assert "not listed as unpooled use" in problems_of({**good, "listed_bytes": 0})[0]
+    assert "kept 2.00 GiB taken, NVML showed the process holding 4.00 GiB" in problems_of({**good, "listed_bytes": 2 * GIB})[0]
+    assert "not granted within 5 s" in problems_of({**good, "granted_after_exit_s": None})[0]
 
 
 def test_power_median_is_in_watts_and_refuses_no_readings() -> None:

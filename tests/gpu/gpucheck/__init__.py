@@ -16,6 +16,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "slices-cupy",
     "watchdog",
     "unpooled",
+    "released-held",
     "suspend",
     "fast-parking",
     "power",

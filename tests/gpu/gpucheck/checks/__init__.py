@@ -93,13 +93,14 @@ def all_check_names() -> tuple[str, ...]:
 
 def registry() -> dict[str, CheckSpec]:
     """All checks by name (imports the check modules, which import no framework at load time)."""
-    from . import fastpark, inventory, mps, overhead, power, settings, slices, suspend, unpooled, watchdog
+    from . import fastpark, inventory, mps, overhead, power, released, settings, slices, suspend, unpooled, watchdog
 
     specs = [
         inventory.SPEC,
         *slices.SPECS,
         watchdog.SPEC,
         unpooled.SPEC,
+        released.SPEC,
         suspend.SPEC,
         fastpark.SPEC,
         power.SPEC,
