@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +16,7 @@ from ..probe import FRAMEWORKS
 
 GIB = 1024**3
 MIB = 1024**2
+RAWCUDA = Path(__file__).resolve().parents[1] / "rawcuda.py"
 
 
 def emit(expr: str) -> str:
@@ -179,3 +183,15 @@ def poll_until(fn: Callable[[], Any], timeout: float, interval: float = 0.1) -> 
         time.sleep(interval)
         value = fn()
     return value, time.monotonic() - start
+
+
+def start_raw_holder(nbytes: int, env: dict[str, str], ready: Path, stop: Path, hold: float) -> tuple[subprocess.Popen[bytes], bool]:
+    """A process that holds ``nbytes`` of raw ``cuMemAlloc`` (``rawcuda.py alloc``) until ``stop``
+    exists or ``hold`` seconds pass, and whether it allocated them (its ``ready`` report, 60 s)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(RAWCUDA), "alloc", "--bytes", str(nbytes), "--hold", str(hold),
+         "--ready-file", str(ready), "--stop-file", str(stop)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    poll_until(ready.exists, timeout=60, interval=0.05)
+    return proc, ready.exists() and bool(json.loads(ready.read_text()).get("ok"))

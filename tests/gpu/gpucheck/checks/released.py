@@ -8,22 +8,18 @@ at NVML's figure, then grant the request once the process has exited.
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ..probe import Probe, first, need_gpu, need_module
 from ..report import Result, Status
 from . import CheckSpec, Context
-from .common import GIB, MIB, nvml_process_memory, poll_until
+from .common import GIB, MIB, nvml_process_memory, poll_until, start_raw_holder
 
 HELD_BYTES = 4 * GIB  # what the released kernel's process keeps
 ROOM_LEFT = 2 * GIB  # the waiting request needs all of the GPU but this
-RAWCUDA = Path(__file__).resolve().parents[1] / "rawcuda.py"
 GRANT_WITHIN_S = 5.0  # after the process exits, at the next scheduling round
 
 
@@ -75,13 +71,8 @@ def run(ctx: Context) -> Result:
         for index, uuid in enumerate(u for u in leasable if u != target):  # other GPUs filled: the request must wait for this one
             leases.append(ask(leasable[uuid], f"gpucheck-released-fill-{index}"))
         env = {**os.environ, "GPUPOOL_LEASE_ID": first_lease.id, "CUDA_VISIBLE_DEVICES": target}
-        child = subprocess.Popen(
-            [sys.executable, str(RAWCUDA), "alloc", "--bytes", str(HELD_BYTES), "--hold", "120",
-             "--ready-file", str(ready), "--stop-file", str(stop)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )
-        poll_until(ready.exists, timeout=60, interval=0.05)
-        if not ready.exists() or not json.loads(ready.read_text()).get("ok"):
+        child, allocated = start_raw_holder(HELD_BYTES, env, ready, stop, hold=120)
+        if not allocated:
             return Result.fail(ctx.name, "the process with the lease in its environment could not allocate", **data)
         waiting = ask(leasable[target] - ROOM_LEFT, "gpucheck-released-b")
         leases.append(waiting)

@@ -5,20 +5,16 @@ server's watchdog through NVML as unpooled use — with its pid and NVML's bytes
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
-from pathlib import Path
 
 from ..harness import HarnessError
 from ..probe import Probe, first, need_gpu, need_module, need_provisioner, need_server
 from ..report import Result, Status
 from . import CheckSpec, Context
-from .common import GIB, MIB, emit, grant_problems, nvml_process_memory, poll_until, slice_server
+from .common import GIB, MIB, emit, grant_problems, nvml_process_memory, poll_until, slice_server, start_raw_holder
 
 ROGUE_BYTES = 2 * GIB  # what the process outside the pool takes
 KERNEL_RAW = 512 * MIB  # and the pooled kernel, inside its slice
-RAWCUDA = Path(__file__).resolve().parents[1] / "rawcuda.py"
 
 
 def requires(probe: Probe, options: object) -> str | None:
@@ -53,13 +49,8 @@ def run(ctx: Context) -> Result:
         if res.status != "ok":
             return Result.fail(ctx.name, f"the pooled kernel's raw allocation failed: {res.brief()}", **data)
         env = {k: v for k, v in server.env().items() if not k.startswith("GPUPOOL_LEASE")}
-        rogue = subprocess.Popen(
-            [sys.executable, str(RAWCUDA), "alloc", "--bytes", str(ROGUE_BYTES), "--hold", "90",
-             "--ready-file", str(ready), "--stop-file", str(stop)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )
-        poll_until(ready.exists, timeout=60, interval=0.05)
-        if not ready.exists() or not json.loads(ready.read_text()).get("ok"):
+        rogue, allocated = start_raw_holder(ROGUE_BYTES, env, ready, stop, hold=90)
+        if not allocated:
             return Result.fail(ctx.name, "the process outside the pool could not allocate", **data)
 
         def seen() -> list[dict] | None:
