@@ -71,9 +71,8 @@ class PoolState:
     #: host's watcher last saw it through NVML): taken, so never granted to anyone.
     unpooled: Mapping[str, int] = field(default_factory=dict)
     #: ``(pid, device uuid, bytes)`` the driver shows a lease's processes holding now; set by a
-    #: pool that sees processes (None: it does not, as Slurm). A suspend is judged and booked at
-    #: no less; a lease released while they still hold memory leaves it taken, as unpooled use,
-    #: until they let go.
+    #: pool that sees processes (None: it does not, as Slurm). A lease released while they still
+    #: hold memory leaves that memory taken, as unpooled use, until they let go.
     holdings: Callable[[Lease], list[tuple[int, str, int]]] | None = None
     #: Leases released in this decision whose processes still held memory, and what they held.
     released_holdings: list[tuple[Lease, list[tuple[int, str, int]]]] = field(default_factory=list)
@@ -92,17 +91,6 @@ class PoolState:
         self.beats.add(lease.id)
         if self.index is not None:
             self.index.update_liveness(lease)
-
-    def read_use(self, lease: Lease) -> None:
-        """Raise a granted lease's measured use to what the driver shows its kernel holding now,
-        where the watchdog's last reading is lower (its kernel allocated since)."""
-        if self.holdings is None or lease.state is not LeaseState.GRANTED:
-            return
-        held = sum(amount for _, uuid, amount in self.holdings(lease) if uuid in lease.devices)
-        if held > (lease.used_memory or 0):
-            lease.used_memory = held
-            lease.peak_memory = max(lease.peak_memory or 0, held)
-            self.touch(lease)
 
     def keep_taken_after_release(self, lease: Lease) -> None:
         """A granted lease was just released: what the driver shows its processes still holding
@@ -907,16 +895,13 @@ class Engine:
         """Ask the holder's server to park this lease's GPU memory (a user's or an admin's wish);
         raises :class:`RequestRefused` saying why when it cannot be."""
         lease = self.get(state, lease_id)
-        state.read_use(lease)  # judged at what the GPU shows now
         why_not = self.suspend_refusal(state, lease)
         if why_not:
             raise RequestRefused(f"cannot suspend this kernel: {why_not}")
         return self._begin_suspend(state, lease, reason, now)
 
     def _begin_suspend(self, state: PoolState, lease: Lease, reason: str, now: float) -> Decision:
-        """Phase one of a suspend: the lease still holds its GPU memory until the server confirms.
-        Booked at no less than what the driver shows its kernel holding as it begins."""
-        state.read_use(lease)
+        """Phase one of a suspend: the lease still holds its GPU memory until the server confirms."""
         lease.transition = Transition.SUSPENDING
         lease.transition_at = now
         lease.suspend_reason = reason

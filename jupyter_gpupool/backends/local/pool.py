@@ -207,20 +207,16 @@ class Pool(GrantWaiting):
 
     def _holdings_reader(self, processes: list[ProcessUsage] | None = None) -> Callable[[Lease], list[tuple[int, str, int]]] | None:
         """What :attr:`PoolState.holdings` calls: the driver read at most once per decision
-        (``processes`` when already read), only when a suspend begins or a granted lease is
-        released in it."""
+        (``processes`` when already read), only when a granted lease is released in it."""
         if not self._sees_processes():
             return None
         read: list[list[ProcessUsage]] = [processes] if processes is not None else []
-        found: dict[str, list[tuple[int, str, int]]] = {}  # lease id → its rows (the walk up /proc once)
 
         def holdings(lease: Lease) -> list[tuple[int, str, int]]:
-            if lease.id not in found:
-                if not read:
-                    read.append(self.backend.process_usage())
-                rows = holdings_of_lease(read[0], lease, (*lease.devices, *lease.migrate_from))
-                found[lease.id] = [(int(u.pid), u.device_uuid, int(u.used_memory)) for u in rows]
-            return found[lease.id]
+            if not read:
+                read.append(self.backend.process_usage())
+            rows = holdings_of_lease(read[0], lease, (*lease.devices, *lease.migrate_from))
+            return [(int(u.pid), u.device_uuid, int(u.used_memory)) for u in rows]
 
         return holdings
 
@@ -307,7 +303,13 @@ class Pool(GrantWaiting):
             return self._simulated_host_memory
         return host_memory()
 
-    def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
+    def _save(self, state: PoolState, decisions: list[Decision] | None = None, processes: list[ProcessUsage] | None = None) -> None:
+        """Write the transaction's changes. ``processes``: the driver's reading this transaction
+        already took (read here, once, only if a suspend was decided and none was given)."""
+        for decision in decisions or ():
+            if decision.kind is DecisionKind.SUSPEND:
+                processes = self._processes_seen() if processes is None else processes
+                self._floor_suspend(state, decision.lease_id, processes)
         if state.released_holdings:
             self._write_released_holdings(state, state.now)
         changed = [state.leases[i] for i in state.changed if i in state.leases]
@@ -443,10 +445,10 @@ class Pool(GrantWaiting):
         processes = self._processes_seen()  # read once, before the write lock: judged and booked at it
         with self._locked():
             state = self._load(now)
-            state.holdings = self._holdings_reader(processes)
+            self._read_use_now(state, lease_id, processes)
             decisions = [self.engine.suspend(state, lease_id, reason, now)]
             decisions += self.engine.schedule(state, now)
-            self._save(state, decisions)
+            self._save(state, decisions, processes)
             return state.leases[lease_id].copy()
 
     def _sees_processes(self) -> bool:
@@ -457,12 +459,42 @@ class Pool(GrantWaiting):
         """The driver's per-process GPU use now ([] where the backend sees no processes)."""
         return self.backend.process_usage() if self._sees_processes() else []
 
-    def _held_on(self, lease: Lease, devices: tuple[str, ...]) -> dict[int, int]:
-        """Pid → bytes the driver shows ``lease``'s processes holding on ``devices`` now; {} where
-        the backend sees no processes."""
+    def _held_on(self, lease: Lease, devices: tuple[str, ...], processes: list[ProcessUsage] | None = None) -> dict[int, int]:
+        """Pid → bytes the driver shows ``lease``'s processes holding on ``devices`` (from
+        ``processes`` when already read); {} where the backend sees no processes."""
         if not devices or not self._sees_processes():
             return {}
-        return held_by_lease(self.backend.process_usage(), lease, devices)
+        return held_by_lease(self._processes_seen() if processes is None else processes, lease, devices)
+
+    def _held_now(self, lease: Lease, processes: list[ProcessUsage] | None = None) -> int:
+        """Bytes the driver shows a granted lease's kernel holding on its GPUs now."""
+        return sum(self._held_on(lease, lease.devices, processes).values()) if lease.state is LeaseState.GRANTED else 0
+
+    def _read_use_now(self, state: PoolState, lease_id: str, processes: list[ProcessUsage]) -> None:
+        """Before a suspend its user asks for is judged: what the driver shows the lease's kernel
+        holding now, where the watchdog's last reading is lower (its kernel allocated since), so
+        the park is judged and booked at that."""
+        lease = state.leases.get(lease_id)
+        held = self._held_now(lease, processes) if lease is not None else 0
+        if lease is not None and held > (lease.used_memory or 0):
+            lease.used_memory = held
+            lease.peak_memory = max(lease.peak_memory or 0, held)
+            state.touch(lease)
+
+    def _floor_suspend(self, state: PoolState, lease_id: str, processes: list[ProcessUsage]) -> None:
+        """A suspend just decided (by its user or a reclaim) is booked at no less than what the
+        driver shows its kernel holding as it begins (:attr:`Lease.used_at_suspend`), not at an
+        older watchdog reading its kernel allocated past."""
+        lease = state.leases.get(lease_id)
+        if lease is None or lease.transition is not Transition.SUSPENDING:
+            return
+        held = self._held_now(lease, processes)
+        if held > lease.used_at_suspend:
+            lease.used_at_suspend = held
+            lease.used_memory = max(lease.used_memory or 0, held)
+            lease.peak_memory = max(lease.peak_memory or 0, held)
+            lease.parked_memory = max(lease.parked_memory, held)
+            state.touch(lease)
 
     def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
         """Queue a suspended lease to come back; granted by policy like any request. ``ahead``: a
