@@ -50,6 +50,7 @@ from jupyter_gpupool.devices.base import nvidia_driver_present
 from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
 from jupyter_gpupool.enforcement.unpooled import UnpooledUse, held_by_lease, holdings_of_lease, unpooled_line
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, RequestRefused
+from jupyter_gpupool.rest import anonymous
 from jupyter_gpupool.units import format_size, parse_size
 
 HOSTNAME = socket.gethostname()
@@ -872,14 +873,9 @@ class Pool(GrantWaiting):
 
     @staticmethod
     def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:
-        """A lease as JSON; another user's lease loses everything that identifies them."""
-        data = lease.to_json()
-        data["queue_position"] = position
-        data["mine"] = viewer is not None and lease.owner == viewer
-        if not (admin or data["mine"]):
-            for key in ("id", "owner", "kernel_id", "label", "holder_pid", "holder_host", "groups", "release_reason", "reclaim_reason"):
-                data[key] = None if key not in ("groups",) else []
-        return data
+        """A lease as JSON for ``viewer``: another user's through an allow-list of fields (see
+        :func:`jupyter_gpupool.rest.anonymous.view_lease`)."""
+        return anonymous.view_lease(lease, viewer, admin, position)
 
     def _gib_hours(self, owner: str, since: float, now: float, state: PoolState, store: Store) -> float:
         """``owner``'s GiB·hours held since ``since``: the ledger's closed intervals and the open
