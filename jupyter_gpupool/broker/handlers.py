@@ -20,6 +20,7 @@ from jupyter_gpupool.broker.interface import BrokerInterface
 from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, PriorityClass, Transition
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
+from jupyter_gpupool.rest import anonymous
 from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin, resize_on
 
 _ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
@@ -69,6 +70,14 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
     def check_xsrf_cookie(self) -> None:
         """Token and socket credentials only, never cookies: nothing for XSRF to forge."""
 
+    def write_json(self, data: Any, status: int = 200) -> None:
+        """The answer as JSON; a caller who is not an admin gets every other user a decision names
+        in it rewritten as "another user" (see :func:`~jupyter_gpupool.rest.anonymous.for_viewer`)."""
+        identity = getattr(self, "identity", None)
+        if identity is not None and not identity.admin:
+            data = anonymous.for_viewer(data, identity.name)
+        super().write_json(data, status)
+
     # --- helpers --------------------------------------------------------------------------------
     async def run(self, fn: Any, *args: Any) -> Any:
         return await self.broker.run(fn, *args)
@@ -76,9 +85,10 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
     def own(self, lease: Lease) -> Lease:
         """The lease if the caller may see and change it; else 403."""
         if lease.owner != self.identity.name and not self.identity.admin:
-            raise NotAuthorized(
-                f"lease {lease.id} belongs to another user; only its owner or a pool admin may see or change it"
-            )
+            # Named as the caller named it: a kernel's route must not tell whose lease id it has.
+            kernel_id = (self.path_kwargs or {}).get("kernel_id")
+            what = f"kernel {kernel_id}'s lease" if kernel_id else f"lease {lease.id}"
+            raise NotAuthorized(f"{what} belongs to another user; only its owner or a pool admin may see or change it")
         return lease
 
     def owned(self, lease_id: str) -> Lease:
@@ -96,6 +106,9 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
             status, name, message = exc.status_code, "HTTPError", exc.log_message or self._reason
         else:
             status, name, message = 500, "GpuPoolError", "internal error in the GPU pool broker; see its log"
+        identity = getattr(self, "identity", None)
+        if identity is not None and not identity.admin:
+            message = anonymous.rewrite_text(message, identity.name)
         self.set_status(status)
         if status == 401:
             self.set_header("WWW-Authenticate", 'token realm="gpupool"')

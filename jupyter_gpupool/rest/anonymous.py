@@ -53,9 +53,10 @@ OTHERS_FIELDS = frozenset(
 FREE_TEXT_FIELDS = ("release_reason", "reclaim_reason", "suspend_reason", "burst_note", "flagged")
 
 #: Where the pool's decisions name a user: "... for 16 GiB for bob", "(12 GiB for bob)" (a move or a
-#: preemption made room for bob's request) and "(by admin carol)" (an admin released or suspended it).
+#: preemption made room for bob's request), "(by admin carol)" (an admin released or suspended it) and
+#: "(reported by admin carol)" (an admin reported a step failed).
 _FOR_USER = re.compile(r"(?P<size>\d+(?:\.\d+)? (?:[KMGTPE]i?)?B) for (?P<who>.+?)(?=\)|$| \()")
-_BY_ADMIN = re.compile(r"\(by admin (?P<who>[^()]*)\)")
+_BY_ADMIN = re.compile(r"\((?P<how>(?:reported )?by) admin (?P<who>[^()]*)\)")
 #: What stands for a user other than the viewer.
 ANOTHER_USER = "another user"
 
@@ -63,7 +64,7 @@ ANOTHER_USER = "another user"
 def rewrite_text(text: str, viewer: str | None) -> str:
     """``text`` with every user a decision named, other than ``viewer``, rewritten as "another user"
     (an admin as "a pool admin")."""
-    if " for " not in text and "(by admin " not in text:
+    if " for " not in text and "by admin " not in text:
         return text  # the common case, without a regular expression
 
     def for_user(match: re.Match[str]) -> str:
@@ -72,7 +73,7 @@ def rewrite_text(text: str, viewer: str | None) -> str:
         return f"{match.group('size')} for {ANOTHER_USER}"
 
     def by_admin(match: re.Match[str]) -> str:
-        return match.group(0) if match.group("who") == viewer else "(by a pool admin)"
+        return match.group(0) if match.group("who") == viewer else f"({match.group('how')} a pool admin)"
 
     return _BY_ADMIN.sub(by_admin, _FOR_USER.sub(for_user, text))
 
