@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import inspect
 import queue
 import time
 from collections.abc import Callable, Iterable
@@ -154,7 +155,9 @@ async def quiet_request(kernel: Any, action: str, timeout: float, **content: Any
     # every client sharing the manager's session (the server's own channels, a test's) also uses.
     session = Session(config=kernel.session.config, key=kernel.session.key, signature_scheme=kernel.session.signature_scheme)
     client = kernel.client(session=session)
-    client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+    started = client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+    if inspect.isawaitable(started):  # a gateway's kernel client opens its websocket asynchronously
+        await started
     try:
         msg = mark_quiet(client.session.msg(QUIET_REQUEST, {"action": action, **content}))
         client.control_channel.send(msg)

@@ -101,8 +101,36 @@ def _answer_quiet_requests(ipython: Any) -> None:
 
     install_quiet_requests(
         getattr(ipython, "kernel", None),
-        {"free_caches": free_framework_caches, "set_caps": get_caps().move_live, **get_parking().actions()},
+        {
+            "free_caches": free_framework_caches,
+            "set_caps": get_caps().move_live,
+            "kernel_status": _own_kernel_status,
+            **get_parking().actions(),
+        },
     )
+
+
+def _own_kernel_status(content: dict[str, Any]) -> dict[str, Any]:
+    """This kernel's ``GET /api/gpupool/kernels/{id}`` body from its own pool (``kernel``), or None
+    with why (``message``): a server whose kernels run on a gateway asks, since the gateway host's
+    pool, not the server's, holds the lease."""
+    import time
+
+    from jupyter_gpupool.enforcement.plan import EnforcementSettings
+    from jupyter_gpupool.kernel import autolease
+    from jupyter_gpupool.rest.views import kernel_status
+
+    auto = autolease.current()
+    client = get_client()
+    lease_id = client.lease_id
+    if not lease_id:
+        why = (auto.cpu_only_reason if auto is not None else None) or "it was not started through the GPU pool"
+        return {"kernel": None, "message": f"this kernel has no GPU slice: {why}"}
+    pool = client.pool
+    lease = pool.get(lease_id)
+    kernel_id = os.environ.get("GPUPOOL_KERNEL_ID") or (auto.kernel_id if auto is not None else "") or ""
+    body = kernel_status(pool, kernel_id, lease, EnforcementSettings().to_config(), lease.owner, time.time())
+    return {"kernel": body}
 
 
 def _grow_slice(needed: int) -> int:

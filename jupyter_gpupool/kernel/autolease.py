@@ -57,6 +57,21 @@ OUR_PROVISIONERS = ("gpupool-provisioner", "gpupool-slurm-provisioner")
 #: Where an NVIDIA driver shows itself; neither present and no simulated pool: no GPU to pool.
 NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")  # as devices.base.NVIDIA_MARKERS
 KERNEL_EXTENSION = "jupyter_gpupool.kernel"
+#: A hint a Jupyter server with the pool's extension sends with the kernels it asks a kernel gateway
+#: for (a ``KERNEL_`` variable: every gateway passes those on): a person started this kernel, so a
+#: gateway kernel leases as ``normal``, not ``batch``. A hint only: it never chooses a pool or whether to pool.
+INTERACTIVE_HINT_ENV = "KERNEL_GPUPOOL_INTERACTIVE"
+#: Set on a gateway's own side (its environment or the kernelspec) to ``1``: charge a gateway kernel's
+#: lease to the ``KERNEL_USERNAME`` its client asserts, not to the gateway's Unix user.
+TRUST_USERNAME_ENV = "GPUPOOL_GATEWAY_TRUST_KERNEL_USERNAME"
+#: Settings that choose the pool or whether to pool: in a gateway kernel, only the gateway's side may set them.
+POOL_CHOICE_ENV = ("GPUPOOL_DB", "GPUPOOL_URL", "GPUPOOL_SIMULATE", "GPUPOOL_TOKEN", "GPUPOOL_BACKEND",
+                   "GPUPOOL_BROKER_FILE", "GPUPOOL_BROKER_USER", "GPUPOOL_AUTOLEASE", "GPUPOOL_SLURM_STATE")
+#: Names other than ``GPUPOOL_*`` that a gateway kernel takes from the gateway's side only.
+GATEWAY_GUARDED_ENV = ("JUPYTERHUB_USER", "NVIDIA_VISIBLE_DEVICES")
+#: Words in a parent process's command line that name a kernel gateway.
+GATEWAY_PROGRAMS = {"kernelgateway": "Jupyter Kernel Gateway", "kernel_gateway": "Jupyter Kernel Gateway",
+                    "enterprisegateway": "Jupyter Enterprise Gateway", "enterprise_gateway": "Jupyter Enterprise Gateway"}
 #: What a lease taken here is released with when the kernel exits.
 EXIT_REASON = "kernel shut down"
 #: ``<pid>:<lease id>:<queued|granted>``: set when the kernel re-executes itself with its lease in its environment.
@@ -118,6 +133,113 @@ def named_provisioner(kernel_name: str) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
+def gateway_of(environ: Mapping[str, str], parent_cmdline: Callable[[], str] | None = None) -> str | None:
+    """The kernel gateway that started this kernel (``Jupyter Kernel Gateway``...), or None.
+
+    Kernel Gateway marks its kernels ``KERNEL_GATEWAY=1``; Enterprise Gateway (and any gateway)
+    is known by its program in the parent process's command line."""
+    if environ.get("KERNEL_GATEWAY") == "1":
+        return "Jupyter Kernel Gateway"
+    cmdline = (parent_cmdline or _parent_cmdline)().lower()
+    for word, name in GATEWAY_PROGRAMS.items():
+        if word in cmdline:
+            return name
+    return None
+
+
+def _parent_cmdline() -> str:
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent_environ() -> dict[str, str]:
+    """The environment the parent process (a gateway) was started with; empty where it cannot be read."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {name: value for name, _, value in pairs}
+
+
+def kernelspec_env(kernel_name: str) -> dict[str, str]:
+    """The ``env`` of this host's kernelspec ``kernel_name`` (what the gateway's admin set), else empty."""
+    if not kernel_name:
+        return {}
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        env = KernelSpecManager().get_kernel_spec(kernel_name).env
+    except Exception:  # noqa: BLE001 - no such kernelspec: nothing from it
+        return {}
+    return {str(k): str(v) for k, v in (env or {}).items()}
+
+
+#: Where a gateway's environment lists the names of its own environment it passes to kernels.
+GATEWAY_PROCESS_LISTS = ("KG_ENV_PROCESS_WHITELIST", "EG_INHERITED_ENVS", "EG_ENV_PROCESS_WHITELIST")
+
+
+def keep_gateway_side_settings(
+    environ: MutableMapping[str, str],
+    gateway_environ: Mapping[str, str],
+    spec_environ: Mapping[str, str],
+    provisioned: bool,
+) -> list[str]:
+    """In a kernel a gateway started, take the pool's settings only from the gateway's side; return
+    the names whose value came from the gateway's client (replaced or dropped).
+
+    A gateway passes a kernel its client's ``KERNEL_*`` variables and the names its admin lets
+    clients set (``KG_ENV_WHITELIST``, ``EG_CLIENT_ENVS``), beside its own environment's admitted
+    names (``KG_ENV_PROCESS_WHITELIST``, ``EG_INHERITED_ENVS``) and the kernelspec's ``env``. Here a
+    setting's value is the kernelspec's, else the gateway process's own where its environment admits
+    that name (or the kernel already has that very value), else none: which pool, and whether to
+    pool, is never the client's to say. ``provisioned``: the kernelspec names the pool's provisioner,
+    which ran in the gateway and set this kernel's lease variables. After this hook re-executes the
+    kernel (same pid), the lease variables it set itself stay; the lease they name is checked
+    against the pool the gateway's side chose."""
+    admitted = {
+        name.strip() for listing in GATEWAY_PROCESS_LISTS for name in gateway_environ.get(listing, "").split(",") if name.strip()
+    }
+    pid, _, _ = environ.get(REEXEC_ENV, "").partition(":")
+    own_reexec = pid == str(os.getpid())
+    from_client = []
+    for name in list(environ):
+        if not (name.startswith("GPUPOOL_") or name in GATEWAY_GUARDED_ENV):
+            continue
+        value = environ[name]
+        if name in spec_environ:
+            trusted: str | None = spec_environ[name]
+        elif name in gateway_environ and (name in admitted or value == gateway_environ[name]):
+            trusted = gateway_environ[name]
+        else:
+            trusted = None
+        if value == trusted:
+            continue
+        if trusted is None and name not in POOL_CHOICE_ENV and name not in GATEWAY_GUARDED_ENV and (own_reexec or provisioned):
+            continue  # set by this hook before it re-executed, or by the pool's provisioner in the gateway
+        from_client.append(name)
+        if trusted is None:
+            del environ[name]
+        else:
+            environ[name] = trusted
+    return sorted(from_client)
+
+
+def gateway_owner(environ: Mapping[str, str]) -> str:
+    """Whom a gateway kernel's lease is charged to: the gateway's ``GPUPOOL_USER`` if its side set
+    one, the client's ``KERNEL_USERNAME`` only where the gateway's side opted in
+    (:data:`TRUST_USERNAME_ENV`), else the Unix user the gateway runs kernels as."""
+    if environ.get("GPUPOOL_USER"):
+        return environ["GPUPOOL_USER"]
+    if environ.get(TRUST_USERNAME_ENV, "").strip().lower() in ("1", "true", "yes", "on") and environ.get("KERNEL_USERNAME"):
+        return environ["KERNEL_USERNAME"]
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
 def stand_aside_reason(
     environ: Mapping[str, str],
     connection_file: str = "",
@@ -156,6 +278,8 @@ class AutoLease:
     shell: Any = None
     waiter: Any = None
     lines: list[str] = field(default_factory=list)  # every line said, in order (tests read it)
+    #: The gateway that started this kernel (its lease follows the gateway's rules), else "".
+    gateway: str = ""
     stream: Any = None
     #: ``NVIDIA_VISIBLE_DEVICES`` as the kernel found it (put back once it has a grant).
     container_devices: str | None = None
@@ -188,7 +312,7 @@ class AutoLease:
         if selected_backend(environ=self.environ) == "slurm":
             raise RuntimeError("kernels of a Slurm pool run as Slurm jobs: start this notebook with the gpupool kernelspec")
         pool = self.pool = self.pool or shared_pool()
-        owner = default_owner()
+        owner = gateway_owner(self.environ) if self.gateway else default_owner()
         prefs = usable_preferences(pool.preference(owner), owner)
         memory = pool.parse_memory(prefs["memory"]) if prefs.get("memory") else pool.default_memory()
         host, pid = holder_identity()
@@ -198,7 +322,7 @@ class AutoLease:
             kernel_id=self.kernel_id or None,
             num_gpus=int(prefs.get("num_gpus") or 1),
             model=prefs.get("model") or None,
-            priority=PriorityClass.BATCH,  # nobody started it from a server: a batch run, below live users
+            priority=PriorityClass(self.priority),
             holder_pid=pid,
             holder_host=host,
             label=label,
@@ -217,9 +341,15 @@ class AutoLease:
         info = pool.queue_info(lease.id)
         where = f"position {info.position} of {info.length}" if info else "queued"
         self.say(
-            f"this kernel waits for a GPU slice as batch ({where}, lease {lease.id}); "
+            f"this kernel waits for a GPU slice as {self.priority} ({where}, lease {lease.id}); "
             "its first cell starts once the pool grants it, and the GPUs stay hidden until then"
         )
+
+    @property
+    def priority(self) -> str:
+        """``batch`` (nobody started it from a server, so a batch run below live users), or ``normal``
+        for a gateway kernel its server marked as started by a person."""
+        return "normal" if self.gateway and self.environ.get(INTERACTIVE_HINT_ENV) == "1" else "batch"
 
     def apply_grant(self, lease: Any) -> None:
         """Put the grant's GPUs and caps into the environment (before CUDA has read it)."""
@@ -358,7 +488,7 @@ class FirstCellWait:
         last: list[str] = []
 
         def on_update(lease: Any, info: Any) -> None:
-            text = "gpupool: waiting for a GPU slice (batch)"
+            text = f"gpupool: waiting for a GPU slice ({self.owner.priority})"
             if info is not None:
                 text += f", position {info.position} of {info.length}"
                 if info.reason:
@@ -461,7 +591,17 @@ def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, 
 
             app = IPKernelApp.instance() if IPKernelApp.initialized() else None
         connection_file = str(getattr(app, "connection_file", "") or "")
-        held = _held_before_exec(env)
+        gateway = gateway_of(env)
+        if gateway is not None:
+            kernel_name = kernel_name_of(connection_file)
+            provisioned = named_provisioner(kernel_name) in OUR_PROVISIONERS
+            dropped = keep_gateway_side_settings(env, _parent_environ(), kernelspec_env(kernel_name), provisioned)
+            if dropped:
+                say(
+                    f"ignored {', '.join(dropped)} from the {gateway}'s client: a gateway kernel is pooled by the "
+                    "settings of the gateway's host (its environment or this kernelspec), never by its client"
+                )
+        held = _held_before_exec(env, gateway or "")
         if held is not None:  # this process leased, then re-executed itself: carry on with that lease
             auto = _current["lease"] = held
             _load_extension_with_shell(auto, app, config)
@@ -475,7 +615,7 @@ def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, 
         say(f"this kernel runs CPU-only (CUDA_VISIBLE_DEVICES=''): cannot tell whether to lease from the GPU pool: {err}")
         return None
     kernel_name = kernel_name_of(connection_file)
-    auto = _current["lease"] = AutoLease(environ=env, kernel_id=_kernel_id_from(connection_file))
+    auto = _current["lease"] = AutoLease(environ=env, kernel_id=_kernel_id_from(connection_file), gateway=gateway or "")
     auto.start(_starter_label(kernel_name))
     if auto.lease_id and environ is None:
         _reexec_with_lease(auto)  # returns only where it cannot
@@ -505,7 +645,7 @@ def _reexec_with_lease(auto: AutoLease) -> None:
         auto.say(f"could not restart this kernel with its lease in its environment ({err}); the pool may count its GPU memory as outside the pool")
 
 
-def _held_before_exec(env: MutableMapping[str, str]) -> AutoLease | None:
+def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoLease | None:
     """The lease this very process took before it re-executed itself, else None (a child kernel
     inherits the variable with another pid, and stands aside: it shares its parent's slice)."""
     pid, _, rest = env.get(REEXEC_ENV, "").partition(":")
@@ -515,11 +655,13 @@ def _held_before_exec(env: MutableMapping[str, str]) -> AutoLease | None:
     from jupyter_gpupool.core.models import LeaseState
     from jupyter_gpupool.provisioner.kernel_provisioner import shared_pool
 
-    auto = AutoLease(environ=env, lease_id=lease_id)
+    auto = AutoLease(environ=env, lease_id=lease_id, gateway=gateway)
     atexit.register(auto.release)
     try:
         auto.pool = shared_pool()
         lease = auto.pool.get(lease_id)
+        if lease.holder_pid not in (None, os.getpid()):
+            raise RuntimeError(f"lease {lease_id} is not this kernel's (held by pid {lease.holder_pid})")
         if lease.state is LeaseState.GRANTED:  # granted while the kernel restarted: the GPUs it holds now
             auto.apply_grant(lease)
             if was == "queued":
@@ -554,7 +696,10 @@ __all__ = [
     "FirstCellWait",
     "configure",
     "current",
+    "gateway_of",
+    "gateway_owner",
     "has_gpu_to_pool",
+    "keep_gateway_side_settings",
     "kernel_name_of",
     "mark_unpooled_kernelspecs",
     "named_provisioner",

@@ -71,6 +71,7 @@ from jupyter_gpupool.quiet import ActivityClocks, quiet_request
 from jupyter_gpupool.rest.metrics import PoolCollector
 from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from jupyter_gpupool.serverextension.configguard import FailClosedConfig
+from jupyter_gpupool.serverextension.gateway import GatewayKernels, gateway_url
 from jupyter_gpupool.serverextension.handlers import default_handlers
 from jupyter_gpupool.units import format_size
 
@@ -347,8 +348,14 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         km = self.serverapp.kernel_manager
         self._starting: dict[str, Any] = {}  # kernel id → its KernelManager while its start is under way
         self._queued_starts: dict[str, asyncio.Event] = {}  # set once that start waits in the queue
-        self._install_provisioner_default()
-        self._wrap_kernel_manager(km)
+        url = gateway_url(self.serverapp)
+        #: Set when this server's kernels run on a kernel gateway: its managers are left as they are.
+        self.gateway = GatewayKernels(url, self.log) if url is not None else None
+        if self.gateway is not None:
+            self.gateway.start()
+        else:
+            self._install_provisioner_default()
+            self._wrap_kernel_manager(km)
         self.event_logger = self.serverapp.event_logger
         with contextlib.suppress(Exception):  # already registered by an earlier server in this process
             assert self.event_logger is not None
@@ -634,8 +641,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         A restart during a restart stays what :meth:`_restart` makes it (nothing to restart)."""
         assert self.serverapp is not None
         km = self.serverapp.kernel_manager
-        if kernel_id not in km:
-            return None  # jupyter_server's own 404
+        if kernel_id not in km or self.gateway is not None:
+            return None  # jupyter_server's own 404, or the gateway's own answer
         kernel = km.get_kernel(kernel_id)
         ready = getattr(kernel, "ready", None)
         restarting = self._restarts.get(kernel_id)
@@ -856,7 +863,10 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
                     withdrawn = self.withdraw_queued(kernel_id, "server stopped while the kernel was queued")
                     if withdrawn is not None:
                         self.emit("released", withdrawn, message=withdrawn.release_reason)
-        if km is not None:
+        gateway = getattr(self, "gateway", None)
+        if gateway is not None:
+            gateway.stop()  # the gateway's kernels are jupyter_server's to shut down, as without the extension
+        elif km is not None:
             with contextlib.suppress(Exception):
                 await km.shutdown_all()
         clocks = getattr(self, "_activity_clocks", None)

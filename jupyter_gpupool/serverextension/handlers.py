@@ -33,6 +33,8 @@ class PoolExtension(Protocol):
     admin_users: list[str]
     identity_is_owner: bool | None
     keepalive_default: float
+    #: A :class:`~jupyter_gpupool.serverextension.gateway.GatewayKernels` when kernels run on a gateway, else None.
+    gateway: Any
 
     @property
     def available(self) -> bool: ...
@@ -168,6 +170,9 @@ class KernelHandlerBase(GpuPoolHandler):
 
     def live_lease(self, kernel_id: str) -> Lease:
         lease = self.kernel_lease(kernel_id)
+        gateway = self.ext.gateway
+        if lease is None and gateway is not None and kernel_id in self.kernel_manager:
+            raise RequestRefused(gateway.refusal(kernel_id))
         if lease is None and not self.ext.available:
             raise PoolUnavailable(f"the GPU pool is unavailable: {self.ext.availability()['reason']}")
         if lease is None or not lease.live:
@@ -182,6 +187,12 @@ class KernelStatusHandler(KernelHandlerBase):
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
+        gateway = self.ext.gateway
+        if gateway is not None and kernel_id in self.kernel_manager:
+            await asyncio.to_thread(self.kernel_lease, kernel_id)  # who may ask: as for any kernel
+            self.write_json(await gateway.status(self.kernel_manager, kernel_id, self.ext.owner))
+            return
+
         def status() -> dict[str, Any]:
             return self.ext.kernel_status(kernel_id, self.kernel_lease(kernel_id))
 
