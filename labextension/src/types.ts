@@ -176,6 +176,8 @@ export interface IKernelStatus {
   reason?: string | null;
   /** The Slurm backend's job behind the lease (docs/hpc.md): optional. */
   slurm?: ISlurmJob | null;
+  /** The kernel gateway the kernel runs on (its host's pool holds the slice; the kernel reported it): optional. */
+  gateway?: string | null;
   /** A move of the kernel's GPU memory under way (null: none); absent from older servers. */
   transition?: Transition | null;
   /** Its server can park its GPU memory in host RAM: a reclaim suspends it instead of shutting it down. */

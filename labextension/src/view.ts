@@ -289,8 +289,11 @@ export function elasticView(status: IKernelStatus): IElasticView | null {
   };
 }
 
-/** The Slurm job behind a lease in one line, or null on other backends. */
+/** The Slurm job behind a lease, or the kernel gateway a kernel runs on, in one line; else null. */
 export function schedulerLine(status: IKernelStatus): string | null {
+  if (status.gateway) {
+    return `on the kernel gateway at ${status.gateway}: the slice is its host's pool's (change it with %gpupool in the notebook)`;
+  }
   const job = status.slurm;
   if (!job || !job.job_id) {
     return null;
@@ -413,7 +416,7 @@ function kernelViewOf(input: IKernelInput): IKernelView {
     return {
       ...EMPTY,
       phase: 'no-lease',
-      summary: 'This kernel holds no GPU slice.'
+      summary: status.gateway && status.reason ? `This kernel holds no GPU slice: ${status.reason}.` : 'This kernel holds no GPU slice.'
     };
   }
 

@@ -49,6 +49,20 @@ describe('kernelView', () => {
     expect(view(status({})).scheduler).toBeNull();
   });
 
+  it('says a kernel runs on a kernel gateway, with what it reported of its own slice', () => {
+    const gateway = 'http://gw.example:8889';
+    const granted = view(status({ gateway }));
+    expect(granted.statusText).toBe(view(status({})).statusText);
+    expect(granted.scheduler).toBe(
+      'on the kernel gateway at http://gw.example:8889: the slice is its host\'s pool\'s (change it with %gpupool in the notebook)'
+    );
+    expect(granted.statusTitle.endsWith(granted.scheduler as string)).toBe(true);
+    const none = view(status({ state: 'none', lease_id: null, gateway, reason: 'it reports no GPU lease from the gateway host\'s pool' }));
+    expect(none.phase).toBe('no-lease');
+    expect(none.summary).toBe("This kernel holds no GPU slice: it reports no GPU lease from the gateway host's pool.");
+    expect(none.scheduler).toContain('on the kernel gateway at http://gw.example:8889');
+  });
+
   it('names the Slurm job in the status bar tooltip too, after what it said before', () => {
     const slurm = { job_id: '12', partition: 'gpu', node: null, position: 1, pending_reason: 'Resources' };
     const queued = view(status({ state: 'queued', devices: [], queue_position: 1, queue_length: 1, slurm }));
