@@ -8,13 +8,28 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from pool_helpers import T0
 
 from jupyter_gpupool.backends.local.pool import Pool
-from jupyter_gpupool.core.engine import PoolState, held_by_device
+from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
 from jupyter_gpupool.core.index import excess_per_device, pinned_ceiling
-from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState, PriorityClass, Transition, model_matches
+from jupyter_gpupool.core.models import (
+    Activity,
+    Lease,
+    LeaseRequest,
+    LeaseState,
+    PriorityClass,
+    Transition,
+    model_matches,
+)
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.enforcement.unpooled import UnpooledUse
@@ -480,3 +495,248 @@ PoolMachine.TestCase.settings = settings(
     max_examples=30, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestPoolInvariants = PoolMachine.TestCase
+
+
+# --- the engine against a driver whose processes hold memory ------------------------------------------
+class Driver:
+    """The driver as the engine's port sees it (:class:`~jupyter_gpupool.core.engine.DriverPort`),
+    played by processes: each kernel's process holds memory on GPUs; it allocates only within its
+    slice and where the GPU physically has room, and lets go only when it chooses to (a kernel
+    slow to exit, caches freed late, a restore or move done in steps). Some processes cannot be
+    traced to their lease (attribution fails): their memory is nobody's, never free."""
+
+    def __init__(self, devices: dict[str, int]) -> None:
+        self.capacity = devices  # uuid → bytes
+        #: pid → [lease id it runs for ("" once its lease forgot it), traced, {uuid: bytes}]
+        self.procs: dict[int, list] = {}
+        self.of_lease: dict[str, int] = {}  # lease id → its kernel's current process
+        self.next_pid = 100
+
+    def spawn(self, lease_id: str, traced: bool) -> int:
+        self.next_pid += 1
+        self.procs[self.next_pid] = [lease_id, traced, {}]
+        self.of_lease[lease_id] = self.next_pid
+        return self.next_pid
+
+    def used(self, uuid: str) -> int:
+        return sum(held.get(uuid, 0) for _, _, held in self.procs.values())
+
+    def holdings(self, lease: Lease) -> list[tuple[int, str, int]]:
+        devices = (*lease.devices, *lease.migrate_from)
+        return [(pid, uuid, amount) for pid, (owner, traced, held) in self.procs.items() if owner == lease.id and traced
+                for uuid, amount in held.items() if uuid in devices and amount]
+
+    def held(self) -> dict[str, dict[str, int]]:
+        rows: dict[str, dict[str, int]] = {}
+        for owner, traced, held in self.procs.values():
+            for uuid, amount in held.items():
+                if amount:
+                    who = owner if traced else ""
+                    rows.setdefault(uuid, {})[who] = rows.setdefault(uuid, {}).get(who, 0) + amount
+        return rows
+
+
+class EngineWithProcesses(RuleBasedStateMachine):
+    """Every path that lowers what a lease holds (release, shrink, ask again, suspend and its
+    confirmation, failed or timed-out transitions, moves, burst taken back) against processes
+    that keep holding memory: after every step, per GPU, the slices granted plus what processes
+    hold outside them fit in the GPU."""
+
+    @initialize(
+        gpus=st.lists(st.sampled_from([16, 24, 80]), min_size=1, max_size=3),
+        burst=st.sampled_from(["0", "4x", "16GiB"]),
+        idle_policy=st.sampled_from(["pressure", "always"]),
+    )
+    def setup(self, gpus, burst, idle_policy):
+        backend = SimulatedBackend.from_spec(",".join(f"1x{g}GiB" for g in gpus))
+        self.engine = Engine(PoolPolicy(
+            idle_policy=idle_policy, idle_timeout=300, warning_period=60, heartbeat_ttl=10**9, min_runtime=120,
+            grace_period=30, burst=burst, burst_settle=15, transition_timeout=600, defragment_min_idle=60,
+            parked_memory_limit="200GiB", max_queued_per_user=MAX_QUEUED,
+        ))
+        devices = backend.devices()
+        self.driver = Driver({d.uuid: d.memory_total for d in devices})
+        self.state = PoolState(devices=devices, leases={}, driver=self.driver, host_memory=512 * GIB)
+        self.now = T0
+        self.count = 0
+        self.kernels: dict[str, str] = {}  # kernel id → lease id
+
+    def _decide(self, action) -> None:
+        """One decision, as the pool makes it: the action, then a scheduling pass; refusals change nothing."""
+        self.state.now = self.now
+        before = {lease_id: lease.copy() for lease_id, lease in self.state.leases.items()}
+        try:
+            action()
+        except (RequestRefused, InvalidInput, LeaseNotFound):
+            self.state.leases = before  # the pool's transaction rolls back
+            self.state.index = None
+        self.engine.schedule(self.state, self.now)
+        for lease_id in [i for i, lease in self.state.leases.items() if lease.state is LeaseState.RELEASED]:
+            del self.state.leases[lease_id]  # the store keeps only live leases
+        self.state.released.clear()
+        self.state.closed_intervals.clear()
+        self.state.released_holdings.clear()
+        self.state.unpooled = {}
+        self._processes_follow()
+
+    def _processes_follow(self) -> None:
+        """Each live lease's kernel has a process; a lease gone or asked again leaves its old one behind."""
+        live = {lease.id for lease in self.state.leases.values()}
+        for proc in self.driver.procs.values():
+            if proc[0] and proc[0] not in live:
+                proc[0] = ""  # its lease is gone: nobody's, until it exits
+        for lease in self.state.leases.values():
+            if lease.id not in self.driver.of_lease or self.driver.procs.get(self.driver.of_lease[lease.id], [""])[0] != lease.id:
+                self.driver.spawn(lease.id, traced=self.count % 5 != 0)
+
+    def _lease(self, data) -> Lease | None:
+        live = sorted(self.state.leases)
+        return self.state.leases[data.draw(st.sampled_from(live))] if live else None
+
+    @rule(user=st.sampled_from(USERS), gib=st.sampled_from([1, 2, 4, 8, 12, 20]), kernel=st.sampled_from([None, "k1", "k2", "k3"]),
+          suspendable=st.booleans())
+    def request(self, user, gib, kernel, suspendable):
+        """A request; one naming a kernel with a live lease asks again (its restart): the old process stays behind."""
+        self.count += 1
+        lease_id = f"l{self.count}"
+        earlier = self.kernels.get(kernel or "")
+        if earlier in self.state.leases and self.state.leases[earlier].owner == user:
+            pid = self.driver.of_lease.pop(earlier, None)
+            if pid is not None:
+                self.driver.procs[pid][0] = ""  # the restarted kernel's old process, still exiting
+        request = LeaseRequest(owner=user, memory=gib * GIB, kernel_id=kernel, suspendable=suspendable)
+
+        def admit() -> None:
+            lease = self.engine.admit(self.state, lease_id, request, self.now)
+            if kernel:
+                self.kernels[kernel] = lease.id
+
+        self._decide(admit)
+
+    @rule(data=st.data())
+    def release(self, data):
+        lease = self._lease(data)
+        if lease is not None:
+            self._decide(lambda: self.engine.release(self.state, lease.id, "released", self.now))
+
+    @rule(data=st.data(), gib=st.sampled_from([1, 2, 4, 12, 20]), limit=st.sampled_from([None, None, 0, 40]))
+    def resize(self, data, gib, limit):
+        lease = self._lease(data)
+        if lease is not None:
+            self._decide(lambda: self.engine.resize(self.state, lease.id, gib * GIB, self.now, limit=None if limit is None else limit * GIB))
+
+    @rule(data=st.data(), gib=st.sampled_from([4, 16, 40]))
+    def grow(self, data, gib):
+        lease = self._lease(data)
+        if lease is not None:
+            self._decide(lambda: self.engine.grow(self.state, lease.id, gib * GIB, self.now))
+
+    @rule(data=st.data())
+    def suspend(self, data):
+        lease = self._lease(data)
+        if lease is not None:
+            self._decide(lambda: self.engine.suspend(self.state, lease.id, "suspended", self.now))
+
+    @rule(data=st.data())
+    def resume(self, data):
+        lease = self._lease(data)
+        if lease is not None:
+            self._decide(lambda: self.engine.resume(self.state, lease.id, self.now))
+
+    @rule(data=st.data(), outcome=st.sampled_from(["done", "done", "failed", "failed-running"]))
+    def finish_transition(self, data, outcome):
+        """The server's report, at once: whatever the driver still shows stays taken."""
+        under_way = sorted(i for i, lease in self.state.leases.items() if lease.transition is not Transition.NONE)
+        if not under_way:
+            return
+        lease_id = data.draw(st.sampled_from(under_way))
+        if outcome == "done":
+            self._decide(lambda: self.engine.confirm_transition(self.state, lease_id, self.now))
+        else:
+            self._decide(lambda: self.engine.fail_transition(self.state, lease_id, "driver error", outcome == "failed-running", self.now))
+
+    @rule(data=st.data(), share=st.sampled_from([0.25, 0.5, 1.0, 1.0]))
+    def allocate(self, data, share):
+        """A granted kernel's process allocates within its slice, where the GPU physically has room."""
+        lease = self._lease(data)
+        if lease is None or lease.state is not LeaseState.GRANTED or lease.id not in self.driver.of_lease:
+            return
+        held = self.driver.procs[self.driver.of_lease[lease.id]][2]
+        for uuid in lease.devices:
+            want = int(lease.memory * share)
+            room = self.driver.capacity[uuid] - self.driver.used(uuid) + held.get(uuid, 0)
+            held[uuid] = max(held.get(uuid, 0), min(want, room))
+
+    @rule(data=st.data(), keep=st.sampled_from([0.0, 0.0, 0.5]))
+    def let_go(self, data, keep):
+        """A process frees memory (``keep``: the share it keeps), or exits when its lease forgot it."""
+        pids = sorted(self.driver.procs)
+        if not pids:
+            return
+        pid = data.draw(st.sampled_from(pids))
+        owner, _, held = self.driver.procs[pid]
+        if not owner and keep == 0.0:
+            del self.driver.procs[pid]
+            return
+        lease = self.state.leases.get(owner)
+        for uuid in list(held):
+            if lease is None or lease.state is not LeaseState.GRANTED or uuid not in lease.devices:
+                held[uuid] = int(held[uuid] * keep)
+            else:
+                held[uuid] = min(held[uuid], max(int(held[uuid] * keep), lease.memory))
+
+    @rule()
+    def watch(self):
+        """The watchdog's look: each granted lease's use, as the driver shows its processes."""
+        usage = {lease.id: sum(amount for _, _, amount in self.driver.holdings(lease))
+                 for lease in self.state.leases.values() if lease.state is LeaseState.GRANTED}
+        self._decide(lambda: self.engine.report_usage(self.state, usage, self.now))
+
+    @rule(seconds=st.sampled_from([1, 20, 200, 700]))
+    def advance(self, seconds):
+        self.now += seconds
+        self._decide(lambda: None)
+
+    @invariant()
+    def granted_plus_held_outside_fits(self):
+        """Per GPU: the slices granted, plus what processes hold above their lease's slice there or
+        outside any granted lease (a released, restarted, shrunk, parked or moved kernel's), fit."""
+        if not hasattr(self, "state"):
+            return
+        STEPS[0] += 1
+        for uuid, capacity in self.driver.capacity.items():
+            granted = 0
+            inside: dict[str, int] = {}
+            for lease in self.state.leases.values():
+                if lease.state is LeaseState.GRANTED and uuid in (*lease.devices, *lease.migrate_from):
+                    granted += lease.memory
+                    inside[lease.id] = lease.memory
+            outside = 0
+            by_lease: dict[str, int] = {}
+            for owner, _, held in self.driver.procs.values():
+                amount = held.get(uuid, 0)
+                if owner in inside:
+                    by_lease[owner] = by_lease.get(owner, 0) + amount
+                else:
+                    outside += amount
+            outside += sum(max(0, amount - inside[owner]) for owner, amount in by_lease.items())
+            assert granted + outside <= capacity, (uuid, granted, outside, capacity)
+
+    @invariant()
+    def derived_state_is_a_recomputation(self):
+        if hasattr(self, "state"):
+            from jupyter_gpupool.core.index import LeaseIndex
+
+            assert self.state.derived().snapshot() == LeaseIndex(self.state.leases.values()).snapshot()
+
+
+#: Steps checked in a run of the machine above (its invariants run after each).
+STEPS = [0]
+
+
+def test_the_engine_frees_only_what_the_driver_shows_free_over_5000_random_steps():
+    STEPS[0] = 0
+    run_state_machine_as_test(EngineWithProcesses, settings=settings(
+        max_examples=150, stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    ))
+    assert STEPS[0] >= 5000, f"only {STEPS[0]} steps were checked"

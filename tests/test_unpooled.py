@@ -169,6 +169,9 @@ def test_a_dead_watchers_figures_expire(pool, sleeper):
     _use(pool, rogue.pid, 12)
     _watch(pool)
     assert pool.request(LeaseRequest(owner="bob", memory=16 * GIB)).state is LeaseState.QUEUED
+    _use(pool, rogue.pid, 0)  # the driver shows it freed, but nobody watches to say so
+    pool.tick(now=T0 + 1)
+    assert pool.leases(owner="bob")[0].state is LeaseState.QUEUED  # the sighting stands while it lasts
     pool.tick(now=T0 + pool.unpooled_ttl + 1)  # nobody watched again: the sighting lapsed
     assert pool.leases(owner="bob")[0].state is LeaseState.GRANTED
 

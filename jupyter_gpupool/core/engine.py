@@ -11,6 +11,7 @@ import datetime as dt
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from jupyter_gpupool.core.index import LeaseIndex, excess_per_device, park_size, pinned_beside_park, pinned_ceiling
 from jupyter_gpupool.core.models import (
@@ -46,6 +47,20 @@ BURST_TAKEN = "burst taken back"
 GROW_WHEN_USED = 0.9
 
 
+class DriverPort(Protocol):
+    """The one way the engine reads the driver: what processes hold on the GPUs now. Read at most
+    once per decision by the pool's adapter; attribution (whose a process is) is the adapter's."""
+
+    def holdings(self, lease: Lease) -> list[tuple[int, str, int]]:
+        """``(pid, device uuid, bytes)`` the driver shows ``lease``'s processes holding now."""
+        ...
+
+    def held(self) -> Mapping[str, Mapping[str, int]]:
+        """Device uuid → {lease id, or "" for a process of no live lease → bytes} the driver shows
+        live processes holding now."""
+        ...
+
+
 @dataclass
 class PoolState:
     """What one decision sees: devices, live leases and usage history."""
@@ -70,10 +85,10 @@ class PoolState:
     #: Bytes per device uuid that processes outside any granted lease hold (unpooled use, as the
     #: host's watcher last saw it through NVML): taken, so never granted to anyone.
     unpooled: Mapping[str, int] = field(default_factory=dict)
-    #: ``(pid, device uuid, bytes)`` the driver shows a lease's processes holding now; set by a
-    #: pool that sees processes (None: it does not, as Slurm). A lease released while they still
-    #: hold memory leaves that memory taken, as unpooled use, until they let go.
-    holdings: Callable[[Lease], list[tuple[int, str, int]]] | None = None
+    #: What the driver shows held on the GPUs now, read at most once per decision (the pool's
+    #: adapter; None where the pool sees no processes, as Slurm). Memory goes back to the pool only
+    #: as it shows it free: see :meth:`Engine.taken_by_device`.
+    driver: DriverPort | None = None
     #: Leases released in this decision whose processes still held memory, and what they held.
     released_holdings: list[tuple[Lease, list[tuple[int, str, int]]]] = field(default_factory=list)
 
@@ -92,11 +107,24 @@ class PoolState:
         if self.index is not None:
             self.index.update_liveness(lease)
 
+    def read_use(self, lease: Lease, exact: bool = False) -> None:
+        """Set a granted lease's measured use to what the driver shows its kernel holding on its
+        GPUs now: raised only where the watchdog's last reading is lower (its kernel allocated
+        since), or set to it (``exact``) where a path just lowered what the lease may hold."""
+        if self.driver is None or lease.state is not LeaseState.GRANTED:
+            return
+        held = sum(amount for _, uuid, amount in self.driver.holdings(lease) if uuid in lease.devices)
+        if held > (lease.used_memory or 0) or (exact and held != lease.used_memory):
+            lease.used_memory = held
+            lease.peak_memory = max(lease.peak_memory or 0, held)
+            self.touch(lease)
+
     def keep_taken_after_release(self, lease: Lease) -> None:
         """A granted lease was just released: what the driver shows its processes still holding
-        (a kernel not yet exited) stays taken, so it is granted to nobody in this decision or,
-        once the pool writes it down, in later ones until those processes let go."""
-        held = self.holdings(lease) if self.holdings is not None else []
+        (a kernel not yet exited) is written down as theirs, so views say whose it is. Whether it
+        is taken does not hang on that: every decision counts what the driver shows held on a GPU,
+        whoever holds it (:meth:`Engine.taken_by_device`)."""
+        held = self.driver.holdings(lease) if self.driver is not None else []
         if not held:
             return
         unpooled = dict(self.unpooled)
@@ -185,6 +213,7 @@ class Engine:
             suspendable=request.suspendable,
             guarantee=memory,
             burst_limit=limit,
+            limit_asked=request.burst_limit,
         )
         state.leases[lease.id] = lease
         state.touch(lease)
@@ -207,7 +236,8 @@ class Engine:
         lease.state = LeaseState.QUEUED
         lease.created_at = now  # it queues from now, behind those who asked before
         lease.memory, lease.num_gpus, lease.priority = memory, num_gpus, priority
-        lease.guarantee, lease.burst_limit = memory, limit
+        lease.guarantee, lease.burst_limit, lease.limit_asked = memory, limit, request.burst_limit
+        lease.reserve_wanted, lease.reserve_since = 0, None
         lease.burst_taken_at, lease.burst_from, lease.burst_note = None, 0, ""
         lease.grow_wanted, lease.grow_since, lease.room_coming_at = 0, None, None
         lease.compute_share, lease.model, lease.duration = request.compute_share, request.model, request.duration
@@ -341,6 +371,8 @@ class Engine:
 
         queue = self.queue_order(state, now)
         held_back: dict[str, int] = {}  # room the kernels waiting to grow, and not grown, wait for
+        for wanter in self.reserve_wanters(state):  # a guarantee asked in a running kernel: burst yields to it
+            decisions += self._serve_reserve(state, wanter, held_back, now)
         for wanter in self.grow_wanters(state):  # ahead of the queued requests: they hold a GPU and cannot run their cell
             decisions += self._serve_growth(state, wanter, held_back, now)
         blocked: Lease | None = None
@@ -447,11 +479,31 @@ class Engine:
 
     @staticmethod
     def taken_by_device(state: PoolState) -> Mapping[str, int]:
-        """Bytes not free per device uuid: ``max(slice, used)`` of each granted lease, plus unpooled use."""
+        """Bytes not free per device uuid: ``max(slice, used)`` of each granted lease, plus memory
+        held outside every grant. With a driver reading (:attr:`PoolState.driver`), what it shows
+        is taken whoever holds it: a granted lease's processes count for no less than they hold,
+        and what no granted lease on that GPU accounts for (a released or restarted kernel's, a
+        shrunk slice's above its size, a process of nobody's) is taken beside the grants, never
+        less than the watchers' last sighting of unpooled use."""
         held = state.derived().held
-        if not state.unpooled:
-            return held
-        return {uuid: held.get(uuid, 0) + state.unpooled.get(uuid, 0) for uuid in {*held, *state.unpooled}}
+        if state.driver is None:
+            if not state.unpooled:
+                return held
+            return {uuid: held.get(uuid, 0) + state.unpooled.get(uuid, 0) for uuid in {*held, *state.unpooled}}
+        taken = dict(held)
+        outside: dict[str, int] = {}
+        for uuid, holders in state.driver.held().items():
+            for lease_id, amount in holders.items():
+                lease = state.leases.get(lease_id) if lease_id else None
+                if lease is not None and lease.state is LeaseState.GRANTED and uuid in (*lease.devices, *lease.migrate_from):
+                    booked = lease.memory + excess_per_device(lease)
+                    if amount > booked:
+                        taken[uuid] = taken.get(uuid, 0) + amount - booked
+                else:
+                    outside[uuid] = outside.get(uuid, 0) + amount
+        for uuid in {*outside, *state.unpooled}:
+            taken[uuid] = taken.get(uuid, 0) + max(outside.get(uuid, 0), state.unpooled.get(uuid, 0))
+        return taken
 
     def free_by_device(self, state: PoolState, lease: Lease | None = None, reservations: bool = True) -> dict[str, int]:
         """Leasable bytes left per healthy device, as ``lease``'s owner sees it (reservations held back,
@@ -895,13 +947,16 @@ class Engine:
         """Ask the holder's server to park this lease's GPU memory (a user's or an admin's wish);
         raises :class:`RequestRefused` saying why when it cannot be."""
         lease = self.get(state, lease_id)
+        state.read_use(lease)  # judged at what the GPU shows now
         why_not = self.suspend_refusal(state, lease)
         if why_not:
             raise RequestRefused(f"cannot suspend this kernel: {why_not}")
         return self._begin_suspend(state, lease, reason, now)
 
     def _begin_suspend(self, state: PoolState, lease: Lease, reason: str, now: float) -> Decision:
-        """Phase one of a suspend: the lease still holds its GPU memory until the server confirms."""
+        """Phase one of a suspend: the lease still holds its GPU memory until the server confirms.
+        Booked at no less than what the driver shows its kernel holding as it begins."""
+        state.read_use(lease)
         lease.transition = Transition.SUSPENDING
         lease.transition_at = now
         lease.suspend_reason = reason
@@ -1122,13 +1177,25 @@ class Engine:
         lease.memory = memory
         state.touch(lease)
 
+    @staticmethod
+    def _lowered(state: PoolState, lease: Lease, before: int) -> None:
+        """A path just lowered what granted ``lease`` may hold on its GPUs (from ``before`` bytes per
+        GPU). Whatever the driver shows held stays taken in every decision (see
+        :meth:`taken_by_device`); besides, a kernel the watchdog measured counts at ``before``
+        until it measures it within its new size (:attr:`Lease.burst_from`). One nobody measured
+        counts for what the driver shows, decision by decision; where the pool reads no driver, at
+        ``before`` too."""
+        measured = lease.used_memory is not None
+        lease.burst_from = before if measured or state.driver is None else 0
+        state.touch(lease)
+
     def _waiting_for(self, state: PoolState, lease: Lease, in_line: bool = False) -> list[Lease]:
         """Queued requests that would fit on one of ``lease``'s GPUs if every slice there were at
         its guarantee (``in_line``: only those the pool is taking burst back for, which a kernel
         waiting to grow yields to): burst never takes their room. A request that does not fit even
         then waits for a guarantee to end, not for burst."""
         mine = set(lease.devices)
-        waiting = []
+        waiting = [other for other in self.reserve_wanters(state) if other.id != lease.id and mine & set(other.devices)]
         room: dict[str, int] | None = None
         for lease_id in state.derived().queued:
             other = state.leases[lease_id]
@@ -1373,11 +1440,13 @@ class Engine:
 
     def _take_burst_back(self, state: PoolState, lease: Lease, new_size: int, taken_for: str, now: float) -> Decision:
         """Lower ``lease`` to ``new_size`` bytes per GPU for ``taken_for`` (its kernel frees caches and
-        lowers its caps to it): a SHRINK decision. What it gave back stays counted until the
-        watchdog measures its kernel within its new size."""
+        lowers its caps to it): a SHRINK decision. What its kernel still holds above the new size
+        stays taken: as the driver shows it now (:meth:`_lowered`), and until then, where the pool
+        reads no driver, what the slice was until the watchdog measures its kernel within it."""
         gpus = max(1, lease.num_gpus)
-        lease.burst_from = max(lease.memory, lease.burst_from if lease.burst_taken_at is not None else 0)
+        before = max(lease.memory, lease.burst_from if lease.burst_taken_at is not None else 0)
         self._set_size(state, lease, new_size, now)
+        self._lowered(state, lease, before)
         lease.burst_taken_at = now
         lease.burst_note = (
             f"{BURST_TAKEN} for {taken_for}: the slice is {format_size(new_size * gpus)} now "
@@ -1451,7 +1520,9 @@ class Engine:
         the watchdog's: its limit is its size now, so it is warned and, after its grace, interrupted
         (then, idle, suspended here). Never an out-of-memory kill."""
         decisions = []
-        someone_waits = bool(state.derived().queued) or any(lease.grow_since is not None for lease in state.leases.values())
+        someone_waits = bool(state.derived().queued) or any(
+            lease.grow_since is not None or lease.reserve_wanted for lease in state.leases.values()
+        )
         for lease in list(state.leases.values()):
             if lease.burst_taken_at is None or lease.state is not LeaseState.GRANTED:
                 continue
@@ -1709,6 +1780,9 @@ class Engine:
             raise RequestRefused("cannot resize a suspended slice: resume it first (run a cell, or %gpupool resume)")
         if lease.transition is not Transition.NONE:
             raise RequestRefused(f"cannot resize the slice while it is {lease.transition.value}; try again in a moment")
+        if limit is not None:  # a limit that cannot be is refused before anything changes
+            self.burst_limit_for(limit, memory, lease.num_gpus, self._candidate_devices(state.devices, lease.model),
+                                 lease.owner, lease.groups)
         if lease.state is LeaseState.QUEUED:
             probe = LeaseRequest(owner=lease.owner, memory=memory, groups=lease.groups, num_gpus=lease.num_gpus, model=lease.model)
             shaped = self._check_fits_ever(state, probe)
@@ -1718,9 +1792,13 @@ class Engine:
             state.touch(lease)
             return lease
         if memory <= lease.memory:
+            before = lease.memory
             self._set_size(state, lease, memory, now)
             lease.guarantee = memory
             self._set_limit(state, lease, limit)
+            lease.reserve_wanted, lease.reserve_since = 0, None
+            if memory < before:
+                self._lowered(state, lease, before)
             state.touch(lease)
             return lease
         sizes = sorted((d.leasable for d in self._candidate_devices(state.devices, lease.model)), reverse=True)
@@ -1750,6 +1828,17 @@ class Engine:
                 raise RequestRefused(f"{who} maximum quota is {format_size(quota.maximum)}; this lease can grow to at most {format_size(room)}")
         free = self.free_by_device(state, lease)
         room = min(free.get(uuid, 0) for uuid in lease.devices) if lease.devices else 0
+        if extra > room and self._fits_at_guarantees(state, lease, memory):
+            # Burst yields to every guarantee: it waits in line, and the pool takes burst back for it.
+            if limit is not None:
+                lease.limit_asked = limit
+            lease.reserve_wanted = memory
+            lease.reserve_since = now if lease.reserve_since is None else lease.reserve_since
+            lease.burst_note = (
+                f"reserve of {format_size(memory * lease.num_gpus)} queued: burst beside it is taken back for it"
+            )
+            state.touch(lease)
+            return lease
         if extra > room:
             gpus = "its GPU has" if lease.num_gpus == 1 else f"its {lease.num_gpus} GPUs have"
             if room == 0:
@@ -1762,19 +1851,98 @@ class Engine:
                 f"cannot grow to {format_size(memory)}: {gpus} {format_size(room)} free; "
                 f"ask for at most {format_size(lease.memory + room)} now, or release and request again to queue"
             )
+        self._reserve_now(state, lease, memory, limit, now)
+        return lease
+
+    def _reserve_now(self, state: PoolState, lease: Lease, memory: int, limit: int | None, now: float) -> None:
+        """Make ``memory`` bytes per GPU the granted lease's guarantee and size (room checked)."""
         self._set_size(state, lease, memory, now)
         lease.guarantee = memory
         self._set_limit(state, lease, limit)
+        lease.reserve_wanted, lease.reserve_since = 0, None
+        lease.burst_taken_at, lease.burst_from = None, 0
         state.touch(lease)
-        return lease
+
+    def _fits_at_guarantees(self, state: PoolState, lease: Lease, memory: int) -> bool:
+        """Whether granted ``lease`` could hold ``memory`` bytes per GPU if every slice on its GPUs
+        were at its guarantee (its own included)."""
+        if not lease.devices:
+            return False
+        room = self._room_at_guarantees(state)
+        return all(room.get(uuid, 0) >= memory - lease.guarantee_size for uuid in lease.devices)
+
+    def reserve_wanters(self, state: PoolState) -> list[Lease]:
+        """Granted kernels whose reserve waits for burst beside them to be taken back, in line order."""
+        wanters = [lease for lease in state.leases.values() if lease.reserve_wanted]
+        return sorted(wanters, key=lambda lease: (lease.reserve_since if lease.reserve_since is not None else 0.0, lease.id))
+
+    def _serve_reserve(self, state: PoolState, lease: Lease, held_back: dict[str, int], now: float) -> list[Decision]:
+        """Serve a waiting reserve in its turn: granted once its GPUs have the room (as the driver
+        shows it), after the burst of the slices beside it is taken back; the room it waits for is
+        held back from those behind it (``held_back``)."""
+        wanted = lease.reserve_wanted
+        if lease.state is not LeaseState.GRANTED or lease.resuming:
+            lease.reserve_wanted, lease.reserve_since = 0, None
+            state.touch(lease)
+            return []
+        if lease.transition is not Transition.NONE:
+            return []  # being suspended or moved: it waits
+        if not self._fits_at_guarantees(state, lease, wanted):
+            lease.reserve_wanted, lease.reserve_since = 0, None
+            lease.burst_note = (
+                f"reserve of {format_size(wanted * lease.num_gpus)} given up: guarantees granted since leave no room "
+                "for it on its GPU; ask again for less"
+            )
+            state.touch(lease)
+            return []
+        decisions: list[Decision] = []
+        for attempt in range(2):
+            free = self._free_less(self.free_by_device(state, lease), held_back)
+            missing = {uuid: wanted - lease.memory - free.get(uuid, 0) for uuid in lease.devices}
+            if all(gap <= 0 for gap in missing.values()):
+                self._reserve_now(state, lease, wanted, None, now)
+                lease.burst_note = f"reserved {format_size(wanted * lease.num_gpus)}"
+                decisions.append(self._decision(DecisionKind.GROW, lease, lease.burst_note, now))
+                return decisions
+            if attempt:
+                break
+            for uuid, gap in missing.items():
+                decisions += self._take_burst_on(state, uuid, gap, lease, f"a reserve of {format_size(wanted)}", now)
+        self._hold_back(held_back, lease, wanted)
+        return decisions
+
+    def _take_burst_on(self, state: PoolState, uuid: str, missing: int, lease: Lease, taken_for: str, now: float) -> list[Decision]:
+        """Take back up to ``missing`` bytes of burst from the slices on GPU ``uuid`` beside
+        ``lease``, most burst first, never below a guarantee."""
+        decisions = []
+        others = [
+            other for other in state.leases.values()
+            if other.id != lease.id and other.state is LeaseState.GRANTED and uuid in other.devices
+            and other.transition is Transition.NONE and other.memory + excess_per_device(other) > other.guarantee_size
+        ]
+        for other in sorted(others, key=lambda o: -(o.memory - o.guarantee_size)):
+            if missing <= 0:
+                break
+            taken = other.memory + excess_per_device(other)
+            new_size = min(other.memory, max(other.guarantee_size, taken - missing))
+            missing -= taken - new_size
+            if new_size < other.memory or other.burst_taken_at is None:
+                decisions.append(self._take_burst_back(state, other, new_size, taken_for, now))
+        return decisions
 
     def _set_limit(self, state: PoolState, lease: Lease, limit: int | None) -> None:
-        """After a resize: the asked ``limit`` (None: the one it had, or the pool's burst for the new size)."""
+        """After a size change, one rule: the limit its user set (``limit`` now, or one set
+        before), else the pool's burst of its guarantee now. A limit set before that is below the
+        new guarantee leaves the slice fixed at it."""
         candidates = self._candidate_devices(state.devices, lease.model)
         if lease.devices:
             candidates = [d for d in candidates if d.uuid in lease.devices] or candidates
-        asked = limit if limit is not None else (lease.burst_limit if lease.burst_limit > lease.guarantee_size else None)
+        asked = limit if limit is not None else lease.limit_asked
+        if limit is None and asked is not None and asked < lease.guarantee_size:
+            asked = 0
         lease.burst_limit = self.burst_limit_for(asked, lease.guarantee_size, lease.num_gpus, candidates, lease.owner, lease.groups)
+        if limit is not None:
+            lease.limit_asked = limit
 
     def _check_fits_ever(self, state: PoolState, request: LeaseRequest) -> Lease:
         """The lease ``request`` would be admitted as on an empty pool; raises if it never fits."""

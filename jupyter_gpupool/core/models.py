@@ -290,6 +290,16 @@ class Lease:
     #: A queued request's: when the pool began taking burst back from slices to make room for it
     #: (None: it has not). A kernel waiting to grow yields that room to it.
     room_coming_at: float | None = None
+    #: Bytes per GPU its kernel asked to be guaranteed (``%gpupool reserve``, a resize) that did
+    #: not fit at once but fits once the slices beside it are at their guarantees (0: none): it
+    #: waits in line as a queued request does, and the pool takes that burst back for it.
+    reserve_wanted: int = 0
+    #: When that reserve began to wait.
+    reserve_since: float | None = None
+    #: The limit its user set (``--limit``, the kernelspec, the REST API; 0: a fixed slice), None
+    #: when never set: its limit is then the pool's burst of its current guarantee, recomputed
+    #: on every size change.
+    limit_asked: int | None = None
 
     @property
     def guarantee_size(self) -> int:

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,12 +48,79 @@ from jupyter_gpupool.core.validate import preferences as validate_preferences
 from jupyter_gpupool.devices import DeviceBackend, ProcessUsage, make_backend
 from jupyter_gpupool.devices.base import nvidia_driver_present
 from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
-from jupyter_gpupool.enforcement.unpooled import UnpooledUse, held_by_lease, holdings_of_lease, unpooled_line
+from jupyter_gpupool.enforcement.unpooled import (
+    UnpooledUse,
+    _ancestry,
+    _kernel_of,
+    _Processes,
+    held_by_lease,
+    holdings_of_lease,
+    unpooled_line,
+)
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, RequestRefused
 from jupyter_gpupool.rest import anonymous
 from jupyter_gpupool.units import format_size, parse_size
 
 HOSTNAME = socket.gethostname()
+
+
+class DriverReading:
+    """The pool's driver port (:class:`~jupyter_gpupool.core.engine.DriverPort`): the backend's
+    per-process GPU memory read once, on first use, and each process walked up ``/proc`` once to
+    find the live lease it is a kernel (or a kernel's child) of."""
+
+    def __init__(self, read: Callable[[], list[ProcessUsage]], processes: list[ProcessUsage] | None = None) -> None:
+        self._read = read
+        self._processes = processes
+        self._found: dict[str, list[tuple[int, str, int]]] = {}  # lease id → its rows
+        self._held: dict[str, dict[str, int]] | None = None
+        self._leases: Mapping[str, Lease] = {}
+
+    def bind(self, leases: Mapping[str, Lease]) -> DriverReading:
+        """The live leases processes are attributed to."""
+        self._leases = leases
+        return self
+
+    def processes(self) -> list[ProcessUsage]:
+        if self._processes is None:
+            self._processes = self._read()
+        return self._processes
+
+    def holdings(self, lease: Lease) -> list[tuple[int, str, int]]:
+        if lease.id not in self._found:
+            rows = holdings_of_lease(self.processes(), lease, (*lease.devices, *lease.migrate_from))
+            self._found[lease.id] = [(int(u.pid), u.device_uuid, int(u.used_memory)) for u in rows]
+        return self._found[lease.id]
+
+    def held(self) -> Mapping[str, Mapping[str, int]]:
+        if self._held is None:
+            self._held = holders_by_device(self.processes(), self._leases)
+        return self._held
+
+
+def holders_by_device(processes: Iterable[ProcessUsage], leases: Mapping[str, Lease],
+                      env_var: str = "GPUPOOL_LEASE_ID") -> dict[str, dict[str, int]]:
+    """Device uuid → {lease id, or "" for a process of no live lease → bytes} of the processes
+    the driver lists that run here now (a pid gone, or in another PID namespace, is the host
+    watcher's to report as unpooled use). Each process is walked up ``/proc`` once."""
+    procs = _Processes(env_var, leases)
+    owner_of: dict[int, str | None] = {}
+    held: dict[str, dict[str, int]] = {}
+    for usage in processes:
+        used = max(0, int(usage.used_memory))
+        if not used:
+            continue
+        pid = int(usage.pid)
+        if pid not in owner_of:
+            chain = _ancestry(pid)
+            found = _kernel_of(chain, leases, {}, procs) if chain else None
+            owner_of[pid] = None if chain is None else (found[0] if found else "")
+        owner = owner_of[pid]
+        if owner is None:
+            continue
+        row = held.setdefault(usage.device_uuid, {})
+        row[owner] = row.get(owner, 0) + used
+    return held
 
 
 def default_db_path() -> str:
@@ -203,23 +270,15 @@ class Pool(GrantWaiting):
             index=index[1],
             host_memory=self._host_memory(),
             unpooled=self._unpooled_by_device(self._still_held(store.unpooled(now))),
-            holdings=None if viewing else self._holdings_reader(),
+            driver=None if viewing else self._holdings_reader(leases),
         )
 
-    def _holdings_reader(self, processes: list[ProcessUsage] | None = None) -> Callable[[Lease], list[tuple[int, str, int]]] | None:
-        """What :attr:`PoolState.holdings` calls: the driver read at most once per decision
-        (``processes`` when already read), only when a granted lease is released in it."""
+    def _holdings_reader(self, leases: Mapping[str, Lease], processes: list[ProcessUsage] | None = None) -> DriverReading | None:
+        """What :attr:`PoolState.driver` reads: the driver at most once per decision (``processes``
+        when already read), where the backend lists processes (NVML, simulated; not Slurm)."""
         if not self._sees_processes():
             return None
-        read: list[list[ProcessUsage]] = [processes] if processes is not None else []
-
-        def holdings(lease: Lease) -> list[tuple[int, str, int]]:
-            if not read:
-                read.append(self.backend.process_usage())
-            rows = holdings_of_lease(read[0], lease, (*lease.devices, *lease.migrate_from))
-            return [(int(u.pid), u.device_uuid, int(u.used_memory)) for u in rows]
-
-        return holdings
+        return DriverReading(self.backend.process_usage, processes).bind(leases)
 
     #: Why memory a released lease's process still holds is not free (an unpooled row's ``why``).
     RELEASED_BUT_HELD = "its lease was released; the process has not let go of its memory yet"
@@ -304,13 +363,7 @@ class Pool(GrantWaiting):
             return self._simulated_host_memory
         return host_memory()
 
-    def _save(self, state: PoolState, decisions: list[Decision] | None = None, processes: list[ProcessUsage] | None = None) -> None:
-        """Write the transaction's changes. ``processes``: the driver's reading this transaction
-        already took (read here, once, only if a suspend was decided and none was given)."""
-        for decision in decisions or ():
-            if decision.kind is DecisionKind.SUSPEND:
-                processes = self._processes_seen() if processes is None else processes
-                self._floor_suspend(state, decision.lease_id, processes)
+    def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
         if state.released_holdings:
             self._write_released_holdings(state, state.now)
         changed = [state.leases[i] for i in state.changed if i in state.leases]
@@ -431,7 +484,7 @@ class Pool(GrantWaiting):
             state = self._load(now)
             if lease_id not in state.leases:
                 return self._found(self.store.lease(lease_id), lease_id)  # already released: releasing twice is harmless
-            state.holdings = self._holdings_reader(processes)
+            state.driver = self._holdings_reader(state.leases, processes)
             lease = self.engine.release(state, lease_id, reason, now)
             decisions = [Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now)]
             decisions += self.engine.schedule(state, now)
@@ -446,10 +499,10 @@ class Pool(GrantWaiting):
         processes = self._processes_seen()  # read once, before the write lock: judged and booked at it
         with self._locked():
             state = self._load(now)
-            self._read_use_now(state, lease_id, processes)
+            state.driver = self._holdings_reader(state.leases, processes)
             decisions = [self.engine.suspend(state, lease_id, reason, now)]
             decisions += self.engine.schedule(state, now)
-            self._save(state, decisions, processes)
+            self._save(state, decisions)
             return state.leases[lease_id].copy()
 
     def _sees_processes(self) -> bool:
@@ -460,42 +513,12 @@ class Pool(GrantWaiting):
         """The driver's per-process GPU use now ([] where the backend sees no processes)."""
         return self.backend.process_usage() if self._sees_processes() else []
 
-    def _held_on(self, lease: Lease, devices: tuple[str, ...], processes: list[ProcessUsage] | None = None) -> dict[int, int]:
-        """Pid → bytes the driver shows ``lease``'s processes holding on ``devices`` (from
-        ``processes`` when already read); {} where the backend sees no processes."""
+    def _held_on(self, lease: Lease, devices: tuple[str, ...]) -> dict[int, int]:
+        """Pid → bytes the driver shows ``lease``'s processes holding on ``devices`` now; {} where
+        the backend sees no processes."""
         if not devices or not self._sees_processes():
             return {}
-        return held_by_lease(self._processes_seen() if processes is None else processes, lease, devices)
-
-    def _held_now(self, lease: Lease, processes: list[ProcessUsage] | None = None) -> int:
-        """Bytes the driver shows a granted lease's kernel holding on its GPUs now."""
-        return sum(self._held_on(lease, lease.devices, processes).values()) if lease.state is LeaseState.GRANTED else 0
-
-    def _read_use_now(self, state: PoolState, lease_id: str, processes: list[ProcessUsage]) -> None:
-        """Before a suspend its user asks for is judged: what the driver shows the lease's kernel
-        holding now, where the watchdog's last reading is lower (its kernel allocated since), so
-        the park is judged and booked at that."""
-        lease = state.leases.get(lease_id)
-        held = self._held_now(lease, processes) if lease is not None else 0
-        if lease is not None and held > (lease.used_memory or 0):
-            lease.used_memory = held
-            lease.peak_memory = max(lease.peak_memory or 0, held)
-            state.touch(lease)
-
-    def _floor_suspend(self, state: PoolState, lease_id: str, processes: list[ProcessUsage]) -> None:
-        """A suspend just decided (by its user or a reclaim) is booked at no less than what the
-        driver shows its kernel holding as it begins (:attr:`Lease.used_at_suspend`), not at an
-        older watchdog reading its kernel allocated past."""
-        lease = state.leases.get(lease_id)
-        if lease is None or lease.transition is not Transition.SUSPENDING:
-            return
-        held = self._held_now(lease, processes)
-        if held > lease.used_at_suspend:
-            lease.used_at_suspend = held
-            lease.used_memory = max(lease.used_memory or 0, held)
-            lease.peak_memory = max(lease.peak_memory or 0, held)
-            lease.parked_memory = max(lease.parked_memory, held)
-            state.touch(lease)
+        return held_by_lease(self.backend.process_usage(), lease, devices)
 
     def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
         """Queue a suspended lease to come back; granted by policy like any request. ``ahead``: a
