@@ -251,11 +251,26 @@ def size(value: Any, field: str = "memory") -> int | str:
     returned as an int, text as it was (a percentage is resolved later, against the pool's GPUs)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise InvalidInput(f"invalid {field} {_shown(value)}: expected {SIZE_FORMS}")
+    if _part_of_a_byte(value):
+        raise InvalidInput(f"invalid {field} {_shown(value)}: a count of bytes is a whole number; expected {SIZE_FORMS}")
     try:
         parse_size(value, gpu_memory=MAX_SIZE)  # the grammar and bounds; a percentage of any GPU
     except InvalidInput as err:
         raise InvalidInput(f"{field}: {err}") from None
     return int(value) if isinstance(value, (int, float)) else value
+
+
+_BYTES_WITH_FRACTION = re.compile(r"\s*[0-9]*\.([0-9]*)\s*[bB]?\s*")
+
+
+def _part_of_a_byte(value: float | str) -> bool:
+    """Whether ``value`` counts bytes with a fraction (``1.5``, ``"0.5"``, ``"2.5B"``): sizes are whole bytes."""
+    if isinstance(value, float):
+        return math.isfinite(value) and not value.is_integer()
+    if isinstance(value, str):
+        match = _BYTES_WITH_FRACTION.fullmatch(value)
+        return match is not None and match.group(1).strip("0") != ""
+    return False
 
 
 #: What a slice's ``limit`` accepts.
