@@ -235,6 +235,16 @@ class GpuPoolMagics(Magics):
         before = self.client.status().lease
         lease = self.client.reserve(args.size, duration=args.duration, num_gpus=args.gpus, limit=args.limit)
         status = self.client.status()
+        waiting = getattr(lease, "reserve_wanted", 0)
+        if waiting and lease.state is LeaseState.GRANTED:
+            # Burst beside it is taken back for it; it waits in line and this cell does not.
+            title = f"gpupool: reserve of {slice_on(waiting, lease.num_gpus)} queued"
+            footer = (
+                f"the slice stays {format_size(lease.memory)} until the burst other kernels use beside it is given back, "
+                "then grows to it; this cell does not wait (%gpupool status shows it)"
+            )
+            display(Report(title, status.rows(), footer))
+            return
         if before is None or before.state is LeaseState.RELEASED:
             title = "gpupool: new slice requested"
         elif before.memory != lease.memory:
