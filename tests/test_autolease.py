@@ -15,13 +15,13 @@ import subprocess
 import sys
 import threading
 import time
-import venv
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
 import tomllib
+from envs import environment_over_this_one
 
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState, PriorityClass
@@ -51,9 +51,9 @@ def shared_data() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def kernel_prefix(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A virtual environment over this one's packages, with the kernel config where the wheel puts it."""
-    prefix = tmp_path_factory.mktemp("prefix") / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(prefix)
+    """A virtual environment over this one's packages (from a venv or not), with the kernel config
+    where the wheel puts it."""
+    prefix = environment_over_this_one(tmp_path_factory.mktemp("prefix") / "venv", commands=()).root
     target = {src: dest for src, dest in shared_data().items() if dest == "etc/ipython"}
     assert target, "pyproject.toml's shared-data installs nothing into etc/ipython"
     for src, dest in target.items():

@@ -51,7 +51,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -61,6 +60,7 @@ from typing import Any
 import pytest
 import tomllib
 import yaml
+from envs import environment_over_this_one
 from traitlets.config import Config, LazyConfigValue
 
 REPO = Path(__file__).resolve().parent.parent
@@ -419,24 +419,9 @@ def test_the_sandbox_keeps_every_file_in_its_folder(tmp_path: Path, monkeypatch:
 @pytest.fixture(scope="module")
 def venv_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A throwaway environment seeing every installed package, with ``python`` and the ``jupyter*``
-    commands, so ``--sys-prefix`` installs land in it, not in the shared interpreter."""
-    root = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)], check=True, timeout=60)
-    # Inside a virtual environment (CI), --system-site-packages sees the base interpreter's packages,
-    # not this environment's: add this one's site-packages, .pth files (editable installs) included.
-    site_dirs = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
-    venv_site = next((root / "lib").glob("python*/site-packages"))
-    (venv_site / "_outer_environment.pth").write_text(
-        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
-    bin_dir = root / "bin"
-    scripts = Path(sysconfig.get_path("scripts"))
-    for script in scripts.glob("jupyter*"):
-        lines = script.read_text(errors="replace").splitlines(keepends=True)
-        if lines and lines[0].startswith("#!") and "python" in lines[0]:
-            target = bin_dir / script.name
-            target.write_text(f"#!{bin_dir / 'python'}\n" + "".join(lines[1:]))
-            target.chmod(0o755)
-    return bin_dir
+    commands, so ``--sys-prefix`` installs land in it, not in the shared interpreter (made the same
+    from a virtual environment or from a plain interpreter such as CI's pyenv one: see envs.py)."""
+    return environment_over_this_one(tmp_path_factory.mktemp("venv") / "env").bin
 
 
 class Sandbox:
