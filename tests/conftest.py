@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
-# suite_guard: nothing written outside the sandbox; skips for want of a system package are counted.
+# suite_guard: a private HOME and TMPDIR for the run, nothing written outside the sandbox; skips for
+# want of a system package are counted.
 pytest_plugins = ["pytest_jupyter.jupyter_server", "suite_guard"]
 
 # --- make a source checkout behave like an installed package ------------------------------------

@@ -1,10 +1,18 @@
 """A pytest plugin (loaded by conftest.py) that keeps the suite honest about the machine it runs on.
 
-- **Sandbox**: no test may write outside its temporary folders. The system-wide Jupyter folders
-  (``/etc/jupyter`` and the rest of jupyter_core's system paths) and the real home's Jupyter,
-  IPython and cache folders are listed (names, sizes, modification times) when the run starts and
-  again when it ends; any difference fails the run, naming each path. Left out: the connection
-  files and IPython history the user's own sessions write meanwhile.
+- **A home of its own**: the run gets a private ``HOME`` and ``TMPDIR`` (one fresh folder per run,
+  set when pytest configures, before any test, fixture or subprocess reads them), so the real home
+  is never the tests' to touch and two runs side by side share nothing. The tool settings a
+  subprocess needs from the real home (pip's and npm's configuration, git's identity) are copied
+  in. Removed at the end of a run that passed; kept, and named, after one that failed.
+- **Sandbox**: no test may write outside its temporary folders. The real home's Jupyter, IPython
+  and gpupool folders are watched by an audit hook in pytest's process and in every Python process
+  the tests start (``guard_site/sitecustomize.py``): each write there is reported with the test
+  that made it, and what other processes on the machine write (a JupyterLab a person runs beside
+  the tests) is never taken for the tests'. The system-wide Jupyter folders (``/etc/jupyter`` and
+  the rest of jupyter_core's system paths), which no one else writes while the tests run, are also
+  listed (names, sizes, modification times) when the run starts and again when it ends, which
+  catches writers that are not Python too. Any such write fails the run, naming each path.
 - **System packages**: the browser, Slurm, Prometheus and JupyterHub tests need programs pip does
   not install. The header says which are missing; a test skipped for want of one is counted in
   the run's last line, with the command that installs them just above it.
@@ -13,9 +21,13 @@
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
+import json
 import os
 import pwd
 import shutil
+import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -68,38 +80,85 @@ def skip_reason(report: Any) -> str:
     return str(longrepr or "")
 
 
-# --- the sandbox -------------------------------------------------------------------------------------
+# --- a home of its own ----------------------------------------------------------------------------
+
+#: Names the real home instead of the password database's and $HOME's (this plugin's own test uses it).
+REAL_HOME_ENV = "SUITE_GUARD_REAL_HOME"
+#: Tool settings copied from the real home into the private one (a subprocess's pip, npm, git).
+HOME_SETTINGS = (".gitconfig", ".config/git/config", ".npmrc", ".config/pip/pip.conf", ".pip/pip.conf",
+                 ".pydistutils.cfg", ".netrc")
+#: Variables that may name folders in the real home: pointed into the private one instead.
+HOME_VARIABLES = {"XDG_CONFIG_HOME": ".config", "XDG_DATA_HOME": ".local/share", "XDG_CACHE_HOME": ".cache",
+                  "XDG_STATE_HOME": ".local/state", "JUPYTER_CONFIG_DIR": ".jupyter",
+                  "JUPYTER_DATA_DIR": ".local/share/jupyter", "JUPYTER_RUNTIME_DIR": ".local/share/jupyter/runtime",
+                  "IPYTHONDIR": ".ipython", "GPUPOOL_CACHE_DIR": ".cache/jupyter-gpupool"}
+GUARD_SITE = Path(__file__).resolve().parent / "guard_site"
 
 
 def real_homes() -> list[Path]:
-    """This user's home as the password database and $HOME (when the run starts) name it."""
+    """This user's home as the password database and $HOME (when the run starts) name it, or
+    $SUITE_GUARD_REAL_HOME alone where it is set."""
+    if os.environ.get(REAL_HOME_ENV):
+        return [Path(os.environ[REAL_HOME_ENV]).resolve()]
     homes = [Path(pwd.getpwuid(os.geteuid()).pw_dir), Path(os.path.expanduser("~"))]
     return list(dict.fromkeys(home.resolve() for home in homes))
 
 
-#: More folders to watch, separated by os.pathsep (this plugin's own test uses it).
+def _inside(path: str, roots: list[Path]) -> bool:
+    return any(Path(path).resolve().is_relative_to(root) for root in roots)
+
+
+def make_private_home(homes: list[Path]) -> Path:
+    """A fresh folder with ``home`` and ``tmp`` in it, made ``$HOME`` and ``$TMPDIR`` of this
+    process (and so of every subprocess); the variables that named folders in a real home now name
+    their defaults under the private one. Returns the folder."""
+    base = Path(tempfile.mkdtemp(prefix="gpupool-tests-")).resolve()
+    home, tmp = base / "home", base / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    for name in HOME_SETTINGS:
+        for real in homes:
+            if (real / name).is_file():
+                (home / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(real / name, home / name)
+                break
+    for variable, under in HOME_VARIABLES.items():
+        if variable in os.environ and _inside(os.environ[variable], homes):
+            os.environ[variable] = str(home / under)
+    os.environ["HOME"] = str(home)
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = None  # forget the folder tempfile chose before
+    return base
+
+
+# --- the sandbox -------------------------------------------------------------------------------------
+
+
+#: More folders to list before and after the run, separated by os.pathsep (this plugin's own test uses it).
 EXTRA_ROOTS_ENV = "SUITE_GUARD_WATCH"
 
 
 def watched_roots() -> list[Path]:
-    """Folders no test may write in: Jupyter's system-wide ones, the real home's, and $SUITE_GUARD_WATCH's."""
+    """Folders listed before and after the run: Jupyter's system-wide ones and $SUITE_GUARD_WATCH's."""
     from jupyter_core.paths import SYSTEM_CONFIG_PATH, SYSTEM_JUPYTER_PATH
 
     roots = [Path(p) for p in [*SYSTEM_CONFIG_PATH, *SYSTEM_JUPYTER_PATH, "/etc/jupyter"]]
-    for home in real_homes():
-        roots += [home / ".jupyter", home / ".local" / "share" / "jupyter", home / ".ipython",
-                  home / ".cache" / "jupyter-gpupool", home / ".config" / "jupyter-gpupool"]
     roots += [Path(p) for p in os.environ.get(EXTRA_ROOTS_ENV, "").split(os.pathsep) if p]
     return list(dict.fromkeys(roots))
 
 
+def watched_home_folders(homes: list[Path]) -> list[Path]:
+    """The real home's folders no test may write in (whoever's process it is: the hook tells)."""
+    return [home / inside for home in homes for inside in (".jupyter", ".local/share/jupyter", ".ipython",
+                                                              ".cache/jupyter-gpupool", ".config/jupyter-gpupool")]
+
+
 def not_watched() -> set[str]:
-    """Folders left out: where the user's own Jupyter servers, running while the tests do, write
-    their connection files; a change there cannot be pinned on the tests."""
-    return {str(home / ".local" / "share" / "jupyter" / "runtime") for home in real_homes()}
+    """Folders left out of the listings (none by default)."""
+    return set()
 
 
-#: Files left out for the same reason: the history of the user's own IPython sessions.
+#: Files left out of the listings.
 NOT_WATCHED_FILES = ("*/.ipython/profile_*/history.sqlite*",)
 
 
@@ -140,12 +199,59 @@ def changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]
 _BEFORE = pytest.StashKey[dict[str, tuple[int, int]]]()
 _ROOTS = pytest.StashKey[list[Path]]()
 _LEAKS = pytest.StashKey[list[str]]()
+_PRIVATE = pytest.StashKey[Path]()
+_PASSED = pytest.StashKey[bool]()
 
 
+def watch_writes(folders: list[Path], skipped: list[Path], log: Path) -> None:
+    """Record writes under ``folders`` (less ``skipped``) in ``log``, here and in every Python
+    process started from now on (``guard_site`` first on ``PYTHONPATH``)."""
+    os.environ["SUITE_GUARD_WRITES_LOG"] = str(log)
+    os.environ["SUITE_GUARD_WRITES_WATCHED"] = os.pathsep.join(map(str, folders))
+    os.environ["SUITE_GUARD_WRITES_SKIPPED"] = os.pathsep.join(map(str, skipped))
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(GUARD_SITE)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(GUARD_SITE), *parts])
+    spec = importlib.util.spec_from_file_location("_suite_guard_write_watch", GUARD_SITE / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install_write_watch()
+
+
+def writes_recorded(log: Path) -> list[str]:
+    """The writes the hooks recorded, one line each, naming the test that made them."""
+    if not log.exists():
+        return []
+    lines = []
+    for raw in log.read_text(errors="replace").splitlines():
+        try:
+            write = json.loads(raw)
+        except ValueError:
+            continue
+        by = write.get("test") or "outside a test"
+        lines.append(f"wrote    {write['path']} ({write['event']}, in {by}, pid {write['pid']}: {' '.join(write['argv'])})")
+    return list(dict.fromkeys(lines))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    homes = real_homes()
+    private = make_private_home(homes)
+    config.stash[_PRIVATE] = private
+    interpreter = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    skipped = [*interpreter, private, Path(__file__).resolve().parent.parent]
+    if os.environ.get("PYENV_ROOT"):
+        skipped.append(Path(os.environ["PYENV_ROOT"]).resolve())
+    watch_writes(watched_home_folders(homes), skipped, private / "writes.jsonl")
     roots = watched_roots()
     config.stash[_ROOTS] = roots
     config.stash[_BEFORE] = snapshot(roots)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    private = config.stash.get(_PRIVATE, None)
+    if private is not None and config.stash.get(_PASSED, False):
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -162,9 +268,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     roots: list[Path] = config.stash[_ROOTS]
     leaks = changes(config.stash[_BEFORE], snapshot(roots))
+    if _PRIVATE in config.stash:
+        leaks += writes_recorded(config.stash[_PRIVATE] / "writes.jsonl")
     config.stash[_LEAKS] = leaks
     if leaks:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    config.stash[_PASSED] = session.exitstatus == pytest.ExitCode.OK
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -177,6 +286,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.write_line(f"... and {len(leaks) - 50} more")
         terminalreporter.write_line("A test must keep every file in its temporary folders (see tests/suite_guard.py).")
         terminalreporter.stats.setdefault("wrote outside the sandbox", []).append(_Counted())
+    private = config.stash.get(_PRIVATE, None)
+    if private is not None and exitstatus != pytest.ExitCode.OK:
+        terminalreporter.write_line(f"gpupool: the run's private HOME and TMPDIR are kept in {private}")
     skipped = [(report, need) for report in terminalreporter.stats.get("skipped", [])
                if (need := need_of(skip_reason(report))) is not None]
     if skipped:

@@ -1,13 +1,17 @@
-"""The suite's own guard (tests/suite_guard.py): a write outside the sandbox fails the run, naming the
-path; a skip for want of a system package is counted in the last line, with the command that fixes it."""
+"""The suite's own guard (tests/suite_guard.py): the run has a private HOME and TMPDIR; a write outside
+the sandbox (a system Jupyter folder, the real home's) fails the run, naming the path and the test,
+and what another process writes meanwhile does not; a skip for want of a system package is counted
+in the last line, with the command that fixes it."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -37,12 +41,27 @@ def test_a_snapshot_sees_files_created_modified_and_removed_and_skips_what_it_is
     assert f"modified {root / 'kept.json'}" in found
 
 
-def test_the_system_folders_and_the_real_home_are_watched() -> None:
+def test_the_system_folders_are_listed_and_the_real_homes_jupyter_folders_watched() -> None:
     roots = {str(p) for p in watched_roots()}
     assert "/etc/jupyter" in roots
-    home = Path(os.path.expanduser("~")).resolve()
-    for inside in (".jupyter", ".local/share/jupyter", ".cache/jupyter-gpupool"):
-        assert str(home / inside) in roots
+    home = Path(pwd.getpwuid(os.geteuid()).pw_dir).resolve()
+    watched = {str(p) for p in suite_guard.watched_home_folders(suite_guard.real_homes())}
+    for inside in (".jupyter", ".local/share/jupyter", ".ipython", ".cache/jupyter-gpupool"):
+        assert str(home / inside) in watched
+
+
+def test_this_run_has_a_private_home_and_tmpdir(tmp_path: Path) -> None:
+    real = Path(pwd.getpwuid(os.geteuid()).pw_dir).resolve()
+    home, tmp = Path(os.environ["HOME"]), Path(os.environ["TMPDIR"])
+    assert home.name == "home" and tmp.name == "tmp" and home.parent == tmp.parent
+    assert home.parent.name.startswith("gpupool-tests-")
+    assert not home.resolve().is_relative_to(real) or real == Path("/").resolve()
+    assert Path.home() == home and os.path.expanduser("~") == str(home)
+    assert tmp_path.resolve().is_relative_to(tmp.resolve()), tmp_path
+    assert tempfile.gettempdir() == str(tmp)
+    seen = subprocess.run([sys.executable, "-c", "import os, tempfile; print(os.environ['HOME'], tempfile.gettempdir())"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert seen == [str(home), str(tmp)]
 
 
 def test_every_skip_for_a_missing_package_in_the_suite_is_recognised() -> None:
@@ -65,16 +84,31 @@ def test_ci_and_the_readme_install_what_the_guard_names() -> None:
     assert APT_LINE in (REPO / "README.md").read_text(), "the README's Set-up must give the line the guard prints"
 
 
-def run_guarded(tmp_path: Path, test_source: str, watched: Path) -> subprocess.CompletedProcess[str]:
-    """A small suite with only this plugin, in a subprocess watching ``watched`` too."""
+def run_guarded(tmp_path: Path, test_source: str, watched: Path, real_home: Path | None = None,
+                beside: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """A small suite with only this plugin, in a subprocess listing ``watched`` too (and taking
+    ``real_home`` for the real home); ``beside``: a Python program run beside it meanwhile, not
+    by the tests."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "conftest.py").write_text('pytest_plugins = ["suite_guard"]\n')
     (project / "test_sample.py").write_text(textwrap.dedent(test_source))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            suite_guard.EXTRA_ROOTS_ENV: str(watched)}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", str(project)],
-                          capture_output=True, text=True, env=env, cwd=project, timeout=120, check=False)
+    if real_home is not None:
+        env[suite_guard.REAL_HOME_ENV] = str(real_home)
+    other = None
+    if beside is not None:  # started before the run with an environment of its own, as a person's JupyterLab
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("SUITE_GUARD", "PYTEST"))}
+        clean["PYTHONPATH"] = ""
+        other = subprocess.Popen([sys.executable, "-c", *beside], env=clean)
+    try:
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", str(project)],
+                              capture_output=True, text=True, env=env, cwd=project, timeout=120, check=False)
+    finally:
+        if other is not None:
+            other.terminate()
+            other.wait(timeout=30)
 
 
 def test_a_write_outside_the_sandbox_fails_the_run_naming_the_path(tmp_path: Path) -> None:
@@ -88,6 +122,51 @@ def test_a_write_outside_the_sandbox_fails_the_run_naming_the_path(tmp_path: Pat
     assert "tests wrote outside their sandbox" in result.stdout
     assert f"created  {watched / 'gpupool-broker.json'}" in result.stdout
     assert "1 passed, 1 wrote outside the sandbox" in result.stdout.splitlines()[-1]
+
+
+def test_a_write_to_the_real_home_fails_the_run_naming_the_test_but_another_process_writes_freely(tmp_path: Path) -> None:
+    """The tests' HOME is private, so a test reaches the real home only through its absolute path
+    (here, or in a process it starts); a process the tests did not start (a person's JupyterLab)
+    writes there all through the run and is not reported."""
+    real = tmp_path / "real-home"
+    (real / ".jupyter" / "lab" / "workspaces").mkdir(parents=True)
+    (real / ".local" / "share" / "jupyter" / "runtime").mkdir(parents=True)
+    started = tmp_path / "started"
+    person = (f"import pathlib, time\nhome = pathlib.Path({str(real)!r})\n"
+              f"pathlib.Path({str(started)!r}).write_text('')\n"
+              "for i in range(3000):\n"
+              "    (home / '.jupyter/lab/workspaces/default.jupyterlab-workspace').write_text(str(i))\n"
+              "    (home / '.local/share/jupyter/runtime' / f'kernel-{i % 5}.json').write_text('{}')\n"
+              "    time.sleep(0.01)\n")
+    watched = tmp_path / "etc-jupyter"
+    watched.mkdir()
+    result = run_guarded(tmp_path, f"""
+        import os, pathlib, subprocess, sys, time
+
+        def test_home_is_private():
+            assert os.environ["HOME"] != {str(real)!r}
+            (pathlib.Path.home() / ".jupyter").mkdir()  # the private home: allowed
+            (pathlib.Path.home() / ".jupyter" / "mine.json").write_text("{{}}")
+
+        def test_writes_the_real_home():
+            while not pathlib.Path({str(started)!r}).exists():
+                time.sleep(0.05)
+            time.sleep(0.5)
+            open({str(real / '.jupyter' / 'jupyter_server_config.json')!r}, "w").write("{{}}")
+
+        def test_a_subprocess_writes_the_real_home():
+            code = "open({str(real / '.ipython' / 'written.txt')!r}, 'w').write('x')"
+            os.makedirs({str(real / '.ipython')!r}, exist_ok=True)
+            subprocess.run([sys.executable, "-c", code], check=True)
+        """, watched, real_home=real, beside=[person])
+    assert result.returncode == 1, result.stdout
+    out = result.stdout
+    assert f"wrote    {real / '.jupyter' / 'jupyter_server_config.json'} (open, in test_sample.py::test_writes_the_real_home (call)" in out, out
+    assert f"wrote    {real / '.ipython' / 'written.txt'} (open, in test_sample.py::test_a_subprocess_writes_the_real_home (call)" in out, out
+    assert "workspaces" not in out and "runtime" not in out, out  # the other process's writes
+    assert "mine.json" not in out, out
+    assert "3 passed" in out.splitlines()[-1], out.splitlines()[-1]
+    assert (real / ".jupyter" / "lab" / "workspaces" / "default.jupyterlab-workspace").exists()
 
 
 def test_a_clean_run_passes_and_a_skip_for_want_of_a_package_is_in_the_last_line(tmp_path: Path) -> None:
@@ -120,7 +199,7 @@ def test_the_header_names_what_is_missing(present: bool, monkeypatch: pytest.Mon
         assert header == [f"gpupool: not on this machine: promtool (their tests will skip; as root: {APT_LINE})"]
 
 
-def test_what_the_users_own_sessions_write_meanwhile_is_left_out(tmp_path: Path) -> None:
+def test_a_listing_leaves_out_the_users_own_ipython_history(tmp_path: Path) -> None:
     profile = tmp_path / ".ipython" / "profile_default"
     profile.mkdir(parents=True)
     before = snapshot([tmp_path / ".ipython"])
