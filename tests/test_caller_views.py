@@ -2,8 +2,10 @@
 
 A real broker object on a real SQLite pool file, its real worker thread, and a real second
 process changing the file. Alice's change answers every one of her polls with her new version and
-none of bob's; a change costs one lease read per distinct waiting caller, not one per poll; and a
-version is never served from before a change, whichever process made it.
+none of bob's; a change costs one lease read per distinct waiting caller, not one per poll (counted
+per change, so it holds however slow the machine: no poll's timeout runs out during the count);
+polls that look at a stale version together share one read; and a version is never served from
+before a change, whichever process made it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -55,41 +57,101 @@ def served(tmp_path: Path) -> Iterator[tuple[Pool, Broker, Lease, Lease]]:
     pool.close()
 
 
-@pytest.mark.parametrize("reads", ["one pass over the lease cache", "one read per owner"])
+READS = ["one pass over the lease cache", "one read per owner"]
+#: Long enough that no poll's time runs out while the scenario runs, however loaded the machine.
+NEVER = 600.0
+
+
+def views_for(reads: str, pool: Pool, broker: Broker) -> CallerViewVersions:
+    return broker.view_versions if reads.startswith("one pass") else CallerViewVersions(OwnerReads(pool), broker.run)
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Wait on the event loop until ``predicate()`` holds; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"not within {timeout:.0f} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("reads", READS)
 def test_alices_change_answers_her_polls_not_bobs_with_one_read_per_caller(
     served: tuple[Pool, Broker, Lease, Lease], reads: str
 ) -> None:
     pool, broker, alice, bob = served
-    views = broker.view_versions if reads.startswith("one pass") else CallerViewVersions(OwnerReads(pool), broker.run)
+    views = views_for(reads, pool, broker)
 
     async def scenario() -> None:
         mine, theirs = await views.version("alice"), await views.version("bob")
         assert (mine, theirs) == (_fresh(pool, "alice"), _fresh(pool, "bob"))
-        alices = [asyncio.ensure_future(views.wait("alice", mine, 20.0)) for _ in range(POLLS_EACH)]
-        bobs = [asyncio.ensure_future(views.wait("bob", theirs, 2.0)) for _ in range(POLLS_EACH)]
+        alices = [asyncio.ensure_future(views.wait("alice", mine, NEVER)) for _ in range(POLLS_EACH)]
+        bobs = [asyncio.ensure_future(views.wait("bob", theirs, NEVER)) for _ in range(POLLS_EACH)]
+        await until(lambda: views.polls_waiting() == 2 * POLLS_EACH, "every poll waits")
+        await asyncio.sleep(0)  # and has looked (the version kept: no read)
         reads, counter = views.reads, pool.changes.version
-        await asyncio.sleep(0.3)  # every poll looks (the version kept: no read) and waits
 
-        # A heartbeat is a pool change that moves nobody's view: no poll answers.
+        # A heartbeat is a pool change that moves nobody's view: no poll answers. (These looks
+        # share the read the change started, or find what it kept.)
         await broker.run(pool.heartbeat, [alice.id, bob.id])
-        await asyncio.sleep(0.3)
+        assert (await views.version("alice"), await views.version("bob")) == (mine, theirs)
+        await asyncio.sleep(0.1)
         assert not any(poll.done() for poll in alices + bobs)
 
         await broker.run(pool.suspend, alice.id, "lunch")
-        answered = await asyncio.wait_for(asyncio.gather(*alices), 10.0)
+        answered = await asyncio.wait_for(asyncio.gather(*alices), 60.0)
         assert set(answered) == {_fresh(pool, "alice")} and answered[0] != mine
+        assert await views.version("bob") == theirs
         assert not any(poll.done() for poll in bobs), "alice's change woke bob's polls"
-        assert await asyncio.gather(*bobs) == [theirs] * POLLS_EACH
         changes = pool.changes.version - counter
         assert changes >= 2
-        # Each change read alice and bob once (the polls woken by hers read nothing more).
+        # Each change read alice and bob once, 20 polls waiting (the polls woken read nothing more).
         assert views.reads - reads <= 2 * changes, (views.reads - reads, changes)
+
+        # Bob's server hangs up: his polls stop waiting. A poll whose time runs out answers with
+        # the version it had.
+        for poll in bobs:
+            poll.cancel()
+        await asyncio.gather(*bobs, return_exceptions=True)
+        await until(lambda: views.polls_waiting() == 0, "the cancelled polls stop waiting")
+        assert await views.wait("bob", theirs, 0.3) == theirs
 
         # Not served from before a change: her version right after her next change is the new one.
         before = await views.version("alice")
         await broker.run(pool.confirm_transition, alice.id)
         assert await views.version("alice") == _fresh(pool, "alice") != before
         assert await views.version("bob") == theirs == _fresh(pool, "bob")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        views.close()
+
+
+@pytest.mark.parametrize("reads", READS)
+def test_polls_that_look_at_a_stale_version_together_share_one_read(
+    served: tuple[Pool, Broker, Lease, Lease], reads: str
+) -> None:
+    """As when many polls time out at once after a change: one read for them all, not one each."""
+    pool, broker, alice, bob = served
+    views = views_for(reads, pool, broker)
+
+    async def scenario() -> None:
+        theirs = await views.version("bob")
+        await broker.run(pool.heartbeat, [alice.id, bob.id])  # a change: the version kept is stale
+        before = views.reads
+        looks = await asyncio.gather(*(views.version("bob") for _ in range(POLLS_EACH)))
+        assert looks == [theirs] * POLLS_EACH
+        assert views.reads - before == 1
+        assert await views.version("bob") == theirs and views.reads - before == 1  # kept: no read
+
+        # A change while a read is in flight: the next look does not join it, it reads again.
+        await broker.run(pool.suspend, alice.id, "lunch")
+        first = asyncio.ensure_future(views.version("alice"))
+        await asyncio.sleep(0)
+        await broker.run(pool.confirm_transition, alice.id)
+        assert await views.version("alice") == _fresh(pool, "alice")
+        await first
 
     try:
         asyncio.run(scenario())

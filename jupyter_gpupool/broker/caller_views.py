@@ -10,7 +10,9 @@ version of each caller that waits: on a local pool one pass over its lease cache
 else one lease read per distinct caller; changes heard while it runs fold into its next round. A
 version is kept with the pool's change counter it was read at
 (:attr:`~jupyter_gpupool.backends.changes.PoolChanges.version`), so it is served again only while
-the pool has not changed since; and only the polls whose caller's view moved are woken.
+the pool has not changed since; and only the polls whose caller's view moved are woken. Polls that
+look at a caller's version while it is being read (many ending at once, as they time out together
+after a change) share that read rather than each starting one of their own.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class CallerViewVersions:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._round: asyncio.Task[None] | None = None
+        #: owner -> (the pool's change counter when a read of that owner began, the read in flight).
+        self._reading: dict[str, tuple[int, asyncio.Future[tuple[int, dict[str, int]]]]] = {}
         #: How many callers' views were read so far (what pool changes cost; tests read it).
         self.reads = 0
 
@@ -57,9 +61,14 @@ class CallerViewVersions:
         known = self._known.get(owner)
         if changes is not None and known is not None and known[0] == changes.version:
             return known[1]
-        at, versions = await self._run(self._read, [owner])
+        if changes is None:  # a pool that cannot tell: every look reads
+            return (await self._run(self._read, [owner]))[1][owner]
+        reading = self._reading.get(owner)
+        if reading is None or reading[0] < changes.version:  # none in flight that began after the last change
+            reading = self._start_read([owner])[owner]
+        at, versions = await asyncio.shield(reading[1])
         self._keep(at, versions)
-        return self._known[owner][1] if changes is not None else versions[owner]
+        return self._known[owner][1]
 
     async def wait(self, owner: str, since: int | None, timeout: float) -> int:
         """Wait until ``owner``'s view version is not ``since`` or ``timeout`` seconds passed; the
@@ -131,17 +140,39 @@ class CallerViewVersions:
     async def _rounds(self) -> None:
         while True:
             now = self._changes.version
-            stale = [owner for owner in self._waiting if self._known.get(owner, (None,))[0] != now]
+            stale = [
+                owner for owner in self._waiting
+                if self._known.get(owner, (None,))[0] != now and self._reading.get(owner, (-1,))[0] < now
+            ]  # fmt: skip
             if not stale:
-                return
+                return  # read, or being read since the last change (that read keeps and wakes)
             try:
-                at, versions = await self._run(self._read, stale)
+                at, versions = await asyncio.shield(self._start_read(stale)[stale[0]][1])
             except Exception:  # noqa: BLE001 -- the pool could not be read: each poll looks for itself and answers its error
                 for owner in stale:
                     self._wake(owner)
                 return
             self._keep(at, versions)
             self._forget_unwatched(at)
+
+    def _start_read(self, owners: list[str]) -> dict[str, tuple[int, asyncio.Future[tuple[int, dict[str, int]]]]]:
+        """One read of ``owners`` on the worker thread, which any look at their versions joins
+        until it ends; what it read is kept (and wakes the polls whose caller's view moved) even
+        if whoever started it stopped waiting."""
+        began = self._changes.version
+        read: asyncio.Future[tuple[int, dict[str, int]]] = asyncio.ensure_future(self._run(self._read, owners))
+
+        def ended(done: asyncio.Future[tuple[int, dict[str, int]]]) -> None:
+            for owner in owners:
+                if self._reading.get(owner, (0, None))[1] is done:
+                    del self._reading[owner]
+            if not done.cancelled() and done.exception() is None:
+                self._keep(*done.result())
+
+        read.add_done_callback(ended)
+        for owner in owners:
+            self._reading[owner] = (began, read)
+        return {owner: (began, read) for owner in owners}
 
     def _read(self, owners: list[str]) -> tuple[int, dict[str, int]]:
         """Worker thread: the pool's change counter, then each owner's view version. The counter is
