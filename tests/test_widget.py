@@ -219,16 +219,19 @@ def test_widget_model_state_in_a_real_kernel(pool_env: PoolEnv, kernel_factory: 
     assert ipywidgets.__version__.startswith("8")
     assert {c["data"]["state"]["_model_module_version"] for c in opened} <= {"2.0.0"}
 
-    # The kernel's refresh thread picks up a change made by another process.
-    pool_env.pool.report_usage({pool_env.lease_id: 1 * GIB})
+    # The kernel's refresh thread picks up a change made by another process (started by the cell,
+    # so the update the thread sends belongs to this cell's output however slow the machine).
     result = kernel.run(
-        """
-        import time
-        deadline = time.monotonic() + 20
+        f"""
+        import subprocess, sys, time
+        subprocess.run([sys.executable, "-c", "import sys; from jupyter_gpupool.backends.local.pool import Pool; "
+                        "Pool.from_env().report_usage({{sys.argv[1]: 2**30}})", {pool_env.lease_id!r}], check=True)
+        deadline = time.monotonic() + 60
         while w.usage_bar.value != 25 and time.monotonic() < deadline:
             time.sleep(0.05)
         (w.usage_bar.value, w.running)
-        """
+        """,
+        timeout=120,
     )
     assert result.value() == (25, True)
     # ... and sends it to the front end from its thread.
