@@ -69,8 +69,10 @@ class DriverReading:
     per-process GPU memory read once, on first use, and each process walked up ``/proc`` once to
     find the live lease it is a kernel (or a kernel's child) of."""
 
-    def __init__(self, read: Callable[[], list[ProcessUsage]], processes: list[ProcessUsage] | None = None) -> None:
+    def __init__(self, read: Callable[[], list[ProcessUsage]], processes: list[ProcessUsage] | None = None,
+                 seen: dict[int, tuple[float, str, float]] | None = None) -> None:
         self._read = read
+        self._seen = seen
         self._processes = processes
         self._found: dict[str, list[tuple[int, str, int]]] = {}  # lease id → its rows
         self._held: dict[str, dict[str, int]] | None = None
@@ -94,33 +96,66 @@ class DriverReading:
 
     def held(self) -> Mapping[str, Mapping[str, int]]:
         if self._held is None:
-            self._held = holders_by_device(self.processes(), self._leases)
+            self._held = holders_by_device(self.processes(), self._leases, seen=self._seen)
         return self._held
 
 
+#: Seconds a process found to be no live lease's is taken as such without walking ``/proc`` again
+#: (a lease that names it may have come since); one found to be a lease's stays so while its
+#: lease lives and the pid is the same process.
+NOBODYS_FOR = 10.0
+
+
 def holders_by_device(processes: Iterable[ProcessUsage], leases: Mapping[str, Lease],
-                      env_var: str = "GPUPOOL_LEASE_ID") -> dict[str, dict[str, int]]:
+                      env_var: str = "GPUPOOL_LEASE_ID",
+                      seen: dict[int, tuple[float, str, float]] | None = None) -> dict[str, dict[str, int]]:
     """Device uuid → {lease id, or "" for a process of no live lease → bytes} of the processes
     the driver lists that run here now (a pid gone, or in another PID namespace, is the host
-    watcher's to report as unpooled use). Each process is walked up ``/proc`` once."""
+    watcher's to report as unpooled use). Each process is walked up ``/proc`` once; ``seen``
+    (pid → (start time, owner, when found)) carries what earlier readings found, so a decision
+    costs one ``stat`` per known process."""
     procs = _Processes(env_var, leases)
     owner_of: dict[int, str | None] = {}
     held: dict[str, dict[str, int]] = {}
+    now = time.monotonic()
     for usage in processes:
         used = max(0, int(usage.used_memory))
         if not used:
             continue
         pid = int(usage.pid)
         if pid not in owner_of:
-            chain = _ancestry(pid)
-            found = _kernel_of(chain, leases, {}, procs) if chain else None
-            owner_of[pid] = None if chain is None else (found[0] if found else "")
+            owner_of[pid] = _owner(pid, leases, procs, env_var, seen, now)
         owner = owner_of[pid]
         if owner is None:
             continue
         row = held.setdefault(usage.device_uuid, {})
         row[owner] = row.get(owner, 0) + used
     return held
+
+
+def _owner(pid: int, leases: Mapping[str, Lease], procs: _Processes, env_var: str,
+           seen: dict[int, tuple[float, str, float]] | None, now: float) -> str | None:
+    """The live lease process ``pid`` is a kernel (or a kernel's child) of, "" for none, None
+    when no such process runs here."""
+    try:
+        started = psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+    known = seen.get(pid) if seen is not None else None
+    if known is not None and known[0] == started and (
+        (known[1] and known[1] in leases) or (not known[1] and now - known[2] < NOBODYS_FOR)
+    ):
+        return known[1]
+    chain = _ancestry(pid)
+    if chain is None:
+        return None
+    found = _kernel_of(chain, leases, {}, procs)
+    owner = found[0] if found else ""
+    if seen is not None:
+        if len(seen) > 4096:
+            seen.clear()
+        seen[pid] = (started, owner, now)
+    return owner
 
 
 def default_db_path() -> str:
@@ -180,6 +215,8 @@ class Pool(GrantWaiting):
         #: Watchers whose last sighting of unpooled use is on file (see report_unpooled): read once
         #: here, so that an empty sighting clears rows an earlier pool object of the same watcher wrote.
         self._unpooled_reporters: set[str] = self.store.unpooled_reporters()
+        #: What earlier driver readings found each GPU process to be (see :func:`holders_by_device`).
+        self._owners_seen: dict[int, tuple[float, str, float]] = {}
 
     def _remember_inventory(self) -> None:
         """Record a simulated inventory's spec in the pool file (once; again only if it changes)."""
@@ -278,7 +315,7 @@ class Pool(GrantWaiting):
         when already read), where the backend lists processes (NVML, simulated; not Slurm)."""
         if not self._sees_processes():
             return None
-        return DriverReading(self.backend.process_usage, processes).bind(leases)
+        return DriverReading(self.backend.process_usage, processes, self._owners_seen).bind(leases)
 
     #: Why memory a released lease's process still holds is not free (an unpooled row's ``why``).
     RELEASED_BUT_HELD = "its lease was released; the process has not let go of its memory yet"
