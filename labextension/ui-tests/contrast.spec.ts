@@ -7,7 +7,7 @@
  */
 import { expect, Page, test } from '@playwright/test';
 
-import { openLab, openNotebook, screenshot } from './helpers';
+import { COUNTDOWN_DEADLINE, kernelQuiet, openLab, openNotebook, screenshot } from './helpers';
 
 /** WCAG 2 AA: body text, and large text (24 px, or 18.66 px bold). */
 const BODY_RATIO = 4.5;
@@ -135,8 +135,13 @@ test('the sidebar text meets WCAG AA contrast in the light and dark themes', asy
   await status.click();
   const panel = page.locator('#jupyter-gpupool-panel');
   await expect(panel).toBeVisible();
-  // Idle: the countdown (its reason in a caption) and Keep are on screen too.
-  await expect(panel.locator('.jp-GpuPool-idle')).toBeVisible({ timeout: 30000 });
+  // Idle: the countdown (its reason in a caption) and Keep are on screen too. The pool's idle
+  // clock starts at the kernel's last message, so first the kernel must have started and gone
+  // quiet (slow on a loaded machine), then the countdown follows within seconds.
+  const quietAfter = await kernelQuiet(page);
+  const quiet = Date.now();
+  await expect(panel.locator('.jp-GpuPool-idle')).toBeVisible({ timeout: COUNTDOWN_DEADLINE });
+  console.log(`kernel quiet after ${quietAfter.toFixed(1)} s; countdown ${((Date.now() - quiet) / 1000).toFixed(1)} s later`);
   await expect(panel.locator('.jp-GpuPool-enforcement')).toBeVisible();
 
   const problems: string[] = [];

@@ -34,6 +34,33 @@ export async function openNotebook(page: Page, notebook: string): Promise<void> 
   await expect(page.locator('#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current')).toContainText(notebook);
 }
 
+/**
+ * Wait until the current notebook's kernel has started, is connected and idle, at most `timeout`
+ * ms (a loaded machine can take tens of seconds to start a kernel). The pool's idle clock only
+ * runs from the kernel's last message: while it starts and answers JupyterLab's first requests it
+ * is active, and a countdown (a 3 s idle timeout in the idle and contrast suites) can only begin
+ * once this holds. Returns the seconds waited.
+ */
+export async function kernelQuiet(page: Page, timeout = 180 * 1000): Promise<number> {
+  const started = Date.now();
+  await page.waitForFunction(
+    () => {
+      const kernel = window.jupyterapp?.shell?.currentWidget?.sessionContext?.session?.kernel;
+      return !!kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
+    },
+    null,
+    { timeout, polling: 100 }
+  );
+  return (Date.now() - started) / 1000;
+}
+
+/**
+ * How long a countdown may take to show once the kernel is quiet: the idle timeout, a tick and
+ * a refresh take seconds; the rest is headroom for a loaded machine (it is a deadline, not a
+ * measure).
+ */
+export const COUNTDOWN_DEADLINE = 90 * 1000;
+
 /** Save a screenshot of the page as SHOTS/name.png. */
 export async function screenshot(page: Page, name: string): Promise<void> {
   const file = path.join(SHOTS, `${name}.png`);
