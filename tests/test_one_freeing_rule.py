@@ -189,3 +189,19 @@ def test_a_limit_its_user_set_is_kept_through_size_changes(tmp_path) -> None:
     assert pool.resize(lease.id, 40 * GIB, now=T0 + 5).burst_limit == 0
     with pytest.raises(InvalidInput, match="below the slice's size"):
         pool.resize(lease.id, 40 * GIB, now=T0 + 6, limit=20 * GIB)
+
+
+def test_burst_yields_to_a_reservation_before_anyone_is_reclaimed(tmp_path) -> None:
+    """Ben's reservation of 8 GiB opens while ann's 2 GiB slice has grown to 14 GiB that nothing
+    uses: ann's burst is taken back for it (not her guarantee, and she is not reclaimed), and ben's
+    8 GiB is granted."""
+    window = [{"name": "lab", "users": ["ben"], "memory": "8GiB", "start": T0 + 600, "end": T0 + 4800}]
+    pool = make_pool(tmp_path, burst="16GiB", reservations=window, idle_timeout=300, warning_period=60)
+    ann = pool.request(req("ann", 2), now=T0)
+    assert pool.grow(ann.id, 14 * GIB, now=T0 + 1).memory == 14 * GIB
+    pool.tick(now=T0 + 600)
+    back = pool.get(ann.id)
+    assert back.state is LeaseState.GRANTED and back.memory <= 8 * GIB and back.reclaim_at is None
+    assert back.burst_note.startswith("burst taken back for the reservation")
+    ben = pool.request(req("ben", 8), now=T0 + 601)
+    assert ben.state is LeaseState.GRANTED

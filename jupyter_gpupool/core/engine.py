@@ -1582,7 +1582,12 @@ class Engine:
             for lease in state.leases.values()
             if lease.state in HELD_STATES and lease.reclaim_at is not None
         )
-        shortfall = sum(unused for _, unused in needs) - free - coming
+        giving_back = sum(  # burst being given back: on its way, like a pending reclaim
+            excess_per_device(lease) * len(lease.devices)
+            for lease in state.leases.values()
+            if lease.state is LeaseState.GRANTED and lease.burst_taken_at is not None
+        )
+        shortfall = sum(unused for _, unused in needs) - free - coming - giving_back
         if shortfall <= 0:
             return []
         reservation = needs[0][0]
@@ -1596,6 +1601,17 @@ class Engine:
             and not any(r.applies_to(lease.owner, lease.groups) for r in active)
         ]
         decisions = []
+        # Burst yields to a reservation too: taken back first, before anyone is reclaimed or preempted.
+        for lease in sorted(candidates, key=lambda lease: (-(lease.memory - lease.guarantee_size), lease.id)):
+            above = lease.memory - lease.guarantee_size
+            if shortfall <= 0 or above <= 0:
+                continue
+            gpus = max(1, len(lease.devices))
+            give = min(above, -(-shortfall // gpus))
+            decisions.append(self._take_burst_back(state, lease, lease.memory - give, f"the reservation {reservation.describe()}", now))
+            shortfall -= give * gpus
+        if shortfall <= 0:
+            return decisions
         if self.policy.idle_policy != "never":
             idle = [
                 lease
