@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -507,7 +508,9 @@ def test_broker_watchdog_finds_the_kernel_by_its_lease_variable_and_interrupts_i
         policy={"burst": "0"},  # fixed slices: use over the slice is over its limit (an elastic one would grow)
     )
     alice = harness.remote(ALICE)
-    lease = alice.request(LeaseRequest(owner="", memory=4 * GIB))
+    # Alice's server (here: this process) asks for it; a hub user without a Unix account claims
+    # only processes of her own server's (see tests/test_ownership.py).
+    lease = alice.request(LeaseRequest(owner="", memory=4 * GIB, holder_pid=os.getpid(), holder_host=socket.gethostname()))
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
     env["GPUPOOL_LEASE_ID"] = lease.id
     # A "kernel" whose child dropped every variable (env -i) and uses the GPU.

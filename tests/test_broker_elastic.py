@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -61,6 +62,10 @@ class ScriptedNvml(FakeNvml):
 
 sys.modules[__name__] = ScriptedNvml([FakeGpu("NVIDIA A16-16GB", 16 * 1024**3)]).module
 """
+
+
+#: Alice has no Unix account here: her lease claims the processes of her server, which this test process plays.
+ALICES_SERVER = {"holder_pid": os.getpid(), "holder_host": socket.gethostname()}
 
 
 class Host:
@@ -146,7 +151,7 @@ def test_a_forged_report_never_frees_burst_the_kernel_still_holds(
     not granted while the driver shows the 6 GiB held, and is granted within seconds once it shows them freed."""
     h = host(tmp_path, hub, monkeypatch, interval=0.3)
     try:
-        lease = h.alice.request(LeaseRequest(owner="", memory=2 * GIB, kernel_id="k-alice"))
+        lease = h.alice.request(LeaseRequest(owner="", memory=2 * GIB, kernel_id="k-alice", **ALICES_SERVER))
         assert lease.state is LeaseState.GRANTED and lease.elastic
         pid = h.kernel(lease)
         h.holds(pid, 6 * GIB)
@@ -186,7 +191,7 @@ def test_burst_taken_back_waits_for_the_brokers_own_measurement_after_the_shrink
     shrunk slice gives up goes on only once the broker measured the kernel within its new size."""
     h = host(tmp_path, hub, monkeypatch, interval=4.0)
     try:
-        lease = h.alice.request(LeaseRequest(owner="", memory=2 * GIB, kernel_id="k-alice"))
+        lease = h.alice.request(LeaseRequest(owner="", memory=2 * GIB, kernel_id="k-alice", **ALICES_SERVER))
         pid = h.kernel(lease)
         h.holds(pid, 9 * GIB)
         grown = wait_until(lambda: (l := h.alice.get(lease.id)).memory >= 9 * GIB and l, 30, "the broker to grow the slice")

@@ -26,6 +26,7 @@ from jupyter_gpupool.backends.remote import remote_resume, remote_suspend
 from jupyter_gpupool.core.metering import FORMATS, PERIODS, REPORT_KEYS, check_choice, columns
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, PriorityClass
 from jupyter_gpupool.core.policy import WEEKDAYS
+from jupyter_gpupool.enforcement.claims import clear_kernel_claim
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized
 from jupyter_gpupool.units import format_duration, format_size, parse_duration
 from jupyter_gpupool.wording import slice_size
@@ -301,6 +302,28 @@ class ReleaseApp(GpuPoolBaseApp):
         self.emit(released.to_json(), f"released {released.id} ({slice_size(released.memory, released.num_gpus)})")
 
 
+class ClearClaimApp(GpuPoolBaseApp):
+    name = "jupyter-gpupool-clear-claim"
+    takes_arguments = True
+    description = (
+        "Clear a stale claim on a kernel id (pool admins, on the pool file): jupyter gpupool clear-claim KERNEL_ID"
+    )
+
+    def run(self) -> None:
+        if len(self.extra_args) != 1:
+            raise InvalidInput("give exactly one kernel id: jupyter gpupool clear-claim KERNEL_ID")
+        pool = self.make_pool()
+        if getattr(pool, "remote", False):
+            raise InvalidInput("clear a claim on the broker's host, on its pool file: jupyter gpupool clear-claim KERNEL_ID --db PATH")
+        if not local_admin(pool.db_path):
+            raise NotAuthorized(f"only a pool admin (root, the pool folder's owner, group {LOCAL_ADMIN_GROUP}) may clear a claim")
+        kernel_id = self.extra_args[0]
+        lease = clear_kernel_claim(pool, kernel_id)
+        owner = lease.owner if lease is not None else None
+        text = f"kernel {kernel_id} is nobody's now" + (f" (it was {owner}'s)" if owner else " (no lease ever named it)")
+        self.emit({"kernel_id": kernel_id, "was_owner": owner}, text)
+
+
 class _TransitionApp(GpuPoolBaseApp):
     """``suspend`` and ``resume``: one lease id; its owner or a pool admin (a broker decides for itself)."""
 
@@ -574,6 +597,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "leases": ("jupyter_gpupool.apps.cli.LeasesApp", LeasesApp.description),
     "queue": ("jupyter_gpupool.apps.cli.QueueApp", QueueApp.description),
     "release": ("jupyter_gpupool.apps.cli.ReleaseApp", ReleaseApp.description),
+    "clear-claim": ("jupyter_gpupool.apps.cli.ClearClaimApp", ClearClaimApp.description),
     "priority": ("jupyter_gpupool.apps.cli.PriorityApp", PriorityApp.description),
     "suspend": ("jupyter_gpupool.apps.cli.SuspendApp", SuspendApp.description),
     "resume": ("jupyter_gpupool.apps.cli.ResumeApp", ResumeApp.description),

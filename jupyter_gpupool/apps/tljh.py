@@ -12,10 +12,13 @@ plugin (entry point group ``tljh``) then
   puts that scope, and the admin scope for admins, into each server's token
   (``c.Spawner.server_token_scopes``);
 - points every single-user server and kernel at the broker (``GPUPOOL_URL``) and installs the
-  package into the users' environment.
+  package into the users' environment;
+- tells the broker that hub user ``NAME`` runs as Unix user ``jupyter-NAME``
+  (``GPUPOOL_UNIX_USER_TEMPLATE``, i.e. ``c.Watchdog.unix_user_template``), so a lease counts
+  exactly its user's processes.
 
 Settings come from TLJH's ``config.yaml`` under ``gpupool:`` (``tljh-config set gpupool.default_memory 8GiB``):
-``default_memory``, ``idle_timeout``, ``idle_policy``, ``simulate``, ``port``, ``db``. Quotas and
+``default_memory``, ``idle_timeout``, ``idle_policy``, ``simulate``, ``unix_user_template``, ``port``, ``db``. Quotas and
 priorities per group go in ``/etc/jupyter/jupyter_gpupool_config.py`` (``c.PoolPolicy.group_quotas``),
 which the broker reads at start.
 """
@@ -46,7 +49,10 @@ ENV_SETTINGS = {
     "idle_policy": "GPUPOOL_IDLE_POLICY",
     "warning_period": "GPUPOOL_WARNING_PERIOD",
     "simulate": "GPUPOOL_SIMULATE",
+    "unix_user_template": "GPUPOOL_UNIX_USER_TEMPLATE",
 }
+#: TLJH's Unix user of hub user ``{name}``: whose processes a lease of ``{name}`` may claim.
+TLJH_UNIX_USERS = "jupyter-{name}"
 
 
 def configure_hub(c: Any, settings: Mapping[str, Any] | None = None, python: str = sys.executable) -> None:
@@ -67,7 +73,7 @@ def configure_hub(c: Any, settings: Mapping[str, Any] | None = None, python: str
     )
     c.JupyterHub.custom_scopes = scopes
 
-    environment = {"GPUPOOL_DB": db}
+    environment = {"GPUPOOL_DB": db, "GPUPOOL_UNIX_USER_TEMPLATE": TLJH_UNIX_USERS}
     environment.update(
         {var: str(settings[key]) for key, var in ENV_SETTINGS.items() if settings.get(key) not in (None, "")}
     )

@@ -13,15 +13,18 @@ and every live lease of the pool, and gets back:
 
 A process belongs to a lease when it, or an ancestor, is the lease's kernel: a root pid the
 watcher knows (its own kernels), or a process whose environment names the lease
-(``GPUPOOL_LEASE_ID``) and runs as the lease owner's Unix user (or root), so nobody can charge
-their use to another user's lease by copying the variable. System processes (the MPS server,
-persistenced, DCGM, Xorg) are left out by name.
+(``GPUPOOL_LEASE_ID``) and that the lease may claim by :func:`~jupyter_gpupool.enforcement.claims.may_claim`
+(it runs as the owner's Unix user as configured, or descends from the lease's own server), as
+must every process between it and the GPU process: the walk up the ancestors stops at the first
+process it may not claim, so nobody charges their use to another user's lease by copying the
+variable, and attribution fails closed (unclaimed memory is unpooled use). System processes (the
+MPS server, persistenced, DCGM, Xorg) are left out by name.
 """
 
 from __future__ import annotations
 
 import os
-import pwd
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +33,7 @@ import psutil
 
 from jupyter_gpupool.core.models import Lease, LeaseState
 from jupyter_gpupool.devices import ProcessUsage
+from jupyter_gpupool.enforcement.claims import UnixUsers, may_claim, process_alive
 from jupyter_gpupool.units import format_size
 
 #: Process names whose GPU memory is the system's, not a user's (the admin extends the list with
@@ -86,12 +90,7 @@ def unpooled_line(use: UnpooledUse) -> str:
 
 
 def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
-        return True
+    return process_alive(proc.pid)
 
 
 def _ancestry(pid: int) -> list[psutil.Process] | None:
@@ -105,16 +104,19 @@ def _ancestry(pid: int) -> list[psutil.Process] | None:
 
 
 class _Processes:
-    """Cached ``/proc`` reads for one attribution pass (each process is read once)."""
+    """Cached ``/proc`` reads for one attribution pass (each process is read once), and the claim
+    rule of :mod:`~jupyter_gpupool.enforcement.claims` with the watcher's user mapping and host."""
 
-    def __init__(self, env_var: str, leases: Mapping[str, Lease] | None = None) -> None:
+    def __init__(self, env_var: str, leases: Mapping[str, Lease] | None = None, users: UnixUsers | None = None,
+                 host: str | None = None) -> None:
         self.env_var = env_var
+        self.users = users if users is not None else UnixUsers.single_user()
+        self.host = host or socket.gethostname()
         #: kernel id → its live lease: a kernel whose environment names a lease it gave back
         #: (``%gpupool release``, then ``reserve``) is its kernel's newer lease's.
         self._kernel_leases = {lease.kernel_id: lease.id for lease in (leases or {}).values() if lease.kernel_id}
         self._lease_of: dict[int, str | None] = {}
         self._uid: dict[int, int | None] = {}
-        self._owner_uid: dict[str, int | None] = {}
 
     def lease_named_by(self, proc: psutil.Process) -> str | None:
         if proc.pid not in self._lease_of:
@@ -135,40 +137,42 @@ class _Processes:
                 self._uid[proc.pid] = None
         return self._uid[proc.pid]
 
-    def owner_uid(self, owner: str) -> int | None:
-        if owner not in self._owner_uid:
-            try:
-                self._owner_uid[owner] = pwd.getpwnam(owner).pw_uid
-            except KeyError:
-                self._owner_uid[owner] = None
-        return self._owner_uid[owner]
-
-    def may_claim(self, proc: psutil.Process, lease: Lease) -> bool:
-        """Whether ``proc`` may count as ``lease``'s: it runs as the owner's Unix user (when the
-        owner has one) or as root."""
-        expected = self.owner_uid(lease.owner)
-        return expected is None or self.uid(proc) in (expected, 0)
+    def may_claim(self, chain: list[psutil.Process], index: int, lease: Lease) -> bool:
+        """Whether ``chain[index]`` may count as ``lease``'s (see :func:`~jupyter_gpupool.enforcement.claims.may_claim`)."""
+        return may_claim(chain, index, lease, self.users, self.host, self._uid)
 
 
 def _kernel_of(chain: list[psutil.Process], leases: Mapping[str, Lease], known: Mapping[int, str],
                procs: _Processes) -> tuple[str, int] | None:
     """(lease id, kernel pid) of a GPU process given its ancestry (itself first), or None.
 
-    A pid the watcher knows as a kernel wins (nearest first); else the topmost consecutive
-    ancestor whose environment names a live lease it may claim is that lease's kernel, so a child
-    that dropped the variable (``env -i python train.py``) still counts for its kernel."""
-    for proc in chain:
+    A pid the watcher knows as a kernel wins (nearest first) when every process from the GPU
+    process up to it runs as that kernel's user. Else the nearest ancestor whose environment names
+    a live lease is that lease's kernel if the lease may claim it and every process below it (a
+    child that dropped the variable, ``env -i python train.py``, still counts for its kernel); the
+    kernel is the topmost of the consecutive ancestors naming that lease that it may claim. The
+    walk stops at the first process the lease may not claim: None, whatever names a lease above."""
+    for index, proc in enumerate(chain):
         if proc.pid in known:
-            return known[proc.pid], proc.pid
+            root_uid = procs.uid(proc)
+            if root_uid is not None and all(procs.uid(below) == root_uid for below in chain[:index]):
+                return known[proc.pid], proc.pid
+            return None
     found: tuple[str, int] | None = None
-    for proc in chain:
+    for index, proc in enumerate(chain):
         lease_id = procs.lease_named_by(proc)
         lease = leases.get(lease_id) if lease_id else None
-        if lease is not None and (found is None or found[0] == lease_id) and procs.may_claim(proc, lease):
+        if found is None:
+            if lease is None:
+                continue  # names no live lease: judged with the lease its kernel names, if any
+            if not all(procs.may_claim(chain, below, lease) for below in range(index + 1)):
+                return None
             found = (lease.id, proc.pid)
             continue
-        if found is not None:
-            break
+        if lease is not None and lease.id == found[0] and procs.may_claim(chain, index, lease):
+            found = (lease.id, proc.pid)
+            continue
+        break
     return found
 
 
@@ -210,15 +214,18 @@ def attribute(
     system_processes: Iterable[str] = SYSTEM_PROCESSES,
     now: float = 0.0,
     first_seen: Mapping[tuple[str, int], float] | None = None,
+    users: UnixUsers | None = None,
 ) -> Attribution:
     """Split the backend's per-process GPU memory into granted leases' use and unpooled use.
 
     ``leases``: every live lease of the pool (whoever holds it); ``known_roots``: lease id → the
     kernel pid of the watcher's own kernels. Every known root that is alive appears in ``usage``
     (0 when it uses nothing), so the pool can clear an over-limit mark. ``first_seen``: when each
-    (device, pid) was first seen unpooled, carried from the previous pass.
+    (device, pid) was first seen unpooled, carried from the previous pass. ``users``: the pool
+    user → Unix uid mapping the claims are judged by (None: a single-user host's, see
+    :meth:`~jupyter_gpupool.enforcement.claims.UnixUsers.single_user`).
     """
-    procs = _Processes(env_var, leases)
+    procs = _Processes(env_var, leases, users, host)
     system = set(system_processes)
     result = Attribution()
     known: dict[int, str] = {}

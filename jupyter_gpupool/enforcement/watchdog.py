@@ -26,11 +26,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 import psutil
-from traitlets import Bool, Enum, Float, Int, List, Unicode
+from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, Union, default, validate
 from traitlets.config import LoggingConfigurable
 
 from jupyter_gpupool.core.models import Decision, Lease
 from jupyter_gpupool.devices import DeviceBackend, ProcessUsage
+from jupyter_gpupool.enforcement.claims import UnixUsers, check_template, process_alive
 from jupyter_gpupool.enforcement.unpooled import (
     SYSTEM_PROCESSES,
     UnpooledUse,
@@ -49,12 +50,7 @@ _PAST = {"interrupt": "interrupted", "stop": "stopped"}
 # --- usage per lease --------------------------------------------------------------------------------
 def _alive(pid: int) -> bool:
     """True for a running process; a zombie (exited, not yet reaped) counts as gone."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, ValueError):
-        return False
-    except psutil.AccessDenied:  # another user's process: it exists
-        return True
+    return process_alive(pid)
 
 
 def _lineage(pid: int) -> list[int]:
@@ -218,6 +214,44 @@ class Watchdog(LoggingConfigurable):
         ),
     ).tag(config=True)
 
+    unix_user_template = Unicode(
+        "{name}",
+        help=(
+            "The Unix user a pool user's kernels run as, with {name} for the pool (hub) user name: "
+            "'{name}' (the same name, JupyterHub's LocalProcessSpawner) or 'jupyter-{name}' (The Littlest "
+            "JupyterHub). A process counts for a lease only when it runs as that user's uid; where no Unix "
+            "user maps, only when it descends from the lease's own Jupyter server (never by its environment "
+            "alone). Empty: map nobody by name (only 'unix_users'). Env: GPUPOOL_UNIX_USER_TEMPLATE (the TLJH "
+            "plugin sets 'jupyter-{name}')."
+        ),
+    ).tag(config=True)
+    unix_users = Dict(
+        value_trait=Union([Unicode(), Int()]),
+        default_value={},
+        help=(
+            "Pool user name -> Unix user name or uid, for users the template does not map right "
+            "(e.g. {'dave': 'dave2', 'erin': 1007}); these win over 'unix_user_template'."
+        ),
+    ).tag(config=True)
+
+    @default("unix_user_template")
+    def _template_from_env(self) -> str:
+        template = os.environ.get("GPUPOOL_UNIX_USER_TEMPLATE", "{name}")
+        try:
+            check_template(template)
+        except ValueError as err:
+            self.log.error("GPUPOOL_UNIX_USER_TEMPLATE: %s; no pool user maps to a Unix user by name", err)
+            return ""  # fails closed: only processes of each lease's own server count
+        return template
+
+    @validate("unix_user_template")
+    def _valid_template(self, proposal: Any) -> str:
+        try:
+            check_template(proposal["value"])
+        except ValueError as err:
+            raise TraitError(str(err)) from None
+        return str(proposal["value"])
+
     def __init__(
         self,
         backend: DeviceBackend | None = None,
@@ -233,10 +267,20 @@ class Watchdog(LoggingConfigurable):
         self.act_on_process: ProcessCallback = self._signal_process
         #: The action for unpooled use when ``unpooled_action`` is empty (the owner's default).
         self.default_unpooled_action = "warn"
+        #: Whether this watcher serves many Unix users (the broker's): claims are judged by the
+        #: configured mapping (``unix_user_template``, ``unix_users``), failing closed.
+        self.multi_user = False
         self._episodes: dict[str, _Episode] = {}
         self._unpooled_episodes: dict[tuple[str, int], _Episode] = {}
         #: Lease id → kernel pid as the last step found them.
         self.last_roots: dict[str, int] = {}
+
+    def users(self) -> UnixUsers | None:
+        """Pool user → Unix uid on a multi-user host, as configured (a fresh lookup each step:
+        accounts come and go); None on a single-user host (every lease is this user's)."""
+        if not self.multi_user:
+            return None
+        return UnixUsers(template=self.unix_user_template, names=dict(self.unix_users))
 
     # --- pure part ------------------------------------------------------------------------------
     def threshold(self, limit: int) -> int:
@@ -341,6 +385,25 @@ class Watchdog(LoggingConfigurable):
         """(device, pid) → when that unpooled use was first seen."""
         return {key: episode.over_since for key, episode in self._unpooled_episodes.items()}
 
+    def record_signal(self, lease: Lease | None, pid: int | None, action: str, why: str, now: float,
+                      lease_id: str = "") -> None:
+        """Write down a signal about to be sent as an event an admin can read (``GET .../events``,
+        ``kind`` ``signal``): the lease it is for, the process, its uid and why. Never raises."""
+        store = getattr(self.pool, "store", None)
+        if pid is None or store is None or not hasattr(store, "record_event"):
+            return  # a remote pool: the broker that owns the GPUs writes its own
+        try:
+            uid: int | None = psutil.Process(pid).uids().real if pid else None
+        except psutil.Error:
+            uid = None
+        sent = "SIGINT" if action == "interrupt" else "SIGTERM (then SIGKILL)"
+        reason = f"{sent} to process {pid} (uid {uid if uid is not None else 'unknown'}): {why}"
+        try:
+            store.record_event(now, "signal", lease.id if lease is not None else lease_id,
+                               lease.kernel_id if lease is not None else None, lease.owner if lease is not None else "", reason)
+        except Exception as exc:  # noqa: BLE001 - an unwritable log must not stop enforcement
+            self.log.warning("GPU watchdog could not record a signal: %s", exc)
+
     def _signal_process(self, use: UnpooledUse, action: str) -> None:
         if action == "interrupt":
             os.kill(use.pid, signal.SIGINT)
@@ -376,7 +439,7 @@ class Watchdog(LoggingConfigurable):
             usage = usage_by_root_pid(processes, roots)
         else:
             system = (*SYSTEM_PROCESSES, *self.system_processes)
-            seen = attribute(processes, leases, host, roots, env_var, system, now, self.first_seen())
+            seen = attribute(processes, leases, host, roots, env_var, system, now, self.first_seen(), self.users())
             usage, unpooled, found_roots = seen.usage, seen.unpooled, {**seen.roots, **roots}
         self.last_roots = found_roots  # what the action callbacks of this step look kernels up in
         decisions: list[Decision] = []
@@ -396,6 +459,8 @@ class Watchdog(LoggingConfigurable):
             self.log.warning("GPU memory outside the pool: %s", line)
             if kind == "act":
                 tell_terminal(use.pid, line)
+                self.record_signal(leases.get(use.lease_id) if leases and use.lease_id else None, use.pid, action,
+                                   f"GPU memory outside the pool ({use.why})", now)
                 try:
                     self.act_on_process(use, action)
                 except Exception as exc:  # noqa: BLE001
@@ -407,6 +472,8 @@ class Watchdog(LoggingConfigurable):
             elif event.kind == "act":
                 self.log.warning("lease %s: %s", event.lease_id, event.message)
                 if self.act is not None:
+                    self.record_signal((leases or {}).get(event.lease_id), found_roots.get(event.lease_id), event.action,
+                                       event.message, now, event.lease_id)
                     try:
                         self.act(event.lease_id, event.action)
                     except Exception as exc:  # noqa: BLE001

@@ -967,6 +967,15 @@ class Store:
         )
 
     @_locked
+    def record_event(self, at: float, kind: str, lease_id: str, kernel_id: str | None, owner: str, reason: str) -> None:
+        """One event of an adapter's own (a signal the watchdog sent), in a transaction of its own."""
+        with self.transaction():
+            self.conn.execute(
+                "INSERT INTO events(at, kind, lease_id, kernel_id, owner, reason, deadline) VALUES (?,?,?,?,?,?,NULL)",
+                (at, kind, lease_id, kernel_id, owner, reason),
+            )
+
+    @_locked
     def events(self, after_seq: int = 0, limit: int = 500) -> list[dict[str, Any]]:
         keys = ("seq", "at", "kind", "lease_id", "kernel_id", "owner", "reason", "deadline")
         rows = self.conn.execute("SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))

@@ -1,0 +1,224 @@
+"""Whose is a kernel, and whose are its processes: the one claim rule of a multi-user host.
+
+- **A kernel id is its owner's for the kernel's life.** The first user whose lease named a kernel
+  id keeps it while that lease lives (granted, queued, suspended) and, once it is released, for
+  as long as the kernel's process may still exist: while the lease's holder (its Jupyter server)
+  runs on this host, and for :data:`RELEASED_CLAIM_SECONDS` after the release in any case. A lease
+  of another user naming that id is refused (:func:`kernel_claim_refusal`); an admin may clear a
+  stale claim (:func:`clear_kernel_claim`).
+- **A pool user is a Unix user by configuration, not by guess.** :class:`UnixUsers` maps a pool
+  user name to a uid: the same name by default, a template such as ``jupyter-{name}`` (The
+  Littlest JupyterHub), or names given one by one. A process counts for a lease when it runs as
+  the owner's uid. Where no uid maps, a process counts only when it descends from the lease's
+  holder (the server that asked for it) on this host and runs as that holder's uid all the way
+  down; never by its environment alone.
+- **Root counts only as the kernel's launcher**: a root process counts for a lease only when it is
+  the lease's holder or a root process that holder started.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from jupyter_gpupool.core.models import Lease
+from jupyter_gpupool.errors import RequestRefused
+
+#: Seconds a released lease's kernel id stays its owner's when its holder cannot be seen running
+#: on this host (the kernel may outlive its server, or run on another host).
+RELEASED_CLAIM_SECONDS = 3600.0
+
+#: The ``pool_facts`` name under which an admin's clearing of a kernel id's claim is kept.
+CLEARED_FACT = "kernel_claim_cleared:"
+
+
+def process_alive(pid: Any) -> bool:
+    """Whether a process with this id runs now (a zombie does not). A process this watcher may
+    not inspect (``AccessDenied``) runs; an id no process can have does not. Never raises."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+        return False
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+    except (psutil.Error, ValueError, OverflowError, OSError):
+        return False
+
+
+# --- pool user → Unix uid ---------------------------------------------------------------------------
+@dataclass
+class UnixUsers:
+    """A pool user name → the Unix uid its processes run as, or None where none maps.
+
+    ``template``: the Unix user name of pool user ``{name}`` (``"{name}"``: the same name;
+    ``"jupyter-{name}"``: The Littlest JupyterHub). ``names``: a pool user → a Unix user name or a
+    uid, before the template. ``""`` as the template maps nobody by name.
+    """
+
+    @classmethod
+    def single_user(cls) -> UnixUsers:
+        """A single-user host's mapping: the same names, and this process's own uid for the rest
+        (every lease of a one-user pool file is that user's, whatever name it carries)."""
+        return cls(fallback_uid=os.getuid())
+
+    template: str = "{name}"
+    names: Mapping[str, str | int] = field(default_factory=dict)
+    #: The uid of a pool user no Unix user maps to; None (a multi-user host): none, the claim
+    #: falls back to the lease's own server. On a single-user host, the watcher's own uid.
+    fallback_uid: int | None = None
+    _cache: dict[str, int | None] = field(default_factory=dict, repr=False)
+
+    def unix_name(self, owner: str) -> str | None:
+        """The Unix user name (or uid, as text) ``owner``'s processes run as, before the lookup."""
+        given = self.names.get(owner)
+        if given is not None:
+            return str(given)
+        if not self.template:
+            return None
+        return self.template.replace("{name}", owner)
+
+    def uid(self, owner: str) -> int | None:
+        """``owner``'s Unix uid, or None when no Unix user maps (a hub-only user)."""
+        if owner not in self._cache:
+            found = self._lookup(owner)
+            self._cache[owner] = found if found is not None else self.fallback_uid
+        return self._cache[owner]
+
+    def _lookup(self, owner: str) -> int | None:
+        name = self.unix_name(owner)
+        if not name:
+            return None
+        if name.isdigit():
+            return int(name)
+        try:
+            return pwd.getpwnam(name).pw_uid
+        except (KeyError, ValueError):
+            return None
+
+
+def check_template(template: str) -> None:
+    """A template names its pool user once as ``{name}`` (or is empty: no mapping by name)."""
+    if template and template.count("{name}") != 1:
+        raise ValueError(f"a Unix user template names the pool user once as {{name}}, as 'jupyter-{{name}}'; got {template!r}")
+
+
+# --- which processes a lease may claim ----------------------------------------------------------------
+def _uid(proc: psutil.Process, cache: dict[int, int | None]) -> int | None:
+    if proc.pid not in cache:
+        try:
+            cache[proc.pid] = proc.uids().real
+        except psutil.Error:
+            cache[proc.pid] = None
+    return cache[proc.pid]
+
+
+def holder_here(lease: Lease, host: str) -> int | None:
+    """The pid of ``lease``'s holder when it runs on ``host`` (the watcher's), else None."""
+    if lease.holder_pid is None or (lease.holder_host and host and lease.holder_host != host):
+        return None
+    return int(lease.holder_pid)
+
+
+def may_claim(chain: Sequence[psutil.Process], index: int, lease: Lease, users: UnixUsers, host: str,
+              uids: dict[int, int | None] | None = None) -> bool:
+    """Whether ``chain[index]`` (``chain``: a process and its ancestors, nearest first) may count
+    as ``lease``'s: it runs as the owner's uid; or it is root and the lease's holder or a root
+    process that holder started; or, where the owner maps to no uid, it descends from the holder
+    with every process from it up to the holder running as the holder's uid."""
+    cache = uids if uids is not None else {}
+    proc = chain[index]
+    uid = _uid(proc, cache)
+    if uid is None:
+        return False
+    expected = users.uid(lease.owner)
+    if expected is not None and uid == expected:
+        return True
+    if expected is not None and uid != 0:
+        return False
+    holder = holder_here(lease, host)
+    if holder is None:
+        return False
+    for above in chain[index:]:
+        if _uid(above, cache) != uid:
+            return False  # a change of user on the way up: not the holder's own process
+        if above.pid == holder:
+            return True
+    return False
+
+
+# --- kernel ids -------------------------------------------------------------------------------------------
+def claim_stands(lease: Lease, now: float, host: str, cleared_at: float | None = None,
+                 released_seconds: float = RELEASED_CLAIM_SECONDS) -> bool:
+    """Whether ``lease`` (the newest lease naming its kernel id) still holds that id for its owner."""
+    if lease.live:
+        return True
+    released = lease.released_at if lease.released_at is not None else lease.created_at
+    if cleared_at is not None and cleared_at >= released:
+        return False
+    if now - released < released_seconds:
+        return True
+    holder = holder_here(lease, host)
+    return holder is not None and process_alive(holder)
+
+
+def kernel_claim_refusal(pool: Any, kernel_id: str, owner: str, now: float | None = None, host: str = "",
+                         released_seconds: float = RELEASED_CLAIM_SECONDS) -> str | None:
+    """One line saying why ``owner`` may not name ``kernel_id`` in a lease, or None when they may."""
+    lease: Lease | None = pool.last_lease_for_kernel(kernel_id)
+    if lease is None or lease.owner == owner:
+        return None
+    now = time.time() if now is None else now
+    cleared = pool.store.fact(CLEARED_FACT + kernel_id)
+    cleared_at = float(cleared) if cleared else None
+    if not claim_stands(lease, now, host, cleared_at, released_seconds):
+        return None
+    if lease.live:
+        return f"kernel {kernel_id} already has a lease of another user; a kernel has one lease"
+    return (
+        f"kernel {kernel_id} belongs to another user, whose kernel process may still run; "
+        "start a kernel of your own (a pool admin can clear a stale claim: jupyter gpupool clear-claim)"
+    )
+
+
+def check_kernel_claim(pool: Any, kernel_id: str | None, owner: str, host: str = "") -> None:
+    """Raise :class:`RequestRefused` when ``owner`` may not name ``kernel_id`` in a lease."""
+    if kernel_id:
+        why = kernel_claim_refusal(pool, kernel_id, owner, pool.clock(), host)
+        if why:
+            raise RequestRefused(why)
+
+
+def clear_kernel_claim(pool: Any, kernel_id: str, now: float | None = None) -> Lease | None:
+    """An admin's act: ``kernel_id`` is nobody's from now until a lease names it again. Returns
+    the lease whose claim was cleared (None when no lease ever named the id). A live lease keeps its
+    kernel: release it first."""
+    lease: Lease | None = pool.last_lease_for_kernel(kernel_id)
+    if lease is not None and lease.live:
+        raise RequestRefused(f"kernel {kernel_id} has a live lease ({lease.id}); release it first")
+    now = pool.clock() if now is None else now
+    with pool.store.transaction():
+        pool.store.remember(CLEARED_FACT + kernel_id, repr(float(now)))
+    return lease
+
+
+__all__ = [
+    "CLEARED_FACT",
+    "RELEASED_CLAIM_SECONDS",
+    "UnixUsers",
+    "check_kernel_claim",
+    "check_template",
+    "claim_stands",
+    "clear_kernel_claim",
+    "holder_here",
+    "kernel_claim_refusal",
+    "may_claim",
+    "process_alive",
+]
