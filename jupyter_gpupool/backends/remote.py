@@ -731,7 +731,10 @@ class RemotePool(GrantWaiting):
         chunk = self.wait_chunk if deadline is None else max(0.0, min(self.wait_chunk, deadline - time.monotonic()))
         lease, info = self._wait_once(lease_id, position, chunk)
         if lease.state is LeaseState.RELEASED:
-            raise RequestRefused(f"the request was {lease.release_reason or 'released'} before it was granted")
+            raise RequestRefused(
+                f"the request was {lease.release_reason or 'released'} before it was granted" if lease.granted_at is None
+                else f"its GPU slice was {lease.release_reason or 'released'} after it was granted, before the kernel started"
+            )
         return lease, info
 
     # GrantWaiting: a look is one long poll (the broker heartbeats the request meanwhile); an outage

@@ -15,9 +15,13 @@ first call). From there :func:`configure`
    further, when this host has no NVIDIA driver and no simulated pool;
 2. otherwise hides every GPU at once, asks the pool for a ``batch`` lease held by this kernel's
    process, and on a grant sets ``CUDA_VISIBLE_DEVICES`` to its GPUs with the framework caps of
-   :mod:`jupyter_gpupool.enforcement.plan`; a request that must queue leaves the GPUs hidden and makes
-   the first cell wait for the grant (one line on the terminal, a progress line in the cell that
-   is cleared once it is granted);
+   :mod:`jupyter_gpupool.enforcement.plan`; a request that must queue leaves the GPUs hidden and the
+   kernel waits for the grant *before it answers* ``kernel_info`` (its client's start, which every
+   client bounds by a start timeout, 60 s by default, and never by a per-cell or per-run deadline),
+   up to :data:`START_WAIT_ENV` seconds after it started (45 by default, below those 60 s); a longer
+   wait goes on in the first cell (one line on the terminal, a progress line in the cell that is
+   cleared once it is granted). A first cell whose wait is stopped (a per-cell timeout's interrupt)
+   ends a ``batch`` kernel, so that no later cell runs as if it had run;
 3. loads the kernel extension (``%gpupool``, caps, activity heartbeats) once the shell exists;
 4. re-executes the kernel (same pid, before it binds a socket) so that the environment it starts
    with, the one the pool's watcher reads in ``/proc``, names its lease;
@@ -76,6 +80,29 @@ GATEWAY_PROGRAMS = {"kernelgateway": "Jupyter Kernel Gateway", "kernel_gateway":
 EXIT_REASON = "kernel shut down"
 #: ``<pid>:<lease id>:<queued|granted>``: set when the kernel re-executes itself with its lease in its environment.
 REEXEC_ENV = "GPUPOOL_AUTOLEASE_HELD"
+#: Seconds from the kernel process's start within which a queued kernel waits for its grant before
+#: it answers ``kernel_info`` (its client's start). Below nbclient's, nbconvert's, papermill's,
+#: nbgrader's and ``jupyter run``'s 60 s start timeout, with room to start once the wait ends;
+#: ``0``: answer at once and wait in the first cell.
+START_WAIT_ENV = "GPUPOOL_START_WAIT"
+DEFAULT_START_WAIT = 45.0
+#: What a lease is released with when the client that started its kernel is gone while it waits.
+CLIENT_LEFT_REASON = "the kernel's client left while it waited for a GPU"
+
+
+def start_wait(environ: Mapping[str, str]) -> float:
+    """``GPUPOOL_START_WAIT`` in seconds (the default where unset; a bad value says so once and uses the default)."""
+    raw = environ.get(START_WAIT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_START_WAIT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 3600:
+        say(f"ignored {START_WAIT_ENV}={raw!r}: give seconds from 0 to 3599 (e.g. {START_WAIT_ENV}=50); using {DEFAULT_START_WAIT:.0f}")
+        return DEFAULT_START_WAIT
+    return value
 
 
 def say(text: str, stream: Any = None) -> None:
@@ -283,6 +310,8 @@ class AutoLease:
     stream: Any = None
     #: ``NVIDIA_VISIBLE_DEVICES`` as the kernel found it (put back once it has a grant).
     container_devices: str | None = None
+    #: Why the first cell must not run (its queued request ended while the kernel started), else None.
+    first_cell_rejection: str | None = None
 
     def say(self, text: str) -> None:
         self.lines.append(text)
@@ -342,7 +371,7 @@ class AutoLease:
         where = f"position {info.position} of {info.length}" if info else "queued"
         self.say(
             f"this kernel waits for a GPU slice as {self.priority} ({where}, lease {lease.id}); "
-            "its first cell starts once the pool grants it, and the GPUs stay hidden until then"
+            "it starts once the pool grants it, and the GPUs stay hidden until then"
         )
 
     @property
@@ -411,7 +440,7 @@ class AutoLease:
             shell.extension_manager.load_extension(KERNEL_EXTENSION)
         except Exception as err:  # noqa: BLE001
             self.say(f"could not load {KERNEL_EXTENSION} (%gpupool and the framework caps): {err}")
-        if self.queued:
+        if self.queued or self.first_cell_rejection:
             self.waiter = FirstCellWait(self)
             self.waiter.start(shell)
 
@@ -432,6 +461,58 @@ class AutoLease:
         do_shutdown._gives_lease_back = True  # type: ignore[attr-defined]
         kernel.do_shutdown = do_shutdown
 
+    def wait_before_answering(self, bound: float, parent: int | None = None) -> None:
+        """Wait for the queued lease, until ``bound`` seconds after this process started, before the
+        kernel binds its sockets.
+
+        Its client is then in its start (jupyter_client's ``wait_for_ready``), which every client
+        bounds by a start timeout of its own (60 s by default) and never by a per-cell or per-run
+        deadline. Granted: the kernel starts with its GPUs. Still queued at ``bound``: it starts,
+        and its first cell waits. Its request ended: CPU-only, and the first cell says why. Its
+        client (the parent process, ``parent``) gone: the request is withdrawn and the kernel exits.
+        """
+        from jupyter_gpupool.errors import GpuPoolError
+        from jupyter_gpupool.units import format_duration
+
+        if bound <= 0 or not self.queued or not self.lease_id or self.pool is None:
+            return
+        parent = os.getppid() if parent is None else parent
+        started = time.monotonic()
+        deadline = started + bound - _process_age()
+        last = [""]
+
+        def on_update(lease: Any, info: Any) -> None:
+            text = waiting_line(self.priority, info)
+            if text != last[0]:
+                last[0] = text
+                self.say(text)
+
+        on_update(None, self.pool.queue_info(self.lease_id))
+        while self.queued:
+            if os.getppid() != parent:
+                self.release(CLIENT_LEFT_REASON)
+                self.say(f"{CLIENT_LEFT_REASON}: its request is withdrawn and the kernel exits")
+                os._exit(0)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.say(
+                    f"still queued {format_duration(bound)} after the kernel started: it answers its client now, before the "
+                    f"client's start timeout, and its first cell waits for the grant ({START_WAIT_ENV} sets how long a start waits)"
+                )
+                return
+            try:
+                lease = self.pool.wait_for_grant(self.lease_id, timeout=min(1.0, left), on_update=on_update)
+            except (TimeoutError, KeyboardInterrupt):  # nothing to interrupt before the kernel has started
+                continue
+            except GpuPoolError as err:
+                why = self.release_reason() or str(err)
+                self.cpu_only(f"its queued GPU request ended: {why}")
+                self.first_cell_rejection = f"no GPU slice for this kernel (its queued request ended: {why}); it runs CPU-only from now on"
+                return
+            self.apply_grant(lease)
+            devices = self.environ.get("CUDA_VISIBLE_DEVICES", "")
+            self.say(f"granted after {format_duration(time.monotonic() - started)}: CUDA_VISIBLE_DEVICES={devices}")
+
     def wait_for_grant(self, on_update: Callable[[Any, Any], None] | None = None) -> None:
         """Block until the queued lease is granted, then apply it (the kernel client re-caps the frameworks)."""
         from jupyter_gpupool import kernel
@@ -441,20 +522,41 @@ class AutoLease:
         self.apply_grant(lease)
 
 
+def waiting_line(priority: str, info: Any) -> str:
+    """``waiting for a GPU slice (batch), position 2 of 3 (reason)``: what a waiting kernel says."""
+    text = f"waiting for a GPU slice ({priority})"
+    if info is not None:
+        text += f", position {info.position} of {info.length}"
+        if info.reason:
+            text += f" ({info.reason})"
+    return text
+
+
+#: Seconds a ``batch`` kernel whose first cell stopped waiting takes to send the cell its last line.
+END_AFTER_STOPPED_WAIT = 0.5
+
+
 class FirstCellWait:
     """``pre_run_cell`` hook: while this kernel's lease is queued, a cell waits for the grant.
 
-    The wait shows as one progress line in the cell, cleared once it is granted (a batch run's
-    saved notebook keeps only its own outputs), and as lines on the terminal. An interrupt, or a
-    request that is withdrawn, stops the cell with one line; ``%gpupool``-only cells never wait.
+    The wait shows as one progress line in the cell, cleared once it ends (a batch run's saved
+    notebook keeps only its own outputs), and as lines on the terminal. A request that is withdrawn
+    stops the cell with one line; ``%gpupool``-only cells never wait. A wait that is stopped (an
+    interrupt: a user's, or a per-cell timeout's) stops the cell, and no later cell runs as if it
+    had run: a ``batch`` kernel (no person at it: a grader, a script) gives its request back and
+    ends, so its client fails clearly instead of running the rest; any other kernel rejects every
+    later cell until it is restarted.
     """
 
-    def __init__(self, owner: AutoLease, display: Callable[..., Any] | None = None) -> None:
+    def __init__(self, owner: AutoLease, display: Callable[..., Any] | None = None, end: Callable[[str], None] | None = None) -> None:
         from jupyter_gpupool.kernel.resume import _RejectCell
 
         self.owner = owner
         self._display = display
+        self._end = end or _end_kernel
         self.rejection: str | None = None
+        #: Why every later cell is rejected (a cell stopped waiting and did not run), else None.
+        self.stopped: str | None = None
         self.transformer = _RejectCell(self)  # type: ignore[arg-type]
 
     def start(self, shell: Any) -> None:
@@ -473,9 +575,16 @@ class FirstCellWait:
         from jupyter_gpupool.kernel.resume import only_gpupool_magics
 
         self.rejection = None
-        if not self.owner.queued or only_gpupool_magics(getattr(info, "raw_cell", "") or ""):
+        if only_gpupool_magics(getattr(info, "raw_cell", "") or ""):
             return
-        self.rejection = self.wait()
+        if self.owner.first_cell_rejection:
+            self.rejection, self.owner.first_cell_rejection = self.owner.first_cell_rejection, None
+            return
+        if self.stopped:
+            self.rejection = self.stopped
+            return
+        if self.owner.queued:
+            self.rejection = self.wait()
 
     def wait(self) -> str | None:
         """The one-line reason to reject the cell, or None to run it (granted, or CPU-only)."""
@@ -486,13 +595,12 @@ class FirstCellWait:
         progress = ProgressLine(self._display)
         started = time.monotonic()
         last: list[str] = []
+        position: list[str] = []
 
         def on_update(lease: Any, info: Any) -> None:
-            text = f"gpupool: waiting for a GPU slice ({self.owner.priority})"
+            text = "gpupool: " + waiting_line(self.owner.priority, info)
             if info is not None:
-                text += f", position {info.position} of {info.length}"
-                if info.reason:
-                    text += f" ({info.reason})"
+                position[:] = [f"position {info.position} of {info.length}"]
             progress.show(text)
             if text != (last[-1] if last else None):
                 last.append(text)
@@ -502,7 +610,8 @@ class FirstCellWait:
             on_update(None, None)
             self.owner.wait_for_grant(on_update=on_update)
         except KeyboardInterrupt:
-            return "stopped waiting for a GPU; this kernel stays queued, and your next cell waits again"
+            self._clear(progress)
+            return self._stopped(format_duration(time.monotonic() - started), position[0] if position else "queued")
         except GpuPoolError as err:
             why = self.owner.release_reason() or str(err)
             self.owner.cpu_only(f"its queued GPU request ended: {why}")
@@ -510,10 +619,33 @@ class FirstCellWait:
         except Exception as err:  # noqa: BLE001 - one line, never a traceback
             self.owner.cpu_only(f"waiting for a GPU failed: {err}")
             return f"waiting for a GPU failed: {err}; this kernel runs CPU-only from now on"
-        self._clear(progress)
+        finally:
+            self._clear(progress)
         devices = self.owner.environ.get("CUDA_VISIBLE_DEVICES", "")
         self.owner.say(f"granted after {format_duration(time.monotonic() - started)}: CUDA_VISIBLE_DEVICES={devices}")
         return None
+
+    def _stopped(self, waited: str, where: str) -> str:
+        """A wait stopped by an interrupt: the cell's one line; later cells never run as if it had run."""
+        lengthen = (
+            "let the wait finish: lengthen the client's cell timeout (nbgrader: Execute.timeout; nbconvert: "
+            "--ExecutePreprocessor.timeout), or run when the pool has room"
+        )
+        if self.owner.priority == "batch":
+            self.owner.release("its first cell stopped waiting for a GPU")
+            message = (
+                f"stopped waiting for a GPU after {waited} ({where}); this cell did not run, so this kernel ends "
+                f"rather than run the next cells without it; {lengthen}"
+            )
+            self.owner.say(message)
+            self.stopped = message
+            self._end(message)  # before any reply: its client sees a kernel that died, never a cell that ran
+            return message
+        self.stopped = (
+            f"an earlier cell stopped waiting for a GPU after {waited} ({where}) and did not run, so this cell does not "
+            "run either; restart the kernel to run from the top (it stays queued: %gpupool status shows its place)"
+        )
+        return f"stopped waiting for a GPU after {waited} ({where}); this cell did not run, nor will later cells: restart the kernel"
 
     @staticmethod
     def _clear(progress: Any) -> None:
@@ -525,6 +657,28 @@ class FirstCellWait:
             clear_output()
         except Exception:  # noqa: BLE001, S110 - the line stays; the cell still runs
             pass
+
+
+def _process_age() -> float:
+    """Seconds since this process started (0 where it cannot be told); a re-executed kernel keeps its start."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - no psutil, or no /proc: count from now
+        return 0.0
+
+
+def _end_kernel(message: str, delay: float = END_AFTER_STOPPED_WAIT) -> None:
+    """End this kernel now, without replying to the cell: its client fails the run (a dead kernel).
+    The cell gets ``message`` on its stderr first (sent within ``delay`` seconds)."""
+    try:
+        sys.stderr.write(f"gpupool: {message}\n")
+        sys.stderr.flush()
+        time.sleep(delay)
+    except Exception:  # noqa: BLE001, S110 - the terminal has the line already
+        pass
+    os._exit(1)
 
 
 def _starter_label(kernel_name: str) -> str:
@@ -606,7 +760,10 @@ def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, 
             auto = _current["lease"] = held
             _load_extension_with_shell(auto, app, config)
             return auto
-        if stand_aside_reason(env, connection_file) is not None:
+        reason = stand_aside_reason(env, connection_file)
+        if reason is not None:
+            if not any(env.get(name) for name in PROVISIONED_ENV):  # the provisioner's kernels load the extension
+                _say_why_with_shell(app, reason)
             return None
     except Exception as err:  # noqa: BLE001 - deciding failed: fail closed, without the pool
         from jupyter_gpupool.provisioner.kernel_provisioner import NO_GPU_ENV
@@ -674,7 +831,33 @@ def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoL
         from jupyter_gpupool.provisioner.kernel_provisioner import one_line
 
         auto.cpu_only(one_line(err))
+    if auto.queued:
+        try:
+            auto.wait_before_answering(start_wait(env))
+        except Exception as err:  # noqa: BLE001 - the wait goes on in the first cell
+            auto.say(f"could not wait for the GPU before the kernel started ({err}); its first cell waits")
     return auto
+
+
+def _say_why_with_shell(app: Any, reason: str) -> None:
+    """Give a kernel that stands aside a ``%gpupool`` that prints one line saying why, so a notebook
+    with ``%gpupool`` lines runs where there is no pool. Nothing of the pool is imported."""
+    if app is None or not hasattr(app, "observe"):
+        return
+    line = f"gpupool: this kernel runs without the GPU pool: {reason}"
+
+    def gpupool(_line: str = "") -> None:
+        print(line)
+
+    def register(change: Any) -> None:
+        shell = change["new"]
+        try:
+            if "gpupool" not in shell.magics_manager.magics["line"]:
+                shell.register_magic_function(gpupool, magic_kind="line", magic_name="gpupool")
+        except Exception:  # noqa: BLE001, S110 - a shell that refuses it: %gpupool stays unknown
+            pass
+
+    app.observe(register, names="shell")
 
 
 def _load_extension_with_shell(auto: AutoLease, app: Any, config: Any) -> None:
@@ -705,4 +888,5 @@ __all__ = [
     "named_provisioner",
     "opted_out",
     "stand_aside_reason",
+    "start_wait",
 ]

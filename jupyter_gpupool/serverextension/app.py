@@ -516,13 +516,17 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         - a restart never fails because of the pool: a kernel still waiting for its slice has
           nothing to restart, a restart that must queue again returns once it waits (the kernel
           shows ``starting`` and its queue position), and a restart the pool refuses leaves the
-          kernel ``dead`` with the reason.
+          kernel ``dead`` with the reason;
+        - jupyter_server's culler never culls a kernel while it waits for its slice (it would cull
+          a ``starting`` kernel with no connection by the time its start was answered): its idle
+          time counts from the moment it stops waiting, and the usual rule applies from there.
         """
         original_shutdown = km._async_shutdown_kernel
         original_finish = km._finish_kernel_start
         original_restart = km._async_restart_kernel
         original_start = km.start_kernel
         original_pre_start = km.pre_start_kernel
+        original_cull: Any = getattr(km, "cull_kernel_if_idle", None)
 
         def pre_start_kernel(kernel_name: str | None, kwargs: Any) -> Any:
             manager, name, kernel_id = original_pre_start(kernel_name, kwargs)
@@ -554,11 +558,25 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         async def restart_kernel(kernel_id: str, now: bool = False) -> Any:
             return await self._restart(km, original_restart, kernel_id, now)
 
+        async def cull_kernel_if_idle(kernel_id: str) -> Any:
+            kernel = km._kernels.get(kernel_id)
+            if kernel is not None and self.waits_for_gpu(kernel_id):
+                kernel.last_activity = utcnow()  # waiting is not idleness: the idle time starts when it stops
+                return None
+            return await original_cull(kernel_id)
+
+        if original_cull is not None:
+            km.cull_kernel_if_idle = cull_kernel_if_idle
         km._async_shutdown_kernel = km.shutdown_kernel = shutdown_kernel
         km._finish_kernel_start = finish_kernel_start
         km._async_restart_kernel = km.restart_kernel = restart_kernel
         km.pre_start_kernel = pre_start_kernel
         km.start_kernel = start_kernel
+
+    def waits_for_gpu(self, kernel_id: str) -> bool:
+        """Whether ``kernel_id``'s start or restart is waiting in the pool's queue for its slice."""
+        prov = self.provisioner_of(kernel_id)
+        return prov is not None and prov.phase == "waiting"
 
     def _may_answer_pending(self, km: Any) -> bool:
         """Whether a start that must queue may be answered as a pending kernel: asked for, on the

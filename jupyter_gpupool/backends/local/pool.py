@@ -860,7 +860,10 @@ class Pool(GrantWaiting):
             lease = state.leases.get(lease_id)
             if lease is None:
                 released = self._found(self.store.lease(lease_id), lease_id)
-                raise RequestRefused(f"the request was {released.release_reason or 'released'} before it was granted")
+                raise RequestRefused(
+                    f"the request was {released.release_reason or 'released'} before it was granted" if released.granted_at is None
+                    else f"its GPU slice was {released.release_reason or 'released'} after it was granted, before the kernel started"
+                )
             info = self.engine.queue_info(state, lease_id, now) if lease.state is LeaseState.QUEUED else None
             return lease.copy(), info
 

@@ -805,7 +805,10 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
     def _check(self, lease_id: str) -> tuple[Lease, QueueInfo | None]:
         lease = self.get(lease_id)
         if lease.state is LeaseState.RELEASED:
-            raise RequestRefused(f"the request was {lease.release_reason or 'released'} before it was granted")
+            raise RequestRefused(
+                f"the request was {lease.release_reason or 'released'} before it was granted" if lease.granted_at is None
+                else f"its GPU slice was {lease.release_reason or 'released'} after it was granted, before the kernel started"
+            )
         return lease, (self.queue_info(lease_id) if lease.state is LeaseState.QUEUED else None)
 
     # GrantWaiting: a pending job waits as long as Slurm says (no timeout unless given), and a

@@ -1,0 +1,306 @@
+"""Clients that run notebooks wait their turn on a full pool and give the same result as on an empty one.
+
+Each client runs as it does for its users, on a full simulated ``1x16GiB`` pool, with its
+configurable timeouts scaled down where the test would otherwise take minutes, keeping the wait in
+the same relation to them as with the defaults:
+
+- nbclient as nbgrader's autograder drives it (a per-cell ``timeout`` that interrupts, ``allow_errors``;
+  defaults 30 s a cell, 60 s for the start, a start wait of 45 s; here 5 s, 35 s and 20 s): a wait longer
+  than the cell timeout and shorter than the start grades as on an empty pool; a longer one fails the
+  run with one clear line, and no later cell runs;
+- ``jupyter run`` (10 s for the whole script's output, 60 s for the start: its defaults): a 15 s wait,
+  then the script's output, exit 0;
+- jupyter_server's culler does not cull a kernel while it waits in the queue, and culls it by its
+  usual rule once it is granted and idle;
+- a notebook with ``%gpupool`` lines runs where there is no pool, one line per use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+import tomllib
+from envs import environment_over_this_one
+
+from jupyter_gpupool.backends.local.pool import Pool
+from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
+from jupyter_gpupool.kernel import autolease
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 1024**3
+
+pytestmark = pytest.mark.slow
+
+#: nbgrader's ``Execute`` preprocessor, scaled: a per-cell timeout that interrupts, errors allowed.
+GRADER = r"""
+import sys, nbformat
+from nbclient import NotebookClient
+
+nb = nbformat.read(sys.argv[1], as_version=4)
+client = NotebookClient(nb, kernel_name="python3", timeout=5, interrupt_on_timeout=True, allow_errors=True,
+                        raise_on_iopub_timeout=True, startup_timeout=35)
+code = 0
+try:
+    client.execute()
+except Exception as err:  # nbgrader: UnresponsiveKernelError, the submission is not graded
+    print(f"NOT GRADED: {type(err).__name__}: {err}", flush=True)
+    code = 2
+nbformat.write(nb, sys.argv[2])
+sys.exit(code)
+"""
+#: A submission: its first cell imports, its test cell needs that import.
+SUBMISSION = ("import math, os", "assert math.sqrt(16) == 4\nprint('test passed')")
+#: The scaled start wait (default 45 s from the kernel's start, 15 s below the clients' 60 s start timeout;
+#: here 20 s, below 35 s).
+SCALED_START_WAIT = "20"
+
+
+@pytest.fixture(scope="module")
+def kernel_prefix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An environment over this one's packages with the kernel config where the wheel puts it, and ``jupyter-run``."""
+    prefix = environment_over_this_one(tmp_path_factory.mktemp("prefix") / "venv", commands=("jupyter-run",)).root
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    shared = project["tool"]["hatch"]["build"]["targets"]["wheel"]["shared-data"]
+    for src, dest in shared.items():
+        if dest == "etc/ipython":
+            shutil.copytree(REPO / src, prefix / dest, dirs_exist_ok=True)
+    return prefix
+
+
+@pytest.fixture
+def run_env(kernel_prefix: Path, gpupool_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_KERNEL_ID", "GPUPOOL_UNAVAILABLE", autolease.AUTOLEASE_ENV, autolease.START_WAIT_ENV):
+        env.pop(name, None)
+    env.update(
+        IPYTHONDIR=str(tmp_path / "ipython"),
+        JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
+        JUPYTER_DATA_DIR=str(tmp_path / "jupyter-data"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "jupyter-runtime"),
+        PATH=f"{kernel_prefix / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    return env
+
+
+def write_notebook(path: Path, *cells: str) -> Path:
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nb.cells.extend(nbformat.v4.new_code_cell(cell) for cell in cells)
+    nbformat.write(nb, path)
+    return path
+
+
+class Run:
+    """A client process, its output read as it comes."""
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.append(raw.decode(errors="replace"))
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.reader.join(timeout=30)
+        return self.proc.returncode
+
+
+def fill_pool() -> tuple[Pool, Lease]:
+    """The whole simulated GPU held by a live user (this test process)."""
+    pool = Pool.from_env()
+    holder = pool.request(LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), label="a live user"))
+    assert holder.state is LeaseState.GRANTED
+    return pool, holder
+
+
+def queued_request(pool: Pool, run: Run, timeout: float = 90) -> Lease:
+    """The client's kernel's request, once it waits in the queue."""
+    deadline = time.monotonic() + timeout
+    while True:
+        waiting = [lease for lease in pool.leases() if lease.state is LeaseState.QUEUED]
+        if waiting:
+            return waiting[0]
+        assert run.proc.poll() is None, f"the client ended before its kernel queued:\n{run.text}"
+        assert time.monotonic() < deadline, f"no queued request within {timeout} s:\n{run.text}"
+        time.sleep(0.1)
+
+
+def grade(kernel_prefix: Path, notebook: Path, env: dict[str, str]) -> Run:
+    graded = notebook.with_name(notebook.stem + ".graded.ipynb")
+    return Run([str(kernel_prefix / "bin" / "python"), "-c", GRADER, str(notebook), str(graded)], env, notebook.parent)
+
+
+def graded_outputs(notebook: Path) -> list[list[dict[str, Any]]]:
+    done = nbformat.read(notebook.with_name(notebook.stem + ".graded.ipynb"), as_version=4)
+    return [cell.outputs for cell in done.cells]
+
+
+# --- nbgrader's autograder ------------------------------------------------------------------------
+
+
+def test_a_wait_longer_than_the_cell_timeout_grades_as_on_an_empty_pool(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):
+    """8 s in the queue, a 5 s cell timeout: the kernel waits before it answers its client's start,
+    so no cell is interrupted and the test cell passes."""
+    pool, holder = fill_pool()
+    notebook = write_notebook(tmp_path / "submission.ipynb", *SUBMISSION)
+    run = grade(kernel_prefix, notebook, {**run_env, autolease.START_WAIT_ENV: SCALED_START_WAIT})
+    try:
+        queued = queued_request(pool, run)
+        time.sleep(8)  # longer than the cell timeout, shorter than the start wait
+        assert run.proc.poll() is None, run.text
+        pool.release(holder.id, reason="the live user is done")
+    finally:
+        code = run.finish(timeout=120)
+    assert code == 0, run.text
+    first, test_cell = graded_outputs(notebook)
+    assert first == [], first  # no wait line left in the graded notebook
+    assert [o.get("output_type") for o in test_cell] == ["stream"] and "test passed" in test_cell[0]["text"], test_cell
+    assert "waiting for a GPU slice (batch), position 1 of 1" in run.text and "granted after" in run.text, run.text
+    done = pool.get(queued.id)
+    assert done.state is LeaseState.RELEASED and done.release_reason == autolease.EXIT_REASON, done
+
+
+def test_a_wait_longer_than_the_start_fails_clearly_and_is_never_graded(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):
+    """A queue longer than the start wait: the kernel starts, its first cell waits, the cell timeout
+    interrupts it, and the kernel ends: the run fails with one line saying why and what lengthens
+    it; the test cell never runs (no NameError, no grade)."""
+    pool, holder = fill_pool()
+    notebook = write_notebook(tmp_path / "late.ipynb", *SUBMISSION)
+    run = grade(kernel_prefix, notebook, {**run_env, autolease.START_WAIT_ENV: SCALED_START_WAIT})
+    try:
+        queued = queued_request(pool, run)
+        code = run.finish(timeout=120)
+    finally:
+        pool.release(holder.id, reason="the live user is done")
+    assert code == 2 and "NOT GRADED" in run.text, run.text
+    stopped = [line for line in run.lines if "stopped waiting for a GPU after" in line]
+    assert stopped and "position 1 of 1" in stopped[0] and "Execute.timeout" in stopped[0], run.text
+    assert "NameError" not in run.text and "Traceback" not in run.text.split("NOT GRADED")[0], run.text
+    assert "DeadKernelError" in run.text, run.text
+    first, test_cell = graded_outputs(notebook)
+    assert not any("waiting for a GPU slice" in json.dumps(o) for o in first), first  # the progress line is cleared
+    assert test_cell == [], test_cell
+    # The request is given back, not left queued for a kernel that is gone.
+    assert pool.get(queued.id).state is LeaseState.RELEASED
+
+
+# --- jupyter run --------------------------------------------------------------------------------------
+
+
+def test_jupyter_run_waits_fifteen_seconds_then_prints_the_scripts_output(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):
+    """``jupyter run``'s 10 s is for the whole script's output: the kernel's wait happens before it
+    answers ``kernel_info`` (60 s), with the default start wait."""
+    pool, holder = fill_pool()
+    script = tmp_path / "script.py"
+    script.write_text("import os\nprint('script ran with CUDA_VISIBLE_DEVICES=' + os.environ['CUDA_VISIBLE_DEVICES'])\n")
+    run = Run([str(kernel_prefix / "bin" / "jupyter-run"), str(script)], run_env, tmp_path)
+    try:
+        queued = queued_request(pool, run)
+        time.sleep(15)
+        assert run.proc.poll() is None, run.text
+        pool.release(holder.id, reason="the live user is done")
+    finally:
+        code = run.finish(timeout=120)
+    assert code == 0, run.text
+    granted = pool.get(queued.id)
+    assert f"script ran with CUDA_VISIBLE_DEVICES={','.join(granted.devices)}" in run.text, run.text
+    assert "waiting for a GPU slice (batch), position 1 of 1" in run.text, run.text
+
+
+# --- jupyter_server's culler --------------------------------------------------------------------------
+
+
+@pytest.mark.gpupool_config({"MappingKernelManager": {"cull_idle_timeout": 3, "cull_interval": 1}})
+@pytest.mark.filterwarnings("error::jupyter_server.utils.JupyterServerAuthWarning")
+def test_the_culler_spares_a_kernel_while_it_waits_and_culls_it_once_granted_and_idle(
+    arun, jp_serverapp, gpupool_ext, gpupool_fetch, gpupool_wait
+):
+    km = jp_serverapp.kernel_manager
+    km.initialize_culler()  # as on a server where a kernel has started before
+    pool = gpupool_ext.pool
+    holder = pool.request(LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), label="a live user"))
+
+    async def scenario() -> None:
+        response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
+        kernel_id = json.loads(response.body)["id"]
+        queued = await gpupool_wait(
+            lambda: (lease := pool.lease_for_kernel(kernel_id)) is not None and lease.state is LeaseState.QUEUED and lease,
+            what="the kernel's request in the queue",
+        )
+        # Well past the cull timeout, with no connection, while it waits: still there, still queued.
+        for _ in range(8):
+            await asyncio.sleep(1)
+            assert kernel_id in km, "the culler culled a kernel waiting in the queue"
+        assert pool.get(queued.id).state is LeaseState.QUEUED
+        pool.release(holder.id, reason="the live user is done")
+        await gpupool_wait(lambda: pool.get(queued.id).state is not LeaseState.QUEUED, timeout=60, what="the grant")
+        # Granted, idle, no connection: the usual rule culls it.
+        await gpupool_wait(lambda: kernel_id not in km, timeout=90, what="the culler to cull the idle kernel")
+        await gpupool_wait(lambda: pool.get(queued.id).state is LeaseState.RELEASED, timeout=30, what="its slice back")
+
+    arun(scenario())
+
+
+# --- no pool -----------------------------------------------------------------------------------------
+
+
+def test_gpupool_lines_run_where_there_is_no_pool(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):
+    """The package installed, no simulated pool and no NVIDIA driver: each use prints one line."""
+    if any(os.path.exists(p) for p in autolease.NVIDIA_MARKERS):
+        pytest.skip("this host has an NVIDIA driver")
+    env = {k: v for k, v in run_env.items() if k != "GPUPOOL_SIMULATE"}
+    notebook = write_notebook(tmp_path / "course.ipynb", "%gpupool status", "%gpupool reserve 4GiB\nx = 1", "print(x)")
+    command = [str(kernel_prefix / "bin" / "python"), "-m", "nbconvert", "--to", "notebook", "--execute", str(notebook),
+               "--output", "course.done.ipynb"]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cells = nbformat.read(tmp_path / "course.done.ipynb", as_version=4).cells
+    texts = ["".join(o.get("text", "") for o in cell.outputs) for cell in cells]
+    for text in texts[:2]:
+        assert text.count("\n") == 1 and text.startswith("gpupool: this kernel runs without the GPU pool: no NVIDIA driver"), texts
+    assert texts[2] == "1\n", texts
+
+
+# --- an admin's release of a slice just granted ---------------------------------------------------------
+
+
+def test_a_release_after_the_grant_is_not_called_a_release_before_it(gpupool_env: dict[str, str]):
+    """The waiter (a kernel's start) had not looked yet when an admin released its just-granted slice."""
+    from jupyter_gpupool.errors import RequestRefused
+
+    pool, holder = fill_pool()
+    waiting = pool.request(LeaseRequest(owner="alice", memory=8 * GIB, holder_pid=os.getpid(), label="a kernel"))
+    withdrawn = pool.request(LeaseRequest(owner="alice", memory=8 * GIB, holder_pid=os.getpid(), label="another kernel"))
+    assert waiting.state is withdrawn.state is LeaseState.QUEUED
+    pool.release(withdrawn.id, reason="released by user (by admin carol)")
+    with pytest.raises(RequestRefused, match=r"^the request was released by user \(by admin carol\) before it was granted$"):
+        pool.wait_for_grant(withdrawn.id, timeout=5)
+    pool.release(holder.id, reason="the live user is done")
+    assert pool.get(waiting.id).state is LeaseState.GRANTED
+    pool.release(waiting.id, reason="released by user (by admin carol)")
+    with pytest.raises(RequestRefused) as refused:
+        pool.wait_for_grant(waiting.id, timeout=5)
+    assert str(refused.value) == "its GPU slice was released by user (by admin carol) after it was granted, before the kernel started"
