@@ -187,6 +187,8 @@ def test_an_admin_clears_a_stale_claim_from_the_command_line(
                              capture_output=True, text=True, env=env, timeout=120, check=False)
     assert cleared.returncode == 0, cleared.stderr
     assert f"kernel k-stale is nobody's now (it was {BOB}'s)" in cleared.stdout
+    [event] = [e for e in events(broker, BOB) if e["kind"] == "claim_cleared"]  # bob learns it was cleared
+    assert (event["kernel_id"], event["lease_id"]) == ("k-stale", bobs["id"]) and "from the command line" in event["reason"]
     status, alices = post_lease(broker, ALICE, kernel_id="k-stale")
     assert status == 201 and alices["owner"] == ALICE
     # From now on the id is alice's: bob is the one refused.

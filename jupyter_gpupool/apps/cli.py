@@ -318,7 +318,7 @@ class ClearClaimApp(GpuPoolBaseApp):
         if not local_admin(pool.db_path):
             raise NotAuthorized(f"only a pool admin (root, the pool folder's owner, group {LOCAL_ADMIN_GROUP}) may clear a claim")
         kernel_id = self.extra_args[0]
-        lease = clear_kernel_claim(pool, kernel_id)
+        lease = clear_kernel_claim(pool, kernel_id, by=f"{current_user()} from the command line")
         owner = lease.owner if lease is not None else None
         text = f"kernel {kernel_id} is nobody's now" + (f" (it was {owner}'s)" if owner else " (no lease ever named it)")
         self.emit({"kernel_id": kernel_id, "was_owner": owner}, text)

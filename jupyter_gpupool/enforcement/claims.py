@@ -196,16 +196,20 @@ def check_kernel_claim(pool: Any, kernel_id: str | None, owner: str, host: str =
             raise RequestRefused(why)
 
 
-def clear_kernel_claim(pool: Any, kernel_id: str, now: float | None = None) -> Lease | None:
-    """An admin's act: ``kernel_id`` is nobody's from now until a lease names it again. Returns
-    the lease whose claim was cleared (None when no lease ever named the id). A live lease keeps its
-    kernel: release it first."""
+def clear_kernel_claim(pool: Any, kernel_id: str, now: float | None = None, by: str = "") -> Lease | None:
+    """An admin's act: ``kernel_id`` is nobody's from now until a lease names it again, written
+    down as an event (``kind`` ``claim_cleared``, seen by the admins and the user it was cleared
+    from). Returns the lease whose claim was cleared (None when no lease ever named the id). A live
+    lease keeps its kernel: release it first."""
     lease: Lease | None = pool.last_lease_for_kernel(kernel_id)
     if lease is not None and lease.live:
         raise RequestRefused(f"kernel {kernel_id} has a live lease ({lease.id}); release it first")
     now = pool.clock() if now is None else now
     with pool.store.transaction():
         pool.store.remember(CLEARED_FACT + kernel_id, repr(float(now)))
+    pool.store.record_event(now, "claim_cleared", lease.id if lease is not None else "", kernel_id,
+                            lease.owner if lease is not None else "",
+                            f"the claim on kernel {kernel_id} was cleared by {by or 'a pool admin'}")
     return lease
 
 
