@@ -326,3 +326,26 @@ def test_with_the_tljh_mapping_a_users_kernel_counts_for_her_lease_and_each_sign
     finally:
         h.stop()
         shutil.rmtree(os.path.dirname(h.socket_path), ignore_errors=True)
+
+
+def test_the_pools_own_read_of_a_leases_memory_finds_its_kernels_by_the_same_rule(
+    unix_users: dict[str, int], processes: Callable[..., subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the pool reads a lease's processes holding (a suspend's or a release's check) in a root
+    broker: a TLJH user's kernel by the template in the broker's environment, a hub-only user's
+    kernel under her own server; a copy of her lease variable by another user is nobody's."""
+    from jupyter_gpupool.core.models import Lease
+    from jupyter_gpupool.devices import ProcessUsage
+    from jupyter_gpupool.enforcement.unpooled import held_by_lease
+
+    monkeypatch.setenv("GPUPOOL_UNIX_USER_TEMPLATE", "jupyter-{name}")
+    erins = Lease(id="l-erin", owner=ERIN, memory=GIB, state=LeaseState.GRANTED, created_at=T0, devices=("GPU-0",))
+    kernel = lease_process(processes, erins.id, TLJH_ERIN)
+    server = processes(["/bin/sh", "-c", "/bin/sleep 120 & wait"], user="nobody", env={"GPUPOOL_LEASE_ID": "l-dave"})
+    daves = Lease(id="l-dave", owner=DAVE, memory=GIB, state=LeaseState.GRANTED, created_at=T0, devices=("GPU-0",),
+                  holder_pid=server.pid, holder_host=HOSTNAME)
+    dave_kernel = wait_for(lambda: psutil.Process(server.pid).children(), what="dave's kernel")[0]
+    copy = lease_process(processes, daves.id, BOB)
+    rows = [ProcessUsage(pid, "GPU-0", GIB) for pid in (kernel.pid, dave_kernel.pid, copy.pid)]
+    assert held_by_lease(rows, erins, ("GPU-0",)) == {kernel.pid: GIB}
+    assert held_by_lease(rows, daves, ("GPU-0",)) == {dave_kernel.pid: GIB}

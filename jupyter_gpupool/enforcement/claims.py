@@ -65,14 +65,21 @@ class UnixUsers:
 
     @classmethod
     def single_user(cls) -> UnixUsers:
-        """A single-user host's mapping: the same names, and this process's own uid for the rest
-        (every lease of a one-user pool file is that user's, whatever name it carries)."""
-        return cls(fallback_uid=os.getuid())
+        """The mapping of a watcher not told it serves many users (a single-user server, and the
+        pool's own reads of what a lease holds): names by ``GPUPOOL_UNIX_USER_TEMPLATE`` (else the
+        same name), and this process's own uid for a pool user no Unix user maps to (every lease of
+        a one-user pool file is that user's, whatever name it carries)."""
+        template = os.environ.get("GPUPOOL_UNIX_USER_TEMPLATE", "{name}")
+        try:
+            check_template(template)
+        except ValueError:
+            template = ""
+        return cls(template=template, fallback_uid=os.getuid())
 
     template: str = "{name}"
     names: Mapping[str, str | int] = field(default_factory=dict)
-    #: The uid of a pool user no Unix user maps to; None (a multi-user host): none, the claim
-    #: falls back to the lease's own server. On a single-user host, the watcher's own uid.
+    #: Whose processes a lease of a pool user no Unix user maps to may also claim (besides its
+    #: own server's): the watcher's own uid on a single-user host; None on a multi-user one.
     fallback_uid: int | None = None
     _cache: dict[str, int | None] = field(default_factory=dict, repr=False)
 
@@ -88,8 +95,7 @@ class UnixUsers:
     def uid(self, owner: str) -> int | None:
         """``owner``'s Unix uid, or None when no Unix user maps (a hub-only user)."""
         if owner not in self._cache:
-            found = self._lookup(owner)
-            self._cache[owner] = found if found is not None else self.fallback_uid
+            self._cache[owner] = self._lookup(owner)
         return self._cache[owner]
 
     def _lookup(self, owner: str) -> int | None:
@@ -131,18 +137,22 @@ def may_claim(chain: Sequence[psutil.Process], index: int, lease: Lease, users: 
               uids: dict[int, int | None] | None = None) -> bool:
     """Whether ``chain[index]`` (``chain``: a process and its ancestors, nearest first) may count
     as ``lease``'s: it runs as the owner's uid; or it is root and the lease's holder or a root
-    process that holder started; or, where the owner maps to no uid, it descends from the holder
-    with every process from it up to the holder running as the holder's uid."""
+    process that holder started; or, where the owner maps to no uid, it runs as the mapping's
+    fallback uid (a single-user host's own) or descends from the holder with every process from it
+    up to the holder running as the holder's uid."""
     cache = uids if uids is not None else {}
     proc = chain[index]
     uid = _uid(proc, cache)
     if uid is None:
         return False
     expected = users.uid(lease.owner)
-    if expected is not None and uid == expected:
+    if expected is not None:
+        if uid == expected:
+            return True
+        if uid != 0:
+            return False
+    elif users.fallback_uid is not None and uid == users.fallback_uid:
         return True
-    if expected is not None and uid != 0:
-        return False
     holder = holder_here(lease, host)
     if holder is None:
         return False
