@@ -15,6 +15,7 @@ Servers and kernels use it when ``GPUPOOL_URL`` points at it (see :mod:`jupyter_
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -24,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tornado import httpserver, netutil, web
+from tornado import netutil, web
 from traitlets import Bool, Float, Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
@@ -36,10 +37,17 @@ from jupyter_gpupool.broker.auth import Forbidden, HubIdentity, Identity, PeerCr
 from jupyter_gpupool.broker.caller_views import CallerViewVersions
 from jupyter_gpupool.broker.handlers import NotFoundHandler, lease_json, parse_priority, routes
 from jupyter_gpupool.broker.interface import BrokerInterface
+from jupyter_gpupool.broker.limits import (
+    ConnectionBook,
+    LimitedHTTPServer,
+    RateLimitedLog,
+    Throttle,
+    raise_descriptor_limit,
+)
 from jupyter_gpupool.broker.open_waits import OpenWaits
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
-from jupyter_gpupool.enforcement.claims import check_kernel_claim
+from jupyter_gpupool.core.validate import MAX_BODY_BYTES
 from jupyter_gpupool.enforcement.plan import EnforcementSettings
 from jupyter_gpupool.enforcement.unpooled import find_kernel_roots, terminate_tree
 from jupyter_gpupool.enforcement.watchdog import Watchdog
@@ -95,6 +103,46 @@ class Broker(LoggingConfigurable):
         "429 at once and their clients look again with backoff. A Jupyter server holds one change poll and "
         "one wait per queued kernel. 0: no bound.",
     ).tag(config=True)
+    max_connections_per_user = Integer(
+        256,
+        help="Connections one user may hold open to the broker at once (on the Unix socket: one uid, counted "
+        "from the moment it connects; on TCP: once a request on it is identified). More are answered "
+        "429 and closed at once. Sized for one user's busiest legitimate use: a standalone Voila or a "
+        "grader runs many kernels as one user, each holding a wait (at most max_waits_per_user) besides "
+        "short requests. 0: no bound.",
+    ).tag(config=True)
+    max_unidentified_per_address = Integer(
+        256,
+        help="TCP connections from one address that have had no request identified yet (under JupyterHub "
+        "every user's server may come from the proxy's one address). When an address has this many, a "
+        "new one first closes its oldest that has sent no request; if none can be closed it is answered "
+        "429. 0: no bound.",
+    ).tag(config=True)
+    idle_connection_timeout = Float(
+        10.0,
+        help="Seconds a connection may stay open without sending a request (before its first one and "
+        "between two); then it is closed. Long polls are requests and are not cut by it.",
+    ).tag(config=True)
+    body_timeout = Float(
+        10.0, help="Seconds a request's body may take to arrive once its headers did; then the connection is closed."
+    ).tag(config=True)
+    max_header_size = Integer(
+        16 * 1024, help="Bytes a request's line and headers may take; a larger head closes the connection."
+    ).tag(config=True)
+    log_interval = Float(
+        60.0,
+        help="Seconds between two log lines about the same kind of refusal from the same caller, or about "
+        "running out of descriptors (the lines left out are counted in the next one).",
+    ).tag(config=True)
+    refused_reports_allowed = Integer(
+        5,
+        help="Reports of a finished suspend, restore or move one user may have refused (409) within "
+        "refused_reports_window; past it that user's next reports are answered 429 at once, without "
+        "work on the broker's shared worker. 0: no bound.",
+    ).tag(config=True)
+    refused_reports_window = Float(
+        10.0, help="Seconds over which refused_reports_allowed counts a user's refused reports."
+    ).tag(config=True)
 
     def __init__(
         self,
@@ -114,6 +162,9 @@ class Broker(LoggingConfigurable):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpupool-broker")
         self.view_versions = CallerViewVersions(pool, self.run)
         self.open_waits = OpenWaits(lambda: self.max_waits_per_user)
+        self.connections = ConnectionBook(lambda: self.max_connections_per_user, lambda: self.max_unidentified_per_address)
+        self.note = RateLimitedLog(self.log, lambda: self.log_interval)
+        self.refused_reports = Throttle(lambda: self.refused_reports_allowed, lambda: self.refused_reports_window)
         self.enforcement = EnforcementSettings(parent=self).to_config()
         self._roots: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -294,7 +345,6 @@ class Broker(LoggingConfigurable):
         created = True
         lease = None
         if req.kernel_id:
-            check_kernel_claim(pool, req.kernel_id, identity.name, HOSTNAME)  # live, released or suspended
             lease = pool.lease_for_kernel(req.kernel_id)
             if lease is not None and lease.owner != identity.name:
                 raise RequestRefused(f"kernel {req.kernel_id} already has a lease of another user")
@@ -332,7 +382,6 @@ class Broker(LoggingConfigurable):
         granted = {lease_id: lease for lease_id, lease in live.items() if lease.state is LeaseState.GRANTED}
         limits = {lease_id: lease.watch_limit() for lease_id, lease in granted.items()}  # an elastic slice: its limit
         self.watchdog.default_unpooled_action = "stop"  # a multi-user host: GPUs are used through the pool
-        self.watchdog.multi_user = True  # claims by the configured uid mapping, failing closed
         report = self.watchdog.check({}, limits, leases=live, host=HOSTNAME, env_var=self.lease_env_var)
         if report.error:
             return None
@@ -415,6 +464,24 @@ def secure_pool_files(db_path: str, log: Any = None) -> list[str]:
     return tightened
 
 
+def make_server(broker: Broker, app: web.Application) -> LimitedHTTPServer:
+    """The HTTP server for ``app``: per-caller connection bounds at accept, bounded heads and bodies,
+    idle connections closed (see :mod:`jupyter_gpupool.broker.limits`)."""
+    return LimitedHTTPServer(
+        app,
+        book=broker.connections,
+        note=broker.note,
+        xheaders=False,
+        idle_connection_timeout=broker.idle_connection_timeout,
+        body_timeout=broker.body_timeout,
+        max_header_size=broker.max_header_size,
+        # The handlers refuse bodies over MAX_BODY_BYTES with a JSON 413 as they stream; this is a
+        # backstop for a chunk that claims more at once (tornado's bare 400, nothing buffered).
+        max_body_size=4 * MAX_BODY_BYTES,
+        max_buffer_size=4 * MAX_BODY_BYTES,
+    )
+
+
 def make_app(broker: Broker, base_url: str = "/") -> web.Application:
     """The tornado application serving ``broker`` under ``base_url``."""
     prefix = "/" + base_url.strip("/") + "/" if base_url.strip("/") else "/"
@@ -437,6 +504,13 @@ def _log_request(handler: web.RequestHandler) -> None:
         level = broker.log.debug
     identity = getattr(handler, "identity", None)
     who = identity.name if identity is not None else "-"
+    if status in (400, 401, 403, 404, 409, 413, 429):  # what a caller can repeat at will: one line per interval
+        caller = who if identity is not None else handler.request.remote_ip or "socket"
+        broker.note(
+            ("request", status, caller), logging.WARNING, "%d %s %s (%s) %.1fms", status, handler.request.method,
+            handler.request.path, who, 1000 * handler.request.request_time(),
+        )  # fmt: skip
+        return
     level(
         "%d %s %s (%s) %.1fms",
         status,
@@ -525,6 +599,8 @@ class BrokerApp(GpuPoolBaseApp):
             raise InvalidInput(f"--socket-mode must be octal like 0666, got {self.socket_mode!r}") from None
         # The pool file (and SQLite's -wal and -shm beside it) holds every user's leases: owner-only.
         os.umask(BROKER_UMASK)
+        soft, hard = raise_descriptor_limit(self.log)
+        self.log.info("gpupool broker: up to %d open files (hard limit %d)", soft, hard)
         broker = self.build_broker()
         secure_pool_files(broker.pool.db_path, self.log)
         asyncio.run(self._serve(broker, mode))
@@ -537,7 +613,7 @@ class BrokerApp(GpuPoolBaseApp):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         app = make_app(broker, self._base_url())
-        server = httpserver.HTTPServer(app, xheaders=False)
+        server = make_server(broker, app)
         ip, port = self._listen_address()
         where = []
         if port:
@@ -583,4 +659,4 @@ class BrokerApp(GpuPoolBaseApp):
 
 main = BrokerApp.launch_instance
 
-__all__ = ["Broker", "BrokerApp", "find_kernel_roots", "make_app", "secure_pool_files", "terminate_tree"]
+__all__ = ["Broker", "BrokerApp", "find_kernel_roots", "make_app", "make_server", "secure_pool_files", "terminate_tree"]

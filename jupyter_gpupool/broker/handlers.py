@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -17,11 +18,13 @@ from tornado import web
 
 from jupyter_gpupool.broker.auth import Forbidden, Identity, Unauthenticated
 from jupyter_gpupool.broker.interface import BrokerInterface
+from jupyter_gpupool.broker.limits import TooManyConnections, TooManyRefusals
 from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, PriorityClass, Transition
+from jupyter_gpupool.core.validate import MAX_BODY_BYTES, BodyTooLarge
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
 from jupyter_gpupool.rest import anonymous
-from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin, resize_on
+from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin, json_object, resize_on
 
 _ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
 _KERNEL = r"(?P<kernel_id>[\w-]+)"
@@ -45,18 +48,81 @@ def lease_json(lease: Lease, queue: Any = None) -> dict[str, Any]:
     return data
 
 
+@web.stream_request_body
 class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
-    """Base: identity in ``prepare``, JSON errors, pool calls on the broker's worker thread."""
+    """Base: identity in ``prepare``, JSON errors, pool calls on the broker's worker thread.
+
+    The body is streamed, not read whole before ``prepare``: a ``Content-Length`` over
+    :data:`~jupyter_gpupool.core.validate.MAX_BODY_BYTES` is refused (413) before a byte of it is
+    read or anyone is identified, and a body without one is counted as it comes, refused once past.
+    """
 
     identity: Identity
+    _chunks: list[bytes]
+    _body_size = 0
+    _body_refused = False
 
     @property
     def broker(self) -> BrokerInterface:
         return self.settings["gpupool_broker"]
 
     async def prepare(self) -> None:
+        self.begin()
         self.identity = await self.broker.identify(self)
+        refusal = self.broker.connections.identified(self.request.connection.stream, self.identity.name)
+        if refusal is not None:
+            self.close_after_answer()
+            raise TooManyConnections(refusal)
         self.check_path_arguments()
+
+    def begin(self) -> None:
+        """Before any work for a request: mark its connection busy, refuse a body declared too large."""
+        self._chunks = []
+        self.broker.connections.started(self.request.connection.stream)
+        length = self.request.headers.get("Content-Length")
+        if length in (None, "0") and "Transfer-Encoding" not in self.request.headers:
+            # Nothing left to read: an answer given now (a 401 from here) keeps the connection open
+            # for the next request, as it did when bodies were read before prepare. (Tornado closes
+            # a connection answered before its body was read; a proxy that pools connections to the
+            # broker would then send its next request into a closing one and answer it 503.)
+            connection = self.request.connection
+            if hasattr(connection, "_read_finished"):
+                connection._read_finished = True
+        if length is not None:
+            try:
+                declared = int(length.split(",")[0])
+            except ValueError:
+                raise InvalidInput(f"Content-Length must be a whole number of bytes, got {length[:40]!r}") from None
+            if declared > MAX_BODY_BYTES:
+                raise BodyTooLarge(f"the request body is {declared} bytes; at most {MAX_BODY_BYTES} are accepted")
+
+    def data_received(self, chunk: bytes) -> None:
+        """A piece of the body: kept while the body stays within the bound, else the request is refused (413)."""
+        if self._body_refused:
+            return
+        self._body_size += len(chunk)
+        if self._body_size > MAX_BODY_BYTES:
+            self._body_refused = True
+            self._chunks = []
+            error = BodyTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES} are accepted")
+            self.send_error(413, exc_info=(BodyTooLarge, error, None))
+            return
+        self._chunks.append(chunk)
+
+    def json_body(self) -> dict[str, Any]:
+        """The request body as a dict (see :meth:`JsonHandlerMixin.json_body`), from the streamed pieces."""
+        if self._body_refused:
+            raise BodyTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES} are accepted")
+        return json_object(b"".join(getattr(self, "_chunks", ())))
+
+    def close_after_answer(self) -> None:
+        """Close the connection once this answer is written (no keep-alive)."""
+        connection = self.request.connection
+        if hasattr(connection, "_disconnect_on_finish"):
+            connection._disconnect_on_finish = True
+
+    def on_finish(self) -> None:
+        self.broker.connections.finished(self.request.connection.stream)
 
     def query(self, name: str) -> str | None:
         """A query argument (the last one given), bounded in length; None when absent."""
@@ -109,6 +175,10 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
         identity = getattr(self, "identity", None)
         if identity is not None and not identity.admin:
             message = anonymous.rewrite_text(message, identity.name)
+        if not getattr(self.request.connection, "_read_finished", True):
+            # Answered before its body was read: the connection closes after this answer, and says so
+            # (tornado would close it anyway, after headers that promised keep-alive).
+            self.close_after_answer()
         self.set_status(status)
         if status == 401:
             self.set_header("WWW-Authenticate", 'token realm="gpupool"')
@@ -117,7 +187,13 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
 
     def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
         if isinstance(value, (GpuPoolError, Unauthenticated, Forbidden)):
-            self.broker.log.info("%s %s: %s", self.request.method, self.request.path, getattr(value, "message", value))
+            # A refusal a caller can repeat at will: one line per kind and caller per interval.
+            identity = getattr(self, "identity", None)
+            who = identity.name if identity is not None else self.request.remote_ip or "socket"
+            self.broker.note(
+                ("refusal", type(value).__name__, who), logging.INFO, "%s %s: %s",
+                self.request.method, self.request.path, getattr(value, "message", value),
+            )  # fmt: skip
             return
         super().log_exception(typ, value, tb)
 
@@ -384,6 +460,13 @@ class LeaseTransitionHandler(BrokerHandler):
         body = validate.transition_body(self.json_body())
         step, outcome = body["transition"], body["outcome"]
         ident = self.identity
+        # Each refused report costs the shared worker; past a few, a caller's next ones wait, not everyone.
+        wait = self.broker.refused_reports.wait_left(ident.name)
+        if wait > 0:
+            raise TooManyRefusals(
+                f"{ident.name}'s reports of finished steps were refused too often lately; try again in "
+                f"{wait:.0f} s (c.Broker.refused_reports_allowed per c.Broker.refused_reports_window)"
+            )
 
         def finish() -> dict[str, Any]:
             pool = self.broker.pool
@@ -403,7 +486,13 @@ class LeaseTransitionHandler(BrokerHandler):
             error = body["error"] if lease.owner == ident.name else f"{body['error']} (reported by admin {ident.name})"
             return lease_json(pool.fail_transition(lease.id, error, body["still_running"]))
 
-        self.write_json(await self.run(finish))
+        try:
+            answer = await self.run(finish)
+        except GpuPoolError as err:
+            if err.http_status == 409:
+                self.broker.refused_reports.refused(ident.name)
+            raise
+        self.write_json(answer)
 
 
 def keep_seconds(body: dict[str, Any], pool: Any) -> float:
@@ -506,6 +595,7 @@ class ChangesHandler(BrokerHandler):
 
     def on_connection_close(self) -> None:
         """The client hung up: its poll stops waiting."""
+        super().on_connection_close()  # a streamed body's wait ends too
         self._hung_up = True
         if self._poll is not None:
             self._poll.cancel()
@@ -757,6 +847,7 @@ class MetricsHandler(BrokerHandler):
     (hub), or an admin / metrics group (socket), unless ``Broker.metrics_require_auth`` is off."""
 
     async def prepare(self) -> None:
+        self.begin()
         if not self.broker.metrics_require_auth:
             return
         await self.broker.authorize_metrics(self)

@@ -16,6 +16,7 @@ from tornado import web
 
 from jupyter_gpupool.broker.auth import Identity
 from jupyter_gpupool.broker.caller_views import CallerViewVersions
+from jupyter_gpupool.broker.limits import ConnectionBook, RateLimitedLog, Throttle
 from jupyter_gpupool.broker.open_waits import OpenWaits
 from jupyter_gpupool.core.models import Lease, LeaseRequest
 
@@ -31,6 +32,12 @@ class BrokerInterface(Protocol):
     view_versions: CallerViewVersions
     #: Each caller's open long polls, bounded by ``Broker.max_waits_per_user``.
     open_waits: OpenWaits
+    #: Each caller's open connections, bounded by ``Broker.max_connections_per_user``.
+    connections: ConnectionBook
+    #: Each caller's refused reports of finished steps, bounded by ``Broker.refused_reports_allowed``.
+    refused_reports: Throttle
+    #: Log lines about repeated refusals, one per kind and caller per ``Broker.log_interval``.
+    note: RateLimitedLog
     metrics_require_auth: bool
 
     async def run(self, fn: Any, *args: Any) -> Any:
