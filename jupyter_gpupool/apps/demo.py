@@ -31,10 +31,15 @@ def default_slice(inventory: str) -> str:
     return f"{size // GIB}GiB" if size % GIB == 0 else f"{size // MIB}MiB"
 
 
+#: What the demo's server decides with: a command given the same decides the same way.
+DEMO_POLICY_ENV = ("GPUPOOL_DB", "GPUPOOL_SIMULATE", "GPUPOOL_DEFAULT_MEMORY", "GPUPOOL_IDLE_TIMEOUT", "GPUPOOL_WARNING_PERIOD")
+
+
 def cli_hint(env: dict[str, str]) -> str:
-    """The shell line that points ``jupyter gpupool`` at the demo's pool."""
-    return (f"GPUPOOL_DB={shlex.quote(env['GPUPOOL_DB'])} GPUPOOL_SIMULATE={shlex.quote(env['GPUPOOL_SIMULATE'])} "
-            "jupyter gpupool status")
+    """The shell line that points ``jupyter gpupool`` at the demo's pool, under the demo's policy
+    (every process that shares a pool file decides with its own policy: a command given only the
+    file would warn the demo's idle kernels on the default policy's clock)."""
+    return " ".join(f"{name}={shlex.quote(env[name])}" for name in DEMO_POLICY_ENV) + " jupyter gpupool status"
 
 
 def demo_notebook() -> Any:
