@@ -48,6 +48,7 @@ from jupyter_gpupool.broker.open_waits import OpenWaits
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.core.validate import MAX_BODY_BYTES
+from jupyter_gpupool.enforcement.claims import check_kernel_claim
 from jupyter_gpupool.enforcement.plan import EnforcementSettings
 from jupyter_gpupool.enforcement.unpooled import find_kernel_roots, terminate_tree
 from jupyter_gpupool.enforcement.watchdog import Watchdog
@@ -345,6 +346,7 @@ class Broker(LoggingConfigurable):
         created = True
         lease = None
         if req.kernel_id:
+            check_kernel_claim(pool, req.kernel_id, identity.name, HOSTNAME)  # live, released or suspended
             lease = pool.lease_for_kernel(req.kernel_id)
             if lease is not None and lease.owner != identity.name:
                 raise RequestRefused(f"kernel {req.kernel_id} already has a lease of another user")
@@ -382,6 +384,7 @@ class Broker(LoggingConfigurable):
         granted = {lease_id: lease for lease_id, lease in live.items() if lease.state is LeaseState.GRANTED}
         limits = {lease_id: lease.watch_limit() for lease_id, lease in granted.items()}  # an elastic slice: its limit
         self.watchdog.default_unpooled_action = "stop"  # a multi-user host: GPUs are used through the pool
+        self.watchdog.multi_user = True  # claims by the configured uid mapping, failing closed
         report = self.watchdog.check({}, limits, leases=live, host=HOSTNAME, env_var=self.lease_env_var)
         if report.error:
             return None
