@@ -205,3 +205,38 @@ def test_burst_yields_to_a_reservation_before_anyone_is_reclaimed(tmp_path) -> N
     assert back.burst_note.startswith("burst taken back for the reservation")
     ben = pool.request(req("ben", 8), now=T0 + 601)
     assert ben.state is LeaseState.GRANTED
+
+
+def test_a_kernels_own_pool_reads_the_driver_before_the_write_lock(tmp_path, monkeypatch) -> None:
+    """NVML in a kernel's process waits while a CUDA checkpoint holds that process: read under the
+    pool's write lock, it would stall the server that must restore it. The kernel's own pool reads
+    the driver first, as it reads the inventory; a server's reads it in the decision, when needed."""
+    monkeypatch.setenv("GPUPOOL_LEASE_ID", "l-this-kernel")
+    pool = make_pool(tmp_path)
+    assert pool.read_driver_first
+    locked = [False]
+    reads: list[bool] = []
+    read, transaction = pool.backend.process_usage, pool.store.transaction
+
+    def counted():
+        reads.append(locked[0])
+        return read()
+
+    @contextmanager
+    def watched():
+        with transaction():
+            locked[0] = True
+            try:
+                yield
+            finally:
+                locked[0] = False
+
+    monkeypatch.setattr(pool.backend, "process_usage", counted)
+    monkeypatch.setattr(pool.store, "transaction", watched)
+    pool.request(req("alice", 12), now=T0)
+    bob = pool.request(req("bob", 8), now=T0 + 1)
+    assert bob.state is LeaseState.QUEUED
+    pool.tick(now=T0 + 2)
+    assert reads and not any(reads)
+    monkeypatch.delenv("GPUPOOL_LEASE_ID")
+    assert not make_pool(tmp_path, name="server.sqlite").read_driver_first

@@ -217,6 +217,11 @@ class Pool(GrantWaiting):
         self._unpooled_reporters: set[str] = self.store.unpooled_reporters()
         #: What earlier driver readings found each GPU process to be (see :func:`holders_by_device`).
         self._owners_seen: dict[int, tuple[float, str, float]] = {}
+        #: In a kernel's own process the driver is read before the write lock, as the inventory is
+        #: (NVML there waits while a CUDA checkpoint holds the process); elsewhere in the decision,
+        #: only when one needs it.
+        self.read_driver_first = bool(os.environ.get("GPUPOOL_LEASE_ID") or os.environ.get("GPUPOOL_KERNEL_ID"))
+        self._read_first: list[ProcessUsage] | None = None
 
     def _remember_inventory(self) -> None:
         """Record a simulated inventory's spec in the pool file (once; again only if it changes)."""
@@ -270,9 +275,12 @@ class Pool(GrantWaiting):
         A device query can block: NVML in a kernel whose process a CUDA checkpoint has locked
         waits until the kernel is restored. Made under the pool's write lock, that wait would
         stall every other process on the pool file, the server that must do the restore
-        included; so the inventory is read first, and ``_load`` only reads the cache.
+        included; so the inventory is read first, and ``_load`` only reads the cache. So is the
+        driver's per-process use in a kernel's own process (:attr:`read_driver_first`).
         """
         self.devices()
+        if self.read_driver_first:
+            self._read_first = self._processes_seen()
         with self.store.transaction():
             yield
 
@@ -307,7 +315,7 @@ class Pool(GrantWaiting):
             index=index[1],
             host_memory=self._host_memory(),
             unpooled=self._unpooled_by_device(self._still_held(store.unpooled(now))),
-            driver=None if viewing else self._holdings_reader(leases),
+            driver=None if viewing else self._holdings_reader(leases, self._read_first if self.read_driver_first else None),
         )
 
     def _holdings_reader(self, leases: Mapping[str, Lease], processes: list[ProcessUsage] | None = None) -> DriverReading | None:
