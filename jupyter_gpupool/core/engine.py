@@ -107,14 +107,13 @@ class PoolState:
         if self.index is not None:
             self.index.update_liveness(lease)
 
-    def read_use(self, lease: Lease, exact: bool = False) -> None:
-        """Set a granted lease's measured use to what the driver shows its kernel holding on its
-        GPUs now: raised only where the watchdog's last reading is lower (its kernel allocated
-        since), or set to it (``exact``) where a path just lowered what the lease may hold."""
+    def read_use(self, lease: Lease) -> None:
+        """Raise a granted lease's measured use to what the driver shows its kernel holding on its
+        GPUs now, where the watchdog's last reading is lower (its kernel allocated since)."""
         if self.driver is None or lease.state is not LeaseState.GRANTED:
             return
         held = sum(amount for _, uuid, amount in self.driver.holdings(lease) if uuid in lease.devices)
-        if held > (lease.used_memory or 0) or (exact and held != lease.used_memory):
+        if held > (lease.used_memory or 0):
             lease.used_memory = held
             lease.peak_memory = max(lease.peak_memory or 0, held)
             self.touch(lease)
@@ -1441,8 +1440,7 @@ class Engine:
     def _take_burst_back(self, state: PoolState, lease: Lease, new_size: int, taken_for: str, now: float) -> Decision:
         """Lower ``lease`` to ``new_size`` bytes per GPU for ``taken_for`` (its kernel frees caches and
         lowers its caps to it): a SHRINK decision. What its kernel still holds above the new size
-        stays taken: as the driver shows it now (:meth:`_lowered`), and until then, where the pool
-        reads no driver, what the slice was until the watchdog measures its kernel within it."""
+        stays taken (see :meth:`_lowered`)."""
         gpus = max(1, lease.num_gpus)
         before = max(lease.memory, lease.burst_from if lease.burst_taken_at is not None else 0)
         self._set_size(state, lease, new_size, now)
