@@ -117,18 +117,16 @@ def _own_kernel_status(content: dict[str, Any]) -> dict[str, Any]:
     import time
 
     from jupyter_gpupool.enforcement.plan import EnforcementSettings
-    from jupyter_gpupool.kernel import autolease
     from jupyter_gpupool.rest.views import kernel_status
 
-    auto = autolease.current()
     client = get_client()
     lease_id = client.lease_id
     if not lease_id:
-        why = (auto.cpu_only_reason if auto is not None else None) or "it was not started through the GPU pool"
+        why = os.environ.get("GPUPOOL_UNAVAILABLE") or "it was not started through the GPU pool"
         return {"kernel": None, "message": f"this kernel has no GPU slice: {why}"}
     pool = client.pool
     lease = pool.get(lease_id)
-    kernel_id = os.environ.get("GPUPOOL_KERNEL_ID") or (auto.kernel_id if auto is not None else "") or ""
+    kernel_id = os.environ.get("GPUPOOL_KERNEL_ID") or lease.kernel_id or ""
     body = kernel_status(pool, kernel_id, lease, EnforcementSettings().to_config(), lease.owner, time.time())
     return {"kernel": body}
 

@@ -832,8 +832,11 @@ def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoL
 
         auto.cpu_only(one_line(err))
     if auto.queued:
+        # A person's notebook behind a gateway shows the wait in its first cell (its client has no
+        # per-cell deadline); a scripted client's start timeout bounds a wait before it is answered.
+        bound = 0.0 if auto.priority == "normal" else start_wait(env)
         try:
-            auto.wait_before_answering(start_wait(env))
+            auto.wait_before_answering(bound)
         except Exception as err:  # noqa: BLE001 - the wait goes on in the first cell
             auto.say(f"could not wait for the GPU before the kernel started ({err}); its first cell waits")
     return auto
