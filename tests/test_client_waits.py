@@ -304,3 +304,21 @@ def test_a_release_after_the_grant_is_not_called_a_release_before_it(gpupool_env
     with pytest.raises(RequestRefused) as refused:
         pool.wait_for_grant(waiting.id, timeout=5)
     assert str(refused.value) == "its GPU slice was released by user (by admin carol) after it was granted, before the kernel started"
+
+
+def test_a_killed_grader_gives_its_kernels_request_back(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):
+    """The grader is killed while its kernel waits before answering: the kernel withdraws its request and exits."""
+    pool, holder = fill_pool()
+    notebook = write_notebook(tmp_path / "killed.ipynb", *SUBMISSION)
+    run = grade(kernel_prefix, notebook, {**run_env, autolease.START_WAIT_ENV: "300"})
+    try:
+        queued = queued_request(pool, run)
+        run.proc.kill()
+        run.finish(timeout=60)
+        deadline = time.monotonic() + 30
+        while pool.get(queued.id).state is LeaseState.QUEUED:
+            assert time.monotonic() < deadline, f"the request stayed queued after its client was killed:\n{run.text}"
+            time.sleep(0.2)
+    finally:
+        pool.release(holder.id, reason="the live user is done")
+    assert pool.get(queued.id).release_reason == autolease.CLIENT_LEFT_REASON

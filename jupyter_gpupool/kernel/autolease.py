@@ -78,7 +78,8 @@ GATEWAY_PROGRAMS = {"kernelgateway": "Jupyter Kernel Gateway", "kernel_gateway":
                     "enterprisegateway": "Jupyter Enterprise Gateway", "enterprise_gateway": "Jupyter Enterprise Gateway"}
 #: What a lease taken here is released with when the kernel exits.
 EXIT_REASON = "kernel shut down"
-#: ``<pid>:<lease id>:<queued|granted>``: set when the kernel re-executes itself with its lease in its environment.
+#: ``<pid>:<lease id>:<queued|granted>[:<parent pid>]``: set when the kernel re-executes itself with its lease
+#: in its environment (the parent: the client that started it, which may exit before the new image runs).
 REEXEC_ENV = "GPUPOOL_AUTOLEASE_HELD"
 #: Seconds from the kernel process's start within which a queued kernel waits for its grant before
 #: it answers ``kernel_info`` (its client's start). Below nbclient's, nbconvert's, papermill's,
@@ -789,7 +790,7 @@ def _reexec_with_lease(auto: AutoLease) -> None:
     lease is held by this pid, which ``execve`` keeps."""
     if os.name != "posix" or not getattr(sys, "orig_argv", None):
         return
-    auto.environ[REEXEC_ENV] = f"{os.getpid()}:{auto.lease_id}:{'queued' if auto.queued else 'granted'}"
+    auto.environ[REEXEC_ENV] = f"{os.getpid()}:{auto.lease_id}:{'queued' if auto.queued else 'granted'}:{os.getppid()}"
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -806,7 +807,8 @@ def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoL
     """The lease this very process took before it re-executed itself, else None (a child kernel
     inherits the variable with another pid, and stands aside: it shares its parent's slice)."""
     pid, _, rest = env.get(REEXEC_ENV, "").partition(":")
-    lease_id, _, was = rest.partition(":")
+    lease_id, _, rest = rest.partition(":")
+    was, _, parent = rest.partition(":")
     if pid != str(os.getpid()) or not lease_id or env.get("GPUPOOL_LEASE_ID") != lease_id:
         return None
     from jupyter_gpupool.core.models import LeaseState
@@ -836,7 +838,7 @@ def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoL
         # per-cell deadline); a scripted client's start timeout bounds a wait before it is answered.
         bound = 0.0 if auto.priority == "normal" else start_wait(env)
         try:
-            auto.wait_before_answering(bound)
+            auto.wait_before_answering(bound, int(parent) if parent.isdigit() else None)
         except Exception as err:  # noqa: BLE001 - the wait goes on in the first cell
             auto.say(f"could not wait for the GPU before the kernel started ({err}); its first cell waits")
     return auto
