@@ -20,8 +20,27 @@ export interface ISessionTracker {
 
 /** Options of a {@link KernelFollower}. */
 export interface IKernelFollowerOptions {
-  /** Whether to resume a suspended kernel when its notebook gets focus or an edit (the setting `resumeAhead`). */
+  /** Whether to resume a suspended kernel when a cell of its notebook is edited (the setting `resumeAhead`). */
   resumeAhead?: () => boolean;
+}
+
+/**
+ * Whether an edit of a cell with this text is work that will need the GPU: not a cell whose text
+ * begins with `%` (`%gpupool status` only looks, and looking never resumes a kernel).
+ */
+export function editWantsGpu(source: string | null | undefined): boolean {
+  const text = (source ?? '').trimStart();
+  return text !== '' && !text.startsWith('%');
+}
+
+/** The active cell's model of a notebook panel (null for a console), and its source text. */
+function activeCell(widget: SessionWidget | null): { model: object; source: string } | null {
+  const model = (widget as any)?.content?.activeCell?.model;
+  if (!model) {
+    return null;
+  }
+  const source = model.sharedModel?.getSource ? model.sharedModel.getSource() : model.toJSON?.()?.source;
+  return { model, source: Array.isArray(source) ? source.join('') : String(source ?? '') };
 }
 
 export class KernelFollower implements IDisposable {
@@ -74,6 +93,7 @@ export class KernelFollower implements IDisposable {
       ctx.disposed.disconnect(this._onDisposed, this);
     }
     this._documentModel(this._current)?.contentChanged.disconnect(this._onEdited, this);
+    (this._current as any)?.content?.activeCellChanged?.disconnect(this._onActiveCell, this);
     this._current = widget;
     if (widget) {
       const ctx = widget.sessionContext;
@@ -82,11 +102,11 @@ export class KernelFollower implements IDisposable {
       ctx.statusChanged.connect(this._onStatus, this);
       ctx.disposed.connect(this._onDisposed, this);
       this._documentModel(widget)?.contentChanged.connect(this._onEdited, this);
+      (widget as any).content?.activeCellChanged?.connect(this._onActiveCell, this);
+      this._onActiveCell();
     }
+    this._fresh = true; // opening or focusing a notebook only looks: the next edit reads the kernel's state afresh
     this._update();
-    if (widget) {
-      this._resumeAhead(true); // the notebook got focus: a suspended kernel's memory starts on its way back
-    }
   }
 
   /** The notebook's document model (a console has none): its `contentChanged` says a cell was edited. */
@@ -95,8 +115,29 @@ export class KernelFollower implements IDisposable {
     return model && model.contentChanged ? model : null;
   }
 
+  /** A cell was edited: the user is working, so a suspended kernel's memory starts on its way back, unless the cell only looks. */
   private _onEdited(): void {
-    this._resumeAhead();
+    // The notebook's content changes for outputs and new cells too: only a change of the active
+    // cell's own text is the user's edit.
+    const cell = activeCell(this._current);
+    if (!cell || this._seen.get(cell.model) === cell.source) {
+      return;
+    }
+    this._seen.set(cell.model, cell.source);
+    if (!editWantsGpu(cell.source)) {
+      return;
+    }
+    const fresh = this._fresh;
+    this._fresh = false;
+    this._resumeAhead(fresh);
+  }
+
+  /** A cell became active: its text now is what an edit is told from. */
+  private _onActiveCell(): void {
+    const cell = activeCell(this._current);
+    if (cell) {
+      this._seen.set(cell.model, cell.source);
+    }
   }
 
   private _resumeAhead(fresh = false): void {
@@ -128,11 +169,13 @@ export class KernelFollower implements IDisposable {
     const kernelId = ctx?.session?.kernel?.id ?? null;
     const changed = kernelId !== this._model.kernelId;
     this._model.setKernel(kernelId, ctx?.path || ctx?.name || '');
-    if (changed && kernelId) {
-      this._resumeAhead(true); // a notebook whose kernel became known (opened, reconnected)
+    if (changed) {
+      this._fresh = true; // a kernel that became known (opened, reconnected) is only looked at
     }
   }
 
   private _current: SessionWidget | null = null;
+  private _fresh = true;
+  private _seen = new WeakMap<object, string>();
   private _disposed = false;
 }

@@ -1,8 +1,10 @@
 /**
- * Resume ahead of the cell: on a simulated 1x16GiB pool with 8 GiB slices, kernel A is suspended
- * while its notebook is in the background; focusing A's notebook asks for its resume at once
- * (`POST .../resume {"ahead": true}`), so the kernel is restored before any cell runs: its cell
- * keeps its empty prompt, and the sidebar shows it granted again. An edit of a cell does the same.
+ * Resume ahead of the cell, and looking never resumes: on a simulated 1x16GiB pool with 8 GiB
+ * slices, kernel A is suspended while its notebook is in the background. Coming back to A's
+ * notebook only looks: A stays suspended. Typing `%gpupool status` key by key and running it
+ * looks too: A stays suspended, and the cell's answer says so. Typing `x = 1` is work: the edit
+ * asks for A's resume at once (`POST .../resume {"ahead": true}`), and running the cell finds A
+ * granted again.
  *
  * Run by `ui-tests/run.sh resume-ahead` (GPUPOOL_RECLAIM_ACTION=suspend).
  */
@@ -23,7 +25,7 @@ async function suspend(request: APIRequestContext, kernelId: string): Promise<vo
   await expect.poll(async () => (await kernelStatus(request, kernelId)).state, { timeout: 20 * 1000 }).toBe('suspended');
 }
 
-test("focusing a suspended kernel's notebook starts its resume before a cell runs", async ({ page, request }) => {
+test("looking at a suspended kernel's notebook never resumes it; editing a cell of work does", async ({ page, request }) => {
   await openLab(page);
   const status = page.locator('.jp-GpuPool-status');
   const panel = page.locator('#jupyter-gpupool-panel');
@@ -59,31 +61,42 @@ test("focusing a suspended kernel's notebook starts its resume before a cell run
   await suspend(request, kernelA);
   await screenshot(page, 'resume-ahead-01-a-suspended-in-the-background');
 
-  // 2. The user comes back to A's notebook: no cell is run, and A is restored.
+  // 2. The user comes back to A's notebook: it only looks, and A stays suspended.
   await showTab('a.ipynb');
+  await expect(badge).toHaveText('suspended', { timeout: 15 * 1000 });
+  expect((await kernelStatus(request, kernelA)).state).toBe('suspended');
+  await screenshot(page, 'resume-ahead-02-looking-after-the-suspend');
+
+  // 3. `%gpupool status`, typed key by key in a new cell and run, only looks too.
+  const notebook = page.locator('.jp-NotebookPanel:not(.lm-mod-hidden)');
+  await notebook.locator('.jp-Cell .cm-content').first().click();
+  await page.keyboard.press('Escape');
+  await page.keyboard.press('b'); // a new cell below
+  await page.keyboard.press('Enter');
+  await page.keyboard.type('%gpupool status', { delay: 30 });
+  await page.keyboard.press('Shift+Enter');
+  await expect(notebook.locator('.jp-Cell').nth(1).locator('.jp-OutputArea-output')).toContainText('suspended', {
+    timeout: 30 * 1000
+  });
+  expect((await kernelStatus(request, kernelA)).state).toBe('suspended');
+  expect(history[history.length - 1]).toBe('suspended');
+  await screenshot(page, 'resume-ahead-03-status-looks-without-resuming');
+
+  // 4. `x = 1` typed in the next cell is work: the resume starts with the edit, and the cell runs on a granted kernel.
+  await page.keyboard.type('x = 1', { delay: 30 });
+  await expect
+    .poll(async () => (await kernelStatus(request, kernelA)).state, { timeout: 15 * 1000 })
+    .not.toBe('suspended');
+  await page.keyboard.press('Shift+Enter');
   await expect
     .poll(async () => {
       const s = await kernelStatus(request, kernelA);
       return `${s.state} ${s.transition ?? 'none'}`;
-    }, { timeout: 15 * 1000 })
+    }, { timeout: 30 * 1000 })
     .toBe('granted none');
   await expect(badge).toHaveText('granted');
-  await expect(status).toHaveText(/^GPU (–|[\d.]+) \/ 8 GiB$/);
-  const prompt = page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-InputPrompt').first();
-  await expect(prompt).toHaveText(/^\[\s*\]:$/); // the notebook's cell never ran
-  await screenshot(page, 'resume-ahead-02-restored-on-focus');
-  expect(history).toContain('suspended');
-  expect(history[history.length - 1]).toBe('granted');
-
-  // 3. Suspended again, with its notebook current: editing a cell starts the resume too.
-  await suspend(request, kernelA);
-  await page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell .cm-content').first().click();
-  await page.keyboard.type('# back to work\n');
-  await expect
-    .poll(async () => (await kernelStatus(request, kernelA)).state, { timeout: 15 * 1000 })
-    .toBe('granted');
-  await expect(prompt).toHaveText(/^\[\s*\]:$/);
-  await screenshot(page, 'resume-ahead-03-restored-on-edit');
+  await expect(notebook.locator('.jp-Cell').nth(2).locator('.jp-InputPrompt')).toHaveText(/^\[\d+\]:$/, { timeout: 30 * 1000 });
+  await screenshot(page, 'resume-ahead-04-resumed-by-work');
   clearInterval(watch);
   console.log(`REST state of A: ${history.join(' → ')}`);
 });
