@@ -1,18 +1,20 @@
 """A pytest plugin (loaded by conftest.py) that keeps the suite honest about the machine it runs on.
 
 - **A home of its own**: the run gets a private ``HOME`` and ``TMPDIR`` (one fresh folder per run,
-  set when pytest configures, before any test, fixture or subprocess reads them), so the real home
+  ``gpupool-*`` in the machine's temporary folder, set when pytest configures, before any test,
+  fixture or subprocess reads them; ``tmp_path`` lies in it too), so the real home
   is never the tests' to touch and two runs side by side share nothing. The tool settings a
   subprocess needs from the real home (pip's and npm's configuration, git's identity) are copied
   in. Removed at the end of a run that passed; kept, and named, after one that failed.
-- **Sandbox**: no test may write outside its temporary folders. The real home's Jupyter, IPython
-  and gpupool folders are watched by an audit hook in pytest's process and in every Python process
-  the tests start (``guard_site/sitecustomize.py``): each write there is reported with the test
-  that made it, and what other processes on the machine write (a JupyterLab a person runs beside
-  the tests) is never taken for the tests'. The system-wide Jupyter folders (``/etc/jupyter`` and
-  the rest of jupyter_core's system paths), which no one else writes while the tests run, are also
-  listed (names, sizes, modification times) when the run starts and again when it ends, which
-  catches writers that are not Python too. Any such write fails the run, naming each path.
+- **Sandbox**: no test may write outside its temporary folders. The system-wide Jupyter folders
+  (``/etc/jupyter`` and the rest of jupyter_core's system paths) and the real home's Jupyter,
+  IPython and gpupool folders are watched by an audit hook in pytest's process and in every Python
+  process the tests start (``guard_site/sitecustomize.py``): each write there fails the run, named
+  with the test that made it, and what other programs on the machine write (a JupyterLab a person
+  runs beside the tests, a broker someone starts) is never taken for the tests'. The system
+  folders are also listed (names, sizes, modification times) when the run starts and again when
+  it ends: a change no hooked process made is shown, not counted (it may be a program of the
+  tests' that is not Python, which a listing cannot tell from another's).
 - **System packages**: the browser, Slurm, Prometheus and JupyterHub tests need programs pip does
   not install. The header says which are missing; a test skipped for want of one is counted in
   the run's last line, with the command that installs them just above it.
@@ -26,7 +28,6 @@ import json
 import os
 import pwd
 import shutil
-import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterable
@@ -108,11 +109,19 @@ def _inside(path: str, roots: list[Path]) -> bool:
     return any(Path(path).resolve().is_relative_to(root) for root in roots)
 
 
+#: Where each run's private folder is made: the machine's temporary folder, passed on to the runs a
+#: test starts (their folders are siblings of this run's, not nested in it: a Unix socket's path
+#: must stay under 108 bytes).
+TMP_ROOT_ENV = "SUITE_GUARD_TMP_ROOT"
+
+
 def make_private_home(homes: list[Path]) -> Path:
     """A fresh folder with ``home`` and ``tmp`` in it, made ``$HOME`` and ``$TMPDIR`` of this
     process (and so of every subprocess); the variables that named folders in a real home now name
     their defaults under the private one. Returns the folder."""
-    base = Path(tempfile.mkdtemp(prefix="gpupool-tests-")).resolve()
+    root = os.environ.get(TMP_ROOT_ENV) or tempfile.gettempdir()
+    os.environ[TMP_ROOT_ENV] = root
+    base = Path(tempfile.mkdtemp(prefix="gpupool-", dir=root)).resolve()
     home, tmp = base / "home", base / "tmp"
     home.mkdir()
     tmp.mkdir()
@@ -199,6 +208,7 @@ def changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]
 _BEFORE = pytest.StashKey[dict[str, tuple[int, int]]]()
 _ROOTS = pytest.StashKey[list[Path]]()
 _LEAKS = pytest.StashKey[list[str]]()
+_OTHERS = pytest.StashKey[list[str]]()
 _PRIVATE = pytest.StashKey[Path]()
 _PASSED = pytest.StashKey[bool]()
 
@@ -218,19 +228,31 @@ def watch_writes(folders: list[Path], skipped: list[Path], log: Path) -> None:
     module.install_write_watch()
 
 
-def writes_recorded(log: Path) -> list[str]:
-    """The writes the hooks recorded, one line each, naming the test that made them."""
+def writes_recorded(log: Path) -> list[dict[str, Any]]:
+    """The writes the hooks recorded: path, event, pid, argv and the test that made each."""
     if not log.exists():
         return []
-    lines = []
+    writes = []
     for raw in log.read_text(errors="replace").splitlines():
         try:
-            write = json.loads(raw)
+            writes.append(json.loads(raw))
         except ValueError:
             continue
-        by = write.get("test") or "outside a test"
-        lines.append(f"wrote    {write['path']} ({write['event']}, in {by}, pid {write['pid']}: {' '.join(write['argv'])})")
+    return writes
+
+
+def leak_lines(writes: list[dict[str, Any]]) -> list[str]:
+    """One line per recorded write, naming the test that made it."""
+    lines = [f"wrote    {w['path']} ({w['event']}, in {w.get('test') or 'no test'}, pid {w['pid']}: {' '.join(w['argv'])})"
+             for w in writes]
     return list(dict.fromkeys(lines))
+
+
+def others_changes(listed: list[str], writes: list[dict[str, Any]]) -> list[str]:
+    """The listings' differences that no hooked process wrote: made meanwhile by a program the tests
+    did not start (or by one of theirs that is not Python, which the listing cannot tell apart)."""
+    written = {w["path"] for w in writes}
+    return [line for line in listed if line.split(maxsplit=1)[1] not in written]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -238,12 +260,10 @@ def pytest_configure(config: pytest.Config) -> None:
     homes = real_homes()
     private = make_private_home(homes)
     config.stash[_PRIVATE] = private
-    interpreter = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    skipped = [*interpreter, private, Path(__file__).resolve().parent.parent]
-    if os.environ.get("PYENV_ROOT"):
-        skipped.append(Path(os.environ["PYENV_ROOT"]).resolve())
-    watch_writes(watched_home_folders(homes), skipped, private / "writes.jsonl")
+    if getattr(config.option, "basetemp", "") is None:  # tmp_path in the private TMPDIR, its paths no longer than pytest's own
+        config.option.basetemp = str(private / "tmp" / "pytest")
     roots = watched_roots()
+    watch_writes([*watched_home_folders(homes), *roots], [private], private / "writes.jsonl")
     config.stash[_ROOTS] = roots
     config.stash[_BEFORE] = snapshot(roots)
 
@@ -267,10 +287,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _BEFORE not in config.stash:
         return
     roots: list[Path] = config.stash[_ROOTS]
-    leaks = changes(config.stash[_BEFORE], snapshot(roots))
-    if _PRIVATE in config.stash:
-        leaks += writes_recorded(config.stash[_PRIVATE] / "writes.jsonl")
+    writes = writes_recorded(config.stash[_PRIVATE] / "writes.jsonl") if _PRIVATE in config.stash else []
+    leaks = leak_lines(writes)
     config.stash[_LEAKS] = leaks
+    config.stash[_OTHERS] = others_changes(changes(config.stash[_BEFORE], snapshot(roots)), writes)
     if leaks:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     config.stash[_PASSED] = session.exitstatus == pytest.ExitCode.OK
@@ -286,6 +306,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.write_line(f"... and {len(leaks) - 50} more")
         terminalreporter.write_line("A test must keep every file in its temporary folders (see tests/suite_guard.py).")
         terminalreporter.stats.setdefault("wrote outside the sandbox", []).append(_Counted())
+    others = config.stash.get(_OTHERS, [])
+    if others:
+        terminalreporter.write_sep("=", "changed meanwhile by programs the tests did not start (not counted)", yellow=True)
+        for line in others[:20]:
+            terminalreporter.write_line(line)
+        if len(others) > 20:
+            terminalreporter.write_line(f"... and {len(others) - 20} more")
     private = config.stash.get(_PRIVATE, None)
     if private is not None and exitstatus != pytest.ExitCode.OK:
         terminalreporter.write_line(f"gpupool: the run's private HOME and TMPDIR are kept in {private}")

@@ -50,14 +50,15 @@ def test_the_system_folders_are_listed_and_the_real_homes_jupyter_folders_watche
         assert str(home / inside) in watched
 
 
-def test_this_run_has_a_private_home_and_tmpdir(tmp_path: Path) -> None:
+def test_this_run_has_a_private_home_and_tmpdir(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     real = Path(pwd.getpwuid(os.geteuid()).pw_dir).resolve()
     home, tmp = Path(os.environ["HOME"]), Path(os.environ["TMPDIR"])
     assert home.name == "home" and tmp.name == "tmp" and home.parent == tmp.parent
-    assert home.parent.name.startswith("gpupool-tests-")
+    assert home.parent.name.startswith("gpupool-") and home.parent.parent == Path(os.environ[suite_guard.TMP_ROOT_ENV])
     assert not home.resolve().is_relative_to(real) or real == Path("/").resolve()
     assert Path.home() == home and os.path.expanduser("~") == str(home)
-    assert tmp_path.resolve().is_relative_to(tmp.resolve()), tmp_path
+    if Path(request.config.option.basetemp).is_relative_to(home.parent):  # unless --basetemp said otherwise
+        assert tmp_path.resolve().is_relative_to(tmp.resolve()), tmp_path
     assert tempfile.gettempdir() == str(tmp)
     seen = subprocess.run([sys.executable, "-c", "import os, tempfile; print(os.environ['HOME'], tempfile.gettempdir())"],
                           capture_output=True, text=True, check=True, timeout=60).stdout.split()
@@ -111,17 +112,34 @@ def run_guarded(tmp_path: Path, test_source: str, watched: Path, real_home: Path
             other.wait(timeout=30)
 
 
-def test_a_write_outside_the_sandbox_fails_the_run_naming_the_path(tmp_path: Path) -> None:
+def test_a_write_outside_the_sandbox_fails_the_run_naming_the_path_and_the_test(tmp_path: Path) -> None:
+    """A test writes a system Jupyter folder: the run fails naming both. A broker someone else
+    started records itself there meanwhile: shown, not counted."""
     watched = tmp_path / "etc-jupyter"
     watched.mkdir()
+    started = tmp_path / "started"
+    other = (f"import pathlib, time\nwatched = pathlib.Path({str(watched)!r})\n"
+             f"pathlib.Path({str(started)!r}).write_text('')\n"
+             "for i in range(3000):\n"
+             "    (watched / 'their-broker.json').write_text(str(i))\n"
+             "    time.sleep(0.01)\n")
     result = run_guarded(tmp_path, f"""
+        import pathlib, time
+
         def test_writes_a_system_file():
+            while not pathlib.Path({str(started)!r}).exists():
+                time.sleep(0.05)
+            time.sleep(0.3)
             open({str(watched / 'gpupool-broker.json')!r}, "w").write("{{}}")
-        """, watched)
-    assert result.returncode == 1, result.stdout
-    assert "tests wrote outside their sandbox" in result.stdout
-    assert f"created  {watched / 'gpupool-broker.json'}" in result.stdout
-    assert "1 passed, 1 wrote outside the sandbox" in result.stdout.splitlines()[-1]
+        """, watched, beside=[other])
+    out = result.stdout
+    assert result.returncode == 1, out
+    assert "tests wrote outside their sandbox" in out
+    assert f"wrote    {watched / 'gpupool-broker.json'} (open, in test_sample.py::test_writes_a_system_file (call)" in out, out
+    assert "changed meanwhile by programs the tests did not start (not counted)" in out, out
+    theirs = str(watched / "their-broker.json")
+    assert any(line.startswith(("created  ", "modified ")) and line.endswith(theirs) for line in out.splitlines()), out
+    assert "1 passed, 1 wrote outside the sandbox" in out.splitlines()[-1], out.splitlines()[-1]
 
 
 def test_a_write_to_the_real_home_fails_the_run_naming_the_test_but_another_process_writes_freely(tmp_path: Path) -> None:
