@@ -33,6 +33,10 @@ Five modes are compared on the same arrivals (common random numbers):
                 neighbours' burst; the cell runs on the pool's ``grow`` decision. Its user gives up
                 after ``--patience``. Usage is reported when it changes. "leased" is the slices'
                 current sizes.
+``oracle``      the physical limit, not run on the pool (:mod:`jupyter_gpupool.apps.oracle`): each
+                session holds exactly its use while a cell computes and nothing while idle, parked
+                and moved for free; a cell starts when the running cells pass a proven per-GPU
+                packing bound. Only with ``--modes``; every cell after an idle spell is a request.
 
 The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
 upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.
@@ -87,9 +91,13 @@ from jupyter_gpupool.units import GIB, format_duration, format_size, parse_durat
 from jupyter_gpupool.wording import count as counted
 from jupyter_gpupool.wording import with_article
 
+#: The modes run on the pool, compared by default.
 MODES = ("exclusive", "pooled", "reclaim", "suspend", "elastic")
+#: Every mode ``--modes`` accepts: the pool's, and the oracle (the physical limit, run without the pool).
+ALL_MODES = (*MODES, "oracle")
 MODE_LABELS = {
     "exclusive": "exclusive GPUs", "pooled": "pooled", "reclaim": "pooled+reclaim", "suspend": "pooled+suspend", "elastic": "elastic",
+    "oracle": "oracle",
 }
 #: Modes whose idle kernels are parked in host RAM instead of culled (the suspend columns are theirs).
 SUSPENDING = ("suspend", "elastic")
@@ -101,6 +109,7 @@ MODE_ALIASES = {
     "suspend": "suspend",
     "pooled+suspend": "suspend",
     "elastic": "elastic",
+    "oracle": "oracle",
 }
 
 #: Effective rate, bytes per second, at which a kernel's GPU memory is copied to host RAM (suspend)
@@ -1106,7 +1115,16 @@ def simulate(settings: Settings, modes: Iterable[str] = MODES, workload: Workloa
     """Every mode on the settings' inventory, with the same sessions."""
     workload = workload or load_workload()
     plans = make_plans(settings, workload)
-    return {mode: LabRun(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), config).run() for mode in modes}
+    return {mode: run_mode(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), config) for mode in modes}
+
+
+def run_mode(settings: Settings, plans: list[SessionPlan], mode: str, backend: SimulatedBackend, config: Config | None = None) -> ModeResult:
+    """One mode on one inventory: the pool's modes through :class:`LabRun`, the oracle without the pool."""
+    if mode == "oracle":
+        from jupyter_gpupool.apps.oracle import OracleRun
+
+        return OracleRun(settings, plans, backend).run()
+    return LabRun(settings, plans, mode, backend, config).run()
 
 
 @dataclass
@@ -1149,7 +1167,7 @@ def fewest_gpus(
     plans = plans if plans is not None else make_plans(settings, workload or load_workload())
     search = SearchResult(mode, name, target, None)
     for count in range(1, max_gpus + 1):
-        result = LabRun(settings, plans, mode, uniform_backend(name, memory, count), config).run()
+        result = run_mode(settings, plans, mode, uniform_backend(name, memory, count), config)
         search.tried[count] = result.wait_p95
         if result.wait_p95 <= target:
             search.gpus, search.result = count, result
@@ -1160,7 +1178,7 @@ def fewest_gpus(
 def _run_one(settings: Settings, plans: list[SessionPlan], mode: str, gpus: str | tuple[str, int, int], config: Config | None) -> ModeResult:
     """One mode on an inventory (a spec, or ``(model, memory, count)`` of the search): a worker's task."""
     backend = SimulatedBackend.from_spec(gpus) if isinstance(gpus, str) else uniform_backend(*gpus)
-    return LabRun(settings, plans, mode, backend, config).run()
+    return run_mode(settings, plans, mode, backend, config)
 
 
 def _cpu_seconds() -> float:
@@ -1304,7 +1322,7 @@ def requests_note(requests: RequestSizes, default_slice: int, results: dict[str,
     else:
         asked = f"a mix: {', '.join(f'{w:.0%} ask for {size}' for size, w in zip(requests.sizes, requests.weights, strict=True))}"
     note = f"Requests {asked}; exclusive GPUs ask for a whole GPU."
-    pooled = [r for r in results.values() if r.mode not in ("exclusive", "elastic")]
+    pooled = [r for r in results.values() if r.mode not in ("exclusive", "elastic", "oracle")]
     if requests.kind != "exact" and pooled:
         note += (
             f" In the fixed-slice modes a session that needs more than it asked for is taken to have asked for its need "
@@ -1322,6 +1340,14 @@ def requests_note(requests: RequestSizes, default_slice: int, results: dict[str,
                 f" Of the {r.abandoned} elastic sessions given up, {r.gave_up_growing} waited for their slice to grow; "
                 f"every kernel on a GPU waited to grow {r.grow_stalled_pct:.1f}% of the GPU time."
             )
+    if "oracle" in results:
+        r = results["oracle"]
+        note += (
+            f" oracle: the physical limit for these sessions, whatever they ask for: a cell holds exactly its use while it "
+            f"computes and nothing while idle (parked and moved for free), and starts when the running cells pass a per-GPU "
+            f"packing bound (the larger of total use over GPU size and the uses over half a GPU); every cell after an idle "
+            f"spell is a request ({r.requests} here)."
+        )
     return note
 
 
@@ -1417,7 +1443,8 @@ class SimulateApp(GpuPoolBaseApp):
     quota = Unicode("", help="Most memory one user may hold at once, e.g. 40GiB (default: no limit).").tag(config=True)
     max_leases = Integer(0, help="Most concurrent leases per user (0: no limit).").tag(config=True)
     modes = Unicode(",".join(MODES), help="Modes to compare: exclusive, pooled, reclaim (pooled+reclaim), suspend (pooled+suspend), "
-                    "elastic (guaranteed what was asked, grown on demand, with suspend).").tag(config=True)
+                    "elastic (guaranteed what was asked, grown on demand, with suspend), oracle (the physical limit: "
+                    "each cell holds its use only while it computes, packed per GPU; not in the default).").tag(config=True)
     target_p95_wait = Unicode("", help="Also find, per mode, the fewest GPUs of the model that keep p95 wait within this, e.g. 5m.").tag(config=True)
     max_gpus = Integer(32, help="Largest GPU count the --target-p95-wait search tries.").tag(config=True)
     jobs = Integer(1, help="Processes running the modes and the GPU-count search in parallel (same tables as 1).").tag(config=True)
@@ -1444,7 +1471,7 @@ class SimulateApp(GpuPoolBaseApp):
         for item in self.modes.split(","):
             key = MODE_ALIASES.get(item.strip().lower())
             if key is None:
-                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from {', '.join(MODES)}")
+                raise InvalidInput(f"invalid mode {item.strip()!r}: choose from {', '.join(ALL_MODES)}")
             if key not in modes:
                 modes.append(key)
         if self.store not in ("memory", "file"):
@@ -1508,7 +1535,7 @@ class SimulateApp(GpuPoolBaseApp):
             results, searches = run_parallel(settings, plans, modes, target, self.max_gpus, self.jobs, self.config)
         else:
             for mode in modes:
-                results[mode] = LabRun(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), self.config).run()
+                results[mode] = run_mode(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), self.config)
         if target is not None and self.jobs <= 1:
             for mode in modes:
                 if not self.json:

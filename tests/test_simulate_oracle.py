@@ -1,0 +1,135 @@
+"""The simulator's ``oracle`` mode: the physical limit for the same sessions, a lower bound on every mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jupyter_gpupool.apps.oracle import OracleRun, gpus_needed
+from jupyter_gpupool.apps.simulate import (
+    MODES,
+    SessionPlan,
+    Settings,
+    SimulateApp,
+    fewest_gpus,
+    parse_shape,
+    run_mode,
+    uniform_backend,
+)
+from jupyter_gpupool.devices.simulated import SimulatedBackend
+from jupyter_gpupool.errors import InvalidInput
+from jupyter_gpupool.units import GIB
+
+GPU = 24 * GIB
+
+
+def plan(index: int, arrival: float, share: float, *phases: tuple[bool, float]) -> SessionPlan:
+    """A hand-made session: ``share`` of a GPU, its phases as given, a user of its own."""
+    return SessionPlan(index, arrival, f"user{index:03d}", "share", share, list(phases))
+
+
+def settings(**changes: object) -> Settings:
+    base: dict[str, object] = {"gpus": "1x24GiB", "users": 10, "rate": 1, "shape": parse_shape("flat"), "days": 0.25, "patience": 3600.0}
+    base.update(changes)
+    return Settings(**base)  # type: ignore[arg-type]
+
+
+# --- the packing bound ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("shares", "expected"),
+    [
+        ((), 0),
+        ((0.25,) * 4, 1),  # they fill one GPU exactly
+        ((0.25,) * 5, 2),  # the sum
+        ((0.6, 0.6, 0.6), 3),  # three over half a GPU: one GPU each, though 1.8 GPUs of memory
+        ((0.5, 0.5), 1),  # exactly half: two share a GPU
+        ((0.6, 0.3, 0.3, 0.3), 2),  # the sum (1.5) and one over half: 2 (0.6+0.3 and 0.3+0.3 do pack)
+        ((0.9, 0.9, 0.1, 0.1), 2),  # 0.9+0.1 twice
+    ],
+)
+def test_gpus_needed_is_the_larger_of_the_sum_and_the_uses_over_half_a_gpu(shares: tuple[float, ...], expected: int) -> None:
+    assert gpus_needed([round(s * GPU) for s in shares], GPU) == expected
+
+
+def test_gpus_needed_refuses_a_use_above_a_gpu() -> None:
+    with pytest.raises(InvalidInput, match="does not fit on one GPU"):
+        gpus_needed([GPU + 1], GPU)
+
+
+# --- a lower bound on hand-made sessions whose answer is known ---------------------------------------------
+def three_over_half() -> list[SessionPlan]:
+    """Three sessions using 60% of a GPU each, computing together for an hour: they need 3 GPUs."""
+    return [plan(i, float(i), 0.6, (True, 3600.0)) for i in range(3)]
+
+
+def test_the_oracle_needs_exactly_the_gpus_the_uses_force() -> None:
+    s = settings(gpus="4x24GiB", patience=600.0)
+    plans = three_over_half()
+    on = {n: run_mode(s, plans, "oracle", uniform_backend("24GiB", GPU, n)) for n in (1, 2, 3)}
+    assert on[3].wait_max == 0 and on[3].served == 3 and on[3].abandoned == 0
+    # On 2 GPUs the third session cannot start while the others compute (1.8 GPUs of memory would fit
+    # as a fluid sum): it waits its whole patience and gives up.
+    assert on[2].abandoned == 1 and on[2].wait_max == 600.0 and on[2].served == 2
+    assert on[1].abandoned == 2
+    assert fewest_gpus(s, "oracle", 60.0, 4, plans=plans).gpus == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_mode_of_the_pool_beats_the_oracle(mode: str) -> None:
+    """The same forced sessions on the real pool: no mode needs fewer GPUs, or waits less on as many."""
+    s = settings(gpus="4x24GiB", patience=600.0)
+    plans = three_over_half()
+    oracle = fewest_gpus(s, "oracle", 60.0, 4, plans=plans)
+    pool = fewest_gpus(s, mode, 60.0, 4, plans=plans)
+    assert oracle.gpus is not None and pool.gpus is not None and oracle.gpus <= pool.gpus
+    for count, p95 in pool.tried.items():
+        assert oracle.tried[count] <= p95
+
+
+def test_idle_memory_is_free_in_the_oracle_and_held_by_the_pool() -> None:
+    """Two sessions using 60% of a GPU whose cells take turns: one GPU with no wait for the oracle,
+    while every mode of the pool (each kernel holds its slice between its cells) makes one wait."""
+    plans = [
+        plan(0, 0.0, 0.6, (True, 600.0), (False, 600.0), (True, 600.0)),
+        plan(1, 600.0, 0.6, (True, 600.0), (False, 600.0), (True, 600.0)),
+    ]
+    s = settings(patience=None)
+    oracle = run_mode(s, plans, "oracle", uniform_backend("24GiB", GPU, 1))
+    assert oracle.wait_max == 0 and oracle.served == 2 and oracle.requests == 4  # every cell asks once
+    assert oracle.busy_pct == oracle.leased_pct > 0  # it holds memory only while a cell computes
+    pooled = run_mode(s, plans, "pooled", uniform_backend("24GiB", GPU, 1))
+    assert pooled.wait_max >= 600.0  # session 1 waits until session 0 has gone
+
+
+def test_the_oracle_packs_gpus_of_one_size_only() -> None:
+    with pytest.raises(InvalidInput, match="mode oracle packs GPUs of one size"):
+        OracleRun(settings(gpus="1xA100-80GB,1xT4"), three_over_half(), SimulatedBackend.from_spec("1xA100-80GB,1xT4"))
+
+
+# --- on the command line --------------------------------------------------------------------------------
+def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    app = SimulateApp()
+    try:
+        app.initialize(argv)
+        app.start()
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_oracle_is_accepted_on_the_command_line_and_left_out_of_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1",
+            "--memory-need", "30%", "--session-length", "30m"]
+    code, out, err = run_app([*argv, "--modes", "pooled,oracle", "--target-p95-wait", "10m", "--max-gpus", "4"], capsys)
+    assert code == 0, err
+    assert "oracle: the physical limit for these sessions" in out
+    assert any(line.startswith("oracle ") for line in out.splitlines())  # its row, and its search row
+    code, out, err = run_app([*argv, "--modes", "pooled,oracle", "--target-p95-wait", "10m", "--max-gpus", "4", "--json"], capsys)
+    data = json.loads(out)
+    assert set(data["results"]) == set(data["search"]) == {"pooled", "oracle"}
+    assert data["search"]["oracle"]["gpus"] <= data["search"]["pooled"]["gpus"]
+    code, out, err = run_app([*argv, "--json"], capsys)
+    assert set(json.loads(out)["results"]) == set(MODES) and "oracle" not in MODES
