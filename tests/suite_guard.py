@@ -5,7 +5,8 @@
   fixture or subprocess reads them; ``tmp_path`` lies in it too), so the real home
   is never the tests' to touch and two runs side by side share nothing. The tool settings a
   subprocess needs from the real home (pip's and npm's configuration, git's identity) are copied
-  in. Removed at the end of a run that passed; kept, and named, after one that failed.
+  in. Removed at the end of a run that passed; kept, and named, after one that failed (for three
+  days: a later run removes it).
 - **Sandbox**: no test may write outside its temporary folders. The system-wide Jupyter folders
   (``/etc/jupyter`` and the rest of jupyter_core's system paths) and the real home's Jupyter,
   IPython and gpupool folders are watched by an audit hook in pytest's process and in every Python
@@ -22,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import importlib.util
 import json
@@ -29,6 +31,7 @@ import os
 import pwd
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -115,13 +118,29 @@ def _inside(path: str, roots: list[Path]) -> bool:
 TMP_ROOT_ENV = "SUITE_GUARD_TMP_ROOT"
 
 
+#: The file that marks a folder as a run's private one.
+MARK = "suite-guard-run"
+#: A failed run's folder is kept this long (seconds) for a look, then removed by a later run.
+KEEP_FAILED = 3 * 24 * 3600
+
+
+def forget_old_runs(root: Path) -> None:
+    """Remove the private folders of runs older than :data:`KEEP_FAILED` (a failed or killed run's)."""
+    for folder in root.glob("gpupool-*"):
+        with contextlib.suppress(OSError):
+            if (folder / MARK).is_file() and time.time() - (folder / MARK).stat().st_mtime > KEEP_FAILED:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
 def make_private_home(homes: list[Path]) -> Path:
     """A fresh folder with ``home`` and ``tmp`` in it, made ``$HOME`` and ``$TMPDIR`` of this
     process (and so of every subprocess); the variables that named folders in a real home now name
     their defaults under the private one. Returns the folder."""
     root = os.environ.get(TMP_ROOT_ENV) or tempfile.gettempdir()
     os.environ[TMP_ROOT_ENV] = root
+    forget_old_runs(Path(root))
     base = Path(tempfile.mkdtemp(prefix="gpupool-", dir=root)).resolve()
+    (base / MARK).write_text("a test run's private HOME and TMPDIR (tests/suite_guard.py)\n")
     home, tmp = base / "home", base / "tmp"
     home.mkdir()
     tmp.mkdir()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,19 @@ def test_this_run_has_a_private_home_and_tmpdir(tmp_path: Path, request: pytest.
     seen = subprocess.run([sys.executable, "-c", "import os, tempfile; print(os.environ['HOME'], tempfile.gettempdir())"],
                           capture_output=True, text=True, check=True, timeout=60).stdout.split()
     assert seen == [str(home), str(tmp)]
+
+
+def test_a_failed_runs_folder_is_kept_three_days(tmp_path: Path) -> None:
+    old, recent, other = tmp_path / "gpupool-old", tmp_path / "gpupool-recent", tmp_path / "gpupool-ui.abc"
+    for folder in (old, recent, other):
+        folder.mkdir()
+    for folder in (old, recent):
+        (folder / suite_guard.MARK).write_text("")
+    days_ago = time.time() - 4 * 24 * 3600
+    os.utime(old / suite_guard.MARK, (days_ago, days_ago))
+    os.utime(other, (days_ago, days_ago))
+    suite_guard.forget_old_runs(tmp_path)
+    assert not old.exists() and recent.exists() and other.exists()  # only a run's own folder, only when old
 
 
 def test_every_skip_for_a_missing_package_in_the_suite_is_recognised() -> None:
