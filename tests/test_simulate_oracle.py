@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from jupyter_gpupool.apps.oracle import OracleRun, gpus_needed
+from jupyter_gpupool.apps.oracle import OracleRun, gpus_needed, no_wait_gpus
 from jupyter_gpupool.apps.simulate import (
     MODES,
     SessionPlan,
@@ -22,6 +25,7 @@ from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.units import GIB
 
 GPU = 24 * GIB
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def plan(index: int, arrival: float, share: float, *phases: tuple[bool, float]) -> SessionPlan:
@@ -133,3 +137,36 @@ def test_oracle_is_accepted_on_the_command_line_and_left_out_of_the_default(caps
     assert data["search"]["oracle"]["gpus"] <= data["search"]["pooled"]["gpus"]
     code, out, err = run_app([*argv, "--json"], capsys)
     assert set(json.loads(out)["results"]) == set(MODES) and "oracle" not in MODES
+
+
+def test_no_wait_gpus_is_the_most_the_cells_as_planned_force() -> None:
+    forced = three_over_half()
+    assert no_wait_gpus(forced, GPU, GPU) == 3
+    assert no_wait_gpus(forced, GPU, GPU, horizon=1.5) == 2  # the third starts at 2 s
+    taking_turns = [
+        plan(0, 0.0, 0.6, (True, 600.0), (False, 600.0), (True, 600.0)),
+        plan(1, 600.0, 0.6, (True, 600.0), (False, 600.0), (True, 600.0)),
+    ]
+    assert no_wait_gpus(taking_turns, GPU, GPU) == 1  # one cell ends as the other starts
+    overlapping = [plan(0, 0.0, 0.6, (True, 600.0)), plan(1, 599.0, 0.6, (True, 600.0))]
+    assert no_wait_gpus(overlapping, GPU, GPU) == 2
+    # The oracle on that many GPUs never makes a cell wait.
+    s = settings(gpus="4x24GiB", patience=600.0)
+    assert run_mode(s, forced, "oracle", uniform_backend("24GiB", GPU, 3)).wait_max == 0
+
+
+def test_the_bench_table_of_the_gap_reads_runs_of_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/oracle_gap.py on a short run: the oracle never needs more GPUs than make every wait 0."""
+    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "6", "--shape", "flat", "--days", "0.1", "--memory-need", "8GiB-20GiB",
+            "--session-length", "30m", "--modes", "pooled,oracle", "--target-p95-wait", "1m", "--max-gpus", "8", "--json"]
+    code, out, err = run_app(argv, capsys)
+    assert code == 0, err
+    run = tmp_path / "run.json"
+    run.write_text(out)
+    proc = subprocess.run([sys.executable, str(BENCH / "oracle_gap.py"), "--json", str(run)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)
+    assert row["fewest"]["oracle"] <= row["no_wait"] and row["oracle_long_spells"] <= row["no_wait"]
+    assert row["fewest"]["oracle"] <= row["fewest"]["pooled"]
+    proc = subprocess.run([sys.executable, str(BENCH / "oracle_gap.py"), str(run)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "| oracle, no cell ever waits |" in proc.stdout

@@ -21,6 +21,7 @@ does not (backfill). A user whose cell waits longer than ``--patience`` gives up
 from __future__ import annotations
 
 import heapq
+import math
 import statistics
 import time
 from collections.abc import Iterable
@@ -48,6 +49,28 @@ def gpus_needed(uses: Iterable[int], gpu_size: int) -> int:
     return max(-(-total // gpu_size), big)
 
 
+def no_wait_gpus(plans: Iterable[SessionPlan], gpu_size: int, largest: int, horizon: float = math.inf) -> int:
+    """GPUs no scheduler can go below without ever delaying a cell: the most :func:`gpus_needed`
+    over every instant before ``horizon``, with each cell computing when its session planned it (use:
+    its need on a GPU of ``largest`` bytes). Cells ending at an instant give their memory back first."""
+    changes: list[tuple[float, int, int]] = []  # (time, +1 start / -1 end, use); ends sort first
+    for plan in plans:
+        use, t = plan.need_bytes(largest), plan.arrival
+        for busy, length in plan.phases:
+            if busy:
+                changes += [(t, 1, use), (t + length, -1, use)]
+            t += length
+    changes.sort()
+    total = big = peak = 0
+    for t, sign, use in changes:
+        if t >= horizon:
+            break
+        total += sign * use
+        big += sign * (2 * use > gpu_size)
+        peak = max(peak, -(-total // gpu_size), big)
+    return peak
+
+
 class OracleRun:
     """The oracle on one inventory of one GPU model: the same sessions, the fewest constraints."""
 
@@ -73,6 +96,8 @@ class OracleRun:
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.waits: list[float] = []
+        #: per wait, the idle spell its session had just ended (infinite for its first cell)
+        self.idle_before: list[float] = []
         self.user_wait: dict[str, float] = {}
         self.user_held: dict[str, float] = {}
         self.served = self.abandoned = 0
@@ -170,7 +195,9 @@ class OracleRun:
         self.abandoned += 1
 
     def _count_wait(self, index: int, wait: float) -> None:
+        phase = self.phase[index]
         self.waits.append(wait)
+        self.idle_before.append(self.plans[index].phases[phase - 1][1] if phase else math.inf)
         user = self.plans[index].user
         self.user_wait[user] = self.user_wait.get(user, 0.0) + wait
 
