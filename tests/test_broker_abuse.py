@@ -249,7 +249,7 @@ def test_repeated_refused_reports_are_throttled_for_their_user_only(broker: Brok
         broker, public, ["reports", "--lease", lease["lease"]["id"], "--count", "8", "--seconds", "4"], settle=0.3
     )
     assert attack["answers"].get("409", 0) <= 5 * 2, attack  # at most 5 per 10 s window
-    assert attack["answers"].get("429", 0) >= 10, attack
+    assert attack["answers"].get("429", 0) >= 2, attack  # each after a pause: the loop holds its own connection
     assert_victim_served(victim)
     assert rss < 64 * MIB and log < LOG_BOUND, (rss, log)
 
@@ -308,3 +308,19 @@ def rss_of(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def test_a_users_refused_reports_are_bounded_by_count_and_by_worker_time() -> None:
+    from jupyter_gpupool.broker.limits import Throttle
+
+    by_count = Throttle(lambda: 5, lambda: 10.0, lambda: 1.0)
+    for i in range(4):
+        by_count.refused("eve", 0.01, now=100.0 + i)
+    assert by_count.wait_left("eve", now=104.0) == 0
+    by_count.refused("eve", 0.01, now=104.0)
+    assert by_count.wait_left("eve", now=104.5) == pytest.approx(5.5)  # five within 10 s: until the first leaves
+    assert by_count.wait_left("bob", now=104.5) == 0  # nobody else waits for eve
+    assert by_count.wait_left("eve", now=110.5) == 0
+    by_time = Throttle(lambda: 5, lambda: 10.0, lambda: 1.0)
+    by_time.refused("eve", 2.0, now=0.0)  # one report that held the worker 2 s (a driver wait)
+    assert by_time.wait_left("eve", now=1.0) == pytest.approx(9.0)

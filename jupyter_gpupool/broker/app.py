@@ -142,7 +142,14 @@ class Broker(LoggingConfigurable):
         "work on the broker's shared worker. 0: no bound.",
     ).tag(config=True)
     refused_reports_window = Float(
-        10.0, help="Seconds over which refused_reports_allowed counts a user's refused reports."
+        10.0, help="Seconds over which refused_reports_allowed and refused_reports_budget count a user's refused reports."
+    ).tag(config=True)
+    refused_reports_budget = Float(
+        0.0,
+        help="Seconds of the broker's shared worker one user's refused reports may take together within "
+        "refused_reports_window; past it that user's next reports are answered 429 after a pause. A report "
+        "refused after waiting for the driver (Pool.confirm_wait) takes seconds, and a server whose honest "
+        "report was refused reports again soon, so it is off by default. 0: no bound.",
     ).tag(config=True)
 
     def __init__(
@@ -165,7 +172,9 @@ class Broker(LoggingConfigurable):
         self.open_waits = OpenWaits(lambda: self.max_waits_per_user)
         self.connections = ConnectionBook(lambda: self.max_connections_per_user, lambda: self.max_unidentified_per_address)
         self.note = RateLimitedLog(self.log, lambda: self.log_interval)
-        self.refused_reports = Throttle(lambda: self.refused_reports_allowed, lambda: self.refused_reports_window)
+        self.refused_reports = Throttle(
+            lambda: self.refused_reports_allowed, lambda: self.refused_reports_window, lambda: self.refused_reports_budget
+        )
         self.enforcement = EnforcementSettings(parent=self).to_config()
         self._roots: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []

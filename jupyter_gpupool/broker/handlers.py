@@ -463,12 +463,19 @@ class LeaseTransitionHandler(BrokerHandler):
         # Each refused report costs the shared worker; past a few, a caller's next ones wait, not everyone.
         wait = self.broker.refused_reports.wait_left(ident.name)
         if wait > 0:
+            # Answered after a pause (up to a second): a client that loops at once holds its own
+            # connection meanwhile, instead of the broker's CPU that serves everyone.
+            await asyncio.sleep(min(wait, 1.0))
             raise TooManyRefusals(
                 f"{ident.name}'s reports of finished steps were refused too often lately; try again in "
-                f"{wait:.0f} s (c.Broker.refused_reports_allowed per c.Broker.refused_reports_window)"
+                f"{wait:.0f} s (c.Broker.refused_reports_allowed and c.Broker.refused_reports_budget per "
+                "c.Broker.refused_reports_window)"
             )
 
+        started = [time.monotonic()]
+
         def finish() -> dict[str, Any]:
+            started[0] = time.monotonic()  # the worker's time, not the wait for it
             pool = self.broker.pool
             lease = self.owned(lease_id)
             if step is not None and lease.transition.value != step:
@@ -490,7 +497,7 @@ class LeaseTransitionHandler(BrokerHandler):
             answer = await self.run(finish)
         except GpuPoolError as err:
             if err.http_status == 409:
-                self.broker.refused_reports.refused(ident.name)
+                self.broker.refused_reports.refused(ident.name, time.monotonic() - started[0])
             raise
         self.write_json(answer)
 

@@ -307,30 +307,34 @@ class LimitedHTTPServer(httpserver.HTTPServer):
 
 
 class Throttle:
-    """At most ``allowed()`` refusals per caller in ``window()`` seconds; past it the caller waits."""
+    """Each caller's refused tries over the last ``window()`` seconds: at most ``allowed()`` of them,
+    taking at most ``budget()`` seconds of the shared worker together; past either, the caller waits
+    until the oldest leaves the window (0 for either bound: none)."""
 
-    def __init__(self, allowed: Callable[[], int], window: Callable[[], float]) -> None:
+    def __init__(self, allowed: Callable[[], int], window: Callable[[], float], budget: Callable[[], float] = lambda: 0.0) -> None:
         self._allowed = allowed
         self._window = window
-        self._refused: dict[str, deque[float]] = {}
+        self._budget = budget
+        self._refused: dict[str, deque[tuple[float, float]]] = {}
 
-    def wait_left(self, caller: str) -> float:
+    def wait_left(self, caller: str, now: float | None = None) -> float:
         """Seconds before ``caller`` may try again (0: now)."""
-        allowed, window = self._allowed(), self._window()
-        times = self._refused.get(caller)
-        if allowed <= 0 or not times:
+        allowed, window, budget = self._allowed(), self._window(), self._budget()
+        tries = self._refused.get(caller)
+        if not tries:
             return 0.0
-        now = time.monotonic()
-        while times and now - times[0] >= window:
-            times.popleft()
-        if not times:
+        now = time.monotonic() if now is None else now
+        while tries and now - tries[0][0] >= window:
+            tries.popleft()
+        if not tries:
             del self._refused[caller]
             return 0.0
-        return window - (now - times[0]) if len(times) >= allowed else 0.0
+        over = (allowed > 0 and len(tries) >= allowed) or (budget > 0 and sum(cost for _, cost in tries) >= budget)
+        return window - (now - tries[0][0]) if over else 0.0
 
-    def refused(self, caller: str) -> None:
-        """One more of ``caller``'s tries was refused."""
-        self._refused.setdefault(caller, deque()).append(time.monotonic())
+    def refused(self, caller: str, cost: float = 0.0, now: float | None = None) -> None:
+        """One more of ``caller``'s tries was refused, after ``cost`` seconds of work."""
+        self._refused.setdefault(caller, deque()).append((time.monotonic() if now is None else now, cost))
 
 
 def raise_descriptor_limit(log: logging.Logger | logging.LoggerAdapter[Any] | None = None) -> tuple[int, int]:
