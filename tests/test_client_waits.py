@@ -263,3 +263,39 @@ def test_a_killed_grader_gives_its_kernels_request_back(kernel_prefix: Path, run
     finally:
         pool.release(holder.id, reason="the live user is done")
     assert pool.get(queued.id).release_reason == autolease.CLIENT_LEFT_REASON
+
+
+# --- a start not made through the REST API (Voilà's page) ---------------------------------------------
+
+
+@pytest.mark.filterwarnings("error::jupyter_server.utils.JupyterServerAuthWarning")
+def test_a_start_whose_caller_talks_to_the_kernel_at_once_returns_once_the_kernel_started(
+    arun, jp_serverapp, gpupool_ext, gpupool_wait
+):
+    """As Voilà's page does: ``start_kernel`` on the server's manager, then ``wait_for_ready`` at once.
+    A pending kernel (no process yet) would be taken for a dead one; such a start waits in the queue."""
+    km = jp_serverapp.kernel_manager
+    pool = gpupool_ext.pool
+    holder = pool.request(LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), label="a live user"))
+
+    async def scenario() -> None:
+        start = asyncio.ensure_future(km.start_kernel(kernel_name="python3"))
+        queued = await gpupool_wait(
+            lambda: next((lease for lease in pool.leases() if lease.kernel_id and lease.state is LeaseState.QUEUED), None),
+            what="the start's request in the queue",
+        )
+        for _ in range(4):
+            await asyncio.sleep(0.5)
+            assert not start.done(), "the start returned a kernel that has no process yet"
+        pool.release(holder.id, reason="the live user is done")
+        kernel_id = await asyncio.wait_for(start, 120)
+        assert kernel_id == queued.kernel_id
+        client = km.get_kernel(kernel_id).client()
+        client.start_channels()
+        try:
+            await client.wait_for_ready(timeout=60)
+        finally:
+            client.stop_channels()
+        await km.shutdown_kernel(kernel_id)
+
+    arun(scenario())

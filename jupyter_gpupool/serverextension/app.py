@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import inspect
 import os
 import time
 from importlib.metadata import EntryPoint
@@ -33,7 +35,8 @@ from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_server._tz import utcnow
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.extension.application import ExtensionApp
-from jupyter_server.services.kernels.handlers import KernelActionHandler
+from jupyter_server.services.kernels.handlers import KernelActionHandler, MainKernelHandler
+from jupyter_server.services.sessions.handlers import SessionHandler, SessionRootHandler
 from tornado import web
 from traitlets import Bool, Enum, Float, List, Unicode, default
 
@@ -100,6 +103,33 @@ class KernelActionWhileStartingHandler(KernelActionHandler):  # type: ignore[mis
         if answered is not None:
             await answered
 
+
+
+#: True while a kernel start is made for a REST call whose client awaits the kernel's ``ready``
+#: (JupyterLab, Notebook: their websocket waits for it); another caller (Voilà's page, which asks the
+#: kernel for ``kernel_info`` at once) gets a start that returns once the kernel has started.
+AWAITS_READY: contextvars.ContextVar[bool] = contextvars.ContextVar("gpupool_awaits_ready", default=False)
+#: The REST routes whose kernel starts may be answered as pending kernels (class, HTTP method).
+REST_STARTS = ((MainKernelHandler, "POST"), (SessionRootHandler, "POST"), (SessionHandler, "PATCH"))
+
+
+def mark_rest_starts() -> None:
+    """Make the kernel starts of :data:`REST_STARTS` run with :data:`AWAITS_READY` set (once per process).
+
+    Set in the handler's ``prepare``, which tornado awaits in the request's own task before the
+    method (the methods themselves stay as jupyter_server decorated them: it checks their auth)."""
+    for cls, verb in REST_STARTS:
+        original = cls.prepare
+        if getattr(original, "_gpupool_awaits_ready", False):
+            continue
+
+        async def prepare(self: Any, *args: Any, _original: Any = original, _verb: str = verb, **kwargs: Any) -> Any:
+            AWAITS_READY.set(self.request.method == _verb)  # this request's task only
+            result = _original(self, *args, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        prepare._gpupool_awaits_ready = True  # type: ignore[attr-defined]
+        cls.prepare = prepare  # type: ignore[method-assign]
 
 
 class PoolPinnedBackups:
@@ -356,6 +386,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         else:
             self._install_provisioner_default()
             self._wrap_kernel_manager(km)
+            mark_rest_starts()
         self.event_logger = self.serverapp.event_logger
         with contextlib.suppress(Exception):  # already registered by an earlier server in this process
             assert self.event_logger is not None
@@ -580,10 +611,14 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
 
     def _may_answer_pending(self, km: Any) -> bool:
         """Whether a start that must queue may be answered as a pending kernel: asked for, on the
-        asynchronous manager (the synchronous one is left as jupyter_server made it), and not
-        already every start (``use_pending_kernels`` set by the admin)."""
+        asynchronous manager (the synchronous one is left as jupyter_server made it), not already
+        every start (``use_pending_kernels`` set by the admin), and for a REST call whose client
+        awaits the kernel's ``ready`` (:data:`AWAITS_READY`). Any other caller, such as Voilà's page,
+        talks to the kernel as soon as the start returns, and takes a kernel with no process yet for
+        a dead one: its start returns once the kernel has its slice and has started."""
         return (
             self.pending_kernels
+            and AWAITS_READY.get()
             and isinstance(km, AsyncMultiKernelManager)
             and not km._using_pending_kernels()
         )
