@@ -61,6 +61,7 @@ class Broker:
         for key in ("GPUPOOL_URL", "GPUPOOL_DB", "JUPYTERHUB_API_TOKEN", "JUPYTERHUB_SERVICE_URL"):
             env.pop(key, None)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env["GPUPOOL_BROKER_FILE"] = str(folder / "gpupool-broker.json")  # never /etc/jupyter's
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [
