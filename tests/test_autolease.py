@@ -273,7 +273,9 @@ def test_a_kernelspec_naming_local_provisioner_gets_nothing(kernel_prefix: Path,
     finish(nbconvert(kernel_prefix, notebook, run_env))
     seen = printed(outputs(notebook)[0])
     assert seen["GPUPOOL_LEASE_ID"] is None and seen["CUDA_VISIBLE_DEVICES"] is None
-    assert "gpupool" not in json.dumps(outputs(notebook)[1])
+    # Not the pool's extension: only the %gpupool that says, in one line, why this kernel runs without the pool.
+    magics = outputs(notebook)[1][0]["data"]["application/json"]
+    assert magics["line"]["gpupool"] == "Other" and "GpuPoolMagics" not in json.dumps(magics), magics
     assert Pool.from_env().leases(include_released=True) == []
 
 
