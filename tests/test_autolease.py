@@ -213,12 +213,13 @@ def test_a_kernel_slow_to_exit_gives_its_lease_back_before_its_manager_kills_it(
 
 
 def test_a_queued_batch_kernel_waits_in_its_first_cell(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):
-    """A full pool: the kernel starts at once (no startup timeout), its first cell waits for the grant."""
+    """A full pool and no start wait (``GPUPOOL_START_WAIT=0``): the kernel answers its client at once
+    (no startup timeout), and its first cell waits for the grant, as long as the queue takes."""
     pool = Pool.from_env()
     holder = pool.request(LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), label="a live user"))
     assert holder.state is LeaseState.GRANTED
     notebook = write_notebook(tmp_path / "queued.ipynb", ENV_CELL)
-    proc = nbconvert(kernel_prefix, notebook, run_env)
+    proc = nbconvert(kernel_prefix, notebook, {**run_env, autolease.START_WAIT_ENV: "0"})
     try:
         watch(proc).wait_for("gpupool: waiting for a GPU slice (batch)", proc)  # the first cell waits
         queued = [lease for lease in pool.leases() if lease.state is LeaseState.QUEUED]
