@@ -299,3 +299,23 @@ def test_a_start_whose_caller_talks_to_the_kernel_at_once_returns_once_the_kerne
         await km.shutdown_kernel(kernel_id)
 
     arun(scenario())
+
+
+def test_a_person_s_kernel_whose_wait_was_stopped_runs_no_later_cell(kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path):
+    """A kernel a person uses (a gateway kernel their server marked interactive) waits in its first
+    cell; a stopped wait rejects that cell and every later one, saying to restart."""
+    pool, holder = fill_pool()
+    notebook = write_notebook(tmp_path / "person.ipynb", "import math", "print('second ran', math.pi)")
+    env = {**run_env, "KERNEL_GATEWAY": "1", autolease.INTERACTIVE_HINT_ENV: "1"}
+    run = grade(kernel_prefix, notebook, env)
+    try:
+        queued_request(pool, run)
+        code = run.finish(timeout=120)
+    finally:
+        pool.release(holder.id, reason="the live user is done")
+    assert code == 0, run.text
+    done = nbformat.read(notebook.with_name(notebook.stem + ".graded.ipynb"), as_version=4)
+    first, second = (" ".join(" ".join(o.get("traceback", [])) for o in cell.outputs) for cell in done.cells)
+    assert "stopped waiting for a GPU after" in first and "restart the kernel" in first, done.cells[0].outputs
+    assert "did not run, so this cell does not run either" in second, done.cells[1].outputs
+    assert "second ran" not in json.dumps(done.cells[1].outputs), done.cells[1].outputs
