@@ -144,6 +144,9 @@ def make_private_home(homes: list[Path]) -> Path:
     home, tmp = base / "home", base / "tmp"
     home.mkdir()
     tmp.mkdir()
+    # As the system's own: tests run processes as other users (a broker's peers), which must reach TMPDIR.
+    base.chmod(0o755)
+    tmp.chmod(0o1777)
     for name in HOME_SETTINGS:
         for real in homes:
             if (real / name).is_file():

@@ -121,6 +121,11 @@ def cell(server: Server, kernel_id: str, code: str, timeout: float = 120) -> tup
     return asyncio.run(run_cell(server.port, server.token, kernel_id, code, timeout))
 
 
+def printed(shown: list[str]) -> str:
+    """What a cell printed, whatever messages its stream was split into, less the pool's own lines."""
+    return "".join(s for s in shown if not s.startswith("gpupool:")).strip()
+
+
 def lifecycle(server: Server) -> tuple[list[tuple[str, int, Any]], str]:
     """start → cell → interrupt → restart → cell → DELETE, as Lab does; each step's (what, status,
     shape of the answer), and the kernel id."""
@@ -130,13 +135,13 @@ def lifecycle(server: Server) -> tuple[list[tuple[str, int, Any]], str]:
     assert status == 200 and isinstance(model, dict), f"the start answered {status} {model!r}"
     kernel_id = model["id"]
     reply, shown = cell(server, kernel_id, "x = 21 * 2\nprint(x)")
-    steps.append(("cell", 0, (reply, [s.strip() for s in shown if "gpupool" not in s])))
+    steps.append(("cell", 0, (reply, printed(shown))))
     status, body = answer(server, "POST", f"api/kernels/{kernel_id}/interrupt")
     steps.append(("interrupt", status, body))
     status, body = answer(server, "POST", f"api/kernels/{kernel_id}/restart")
     steps.append(("restart", status, sorted(body) if isinstance(body, dict) else body))
     reply, shown = cell(server, kernel_id, "print('after restart', 'x' in dir())")
-    steps.append(("cell after restart", 0, (reply, [s.strip() for s in shown if "gpupool" not in s])))
+    steps.append(("cell after restart", 0, (reply, printed(shown))))
     return steps, kernel_id
 
 
