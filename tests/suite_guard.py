@@ -152,6 +152,7 @@ def make_private_home(homes: list[Path]) -> Path:
             if (real / name).is_file():
                 (home / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(real / name, home / name)
+                shutil.copymode(real / name, home / name)  # a 0600 .npmrc or .netrc stays 0600
                 break
     for variable, under in HOME_VARIABLES.items():
         if variable in os.environ and _inside(os.environ[variable], homes):
