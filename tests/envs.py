@@ -20,6 +20,13 @@ first), by the running interpreter's pip; what is already visible is not install
 The new environment's ``bin`` also gets the ``jupyter*`` commands (or what ``commands`` names),
 rewritten to run its own ``python``, so ``jupyter ... --sys-prefix`` writes into it and never into
 the shared interpreter.
+
+``environment_of_its_own(root, packages)`` is the opposite: a virtual environment that sees none of
+this interpreter's packages, for a program whose requirements conflict with this environment's
+(Jupyter Enterprise Gateway 3 needs ``jupyter_client<7``)::
+
+    eg = environment_of_its_own(tmp_path / "eg", ["jupyter_enterprise_gateway==3.3.0"])
+    subprocess.Popen([str(eg.bin / "jupyter"), "enterprisegateway", ...], env=eg.variables())
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Environment", "environment_over_this_one", "site_folders_of_this_interpreter"]
+__all__ = ["Environment", "environment_of_its_own", "environment_over_this_one", "site_folders_of_this_interpreter"]
 
 #: The name of the ``.pth`` file that shows the new environment this interpreter's packages.
 PTH_NAME = "_outer_environment.pth"
@@ -117,4 +124,22 @@ def environment_over_this_one(
         done = subprocess.run(install, capture_output=True, text=True, timeout=pip_timeout, env=env.variables(), check=False)
         if done.returncode != 0:
             raise RuntimeError(f"pip could not install {' '.join(packages)} into {root}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return env
+
+
+def environment_of_its_own(root: Path, packages: Sequence[str], pip_timeout: float = 900) -> Environment:
+    """A virtual environment at ``root`` that sees none of the running interpreter's packages: only
+    what ``packages`` names (and what it needs), pip-installed into it from the package index by
+    the running interpreter's pip (``pip --python``: the new environment gets no pip of its own).
+
+    A failed install raises ``RuntimeError`` with pip's output (an index that cannot be reached
+    included)."""
+    root = Path(root)
+    venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True, clear=True).create(root)
+    env = Environment(root)
+    install = [sys.executable, "-m", "pip", "--python", str(env.python), "install", "--disable-pip-version-check",
+               "--no-input", "--no-compile", *packages]
+    done = subprocess.run(install, capture_output=True, text=True, timeout=pip_timeout, env=env.variables(), check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"pip could not install {' '.join(packages)} into {root}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return env

@@ -73,7 +73,8 @@ POOL_CHOICE_ENV = ("GPUPOOL_DB", "GPUPOOL_URL", "GPUPOOL_SIMULATE", "GPUPOOL_TOK
                    "GPUPOOL_BROKER_FILE", "GPUPOOL_BROKER_USER", "GPUPOOL_AUTOLEASE", "GPUPOOL_SLURM_STATE")
 #: Names other than ``GPUPOOL_*`` that a gateway kernel takes from the gateway's side only.
 GATEWAY_GUARDED_ENV = ("JUPYTERHUB_USER", "NVIDIA_VISIBLE_DEVICES")
-#: Words in a parent process's command line that name a kernel gateway.
+#: Programs in a parent process's command line that name a kernel gateway (a word's last path part,
+#: bare or as ``jupyter-WORD``: ``jupyter-enterprisegateway``, ``python -m enterprise_gateway``).
 GATEWAY_PROGRAMS = {"kernelgateway": "Jupyter Kernel Gateway", "kernel_gateway": "Jupyter Kernel Gateway",
                     "enterprisegateway": "Jupyter Enterprise Gateway", "enterprise_gateway": "Jupyter Enterprise Gateway"}
 #: What a lease taken here is released with when the kernel exits.
@@ -164,14 +165,15 @@ def named_provisioner(kernel_name: str) -> str | None:
 def gateway_of(environ: Mapping[str, str], parent_cmdline: Callable[[], str] | None = None) -> str | None:
     """The kernel gateway that started this kernel (``Jupyter Kernel Gateway``...), or None.
 
-    Kernel Gateway marks its kernels ``KERNEL_GATEWAY=1``; Enterprise Gateway (and any gateway)
-    is known by its program in the parent process's command line."""
+    A gateway is known by its program in the parent process's command line; Kernel Gateway (and
+    Enterprise Gateway 3, which is told apart by its program) also marks its kernels
+    ``KERNEL_GATEWAY=1``."""
+    programs = {os.path.basename(word) for word in (parent_cmdline or _parent_cmdline)().lower().split()}
+    for word, name in GATEWAY_PROGRAMS.items():
+        if word in programs or f"jupyter-{word}" in programs:
+            return name
     if environ.get("KERNEL_GATEWAY") == "1":
         return "Jupyter Kernel Gateway"
-    cmdline = (parent_cmdline or _parent_cmdline)().lower()
-    for word, name in GATEWAY_PROGRAMS.items():
-        if word in cmdline:
-            return name
     return None
 
 
