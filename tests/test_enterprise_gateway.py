@@ -1,8 +1,7 @@
 """A kernel a real Jupyter Enterprise Gateway 3.x starts is pooled by the gateway host's pool.
 
 Enterprise Gateway 3 needs ``jupyter_client<7`` and ``jupyter_server<2``, so it runs from an
-environment of its own (pip-installed from the package index, kept between runs under pip's cache
-folder, keyed by its version and this Python); its kernelspec runs this environment's Python, whose
+environment of its own (pip-installed from the package index into the run's temporary folder); its kernelspec runs this environment's Python, whose
 IPython config holds the pool's hook. The gateway is set up as docs/gateways.md says (its
 Enterprise Gateway blocks are read and run here), with an admin who lets clients set
 ``GPUPOOL_DB`` and ``GPUPOOL_AUTOLEASE``: a start request that names another pool file, turns the
@@ -13,8 +12,6 @@ the gateway's Unix user, its GPU the lease's; a DELETE releases the lease.
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
 import json
 import os
 import pwd
@@ -31,7 +28,6 @@ import pytest
 from envs import Environment, environment_of_its_own
 from gateway_harness import KernelGateway, run_cell
 from server_process import free_port, wait_for
-from suite_guard import real_homes
 
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.policy import PoolPolicy
@@ -85,36 +81,14 @@ def documented_kernelspec() -> dict[str, Any]:
     return spec
 
 
-def pip_cache_folder() -> Path:
-    """pip's cache folder of the user running the tests (the run's private HOME is not theirs)."""
-    if os.environ.get("PIP_CACHE_DIR"):
-        return Path(os.environ["PIP_CACHE_DIR"])
-    return real_homes()[0] / ".cache" / "pip"
-
-
-def enterprise_gateway_environment() -> Environment:
-    """Enterprise Gateway's environment, built once for its version and this Python and kept under
-    pip's cache folder; built again where it is missing, incomplete or broken. A failed build fails
-    the test with pip's words (an index out of reach included)."""
-    base = Path(sys.base_prefix).resolve()
-    key = f"enterprise_gateway-{EG_VERSION}-py{sys.version_info[0]}.{sys.version_info[1]}-{hashlib.sha256(bytes(base)).hexdigest()[:10]}"
-    folder = pip_cache_folder() / "jupyter-gpupool-test-envs"
-    folder.mkdir(parents=True, exist_ok=True)
-    root, done = folder / key, folder / key / ".built"
-    with open(folder / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another run building it: wait for that one
-        env = Environment(root)
-        if done.exists():
-            check = subprocess.run([str(env.python), "-c", "import enterprise_gateway"], capture_output=True, env=env.variables(), check=False)
-            if check.returncode == 0:
-                return env
-        done.unlink(missing_ok=True)
-        try:
-            env = environment_of_its_own(root, [f"jupyter_enterprise_gateway=={EG_VERSION}"], pip_timeout=600)
-        except (RuntimeError, subprocess.TimeoutExpired) as err:
-            pytest.fail(f"Enterprise Gateway {EG_VERSION} could not be installed from the package index: {err}")
-        done.write_text(f"jupyter_enterprise_gateway=={EG_VERSION} for {base}\n")
-        return env
+def enterprise_gateway_environment(root: Path) -> Environment:
+    """Enterprise Gateway's environment, built under ``root`` (this run's temporary folder: a test
+    writes nowhere else). A failed build fails the test with pip's words (an index out of reach
+    included)."""
+    try:
+        return environment_of_its_own(root, [f"jupyter_enterprise_gateway=={EG_VERSION}"], pip_timeout=600)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        pytest.fail(f"Enterprise Gateway {EG_VERSION} could not be installed from the package index: {err}")
 
 
 class EnterpriseGateway(KernelGateway):
@@ -155,7 +129,7 @@ class EnterpriseGateway(KernelGateway):
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnterpriseGateway]:
-    env = enterprise_gateway_environment()
+    env = enterprise_gateway_environment(tmp_path_factory.mktemp("enterprise-gateway-env") / "venv")
     root = tmp_path_factory.mktemp("enterprise-gateway")
     variables, args = documented_gateway(root / "gateway-pool.sqlite")
     assert variables["GPUPOOL_SIMULATE"] == SPEC
