@@ -22,6 +22,7 @@ from typing import Any
 
 from jupyter_gpupool.apps.oracle import OracleRun, no_wait_gpus
 from jupyter_gpupool.apps.simulate import (
+    ModeResult,
     Settings,
     inventory_model,
     make_plans,
@@ -53,7 +54,7 @@ def oracle_on_long_spells(settings: Settings, plans: list[Any], delay: float, ta
     name, memory, _ = inventory_model(settings.gpus)
     for count in range(1, max_gpus + 1):
         run = OracleRun(settings, plans, uniform_backend(name, memory, count))
-        run.run()
+        run.run(ModeResult)
         waits = [w for w, idle in zip(run.waits, run.idle_before, strict=True) if idle >= delay]
         if percentile(waits, 95) <= target:
             return count

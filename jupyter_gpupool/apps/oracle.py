@@ -25,11 +25,14 @@ import math
 import statistics
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-# The simulator imports this module when a run asks for the oracle, after its own module is loaded.
-from jupyter_gpupool.apps.simulate import ModeResult, SessionPlan, Settings, jain_index, percentile
+from jupyter_gpupool.apps.simstats import jain_index, percentile
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput
+
+if TYPE_CHECKING:  # the simulator runs the oracle: its types only, so no import cycle
+    from jupyter_gpupool.apps.simulate import ModeResult, SessionPlan, Settings
 
 _ARRIVE, _PHASE_END, _GIVEUP, _TICK = 0, 1, 2, 3
 
@@ -112,7 +115,8 @@ class OracleRun:
         self.seq += 1
         heapq.heappush(self.heap, (t, kind, self.seq, index, gen))
 
-    def run(self) -> ModeResult:
+    def run(self, result_type: type[ModeResult]) -> ModeResult:
+        """Run every session; the figures as ``result_type`` (the simulator's ``ModeResult``)."""
         started = time.perf_counter()
         horizon = self.settings.days * 86400
         for plan in self.plans:
@@ -133,7 +137,7 @@ class OracleRun:
                 self._phase_end(index, t)
             elif kind == _GIVEUP and gen == self.gen[index] and self.state[index] == "waiting":
                 self._give_up(index, t)
-        return self._result(horizon, time.perf_counter() - started)
+        return self._result(result_type, horizon, time.perf_counter() - started)
 
     def _enter_phase(self, index: int, t: float) -> None:
         """The session's current phase begins: an idle spell runs its course, a cell asks for memory."""
@@ -201,7 +205,7 @@ class OracleRun:
         user = self.plans[index].user
         self.user_wait[user] = self.user_wait.get(user, 0.0) + wait
 
-    def _result(self, horizon: float, elapsed: float) -> ModeResult:
+    def _result(self, result_type: type[ModeResult], horizon: float, elapsed: float) -> ModeResult:
         still = 0
         for index, state in enumerate(self.state):
             if state == "waiting":
@@ -216,7 +220,7 @@ class OracleRun:
             shares.append(held / (held + waited) if held + waited > 0 else 1.0)
         capacity = self.gpu_count * self.gpu_size
         held_pct = 100 * self.held_sum / (capacity * max(1, self.ticks))
-        return ModeResult(
+        return result_type(
             mode="oracle",
             inventory=self.backend.describe().removeprefix("simulated "),
             gpus=self.gpu_count,

@@ -81,6 +81,8 @@ from traitlets.config import Config
 
 from jupyter_gpupool.application import GpuPoolBaseApp
 from jupyter_gpupool.apps.cli import table
+from jupyter_gpupool.apps.oracle import OracleRun
+from jupyter_gpupool.apps.simstats import jain_index, percentile
 from jupyter_gpupool.apps.workload import MemoryNeed, Workload, load_workload, parse_memory_need, parse_session_length
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import Activity, LeaseRequest
@@ -413,21 +415,6 @@ class ModeResult:
         return data
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def jain_index(values: Iterable[float]) -> float:
-    """Jain's fairness index (Σx)² / (n·Σx²): 1 when all equal, 1/n when one gets everything."""
-    xs = list(values)
-    squares = sum(x * x for x in xs)
-    if not xs or squares == 0:
-        return 1.0
-    return sum(xs) ** 2 / (len(xs) * squares)
 
 
 # --- one run ----------------------------------------------------------------------------------------
@@ -1121,9 +1108,7 @@ def simulate(settings: Settings, modes: Iterable[str] = MODES, workload: Workloa
 def run_mode(settings: Settings, plans: list[SessionPlan], mode: str, backend: SimulatedBackend, config: Config | None = None) -> ModeResult:
     """One mode on one inventory: the pool's modes through :class:`LabRun`, the oracle without the pool."""
     if mode == "oracle":
-        from jupyter_gpupool.apps.oracle import OracleRun
-
-        return OracleRun(settings, plans, backend).run()
+        return OracleRun(settings, plans, backend).run(ModeResult)
     return LabRun(settings, plans, mode, backend, config).run()
 
 
