@@ -117,8 +117,9 @@ def test_a_kernel_that_released_and_reserved_again_counts_for_its_new_lease(pool
     pool.release(old.id)
     new = _granted(pool, "alice", 6, kernel_id="k1")
     env = {**os.environ, "GPUPOOL_LEASE_ID": old.id, "GPUPOOL_KERNEL_ID": "k1"}
-    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"], env=env, stdout=subprocess.PIPE)
     try:
+        assert kernel.stdout is not None and kernel.stdout.readline().strip() == b"ready"  # running, its environment set
         _use(pool, kernel.pid, 5)
         seen = attribute(pool.backend.process_usage(), {new.id: pool.get(new.id)}, HOSTNAME)
         assert seen.usage == {new.id: 5 * GIB} and seen.unpooled == []
