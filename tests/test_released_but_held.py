@@ -20,9 +20,11 @@ from jupyter_gpupool.units import GIB
 @contextmanager
 def kernel_process(lease_id: str) -> Iterator[subprocess.Popen[bytes]]:
     """A process started with the lease in its environment, as a kernel is."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                            env={"GPUPOOL_LEASE_ID": lease_id, "PATH": "/usr/bin:/bin"})
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"],
+                            env={"GPUPOOL_LEASE_ID": lease_id, "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE)
     try:
+        # Running, its environment its own: between fork and exec it still has this test's.
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         yield proc
     finally:
         proc.kill()
