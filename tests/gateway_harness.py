@@ -37,13 +37,16 @@ class KernelGateway:
                 environ.pop(key, None)
             else:
                 environ[key] = value
+        argv = [sys.executable, "-m", "jupyter", "kernelgateway", f"--KernelGatewayApp.port={self.port}",
+                "--KernelGatewayApp.ip=127.0.0.1", *args]
+        self.serve(argv, environ, root, "the kernel gateway", start_timeout)
+
+    def serve(self, argv: list[str], environ: dict[str, str], root: Path, what: str, start_timeout: float) -> None:
+        """Start ``argv`` (a gateway on ``self.port``), its output in ``root/gateway.log``; return once
+        it answers, or stop it and fail with the end of its log."""
         self.log_path = root / "gateway.log"
         self.log = open(self.log_path, "a")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter", "kernelgateway", f"--KernelGatewayApp.port={self.port}",
-             "--KernelGatewayApp.ip=127.0.0.1", *args],
-            env=environ, stdout=self.log, stderr=subprocess.STDOUT,
-        )
+        self.proc = subprocess.Popen(argv, env=environ, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
             try:
@@ -53,7 +56,8 @@ class KernelGateway:
                 if self.proc.poll() is not None:
                     break
                 time.sleep(0.3)
-        raise AssertionError(f"the kernel gateway did not start: {self.log_path.read_text()[-2000:]}")
+        self.stop()
+        raise AssertionError(f"{what} did not start: {self.log_path.read_text()[-3000:]}")
 
     def call(self, method: str, path: str, body: Any = None, timeout: float = 60) -> Any:
         data = json.dumps(body).encode() if body is not None else None

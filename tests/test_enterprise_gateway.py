@@ -18,8 +18,6 @@ import pwd
 import shlex
 import subprocess
 import sys
-import time
-import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,23 +106,8 @@ class EnterpriseGateway(KernelGateway):
         for name in [n for n in environ if n.startswith(("GPUPOOL_", "EG_", "KG_", "JUPYTERHUB_"))]:
             del environ[name]
         environ.update(variables, JUPYTER_PATH=str(root / "jupyter"), JUPYTER_RUNTIME_DIR=str(root / "runtime"))
-        self.log_path = root / "gateway.log"
-        self.log = open(self.log_path, "a")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [str(env.bin / "jupyter"), "enterprisegateway", "--ip=127.0.0.1", f"--port={self.port}", "--port_retries=0", *args],
-            env=environ, stdout=self.log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            try:
-                self.call("GET", "api")
-                return
-            except (urllib.error.URLError, ConnectionError):
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.3)
-        self.stop()
-        raise AssertionError(f"Enterprise Gateway did not start: {self.log_path.read_text()[-3000:]}")
+        argv = [str(env.bin / "jupyter"), "enterprisegateway", "--ip=127.0.0.1", f"--port={self.port}", "--port_retries=0", *args]
+        self.serve(argv, environ, root, "Enterprise Gateway", start_timeout)
 
 
 @pytest.fixture(scope="module")
