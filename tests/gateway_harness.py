@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from server_process import free_port
+from server_process import free_port, stop_process
 
 
 class KernelGateway:
@@ -70,13 +70,7 @@ class KernelGateway:
         return {k["id"] for k in self.call("GET", "api/kernels")}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 
