@@ -32,9 +32,6 @@ STILL_OVER: dict[tuple[str, str], int] = {
     ("function", "core/engine.py:Engine._plan_reservation_reclaims"): 88,
     ("function", "core/engine.py:Engine.resize"): 83,
     ("module", "devices/checkpoint.py"): 937,
-    ("function", "enforcement/plan.py:plan_enforcement"): 103,
-    ("function", "enforcement/unpooled.py:attribute"): 87,
-    ("function", "rest/metrics.py:PoolCollector.collect"): 143,
     ("module", "serverextension/app.py"): 1552,
     ("class", "serverextension/app.py:GpuPoolExtension"): 1399,
 }

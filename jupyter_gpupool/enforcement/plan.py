@@ -90,6 +90,110 @@ def memory_fraction(memory: int, devices: Sequence[Device]) -> float:
     return max(0.001, min(1.0, math.floor(fraction * 1000) / 1000))
 
 
+@dataclass
+class _PlanDraft:
+    """The plan of a granted slice while its mechanisms are added, strongest first."""
+
+    lease: Lease
+    held: list[Device]
+    env: dict[str, str]
+    mib: int
+    size: str
+    prepend: dict[str, str] = field(default_factory=dict)
+    mechanisms: list[str] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+    level: str = "soft"
+    fixed_because: str = ""
+    partition: tuple[int, int] | None = None
+
+    @property
+    def share(self) -> str:
+        """The compute share as the description words it ("" when none)."""
+        return f", {self.lease.compute_share}% of the SMs" if self.lease.compute_share else ""
+
+
+def _no_slice_plan(lease: Lease) -> EnforcementPlan:
+    """A lease without a slice: an environment that hides every GPU."""
+    why = {
+        LeaseState.QUEUED: "waiting in the queue: no GPU yet",
+        LeaseState.RELEASED: "slice released: no GPU",
+    }.get(lease.state, "no GPU slice")
+    return EnforcementPlan(
+        env={"CUDA_VISIBLE_DEVICES": "", "GPUPOOL_LEASE_ID": lease.id, "GPUPOOL_ENFORCEMENT": "none"},
+        level="none",
+        mechanisms=(),
+        description=why,
+    )
+
+
+def _add_mig(draft: _PlanDraft) -> None:
+    """The slice is whole MIG instances: the GPU isolates it."""
+    draft.mechanisms.append("mig")
+    draft.level = "hard"
+    smallest = format_size(min(d.memory_total for d in draft.held))
+    draft.parts.append(f"MIG instance ({smallest}): memory and compute isolated by the GPU")
+    draft.fixed_because = "a MIG instance has a fixed size"
+
+
+def _add_mps(draft: _PlanDraft, config: EnforcementConfig) -> None:
+    """CUDA MPS pins the kernel's memory (and, with partitioning, bounds an elastic slice)."""
+    lease, env = draft.lease, draft.env
+    assert config.mps_pipe_directory
+    draft.mechanisms.append("mps")
+    draft.level = "strong"
+    env["CUDA_MPS_PIPE_DIRECTORY"] = config.mps_pipe_directory
+    if config.mps_memory_partitioning and lease.elastic:
+        # The hard bound is the limit: the slice grows under it, its guarantee is the soft bound.
+        limit = int(lease.limit_size)
+        draft.partition = (int(lease.guarantee_size), limit)
+        draft.mib = max(1, limit // MIB)
+        draft.parts.append(
+            f"CUDA MPS guarantees this kernel {format_size(lease.guarantee_size)} and fails allocations above "
+            f"{format_size(limit)}{draft.share} (memory partitioning)"
+        )
+    else:
+        draft.fixed_because = "CUDA MPS sets a kernel's memory limit when it starts"
+        draft.parts.append(f"CUDA MPS limits this kernel to {draft.size}{draft.share}; allocations above it fail")
+    # Indices are relative to CUDA_VISIBLE_DEVICES: 0..n-1.
+    env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={draft.mib}M" for i in range(len(lease.devices)))
+    if lease.compute_share:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(lease.compute_share))
+
+
+def _add_hami(draft: _PlanDraft, config: EnforcementConfig) -> None:
+    """HAMi-core, preloaded, caps what the CUDA driver hands the kernel."""
+    lease, env = draft.lease, draft.env
+    assert config.hami_library
+    draft.mechanisms.append("hami")
+    draft.level = "strong"
+    draft.prepend["LD_PRELOAD"] = config.hami_library
+    for i in range(len(lease.devices)):
+        env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{draft.mib}m"
+        if lease.compute_share:
+            env[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(int(lease.compute_share))
+    # One shared-region file per lease: the limit is a per-kernel budget, not a per-user one.
+    cache_dir = config.hami_cache_dir or "/tmp"
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = os.path.join(cache_dir, f"gpupool-{lease.id}.cache")
+    draft.parts.append(f"HAMi-core limits this kernel to {draft.size}{draft.share}; allocations above it fail")
+    draft.fixed_because = "HAMi-core sets a kernel's memory limit when it starts"
+
+
+def _add_framework_caps(draft: _PlanDraft) -> None:
+    """PyTorch, JAX, CuPy and TensorFlow cap themselves at the slice."""
+    memory, env = int(draft.lease.memory), draft.env
+    draft.mechanisms.append("framework-caps")
+    fraction = memory_fraction(memory, draft.held)
+    env["GPUPOOL_MEMORY_FRACTION"] = f"{fraction:.3f}"
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.3f}"
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["CUPY_GPU_MEMORY_LIMIT"] = str(memory)
+    env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
+    if not draft.parts:
+        draft.parts.append(f"PyTorch, JAX, CuPy and TensorFlow are capped at {draft.size}")
+    else:
+        draft.parts.append("frameworks capped too")
+
+
 def plan_enforcement(
     lease: Lease,
     devices: Sequence[Device] | Mapping[str, Device],
@@ -103,95 +207,36 @@ def plan_enforcement(
     config = config or EnforcementConfig()
     by_uuid = dict(devices) if isinstance(devices, Mapping) else {d.uuid: d for d in devices}
     if lease.state not in (LeaseState.GRANTED, LeaseState.SUSPENDED) or not lease.devices:
-        why = {
-            LeaseState.QUEUED: "waiting in the queue: no GPU yet",
-            LeaseState.RELEASED: "slice released: no GPU",
-        }.get(lease.state, "no GPU slice")
-        return EnforcementPlan(
-            env={"CUDA_VISIBLE_DEVICES": "", "GPUPOOL_LEASE_ID": lease.id, "GPUPOOL_ENFORCEMENT": "none"},
-            level="none",
-            mechanisms=(),
-            description=why,
-        )
+        return _no_slice_plan(lease)
 
     held = [by_uuid[u] for u in lease.devices if u in by_uuid]
     memory = int(lease.memory)
-    mib = max(1, memory // MIB)
-    env: dict[str, str] = {
-        "CUDA_VISIBLE_DEVICES": ",".join(lease.devices),
-        "GPUPOOL_LEASE_ID": lease.id,
-        "GPUPOOL_MEMORY_LIMIT": str(memory),
-    }
-    prepend: dict[str, str] = {}
-    mechanisms: list[str] = []
-    parts: list[str] = []
-    level = "soft"
-    fixed_because = ""
-    partition: tuple[int, int] | None = None
-    size = format_size(memory) + (f" on each of {len(lease.devices)} GPUs" if len(lease.devices) > 1 else "")
-
-    is_mig = bool(held) and all(d.is_mig for d in held)
-    if is_mig:
-        mechanisms.append("mig")
-        level = "hard"
-        parts.append(f"MIG instance ({format_size(min(d.memory_total for d in held))}): memory and compute isolated by the GPU")
-        fixed_because = "a MIG instance has a fixed size"
+    draft = _PlanDraft(
+        lease=lease,
+        held=held,
+        env={
+            "CUDA_VISIBLE_DEVICES": ",".join(lease.devices),
+            "GPUPOOL_LEASE_ID": lease.id,
+            "GPUPOOL_MEMORY_LIMIT": str(memory),
+        },
+        mib=max(1, memory // MIB),
+        size=format_size(memory) + (f" on each of {len(lease.devices)} GPUs" if len(lease.devices) > 1 else ""),
+    )
+    if bool(held) and all(d.is_mig for d in held):
+        _add_mig(draft)
     elif config.mps_pipe_directory:
-        mechanisms.append("mps")
-        level = "strong"
-        env["CUDA_MPS_PIPE_DIRECTORY"] = config.mps_pipe_directory
-        share = f", {lease.compute_share}% of the SMs" if lease.compute_share else ""
-        if config.mps_memory_partitioning and lease.elastic:
-            # The hard bound is the limit: the slice grows under it, its guarantee is the soft bound.
-            limit = int(lease.limit_size)
-            partition = (int(lease.guarantee_size), limit)
-            mib = max(1, limit // MIB)
-            parts.append(
-                f"CUDA MPS guarantees this kernel {format_size(lease.guarantee_size)} and fails allocations above "
-                f"{format_size(limit)}{share} (memory partitioning)"
-            )
-        else:
-            fixed_because = "CUDA MPS sets a kernel's memory limit when it starts"
-            parts.append(f"CUDA MPS limits this kernel to {size}{share}; allocations above it fail")
-        # Indices are relative to CUDA_VISIBLE_DEVICES: 0..n-1.
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={mib}M" for i in range(len(lease.devices)))
-        if lease.compute_share:
-            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(int(lease.compute_share))
+        _add_mps(draft, config)
     elif config.hami_library:
-        mechanisms.append("hami")
-        level = "strong"
-        prepend["LD_PRELOAD"] = config.hami_library
-        for i in range(len(lease.devices)):
-            env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{mib}m"
-            if lease.compute_share:
-                env[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(int(lease.compute_share))
-        # One shared-region file per lease: the limit is a per-kernel budget, not a per-user one.
-        cache_dir = config.hami_cache_dir or "/tmp"
-        env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = os.path.join(cache_dir, f"gpupool-{lease.id}.cache")
-        share = f", {lease.compute_share}% of the SMs" if lease.compute_share else ""
-        parts.append(f"HAMi-core limits this kernel to {size}{share}; allocations above it fail")
-        fixed_because = "HAMi-core sets a kernel's memory limit when it starts"
-
+        _add_hami(draft, config)
     if config.framework_caps:
-        mechanisms.append("framework-caps")
-        fraction = memory_fraction(memory, held)
-        env["GPUPOOL_MEMORY_FRACTION"] = f"{fraction:.3f}"
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.3f}"
-        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        env["CUPY_GPU_MEMORY_LIMIT"] = str(memory)
-        env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
-        if not parts:
-            parts.append(f"PyTorch, JAX, CuPy and TensorFlow are capped at {size}")
-        else:
-            parts.append("frameworks capped too")
+        _add_framework_caps(draft)
 
-    mechanisms.append("watchdog")
-    parts.append("the watchdog stops a kernel far over it" if level == "soft" else "the watchdog checks usage")
-    env["GPUPOOL_ENFORCEMENT"] = level
-    description = "; ".join(parts) + "."
+    draft.mechanisms.append("watchdog")
+    draft.parts.append("the watchdog stops a kernel far over it" if draft.level == "soft" else "the watchdog checks usage")
+    draft.env["GPUPOOL_ENFORCEMENT"] = draft.level
     return EnforcementPlan(
-        env=env, level=level, mechanisms=tuple(mechanisms), description=description, prepend=prepend,
-        fixed_because=fixed_because, partition=partition,
+        env=draft.env, level=draft.level, mechanisms=tuple(draft.mechanisms), description="; ".join(draft.parts) + ".",
+        prepend=draft.prepend, fixed_because=draft.fixed_because, partition=draft.partition,
     )
 
 

@@ -205,6 +205,52 @@ def _may_signal(proc: psutil.Process, procs: _Processes) -> bool:
     return os.geteuid() == 0 or procs.uid(proc) == os.getuid()
 
 
+def _live_known_roots(known_roots: Mapping[str, int], leases: Mapping[str, Lease], result: Attribution) -> dict[int, str]:
+    """The watcher's own kernels that are alive, pid → lease id; each recorded as its lease's root
+    in ``result`` (with a usage of 0 while granted, so an over-limit mark can clear)."""
+    known: dict[int, str] = {}
+    for lease_id, pid in known_roots.items():
+        lease = leases.get(lease_id)
+        if pid is None or int(pid) in known:
+            continue
+        try:
+            proc = psutil.Process(int(pid))
+        except (psutil.Error, ValueError):
+            continue
+        if not _alive(proc):
+            continue
+        known[int(pid)] = lease_id
+        result.roots[lease_id] = int(pid)
+        if lease is not None and lease.state is LeaseState.GRANTED:
+            result.usage[lease_id] = 0
+    return known
+
+
+def _memory_per_process(processes: Iterable[ProcessUsage]) -> dict[int, dict[str, int]]:
+    """The memory each process uses, pid → device uuid → bytes (processes using none left out)."""
+    per_process: dict[int, dict[str, int]] = {}
+    for usage in processes:
+        used = max(0, int(usage.used_memory))
+        if used:
+            devices = per_process.setdefault(int(usage.pid), {})
+            devices[usage.device_uuid] = devices.get(usage.device_uuid, 0) + used
+    return per_process
+
+
+def _inspect(pid: int) -> tuple[psutil.Process | None, list[psutil.Process], bool]:
+    """The process, its chain of ancestors (itself first), and whether it is hidden from this watcher."""
+    try:
+        proc = psutil.Process(pid)
+        return proc, [proc, *proc.parents()], False
+    except psutil.NoSuchProcess:
+        # Not in this watcher's process table: it just exited, or it runs in another PID
+        # namespace (a container) that uses the same GPU. Counted (conservatively, until the
+        # next look), never stopped.
+        return None, [], True
+    except (psutil.Error, ValueError):
+        return None, [], False  # cannot be inspected: counted, never stopped
+
+
 def attribute(
     processes: Iterable[ProcessUsage],
     leases: Mapping[str, Lease],
@@ -228,39 +274,9 @@ def attribute(
     procs = _Processes(env_var, leases, users, host)
     system = set(system_processes)
     result = Attribution()
-    known: dict[int, str] = {}
-    for lease_id, pid in (known_roots or {}).items():
-        lease = leases.get(lease_id)
-        if pid is None or int(pid) in known:
-            continue
-        try:
-            proc = psutil.Process(int(pid))
-        except (psutil.Error, ValueError):
-            continue
-        if not _alive(proc):
-            continue
-        known[int(pid)] = lease_id
-        result.roots[lease_id] = int(pid)
-        if lease is not None and lease.state is LeaseState.GRANTED:
-            result.usage[lease_id] = 0
-    per_process: dict[int, dict[str, int]] = {}
-    for usage in processes:
-        used = max(0, int(usage.used_memory))
-        if used:
-            devices = per_process.setdefault(int(usage.pid), {})
-            devices[usage.device_uuid] = devices.get(usage.device_uuid, 0) + used
-    for pid, on_devices in per_process.items():
-        hidden = False
-        try:
-            proc = psutil.Process(pid)
-            chain = [proc, *proc.parents()]
-        except psutil.NoSuchProcess:
-            # Not in this watcher's process table: it just exited, or it runs in another PID
-            # namespace (a container) that uses the same GPU. Counted (conservatively, until the
-            # next look), never stopped.
-            proc, chain, hidden = None, [], True  # type: ignore[assignment]
-        except (psutil.Error, ValueError):
-            proc, chain = None, []  # type: ignore[assignment]  # cannot be inspected: counted, never stopped
+    known = _live_known_roots(known_roots or {}, leases, result)
+    for pid, on_devices in _memory_per_process(processes).items():
+        proc, chain, hidden = _inspect(pid)
         if proc is not None and not _alive(proc):
             continue
         owner = _kernel_of(chain, leases, known, procs) if chain else None

@@ -188,146 +188,156 @@ class PoolCollector(Collector):
     def collect(self) -> Iterator[Any]:
         with self._lock:
             snapshot = self.pool.snapshot(admin=True)
-            now = snapshot.now
-            labels = ["gpu", "uuid", "name"]
-            families = {
-                "memory_total": GaugeMetricFamily(
-                    "gpupool_device_memory_total_bytes", "GPU memory per device.", labels=labels
-                ),
-                "memory_leasable": GaugeMetricFamily(
-                    "gpupool_device_memory_leasable_bytes",
-                    "Memory the pool may lease per device (total × overcommit).",
-                    labels=labels,
-                ),
-                "memory_leased": GaugeMetricFamily(
-                    "gpupool_device_memory_leased_bytes", "Memory held by leases per device.", labels=labels
-                ),
-                "memory_used": GaugeMetricFamily(
-                    "gpupool_device_memory_used_bytes", "Memory in use per device (driver or watchdog).", labels=labels
-                ),
-                "healthy": GaugeMetricFamily(
-                    "gpupool_device_healthy", "1 if the device is healthy, 0 if lost or failing.", labels=labels
-                ),
-                "unpooled": GaugeMetricFamily(
-                    "gpupool_unpooled_bytes",
-                    "GPU memory per device held by processes outside any granted lease (never granted).",
-                    labels=labels,
-                ),
-            }
-            totals = {"memory_total": 0, "memory_leasable": 0, "memory_leased": 0, "memory_used": 0}
-            frees: list[int] = []
-            for d in snapshot.devices:
-                values = [str(d["index"]), str(d["uuid"]), str(d["name"])]
-                for key in totals:
-                    families[key].add_metric(values, float(d[key]))
-                    totals[key] += int(d[key])
-                families["healthy"].add_metric(values, 1.0 if d["healthy"] else 0.0)
-                families["unpooled"].add_metric(values, float(d.get("memory_unpooled") or 0))
-                if d["healthy"]:
-                    frees.append(int(d["memory_leasable"]) - int(d["memory_leased"]))
-            yield from families.values()
-            yield GaugeMetricFamily(
-                "gpupool_memory_total_bytes", "GPU memory of every pooled device.", value=totals["memory_total"]
-            )
-            yield GaugeMetricFamily(
-                "gpupool_memory_leased_bytes", "GPU memory held by leases, all devices.", value=totals["memory_leased"]
-            )
-            yield GaugeMetricFamily(
-                "gpupool_memory_used_bytes", "GPU memory in use, all devices.", value=totals["memory_used"]
-            )
-            ratio = totals["memory_leased"] / totals["memory_leasable"] if totals["memory_leasable"] else 0.0
-            yield GaugeMetricFamily(
-                "gpupool_memory_leased_ratio", "Leased share of leasable memory (0..1).", value=ratio
-            )
-
-            by_state = GaugeMetricFamily("gpupool_leases", "Live leases by state.", labels=["state"])
-            counts: dict[str, int] = {"granted": 0, "queued": 0, "suspended": 0}
-            for lease in snapshot.leases:
-                counts[lease["state"]] = counts.get(lease["state"], 0) + 1
-            for state, count in sorted(counts.items()):
-                by_state.add_metric([state], count)
-            yield by_state
-            yield GaugeMetricFamily("gpupool_queue_length", "Requests waiting for a slice.", value=len(snapshot.queue))
-            oldest = max((now - q["created_at"] for q in snapshot.queue), default=0.0)
-            yield GaugeMetricFamily(
-                "gpupool_queue_oldest_wait_seconds",
-                "How long the longest-waiting request has waited (0 when none).",
-                value=oldest,
-            )
-            yield GaugeMetricFamily(
-                "gpupool_largest_free_bytes", "Largest free memory on one healthy device.", value=max(frees, default=0)
-            )
-            try:
-                request = int(self.pool.default_memory())
-            except Exception:  # noqa: BLE001 - a metric must never fail the scrape
-                request = 0
-            yield GaugeMetricFamily(
-                "gpupool_fragmentation_ratio",
-                "Share of free memory in pieces smaller than the default slice (0 = none stranded).",
-                value=fragmentation(frees, request),
-            )
-
-            transitions = GaugeMetricFamily(
-                "gpupool_transitions",
-                "Kernels whose GPU memory is being suspended, restored or moved now (their servers confirm).",
-                labels=["transition"],
-            )
-            steps = {"suspending": 0, "restoring": 0, "migrating": 0}
-            for lease in snapshot.leases:
-                if lease.get("transition") in steps:
-                    steps[lease["transition"]] += 1
-            for step, count in steps.items():
-                transitions.add_metric([step], count)
-            yield transitions
-            yield GaugeMetricFamily(
-                "gpupool_parked_memory_bytes",
-                "Host RAM taken by suspended kernels' parked GPU memory (and set aside for suspends under way).",
-                value=sum(int(lease.get("parked_memory") or 0) for lease in snapshot.leases),
-            )
-            granted = [lease for lease in snapshot.leases if lease.get("state") == "granted"]
-            guaranteed = sum(int(l.get("guarantee") or l["memory"]) * int(l.get("num_gpus") or 1) for l in granted)
-            yield GaugeMetricFamily(
-                "gpupool_memory_guaranteed_bytes",
-                "GPU memory granted leases are guaranteed (never taken back for anyone's request).",
-                value=guaranteed,
-            )
-            yield GaugeMetricFamily(
-                "gpupool_memory_burst_bytes",
-                "GPU memory elastic slices hold above their guarantee now (taken back first under pressure).",
-                value=sum(int(l["memory"]) * int(l.get("num_gpus") or 1) for l in granted) - guaranteed,
-            )
-            yield GaugeMetricFamily(
-                "gpupool_parked_memory_limit_bytes",
-                "Host RAM parked GPU memory may take together (PoolPolicy.parked_memory_limit; 0: none).",
-                value=self._parked_limit(),
-            )
-            yield CounterMetricFamily(
-                "gpupool_parked_seconds",
-                "Seconds kernels have spent suspended, summed over kernels (its rate: kernels suspended on average).",
-                value=self._parked_seconds(snapshot.leases, now),
-            )
-
+            yield from self._device_families(snapshot)
+            yield from self._lease_families(snapshot)
+            yield from self._transition_families(snapshot)
             self._observe_grants()
-            yield self._waits.family(
-                "gpupool_wait_seconds", "Seconds from a request to its grant (granted leases, counted once)."
-            )
-            yield CounterMetricFamily(
-                "gpupool_resumes",
-                "Suspended kernels granted a GPU again to be restored onto (each resume counted once).",
-                value=float(len(self._resumes_seen)),
-            )
-            yield self._resume_waits.family(
-                "gpupool_resume_wait_seconds",
-                "Seconds a suspended kernel waited for a GPU, from its resume to its grant.",
-            )
-            yield self._restores.family(
-                "gpupool_restore_seconds",
-                "Seconds from a resumed kernel's grant to its server confirming the restore (as the pool's server saw them: the broker, or a single-user server).",
-            )
-
+            yield from self._wait_families()
             event_counts = self.pool.store.event_counts()
             for kind, (name, text) in DECISION_COUNTERS.items():
                 yield CounterMetricFamily(name, text, value=float(event_counts.get(kind, 0)))
+
+    @staticmethod
+    def _device_families(snapshot: Any) -> Iterator[Any]:
+        """Per-device memory and health, then the pool-wide memory totals."""
+        labels = ["gpu", "uuid", "name"]
+        families = {
+            "memory_total": GaugeMetricFamily(
+                "gpupool_device_memory_total_bytes", "GPU memory per device.", labels=labels
+            ),
+            "memory_leasable": GaugeMetricFamily(
+                "gpupool_device_memory_leasable_bytes",
+                "Memory the pool may lease per device (total × overcommit).",
+                labels=labels,
+            ),
+            "memory_leased": GaugeMetricFamily(
+                "gpupool_device_memory_leased_bytes", "Memory held by leases per device.", labels=labels
+            ),
+            "memory_used": GaugeMetricFamily(
+                "gpupool_device_memory_used_bytes", "Memory in use per device (driver or watchdog).", labels=labels
+            ),
+            "healthy": GaugeMetricFamily(
+                "gpupool_device_healthy", "1 if the device is healthy, 0 if lost or failing.", labels=labels
+            ),
+            "unpooled": GaugeMetricFamily(
+                "gpupool_unpooled_bytes",
+                "GPU memory per device held by processes outside any granted lease (never granted).",
+                labels=labels,
+            ),
+        }
+        totals = {"memory_total": 0, "memory_leasable": 0, "memory_leased": 0, "memory_used": 0}
+        for d in snapshot.devices:
+            values = [str(d["index"]), str(d["uuid"]), str(d["name"])]
+            for key in totals:
+                families[key].add_metric(values, float(d[key]))
+                totals[key] += int(d[key])
+            families["healthy"].add_metric(values, 1.0 if d["healthy"] else 0.0)
+            families["unpooled"].add_metric(values, float(d.get("memory_unpooled") or 0))
+        yield from families.values()
+        yield GaugeMetricFamily(
+            "gpupool_memory_total_bytes", "GPU memory of every pooled device.", value=totals["memory_total"]
+        )
+        yield GaugeMetricFamily(
+            "gpupool_memory_leased_bytes", "GPU memory held by leases, all devices.", value=totals["memory_leased"]
+        )
+        yield GaugeMetricFamily(
+            "gpupool_memory_used_bytes", "GPU memory in use, all devices.", value=totals["memory_used"]
+        )
+        ratio = totals["memory_leased"] / totals["memory_leasable"] if totals["memory_leasable"] else 0.0
+        yield GaugeMetricFamily(
+            "gpupool_memory_leased_ratio", "Leased share of leasable memory (0..1).", value=ratio
+        )
+
+    def _lease_families(self, snapshot: Any) -> Iterator[Any]:
+        """Leases by state, the queue, and how free memory lies on the healthy devices."""
+        by_state = GaugeMetricFamily("gpupool_leases", "Live leases by state.", labels=["state"])
+        counts: dict[str, int] = {"granted": 0, "queued": 0, "suspended": 0}
+        for lease in snapshot.leases:
+            counts[lease["state"]] = counts.get(lease["state"], 0) + 1
+        for state, count in sorted(counts.items()):
+            by_state.add_metric([state], count)
+        yield by_state
+        yield GaugeMetricFamily("gpupool_queue_length", "Requests waiting for a slice.", value=len(snapshot.queue))
+        oldest = max((snapshot.now - q["created_at"] for q in snapshot.queue), default=0.0)
+        yield GaugeMetricFamily(
+            "gpupool_queue_oldest_wait_seconds",
+            "How long the longest-waiting request has waited (0 when none).",
+            value=oldest,
+        )
+        frees = [int(d["memory_leasable"]) - int(d["memory_leased"]) for d in snapshot.devices if d["healthy"]]
+        yield GaugeMetricFamily(
+            "gpupool_largest_free_bytes", "Largest free memory on one healthy device.", value=max(frees, default=0)
+        )
+        try:
+            request = int(self.pool.default_memory())
+        except Exception:  # noqa: BLE001 - a metric must never fail the scrape
+            request = 0
+        yield GaugeMetricFamily(
+            "gpupool_fragmentation_ratio",
+            "Share of free memory in pieces smaller than the default slice (0 = none stranded).",
+            value=fragmentation(frees, request),
+        )
+
+    def _transition_families(self, snapshot: Any) -> Iterator[Any]:
+        """Suspends, restores and moves under way; parked host memory; guaranteed and burst memory."""
+        transitions = GaugeMetricFamily(
+            "gpupool_transitions",
+            "Kernels whose GPU memory is being suspended, restored or moved now (their servers confirm).",
+            labels=["transition"],
+        )
+        steps = {"suspending": 0, "restoring": 0, "migrating": 0}
+        for lease in snapshot.leases:
+            if lease.get("transition") in steps:
+                steps[lease["transition"]] += 1
+        for step, count in steps.items():
+            transitions.add_metric([step], count)
+        yield transitions
+        yield GaugeMetricFamily(
+            "gpupool_parked_memory_bytes",
+            "Host RAM taken by suspended kernels' parked GPU memory (and set aside for suspends under way).",
+            value=sum(int(lease.get("parked_memory") or 0) for lease in snapshot.leases),
+        )
+        granted = [lease for lease in snapshot.leases if lease.get("state") == "granted"]
+        guaranteed = sum(int(l.get("guarantee") or l["memory"]) * int(l.get("num_gpus") or 1) for l in granted)
+        yield GaugeMetricFamily(
+            "gpupool_memory_guaranteed_bytes",
+            "GPU memory granted leases are guaranteed (never taken back for anyone's request).",
+            value=guaranteed,
+        )
+        yield GaugeMetricFamily(
+            "gpupool_memory_burst_bytes",
+            "GPU memory elastic slices hold above their guarantee now (taken back first under pressure).",
+            value=sum(int(l["memory"]) * int(l.get("num_gpus") or 1) for l in granted) - guaranteed,
+        )
+        yield GaugeMetricFamily(
+            "gpupool_parked_memory_limit_bytes",
+            "Host RAM parked GPU memory may take together (PoolPolicy.parked_memory_limit; 0: none).",
+            value=self._parked_limit(),
+        )
+        yield CounterMetricFamily(
+            "gpupool_parked_seconds",
+            "Seconds kernels have spent suspended, summed over kernels (its rate: kernels suspended on average).",
+            value=self._parked_seconds(snapshot.leases, snapshot.now),
+        )
+
+    def _wait_families(self) -> Iterator[Any]:
+        """Waits for a grant, resumes and restores, as observed so far."""
+        yield self._waits.family(
+            "gpupool_wait_seconds", "Seconds from a request to its grant (granted leases, counted once)."
+        )
+        yield CounterMetricFamily(
+            "gpupool_resumes",
+            "Suspended kernels granted a GPU again to be restored onto (each resume counted once).",
+            value=float(len(self._resumes_seen)),
+        )
+        yield self._resume_waits.family(
+            "gpupool_resume_wait_seconds",
+            "Seconds a suspended kernel waited for a GPU, from its resume to its grant.",
+        )
+        yield self._restores.family(
+            "gpupool_restore_seconds",
+            "Seconds from a resumed kernel's grant to its server confirming the restore (as the pool's server saw them: the broker, or a single-user server).",
+        )
 
 
 def make_registry(pool: Any, collector: PoolCollector | None = None) -> CollectorRegistry:
