@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from tornado import web
 
-from jupyter_gpupool.broker.handlers import NotFoundHandler, routes
+from jupyter_gpupool.broker.handlers import NotFoundHandler
+from jupyter_gpupool.broker.routes import routes
 from jupyter_gpupool.core.models import LeaseRequest
 from jupyter_gpupool.serverextension.handlers import default_handlers
 from jupyter_gpupool.units import MIB
@@ -130,6 +131,7 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("PreferencesHandler", "GET"): ("preferences", None, ALL),
     ("PreferencesHandler", "PATCH"): ("preferences", {"memory": "1MiB"}, ALL),
     ("EventsHandler", "GET"): ("events", None, ALL),
+    ("ClaimHandler", "DELETE"): ("claims/k-no-lease-named-it", None, ADMIN),
     ("MetricsHandler", "GET"): ("/metrics", None, ADMIN),
     ("NotFoundHandler", "GET"): ("no-such-route", None, frozenset()),  # 404 for the known, 401/403 first
 }
@@ -192,7 +194,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     }
     alice = harness.remote("tok-alice")
     # A's leases first (the oldest), then thousands of newer ones of other users.
-    targets = [alice.request(LeaseRequest(owner="", memory=MIB, kernel_id=f"k-a-{i}")) for i in range(40)]
+    targets = [alice.request(LeaseRequest(owner="", memory=MIB, kernel_id=f"k-a-{i}")) for i in range(48)]
     harness.on_broker(add_other_leases, harness.pool)
     try:
         yield {"harness": harness, "targets": targets}

@@ -38,8 +38,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes Unix users and 
 
 #: Unix users made for these tests; ``gpo-dave`` is a hub user with no Unix account.
 ALICE, BOB, DAVE, ERIN = "gpo-alice", "gpo-bob", "gpo-dave", "gpo-erin"
+PROF = "prof"  # the pool admin
 TLJH_ERIN = "jupyter-gpo-erin"  # erin's Unix name under The Littlest JupyterHub's template
-TOKENS = {ALICE: "tok-alice", BOB: "tok-bob", DAVE: "tok-dave", ERIN: "tok-erin", "prof": "tok-prof"}
+TOKENS = {ALICE: "tok-alice", BOB: "tok-bob", DAVE: "tok-dave", ERIN: "tok-erin", PROF: "tok-prof"}
 CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
 
@@ -99,7 +100,8 @@ def environ_names(pid: int, lease_id: str) -> bool:
         return False
 
 
-def start_broker(tmp_path: Path, watchdog: dict[str, Any] | None = None, policy: dict[str, Any] | None = None) -> BrokerHarness:
+def start_broker(tmp_path: Path, watchdog: dict[str, Any] | None = None, policy: dict[str, Any] | None = None,
+                 broker: dict[str, Any] | None = None) -> BrokerHarness:
     sockets = Path(tempfile.mkdtemp(prefix="gpo-broker-", dir="/tmp"))  # other users can reach it (the test's TMPDIR is private)
     sockets.chmod(0o755)
     h = BrokerHarness(
@@ -108,9 +110,10 @@ def start_broker(tmp_path: Path, watchdog: dict[str, Any] | None = None, policy:
         simulate="1x16GiB",
         policy={"burst": "0", "heartbeat_ttl": 3600.0, **(policy or {})},
         watchdog={"interval": 0.1, **(watchdog or {})},
+        broker=broker,
     ).start()
     for name, token in TOKENS.items():
-        h.add_user(token, name, admin=name == "prof")
+        h.add_user(token, name, admin=name == PROF)
     return h
 
 
@@ -193,6 +196,45 @@ def test_an_admin_clears_a_stale_claim_from_the_command_line(
     assert status == 201 and alices["owner"] == ALICE
     # From now on the id is alice's: bob is the one refused.
     assert post_lease(broker, BOB, kernel_id="k-stale")[0] == 409
+
+
+def test_an_admin_clears_a_stale_claim_over_http(
+    broker: BrokerHarness, processes: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    server = processes(["/bin/sleep", "120"], user=BOB)
+    status, bobs = post_lease(broker, BOB, kernel_id="k-http", holder_pid=server.pid, holder_host=HOSTNAME)
+    assert status == 201
+
+    def clear(user: str, kernel_id: str = "k-http") -> tuple[int, Any]:
+        return broker.http("DELETE", f"api/gpupool/claims/{kernel_id}", TOKENS[user])
+
+    status, body = clear(PROF)  # a live lease keeps its kernel, admin or not
+    assert status == 409 and "release it first" in body["message"]
+    broker.on_broker(broker.pool.release, bobs["id"])
+    assert post_lease(broker, ALICE, kernel_id="k-http")[0] == 409
+    status, body = clear(ALICE)  # only admins; the refusal changes nothing and names nobody
+    assert status == 403 and BOB not in json.dumps(body)
+    assert post_lease(broker, ALICE, kernel_id="k-http")[0] == 409
+    assert clear(PROF, "k-nobody") == (200, {"kernel_id": "k-nobody", "was_owner": None})
+    assert clear(PROF) == (200, {"kernel_id": "k-http", "was_owner": BOB})
+    [event] = [e for e in events(broker, BOB) if e["kind"] == "claim_cleared"]
+    assert event["kernel_id"] == "k-http" and f"{PROF} (admin, over HTTP)" in event["reason"]
+    status, alices = post_lease(broker, ALICE, kernel_id="k-http")
+    assert status == 201 and alices["owner"] == ALICE
+
+
+def test_the_claims_time_bound_is_the_brokers_setting(tmp_path: Path, unix_users: dict[str, int]) -> None:
+    """``c.Broker.released_claim_seconds`` 0: a released lease whose holder is gone keeps no claim."""
+    h = start_broker(tmp_path, broker={"tick_interval": 0.2, "wait_poll": 0.05, "released_claim_seconds": 0.0})
+    try:
+        status, bobs = post_lease(h, BOB, kernel_id="k-bound")
+        assert status == 201
+        h.on_broker(h.pool.release, bobs["id"])
+        status, alices = post_lease(h, ALICE, kernel_id="k-bound")
+        assert status == 201 and alices["owner"] == ALICE
+    finally:
+        h.stop()
+        shutil.rmtree(os.path.dirname(h.socket_path), ignore_errors=True)
 
 
 def test_a_released_claim_lasts_while_its_holder_runs_or_for_a_bounded_time(tmp_path: Path) -> None:

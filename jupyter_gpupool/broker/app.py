@@ -35,7 +35,7 @@ from jupyter_gpupool.backends.discovery import listen_urls, write_discovery
 from jupyter_gpupool.backends.local.pool import HOSTNAME
 from jupyter_gpupool.broker.auth import Forbidden, HubIdentity, Identity, PeerCredIdentity, Unauthenticated, unix_peer
 from jupyter_gpupool.broker.caller_views import CallerViewVersions
-from jupyter_gpupool.broker.handlers import NotFoundHandler, lease_json, parse_priority, routes
+from jupyter_gpupool.broker.handlers import NotFoundHandler, lease_json, parse_priority
 from jupyter_gpupool.broker.interface import BrokerInterface
 from jupyter_gpupool.broker.limits import (
     ConnectionBook,
@@ -45,6 +45,7 @@ from jupyter_gpupool.broker.limits import (
     raise_descriptor_limit,
 )
 from jupyter_gpupool.broker.open_waits import OpenWaits
+from jupyter_gpupool.broker.routes import routes
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.core.validate import MAX_BODY_BYTES
@@ -129,6 +130,14 @@ class Broker(LoggingConfigurable):
     ).tag(config=True)
     max_header_size = Integer(
         16 * 1024, help="Bytes a request's line and headers may take; a larger head closes the connection."
+    ).tag(config=True)
+    released_claim_seconds = Float(
+        3600.0,
+        min=0.0,
+        help="Seconds a released or ended lease keeps its kernel id for its owner, whatever else is known: "
+        "another user's lease naming that id is refused meanwhile (and for as long as the lease's holder "
+        "process runs on this host). A pool admin clears a stale claim at once with `jupyter gpupool "
+        "clear-claim` or DELETE /api/gpupool/claims/{kernel_id}.",
     ).tag(config=True)
     log_interval = Float(
         60.0,
@@ -355,7 +364,7 @@ class Broker(LoggingConfigurable):
         created = True
         lease = None
         if req.kernel_id:
-            check_kernel_claim(pool, req.kernel_id, identity.name, HOSTNAME)  # live, released or suspended
+            check_kernel_claim(pool, req.kernel_id, identity.name, HOSTNAME, self.released_claim_seconds)  # live, released or suspended
             lease = pool.lease_for_kernel(req.kernel_id)
             if lease is not None and lease.owner != identity.name:
                 raise RequestRefused(f"kernel {req.kernel_id} already has a lease of another user")

@@ -26,8 +26,6 @@ from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, No
 from jupyter_gpupool.rest import anonymous
 from jupyter_gpupool.rest.jsonapi import JsonHandlerMixin, json_object, resize_on
 
-_ID = r"(?P<lease_id>[A-Za-z0-9_.:-]+)"
-_KERNEL = r"(?P<kernel_id>[\w-]+)"
 #: Longest long poll of ``GET .../wait`` in seconds.
 MAX_WAIT = 30.0
 DEFAULT_KEEP = 3600.0
@@ -778,93 +776,6 @@ class KernelResumeHandler(KernelHandlerBase):
         self.write_json(await self.run(resume))
 
 
-# --- metering, reservations, preferences, events --------------------------------------------------------
-class ReportHandler(BrokerHandler):
-    """``GET /api/gpupool/report?since=&until=&by=user|group|kernel&period=none|day|week|month`` (POSIX
-    seconds): admins see all rows, users their own rows of ``by=user``."""
-
-    async def get(self) -> None:
-        by = self.query("by") or "user"  # the pool names the choices (PoolPolicy's report forms)
-        period = self.query("period") or "none"
-        raw_since, raw_until = self.query("since"), self.query("until")
-        since = validate.timestamp(raw_since, "since (POSIX seconds)") if raw_since else None
-        until = validate.timestamp(raw_until, "until (POSIX seconds)") if raw_until else None
-        ident = self.identity
-        if not ident.admin and by != "user":
-            raise NotAuthorized("only pool admins may see reports by group or kernel; ask for by=user")
-
-        def report() -> list[dict[str, Any]]:
-            rows = self.broker.pool.report(since=since, until=until, by=by, period=period)
-            return rows if ident.admin else [row for row in rows if row.get("user") == ident.name]
-
-        self.write_json(await self.run(report))
-
-
-class ReservationsHandler(BrokerHandler):
-    """``GET`` reservations (everyone: they shape the queue); ``POST`` one (admins)."""
-
-    async def get(self) -> None:
-        self.write_json([r.to_json() for r in await self.run(self.broker.pool.reservations)])
-
-    async def post(self) -> None:
-        if not self.identity.admin:
-            raise NotAuthorized("only pool admins may book reservations")
-        spec = validate.reservation_body(self.json_body())
-        reservation = await self.run(self.broker.pool.book_reservation, spec)
-        self.write_json(reservation.to_json(), status=201)
-
-
-class ReservationHandler(BrokerHandler):
-    """``DELETE /api/gpupool/reservations/{name}`` (admins)."""
-
-    async def delete(self, name: str) -> None:
-        if not self.identity.admin:
-            raise NotAuthorized("only pool admins may cancel reservations")
-        await self.run(self.broker.pool.cancel_reservation, name)
-        self.set_status(204)
-        self.finish()
-
-
-class PreferencesHandler(BrokerHandler):
-    """``GET`` / ``PATCH /api/gpupool/preferences``: the caller's saved defaults (memory, num_gpus, ...)."""
-
-    async def get(self) -> None:
-        self.write_json(await self.run(self.broker.pool.preference, self.identity.name))
-
-    async def patch(self) -> None:
-        values = validate.preferences(self.json_body(), self.broker.pool.policy.max_gpus_per_lease)
-        name = self.identity.name
-        await self.run(lambda: self.broker.pool.set_preference(name, **values))
-        self.write_json(await self.run(self.broker.pool.preference, name))
-
-
-class EventsHandler(BrokerHandler):
-    """``GET /api/gpupool/events?after=SEQ``: decisions about the caller's leases (all for admins)."""
-
-    async def get(self) -> None:
-        raw_after = self.query("after")
-        after = validate.whole_number(raw_after, "after (the last seq you saw)", 0, 2**63 - 1) if raw_after else 0
-        ident = self.identity
-        events = await self.run(self.broker.pool.events, after)
-        self.write_json([e for e in events if ident.admin or e["owner"] == ident.name])
-
-
-class MetricsHandler(BrokerHandler):
-    """``GET /metrics``: Prometheus exposition; needs a token with ``read:metrics`` or the admin scope
-    (hub), or an admin / metrics group (socket), unless ``Broker.metrics_require_auth`` is off."""
-
-    async def prepare(self) -> None:
-        self.begin()
-        if not self.broker.metrics_require_auth:
-            return
-        await self.broker.authorize_metrics(self)
-
-    async def get(self) -> None:
-        body, content_type = await self.run(self.broker.render_metrics)
-        self.set_header("Content-Type", content_type)
-        self.finish(body)
-
-
 class NotFoundHandler(BrokerHandler):
     """Any other path: 401/403 first (an unknown route tells a stranger nothing), then 404."""
 
@@ -887,46 +798,4 @@ def parse_priority(value: Any) -> PriorityClass | None:
     return PriorityClass(validate.priority(value))
 
 
-def routes(prefix: str) -> list[tuple[str, type[BrokerHandler]]]:
-    """The URL patterns under ``prefix`` (``/`` or a hub service prefix such as ``/services/gpupool/``)."""
-    api = prefix.rstrip("/") + "/api/gpupool"
-    return [
-        (rf"{api}/whoami", WhoAmIHandler),
-        (rf"{api}/info", InfoHandler),
-        (rf"{api}/pool", PoolHandler),
-        (rf"{api}/devices", DevicesHandler),
-        (rf"{api}/queue", QueueHandler),
-        (rf"{api}/leases", LeasesHandler),
-        (rf"{api}/leases/{_ID}", LeaseHandler),
-        (rf"{api}/leases/{_ID}/release", LeaseReleaseHandler),
-        (rf"{api}/leases/{_ID}/resize", LeaseResizeHandler),
-        (rf"{api}/leases/{_ID}/grow", LeaseGrowHandler),
-        (rf"{api}/leases/{_ID}/pinned-backup", LeasePinnedBackupHandler),
-        (rf"{api}/leases/{_ID}/keepalive", LeaseKeepHandler),
-        (rf"{api}/leases/{_ID}/priority", LeasePriorityHandler),
-        (rf"{api}/leases/{_ID}/activity", LeaseActivityHandler),
-        (rf"{api}/leases/{_ID}/wait", LeaseWaitHandler),
-        (rf"{api}/leases/{_ID}/suspend", LeaseSuspendHandler),
-        (rf"{api}/leases/{_ID}/resume", LeaseResumeHandler),
-        (rf"{api}/leases/{_ID}/transition", LeaseTransitionHandler),
-        (rf"{api}/changes", ChangesHandler),
-        (rf"{api}/activity", ActivityHandler),
-        (rf"{api}/heartbeat", HeartbeatHandler),
-        (rf"{api}/reconcile", ReconcileHandler),
-        (rf"{api}/tick", TickHandler),
-        (rf"{api}/kernels/{_KERNEL}", KernelStatusHandler),
-        (rf"{api}/kernels/{_KERNEL}/reserve", KernelReserveHandler),
-        (rf"{api}/kernels/{_KERNEL}/release", KernelReleaseHandler),
-        (rf"{api}/kernels/{_KERNEL}/keepalive", KernelKeepaliveHandler),
-        (rf"{api}/kernels/{_KERNEL}/suspend", KernelSuspendHandler),
-        (rf"{api}/kernels/{_KERNEL}/resume", KernelResumeHandler),
-        (rf"{api}/report", ReportHandler),
-        (rf"{api}/reservations", ReservationsHandler),
-        (rf"{api}/reservations/(?P<name>[^/]+)", ReservationHandler),
-        (rf"{api}/preferences", PreferencesHandler),
-        (rf"{api}/events", EventsHandler),
-        (prefix.rstrip("/") + "/metrics", MetricsHandler),
-    ]
-
-
-__all__ = ["MAX_WAIT", "BrokerHandler", "lease_json", "parse_activity", "parse_priority", "routes"]
+__all__ = ["MAX_WAIT", "BrokerHandler", "NotFoundHandler", "lease_json", "parse_activity", "parse_priority"]

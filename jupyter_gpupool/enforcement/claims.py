@@ -194,14 +194,16 @@ def kernel_claim_refusal(pool: Any, kernel_id: str, owner: str, now: float | Non
         return f"kernel {kernel_id} already has a lease of another user; a kernel has one lease"
     return (
         f"kernel {kernel_id} belongs to another user, whose kernel process may still run; "
-        "start a kernel of your own (a pool admin can clear a stale claim: jupyter gpupool clear-claim)"
+        "start a kernel of your own (a pool admin can clear a stale claim: jupyter gpupool clear-claim, "
+        "or DELETE /api/gpupool/claims/<kernel id>)"
     )
 
 
-def check_kernel_claim(pool: Any, kernel_id: str | None, owner: str, host: str = "") -> None:
+def check_kernel_claim(pool: Any, kernel_id: str | None, owner: str, host: str = "",
+                       released_seconds: float = RELEASED_CLAIM_SECONDS) -> None:
     """Raise :class:`RequestRefused` when ``owner`` may not name ``kernel_id`` in a lease."""
     if kernel_id:
-        why = kernel_claim_refusal(pool, kernel_id, owner, pool.clock(), host)
+        why = kernel_claim_refusal(pool, kernel_id, owner, pool.clock(), host, released_seconds)
         if why:
             raise RequestRefused(why)
 
