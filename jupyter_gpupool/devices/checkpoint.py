@@ -13,30 +13,39 @@ Three checkpointers share one interface (:class:`Checkpointer`), picked by
 - :class:`NoCheckpointer` (anything else): says why suspending is not possible here.
 
 Every method blocks (the server calls them from a thread) and every failure is a
-:class:`CheckpointError` whose message is one line saying what happened and what to do.
+:class:`CheckpointError` whose message is one line saying what happened and what to do. The
+interface, its error and :class:`NoCheckpointer` are in :mod:`.checkpoint_contract` (imported here).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import errno
 import fcntl
 import json
 import logging
-import math
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from jupyter_gpupool.core.models import Device
 from jupyter_gpupool.devices.base import process_alive as _alive
-from jupyter_gpupool.errors import GpuPoolError
+from jupyter_gpupool.devices.checkpoint_contract import (
+    STATES,
+    Checkpointer,
+    CheckpointError,
+    CheckpointSupport,
+    NoCheckpointer,
+    check_mapping,
+    check_pid,
+    check_timeout,
+    complete_mapping,
+    gone_error,
+)
 from jupyter_gpupool.units import format_size
 
 if TYPE_CHECKING:
@@ -44,165 +53,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: What :meth:`Checkpointer.state` answers.
-STATES = ("running", "suspended", "locked", "failed", "gone")
 CUDA_EXTRA_HINT = "pip install jupyter-gpupool[cuda]"
 MIN_DRIVER_MAJOR = 570
 MIN_CUDA_API = 12080  # nvmlSystemGetCudaDriverVersion_v2 encodes 12.8 as 12080
-
-
-class CheckpointError(GpuPoolError):
-    """Suspending or resuming failed; :attr:`reason` is one line for the user.
-
-    :attr:`state` is the process's state after the failure (one of :data:`STATES`, or ``""``
-    when unknown), so the caller knows whether the kernel still runs, stays suspended or is lost.
-    """
-
-    http_status = 409
-
-    def __init__(self, reason: str, state: str = "") -> None:
-        self.reason = " ".join(str(reason).split())  # one line, whatever the driver said
-        self.state = state
-        super().__init__(self.reason)
-
-
-@dataclass(frozen=True)
-class CheckpointSupport:
-    """Whether this host can suspend kernels, with which backend, and why (not)."""
-
-    supported: bool
-    backend: str  # "cuda" | "simulated" | "none"
-    reason: str  # why not, or what is used
-    driver_version: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "supported": self.supported,
-            "backend": self.backend,
-            "reason": self.reason,
-            "driver_version": self.driver_version,
-        }
-
-
-class Checkpointer(abc.ABC):
-    """Suspends a process's GPU memory to host RAM and resumes it (blocking calls)."""
-
-    name: str = "abstract"
-
-    def __init__(self) -> None:
-        self._support: CheckpointSupport | None = None
-        self._probe_lock = threading.Lock()
-
-    def probe(self) -> CheckpointSupport:
-        """Whether suspending works here; asked once, then cached."""
-        with self._probe_lock:
-            if self._support is None:
-                self._support = self._probe()
-            return self._support
-
-    @abc.abstractmethod
-    def _probe(self) -> CheckpointSupport:
-        """Find out (uncached)."""
-
-    def supports_devices(self, devices: list[Device]) -> str:
-        """``""`` if a lease on ``devices`` can be suspended, else one line saying why not."""
-        support = self.probe()
-        if not support.supported:
-            return support.reason
-        return ""
-
-    @abc.abstractmethod
-    def suspend(self, pid: int, timeout: float = 30.0) -> int:
-        """Park process ``pid``'s GPU memory in host RAM and free the GPU; return the bytes parked.
-
-        Waits at most ``timeout`` seconds for GPU work in flight. On failure the process is left
-        running (unlocked) where the driver allows, and :class:`CheckpointError` says why.
-        """
-
-    @abc.abstractmethod
-    def resume(self, pid: int, gpu_mapping: dict[str, str] | None = None) -> None:
-        """Bring process ``pid``'s GPU memory back and let it run; :class:`CheckpointError` on
-        failure, with the state the process is left in. ``gpu_mapping`` (old → new uuid, one GPU
-        each) moves it onto other GPUs; GPUs it does not name stay where they are (or, where
-        another GPU moves onto theirs, take the place left free), as the driver needs every GPU named."""
-
-    @abc.abstractmethod
-    def state(self, pid: int) -> str:
-        """``running`` | ``suspended`` | ``locked`` | ``failed`` | ``gone``."""
-
-
-def _check_pid(pid: object) -> int:
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        raise CheckpointError(f"cannot suspend or resume process {pid!r}: expected a positive process id")
-    return pid
-
-
-def _check_timeout(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
-        raise CheckpointError(f"invalid suspend timeout {timeout!r}: expected a positive number of seconds")
-    return float(timeout)
-
-
-def _check_mapping(gpu_mapping: object) -> dict[str, str]:
-    if gpu_mapping is None:
-        return {}
-    if not isinstance(gpu_mapping, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) and k and v for k, v in gpu_mapping.items()
-    ):
-        raise CheckpointError("invalid gpu_mapping: expected a mapping of old GPU uuid to new GPU uuid (strings)")
-    sources_of: dict[str, list[str]] = {}
-    for old, new in gpu_mapping.items():
-        sources_of.setdefault(new, []).append(old)
-    for new, olds in sorted(sources_of.items()):
-        if len(olds) > 1:
-            raise CheckpointError(f"invalid gpu_mapping: it sends {' and '.join(sorted(olds))} all to {new}; one GPU each")
-    return dict(gpu_mapping)
-
-
-def complete_mapping(mapping: dict[str, str], gpus: list[str]) -> dict[str, str]:
-    """A partial old → new mapping made a one-to-one mapping of all ``gpus`` (the driver wants
-    every GPU it shows named): a GPU not named stays where it is, unless another moves onto it;
-    then it takes a place left free. Unchanged if the mapping names GPUs outside ``gpus``."""
-    if not mapping or not set(mapping) | set(mapping.values()) <= set(gpus):
-        return dict(mapping)
-    full = dict(mapping)
-    taken = set(mapping.values())
-    unnamed = [g for g in gpus if g not in mapping]
-    for gpu in unnamed:
-        if gpu not in taken:
-            full[gpu] = gpu
-            taken.add(gpu)
-    free = [g for g in gpus if g not in taken]
-    for gpu in [g for g in unnamed if g not in full]:
-        full[gpu] = free.pop(0)
-    return full
-
-
-def _gone(pid: int, action: str) -> CheckpointError:
-    return CheckpointError(f"cannot {action} process {pid}: it has exited", state="gone")
-
-
-# --- no checkpointing ------------------------------------------------------------------------------
-class NoCheckpointer(Checkpointer):
-    """For backends that cannot suspend: probe says why; suspend and resume raise."""
-
-    name = "none"
-
-    def __init__(self, reason: str = "this pool's device backend cannot suspend kernels") -> None:
-        super().__init__()
-        self.reason = reason
-
-    def _probe(self) -> CheckpointSupport:
-        return CheckpointSupport(False, "none", self.reason)
-
-    def suspend(self, pid: int, timeout: float = 30.0) -> int:
-        raise CheckpointError(f"cannot suspend process {pid}: {self.reason}", state=self.state(pid))
-
-    def resume(self, pid: int, gpu_mapping: dict[str, str] | None = None) -> None:
-        raise CheckpointError(f"cannot resume process {pid}: {self.reason}", state=self.state(pid))
-
-    def state(self, pid: int) -> str:
-        return "running" if isinstance(pid, int) and pid > 0 and _alive(pid) else "gone"
 
 
 # --- simulated --------------------------------------------------------------------------------------
@@ -293,11 +146,11 @@ class SimulatedCheckpointer(Checkpointer):
         os.makedirs(self.usage_dir or "", exist_ok=True)
 
     def suspend(self, pid: int, timeout: float = 30.0) -> int:
-        pid = _check_pid(pid)
-        timeout = _check_timeout(timeout)
+        pid = check_pid(pid)
+        timeout = check_timeout(timeout)
         self._require_dir(pid, "suspend")
         if not _alive(pid):
-            raise _gone(pid, "suspend")
+            raise gone_error(pid, "suspend")
         paths = self._paths(pid)
         with _file_lock(paths["lock"], timeout) as locked:  # per pid, across threads and processes
             if not locked:
@@ -326,8 +179,8 @@ class SimulatedCheckpointer(Checkpointer):
         return total
 
     def resume(self, pid: int, gpu_mapping: dict[str, str] | None = None) -> None:
-        pid = _check_pid(pid)
-        mapping = _check_mapping(gpu_mapping)
+        pid = check_pid(pid)
+        mapping = check_mapping(gpu_mapping)
         self._require_dir(pid, "resume")
         paths = self._paths(pid)
         with _file_lock(paths["lock"], 30.0) as locked:
@@ -337,7 +190,7 @@ class SimulatedCheckpointer(Checkpointer):
                 )
             if not _alive(pid):
                 self._forget(pid)
-                raise _gone(pid, "resume")
+                raise gone_error(pid, "resume")
             marker = _read_json(paths["marker"])
             if marker is None:
                 if mapping:
@@ -753,11 +606,11 @@ class CudaCheckpointer(Checkpointer):
             return ""
 
     def suspend(self, pid: int, timeout: float = 30.0) -> int:
-        pid = _check_pid(pid)
-        timeout = _check_timeout(timeout)
+        pid = check_pid(pid)
+        timeout = check_timeout(timeout)
         process = self._process(pid, "suspend")
         if not _alive(pid):
-            raise _gone(pid, "suspend")
+            raise gone_error(pid, "suspend")
         held = self._held_bytes(pid)
         timeout_ms = max(1, round(timeout * 1000))
         try:
@@ -810,13 +663,13 @@ class CudaCheckpointer(Checkpointer):
         return state
 
     def resume(self, pid: int, gpu_mapping: dict[str, str] | None = None) -> None:
-        pid = _check_pid(pid)
-        mapping = _check_mapping(gpu_mapping)
+        pid = check_pid(pid)
+        mapping = check_mapping(gpu_mapping)
         process = self._process(pid, "resume")
         if not _alive(pid):
             with self._lock:
                 self._parked.pop(pid, None)
-            raise _gone(pid, "resume")
+            raise gone_error(pid, "resume")
         state = self._driver_state(process)
         if state == "running":
             if mapping:
