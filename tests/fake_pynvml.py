@@ -200,6 +200,9 @@ class FakeGpu:
     context_power_mw: int = 40_000
     pstate: int = 0
     persistence: int = 1
+    #: /dev/nvidiaN's N, the driver's minor number; None: the GPU's index + 4 (minors differ from
+    #: indexes on real hosts, where the order NVML lists GPUs in is not the order their nodes got)
+    minor: int | None = None
 
 
 class _Handle:
@@ -247,6 +250,7 @@ class FakeNvml:
         for i, gpu in enumerate(gpus):
             gpu.uuid = gpu.uuid or f"GPU-{i:08x}-fake-4000-8000-{i:012x}"
             gpu.bus = gpu.bus if gpu.bus is not None else 0x07 + 0x10 * i
+            gpu.minor = gpu.minor if gpu.minor is not None else i + 4
             for slot, mig in enumerate(gpu.mig_slots):
                 if mig is not None:
                     mig.uuid = mig.uuid or f"MIG-{i:08x}-fake-4000-8000-{slot:012x}"
@@ -363,6 +367,12 @@ class FakeNvml:
         gpu = self._gpu("nvmlDeviceGetName", handle)
         mig = self._mig(gpu, handle)
         return self._str(f"{gpu.name} MIG {mig.name}" if mig else gpu.name)
+
+    def nvmlDeviceGetMinorNumber(self, handle):
+        gpu = self._gpu("nvmlDeviceGetMinorNumber", handle)
+        if handle.slot is not None:
+            self._raise(C["NVML_ERROR_INVALID_ARGUMENT"])  # a MIG instance has no /dev/nvidiaN of its own
+        return gpu.minor
 
     def nvmlDeviceGetMemoryInfo(self, handle, version=None):
         gpu = self._gpu("nvmlDeviceGetMemoryInfo", handle)

@@ -74,6 +74,7 @@ def test_inventory_of_a_workstation(host, backends):
 
     assert [d.index for d in devices] == [0, 1, 2]
     assert [d.uuid for d in devices] == [g.uuid for g in gpus]
+    assert [d.minor for d in devices] == [4, 5, 6]  # /dev/nvidiaN's N is the driver's minor, not the index
     assert [d.name for d in devices] == ["NVIDIA GeForce RTX 3090", "NVIDIA GeForce RTX 3090", "Tesla T4"]
     assert devices[0].memory_total == 24 * GIB and devices[0].memory_free == 21 * GIB
     assert devices[2].memory_total == 15 * GIB + 360 * MIB
@@ -159,6 +160,7 @@ def test_mig_instances_are_poolable_and_the_parent_is_not(host, backends):
     assert [d.uuid for d in migs] == [gpus[0].mig_slots[i].uuid for i in (0, 2, 3)]
     assert [d.memory_total for d in migs] == [19968 * MIB, 4864 * MIB, 4864 * MIB]
     assert all(d.parent_uuid == gpus[0].uuid and d.mig_mode and d.index == 0 for d in migs)
+    assert all(d.minor == gpus[0].minor for d in migs)  # a MIG instance opens its GPU's node
     assert migs[0].name == "NVIDIA A100-PCIE-40GB MIG 3g.20gb"
     assert gpus[0].uuid not in {d.uuid for d in devices}
     whole = [d for d in devices if not d.is_mig]

@@ -29,6 +29,7 @@ class Device:
     mig_mode: bool = False  # the physical GPU has MIG enabled
     nvlink_peers: frozenset[str] = frozenset()  # uuids this device has NVLink to
     overcommit: float = 1.0  # leasable = memory_total * overcommit
+    minor: int | None = None  # the driver's minor number: /dev/nvidiaN's N, not the index (None: unknown)
 
     @property
     def model(self) -> str:

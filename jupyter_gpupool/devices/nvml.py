@@ -81,6 +81,7 @@ class _Gpu:
     migs: list[Device] = field(default_factory=list)
     mig_handles: list[tuple[str, Any]] = field(default_factory=list)
     pci: tuple[int, int, int] | None = None
+    minor: int | None = None  # /dev/nvidiaN's N (nvmlDeviceGetMinorNumber)
     error: str = ""  # health reason when a query failed
 
 
@@ -191,6 +192,11 @@ class NvmlBackend(DeviceBackend):
             if not self._benign(exc):
                 return self._lost(gpu, exc)
         try:
+            gpu.minor = int(nv.nvmlDeviceGetMinorNumber(gpu.handle))
+        except nv.NVMLError as exc:  # NOT_SUPPORTED: no device node to name (device control skips it)
+            if not self._benign(exc):
+                return self._lost(gpu, exc)
+        try:
             current, _pending = nv.nvmlDeviceGetMigMode(gpu.handle)
             gpu.mig_enabled = current == getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1)
         except nv.NVMLError as exc:  # NOT_SUPPORTED on GPUs without MIG
@@ -233,6 +239,7 @@ class NvmlBackend(DeviceBackend):
                     is_mig=True,
                     parent_uuid=gpu.uuid,
                     mig_mode=True,
+                    minor=gpu.minor,  # a MIG instance opens its GPU's node (and its own capability nodes)
                 )
             )
 
@@ -242,6 +249,7 @@ class NvmlBackend(DeviceBackend):
         if known is not None and (not gpu.uuid or gpu.uuid == known.uuid):
             gpu.uuid, gpu.name, gpu.memory_total = known.uuid, known.name, known.memory_total
             gpu.mig_enabled, gpu.migs, gpu.pci = known.mig_enabled, list(known.migs), known.pci
+            gpu.minor = known.minor
         gpu.uuid = gpu.uuid or f"GPU-unknown-index-{gpu.index}"
         gpu.name = gpu.name or f"GPU {gpu.index}"
         gpu.memory_free = None
@@ -349,6 +357,7 @@ class NvmlBackend(DeviceBackend):
                     healthy=healthy,
                     health_reason=gpu.error,
                     nvlink_peers=peers.get(gpu.uuid, frozenset()) - lost,
+                    minor=gpu.minor,
                 )
             )
         return result

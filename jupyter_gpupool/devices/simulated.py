@@ -75,8 +75,13 @@ class SimulatedBackend(DeviceBackend):
 
     name = "simulated"
 
-    def __init__(self, gpus: list[tuple[str, int]], spec: str = "", nvlink: bool = True, usage_dir: str | None = None) -> None:
+    def __init__(
+        self, gpus: list[tuple[str, int]], spec: str = "", nvlink: bool = True, usage_dir: str | None = None, node_dir: str | None = None
+    ) -> None:
         self.spec = spec
+        #: A folder of ``mknod``-made device nodes the pool treats as these GPUs' (see
+        #: :func:`make_node_folder`); None: the GPUs have no nodes, and device control stays off.
+        self.node_dir = node_dir
         #: Folder where processes (e.g. kernels running :func:`pretend_to_use`) script their usage.
         self.usage_dir = usage_dir
         self._lock = threading.Lock()
@@ -87,13 +92,22 @@ class SimulatedBackend(DeviceBackend):
             # GPUs of the same model in one spec item are NVLink peers, as in a DGX box.
             peers = frozenset(u for j, u in enumerate(uuids) if j != index and gpus[j][0] == name) if nvlink else frozenset()
             self._devices.append(
-                Device(index=index, uuid=uuids[index], name=name, memory_total=memory, memory_free=memory, nvlink_peers=peers)
+                Device(
+                    index=index,
+                    uuid=uuids[index],
+                    name=name,
+                    memory_total=memory,
+                    memory_free=memory,
+                    nvlink_peers=peers,
+                    minor=simulated_minor(index, len(gpus)),
+                )
             )
         self._usage: dict[tuple[int, str], int] = {}
 
     @classmethod
     def from_spec(cls, spec: str) -> SimulatedBackend:
-        return cls(parse_inventory(spec), spec=spec.strip())
+        """The inventory of ``spec``; ``$GPUPOOL_SIMULATE_NODES`` names its node folder, if any."""
+        return cls(parse_inventory(spec), spec=spec.strip(), node_dir=os.environ.get(NODE_DIR_ENV) or None)
 
     def _all_usage(self) -> dict[tuple[int, str], int]:
         """Usage set in this process plus what live processes scripted in :attr:`usage_dir`."""
@@ -152,6 +166,53 @@ class SimulatedBackend(DeviceBackend):
 
     def describe(self) -> str:
         return f"simulated {self.spec}"
+
+
+#: Environment variable naming a simulated pool's node folder (made by :func:`make_node_folder`).
+NODE_DIR_ENV = "GPUPOOL_SIMULATE_NODES"
+#: NVIDIA's fixed character major: ``/dev/nvidiaN`` is ``195:N``, ``/dev/nvidiactl`` ``195:255``.
+NVIDIA_MAJOR = 195
+NVIDIACTL_MINOR = 255
+
+
+def simulated_minor(index: int, count: int) -> int:
+    """A simulated GPU's driver minor number: the indexes backwards from ``count`` (1 GPU: minor 1),
+    so code that takes an index for ``/dev/nvidiaN``'s N is caught, as on hosts where they differ."""
+    return count - index
+
+
+def make_node_folder(folder: str, devices: list[Device], caps_major: int, uvm_major: int) -> None:
+    """Lay out a host's NVIDIA nodes in ``folder`` as the driver does in ``/dev`` and ``/proc``
+    (needs root, for ``mknod``): ``nvidiaN`` (195:N) per GPU minor, ``nvidiactl``, ``nvidia-uvm``
+    and ``nvidia-uvm-tools``, one MIG capability node per GPU in ``nvidia-caps/``, and
+    ``proc/devices`` and ``proc/driver/nvidia/capabilities/gpuN/mig/gi0/access`` naming the
+    dynamic majors and which capability node is whose. Opening any of them fails with ``ENXIO``
+    (there is no driver), unless a device cgroup denies it first (``EPERM``)."""
+    import stat
+
+    def node(path: str, major: int, minor: int) -> None:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        os.chmod(path, 0o666)
+
+    os.makedirs(os.path.join(folder, "nvidia-caps"), exist_ok=True)
+    os.makedirs(os.path.join(folder, "proc"), exist_ok=True)
+    node(os.path.join(folder, "nvidiactl"), NVIDIA_MAJOR, NVIDIACTL_MINOR)
+    node(os.path.join(folder, "nvidia-uvm"), uvm_major, 0)
+    node(os.path.join(folder, "nvidia-uvm-tools"), uvm_major, 1)
+    minors = [d.minor for d in devices if not d.is_mig and d.minor is not None]
+    for cap, minor in enumerate(minors):
+        node(os.path.join(folder, f"nvidia{minor}"), NVIDIA_MAJOR, minor)
+        cap_minor = 3 + cap  # 1 and 2 are the host-wide mig/config and mig/monitor
+        node(os.path.join(folder, "nvidia-caps", f"nvidia-cap{cap_minor}"), caps_major, cap_minor)
+        access = os.path.join(folder, "proc", "driver", "nvidia", "capabilities", f"gpu{minor}", "mig", "gi0")
+        os.makedirs(access, exist_ok=True)
+        with open(os.path.join(access, "access"), "w", encoding="ascii") as handle:
+            handle.write(f"DeviceFileMinor: {cap_minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    with open(os.path.join(folder, "proc", "devices"), "w", encoding="ascii") as handle:
+        handle.write(
+            f"Character devices:\n  1 mem\n{NVIDIA_MAJOR} nvidia-frontend\n{caps_major} nvidia-caps\n{uvm_major} nvidia-uvm\n\n"
+            "Block devices:\n  7 loop\n"
+        )
 
 
 def usage_dir_for(db_path: str) -> str:
