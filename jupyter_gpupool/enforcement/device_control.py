@@ -1,0 +1,506 @@
+"""Device control: on a multi-user host, a process opens only the GPU its kernel was granted.
+
+The watchdog sees GPU memory used outside the pool after the fact; a device cgroup stops the
+``open()`` of a GPU's node before anything is allocated, as Slurm's ``ConstrainDevices``, systemd's
+``DeviceAllow=`` and container runtimes do. Two levels:
+
+- **The user-level deny**: the cgroups that hold every login and service process of pooled users
+  (``c.DeviceControl.user_cgroups``) are denied every NVIDIA GPU node (``/dev/nvidiaN``) and the
+  MIG capability nodes of each GPU. The control nodes a CUDA program needs (``nvidiactl``,
+  ``nvidia-uvm``, ``nvidia-uvm-tools``) stay open, and so does every other device.
+- **A kernel's allow**: a granted kernel's processes sit in a root-owned cgroup of their own whose
+  rules deny every GPU node but those of the kernel's grant. On cgroup v2 it is a child of the
+  kernel's own cgroup (memory, CPU and pids limits still apply), with a device program that
+  overrides the user-level one (attached with ``BPF_F_ALLOW_OVERRIDE``); on cgroup v1 only the
+  ``devices`` hierarchy changes: kernels sit in a broker-owned subtree beside the users' cgroups
+  (a v1 child never has more device access than its parent).
+
+A device cgroup gates ``open()`` only: a descriptor opened before a deny keeps working, so a live
+CUDA context keeps its GPU. The driver-read rule (what the driver shows held stays taken) stays
+the guarantee for memory already held; device control stops new opens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import stat
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from traitlets import CaselessStrEnum, List, Unicode
+from traitlets.config import LoggingConfigurable
+
+from jupyter_gpupool.enforcement import cgroup_bpf
+from jupyter_gpupool.enforcement.cgroup_bpf import DeviceRule
+
+NodeNumber = tuple[int, int]  # (major, minor)
+MODE_V2 = "cgroup v2 eBPF device program"
+MODE_V1 = "cgroup v1 devices controller"
+MODE_OFF = "off"
+_CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+_GPU_NODE = re.compile(r"^nvidia(\d+)$")
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_CAP_MINOR = re.compile(r"^DeviceFileMinor:\s*(\d+)\s*$", re.MULTILINE)
+
+
+class DeviceControlError(OSError):
+    """Device control could not do what was asked (the message says what and why)."""
+
+
+@dataclass(frozen=True)
+class NvidiaNodes:
+    """The host's NVIDIA device nodes, by number: what is denied and what stays open."""
+
+    folder: str
+    gpus: Mapping[int, NodeNumber]  # GPU minor → /dev/nvidiaN's number
+    caps: Mapping[int, tuple[NodeNumber, ...]] = field(default_factory=dict)  # GPU minor → its MIG capability nodes
+    control: tuple[NodeNumber, ...] = ()
+
+    @classmethod
+    def read(cls, node_dir: str = "/dev", proc_dir: str = "/proc") -> NvidiaNodes:
+        """Read the nodes in ``node_dir`` and the capability map under ``proc_dir``; ``nvidia-caps``
+        has a dynamic major, read from ``proc_dir/devices``."""
+        gpus: dict[int, NodeNumber] = {}
+        control: list[NodeNumber] = []
+        try:
+            names = sorted(os.listdir(node_dir))
+        except OSError as exc:
+            raise DeviceControlError(exc.errno or errno.ENOENT, f"cannot read the device folder {node_dir}: {exc.strerror}") from None
+        for name in names:
+            number = _char_node(os.path.join(node_dir, name))
+            if number is None:
+                continue
+            match = _GPU_NODE.match(name)
+            if match:
+                gpus[int(match.group(1))] = number
+            elif name in _CONTROL_NODES:
+                control.append(number)
+        caps_major = _proc_major(os.path.join(proc_dir, "devices"), "nvidia-caps")
+        caps: dict[int, tuple[NodeNumber, ...]] = {}
+        cap_root = os.path.join(proc_dir, "driver", "nvidia", "capabilities")
+        if caps_major is not None and os.path.isdir(cap_root):
+            for entry in os.listdir(cap_root):
+                match = re.match(r"^gpu(\d+)$", entry)
+                if match:
+                    minors = _cap_minors(os.path.join(cap_root, entry))
+                    caps[int(match.group(1))] = tuple((caps_major, m) for m in sorted(minors))
+        return cls(folder=node_dir, gpus=gpus, caps=caps, control=tuple(control))
+
+    def rules(self, granted: Iterable[int] = ()) -> list[DeviceRule]:
+        """Deny rules for every GPU node and GPU capability node except those of ``granted``
+        GPU minors; everything else (control nodes, ``/dev/null``, ttys) stays open."""
+        allowed = set(granted)
+        rules = [DeviceRule(False, major, minor) for gpu, (major, minor) in sorted(self.gpus.items()) if gpu not in allowed]
+        for gpu, nodes in sorted(self.caps.items()):
+            if gpu not in allowed:
+                rules.extend(DeviceRule(False, major, minor) for major, minor in nodes)
+        return rules
+
+    def describe(self) -> dict[str, object]:
+        """What is denied outside a granted kernel, for status."""
+        return {
+            "gpu_nodes": [f"{self.folder}/nvidia{gpu} (c {major}:{minor})" for gpu, (major, minor) in sorted(self.gpus.items())],
+            "capability_nodes": sum(len(nodes) for nodes in self.caps.values()),
+            "open": [f"c {major}:{minor}" for major, minor in self.control],
+        }
+
+
+def _char_node(path: str) -> NodeNumber | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (os.major(info.st_rdev), os.minor(info.st_rdev)) if stat.S_ISCHR(info.st_mode) else None
+
+
+def _proc_major(devices_file: str, name: str) -> int | None:
+    """The character major ``/proc/devices`` gives a driver name (``nvidia-caps``), or None."""
+    try:
+        with open(devices_file, encoding="ascii", errors="replace") as handle:
+            text = handle.read().split("Block devices:")[0]
+    except OSError:
+        return None
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1] == name and parts[0].isdigit():
+            return int(parts[0])
+    return None
+
+
+def _cap_minors(gpu_folder: str) -> set[int]:
+    """Capability node minors under one GPU's ``capabilities/gpuN`` tree (its MIG instances)."""
+    minors: set[int] = set()
+    for root, _dirs, files in os.walk(gpu_folder):
+        if "access" in files:
+            with contextlib.suppress(OSError), open(os.path.join(root, "access"), encoding="ascii") as handle:
+                match = _CAP_MINOR.search(handle.read())
+                if match:
+                    minors.add(int(match.group(1)))
+    return minors
+
+
+def check_key(key: str) -> str:
+    """A kernel's key (its lease id) as a cgroup name part; anything else is refused."""
+    if not _KEY.match(key):
+        raise DeviceControlError(errno.EINVAL, f"{key!r} cannot name a cgroup: use letters, digits, '.', '_' and '-'")
+    return key
+
+
+def cgroup_mounts(mounts_file: str = "/proc/self/mounts") -> tuple[str | None, str | None]:
+    """Where the cgroup2 hierarchy and the v1 ``devices`` hierarchy are mounted (None: not mounted)."""
+    unified = devices = None
+    with contextlib.suppress(OSError), open(mounts_file, encoding="utf-8") as handle:
+        for line in handle:
+            parts = line.split()
+            if len(parts) < 4:
+                continue
+            if parts[2] == "cgroup2" and unified is None:
+                unified = parts[1]
+            elif parts[2] == "cgroup" and "devices" in parts[3].split(",") and devices is None:
+                devices = parts[1]
+    return unified, devices
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="ascii") as handle:
+        handle.write(text)
+
+
+def _procs(cgroup_dir: str) -> list[int]:
+    try:
+        with open(os.path.join(cgroup_dir, "cgroup.procs"), encoding="ascii") as handle:
+            return [int(line) for line in handle if line.strip()]
+    except OSError:
+        return []
+
+
+class DeviceCgroups:
+    """One cgroup path's mechanism: the user-level deny and the kernels' allow cgroups.
+
+    ``name`` tags every cgroup this instance makes (``{name}-kernel-{key}``), so a restart finds
+    its own (:meth:`sweep`) and two pools on one host never touch each other's.
+    """
+
+    mode = MODE_OFF
+
+    def __init__(self, nodes: NvidiaNodes, mount: str, name: str) -> None:
+        self.nodes = nodes
+        self.mount = mount
+        self.name = check_key(name)
+        self.kernels: dict[str, str] = {}  # key → the kernel's allow cgroup
+        self._lock = threading.RLock()
+        self.granted: dict[str, frozenset[int]] = {}  # key → GPU minors it may open now
+
+    def path(self, cgroup: str) -> str:
+        """A cgroup named relative to the mount (``user.slice``), or already absolute under it."""
+        if cgroup.startswith(self.mount.rstrip("/") + "/"):
+            return cgroup
+        return os.path.join(self.mount, cgroup.lstrip("/"))
+
+    def kernel_dir_name(self, key: str) -> str:
+        return f"{self.name}-kernel-{check_key(key)}"
+
+    # The three steps of a grant's life; each subclass writes its rules its own way.
+    def deny_users(self, cgroup: str) -> None:
+        """Deny every GPU node to the processes of ``cgroup`` and its descendants."""
+        raise NotImplementedError
+
+    def grant(self, key: str, pids: Iterable[int], minors: Iterable[int]) -> str:
+        """Let kernel ``key``'s processes (``pids`` and what they fork) open the GPUs ``minors``
+        and no other; returns its cgroup. Done when this returns: the kernel may be told."""
+        wanted, processes = frozenset(minors), list(pids)
+        with self._lock:
+            directory = self.kernels.get(key) or self._kernel_dir(key, processes)
+            self._set_rules(directory, wanted)  # before any process is in it
+            self.kernels[key], self.granted[key] = directory, wanted
+            for pid in processes:
+                self._join(directory, pid)
+        return directory
+
+    def release(self, key: str) -> None:
+        """Deny kernel ``key`` every GPU from now on (its processes stay in their cgroup)."""
+        with self._lock:
+            directory = self.kernels.get(key)
+            if directory is not None:
+                self._set_rules(directory, frozenset())
+                self.granted[key] = frozenset()
+
+    def forget(self, key: str) -> bool:
+        """Remove kernel ``key``'s cgroup once no process is left in it; False while some are."""
+        with self._lock:
+            directory = self.kernels.get(key)
+            if directory is None:
+                return True
+            if _procs(directory):
+                self.release(key)
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(directory)
+            self.kernels.pop(key, None)
+            self.granted.pop(key, None)
+            return True
+
+    def sweep(self, keep: Mapping[str, frozenset[int]]) -> dict[str, str]:
+        """After a restart: adopt this instance's kernel cgroups whose key is in ``keep`` (their
+        rules set to ``keep[key]``), deny and remove the rest (kept denied while a process is
+        still in one). Returns what was done per key (``adopted``, ``removed``, ``denied``)."""
+        done: dict[str, str] = {}
+        prefix = f"{self.name}-kernel-"
+        for directory in self._find(prefix):
+            key = os.path.basename(directory)[len(prefix) :]
+            self.kernels[key] = directory
+            if key in keep:
+                self._set_rules(directory, keep[key])
+                self.granted[key] = keep[key]
+                done[key] = "adopted"
+            else:
+                done[key] = "removed" if self.forget(key) else "denied"
+        return done
+
+    def remove_all(self) -> None:
+        """Deny and remove every kernel cgroup this instance made (empty ones go at once)."""
+        for key in list(self.kernels):
+            self.forget(key)
+
+    # -- per path --------------------------------------------------------------------------------
+    def _kernel_dir(self, key: str, pids: list[int]) -> str:
+        raise NotImplementedError
+
+    def _set_rules(self, directory: str, minors: frozenset[int]) -> None:
+        raise NotImplementedError
+
+    def _join(self, directory: str, pid: int) -> None:
+        try:
+            _write(os.path.join(directory, "cgroup.procs"), f"{pid}\n")
+        except ProcessLookupError:
+            pass  # it exited: nothing to allow
+        except OSError as exc:
+            raise DeviceControlError(exc.errno or errno.EIO, f"cannot move process {pid} into {directory}: {exc.strerror}") from None
+
+    def _find(self, prefix: str) -> list[str]:
+        found = []
+        for root, dirs, _files in os.walk(self.mount):
+            for name in list(dirs):
+                if name.startswith(prefix):
+                    found.append(os.path.join(root, name))
+                    dirs.remove(name)
+        return found
+
+
+class CgroupV2(DeviceCgroups):
+    """cgroup v2: device programs; a kernel's allow is a root-owned child of its own cgroup."""
+
+    mode = MODE_V2
+
+    def deny_users(self, cgroup: str) -> None:
+        directory = self.path(cgroup)
+        try:
+            cgroup_bpf.attach_rules(directory, self.nodes.rules(), True, cgroup_bpf.BPF_F_ALLOW_OVERRIDE)
+        except OSError as exc:
+            raise DeviceControlError(exc.errno or errno.EIO, f"cannot attach the device deny to {directory}: {exc.strerror}") from None
+
+    def _kernel_dir(self, key: str, pids: list[int]) -> str:
+        if not pids:
+            raise DeviceControlError(errno.ESRCH, f"kernel {key} has no process to put in a device cgroup")
+        own = self._cgroup_of(pids[0])
+        if os.path.basename(own).startswith(f"{self.name}-kernel-"):
+            own = os.path.dirname(own)  # still in an earlier lease's cgroup: a sibling, not a child
+        directory = os.path.join(self.mount, own.lstrip("/"), self.kernel_dir_name(key))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o755)  # root's: the user cannot move other processes into it
+        return directory
+
+    def _set_rules(self, directory: str, minors: frozenset[int]) -> None:
+        # The same flags as before: the kernel replaces the program atomically, no gap.
+        cgroup_bpf.attach_rules(directory, self.nodes.rules(minors), True, 0)
+
+    @staticmethod
+    def _cgroup_of(pid: int) -> str:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("0::"):
+                    return line[3:].strip()
+        raise DeviceControlError(errno.ENOENT, f"process {pid} is in no cgroup v2 cgroup")
+
+
+class CgroupV1(DeviceCgroups):
+    """cgroup v1: ``devices.deny``/``devices.allow``; kernels sit in a broker-owned subtree of
+    the ``devices`` hierarchy, every other hierarchy (memory, cpu, pids) stays as it was."""
+
+    mode = MODE_V1
+
+    def __init__(self, nodes: NvidiaNodes, mount: str, name: str, subtree: str) -> None:
+        super().__init__(nodes, mount, name)
+        self.subtree = self.path(subtree)
+
+    def deny_users(self, cgroup: str) -> None:
+        directory = self.path(cgroup)
+        self._rules(directory, self.nodes.rules())
+
+    def _kernel_dir(self, key: str, pids: list[int]) -> str:
+        os.makedirs(self.subtree, mode=0o755, exist_ok=True)
+        directory = os.path.join(self.subtree, self.kernel_dir_name(key))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o755)
+        return directory
+
+    def _set_rules(self, directory: str, minors: frozenset[int]) -> None:
+        denied = self.nodes.rules(minors)
+        self._rules(directory, denied)
+        for rule in self.nodes.rules():  # a GPU granted now may have been denied before
+            if rule not in denied:
+                self._entry(directory, "devices.allow", rule)
+
+    def _rules(self, directory: str, rules: list[DeviceRule]) -> None:
+        for rule in rules:
+            self._entry(directory, "devices.deny", rule)
+
+    @staticmethod
+    def _entry(directory: str, file: str, rule: DeviceRule) -> None:
+        entry = f"{rule.kind} {rule.major}:{rule.minor} {rule.access}\n"
+        try:
+            _write(os.path.join(directory, file), entry)
+        except OSError as exc:
+            raise DeviceControlError(exc.errno or errno.EIO, f"cannot write {entry.strip()!r} to {directory}/{file}: {exc.strerror}") from None
+
+
+class DeviceControl(LoggingConfigurable):
+    """Whether device control runs, where, and how (``c.DeviceControl.*``)."""
+
+    mode = CaselessStrEnum(
+        ["auto", "v2", "v1", "off"],
+        default_value="auto",
+        help=(
+            "'auto': on under a root broker on a host with /dev/nvidiactl (cgroup v1 'devices' where that "
+            "controller is mounted, else a cgroup v2 eBPF device program), off on a single-user server; "
+            "'v2' or 'v1' to choose the path; 'off' to turn device control off."
+        ),
+    ).tag(config=True)
+    user_cgroups = List(
+        Unicode(),
+        default_value=["user.slice"],
+        help=(
+            "cgroups (relative to the cgroup mount) that hold every login and service process of pooled "
+            "users; each is denied every GPU node. systemd hosts: 'user.slice', plus the slice the hub's "
+            "spawner puts servers in (TLJH, SystemdSpawner: c.SystemdSpawner.slice)."
+        ),
+    ).tag(config=True)
+    kernel_subtree = Unicode(
+        "gpupool",
+        help="cgroup v1 only: the broker-owned subtree of the 'devices' hierarchy granted kernels sit in.",
+    ).tag(config=True)
+    name = Unicode(
+        "gpupool",
+        help="Tags the kernel cgroups this pool makes ('<name>-kernel-<lease id>'), so a restart finds its own.",
+    ).tag(config=True)
+    node_dir = Unicode("/dev", help="Where the NVIDIA device nodes are (a simulated pool's node folder replaces it).").tag(
+        config=True
+    )
+    proc_dir = Unicode("/proc", help="Where /proc/devices and the driver's capability map are read from.").tag(config=True)
+
+    #: Why device control is off ("" while it runs).
+    reason = ""
+    cgroups: DeviceCgroups | None = None
+    denied_in: list[str]
+    missing: list[str]
+
+    def start(self, *, single_user: bool, simulated: bool = False, simulated_node_dir: str | None = None) -> DeviceCgroups | None:
+        """Choose the mode, put the user-level deny in place, and log one line saying which mode
+        runs (or why none does). Never raises: a host that cannot do it falls back to policing."""
+        self.denied_in, self.missing = [], []
+        try:
+            self.cgroups = self._choose(single_user, simulated, simulated_node_dir)
+        except (OSError, cgroup_bpf.BpfUnavailable) as exc:
+            self.cgroups, self.reason = None, f"{exc.strerror or exc}{_container_hint()}"
+        if self.cgroups is None:
+            self.log.info("device control: off (%s); unpooled GPU use is policed by the watchdog", self.reason)
+            return None
+        for cgroup in self.user_cgroups:
+            if not os.path.isdir(self.cgroups.path(cgroup)):
+                self.missing.append(cgroup)
+                continue
+            try:
+                self.cgroups.deny_users(cgroup)
+            except DeviceControlError as exc:
+                self.log.warning("device control: %s", exc.strerror)
+                self.missing.append(cgroup)
+            else:
+                self.denied_in.append(cgroup)
+        gpus = ", ".join(f"nvidia{gpu}" for gpu in sorted(self.cgroups.nodes.gpus)) or "none"
+        where = ", ".join(self.denied_in) or "no cgroup yet"
+        self.log.info(
+            "device control: %s; GPU nodes (%s in %s) denied in %s outside granted kernels%s",
+            self.cgroups.mode,
+            gpus,
+            self.cgroups.nodes.folder,
+            where,
+            f" (not found: {', '.join(self.missing)})" if self.missing else "",
+        )
+        return self.cgroups
+
+    def _choose(self, single_user: bool, simulated: bool, simulated_node_dir: str | None) -> DeviceCgroups | None:
+        if self.mode == "off":
+            self.reason = "c.DeviceControl.mode is 'off'"
+            return None
+        if single_user:
+            self.reason = "a single-user server: every GPU of the pool is its user's"
+            return None
+        if simulated and not simulated_node_dir:
+            self.reason = "a simulated pool without a node folder ($GPUPOOL_SIMULATE_NODES)"
+            return None
+        node_dir = simulated_node_dir or self.node_dir
+        proc_dir = os.path.join(simulated_node_dir, "proc") if simulated_node_dir else self.proc_dir
+        if not simulated_node_dir and not os.path.exists(os.path.join(node_dir, "nvidiactl")):
+            self.reason = f"no {node_dir}/nvidiactl: no NVIDIA driver on this host"
+            return None
+        if os.geteuid() != 0:
+            self.reason = "the broker does not run as root, and only root may change device cgroups"
+            return None
+        nodes = NvidiaNodes.read(node_dir, proc_dir)
+        unified, devices = cgroup_mounts()
+        use_v1 = self.mode == "v1" or (self.mode == "auto" and devices is not None)
+        if use_v1:
+            if devices is None:
+                self.reason = "c.DeviceControl.mode is 'v1' but no cgroup v1 'devices' hierarchy is mounted"
+                return None
+            _probe(devices, self.name)
+            return CgroupV1(nodes, devices, self.name, self.kernel_subtree)
+        if unified is None:
+            self.reason = "no cgroup v2 hierarchy and no cgroup v1 'devices' controller is mounted"
+            return None
+        _probe(unified, self.name)
+        os.close(cgroup_bpf.load([], True))  # the kernel takes device programs from us
+        return CgroupV2(nodes, unified, self.name)
+
+    def describe(self) -> dict[str, object]:
+        """``device_control`` in ``jupyter gpupool status --json``: mode, what is denied, why off."""
+        if self.cgroups is None:
+            return {"mode": MODE_OFF, "reason": self.reason}
+        return {
+            "mode": self.cgroups.mode,
+            "denied": self.cgroups.nodes.describe(),
+            "denied_in": list(self.denied_in),
+            "not_found": list(self.missing),
+            "kernels": len(self.cgroups.kernels),
+        }
+
+
+def _probe(mount: str, name: str) -> None:
+    """Make and remove a cgroup under ``mount``: raises when this host does not let us."""
+    directory = os.path.join(mount, f"{name}-probe-{os.getpid()}")
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise DeviceControlError(exc.errno or errno.EACCES, f"cannot make a cgroup under {mount} ({exc.strerror})") from None
+    os.rmdir(directory)
+
+
+def _container_hint() -> str:
+    inside = os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+    return "; this looks like a container, whose cgroups its runtime owns" if inside else ""

@@ -1,0 +1,404 @@
+"""Device control on this host's real cgroups, both paths: a cgroup v2 eBPF device program and the
+cgroup v1 ``devices`` controller.
+
+The GPUs are simulated, their nodes are not: ``mknod`` makes ``/dev/nvidiaN``-like nodes (major
+195, the simulated GPUs' minors) in a temporary folder. With no driver behind them, an open that a
+device cgroup lets through fails with ``ENXIO``; one it stops fails with ``EPERM``. Each "process"
+here is a real Python process that tries ``os.open``. Needs root (``mknod``, cgroups); every
+cgroup is named per run (two runs may share the host) and removed afterwards, also on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from jupyter_gpupool.devices.simulated import SimulatedBackend, make_node_folder, parse_inventory
+from jupyter_gpupool.enforcement import cgroup_bpf
+from jupyter_gpupool.enforcement.device_control import (
+    MODE_V1,
+    MODE_V2,
+    CgroupV1,
+    CgroupV2,
+    DeviceCgroups,
+    DeviceControl,
+    DeviceControlError,
+    NvidiaNodes,
+    cgroup_mounts,
+)
+
+UNIFIED, DEVICES = cgroup_mounts()
+MEMORY = "/sys/fs/cgroup/memory" if os.path.isdir("/sys/fs/cgroup/memory/") else None
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups and mknod need root")
+PATHS = [
+    pytest.param("v2", marks=pytest.mark.skipif(UNIFIED is None, reason="no cgroup2 hierarchy mounted")),
+    pytest.param("v1", marks=pytest.mark.skipif(DEVICES is None, reason="no cgroup v1 devices controller mounted")),
+]
+
+# A "process" of a user: runs each line of stdin ("open PATH", "fork open PATH") and answers.
+PROBE = textwrap.dedent(
+    """
+    import errno, os, sys
+    def try_open(path):
+        try:
+            os.close(os.open(path, os.O_RDWR))
+            return "OK"
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno, str(exc.errno))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words[0] == "open":
+            print(try_open(words[1]), flush=True)
+        elif words[0] == "fork":
+            read, write = os.pipe()
+            child = os.fork()
+            if child == 0:
+                os.write(write, try_open(words[1]).encode())
+                os._exit(0)
+            os.waitpid(child, 0)
+            print(os.read(read, 64).decode(), flush=True)
+    """
+)
+
+
+@dataclass
+class Probe:
+    """A real process that opens nodes when asked."""
+
+    process: subprocess.Popen[str]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def ask(self, line: str) -> str:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
+    def open(self, path: str | Path) -> str:
+        return self.ask(f"open {path}")
+
+    def fork_open(self, path: str | Path) -> str:
+        return self.ask(f"fork {path}")
+
+    def cgroups(self) -> dict[str, str]:
+        """``/proc/PID/cgroup`` as hierarchy → path (``""`` for cgroup v2)."""
+        lines = Path(f"/proc/{self.pid}/cgroup").read_text().splitlines()
+        return {line.split(":", 2)[1]: line.split(":", 2)[2] for line in lines}
+
+
+@dataclass
+class Host:
+    """The simulated GPUs' node folder, and this run's cgroups on one path."""
+
+    path: str
+    tag: str
+    folder: Path
+    nodes: NvidiaNodes
+    minors: list[int]  # the simulated GPUs' minors, by index
+    user: str  # the user-level cgroup (denied), absolute
+    spawner_dirs: list[str]  # cgroups a user's process starts in (v2: under `user`; v1: user + a memory cgroup)
+    made: list[str] = field(default_factory=list)
+    probes: list[Probe] = field(default_factory=list)
+
+    def mechanism(self, name: str | None = None) -> DeviceCgroups:
+        name = name or self.tag
+        if self.path == "v2":
+            assert UNIFIED is not None
+            return CgroupV2(self.nodes, UNIFIED, name)
+        assert DEVICES is not None
+        return CgroupV1(self.nodes, DEVICES, name, f"{self.tag}/kernels")
+
+    def start(self) -> Probe:
+        """A pooled user's process: in the user-level cgroup (a spawner's unit on v2)."""
+        process = subprocess.Popen([sys.executable, "-c", PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        probe = Probe(process)
+        self.probes.append(probe)
+        for directory in self.spawner_dirs:  # before it is asked to open anything
+            Path(directory, "cgroup.procs").write_text(str(process.pid))
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        return probe
+
+    def gpu(self, index: int) -> Path:
+        return self.folder / f"nvidia{self.minors[index]}"
+
+    def cap(self, index: int) -> Path:
+        (_major, minor), *_ = self.nodes.caps[self.minors[index]]
+        return self.folder / "nvidia-caps" / f"nvidia-cap{minor}"
+
+
+def _free_majors(count: int) -> list[int]:
+    """Character majors no driver of this host uses (for the simulated dynamic ones)."""
+    used = {int(line.split()[0]) for line in Path("/proc/devices").read_text().split("Block")[0].splitlines()[1:] if line.strip()}
+    return [major for major in range(234, 200, -1) if major not in used][:count]
+
+
+def _remove_tree(root: str) -> None:
+    """Kill what is left in a cgroup tree, then remove it, deepest first."""
+    if not os.path.isdir(root):
+        return
+    for directory, _dirs, _files in os.walk(root, topdown=False):
+        with contextlib.suppress(OSError):
+            for pid in Path(directory, "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+    for directory, _dirs, _files in os.walk(root, topdown=False):
+        for _ in range(50):
+            try:
+                os.rmdir(directory)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # a killed process not yet reaped by the kernel
+                import time
+
+                time.sleep(0.02)
+
+
+@pytest.fixture
+def host(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Host]:
+    path = request.param
+    tag = f"gpupool-test-{os.getpid()}-{secrets.token_hex(3)}"
+    devices = SimulatedBackend(parse_inventory("3x16GiB")).devices()
+    caps_major, uvm_major = _free_majors(2)
+    folder = tmp_path / "dev"
+    make_node_folder(str(folder), devices, caps_major=caps_major, uvm_major=uvm_major)
+    nodes = NvidiaNodes.read(str(folder), str(folder / "proc"))
+    made: list[str] = []
+    probes: list[Probe] = []
+    try:
+        if path == "v2":
+            assert UNIFIED is not None
+            user = os.path.join(UNIFIED, tag, "user")
+            spawner = [os.path.join(user, "spawner")]
+            os.makedirs(spawner[0])
+            made.append(os.path.join(UNIFIED, tag))
+        else:
+            assert DEVICES is not None
+            user = os.path.join(DEVICES, tag, "user")
+            os.makedirs(user)
+            made.append(os.path.join(DEVICES, tag))
+            spawner = [user]
+            if MEMORY is not None:
+                memory = os.path.join(MEMORY, tag, "spawner")
+                os.makedirs(memory)
+                made.append(os.path.join(MEMORY, tag))
+                spawner.append(memory)
+        yield Host(path, tag, folder, nodes, [d.minor or 0 for d in devices], user, spawner, made, probes)
+    finally:
+        for probe in probes:
+            probe.process.kill()
+            probe.process.wait()
+        for root in made:
+            _remove_tree(root)
+
+
+# --- the node folder --------------------------------------------------------------------------------
+def test_simulated_gpus_have_minors_that_are_not_their_indexes(tmp_path: Path) -> None:
+    devices = SimulatedBackend(parse_inventory("3x16GiB")).devices()
+    assert [d.minor for d in devices] == [3, 2, 1]
+    folder = tmp_path / "dev"
+    make_node_folder(str(folder), devices, caps_major=233, uvm_major=232)
+    nodes = NvidiaNodes.read(str(folder), str(folder / "proc"))
+    assert nodes.gpus == {1: (195, 1), 2: (195, 2), 3: (195, 3)}
+    assert sorted(nodes.control) == [(195, 255), (232, 0), (232, 1)]  # nvidiactl, nvidia-uvm, nvidia-uvm-tools
+    assert set(nodes.caps) == {1, 2, 3} and all(major == 233 for caps in nodes.caps.values() for major, _ in caps)
+    # Allowed (no cgroup in the way) but no driver: ENXIO, which a deny turns into EPERM.
+    with pytest.raises(OSError) as opened:
+        os.open(folder / "nvidia3", os.O_RDWR)
+    assert opened.value.errno == errno.ENXIO
+
+
+# --- the v2 program itself ----------------------------------------------------------------------------
+def test_a_rule_matches_only_the_access_it_names(tmp_path: Path) -> None:
+    if UNIFIED is None:
+        pytest.skip("no cgroup2 hierarchy mounted")
+    os.mknod(tmp_path / "node", 0o666 | 0o020000, os.makedev(195, 7))
+    directory = os.path.join(UNIFIED, f"gpupool-test-{os.getpid()}-{secrets.token_hex(3)}")
+    os.mkdir(directory)
+    try:
+        cgroup_bpf.attach_rules(directory, [cgroup_bpf.DeviceRule(False, 195, 7, access="w")], True, 0)
+        assert cgroup_bpf.attached_count(directory)[0] == 1
+        script = (
+            "import os,errno\n"
+            f"for flags in (os.O_RDONLY, os.O_RDWR):\n"
+            f"    try: os.open({str(tmp_path / 'node')!r}, flags)\n"
+            "    except OSError as e: print(errno.errorcode[e.errno])\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "jupyter_gpupool.enforcement.join_cgroup", directory, "--", sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert out == ["ENXIO", "EPERM"]  # a read is not a write
+        assert cgroup_bpf.detach(directory) and not cgroup_bpf.detach(directory)
+    finally:
+        _remove_tree(directory)
+
+
+# --- both paths ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_outside_any_kernel_every_gpu_node_is_denied_and_the_control_nodes_stay_open(host: Host) -> None:
+    host.mechanism().deny_users(host.user)
+    user = host.start()
+    assert [user.open(host.gpu(i)) for i in range(3)] == ["EPERM"] * 3
+    assert [user.open(host.cap(i)) for i in range(3)] == ["EPERM"] * 3
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+        assert user.open(host.folder / name) == "ENXIO", name  # allowed: CPU work and CUDA's setup run
+    assert user.open("/dev/null") == "OK"
+    assert user.fork_open(host.gpu(0)) == "EPERM"
+
+
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_a_granted_kernel_opens_its_gpu_only_and_follows_moves_and_releases(host: Host) -> None:
+    control = host.mechanism()
+    control.deny_users(host.user)
+    kernel, other_user_process = host.start(), host.start()
+    before = kernel.cgroups()
+
+    with pytest.raises(DeviceControlError, match="cannot name a cgroup"):
+        control.grant("../escape", [kernel.pid], [host.minors[1]])
+    assert kernel.cgroups() == before and kernel.open(host.gpu(1)) == "EPERM"  # nothing changed
+    directory = control.grant("lease-a", [kernel.pid], [host.minors[1]])
+    # Its first open after the grant is never EPERM.
+    assert [kernel.open(host.gpu(i)) for i in range(3)] == ["EPERM", "ENXIO", "EPERM"]
+    assert [kernel.open(host.cap(i)) for i in range(3)] == ["EPERM", "ENXIO", "EPERM"]
+    assert kernel.fork_open(host.gpu(1)) == "ENXIO" and kernel.fork_open(host.gpu(0)) == "EPERM"  # a child inherits
+    assert kernel.open(host.folder / "nvidiactl") == "ENXIO"
+    assert other_user_process.open(host.gpu(1)) == "EPERM"  # the same user, not the kernel
+    # The kernel keeps its spawner's cgroups for memory, CPU and pids.
+    after = kernel.cgroups()
+    if host.path == "v2":
+        assert after[""] == f"{before['']}/{os.path.basename(directory)}"  # a child of its own cgroup
+        assert Path(directory).stat().st_uid == 0
+    else:
+        assert after["devices"].endswith(f"/kernels/{os.path.basename(directory)}")
+        assert {k: v for k, v in after.items() if k != "devices"} == {k: v for k, v in before.items() if k != "devices"}
+
+    control.grant("lease-a", [kernel.pid], [host.minors[2]])  # moved to GPU 2
+    assert [kernel.open(host.gpu(i)) for i in range(3)] == ["EPERM", "EPERM", "ENXIO"]
+    control.release("lease-a")
+    assert [kernel.open(host.gpu(i)) for i in range(3)] == ["EPERM"] * 3
+    assert kernel.open(host.folder / "nvidia-uvm") == "ENXIO"
+    assert not control.forget("lease-a")  # its process still runs: it stays, denied
+    kernel.process.kill()
+    kernel.process.wait()
+    assert control.forget("lease-a") and not os.path.exists(directory)
+
+
+BROKER = textwrap.dedent(
+    """
+    import sys, time
+    from jupyter_gpupool.enforcement.device_control import CgroupV1, CgroupV2, NvidiaNodes
+    path, folder, mount, name, subtree, user, kernels = sys.argv[1:8]
+    nodes = NvidiaNodes.read(folder, folder + "/proc")
+    control = CgroupV2(nodes, mount, name) if path == "v2" else CgroupV1(nodes, mount, name, subtree)
+    control.deny_users(user)
+    for grant in kernels.split(","):
+        key, pid, minor = grant.split(":")
+        control.grant(key, [int(pid)], [int(minor)])
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_a_killed_broker_leaves_the_deny_and_a_restart_adopts_or_removes_its_cgroups(host: Host) -> None:
+    kept, gone, ended = host.start(), host.start(), host.start()
+    mount = UNIFIED if host.path == "v2" else DEVICES
+    grants = f"kept:{kept.pid}:{host.minors[0]},gone:{gone.pid}:{host.minors[1]},ended:{ended.pid}:{host.minors[2]}"
+    broker = subprocess.Popen(
+        [sys.executable, "-c", BROKER, host.path, str(host.folder), str(mount), host.tag, f"{host.tag}/kernels", host.user, grants],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert broker.stdout is not None and broker.stdout.readline().strip() == "ready"
+    finally:
+        broker.send_signal(signal.SIGKILL)
+        broker.wait()
+    # What a crash leaves: every rule in place (an attached program outlives its loader).
+    assert [kept.open(host.gpu(i)) for i in range(3)] == ["ENXIO", "EPERM", "EPERM"]
+    assert gone.open(host.gpu(1)) == "ENXIO"
+    assert host.start().open(host.gpu(0)) == "EPERM"
+    ended.process.kill()
+    ended.process.wait()
+
+    restarted = host.mechanism()
+    done = restarted.sweep({"kept": frozenset({host.minors[0]})})
+    assert done == {"kept": "adopted", "gone": "denied", "ended": "removed"}
+    assert [kept.open(host.gpu(i)) for i in range(3)] == ["ENXIO", "EPERM", "EPERM"]
+    assert [gone.open(host.gpu(i)) for i in range(3)] == ["EPERM"] * 3  # its lease is no more
+    assert sorted(restarted.kernels) == ["gone", "kept"]
+    gone.process.kill()
+    gone.process.wait()
+    restarted.remove_all()
+    assert sorted(restarted.kernels) == ["kept"]  # its process still runs
+
+
+# --- choosing the mode ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_a_root_broker_on_a_simulated_pool_with_a_node_folder_runs_it_and_says_so_in_one_line(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = DeviceControl(mode=host.path, user_cgroups=[host.user, "no-such-slice"], name=host.tag)
+    with caplog.at_level("INFO"):
+        cgroups = config.start(single_user=False, simulated=True, simulated_node_dir=str(host.folder))
+    assert cgroups is not None and cgroups.mode == (MODE_V2 if host.path == "v2" else MODE_V1)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("device control:")]
+    assert len(lines) == 1 and cgroups.mode in lines[0] and "nvidia1, nvidia2, nvidia3" in lines[0]
+    described = json.loads(json.dumps(config.describe()))
+    assert described["mode"] == cgroups.mode and described["not_found"] == ["no-such-slice"]
+    assert described["denied_in"] == [host.user] and len(described["denied"]["gpu_nodes"]) == 3
+    assert host.start().open(host.gpu(2)) == "EPERM"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "mode", "reason"),
+    [
+        ({"single_user": True}, "auto", "single-user server"),
+        ({"single_user": False, "simulated": True}, "auto", "without a node folder"),
+        ({"single_user": False}, "off", "'off'"),
+    ],
+)
+def test_off_says_why_in_one_line(kwargs: dict[str, bool], mode: str, reason: str, caplog: pytest.LogCaptureFixture) -> None:
+    config = DeviceControl(mode=mode)
+    with caplog.at_level("INFO"):
+        assert config.start(**kwargs) is None
+    assert config.describe() == {"mode": "off", "reason": config.reason} and reason in config.reason
+    assert [r.getMessage() for r in caplog.records if "device control" in r.getMessage()] == [
+        f"device control: off ({config.reason}); unpooled GPU use is policed by the watchdog"
+    ]
+
+
+def test_a_broker_that_is_not_root_falls_back_and_says_so(tmp_path: Path) -> None:
+    devices = SimulatedBackend(parse_inventory("1x16GiB")).devices()
+    make_node_folder(str(tmp_path / "dev"), devices, caps_major=233, uvm_major=232)
+    script = (
+        "import os, json, logging\n"
+        "from jupyter_gpupool.enforcement.device_control import DeviceControl\n"
+        "config = DeviceControl()\n"
+        "config.log.info('logging set up')  # traitlets imports its logger on first use\n"
+        "os.setgid(65534); os.setuid(65534)  # nobody, once Python's own files are read\n"
+        f"print(json.dumps([config.start(single_user=False, simulated=True, simulated_node_dir={str(tmp_path / 'dev')!r}) is None, config.describe()]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    off, described = json.loads(done.stdout)
+    assert off and described == {"mode": "off", "reason": "the broker does not run as root, and only root may change device cgroups"}
