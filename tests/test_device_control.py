@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from pool_helpers import make_pool, req
 
+from jupyter_gpupool.core.models import LeaseState, Transition
 from jupyter_gpupool.devices.simulated import SimulatedBackend, make_node_folder, parse_inventory
 from jupyter_gpupool.enforcement import cgroup_bpf
 from jupyter_gpupool.enforcement.device_control import (
@@ -38,6 +40,7 @@ from jupyter_gpupool.enforcement.device_control import (
     NvidiaNodes,
     cgroup_mounts,
 )
+from jupyter_gpupool.enforcement.device_control_role import DeviceControlRole
 
 UNIFIED, DEVICES = cgroup_mounts()
 MEMORY = "/sys/fs/cgroup/memory" if os.path.isdir("/sys/fs/cgroup/memory/") else None
@@ -402,3 +405,52 @@ def test_a_broker_that_is_not_root_falls_back_and_says_so(tmp_path: Path) -> Non
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     off, described = json.loads(done.stdout)
     assert off and described == {"mode": "off", "reason": "the broker does not run as root, and only root may change device cgroups"}
+
+
+# --- the role on a real pool's transitions ------------------------------------------------------------
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_each_decision_of_the_pool_is_followed_by_the_kernels_device_access(host: Host, tmp_path: Path) -> None:
+    control = host.mechanism()
+    control.deny_users(host.user)
+    pool = make_pool(tmp_path, "3x16GiB")
+    assert [d.minor for d in pool.devices()] == host.minors
+    kernel, bystander = host.start(), host.start()
+    kernels: dict[str, list[int]] = {}
+    role = DeviceControlRole(control, lambda lease: kernels.get(lease.id, []))
+
+    def decided() -> dict[str, str]:
+        return role.apply(pool.leases(include_released=True), pool.devices())
+
+    def opens(probe: Probe) -> list[str]:
+        return [probe.open(host.gpu(i)) for i in range(3)]
+
+    first = pool.request(req("alice", 8, suspendable=True, kernel_id="k1"))
+    assert first.state is LeaseState.GRANTED
+    assert decided() == {first.id: "no process"}  # its kernel has not started: nothing to allow yet
+    kernels[first.id] = [kernel.pid]
+    assert decided() == {first.id: "allowed"}
+    index = [d.uuid for d in pool.devices()].index(first.devices[0])
+    assert opens(kernel) == ["ENXIO" if i == index else "EPERM" for i in range(3)]
+    assert opens(bystander) == ["EPERM"] * 3
+    assert decided() == {}  # nothing changed, nothing done
+
+    pool.suspend(first.id)  # still copying its memory off: the GPU stays open
+    assert decided() == {} and kernel.open(host.gpu(index)) == "ENXIO"
+    pool.confirm_transition(first.id, parked_bytes=0)
+    assert pool.get(first.id).state is LeaseState.SUSPENDED
+    assert decided() == {first.id: "denied"} and opens(kernel) == ["EPERM"] * 3  # parked
+
+    resumed = pool.resume(first.id)
+    if resumed.transition is not Transition.NONE:
+        pool.confirm_transition(first.id)
+    again = pool.get(first.id)
+    assert again.state is LeaseState.GRANTED
+    assert decided() == {first.id: "allowed"}
+    index = [d.uuid for d in pool.devices()].index(again.devices[0])
+    assert opens(kernel) == ["ENXIO" if i == index else "EPERM" for i in range(3)]
+
+    pool.release(first.id)
+    assert decided() == {first.id: "denied"} and opens(kernel) == ["EPERM"] * 3
+    kernel.process.kill()
+    kernel.process.wait()
+    assert decided() == {first.id: "removed"} and control.kernels == {}
