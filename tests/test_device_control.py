@@ -19,10 +19,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 from pool_helpers import make_pool, req
 
@@ -168,8 +170,6 @@ def _remove_tree(root: str) -> None:
             except FileNotFoundError:
                 break
             except OSError:  # a killed process not yet reaped by the kernel
-                import time
-
                 time.sleep(0.02)
 
 
@@ -454,3 +454,47 @@ def test_each_decision_of_the_pool_is_followed_by_the_kernels_device_access(host
     kernel.process.kill()
     kernel.process.wait()
     assert decided() == {first.id: "removed"} and control.kernels == {}
+
+
+FIRST_OPEN = "import errno, os, sys\ntry:\n    os.close(os.open(sys.argv[1], os.O_RDWR))\nexcept OSError as e:\n    print(errno.errorcode[e.errno])\n"
+
+
+def _lease_processes(lease_id: str) -> list[int]:
+    """The processes whose environment names the lease (the claim rule's stand-in here)."""
+    found = []
+    for process in psutil.process_iter(["environ"]):
+        if (process.info.get("environ") or {}).get("GPUPOOL_LEASE_ID") == lease_id:
+            found.append(process.pid)
+    return found
+
+
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_a_kernel_started_through_device_join_runs_only_once_its_gpu_is_open_to_it(host: Host, tmp_path: Path) -> None:
+    control = host.mechanism()
+    control.deny_users(host.user)
+    pool = make_pool(tmp_path, "3x16GiB")
+    lease = pool.request(req("alice", 8, kernel_id="k1"))
+    index = [d.uuid for d in pool.devices()].index(lease.devices[0])
+    role = DeviceControlRole(control, lambda lease: _lease_processes(lease.id))
+
+    def launch(timeout: str) -> subprocess.Popen[str]:
+        command = [sys.executable, "-m", "jupyter_gpupool.enforcement.device_join", "--timeout", timeout, "--"]
+        env = {**os.environ, "GPUPOOL_LEASE_ID": lease.id}
+        process = subprocess.Popen(
+            [*command, sys.executable, "-c", FIRST_OPEN, str(host.gpu(index))], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for directory in host.spawner_dirs:  # where its spawner started it
+            Path(directory, "cgroup.procs").write_text(str(process.pid))
+        return process
+
+    late = launch("0.3")  # nobody sets up its access: it runs anyway, and says why its GPU refuses
+    out, err = late.communicate(timeout=20)
+    assert out.split() == ["EPERM"] and "did not set up this kernel's GPU access within 0.3 s" in err
+
+    kernel = launch("20")
+    deadline = time.monotonic() + 15
+    while role.apply([lease], pool.devices()).get(lease.id) != "allowed":  # the pool's next decision
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    out, err = kernel.communicate(timeout=20)
+    assert out.split() == ["ENXIO"] and err == ""  # its very first open: allowed (no driver behind it)
