@@ -31,6 +31,7 @@ from pool_helpers import make_pool, req
 from jupyter_gpupool.core.models import LeaseState, Transition
 from jupyter_gpupool.devices.simulated import SimulatedBackend, make_node_folder, parse_inventory
 from jupyter_gpupool.enforcement import cgroup_bpf
+from jupyter_gpupool.enforcement.claims import UnixUsers
 from jupyter_gpupool.enforcement.device_control import (
     MODE_V1,
     MODE_V2,
@@ -42,7 +43,7 @@ from jupyter_gpupool.enforcement.device_control import (
     NvidiaNodes,
     cgroup_mounts,
 )
-from jupyter_gpupool.enforcement.device_control_role import DeviceControlRole
+from jupyter_gpupool.enforcement.device_control_role import DeviceControlRole, lease_processes
 
 UNIFIED, DEVICES = cgroup_mounts()
 MEMORY = "/sys/fs/cgroup/memory" if os.path.isdir("/sys/fs/cgroup/memory/") else None
@@ -459,23 +460,16 @@ def test_each_decision_of_the_pool_is_followed_by_the_kernels_device_access(host
 FIRST_OPEN = "import errno, os, sys\ntry:\n    os.close(os.open(sys.argv[1], os.O_RDWR))\nexcept OSError as e:\n    print(errno.errorcode[e.errno])\n"
 
 
-def _lease_processes(lease_id: str) -> list[int]:
-    """The processes whose environment names the lease (the claim rule's stand-in here)."""
-    found = []
-    for process in psutil.process_iter(["environ"]):
-        if (process.info.get("environ") or {}).get("GPUPOOL_LEASE_ID") == lease_id:
-            found.append(process.pid)
-    return found
-
-
 @pytest.mark.parametrize("host", PATHS, indirect=True)
 def test_a_kernel_started_through_device_join_runs_only_once_its_gpu_is_open_to_it(host: Host, tmp_path: Path) -> None:
     control = host.mechanism()
     control.deny_users(host.user)
     pool = make_pool(tmp_path, "3x16GiB")
-    lease = pool.request(req("alice", 8, kernel_id="k1"))
+    # This test (root) is the lease's holder, as a root Jupyter server would be.
+    lease = pool.request(req("alice", 8, kernel_id="k1", holder_pid=os.getpid(), holder_host="here"))
     index = [d.uuid for d in pool.devices()].index(lease.devices[0])
-    role = DeviceControlRole(control, lambda lease: _lease_processes(lease.id))
+    users = UnixUsers(names={"alice": 4242})  # alice's processes would run as uid 4242
+    role = DeviceControlRole(control, lambda lease: lease_processes([lease], users, "here").get(lease.id, []))
 
     def launch(timeout: str) -> subprocess.Popen[str]:
         command = [sys.executable, "-m", "jupyter_gpupool.enforcement.device_join", "--timeout", timeout, "--"]
@@ -498,3 +492,18 @@ def test_a_kernel_started_through_device_join_runs_only_once_its_gpu_is_open_to_
         time.sleep(0.05)
     out, err = kernel.communicate(timeout=20)
     assert out.split() == ["ENXIO"] and err == ""  # its very first open: allowed (no driver behind it)
+
+    # A root process that only copied the lease's variable, and that its holder did not start, is not its kernel.
+    started = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(30)' >/dev/null 2>&1 & echo $!"],
+        env={**os.environ, "GPUPOOL_LEASE_ID": lease.id},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stranger = psutil.Process(int(started.stdout))  # its shell exited: it is nobody's child here
+    try:
+        assert os.getpid() not in [p.pid for p in stranger.parents()]
+        assert lease_processes([lease], users, "here") == {}
+    finally:
+        stranger.kill()

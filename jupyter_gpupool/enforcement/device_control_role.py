@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
+import psutil
+
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
+from jupyter_gpupool.enforcement.claims import UnixUsers, may_claim
 from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControlError
 
 
@@ -37,6 +40,26 @@ def minors_of(uuids: Iterable[str], devices: Mapping[str, Device]) -> frozenset[
         if device is not None and device.minor is not None:
             minors.add(device.minor)
     return frozenset(minors)
+
+
+def lease_processes(leases: Iterable[Lease], users: UnixUsers, host: str) -> dict[str, list[int]]:
+    """Each lease's processes by the pool's one claim rule: a process whose environment names the
+    lease (``GPUPOOL_LEASE_ID``) and that the lease may claim (it runs as the owner's uid, or is
+    root and the lease's holder or started by it). A process that only copied the variable is not."""
+    wanted = {lease.id: lease for lease in leases}
+    found: dict[str, list[int]] = {}
+    uids: dict[int, int | None] = {}
+    for process in psutil.process_iter(["environ"]):
+        lease = wanted.get((process.info.get("environ") or {}).get("GPUPOOL_LEASE_ID", ""))
+        if lease is None:
+            continue
+        try:
+            chain = [process, *process.parents()]
+        except psutil.Error:
+            continue  # it exited
+        if may_claim(chain, 0, lease, users, host, uids):
+            found.setdefault(lease.id, []).append(process.pid)
+    return found
 
 
 class DeviceControlRole:
