@@ -11,7 +11,10 @@ released at once, one after another). Conditions, each for ``--seconds`` of vict
 - ``idle connections``: 1,100 connections that send nothing;
 - ``declared bodies``: 10 connections each declaring 95 MiB of body and sending it;
 - ``chunked bodies``: 10 connections each streaming 8 MiB of chunked body;
-- ``refused reports``: 8 connections at a time looping a forged "suspend done" report.
+- ``refused reports``: 8 connections at a time looping a "suspend done" report for a lease that
+  is not being suspended;
+- ``forged suspend reports``: the same loop for the attacker's own lease while its suspend is
+  under way and its process still holds the memory on the GPU (the simulated driver lists it).
 
 Per condition: the victim's p50 and p99, p99 over the allowed load's p99, its statuses, the
 broker's RSS growth, its log growth and what the attacker was answered. Medians over ``--runs``.
@@ -47,7 +50,11 @@ CONDITIONS: list[tuple[str, list[str]]] = [
     ("declared bodies", ["bodies", "--count", "10"]),
     ("chunked bodies", ["chunked", "--count", "10", "--size", str(8 << 20)]),
     ("refused reports", ["reports", "--count", "8"]),
+    ("forged suspend reports", ["reports", "--count", "8", "--while-held"]),
 ]
+
+#: What the lease of ``forged suspend reports`` holds on the GPU while its suspend is under way.
+HELD = 2 << 30
 
 
 class Broker:
@@ -110,6 +117,19 @@ def result(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def hold_memory(folder: Path, lease: dict[str, Any]) -> subprocess.Popen[bytes]:
+    """A process of the attacker's that is the lease's kernel, holding :data:`HELD` on its GPU (as
+    the simulated driver lists it: a file in the pool's usage folder)."""
+    proc = subprocess.Popen(
+        [SYSTEM_PYTHON, "-c", "import time; time.sleep(600)"], user="nobody", cwd=str(folder),
+        env={"PATH": "/usr/bin:/bin", "GPUPOOL_LEASE_ID": lease["id"]},
+    )  # fmt: skip
+    usage = folder / "pool.sqlite.usage"
+    usage.mkdir(exist_ok=True)
+    (usage / f"{proc.pid}.json").write_text(json.dumps({lease["devices"][0]: HELD}))
+    return proc
+
+
 def one(broker: Broker, folder: Path, attack: list[str], seconds: float) -> dict[str, Any]:
     target = f"unix:{broker.socket_path}"
     rss0, log0 = broker.rss(), broker.log_size()
@@ -122,16 +142,25 @@ def one(broker: Broker, folder: Path, attack: list[str], seconds: float) -> dict
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    attacker = None
+    attacker = holder = None
     if attack:
         extra = ["--hold", str(seconds + 1.5)] if attack[0] != "reports" else ["--seconds", str(seconds + 1.5)]
         if attack[0] == "reports":
             lease = result(client(folder, "nobody", "lease", "--target", target))["lease"]
             extra += ["--lease", lease["id"]]
+            if "--while-held" in attack:
+                attack = [a for a in attack if a != "--while-held"]
+                holder = hold_memory(folder, lease)
+                suspended = result(client(folder, "nobody", "suspend", "--target", target, "--lease", lease["id"]))
+                if suspended["status"] != 200:
+                    raise SystemExit(f"the attacker's lease could not be suspended: {suspended}")
         attacker = client(folder, "nobody", attack[0], "--target", target, *attack[1:], *extra)
         time.sleep(1.0)
     victim = result(client(folder, "daemon", "victim", "--target", target, "--seconds", str(seconds)))
     seen = result(attacker) if attacker is not None else {}
+    if holder is not None:
+        holder.kill()
+        holder.wait()
     done.set()
     sampler.join(5)
     return {"victim": victim, "attack": seen, "rss_growth": peak[0] - rss0, "log_growth": broker.log_size() - log0}

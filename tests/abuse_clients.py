@@ -218,7 +218,7 @@ def victim(target: str, seconds: float, token: str | None = None, prefix: str = 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("what", choices=["idle", "bodies", "chunked", "reports", "longpolls", "victim", "lease"])
+    parser.add_argument("what", choices=["idle", "bodies", "chunked", "reports", "longpolls", "victim", "lease", "suspend"])
     parser.add_argument("--target", required=True, help="unix:PATH or HOST:PORT")
     parser.add_argument("--count", type=int, default=1100)
     parser.add_argument("--size", type=int, default=99614720)
@@ -238,6 +238,9 @@ def main(argv: list[str]) -> int:
         result = attack_reports(args.target, args.lease, args.count, args.seconds)
     elif args.what == "lease":
         status, body = request(args.target, "POST", "/api/gpupool/leases", {"memory": "2GiB", "suspendable": True, "duration": 600})
+        result = {"status": status, "lease": body}
+    elif args.what == "suspend":
+        status, body = request(args.target, "POST", f"/api/gpupool/leases/{args.lease}/suspend", {"reason": "bench"})
         result = {"status": status, "lease": body}
     else:
         result = victim(args.target, args.seconds, args.token, args.prefix)

@@ -30,7 +30,8 @@ memory is scripted, so the pool's books can be set against what the GPU holds):
 
 - ``unpooled_nvml``: on the NVML backend over the fake ``pynvml``: a process without a lease, a
   kernel outside its lease's GPUs and a suspended kernel still holding memory are seen and never
-  granted; a forged 'suspend done' and a 1 PiB ``parked_bytes`` are refused.
+  granted; a 'suspend done' while NVML lists the kernel's memory is taken at once and that memory
+  stays taken until it is freed; a 1 PiB ``parked_bytes`` is refused.
 - ``broker_suspend_attacks``: a real broker process: forged and replayed transition reports over
   HTTP, a process outside the pool, and the broker SIGKILLed mid-resume, mid-suspend and mid-move.
 - ``server_kill_mid_step``: a real `jupyter server` SIGKILLed at a random moment of a suspend and
@@ -700,7 +701,6 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
 
     def open_pool() -> tuple[Pool, Watchdog]:
         pool = Pool(backend, db, PoolPolicy(**policy), clock=lambda: clock[0])
-        pool.confirm_wait = 0.0  # a forged report is refused at once; a true one finds the memory already freed
         watchdog = Watchdog(backend=backend, pool=pool)
         watchdog.log = watchdog_log
         return pool, watchdog
@@ -712,7 +712,7 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
     counts = {key: 0 for key in (
         "kernels_started", "releases", "user_suspends", "suspends_confirmed", "suspends_failed", "resumes_asked",
         "restores_confirmed", "restores_failed", "moves_confirmed", "restarts", "restarts_of_suspended",
-        "server_restarts", "forged_refused", "replays_harmless", "parked_bytes_bounded", "parked_bytes_refused",
+        "server_restarts", "forged_taken", "forged_let_go", "replays_harmless", "parked_bytes_bounded", "parked_bytes_refused",
         "outside_started", "suspended_kernels_using_gpu", "unpooled_sightings", "grants_checked", "invariant_checks",
     )}
     violations: list[str] = []
@@ -775,14 +775,24 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
                 continue
             lease = pool.get(kernel["lease"])
             pid = kernel["pid"]
+            if kernel.get("holds_after_report") and rng.random() < 0.5:
+                # The process whose step was reported done early lets go of what it still held there.
+                kept = {u: a for u, a in procs.usage.get(pid, {}).items() if lease.state is LeaseState.GRANTED and u in lease.devices}
+                procs.use(pid, kept)
+                kernel["holds_after_report"] = False
+                counts["forged_let_go"] += 1
             if lease.state is LeaseState.GRANTED and lease.transition is Transition.NONE and pid not in procs.usage:
                 per_gpu = lease.memory * rng.choice([5, 8, 10]) // 10
                 procs.use(pid, {uuid: per_gpu for uuid in lease.devices})
             elif lease.transition is Transition.SUSPENDING:
                 if pid in procs.usage and rng.random() < 0.25:
-                    if not unchanged(lease.id, RequestRefused, "a forged 'suspend done' while the process held its memory", parked_bytes=0):
-                        continue  # taken: the lease is suspended while its process holds the memory
-                    counts["forged_refused"] += 1
+                    # A 'suspend done' while the process holds its memory: taken at once, and what the
+                    # process holds stays taken until it lets go (the invariants check every grant).
+                    kernel["parked"] = sum(procs.usage[pid].values())
+                    pool.confirm_transition(lease.id, parked_bytes=0)
+                    kernel["holds_after_report"] = True
+                    counts["forged_taken"] += 1
+                    continue
                 if rng.random() < 0.1:
                     pool.fail_transition(lease.id, "could not suspend: injected failure", still_running=True)
                     counts["suspends_failed"] += 1
@@ -817,9 +827,11 @@ def suspend_soak(workdir: Path, seconds: float = 10.0, spec: str = "2x24GiB", se
                     counts["replays_harmless"] += 1
             elif lease.transition is Transition.MIGRATING:
                 if pid in procs.usage and rng.random() < 0.3:
-                    if not unchanged(lease.id, RequestRefused, "a forged 'move done' while the process held its old GPU"):
-                        continue
-                    counts["forged_refused"] += 1
+                    # A 'move done' while the process still holds its old GPU: taken; that memory stays taken.
+                    pool.confirm_transition(lease.id)
+                    kernel["holds_after_report"] = True
+                    counts["forged_taken"] += 1
+                    continue
                 held = sum(procs.usage.get(pid, {}).values()) or lease.memory // 2
                 procs.use(pid, {uuid: min(lease.memory, held) for uuid in lease.devices})
                 pool.confirm_transition(lease.id)
@@ -968,7 +980,8 @@ def unpooled_nvml(workdir: Path) -> dict[str, Any]:
     """Unpooled use on the NVML backend over the scripted fake ``pynvml`` (real processes, scripted
     per-process memory): a process without a lease, a kernel on a GPU outside its lease and a
     suspended kernel that still holds memory are each seen with their pid, and what they hold is
-    never granted; a forged 'suspend done' is refused while NVML lists the process; a process that
+    never granted; a 'suspend done' while NVML lists the process is taken at once, and what it lists
+    stays taken until it is freed; a process that
     exits gives its memory back."""
     from fake_pynvml import FakeGpu, FakeNvml, FakeProcess
 
@@ -1020,21 +1033,23 @@ def unpooled_nvml(workdir: Path) -> dict[str, Any]:
 
         pool.suspend(alice.id)
         try:
-            pool.confirm_transition(alice.id, parked_bytes=0)
-        except RequestRefused as err:
-            figures["forged_suspend_done"] = str(err)
-        else:
-            raise AssertionError("a 'suspend done' was taken while NVML listed the kernel's 30 GiB")
-        assert pool.get(alice.id).transition is Transition.SUSPENDING
-        use(kernel, home, 0)  # the real suspend: the driver frees it
-        try:
             pool.confirm_transition(alice.id, parked_bytes=2**50)
         except InvalidInput as err:
             figures["pib_parked_bytes"] = str(err)
         else:
             raise AssertionError("1 PiB of parked_bytes was taken")
-        parked = pool.confirm_transition(alice.id, parked_bytes=30 * GIB)
+        started = time.monotonic()
+        parked = pool.confirm_transition(alice.id, parked_bytes=30 * GIB)  # while NVML still lists the kernel's 30 GiB
+        took = time.monotonic() - started
         assert parked.state is LeaseState.SUSPENDED and parked.parked_memory == 30 * GIB
+        held = [(u["pid"], u["bytes"], u["why"]) for u in pool.snapshot(admin=True).unpooled if u["device"] == home]
+        assert held == [(kernel, 30 * GIB, Pool.PARKED_BUT_HELD)], held
+        pool.tick()
+        assert pool.get(big.id).state is LeaseState.QUEUED, "60 GiB were granted where the suspended kernel still holds 30 GiB"
+        figures["forged_suspend_done"] = (f"taken in {took * 1000:.0f} ms; the 30 GiB NVML still lists stay taken "
+                                          "(held, not granted) and the 60 GiB request waits")
+        use(kernel, home, 0)  # the real suspend: the driver frees it
+        pool.tick()
         assert pool.get(big.id).devices == (home,), "the suspend freed 80 GiB on its GPU: the 60 GiB request goes there"
         use(kernel, home, 15 * GIB)  # a suspended kernel that goes on using its GPU
         seen = watch()
@@ -1077,15 +1092,15 @@ def broker_suspend_attacks(workdir: Path, spec: str = "2x16GiB") -> dict[str, An
     """The suspend protocol against a real broker process (``python -m jupyter_gpupool.broker`` on
     a simulated pool, its watchdog on), each kernel a real process whose GPU memory is scripted:
 
-    - forged and replayed reports: alice's server reports her suspend done with ``parked_bytes`` 0
-      while her kernel still holds 12 GiB (409, again and again, and bob's 16 GiB request waits); a
-      1 PiB ``parked_bytes`` (400); the true report, then the same report replayed (answered,
-      unchanged) and replayed without its step (400); bob is granted exactly once;
+    - forged and replayed reports: a 1 PiB ``parked_bytes`` (400); alice's server reports her
+      suspend done while her kernel still holds 12 GiB (taken at once, and bob's 16 GiB request
+      waits until her kernel lets go); the same report replayed (answered, unchanged) and replayed
+      without its step (400); bob is granted exactly once;
     - a process outside the pool holds 3 GiB: the broker's watchdog lists it and a request that
       needs it waits until it exits;
     - the broker SIGKILLed in the middle of a resume, a suspend and a move (the server carries the
       step out while the broker is down, then reports it to the restarted broker): each step
-      finishes, a forged 'move done' is refused, and after every restart no GPU is granted more
+      finishes, a 'move done' reported early keeps the old GPU's memory taken, and after every restart no GPU is granted more
       than it has, each kernel has one live lease and the parked total is consistent.
     """
     from broker_harness import BrokerProcess, StandInHub, wait_until
@@ -1132,23 +1147,21 @@ def broker_suspend_attacks(workdir: Path, spec: str = "2x16GiB") -> dict[str, An
         kernel = procs.start(alice.id)
         procs.use(kernel, {alice.devices[0]: 12 * GIB})
         remote["alice"].suspend(alice.id)
-        forged = [report("alice", alice.id, parked_bytes=0)[0] for _ in range(3)]
-        forged.append(report("alice", alice.id, transition="suspending", parked_bytes=0)[0])
-        bob = ask("bob", 16, "k-bob")
-        time.sleep(1.0)  # several broker ticks and watchdog passes
-        assert forged == [409] * 4, forged
-        assert remote["bob"].get(bob.id).state is LeaseState.QUEUED, "bob was granted memory alice's kernel still holds"
-        assert remote["alice"].get(alice.id).transition is Transition.SUSPENDING
-        figures["forged_suspend_done"] = forged
-        procs.use(kernel, {})  # the real suspend: the memory is freed
         status, body = report("alice", alice.id, parked_bytes=2**50)
         assert status == 400 and "more than this lease's GPUs hold" in body["message"], (status, body)
         figures["pib_parked_bytes"] = status
-        status, done = report("alice", alice.id, transition="suspending", parked_bytes=12 * GIB)
+        started = time.monotonic()
+        status, done = report("alice", alice.id, transition="suspending", parked_bytes=12 * GIB)  # her kernel still holds 12 GiB
+        took = time.monotonic() - started
         assert status == 200 and done["state"] == "suspended" and done["parked_memory"] == 12 * GIB, done
-        granted = remote["bob"].wait_for_grant(bob.id, timeout=30)
+        bob = ask("bob", 16, "k-bob")
         replays = [report("alice", alice.id, transition="suspending", parked_bytes=12 * GIB)[0] for _ in range(2)]
         replays.append(report("alice", alice.id, parked_bytes=12 * GIB)[0])
+        time.sleep(1.0)  # several broker ticks and watchdog passes
+        assert remote["bob"].get(bob.id).state is LeaseState.QUEUED, "bob was granted memory alice's kernel still holds"
+        figures["forged_suspend_done"] = f"200 in {took * 1000:.0f} ms; bob's 16 GiB waited while her kernel held its 12 GiB"
+        procs.use(kernel, {})  # her kernel lets go: the memory is freed
+        granted = remote["bob"].wait_for_grant(bob.id, timeout=30)
         assert replays == [200, 200, 400], replays
         after = remote["alice"].get(alice.id)
         assert after.state is LeaseState.SUSPENDED and after.parked_memory == 12 * GIB
@@ -1214,14 +1227,15 @@ def broker_suspend_attacks(workdir: Path, spec: str = "2x16GiB") -> dict[str, An
                           timeout=30, what="the broker to move the idle kernel")
         kill_and_restart()
         restarted()
-        status, _ = report("alice", moving.id, transition="migrating")
-        assert status == 409, f"a 'move done' was taken while the kernel held its old GPU ({status})"
-        procs.use(mover, {plan.devices[0]: 6 * GIB})  # the move, carried out after the restart
-        status, moved = report("alice", moving.id, transition="migrating")
+        status, moved = report("alice", moving.id, transition="migrating")  # while the kernel still holds its old GPU
         assert status == 200 and moved["state"] == "granted" and moved["devices"] == list(plan.devices), moved
+        time.sleep(0.8)  # broker ticks and watchdog passes
+        assert remote["carol"].get(big.id).state is LeaseState.QUEUED, "12 GiB granted where the moved kernel still held 6 GiB"
+        procs.use(mover, {plan.devices[0]: 6 * GIB})  # the move, carried out after the restart: it lets go of the old GPU
         granted_big = remote["carol"].wait_for_grant(big.id, timeout=30)
         assert granted_big.devices == moving.devices, "the room the move made went elsewhere"
-        figures["killed_mid_move"] = "a forged 'move done' refused (409); moved after the restart, the 12 GiB request granted"
+        figures["killed_mid_move"] = ("a 'move done' reported early taken (200), the old GPU's 6 GiB kept taken until the "
+                                      "kernel let go; the 12 GiB request granted then")
         check_pool_file(broker.db, spec, intervals=True)
         live = [lease for lease in broker.leases(include_released=False)]
         kernels = [lease.kernel_id for lease in live]

@@ -21,15 +21,15 @@ from jupyter_gpupool.units import GIB
 pytestmark = pytest.mark.slow
 
 
-def test_unpooled_use_on_nvml_is_seen_and_never_granted_and_a_forged_suspend_is_refused(tmp_path: Path) -> None:
+def test_unpooled_use_on_nvml_is_seen_and_never_granted_and_a_forged_suspend_frees_nothing(tmp_path: Path) -> None:
     figures = reliability.unpooled_nvml(tmp_path)
-    assert "still shows 30 GiB held by this kernel's process" in figures["forged_suspend_done"]
+    assert "the 30 GiB NVML still lists stay taken" in figures["forged_suspend_done"]
     assert "more than this lease's GPUs hold" in figures["pib_parked_bytes"]
 
 
-def test_a_real_broker_refuses_forged_reports_and_finishes_steps_it_was_killed_in(tmp_path: Path) -> None:
+def test_a_real_broker_frees_nothing_by_forged_reports_and_finishes_steps_it_was_killed_in(tmp_path: Path) -> None:
     figures = reliability.broker_suspend_attacks(tmp_path)
-    assert figures["forged_suspend_done"] == [409] * 4 and figures["pib_parked_bytes"] == 400
+    assert figures["forged_suspend_done"].startswith("200") and figures["pib_parked_bytes"] == 400
     assert figures["replayed_confirmations"] == [200, 200, 400]
     assert figures["broker_kills"] == 3
 
@@ -44,7 +44,7 @@ def test_the_suspend_soak_keeps_its_invariants_after_every_step(tmp_path: Path) 
     assert figures["failures"] == 0, figures["failure_lines"]
     assert figures["operations"] >= 150 and figures["invariant_checks"] == figures["operations"]
     assert figures["suspends_confirmed"] > 5 and figures["restores_confirmed"] > 0 and figures["restarts"] > 5
-    assert figures["forged_refused"] > 0 and figures["replays_harmless"] > 0 and figures["outside_started"] > 0
+    assert figures["forged_taken"] > 0 and figures["forged_let_go"] > 0 and figures["replays_harmless"] > 0 and figures["outside_started"] > 0
     assert figures["fds_end"] <= figures["fds_start"] + 2
 
 

@@ -157,8 +157,8 @@ class Broker(LoggingConfigurable):
         0.0,
         help="Seconds of the broker's shared worker one user's refused reports may take together within "
         "refused_reports_window; past it that user's next reports are answered 429 after a pause. A report "
-        "refused after waiting for the driver (Pool.confirm_wait) takes seconds, and a server whose honest "
-        "report was refused reports again soon, so it is off by default. 0: no bound.",
+        "is judged from one driver read and never waits for the driver, so refused_reports_allowed is "
+        "bound enough by default. 0: no bound.",
     ).tag(config=True)
 
     def __init__(

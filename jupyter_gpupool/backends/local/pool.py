@@ -25,6 +25,7 @@ from traitlets.config import Config
 
 from jupyter_gpupool.backends.changes import PoolChanges
 from jupyter_gpupool.backends.contract import Capability
+from jupyter_gpupool.backends.local.driver import DriverReading, held_rows, still_held
 from jupyter_gpupool.backends.local.store import SIMULATED_INVENTORY, Store
 from jupyter_gpupool.backends.waiting import GrantWaiting
 from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
@@ -50,112 +51,13 @@ from jupyter_gpupool.devices.base import nvidia_driver_present
 from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
 from jupyter_gpupool.enforcement.unpooled import (
     UnpooledUse,
-    _ancestry,
-    _kernel_of,
-    _Processes,
-    held_by_lease,
-    holdings_of_lease,
     unpooled_line,
 )
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, RequestRefused
 from jupyter_gpupool.rest import anonymous
-from jupyter_gpupool.units import format_size, parse_size
+from jupyter_gpupool.units import parse_size
 
 HOSTNAME = socket.gethostname()
-
-
-class DriverReading:
-    """The pool's driver port (:class:`~jupyter_gpupool.core.engine.DriverPort`): the backend's
-    per-process GPU memory read once, on first use, and each process walked up ``/proc`` once to
-    find the live lease it is a kernel (or a kernel's child) of."""
-
-    def __init__(self, read: Callable[[], list[ProcessUsage]], processes: list[ProcessUsage] | None = None,
-                 seen: dict[int, tuple[float, str, float]] | None = None) -> None:
-        self._read = read
-        self._seen = seen
-        self._processes = processes
-        self._found: dict[str, list[tuple[int, str, int]]] = {}  # lease id → its rows
-        self._held: dict[str, dict[str, int]] | None = None
-        self._leases: Mapping[str, Lease] = {}
-
-    def bind(self, leases: Mapping[str, Lease]) -> DriverReading:
-        """The live leases processes are attributed to."""
-        self._leases = leases
-        return self
-
-    def processes(self) -> list[ProcessUsage]:
-        if self._processes is None:
-            self._processes = self._read()
-        return self._processes
-
-    def holdings(self, lease: Lease) -> list[tuple[int, str, int]]:
-        if lease.id not in self._found:
-            rows = holdings_of_lease(self.processes(), lease, (*lease.devices, *lease.migrate_from))
-            self._found[lease.id] = [(int(u.pid), u.device_uuid, int(u.used_memory)) for u in rows]
-        return self._found[lease.id]
-
-    def held(self) -> Mapping[str, Mapping[str, int]]:
-        if self._held is None:
-            self._held = holders_by_device(self.processes(), self._leases, seen=self._seen)
-        return self._held
-
-
-#: Seconds a process found to be no live lease's is taken as such without walking ``/proc`` again
-#: (a lease that names it may have come since); one found to be a lease's stays so while its
-#: lease lives and the pid is the same process.
-NOBODYS_FOR = 10.0
-
-
-def holders_by_device(processes: Iterable[ProcessUsage], leases: Mapping[str, Lease],
-                      env_var: str = "GPUPOOL_LEASE_ID",
-                      seen: dict[int, tuple[float, str, float]] | None = None) -> dict[str, dict[str, int]]:
-    """Device uuid → {lease id, or "" for a process of no live lease → bytes} of the processes
-    the driver lists that run here now (a pid gone, or in another PID namespace, is the host
-    watcher's to report as unpooled use). Each process is walked up ``/proc`` once; ``seen``
-    (pid → (start time, owner, when found)) carries what earlier readings found, so a decision
-    costs one ``stat`` per known process."""
-    procs = _Processes(env_var, leases)
-    owner_of: dict[int, str | None] = {}
-    held: dict[str, dict[str, int]] = {}
-    now = time.monotonic()
-    for usage in processes:
-        used = max(0, int(usage.used_memory))
-        if not used:
-            continue
-        pid = int(usage.pid)
-        if pid not in owner_of:
-            owner_of[pid] = _owner(pid, leases, procs, env_var, seen, now)
-        owner = owner_of[pid]
-        if owner is None:
-            continue
-        row = held.setdefault(usage.device_uuid, {})
-        row[owner] = row.get(owner, 0) + used
-    return held
-
-
-def _owner(pid: int, leases: Mapping[str, Lease], procs: _Processes, env_var: str,
-           seen: dict[int, tuple[float, str, float]] | None, now: float) -> str | None:
-    """The live lease process ``pid`` is a kernel (or a kernel's child) of, "" for none, None
-    when no such process runs here."""
-    try:
-        started = psutil.Process(pid).create_time()
-    except (psutil.Error, ValueError, OverflowError):
-        return None
-    known = seen.get(pid) if seen is not None else None
-    if known is not None and known[0] == started and (
-        (known[1] and known[1] in leases) or (not known[1] and now - known[2] < NOBODYS_FOR)
-    ):
-        return known[1]
-    chain = _ancestry(pid)
-    if chain is None:
-        return None
-    found = _kernel_of(chain, leases, {}, procs)
-    owner = found[0] if found else ""
-    if seen is not None:
-        if len(seen) > 4096:
-            seen.clear()
-        seen[pid] = (started, owner, now)
-    return owner
 
 
 def default_db_path() -> str:
@@ -222,6 +124,9 @@ class Pool(GrantWaiting):
         #: only when one needs it.
         self.read_driver_first = bool(os.environ.get("GPUPOOL_LEASE_ID") or os.environ.get("GPUPOOL_KERNEL_ID"))
         self._read_first: list[ProcessUsage] | None = None
+        #: Rows of memory held but not granted that the last decision's load found let go of
+        #: (dropped) or lowered; its save writes them down. Set and read under the store's lock.
+        self._settle: dict[str, list[dict[str, Any]]] = {}
 
     def _remember_inventory(self) -> None:
         """Record a simulated inventory's spec in the pool file (once; again only if it changes)."""
@@ -284,8 +189,9 @@ class Pool(GrantWaiting):
         with self.store.transaction():
             yield
 
-    def _load(self, now: float, store: Store | None = None) -> PoolState:
-        """The state a decision works on; or, read through the views' ``store``, a view."""
+    def _load(self, now: float, store: Store | None = None, processes: list[ProcessUsage] | None = None) -> PoolState:
+        """The state a decision works on; or, read through the views' ``store``, a view.
+        ``processes``: the driver's per-process use, when already read (before the write lock)."""
         store = store or self.store
         viewing = store is not self.store
         leases = store.live_leases()
@@ -304,6 +210,9 @@ class Pool(GrantWaiting):
                 self._view_index = index
             else:
                 self._index = index
+        if processes is None and self.read_driver_first:
+            processes = self._read_first
+        driver = None if viewing else self._holdings_reader(leases, processes)
         return PoolState(
             devices=self._cached_devices(),
             leases=leases,
@@ -314,8 +223,8 @@ class Pool(GrantWaiting):
             now=now,
             index=index[1],
             host_memory=self._host_memory(),
-            unpooled=self._unpooled_by_device(self._still_held(store.unpooled(now))),
-            driver=None if viewing else self._holdings_reader(leases, self._read_first if self.read_driver_first else None),
+            unpooled=self._unpooled_by_device(self._still_held(store.unpooled(now), leases, driver, settle=not viewing)),
+            driver=driver,
         )
 
     def _holdings_reader(self, leases: Mapping[str, Lease], processes: list[ProcessUsage] | None = None) -> DriverReading | None:
@@ -327,29 +236,34 @@ class Pool(GrantWaiting):
 
     #: Why memory a released lease's process still holds is not free (an unpooled row's ``why``).
     RELEASED_BUT_HELD = "its lease was released; the process has not let go of its memory yet"
+    #: Why memory is not free that a kernel's process still holds on a GPU its suspend, move or
+    #: failed restore was reported to have freed (the report is taken at once; this stays taken).
+    PARKED_BUT_HELD = "its kernel's memory was reported parked or moved off this GPU; the process has not let go of it yet"
     #: Seconds such memory stays taken at the most, should its process never exit (a watchdog
     #: that sees it meanwhile reports it as unpooled use of its own).
     released_hold_ttl = 600.0
 
     def _write_released_holdings(self, state: PoolState, now: float) -> None:
-        """Write down what released leases' processes still held, as unpooled use on this host."""
+        """Write down what released leases' processes still held (and what suspended or moved
+        ones' still hold where their report freed a GPU), as unpooled use on this host: held, not
+        granted, until the driver shows it free."""
         for lease, held in state.released_holdings:
-            rows = [
-                {**UnpooledUse(device=uuid, pid=pid, bytes=amount, host=HOSTNAME, why=self.RELEASED_BUT_HELD, user=lease.owner,
-                               lease_id=lease.id, since=now).to_json(), "expires_at": now + self.released_hold_ttl}
-                for pid, uuid, amount in held
-            ]
-            self.store.replace_unpooled(f"released:{lease.id}", rows, now)
+            released = lease.state is LeaseState.RELEASED
+            why = self.RELEASED_BUT_HELD if released else self.PARKED_BUT_HELD
+            for reporter, rows in held_rows(lease, held, why, HOSTNAME, now, now + self.released_hold_ttl, released):
+                self.store.replace_unpooled(reporter, rows, now)
         state.released_holdings.clear()
 
-    def _still_held(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Unpooled rows less a released lease's memory whose process on this host has exited (or
-        whose pid another process, started since, now has)."""
-        return [
-            row for row in rows
-            if not (row.get("why") == self.RELEASED_BUT_HELD and row.get("host") == HOSTNAME
-                    and not _same_process_alive(row.get("pid"), float(row.get("since") or 0.0)))
-        ]
+    def _still_held(self, rows: list[dict[str, Any]], leases: Mapping[str, Lease] | None = None,
+                    driver: DriverReading | None = None, settle: bool = False) -> list[dict[str, Any]]:
+        """Unpooled rows less memory held but not granted that its process let go of (see
+        :func:`~jupyter_gpupool.backends.local.driver.still_held`). ``settle``: the next save writes
+        that down (see :meth:`_save`), so memory once shown free is never taken again by these rows."""
+        kept, changed = still_held(rows, (self.RELEASED_BUT_HELD, self.PARKED_BUT_HELD), self.PARKED_BUT_HELD,
+                                   HOSTNAME, leases or {}, driver.processes if driver is not None else None)
+        if settle:
+            self._settle = changed
+        return kept
 
     def _unpooled_by_device(self, rows: list[dict[str, Any]]) -> dict[str, int]:
         """Bytes of unpooled use per device uuid, each device's at most its memory."""
@@ -409,6 +323,9 @@ class Pool(GrantWaiting):
         return host_memory()
 
     def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
+        for reporter, rows in self._settle.items():  # held memory its load found let go of (see _still_held)
+            self.store.replace_unpooled(reporter, rows, state.now)
+        self._settle = {}
         if state.released_holdings:
             self._write_released_holdings(state, state.now)
         changed = [state.leases[i] for i in state.changed if i in state.leases]
@@ -558,13 +475,6 @@ class Pool(GrantWaiting):
         """The driver's per-process GPU use now ([] where the backend sees no processes)."""
         return self.backend.process_usage() if self._sees_processes() else []
 
-    def _held_on(self, lease: Lease, devices: tuple[str, ...]) -> dict[int, int]:
-        """Pid → bytes the driver shows ``lease``'s processes holding on ``devices`` now; {} where
-        the backend sees no processes."""
-        if not devices or not self._sees_processes():
-            return {}
-        return held_by_lease(self.backend.process_usage(), lease, devices)
-
     def resume(self, lease_id: str, now: float | None = None, ahead: bool = False) -> Lease:
         """Queue a suspended lease to come back; granted by policy like any request. ``ahead``: a
         resume asked before a cell needs it, which queues behind every real request."""
@@ -576,61 +486,47 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return state.leases[lease_id].copy()
 
-    #: Seconds a suspend's or move's confirmation waits for the driver to show the memory freed.
-    confirm_wait = 2.0
+    @staticmethod
+    def _freed_by_report(lease: Lease, failed_restore: bool = False) -> tuple[str, ...]:
+        """The GPUs a report of ``lease``'s step frees: a suspend's, a move's old ones, or (a restore
+        reported failed with its memory still parked: ``failed_restore``) the restore's."""
+        if failed_restore:  # a failed suspend or move keeps its GPUs: nothing is freed
+            return lease.devices if lease.transition is Transition.RESTORING else ()
+        if lease.transition is Transition.SUSPENDING:
+            return lease.devices
+        if lease.transition is Transition.MIGRATING:
+            return tuple(u for u in lease.migrate_from if u not in lease.devices)
+        return ()
 
-    def _held_after(self, lease_id: str, failed_restore: bool = False) -> dict[int, int]:
-        """Pid → bytes the driver shows a suspending (or moving) lease's processes still holding on
-        the GPUs that step frees (``failed_restore``: a restore reported failed with
-        its memory still parked, which frees the GPUs it was granted). The GPUs are this pool's
-        host's (NVML or simulated), so whatever holds them runs here: the lease's ``holder_host``,
-        which its client names, decides nothing. A backend that sees no processes (Slurm) takes the
-        holder's word."""
-        lease = self.get(lease_id)
-        if failed_restore:  # a failed suspend or move keeps its GPUs: nothing to check
-            devices = lease.devices if lease.transition is Transition.RESTORING else ()
-        elif lease.transition is Transition.SUSPENDING:
-            devices = lease.devices
-        elif lease.transition is Transition.MIGRATING:
-            devices = tuple(u for u in lease.migrate_from if u not in lease.devices)
-        else:
-            return {}
-        return self._held_on(lease, devices)
-
-    def _check_memory_freed(self, lease_id: str, failed_restore: bool = False) -> None:
-        """Refuse a suspend's or move's confirmation (or a restore's failure with its memory still
-        parked: ``failed_restore``) while the GPU still shows the kernel's memory."""
-        deadline = time.monotonic() + self.confirm_wait
-        while True:
-            held = self._held_after(lease_id, failed_restore)
-            if not held:
-                return
-            if time.monotonic() >= deadline:
-                pids = ", ".join(str(pid) for pid in sorted(held))
-                step = {Transition.SUSPENDING: "a suspend is confirmed", Transition.RESTORING: "a restore is reported failed "
-                        "with its memory still parked"}.get(self.get(lease_id).transition, "a move is confirmed")
-                raise RequestRefused(
-                    f"the GPU still shows {format_size(sum(held.values()))} held by this kernel's process {pids}: {step} "
-                    "once the driver shows that memory freed; nothing was changed"
-                )
-            time.sleep(0.1)
+    @staticmethod
+    def _held_where_freed(state: PoolState, lease: Lease, freed: tuple[str, ...]) -> list[tuple[int, str, int]]:
+        """``(pid, GPU, bytes)`` the driver shows ``lease``'s processes holding on ``freed`` now
+        (read before the step is applied, while the lease still names those GPUs)."""
+        if not freed or state.driver is None:
+            return []
+        return [(pid, uuid, amount) for pid, uuid, amount in state.driver.holdings(lease) if uuid in freed and amount > 0]
 
     def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
         """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move.
 
-        A suspend or a move is taken only once the driver shows the kernel's memory gone from the
-        GPUs it frees (where this pool sees the lease's host), so no report can free memory that
-        a process still holds."""
+        Taken at once, from one reading of the driver and without waiting on it: whatever the
+        driver still shows the kernel's processes holding on the GPUs the step frees stays taken
+        (held, not granted: :attr:`PARKED_BUT_HELD`) until the driver shows it free, so no report
+        can free memory that a process still holds (nor, by being refused, hold up the pool)."""
         now = self._now(now)
         if parked_bytes is not None:  # a bad figure is a 400 before anything else is looked at
             with self._viewing(now) as (state, _):
                 lease = state.leases.get(lease_id)
                 if lease is not None and lease.transition is Transition.SUSPENDING:
                     self.engine.bounded_parked_bytes(state, lease, parked_bytes)
-        self._check_memory_freed(lease_id)
+        processes = self._processes_seen()  # one driver read, before the write lock
         with self._locked():
-            state = self._load(now)
+            state = self._load(now, processes=processes)
+            lease = self.engine.get(state, lease_id)
+            held = self._held_where_freed(state, lease, self._freed_by_report(lease))
             lease = self.engine.confirm_transition(state, lease_id, now, parked_bytes)
+            if held:
+                state.released_holdings.append((lease, held))
             decisions = self.engine.schedule(state, now)
             self._save(state, decisions)
             return (state.leases.get(lease_id) or lease).copy()
@@ -638,15 +534,18 @@ class Pool(GrantWaiting):
     def fail_transition(self, lease_id: str, error: str, still_running: bool, now: float | None = None) -> Lease:
         """The holder's server could not finish a suspend, restore or move (see
         :meth:`Engine.fail_transition`); returns the lease as it is now (released if the kernel must stop).
-        A restore that failed with the memory still parked gives its GPUs back: taken only once the
-        driver shows none of the kernel's memory there, as a suspend's confirmation."""
+        A restore that failed with the memory still parked gives its GPUs back at once; whatever the
+        driver shows the kernel holding there stays taken, as after a suspend's confirmation."""
         now = self._now(now)
-        if still_running and self.get(lease_id).restore_failures < 1:  # a second failure in a row stops it instead
-            self._check_memory_freed(lease_id, failed_restore=True)
+        processes = self._processes_seen()  # one driver read, before the write lock
         with self._locked():
-            state = self._load(now)
+            state = self._load(now, processes=processes)
             lease = self.engine.get(state, lease_id)
+            parked_again = still_running and lease.restore_failures < 1  # a second failure in a row stops it instead
+            held = self._held_where_freed(state, lease, self._freed_by_report(lease, failed_restore=True)) if parked_again else []
             decisions = self.engine.fail_transition(state, lease_id, error, still_running, now)
+            if held and lease.state is not LeaseState.RELEASED:  # a release keeps its own (the engine's seam)
+                state.released_holdings.append((lease, held))
             decisions += self.engine.schedule(state, now)
             self._save(state, decisions)
             return lease.copy()
@@ -787,8 +686,12 @@ class Pool(GrantWaiting):
     def unpooled(self, now: float | None = None) -> list[dict[str, Any]]:
         """Unexpired unpooled use on this pool's hosts, one row per (host, GPU, pid)."""
         now = self._now(now)
-        with self._viewing(now) as (_, store):
-            return self._still_held(store.unpooled(now))
+        with self._viewing(now) as (state, store):
+            return self._unpooled_rows(state, store, now)
+
+    def _unpooled_rows(self, state: PoolState, store: Store, now: float) -> list[dict[str, Any]]:
+        """The unpooled rows a view of ``state`` (read through ``store``) shows."""
+        return self._still_held(store.unpooled(now), state.leases, state.driver if isinstance(state.driver, DriverReading) else None)
 
     @staticmethod
     def _first_over(state: PoolState, decision: Decision) -> bool:
@@ -888,7 +791,7 @@ class Pool(GrantWaiting):
             live = {lease_id: lease.copy() for lease_id, lease in state.leases.items()}
             order = [live[lease.id] for lease in order]
             held_bytes, count = self.engine.holdings(state, owner=viewer) if viewer else (0, 0)
-            outside = self._still_held(store.unpooled(now))
+            outside = self._unpooled_rows(state, store, now)
             unpooled_by_device = dict(state.unpooled)
         held = held_by_device(live.values())
         used_by_device: dict[str, int] = {}
@@ -1139,17 +1042,6 @@ def check_holder_pid(pid: Any) -> None:
         return
     if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= PID_MAX_LIMIT:
         raise InvalidInput(f"invalid holder_pid {pid!r}: a process id is a whole number from 1 to {PID_MAX_LIMIT}")
-
-
-def _same_process_alive(pid: Any, seen_at: float) -> bool:
-    """Whether the process seen with this id at ``seen_at`` (POSIX time) still runs: alive, and
-    started before then (a process started later reuses the id)."""
-    if not _pid_alive(pid):
-        return False
-    try:
-        return bool(psutil.Process(pid).create_time() <= seen_at + 1.0)
-    except psutil.Error:
-        return False
 
 
 def _pid_alive(pid: Any) -> bool:
