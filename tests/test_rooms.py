@@ -19,7 +19,6 @@ MAX_FUNCTION_LINES = 80
 
 #: (kind, "path relative to the package[:qualified name]") → lines today: ceilings while a split is due.
 STILL_OVER: dict[tuple[str, str], int] = {
-    ("module", "apps/simulate.py"): 1584,
     ("module", "backends/local/pool.py"): 1169,
     ("class", "backends/local/pool.py:Pool"): 910,
     ("module", "backends/local/store.py"): 1182,
