@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import abc
-import contextlib
+import functools
 import os
 from dataclasses import dataclass
+from typing import Any
+
+import psutil
 
 from jupyter_gpupool.core.models import Device
+from jupyter_gpupool.core.validate import pid_max
 
 
 @dataclass(frozen=True)
@@ -50,16 +54,26 @@ def nvidia_driver_present() -> bool:
     return any(os.path.exists(path) for path in NVIDIA_MARKERS)
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (another user's counts; a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def process_alive(pid: Any) -> bool:
+    """Whether a process with this id exists and runs now: the one answer every part of the pool
+    gives. A zombie (exited, not yet reaped) is dead; a process this one may not inspect
+    (``AccessDenied``: another user's, ``hidepid``) exists, so it is alive; an id no process can
+    have (not a whole number, past ``pid_max``) is dead; where the OS cannot tell, alive (a
+    heartbeat's timeout decides then). Never raises."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= _pid_max():
         return False
-    except PermissionError:
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:  # a zombie too (psutil.ZombieProcess)
+        return False
+    except psutil.AccessDenied:
         return True
-    # A zombie (exited, not yet reaped) counts as gone: it runs no more cells.
-    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as handle:
-        if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
+    except (psutil.Error, OSError, ValueError, OverflowError):
+        try:
+            return bool(psutil.pid_exists(pid))
+        except (OSError, ValueError, OverflowError):
+            return True
+
+
+#: The OS's highest pid (core's reading of ``/proc/sys/kernel/pid_max``), read once per process.
+_pid_max = functools.lru_cache(maxsize=1)(pid_max)

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from jupyter_gpupool.core.models import Lease
+from jupyter_gpupool.devices.base import process_alive
 from jupyter_gpupool.errors import RequestRefused
 
 #: Seconds a released lease's kernel id stays its owner's when its holder cannot be seen running
@@ -36,21 +37,6 @@ RELEASED_CLAIM_SECONDS = 3600.0
 
 #: The ``pool_facts`` name under which an admin's clearing of a kernel id's claim is kept.
 CLEARED_FACT = "kernel_claim_cleared:"
-
-
-def process_alive(pid: Any) -> bool:
-    """Whether a process with this id runs now (a zombie does not). A process this watcher may
-    not inspect (``AccessDenied``) runs; an id no process can have does not. Never raises."""
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
-        return False
-    try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-    except (psutil.Error, ValueError, OverflowError, OSError):
-        return False
 
 
 # --- pool user → Unix uid ---------------------------------------------------------------------------

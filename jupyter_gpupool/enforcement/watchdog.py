@@ -30,8 +30,8 @@ from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, U
 from traitlets.config import LoggingConfigurable
 
 from jupyter_gpupool.core.models import Decision, Lease
-from jupyter_gpupool.devices import DeviceBackend, ProcessUsage
-from jupyter_gpupool.enforcement.claims import UnixUsers, check_template, process_alive
+from jupyter_gpupool.devices import DeviceBackend, ProcessUsage, process_alive
+from jupyter_gpupool.enforcement.claims import UnixUsers, check_template
 from jupyter_gpupool.enforcement.unpooled import (
     SYSTEM_PROCESSES,
     UnpooledUse,
@@ -48,11 +48,6 @@ _PAST = {"interrupt": "interrupted", "stop": "stopped"}
 
 
 # --- usage per lease --------------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    """True for a running process; a zombie (exited, not yet reaped) counts as gone."""
-    return process_alive(pid)
-
-
 def _lineage(pid: int) -> list[int]:
     """``pid`` and its ancestors, nearest first; empty when the process is gone."""
     try:
@@ -75,7 +70,7 @@ def usage_by_root_pid(backend_usage: Iterable[ProcessUsage], roots: Mapping[str,
     lease_of_root: dict[int, str] = {}
     result: dict[str, int] = {}
     for lease_id, pid in roots.items():
-        if pid is None or pid in lease_of_root or not _alive(int(pid)):
+        if pid is None or pid in lease_of_root or not process_alive(int(pid)):
             continue
         lease_of_root[int(pid)] = lease_id
         result[lease_id] = 0

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import psutil
 from traitlets.config import Config
 
 from jupyter_gpupool.backends.changes import PoolChanges
@@ -45,9 +44,10 @@ from jupyter_gpupool.core.models import (
     Transition,
 )
 from jupyter_gpupool.core.policy import PoolPolicy, Reservation, parse_reservation
+from jupyter_gpupool.core.validate import PID_MAX_LIMIT
 from jupyter_gpupool.core.validate import preferences as validate_preferences
 from jupyter_gpupool.devices import DeviceBackend, ProcessUsage, make_backend
-from jupyter_gpupool.devices.base import nvidia_driver_present
+from jupyter_gpupool.devices.base import nvidia_driver_present, process_alive
 from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
 from jupyter_gpupool.enforcement.unpooled import (
     UnpooledUse,
@@ -370,6 +370,10 @@ class Pool(GrantWaiting):
             state = self._load(now)
             lease = self.engine.admit(state, new_lease_id(), req, now)
             decisions = self.engine.schedule(state, now)
+            if state.leases[lease.id].state is LeaseState.QUEUED:
+                # It waits: a slice whose holder here died (a kernel SIGKILLed before it said so) goes first.
+                released = self._release_dead_holders(state, now, granted_only=True)
+                decisions += released + (self.engine.schedule(state, now) if released else [])
             self._save(state, decisions)
             return state.leases[lease.id].copy()
 
@@ -724,15 +728,22 @@ class Pool(GrantWaiting):
             state = self._load(now)
             if activities:
                 self._take_activities(state, activities, now)
-            decisions: list[Decision] = []
-            for lease in list(state.leases.values()):
-                if lease.holder_pid and lease.holder_host == HOSTNAME and not _pid_alive(lease.holder_pid):
-                    reason = f"released: its holder process {lease.holder_pid} exited"
-                    self.engine.release(state, lease.id, reason, now)
-                    decisions.append(Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now))
+            decisions = self._release_dead_holders(state, now)
             decisions += self.engine.schedule(state, now)
             self._save(state, decisions)
             return decisions
+
+    def _release_dead_holders(self, state: PoolState, now: float, granted_only: bool = False) -> list[Decision]:
+        """Release live leases (``granted_only``: granted ones) whose holder process on this host exited."""
+        decisions: list[Decision] = []
+        for lease in list(state.leases.values()):
+            if granted_only and lease.state is not LeaseState.GRANTED:
+                continue
+            if lease.holder_pid and lease.holder_host == HOSTNAME and not process_alive(lease.holder_pid):
+                reason = f"released: its holder process {lease.holder_pid} exited"
+                self.engine.release(state, lease.id, reason, now)
+                decisions.append(Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now))
+        return decisions
 
     def reconcile_kernels(self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None) -> list[Lease]:
         """Release live leases of this holder whose kernel no longer exists."""
@@ -1022,20 +1033,6 @@ def new_lease_id() -> str:
     return f"l-{time.time_ns() // 1000:013x}{uuid.uuid4().hex[:6]}"
 
 
-@functools.lru_cache(maxsize=1)
-def pid_max() -> int:
-    """The largest process id this OS hands out (Linux: ``/proc/sys/kernel/pid_max``, at most 2²²)."""
-    try:
-        with open("/proc/sys/kernel/pid_max") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return PID_MAX_LIMIT
-
-
-#: No Linux process id is larger (PID_MAX_LIMIT on 64-bit); a holder on another host is held to it too.
-PID_MAX_LIMIT = 4_194_304
-
-
 def check_holder_pid(pid: Any) -> None:
     """Refuse a holder pid no process can have (it would never be reclaimed, or break the check)."""
     if pid is None:
@@ -1044,18 +1041,3 @@ def check_holder_pid(pid: Any) -> None:
         raise InvalidInput(f"invalid holder_pid {pid!r}: a process id is a whole number from 1 to {PID_MAX_LIMIT}")
 
 
-def _pid_alive(pid: Any) -> bool:
-    """Whether a process with this id runs (not a zombie). Never raises: an id no process can
-    have (out of range, not a number) is not alive."""
-    if isinstance(pid, bool) or not isinstance(pid, int) or not 1 <= pid <= pid_max():
-        return False
-    try:
-        process = psutil.Process(pid)
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except (psutil.Error, ValueError, OverflowError, OSError):
-        try:
-            return psutil.pid_exists(pid)
-        except (ValueError, OverflowError, OSError):
-            return True  # cannot tell: leave it to the heartbeat timeout

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import psutil
 from traitlets import Dict, Float, Int, List, Unicode, validate
 from traitlets.config import Config, LoggingConfigurable
 
@@ -61,6 +60,7 @@ from jupyter_gpupool.core.models import (
     QueueInfo,
 )
 from jupyter_gpupool.core.policy import PoolPolicy
+from jupyter_gpupool.devices.base import process_alive
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from jupyter_gpupool.units import SIZE_FORMS, format_duration, format_size, parse_size
 from jupyter_gpupool.wording import count as counted
@@ -713,7 +713,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
                 decisions.append(
                     Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, lease.release_reason, now)
                 )
-            elif lease.holder_host == HOSTNAME and lease.holder_pid and not _pid_alive(lease.holder_pid):
+            elif lease.holder_host == HOSTNAME and lease.holder_pid and not process_alive(lease.holder_pid):
                 released = self.release(lease.id, f"released: its holder process {lease.holder_pid} exited", now)
                 decisions.append(
                     Decision(
@@ -957,13 +957,6 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
 def _followed(lease: Lease, job: dict[str, Any]) -> bool:
     """Leases whose job the pool still watches: live ones, and those whose job was still ending."""
     return lease.live or job.get("end_state") == "COMPLETING"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return False
 
 
 def default_user() -> str:
