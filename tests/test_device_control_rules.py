@@ -1,0 +1,141 @@
+"""Device control's pure parts, without root: what each lease's kernel may open, the device program's
+verdicts (run by a small interpreter of the instructions it is made of), and reading the host's
+mounts and ``/proc/devices``. tests/test_device_control.py runs it all on real cgroups as root."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
+from jupyter_gpupool.enforcement.cgroup_bpf import DeviceRule, assemble
+from jupyter_gpupool.enforcement.device_control import NvidiaNodes, _proc_major, cgroup_mounts
+from jupyter_gpupool.enforcement.device_control_role import allowed_devices, minors_of
+
+CHAR, BLOCK = 2, 1
+MKNOD, READ, WRITE = 1, 2, 4
+
+
+def run_program(code: bytes, kind: int, access: int, major: int, minor: int) -> int:
+    """Interpret the instructions ``assemble`` emits, on one device context; returns R0."""
+    context = [(access << 16) | kind, major, minor]
+    regs = [0] * 11
+    pc = 0
+    for _ in range(10_000):
+        op, reg_byte, off, imm = struct.unpack_from("<BBhi", code, pc * 8)
+        dst, src = reg_byte & 0xF, reg_byte >> 4
+        pc += 1
+        if op == 0x61:  # ldx word from the context (R1)
+            assert src == 1
+            regs[dst] = context[off // 4]
+        elif op == 0x54:
+            regs[dst] &= imm & 0xFFFFFFFF
+        elif op == 0x74:
+            regs[dst] >>= imm
+        elif op == 0xBC:
+            regs[dst] = regs[src]
+        elif op == 0xB4:
+            regs[dst] = imm & 0xFFFFFFFF
+        elif op == 0x55:
+            pc += off if regs[dst] != imm else 0
+        elif op == 0x5D:
+            pc += off if regs[dst] != regs[src] else 0
+        elif op == 0x15:
+            pc += off if regs[dst] == imm else 0
+        elif op == 0x95:
+            return regs[0]
+        else:
+            raise AssertionError(f"unexpected opcode {op:#x}")
+    raise AssertionError("the program did not exit")
+
+
+def test_the_users_program_denies_gpu_nodes_in_every_access_and_nothing_else() -> None:
+    code = assemble([DeviceRule(False, 195, 0), DeviceRule(False, 195, 3), DeviceRule(False, 509, 4)], default_allow=True)
+    for access in (READ, WRITE, READ | WRITE, MKNOD):
+        assert run_program(code, CHAR, access, 195, 0) == 0
+        assert run_program(code, CHAR, access, 195, 3) == 0
+        assert run_program(code, CHAR, access, 509, 4) == 0  # a GPU's capability node
+    assert run_program(code, CHAR, READ | WRITE, 195, 255) == 1  # nvidiactl
+    assert run_program(code, CHAR, READ | WRITE, 195, 1) == 1  # a GPU the rules do not name
+    assert run_program(code, BLOCK, READ, 195, 0) == 1  # a block device of the same numbers
+    assert run_program(code, CHAR, READ | WRITE, 1, 3) == 1  # /dev/null
+
+
+def test_access_letters_deny_any_access_named_and_allow_only_all_access_named() -> None:
+    deny_write = assemble([DeviceRule(False, 195, 7, access="w")], default_allow=True)
+    assert run_program(deny_write, CHAR, READ, 195, 7) == 1
+    assert run_program(deny_write, CHAR, READ | WRITE, 195, 7) == 0
+    allow_read = assemble([DeviceRule(True, 195, 7, access="r")], default_allow=False)
+    assert run_program(allow_read, CHAR, READ, 195, 7) == 1
+    assert run_program(allow_read, CHAR, READ | WRITE, 195, 7) == 0
+    wildcard = assemble([DeviceRule(True, 195, None, kind="a")], default_allow=False)
+    assert run_program(wildcard, BLOCK, READ, 195, 12) == 1 and run_program(wildcard, CHAR, READ, 196, 12) == 0
+
+
+def test_the_first_matching_rule_decides() -> None:
+    code = assemble([DeviceRule(True, 195, 2), DeviceRule(False, 195, None)], default_allow=True)
+    assert run_program(code, CHAR, READ | WRITE, 195, 2) == 1
+    assert run_program(code, CHAR, READ | WRITE, 195, 5) == 0
+
+
+def lease(state: LeaseState, devices: tuple[str, ...] = (), **kw: Any) -> Lease:
+    return Lease(id="l1", owner="alice", memory=1, state=state, created_at=0.0, devices=devices, **kw)
+
+
+@pytest.mark.parametrize(
+    ("made", "allowed"),
+    [
+        (lease(LeaseState.GRANTED, ("a",)), ("a",)),
+        (lease(LeaseState.GRANTED, ("a",), transition=Transition.SUSPENDING), ("a",)),  # still copying off
+        (lease(LeaseState.GRANTED, ("b",), transition=Transition.RESTORING), ("b",)),
+        (lease(LeaseState.GRANTED, ("b",), transition=Transition.MIGRATING, migrate_from=("a",)), ("b", "a")),
+        (lease(LeaseState.SUSPENDED, (), home_devices=("a",)), ()),  # parked
+        (lease(LeaseState.QUEUED), ()),
+        (lease(LeaseState.RELEASED, ("a",)), None),
+    ],
+)
+def test_what_a_kernel_may_open_follows_its_lease(made: Lease, allowed: tuple[str, ...] | None) -> None:
+    assert allowed_devices(made) == allowed
+
+
+def test_a_mig_instance_opens_its_gpus_node() -> None:
+    gpu = Device(index=0, uuid="GPU-a", name="A100", memory_total=1, minor=5)
+    mig = Device(index=0, uuid="MIG-a", name="A100 MIG 1g", memory_total=1, is_mig=True, parent_uuid="GPU-a", minor=5)
+    nameless = Device(index=1, uuid="GPU-b", name="A100", memory_total=1)  # no minor known: nothing to allow
+    devices = {d.uuid: d for d in (gpu, mig, nameless)}
+    assert minors_of(["MIG-a"], devices) == {5} and minors_of(["GPU-b", "GPU-gone"], devices) == frozenset()
+
+
+def test_rules_deny_every_gpu_but_the_granted_ones_and_their_capability_nodes() -> None:
+    nodes = NvidiaNodes("/dev", gpus={0: (195, 0), 1: (195, 1)}, caps={0: ((509, 3),), 1: ((509, 4), (509, 5))}, control=((195, 255),))
+    assert [(r.major, r.minor) for r in nodes.rules()] == [(195, 0), (195, 1), (509, 3), (509, 4), (509, 5)]
+    assert [(r.major, r.minor) for r in nodes.rules([1])] == [(195, 0), (509, 3)]
+    assert not any(r.allow for r in nodes.rules())
+
+
+def test_mounts_and_dynamic_majors_are_read_from_the_hosts_files(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "cgroup /sys/fs/cgroup/memory cgroup rw,relatime,memory 0 0\n"
+        "cgroup /sys/fs/cgroup/devices cgroup rw,relatime,devices 0 0\n"
+        "cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0\n"
+    )
+    assert cgroup_mounts(str(mounts)) == ("/sys/fs/cgroup/unified", "/sys/fs/cgroup/devices")
+    assert cgroup_mounts(str(tmp_path / "none")) == (None, None)
+    devices = tmp_path / "devices"
+    devices.write_text("Character devices:\n195 nvidia-frontend\n509 nvidia-caps\n\nBlock devices:\n510 nvidia-caps\n")
+    assert _proc_major(str(devices), "nvidia-caps") == 509 and _proc_major(str(devices), "nvidia-uvm") is None
+
+
+def test_device_join_runs_the_kernel_at_once_without_a_lease_and_refuses_bad_usage() -> None:
+    module = [sys.executable, "-m", "jupyter_gpupool.enforcement.device_join"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    ran = subprocess.run([*module, "--", sys.executable, "-c", "print('kernel')"], check=False, env=env, capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 0 and ran.stdout == "kernel\n" and ran.stderr == ""
+    bad = subprocess.run([*module, "--timeout", "soon", "--", "true"], check=False, env=env, capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage:")
