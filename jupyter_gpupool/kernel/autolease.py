@@ -379,9 +379,10 @@ class AutoLease:
 
     @property
     def priority(self) -> str:
-        """``batch`` (nobody started it from a server, so a batch run below live users), or ``normal``
-        for a gateway kernel its server marked as started by a person."""
-        return "normal" if self.gateway and self.environ.get(INTERACTIVE_HINT_ENV) == "1" else "batch"
+        """``batch`` (nobody started it from a server: a batch run below live users), or ``normal`` for a Voilà
+        page's kernel (``VOILA_BASE_URL`` set) or a gateway kernel its server marked as started by a person."""
+        hinted = self.gateway and self.environ.get(INTERACTIVE_HINT_ENV) == "1"
+        return "normal" if hinted or "VOILA_BASE_URL" in self.environ else "batch"
 
     def apply_grant(self, lease: Any) -> None:
         """Put the grant's GPUs and caps into the environment (before CUDA has read it)."""

@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -89,6 +89,16 @@ UNAVAILABLE_ENV = "GPUPOOL_UNAVAILABLE"
 
 #: Variables that hide every GPU from a kernel (``NVIDIA_VISIBLE_DEVICES`` for a container runtime inside it).
 NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
+
+
+#: Voilà puts this in the environment of every kernel it starts for a page (standalone or as a
+#: server extension, preheated or not): a person watches the page, so the kernel leases as ``normal``.
+VOILA_KERNEL_ENV = "VOILA_BASE_URL"
+
+
+def watched_by_a_person(environ: Mapping[str, str]) -> bool:
+    """Whether a kernel with ``environ`` serves a page a person watches (Voilà's): a hint for its priority only."""
+    return VOILA_KERNEL_ENV in environ
 
 
 def when_unavailable_from_env(environ: dict[str, str] | None = None) -> str:
@@ -329,6 +339,8 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     #: The last word from the queue while waiting: the lease and its place, whose ``reason`` says
     #: "pool unavailable, retrying in N s: ..." while the pool cannot be reached (None: not waiting).
     queue_update: tuple[Lease, QueueInfo | None] | None = None
+    #: Whether the kernel serves a page a person watches (Voilà's): it leases as ``normal`` even outside a server.
+    watched: bool = False
     #: A lease this kernel held before it fell back to CPU-only: released once the pool answers again.
     stale_lease_id: str | None = None
     _heartbeat_task: asyncio.Task[None] | None = None
@@ -395,8 +407,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
             burst_limit = 0  # the limit the kernel starts with is the one it keeps: no burst to promise
         num_gpus = self.num_gpus or int(prefs.get("num_gpus") or 1)
         share = self.compute_share or prefs.get("compute_share") or None
-        # Outside a server (no ServerBinding) nobody is at the keyboard: a batch run unless the kernelspec says.
-        unattended = self.unattended_priority if server_binding(self) is None else ""
+        # Outside a server (no ServerBinding) nobody is at the keyboard: a batch run unless the kernelspec
+        # says, or the kernel serves a page a person watches (standalone Voilà).
+        unattended = self.unattended_priority if server_binding(self) is None and not self.watched else ""
         priority_text = (self.priority or unattended or prefs.get("priority") or "normal").lower()
         try:
             priority = PriorityClass(priority_text)
@@ -557,6 +570,7 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         """
         restarting = self.phase == "restarting"
         self.failure = None
+        self.watched = watched_by_a_person(kwargs.get("env") or {})
         _quiet_pool_refusals(self.log)
         try:
             await in_thread(self._open_pool)

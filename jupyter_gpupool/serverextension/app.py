@@ -76,6 +76,7 @@ from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool
 from jupyter_gpupool.serverextension.configguard import FailClosedConfig
 from jupyter_gpupool.serverextension.gateway import GatewayKernels, gateway_url
 from jupyter_gpupool.serverextension.handlers import default_handlers
+from jupyter_gpupool.serverextension.voila import VOILA_PAGE, mark_voila_pages, start_for_voila_page
 from jupyter_gpupool.units import format_size
 
 LEASE_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpupool/lease/v2"
@@ -387,6 +388,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             self._install_provisioner_default()
             self._wrap_kernel_manager(km)
             mark_rest_starts()
+            mark_voila_pages()
         self.event_logger = self.serverapp.event_logger
         with contextlib.suppress(Exception):  # already registered by an earlier server in this process
             assert self.event_logger is not None
@@ -634,6 +636,9 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         ends in a started kernel, or ``dead`` with the reason; a shutdown withdraws the request.
         """
         kernel_id = kwargs.get("kernel_id")
+        page = VOILA_PAGE.get()
+        if page is not None and (kernel_id is None or kernel_id not in km):  # it shows the queue while it waits
+            return await start_for_voila_page(self, km, original, page, *args, **kwargs)
         if not self._may_answer_pending(km) or (kernel_id is not None and kernel_id in km):
             return await self._pool_errors_as_http(original(*args, **kwargs))
         if kernel_id is None:
