@@ -55,7 +55,23 @@ export class GpuPoolNotifier implements IDisposable {
     }
     const label = this._model.kernelLabel || 'this kernel';
     const open = { label: 'Show', callback: () => this._options.openPanel() };
+    this._announceQueue(view, label, open);
+    this._announceIdle(view, label, open, kernelId);
+    if (
+      view.phase === 'released' &&
+      !/by (the )?user/i.test(view.released ?? '') &&
+      previous &&
+      (previous.phase === 'granted' || previous.phase === 'suspended' || previous.phase === 'queued')
+    ) {
+      Notification.warning(`${label}: GPU slice released — ${view.released}.`, {
+        autoClose: 10000,
+        actions: [open]
+      });
+    }
+  }
 
+  /** One toast while the kernel waits, kept up to date, that turns into "granted" when it is. */
+  private _announceQueue(view: IKernelView, label: string, open: Notification.IAction): void {
     if (view.phase === 'queued' && view.queue) {
       const text = `${label}: ${view.queue.text}`;
       if (this._queueId) {
@@ -81,48 +97,35 @@ export class GpuPoolNotifier implements IDisposable {
       this._queueId = null;
       this._queueText = '';
     }
+  }
 
+  /** A warning with Keep while an idle slice counts down, gone once it is not idle. */
+  private _announceIdle(
+    view: IKernelView,
+    label: string,
+    open: Notification.IAction,
+    kernelId: string
+  ): void {
     if (view.idle && !this._idleId) {
       const keep = this._options.keepDuration();
+      const onKeep = () =>
+        void this._model.keep(kernelId, keep).catch(error =>
+          Notification.error(`Keep failed: ${(error as Error).message}`, {
+            autoClose: 8000
+          })
+        );
       this._idleId = Notification.warning(
         view.idle.suspends
           ? `${label}: idle kernel will be suspended (variables kept) in ${view.idle.countdown} (${view.idle.reason}).`
           : `${label}: idle GPU slice goes back to the pool in ${view.idle.countdown} (${view.idle.reason}).`,
         {
           autoClose: false,
-          actions: [
-            {
-              label: `Keep ${keep}`,
-              displayType: 'accent',
-              callback: () => {
-                if (kernelId) {
-                  void this._model.keep(kernelId, keep).catch(error =>
-                    Notification.error(`Keep failed: ${(error as Error).message}`, {
-                      autoClose: 8000
-                    })
-                  );
-                }
-              }
-            },
-            open
-          ]
+          actions: [{ label: `Keep ${keep}`, displayType: 'accent', callback: onKeep }, open]
         }
       );
     } else if (!view.idle && this._idleId) {
       Notification.dismiss(this._idleId);
       this._idleId = null;
-    }
-
-    if (
-      view.phase === 'released' &&
-      !/by (the )?user/i.test(view.released ?? '') &&
-      previous &&
-      (previous.phase === 'granted' || previous.phase === 'suspended' || previous.phase === 'queued')
-    ) {
-      Notification.warning(`${label}: GPU slice released — ${view.released}.`, {
-        autoClose: 10000,
-        actions: [open]
-      });
     }
   }
 

@@ -3,7 +3,8 @@
  * show. Pure functions of their inputs (the server clock is passed in), tested with jest.
  */
 
-import { IKernelStatus, IPoolLease, IPoolSnapshot, IQuota, IReservation, IUnpooledUse } from './types';
+import { clockTime, dateTimeRange } from './dates';
+import { IDevice, IKernelStatus, IPoolLease, IPoolSnapshot, IQuota, IReservation, IUnpooledUse } from './types';
 import {
   formatCountdown,
   formatDuration,
@@ -125,6 +126,8 @@ export interface IKernelInput {
   now: number;
   /** The pool's state from the last snapshot, if any (an unavailable pool shows in the status bar). */
   pool?: Pick<IPoolSnapshot, 'state' | 'reason' | 'no_gpu' | 'when_unavailable'> | null;
+  /** The locale dates and times are written in (a BCP 47 tag); the browser's when absent. */
+  locale?: string;
 }
 
 /** How the sidebar names an enforcement level in a word or two: `Soft limit`, `No limit`. */
@@ -270,7 +273,7 @@ function burstFixedText(status: IKernelStatus): string | null {
 }
 
 /** What the sidebar shows of an elastic slice, or null for a fixed one. */
-export function elasticView(status: IKernelStatus): IElasticView | null {
+export function elasticView(status: IKernelStatus, locale?: string): IElasticView | null {
   const line = elasticLine(status);
   if (!line) {
     return null;
@@ -284,7 +287,7 @@ export function elasticView(status: IKernelStatus): IElasticView | null {
     takenBack: num(status.burst_taken_at) !== null,
     waiting:
       since !== null && wanted !== null && wanted > 0
-        ? growWait(wanted * gpus, localClock(new Date(since * 1000)), num(status.grow_place))
+        ? growWait(wanted * gpus, clockTime(new Date(since * 1000), locale), num(status.grow_place))
         : null
   };
 }
@@ -348,7 +351,7 @@ export function kernelView(input: IKernelInput): IKernelView {
 }
 
 function kernelViewOf(input: IKernelInput): IKernelView {
-  const { status, now } = input;
+  const { status } = input;
   if (!input.kernelId) {
     return {
       ...EMPTY,
@@ -357,37 +360,78 @@ function kernelViewOf(input: IKernelInput): IKernelView {
     };
   }
   if (!status || input.missing) {
-    if (input.error && !status) {
-      return {
-        ...EMPTY,
-        phase: 'unavailable',
-        statusText: 'GPU pool unavailable',
-        statusTitle: `GPU pool unavailable: ${input.error}`,
-        summary: `GPU pool unavailable: ${input.error}`
-      };
-    }
-    if (input.missing && status && status.state !== 'released') {
-      // We saw a lease, now the server has none: it went back to the pool.
-      const reason = input.eventReason || 'its slice went back to the pool';
-      return {
-        ...EMPTY,
-        phase: 'released',
-        statusText: 'GPU released',
-        statusTitle: `GPU released: ${reason}`,
-        summary: 'This kernel no longer holds a GPU slice.',
-        released: reason
-      };
-    }
-    if (input.missing) {
-      return {
-        ...EMPTY,
-        phase: 'no-lease',
-        summary: 'This kernel holds no GPU slice.'
-      };
-    }
-    return { ...EMPTY, phase: 'loading', summary: 'Asking the GPU pool…' };
+    return withoutLeaseView(input);
   }
+  const unusable = unusableView(status, input);
+  if (unusable) {
+    return unusable;
+  }
+  const memory = num(status.memory) ?? 0;
+  const devices = status.devices ?? [];
+  const gpuMemory =
+    devices.length > 0
+      ? Math.max(...devices.map(d => num(d.memory_total) ?? 0)) || null
+      : null;
+  if (status.state === 'queued') {
+    return queuedView(status, memory, gpuMemory);
+  }
+  if (status.state === 'released') {
+    const reason =
+      status.release_reason || input.eventReason || 'no reason given';
+    return {
+      ...EMPTY,
+      phase: 'released',
+      statusText: 'GPU released',
+      statusTitle: `GPU released: ${reason}`,
+      summary: 'This kernel no longer holds a GPU slice.',
+      released: reason,
+      gpuMemory
+    };
+  }
+  const step = status.transition ? TRANSITIONS[status.transition] ?? null : null;
+  if (status.state === 'suspended' && !step) {
+    return suspendedView(status, memory, gpuMemory);
+  }
+  // granted (possibly in the middle of a move of its memory)
+  return grantedView(status, { memory, gpuMemory, step, now: input.now, locale: input.locale });
+}
 
+/** No reply for the kernel yet, a request error, or no lease (any more). */
+function withoutLeaseView(input: IKernelInput): IKernelView {
+  const { status } = input;
+  if (input.error && !status) {
+    return {
+      ...EMPTY,
+      phase: 'unavailable',
+      statusText: 'GPU pool unavailable',
+      statusTitle: `GPU pool unavailable: ${input.error}`,
+      summary: `GPU pool unavailable: ${input.error}`
+    };
+  }
+  if (input.missing && status && status.state !== 'released') {
+    // We saw a lease, now the server has none: it went back to the pool.
+    const reason = input.eventReason || 'its slice went back to the pool';
+    return {
+      ...EMPTY,
+      phase: 'released',
+      statusText: 'GPU released',
+      statusTitle: `GPU released: ${reason}`,
+      summary: 'This kernel no longer holds a GPU slice.',
+      released: reason
+    };
+  }
+  if (input.missing) {
+    return {
+      ...EMPTY,
+      phase: 'no-lease',
+      summary: 'This kernel holds no GPU slice.'
+    };
+  }
+  return { ...EMPTY, phase: 'loading', summary: 'Asking the GPU pool…' };
+}
+
+/** A kernel that runs without a slice: CPU-only, failed to start, or holding none; else null. */
+function unusableView(status: IKernelStatus, input: IKernelInput): IKernelView | null {
   if (status.state === 'unavailable') {
     const reason = status.reason || input.pool?.reason || 'no reason given';
     // The pool may be back since (the reason then says to restart): the kernel still runs CPU-only.
@@ -419,207 +463,220 @@ function kernelViewOf(input: IKernelInput): IKernelView {
       summary: status.gateway && status.reason ? `This kernel holds no GPU slice: ${status.reason}.` : 'This kernel holds no GPU slice.'
     };
   }
+  return null;
+}
 
-  const memory = num(status.memory) ?? 0;
+/** A request waiting in the queue: a new one, a suspended kernel resuming, or one whose wait retries. */
+function queuedView(status: IKernelStatus, memory: number, gpuMemory: number | null): IKernelView {
+  const position = num(status.queue_position);
+  const length = num(status.queue_length);
+  const where =
+    position !== null
+      ? `position ${position}` + (length !== null ? ` of ${length}` : '')
+      : 'in the queue';
+  const wait = num(status.estimated_wait);
+  const waitText = wait === null ? 'wait unknown' : formatWait(wait);
+  const text = status.resuming
+    ? `resuming — waiting for a GPU, ${where}, ${waitText}`
+    : `waiting for a GPU — ${where}, ${waitText}`;
+  const queued = {
+    ...EMPTY,
+    phase: 'queued' as const,
+    queue: { text, reason: status.queue_reason ?? '' },
+    canRelease: true,
+    gpuMemory
+  };
+  // The server's wait cannot reach the pool (a broker restart): it keeps its place and retries.
+  const retrying = /^pool unavailable\b/i.test(status.queue_reason ?? '');
+  if (retrying) {
+    return {
+      ...queued,
+      statusText: 'GPU pool unavailable, retrying',
+      statusTitle: `${formatSize(memory)} requested, still in the queue (${where}); ${status.queue_reason}`,
+      summary: `${formatSize(memory)} requested; the GPU pool cannot be reached now, the request keeps its place and is retried.`
+    };
+  }
+  if (status.resuming) {
+    // A suspended kernel coming back: queued like any request, its memory still parked.
+    const parked = parkedText(status);
+    return {
+      ...queued,
+      badge: 'resuming',
+      statusText: position !== null ? `Resuming #${position}` : 'Resuming',
+      statusTitle: `${parked}; ${text}`,
+      summary: `${parked} — resumes when a GPU is free; a cell run now waits, then runs.`
+    };
+  }
+  return {
+    ...queued,
+    statusText: position !== null ? `GPU queued #${position}` : 'GPU queued',
+    statusTitle: `${formatSize(memory)} requested; ${text}`,
+    summary: `${formatSize(memory)} requested; the kernel starts when a GPU is free.`,
+    canReserve: true
+  };
+}
+
+/** Parked in host RAM: no GPU, no use to measure; the next cell (or Resume) brings it back. */
+function suspendedView(status: IKernelStatus, memory: number, gpuMemory: number | null): IKernelView {
+  const text = `${parkedText(status)} — resumes on your next cell`;
+  const reason = status.suspend_reason || '';
+  return {
+    ...EMPTY,
+    phase: 'suspended',
+    statusText: 'GPU suspended',
+    statusTitle: text + (reason ? ` (${reason})` : ''),
+    summary: `${formatSize(memory)} slice suspended: the kernel keeps its variables, its GPU memory waits in host RAM.${cacheFreedText(status)}`,
+    suspended: { text, reason },
+    canRelease: true,
+    canResume: true,
+    gpuMemory
+  };
+}
+
+/** What a granted slice's view is computed from besides its status. */
+interface IGrantedContext {
+  memory: number;
+  gpuMemory: number | null;
+  /** A move of its memory under way, or null. */
+  step: { text: string; status: string; badge: string } | null;
+  now: number;
+  locale?: string;
+}
+
+/** `GPU 0 · NVIDIA A100-SXM4-80GB` (`GPUs 0, 1 · …` for several), null when not placed. */
+function gpuLine(devices: NonNullable<IKernelStatus['devices']>): string | null {
+  if (devices.length === 0) {
+    return null;
+  }
+  const name = devices[0].name ?? 'unknown GPU';
+  return devices.length === 1
+    ? `GPU ${devices[0].index ?? '?'} · ${name}`
+    : `GPUs ${devices.map(d => d.index ?? '?').join(', ')} · ${name}`;
+}
+
+/** The slice as a share of its GPU's memory, or null when the GPU's size is unknown. */
+function sliceBar(memory: number, gpuMemory: number | null, perGpu: string): IBar | null {
+  if (!gpuMemory || gpuMemory <= 0) {
+    return null;
+  }
+  return {
+    fraction: clamp01(memory / gpuMemory),
+    label: `slice ${formatSize(memory)}${perGpu} of ${formatSize(gpuMemory)} (${Math.round(
+      (100 * memory) / gpuMemory
+    )}%)`,
+    markers: [],
+    warn: false
+  };
+}
+
+/** The memory used of the slice, with its peak as a marker; null for an empty slice. */
+function usageBar(memory: number, used: number | null, peak: number | null, over: boolean): IBar | null {
+  if (memory <= 0) {
+    return null;
+  }
+  return {
+    fraction: used === null ? 0 : clamp01(used / memory),
+    label:
+      (used === null
+        ? 'use not measured yet'
+        : `using ${formatSize(used)} of ${formatSize(memory)}`) +
+      (peak !== null ? ` · peak ${formatSize(peak)}` : ''),
+    markers:
+      peak !== null
+        ? [
+            {
+              fraction: clamp01(peak / memory),
+              label: `peak ${formatSize(peak)}`
+            }
+          ]
+        : [],
+    warn: over
+  };
+}
+
+/** How the kernel's memory is held to its slice, or null when the server did not say. */
+function enforcementView(status: IKernelStatus): IKernelView['enforcement'] {
+  if (!status.enforcement) {
+    return null;
+  }
+  const level = status.enforcement.level ?? 'unknown';
+  return {
+    level,
+    label: enforcementLabel(level),
+    text:
+      status.enforcement.description ||
+      (status.enforcement.mechanisms ?? []).join(', ') ||
+      'no enforcement reported'
+  };
+}
+
+/** The idle countdown of a running slice the pool will take back, or null. */
+function idleView(status: IKernelStatus, now: number, moving: boolean): IKernelView['idle'] {
+  const reclaimAt = num(status.reclaim_at);
+  if (status.state !== 'granted' || moving || reclaimAt === null) {
+    return null;
+  }
+  const idleSeconds = num(status.idle_seconds);
+  const secondsLeft = Math.max(0, reclaimAt - now);
+  const countdown = formatCountdown(secondsLeft);
+  const suspends = !!status.suspendable;
+  return {
+    text:
+      (idleSeconds ? `idle for ${formatDuration(idleSeconds)} — ` : '') +
+      (suspends
+        ? `the kernel will be suspended (variables kept) in ${countdown} unless you keep it`
+        : `slice goes back to the pool in ${countdown} unless you keep it`),
+    countdown,
+    secondsLeft,
+    reason: status.reclaim_reason
+      ? upcomingReclaim(status.reclaim_reason)
+      : 'others are waiting for a GPU',
+    suspends
+  };
+}
+
+/** `using 6 GiB, above the 4 GiB slice for 2m — …` while the kernel uses more than it may, else null. */
+function overLimitText(
+  used: number | null,
+  allowed: number,
+  memory: number,
+  overSince: number | null,
+  now: number
+): string | null {
+  const over = used !== null && allowed > 0 && used > allowed;
+  if (!over && overSince === null) {
+    return null;
+  }
+  return (
+    `using ${formatSize(used)}, above the ${formatSize(allowed)} ` +
+    (allowed > memory ? "slice's limit" : 'slice') +
+    (overSince !== null ? ` for ${formatDuration(Math.max(0, now - overSince))}` : '') +
+    ' — free memory or reserve more, or the kernel may be stopped'
+  );
+}
+
+/** A granted slice: where it runs, how much it uses, its idle countdown and what may be done. */
+function grantedView(status: IKernelStatus, context: IGrantedContext): IKernelView {
+  const { memory, gpuMemory, step, now } = context;
   const devices = status.devices ?? [];
-  const gpuMemory =
-    devices.length > 0
-      ? Math.max(...devices.map(d => num(d.memory_total) ?? 0)) || null
-      : null;
-
-  if (status.state === 'queued') {
-    const position = num(status.queue_position);
-    const length = num(status.queue_length);
-    const where =
-      position !== null
-        ? `position ${position}` + (length !== null ? ` of ${length}` : '')
-        : 'in the queue';
-    const wait = num(status.estimated_wait);
-    const waitText = wait === null ? 'wait unknown' : formatWait(wait);
-    const text = status.resuming
-      ? `resuming — waiting for a GPU, ${where}, ${waitText}`
-      : `waiting for a GPU — ${where}, ${waitText}`;
-    // The server's wait cannot reach the pool (a broker restart): it keeps its place and retries.
-    const retrying = /^pool unavailable\b/i.test(status.queue_reason ?? '');
-    if (retrying) {
-      return {
-        ...EMPTY,
-        phase: 'queued',
-        statusText: 'GPU pool unavailable, retrying',
-        statusTitle: `${formatSize(memory)} requested, still in the queue (${where}); ${status.queue_reason}`,
-        summary: `${formatSize(memory)} requested; the GPU pool cannot be reached now, the request keeps its place and is retried.`,
-        queue: { text, reason: status.queue_reason ?? '' },
-        canRelease: true,
-        gpuMemory
-      };
-    }
-    if (status.resuming) {
-      // A suspended kernel coming back: queued like any request, its memory still parked.
-      const parked = parkedText(status);
-      return {
-        ...EMPTY,
-        phase: 'queued',
-        badge: 'resuming',
-        statusText: position !== null ? `Resuming #${position}` : 'Resuming',
-        statusTitle: `${parked}; ${text}`,
-        summary: `${parked} — resumes when a GPU is free; a cell run now waits, then runs.`,
-        queue: { text, reason: status.queue_reason ?? '' },
-        canRelease: true,
-        gpuMemory
-      };
-    }
-    return {
-      ...EMPTY,
-      phase: 'queued',
-      statusText: position !== null ? `GPU queued #${position}` : 'GPU queued',
-      statusTitle: `${formatSize(memory)} requested; ${text}`,
-      summary: `${formatSize(memory)} requested; the kernel starts when a GPU is free.`,
-      queue: { text, reason: status.queue_reason ?? '' },
-      canRelease: true,
-      canReserve: true,
-      gpuMemory
-    };
-  }
-
-  if (status.state === 'released') {
-    const reason =
-      status.release_reason || input.eventReason || 'no reason given';
-    return {
-      ...EMPTY,
-      phase: 'released',
-      statusText: 'GPU released',
-      statusTitle: `GPU released: ${reason}`,
-      summary: 'This kernel no longer holds a GPU slice.',
-      released: reason,
-      gpuMemory
-    };
-  }
-
-  const step = status.transition ? TRANSITIONS[status.transition] ?? null : null;
-  if (status.state === 'suspended' && !step) {
-    // Parked in host RAM: no GPU, no use to measure; the next cell (or Resume) brings it back.
-    const text = `${parkedText(status)} — resumes on your next cell`;
-    const reason = status.suspend_reason || '';
-    return {
-      ...EMPTY,
-      phase: 'suspended',
-      statusText: 'GPU suspended',
-      statusTitle: text + (reason ? ` (${reason})` : ''),
-      summary: `${formatSize(memory)} slice suspended: the kernel keeps its variables, its GPU memory waits in host RAM.${cacheFreedText(status)}`,
-      suspended: { text, reason },
-      canRelease: true,
-      canResume: true,
-      gpuMemory
-    };
-  }
-
-  // granted (possibly in the middle of a move of its memory)
-  const gpu =
-    devices.length === 0
-      ? null
-      : devices.length === 1
-        ? `GPU ${devices[0].index ?? '?'} · ${devices[0].name ?? 'unknown GPU'}`
-        : `GPUs ${devices.map(d => d.index ?? '?').join(', ')} · ${devices[0].name ?? 'unknown GPU'}`;
+  const gpu = gpuLine(devices);
   const perGpu = devices.length > 1 ? ' on each' : '';
-  const slice: IBar | null =
-    gpuMemory && gpuMemory > 0
-      ? {
-          fraction: clamp01(memory / gpuMemory),
-          label: `slice ${formatSize(memory)}${perGpu} of ${formatSize(gpuMemory)} (${Math.round(
-            (100 * memory) / gpuMemory
-          )}%)`,
-          markers: [],
-          warn: false
-        }
-      : null;
   const used = num(status.used_memory);
   const peak = num(status.peak_memory);
-  const elastic = elasticView(status);
+  const elastic = elasticView(status, context.locale);
   // What the watchdog allows: an elastic slice's limit, or its size once its burst was taken back.
   const allowed = elastic && !elastic.takenBack ? Math.max(num(status.limit) ?? memory, memory) : memory;
   const over = used !== null && allowed > 0 && used > allowed;
-  const usage: IBar | null =
-    memory > 0
-      ? {
-          fraction: used === null ? 0 : clamp01(used / memory),
-          label:
-            (used === null
-              ? 'use not measured yet'
-              : `using ${formatSize(used)} of ${formatSize(memory)}`) +
-            (peak !== null ? ` · peak ${formatSize(peak)}` : ''),
-          markers:
-            peak !== null
-              ? [
-                  {
-                    fraction: clamp01(peak / memory),
-                    label: `peak ${formatSize(peak)}`
-                  }
-                ]
-              : [],
-          warn: over
-        }
-      : null;
-
-  const level = status.enforcement?.level ?? 'unknown';
-  const enforcement = status.enforcement
-    ? {
-        level,
-        label: enforcementLabel(level),
-        text:
-          status.enforcement.description ||
-          (status.enforcement.mechanisms ?? []).join(', ') ||
-          'no enforcement reported'
-      }
-    : null;
-
-  const reclaimAt = num(status.reclaim_at);
-  const idleSeconds = num(status.idle_seconds);
-  let idle: IKernelView['idle'] = null;
-  if (status.state === 'granted' && !step && reclaimAt !== null) {
-    const secondsLeft = Math.max(0, reclaimAt - now);
-    const countdown = formatCountdown(secondsLeft);
-    const suspends = !!status.suspendable;
-    idle = {
-      text:
-        (idleSeconds ? `idle for ${formatDuration(idleSeconds)} — ` : '') +
-        (suspends
-          ? `the kernel will be suspended (variables kept) in ${countdown} unless you keep it`
-          : `slice goes back to the pool in ${countdown} unless you keep it`),
-      countdown,
-      secondsLeft,
-      reason: status.reclaim_reason
-        ? upcomingReclaim(status.reclaim_reason)
-        : 'others are waiting for a GPU',
-      suspends
-    };
-  }
+  const idle = idleView(status, now, !!step);
   const keepUntil = num(status.keep_until);
-  const kept =
-    keepUntil !== null && keepUntil > now
-      ? `kept through idle for another ${formatRemaining(keepUntil - now)}`
-      : null;
-
-  const overSince = num(status.over_limit_since);
-  const overLimit =
-    over || overSince !== null
-      ? `using ${formatSize(used)}, above the ${formatSize(allowed)} ` +
-        (allowed > memory ? "slice's limit" : 'slice') +
-        (overSince !== null
-          ? ` for ${formatDuration(Math.max(0, now - overSince))}`
-          : '') +
-        ' — free memory or reserve more, or the kernel may be stopped'
-      : null;
-
-  const statusText = step
-    ? step.status
-    : `GPU ${formatSizePair(used ?? (memory > 0 ? null : 0), memory)}` +
-      (idle ? ` · ${idle.countdown}` : '');
   const running = status.state === 'granted' && !step;
   return {
     ...EMPTY,
     phase: status.state === 'suspended' ? 'suspended' : 'granted',
     badge: step ? step.badge : null,
-    statusText,
+    statusText: step
+      ? step.status
+      : `GPU ${formatSizePair(used ?? (memory > 0 ? null : 0), memory)}` + (idle ? ` · ${idle.countdown}` : ''),
     statusTitle:
       (step ? `${step.text}; ` : '') +
       (elastic ? `${elastic.line}${gpu ? `; ${gpu}` : ''}` : `${formatSize(memory)}${perGpu}` + (gpu ? ` on ${gpu}` : '')) +
@@ -630,14 +687,17 @@ function kernelViewOf(input: IKernelInput): IKernelView {
     elastic,
     burstFixed: burstFixedText(status),
     gpu,
-    slice,
-    usage,
+    slice: sliceBar(memory, gpuMemory, perGpu),
+    usage: usageBar(memory, used, peak, over),
     // An elastic slice is sized by its guarantee: what it holds above that goes back by itself.
     hint: running ? rightSizeHint(num(status.guarantee) || memory, peak) : null,
-    enforcement,
+    enforcement: enforcementView(status),
     idle,
-    kept,
-    overLimit,
+    kept:
+      keepUntil !== null && keepUntil > now
+        ? `kept through idle for another ${formatRemaining(keepUntil - now)}`
+        : null,
+    overLimit: overLimitText(used, allowed, memory, num(status.over_limit_since), now),
     canKeep: running,
     canRelease: true,
     canReserve: !step,
@@ -691,39 +751,17 @@ export interface IReservationView {
   /** `cs101, bob` (groups and users it is for). */
   who: string;
   memory: string;
-  /** `Tue 1 Dec 09:00–11:00` in the browser's local time, or `every Tue 09:00–11:00`. */
+  /** `Tue 1 Dec, 09:00–11:00` in the user's locale and time zone, or `every Tue 09:00–11:00`. */
   window: string;
   active: boolean;
 }
 
-const DAY_NAMES = ['Sun', 'Mon', 'Tue', 'Wed', 'Thu', 'Fri', 'Sat'];
-const MONTH_NAMES = ['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun', 'Jul', 'Aug', 'Sep', 'Oct', 'Nov', 'Dec'];
-
-function twoDigits(value: number): string {
-  return String(value).padStart(2, '0');
-}
-
-/** `09:00` in local time. */
-function localClock(date: Date): string {
-  return `${twoDigits(date.getHours())}:${twoDigits(date.getMinutes())}`;
-}
-
-/** `Tue 1 Dec 09:00` in local time. */
-function localDateTime(date: Date): string {
-  return `${DAY_NAMES[date.getDay()]} ${date.getDate()} ${MONTH_NAMES[date.getMonth()]} ${localClock(date)}`;
-}
-
 /** A reservation's window in words: one-off in local time, weekly as the server states it. */
-export function reservationWindow(reservation: IReservation): string {
+export function reservationWindow(reservation: IReservation, locale?: string): string {
   const start = num(reservation.start);
   const end = num(reservation.end);
   if (start !== null && end !== null) {
-    const from = new Date(start * 1000);
-    const to = new Date(end * 1000);
-    const sameDay = from.toDateString() === to.toDateString();
-    return sameDay
-      ? `${localDateTime(from)}–${twoDigits(to.getHours())}:${twoDigits(to.getMinutes())}`
-      : `${localDateTime(from)} – ${localDateTime(to)}`;
+    return dateTimeRange(new Date(start * 1000), new Date(end * 1000), locale);
   }
   const days = (reservation.weekdays ?? []).map(d => d.charAt(0).toUpperCase() + d.slice(1));
   if (days.length && reservation.daily_start && reservation.daily_end) {
@@ -733,14 +771,17 @@ export function reservationWindow(reservation: IReservation): string {
 }
 
 /** The reservations, open ones first. */
-export function reservationViews(reservations: IReservation[] | null | undefined): IReservationView[] {
+export function reservationViews(
+  reservations: IReservation[] | null | undefined,
+  locale?: string
+): IReservationView[] {
   return (reservations ?? [])
     .map((r, i) => ({
       key: `${r.name}-${i}`,
       name: r.name,
       who: [...(r.groups ?? []), ...(r.users ?? [])].join(', ') || 'no one',
       memory: formatSize(num(r.memory)),
-      window: reservationWindow(r),
+      window: reservationWindow(r, locale),
       active: !!r.active
     }))
     .sort((a, b) => Number(b.active) - Number(a.active));
@@ -892,7 +933,8 @@ export function quotaLines(
 /** The pool view: one bar per GPU with leases stacked, the queue, the quota. */
 export function poolView(
   snapshot: IPoolSnapshot | null,
-  currentKernelId: string | null
+  currentKernelId: string | null,
+  locale?: string
 ): IPoolView | null {
   if (!snapshot) {
     return null;
@@ -902,96 +944,131 @@ export function poolView(
   const leases = (snapshot.leases ?? []).filter(
     l => l.state === 'granted' || l.state === 'suspended'
   );
-  const devices = (snapshot.devices ?? []).map(device => {
-    const total = num(device.memory_total) ?? 0;
-    const onDevice = leases.filter(l => (l.devices ?? []).includes(device.uuid));
-    // The user's own leases first, then the others, so "mine" reads at the left.
-    onDevice.sort((a, b) => Number(!!b.mine) - Number(!!a.mine));
-    const segments: ISegment[] = onDevice.map((lease, i) => ({
-      key: `${lease.id ?? 'anonymous'}-${i}@${device.uuid}`,
-      fraction: total > 0 ? clamp01(lease.memory / total) : 0,
-      mine: !!lease.mine,
-      current:
-        !!currentKernelId && !!lease.mine && lease.kernel_id === currentKernelId,
-      outside: false,
-      label: segmentLabel(lease, admin)
-    }));
-    const outside = outsideView(
-      device.memory_unpooled,
-      (snapshot.unpooled ?? []).filter(use => use.device === device.uuid)
-    );
-    if (outside) {
-      // After the leases, in what is left of the bar: slices are promised even where
-      // memory used outside the pool makes them too big to fit (the text says how much).
-      const leasedFraction = segments.reduce((sum, s) => sum + s.fraction, 0);
-      segments.push({
-        key: `outside@${device.uuid}`,
-        fraction: total > 0 ? Math.min(clamp01(outside.bytes / total), Math.max(0, 1 - leasedFraction)) : 0,
-        mine: false,
-        current: false,
-        outside: true,
-        label: outside.label
-      });
-    }
-    const leased =
-      num(device.memory_leased) ?? onDevice.reduce((s, l) => s + l.memory, 0);
-    const used = num(device.memory_used);
-    const free = Math.max(0, total - leased - (outside?.bytes ?? 0));
-    const text =
-      `${formatSize(leased)} of ${formatSize(total)} leased, ` +
-      (outside ? `${formatSize(outside.bytes)} used outside the pool, ` : '') +
-      `${formatSize(free)} free` +
-      (used !== null ? ` · ${formatSize(used)} in use` : '');
-    const healthy = device.healthy !== false;
-    return {
-      key: device.uuid,
-      title: `GPU ${device.index ?? '?'} · ${device.name ?? 'unknown GPU'}`,
-      segments,
-      usedFraction: used !== null && total > 0 ? clamp01(used / total) : null,
-      outside,
-      text: healthy ? text : `unhealthy: ${device.health_reason || 'unavailable'}`,
-      ariaLabel:
-        `GPU ${device.index ?? '?'}, ${device.name ?? 'unknown GPU'}: ${text}; ` +
-        (segments.length
-          ? segments.map(s => s.label).join('; ')
-          : 'no leases'),
-      healthy
-    };
-  });
-  const queue = snapshot.queue ?? [];
-  const mineQueued = queue.filter(q => (q as { mine?: boolean }).mine).length;
-  const queueText =
-    queue.length === 0
-      ? 'no one waiting'
-      : `${queue.length} waiting` + (mineQueued ? ` (${mineQueued} yours)` : '');
-  const largest = (snapshot.devices ?? []).reduce<number | null>(
-    (max, d) => {
-      const total = num(d.memory_total);
-      return total !== null && (max === null || total > max) ? total : max;
-    },
-    null
+  const devices = (snapshot.devices ?? []).map(device =>
+    deviceView(device, {
+      leases: leases.filter(l => (l.devices ?? []).includes(device.uuid)),
+      unpooled: (snapshot.unpooled ?? []).filter(use => use.device === device.uuid),
+      admin,
+      currentKernelId
+    })
   );
-  const unavailable =
-    snapshot.state === 'unavailable'
-      ? {
-          title: unavailableTitle(snapshot),
-          reason: snapshot.reason || 'no reason given',
-          kernels:
-            snapshot.when_unavailable === 'refuse'
-              ? 'New kernels are refused until the pool is back.'
-              : 'Kernels run CPU-only (no GPU) until the pool is back; restart a kernel then to get a slice.'
-        }
-      : null;
   return {
-    unavailable,
+    unavailable: poolUnavailableView(snapshot),
     devices,
     outside: devices.some(d => d.outside !== null),
-    queueText,
+    queueText: queueText(snapshot.queue ?? []),
     quota: quotaLines(snapshot.quota),
-    reservations: reservationViews(snapshot.reservations),
+    reservations: reservationViews(snapshot.reservations, locale),
     user: viewer?.name ?? '',
     admin,
-    largestGpu: largest
+    largestGpu: largestGpu(snapshot.devices ?? [])
+  };
+}
+
+/** What one GPU's view is computed from besides the device. */
+interface IDeviceContext {
+  /** The granted and suspended leases on this GPU. */
+  leases: IPoolLease[];
+  /** The memory used outside the pool on this GPU. */
+  unpooled: IUnpooledUse[];
+  admin: boolean;
+  currentKernelId: string | null;
+}
+
+/** One GPU: its leases stacked (the user's first), the memory used outside the pool, its text. */
+function deviceView(device: IDevice, context: IDeviceContext): IDeviceView {
+  const total = num(device.memory_total) ?? 0;
+  const outside = outsideView(device.memory_unpooled, context.unpooled);
+  const segments = deviceSegments(device.uuid, total, outside, context);
+  const leased =
+    num(device.memory_leased) ?? context.leases.reduce((s, l) => s + l.memory, 0);
+  const used = num(device.memory_used);
+  const free = Math.max(0, total - leased - (outside?.bytes ?? 0));
+  const text =
+    `${formatSize(leased)} of ${formatSize(total)} leased, ` +
+    (outside ? `${formatSize(outside.bytes)} used outside the pool, ` : '') +
+    `${formatSize(free)} free` +
+    (used !== null ? ` · ${formatSize(used)} in use` : '');
+  const healthy = device.healthy !== false;
+  return {
+    key: device.uuid,
+    title: `GPU ${device.index ?? '?'} · ${device.name ?? 'unknown GPU'}`,
+    segments,
+    usedFraction: used !== null && total > 0 ? clamp01(used / total) : null,
+    outside,
+    text: healthy ? text : `unhealthy: ${device.health_reason || 'unavailable'}`,
+    ariaLabel:
+      `GPU ${device.index ?? '?'}, ${device.name ?? 'unknown GPU'}: ${text}; ` +
+      (segments.length
+        ? segments.map(s => s.label).join('; ')
+        : 'no leases'),
+    healthy
+  };
+}
+
+/** The bar's segments of one GPU: the leases, the user's own first, then the memory used outside. */
+function deviceSegments(
+  uuid: string,
+  total: number,
+  outside: IOutsideView | null,
+  context: IDeviceContext
+): ISegment[] {
+  const { admin, currentKernelId } = context;
+  // The user's own leases first, then the others, so "mine" reads at the left.
+  const onDevice = [...context.leases].sort((a, b) => Number(!!b.mine) - Number(!!a.mine));
+  const segments: ISegment[] = onDevice.map((lease, i) => ({
+    key: `${lease.id ?? 'anonymous'}-${i}@${uuid}`,
+    fraction: total > 0 ? clamp01(lease.memory / total) : 0,
+    mine: !!lease.mine,
+    current:
+      !!currentKernelId && !!lease.mine && lease.kernel_id === currentKernelId,
+    outside: false,
+    label: segmentLabel(lease, admin)
+  }));
+  if (outside) {
+    // After the leases, in what is left of the bar: slices are promised even where
+    // memory used outside the pool makes them too big to fit (the text says how much).
+    const leasedFraction = segments.reduce((sum, s) => sum + s.fraction, 0);
+    segments.push({
+      key: `outside@${uuid}`,
+      fraction: total > 0 ? Math.min(clamp01(outside.bytes / total), Math.max(0, 1 - leasedFraction)) : 0,
+      mine: false,
+      current: false,
+      outside: true,
+      label: outside.label
+    });
+  }
+  return segments;
+}
+
+/** `no one waiting`, `3 waiting (1 yours)`. */
+function queueText(queue: NonNullable<IPoolSnapshot['queue']>): string {
+  const mineQueued = queue.filter(q => (q as { mine?: boolean }).mine).length;
+  return queue.length === 0
+    ? 'no one waiting'
+    : `${queue.length} waiting` + (mineQueued ? ` (${mineQueued} yours)` : '');
+}
+
+/** The largest GPU's memory, or null when no GPU says. */
+function largestGpu(devices: IDevice[]): number | null {
+  return devices.reduce<number | null>((max, d) => {
+    const total = num(d.memory_total);
+    return total !== null && (max === null || total > max) ? total : max;
+  }, null);
+}
+
+/** What to say while the server cannot use the pool, or null when it can. */
+function poolUnavailableView(snapshot: IPoolSnapshot): IPoolView['unavailable'] {
+  if (snapshot.state !== 'unavailable') {
+    return null;
+  }
+  return {
+    title: unavailableTitle(snapshot),
+    reason: snapshot.reason || 'no reason given',
+    kernels:
+      snapshot.when_unavailable === 'refuse'
+        ? 'New kernels are refused until the pool is back.'
+        : 'Kernels run CPU-only (no GPU) until the pool is back; restart a kernel then to get a slice.'
   };
 }
 

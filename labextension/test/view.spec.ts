@@ -359,17 +359,24 @@ describe('reservations', () => {
           { name: 'lab', memory: 40 * GIB, groups: ['cs101'], weekdays: ['tue', 'thu'], daily_start: '09:00', daily_end: '11:00', active: true }
         ]
       },
-      null
+      null,
+      'en-GB'
     )!;
     expect(v.reservations.map(({ key, ...r }) => r)).toEqual([
       { name: 'lab', who: 'cs101', memory: '40 GiB', window: 'every Tue, Thu 09:00–11:00', active: true },
-      { name: 'later', who: 'bob', memory: '2 GiB', window: 'Tue 1 Dec 14:00–15:30', active: false }
+      { name: 'later', who: 'bob', memory: '2 GiB', window: 'Tue 1 Dec, 14:00–15:30', active: false }
     ]);
   });
 
+  it('writes a window in the user\'s locale', () => {
+    const window = reservationWindow({ name: 'x', memory: GIB, start: at(14), end: at(15, 30) }, 'de-DE');
+    expect(window).toMatch(/^Di\., 1\. Dez\., 14:00\s?–\s?15:30 Uhr$/);
+  });
+
   it('spells out both ends of a window across days, and copes with older servers', () => {
-    expect(reservationWindow({ name: 'x', memory: GIB, start: at(22), end: at(22) + 4 * 3600 })).toBe(
-      'Tue 1 Dec 22:00 – Wed 2 Dec 02:00'
+    // Intl sets thin spaces around the dash between two days.
+    expect(reservationWindow({ name: 'x', memory: GIB, start: at(22), end: at(22) + 4 * 3600 }, 'en-GB')).toMatch(
+      /^Tue 1 Dec, 22:00\s–\sWed 2 Dec, 02:00$/
     );
     expect(poolView(base, null)!.reservations).toEqual([]);
   });
@@ -737,14 +744,19 @@ describe('elastic slices', () => {
 
   it('says a grow that waits for room, to what size, since when (local time) and its place in line', () => {
     const since = new Date(2026, 11, 1, 14, 2, 30).getTime() / 1000;
-    const waiting = view(elastic({ grow_wanted: 12 * GIB, grow_since: since, grow_place: 2 }));
+    const gb = { locale: 'en-GB' };
+    const waiting = view(elastic({ grow_wanted: 12 * GIB, grow_since: since, grow_place: 2 }), gb);
     expect(waiting.elastic?.waiting).toBe('waiting to grow to 12 GiB since 14:02 (2nd in line)');
-    expect(view(elastic({ grow_wanted: 12 * GIB, grow_since: since, grow_place: 1 })).elastic?.waiting).toBe(
+    expect(view(elastic({ grow_wanted: 12 * GIB, grow_since: since, grow_place: 1 }), gb).elastic?.waiting).toBe(
       'waiting to grow to 12 GiB since 14:02 (next in line)'
     );
     // Across two GPUs the size is the slice's whole; a pool that cannot say the place leaves it out.
-    expect(view(elastic({ num_gpus: 2, grow_wanted: 12 * GIB, grow_since: since })).elastic?.waiting).toBe(
+    expect(view(elastic({ num_gpus: 2, grow_wanted: 12 * GIB, grow_since: since }), gb).elastic?.waiting).toBe(
       'waiting to grow to 24 GiB since 14:02'
+    );
+    // The clock is written as the user's locale writes it.
+    expect(view(elastic({ grow_wanted: 12 * GIB, grow_since: since }), { locale: 'en-US' }).elastic?.waiting).toMatch(
+      /^waiting to grow to 12 GiB since 02:02\sPM$/
     );
     expect(view(elastic({ grow_wanted: null, grow_since: null })).elastic?.waiting).toBeNull();
   });
