@@ -20,7 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import pytest
 from pool_helpers import make_pool, req
 
 from jupyter_gpupool.core.models import LeaseState, Transition
-from jupyter_gpupool.devices.simulated import SimulatedBackend, make_node_folder, parse_inventory
+from jupyter_gpupool.devices.simulated import NODE_DIR_ENV, SimulatedBackend, make_node_folder, parse_inventory
 from jupyter_gpupool.enforcement import cgroup_bpf
 from jupyter_gpupool.enforcement.claims import UnixUsers
 from jupyter_gpupool.enforcement.device_control import (
@@ -43,7 +43,7 @@ from jupyter_gpupool.enforcement.device_control import (
     NvidiaNodes,
     cgroup_mounts,
 )
-from jupyter_gpupool.enforcement.device_control_role import DeviceControlRole, lease_processes
+from jupyter_gpupool.enforcement.device_control_role import DeviceControlRole, DeviceControlService, lease_processes
 
 UNIFIED, DEVICES = cgroup_mounts()
 MEMORY = "/sys/fs/cgroup/memory" if os.path.isdir("/sys/fs/cgroup/memory/") else None
@@ -130,9 +130,11 @@ class Host:
         assert DEVICES is not None
         return CgroupV1(self.nodes, DEVICES, name, f"{self.tag}/kernels")
 
-    def start(self) -> Probe:
-        """A pooled user's process: in the user-level cgroup (a spawner's unit on v2)."""
-        process = subprocess.Popen([sys.executable, "-c", PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def start(self, lease_id: str = "") -> Probe:
+        """A pooled user's process: in the user-level cgroup (a spawner's unit on v2); a kernel of
+        ``lease_id`` when given (the variable a pooled kernel gets)."""
+        env = {**os.environ, "GPUPOOL_LEASE_ID": lease_id} if lease_id else None
+        process = subprocess.Popen([sys.executable, "-c", PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         probe = Probe(process)
         self.probes.append(probe)
         for directory in self.spawner_dirs:  # before it is asked to open anything
@@ -362,7 +364,7 @@ def test_a_killed_broker_leaves_the_deny_and_a_restart_adopts_or_removes_its_cgr
 def test_a_root_broker_on_a_simulated_pool_with_a_node_folder_runs_it_and_says_so_in_one_line(
     host: Host, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = DeviceControl(mode=host.path, user_cgroups=[host.user, "no-such-slice"], name=host.tag)
+    config = DeviceControl(mode=host.path, user_cgroups=[host.user, "no-such-slice"], name=host.tag, kernel_subtree=f"{host.tag}/kernels")
     with caplog.at_level("INFO"):
         cgroups = config.start(single_user=False, simulated=True, simulated_node_dir=str(host.folder))
     assert cgroups is not None and cgroups.mode == (MODE_V2 if host.path == "v2" else MODE_V1)
@@ -507,3 +509,48 @@ def test_a_kernel_started_through_device_join_runs_only_once_its_gpu_is_open_to_
         assert lease_processes([lease], users, "here") == {}
     finally:
         stranger.kill()
+
+
+def _until(check: Callable[[], bool], seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_the_service_follows_the_pools_changes_and_a_restart_adopts_what_it_left(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
+    pool = make_pool(tmp_path, "3x16GiB")
+    users = UnixUsers(names={"alice": 4242})
+
+    def service() -> DeviceControlService:
+        config = DeviceControl(mode=host.path, user_cgroups=[host.user], name=host.tag, kernel_subtree=f"{host.tag}/kernels")
+        return DeviceControlService(config, pool, users, interval=0.2)
+
+    first = service()
+    assert first.start() and first.describe()["mode"] in (MODE_V2, MODE_V1)
+    try:
+        lease = pool.request(req("alice", 8, kernel_id="k1", holder_pid=os.getpid()))
+        index = [d.uuid for d in pool.devices()].index(lease.devices[0])
+        kernel = host.start(lease.id)
+        assert _until(lambda: kernel.open(host.gpu(index)) == "ENXIO")  # found on the next pass
+        assert kernel.open(host.gpu((index + 1) % 3)) == "EPERM" and host.start().open(host.gpu(index)) == "EPERM"
+    finally:
+        first.stop()  # as a crash would: the rules stay
+    assert kernel.open(host.gpu(index)) == "ENXIO"
+
+    second = service()
+    assert second.start() and second.role is not None and list(second.role.cgroups.kernels) == [lease.id]  # adopted
+    try:
+        pool.release(lease.id)  # the pool's change wakes it: denied within that decision's pass
+        assert _until(lambda: kernel.open(host.gpu(index)) == "EPERM", seconds=5)
+        kernel.process.kill()
+        kernel.process.wait()
+        assert _until(lambda: second.role is not None and not second.role.cgroups.kernels)  # removed once empty
+    finally:
+        second.stop()

@@ -236,7 +236,8 @@ class DeviceCgroups:
             if directory is None:
                 return True
             if _procs(directory):
-                self.release(key)
+                if self.granted.get(key):
+                    self.release(key)
                 return False
             with contextlib.suppress(FileNotFoundError):
                 os.rmdir(directory)
@@ -257,8 +258,13 @@ class DeviceCgroups:
                 self._set_rules(directory, keep[key])
                 self.granted[key] = keep[key]
                 done[key] = "adopted"
+            elif _procs(directory):  # its lease ended while we were away: deny, keep until empty
+                self._set_rules(directory, frozenset())
+                self.granted[key] = frozenset()
+                done[key] = "denied"
             else:
-                done[key] = "removed" if self.forget(key) else "denied"
+                self.forget(key)
+                done[key] = "removed"
         return done
 
     def remove_all(self) -> None:

@@ -12,13 +12,15 @@ park keeps its descriptor; the pool's driver-read rule keeps that memory taken.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import psutil
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
 from jupyter_gpupool.enforcement.claims import UnixUsers, may_claim
-from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControlError
+from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControl, DeviceControlError
 
 
 def allowed_devices(lease: Lease) -> tuple[str, ...] | None:
@@ -70,11 +72,19 @@ class DeviceControlRole:
         self.cgroups = cgroups
         self.pids_of = pids_of
 
-    def apply(self, leases: Iterable[Lease], devices: Iterable[Device]) -> dict[str, str]:
+    def apply(self, leases: Iterable[Lease], devices: Iterable[Device], all_live: bool = False) -> dict[str, str]:
         """Bring every lease's cgroup in line; returns what changed per lease id: ``allowed``,
-        ``denied``, ``removed``, ``no process`` (granted, its kernel not started yet), or the error."""
+        ``denied``, ``removed``, ``no process`` (granted, its kernel not started yet), or the error.
+        With ``all_live``, ``leases`` are every live lease: a kernel cgroup of any other is over."""
         by_uuid = {d.uuid: d for d in devices}
         done: dict[str, str] = {}
+        leases = list(leases)
+        if all_live:
+            given = {lease.id for lease in leases}
+            for key in [k for k in self.cgroups.kernels if k not in given]:
+                outcome = self._over(key)
+                if outcome:
+                    done[key] = outcome
         for lease in leases:
             try:
                 outcome = self._apply_one(lease, by_uuid)
@@ -84,13 +94,21 @@ class DeviceControlRole:
                 done[lease.id] = outcome
         return done
 
+    def _over(self, key: str) -> str:
+        """A lease that ended: deny its kernel, and remove its cgroup once empty; what changed."""
+        was_allowed = bool(self.cgroups.granted.get(key))
+        try:
+            if self.cgroups.forget(key):
+                return "removed"
+        except (DeviceControlError, OSError) as exc:
+            return f"failed: {exc.strerror or exc}"
+        return "denied" if was_allowed else ""
+
     def _apply_one(self, lease: Lease, devices: Mapping[str, Device]) -> str:
         uuids = allowed_devices(lease)
         known = lease.id in self.cgroups.kernels
         if uuids is None:
-            if not known:
-                return ""
-            return "removed" if self.cgroups.forget(lease.id) else "denied"
+            return self._over(lease.id) if known else ""
         minors = minors_of(uuids, devices)
         if known and self.cgroups.granted.get(lease.id) == minors:
             # the same rules; a process the kernel started by other means than fork joins too
@@ -113,3 +131,98 @@ def _procs_of(directory: str) -> set[int]:
             return {int(line) for line in handle if line.strip()}
     except OSError:
         return set()
+
+
+class DeviceControlService:
+    """What a broker runs, once per pool: device control started (one log line), its cgroups left
+    by an earlier run adopted or removed, then every lease's cgroup brought in line after each
+    change of the pool and every ``interval`` seconds (a kernel that started after its grant is
+    found on the next pass). ``call(fn)`` runs a pool read where the pool's owner runs them (the
+    broker's worker thread); the default calls it here."""
+
+    def __init__(
+        self,
+        config: DeviceControl,
+        pool: Any,
+        users: UnixUsers,
+        host: str = "",
+        interval: float = 1.0,
+        call: Callable[[Callable[[], Any]], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.users = users
+        self.host = host
+        self.interval = interval
+        self.call = call or (lambda fn: fn())
+        self.role: DeviceControlRole | None = None
+        self._pids: dict[str, list[int]] = {}
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def start(self, single_user: bool = False) -> bool:
+        """Start device control if this host and pool call for it; whether it runs."""
+        backend = self.pool.backend
+        cgroups = self.config.start(
+            single_user=single_user,
+            simulated=getattr(backend, "name", "") == "simulated",
+            simulated_node_dir=getattr(backend, "node_dir", None),
+        )
+        if cgroups is None:
+            return False
+        self.role = DeviceControlRole(cgroups, lambda lease: self._pids.get(lease.id, []))
+        live, devices = self.call(lambda: (self.pool.leases(), self.pool.devices()))
+        by_uuid = {d.uuid: d for d in devices}
+        swept = cgroups.sweep({lease.id: minors_of(allowed_devices(lease) or (), by_uuid) for lease in live})
+        if swept:
+            self.config.log.info("device control: kernel cgroups of an earlier run: %s", _counted(swept))
+        self._unsubscribe = self.pool.subscribe_changes(self._wake.set)
+        self._thread = threading.Thread(target=self._run, name="gpupool-device-control", daemon=True)
+        self._thread.start()
+        self._wake.set()
+        return True
+
+    def apply_now(self) -> dict[str, str]:
+        """One pass over every live lease; what changed per lease id."""
+        if self.role is None:
+            return {}
+        live, devices = self.call(lambda: (self.pool.leases(), self.pool.devices()))
+        self._pids = lease_processes(live, self.users, self.host)
+        return self.role.apply(live, devices, all_live=True)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._closed.is_set():
+                break
+            try:
+                done = self.apply_now()
+            except Exception:  # a pass that failed is logged; the next one tries again
+                self.config.log.exception("device control: a pass failed")
+                continue
+            for lease_id, outcome in done.items():
+                if outcome != "no process":
+                    self.config.log.info("device control: lease %s: %s", lease_id, outcome)
+
+    def stop(self) -> None:
+        """Stop following the pool; the rules stay in place (as after a crash)."""
+        self._closed.set()
+        self._wake.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def describe(self) -> dict[str, object]:
+        """``device_control`` for status: mode, what is denied, or why it is off."""
+        return self.config.describe()
+
+
+def _counted(outcomes: Mapping[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for outcome in outcomes.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return ", ".join(f"{n} {what}" for what, n in sorted(counts.items()))
