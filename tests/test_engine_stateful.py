@@ -224,7 +224,7 @@ class PoolMachine(RuleBasedStateMachine):
                 for other in queued:
                     if in_line and other.room_coming_at is None:
                         continue
-                    candidates = {d.uuid for d in self.pool.engine._lease_candidates(state, other)}
+                    candidates = {d.uuid for d in self.pool.engine.placer.lease_candidates(state, other)}
                     fits = [uuid for uuid in candidates & set(lease.devices) if room.get(uuid, 0) >= other.memory]
                     assert not fits, f"{lease.id} grew while {other.id} waited for its GPU"
 

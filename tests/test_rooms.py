@@ -25,10 +25,6 @@ STILL_OVER: dict[tuple[str, str], int] = {
     ("class", "backends/local/store.py:Store"): 821,
     ("module", "backends/slurm/pool.py"): 977,
     ("class", "backends/slurm/pool.py:SlurmPool"): 831,
-    ("module", "core/engine.py"): 2195,
-    ("class", "core/engine.py:Engine"): 2020,
-    ("function", "core/engine.py:Engine._plan_reservation_reclaims"): 88,
-    ("function", "core/engine.py:Engine.resize"): 83,
     ("module", "serverextension/app.py"): 1552,
     ("class", "serverextension/app.py:GpuPoolExtension"): 1399,
 }
