@@ -11,7 +11,8 @@ from typing import Any
 
 import psutil
 
-from jupyter_gpupool.core.models import Lease, LeaseState
+from jupyter_gpupool.core.engine import PoolState
+from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 from jupyter_gpupool.devices import ProcessUsage
 from jupyter_gpupool.devices.base import process_alive
 from jupyter_gpupool.enforcement.unpooled import UnpooledUse, _ancestry, _kernel_of, _Processes, holdings_of_lease
@@ -164,6 +165,25 @@ def still_held(rows: list[dict[str, Any]], whys: tuple[str, ...], parked_why: st
         kept.append(row)
         by_reporter[reporter].append(row)
     return kept, {reporter: by_reporter[reporter] for reporter in changed}
+
+
+def freed_by_report(lease: Lease, failed_restore: bool = False) -> tuple[str, ...]:
+    """The GPUs a report of ``lease``'s step frees: a suspend's, a move's old ones, or (a restore
+    reported failed with its memory still parked: ``failed_restore``) the restore's."""
+    if failed_restore:  # a failed suspend or move keeps its GPUs: nothing is freed
+        return lease.devices if lease.transition is Transition.RESTORING else ()
+    if lease.transition is Transition.SUSPENDING:
+        return lease.devices
+    if lease.transition is Transition.MIGRATING:
+        return tuple(u for u in lease.migrate_from if u not in lease.devices)
+    return ()
+
+def held_where_freed(state: PoolState, lease: Lease, freed: tuple[str, ...]) -> list[tuple[int, str, int]]:
+    """``(pid, GPU, bytes)`` the driver shows ``lease``'s processes holding on ``freed`` now
+    (read before the step is applied, while the lease still names those GPUs)."""
+    if not freed or state.driver is None:
+        return []
+    return [(pid, uuid, amount) for pid, uuid, amount in state.driver.holdings(lease) if uuid in freed and amount > 0]
 
 
 def same_process_alive(pid: Any, seen_at: float) -> bool:

@@ -24,7 +24,13 @@ from traitlets.config import Config
 
 from jupyter_gpupool.backends.changes import PoolChanges
 from jupyter_gpupool.backends.contract import Capability
-from jupyter_gpupool.backends.local.driver import DriverReading, held_rows, still_held
+from jupyter_gpupool.backends.local.driver import (
+    DriverReading,
+    freed_by_report,
+    held_rows,
+    held_where_freed,
+    still_held,
+)
 from jupyter_gpupool.backends.local.store import SIMULATED_INVENTORY, Store
 from jupyter_gpupool.backends.waiting import GrantWaiting
 from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
@@ -490,26 +496,6 @@ class Pool(GrantWaiting):
             self._save(state, decisions)
             return state.leases[lease_id].copy()
 
-    @staticmethod
-    def _freed_by_report(lease: Lease, failed_restore: bool = False) -> tuple[str, ...]:
-        """The GPUs a report of ``lease``'s step frees: a suspend's, a move's old ones, or (a restore
-        reported failed with its memory still parked: ``failed_restore``) the restore's."""
-        if failed_restore:  # a failed suspend or move keeps its GPUs: nothing is freed
-            return lease.devices if lease.transition is Transition.RESTORING else ()
-        if lease.transition is Transition.SUSPENDING:
-            return lease.devices
-        if lease.transition is Transition.MIGRATING:
-            return tuple(u for u in lease.migrate_from if u not in lease.devices)
-        return ()
-
-    @staticmethod
-    def _held_where_freed(state: PoolState, lease: Lease, freed: tuple[str, ...]) -> list[tuple[int, str, int]]:
-        """``(pid, GPU, bytes)`` the driver shows ``lease``'s processes holding on ``freed`` now
-        (read before the step is applied, while the lease still names those GPUs)."""
-        if not freed or state.driver is None:
-            return []
-        return [(pid, uuid, amount) for pid, uuid, amount in state.driver.holdings(lease) if uuid in freed and amount > 0]
-
     def confirm_transition(self, lease_id: str, parked_bytes: int | None = None, now: float | None = None) -> Lease:
         """The holder's server finished a suspend (``parked_bytes`` in host RAM), restore or move.
 
@@ -527,7 +513,7 @@ class Pool(GrantWaiting):
         with self._locked():
             state = self._load(now, processes=processes)
             lease = self.engine.get(state, lease_id)
-            held = self._held_where_freed(state, lease, self._freed_by_report(lease))
+            held = held_where_freed(state, lease, freed_by_report(lease))
             lease = self.engine.confirm_transition(state, lease_id, now, parked_bytes)
             if held:
                 state.released_holdings.append((lease, held))
@@ -546,7 +532,7 @@ class Pool(GrantWaiting):
             state = self._load(now, processes=processes)
             lease = self.engine.get(state, lease_id)
             parked_again = still_running and lease.restore_failures < 1  # a second failure in a row stops it instead
-            held = self._held_where_freed(state, lease, self._freed_by_report(lease, failed_restore=True)) if parked_again else []
+            held = held_where_freed(state, lease, freed_by_report(lease, failed_restore=True)) if parked_again else []
             decisions = self.engine.fail_transition(state, lease_id, error, still_running, now)
             if held and lease.state is not LeaseState.RELEASED:  # a release keeps its own (the engine's seam)
                 state.released_holdings.append((lease, held))

@@ -10,20 +10,25 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
-import fcntl
-import hashlib
 import json
 import os
 import sqlite3
 import stat
 import statistics
-import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from jupyter_gpupool.backends.local.file_guard import (
+    RECOVER,
+    PathGuard,
+    held_while_migrating,
+    hint,
+    other_holders,
+    schema_changed,
+)
 from jupyter_gpupool.core.metering import memory_segments
 from jupyter_gpupool.core.models import Decision, Lease, LeaseState, PriorityClass, Transition, split_json_text
 from jupyter_gpupool.errors import InvalidInput, PoolUnavailable
@@ -132,11 +137,6 @@ APPLICATION_ID = 0x4A475050
 #: The tables every pool file has (a file with none of them and no application id is not ours).
 POOL_TABLES = frozenset({"leases", "ledger", "usage", "events"})
 
-#: What to tell an admin whose pool file is damaged or not ours.
-RECOVER = (
-    "stop every Jupyter server and broker using it, then restore the file from a backup, or move it away "
-    "to start an empty pool (its leases are lost)"
-)
 
 
 def _deleted_while_in_use(path: str, rescued: str | None) -> str:
@@ -183,65 +183,6 @@ def lease_from_json(data: dict[str, Any]) -> Lease:
     data["memory_history"] = tuple((float(at), int(memory)) for at, memory in data.get("memory_history", ()))
     known = Lease.__dataclass_fields__
     return Lease(**{k: v for k, v in data.items() if k in known})
-
-
-class PathGuard:
-    """A shared OFD lock on the pool file's folder, at an offset that stands for the file's name,
-    held while a Store has the file open. Whoever finds the file missing asks the guard before
-    creating a new pool there: a holder means the file was deleted or moved while in use, and a
-    second pool on that path would grant the same memory again. (Folders survive a deleted file;
-    OFD locks vanish with the process, so a SIGKILLed holder never blocks anyone.) Where the file
-    system has no OFD locks the guard does nothing."""
-
-    def __init__(self, path: str) -> None:
-        self.directory = os.path.dirname(path)
-        name = os.path.basename(path).encode()
-        self.offset = int.from_bytes(hashlib.blake2b(name, digest_size=7).digest(), "big")
-        self.fd: int | None = None
-
-    def _lock(self, fd: int, cmd: int, kind: int) -> bytes:
-        return fcntl.fcntl(fd, cmd, struct.pack("hhqqi", kind, os.SEEK_SET, self.offset, 1, 0))
-
-    def hold(self) -> None:
-        if not hasattr(fcntl, "F_OFD_SETLK"):
-            return
-        try:
-            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            return
-        try:
-            self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
-        except OSError:  # no OFD locks here (some network file systems)
-            os.close(fd)
-            return
-        self.fd = fd
-
-    def held_by_others(self) -> bool:
-        """True if another open Store (in any process, this one included) holds this path."""
-        if not hasattr(fcntl, "F_OFD_GETLK"):
-            return False
-        try:
-            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            return False
-        try:
-            reply = self._lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-        return struct.unpack("hhqqi", reply)[0] != fcntl.F_UNLCK
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def __del__(self) -> None:  # a Store dropped without close() must not leak the folder's descriptor
-        try:  # no contextlib here: at interpreter exit module globals may already be None
-            self.release()
-        except Exception:  # noqa: BLE001, S110 - nothing useful to do in a finalizer
-            pass
 
 
 class Store:
@@ -448,6 +389,9 @@ class Store:
         conn.execute("BEGIN IMMEDIATE")
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process may have migrated it
+            holders = other_holders(path) if 0 < version < SCHEMA_VERSION and path != ":memory:" else []
+            if holders:  # processes of an earlier version, which would go on deciding on the new schema
+                raise PoolUnavailable(held_while_migrating(path, version, SCHEMA_VERSION, holders))
             if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
                 conn.execute(f"PRAGMA application_id={APPLICATION_ID}")  # new, or a pool file of an earlier version
             self._migrate(conn, version)
@@ -539,18 +483,7 @@ class Store:
             return None
         return target
 
-    @staticmethod
-    def _hint(err: BaseException) -> str:
-        text = str(err).lower()
-        if "full" in text:
-            return "free some disk space"
-        if "malformed" in text or "not a database" in text or "corrupt" in text:
-            return RECOVER
-        if "readonly" in text or "read-only" in text or "unable to open" in text or "permission" in text:
-            return "make the file and its folder writable by this user, or set GPUPOOL_DB to a writable path"
-        if "locked" in text or "busy" in text:
-            return "another process holds the pool's lock; try again"
-        return "see the server's log"
+    _hint = staticmethod(hint)
 
     def unavailable(self, err: sqlite3.Error) -> PoolUnavailable:
         """A one-line :class:`PoolUnavailable` for an SQLite error; corruption stops this store."""
@@ -574,6 +507,7 @@ class Store:
         The lease cache learns this transaction's writes only once its ``COMMIT`` succeeded."""
         with self.lock:
             self._begin("BEGIN IMMEDIATE")
+            _check_schema(self)
             self._pending = {}
             self._texts_pending = {}
             self._history_pending = []
@@ -1065,6 +999,16 @@ class Store:
             conn.close()
         if self._guard is not None:
             self._guard.release()
+
+
+def _check_schema(store: Store) -> None:
+    """Refuse to decide on a file whose schema is not this process's (a newer jupyter-gpupool
+    migrated it meanwhile): inside the write lock, before anything is read or written."""
+    version = store.conn.execute("PRAGMA user_version").fetchone()[0]
+    if version != SCHEMA_VERSION:
+        with contextlib.suppress(sqlite3.Error):
+            store.conn.execute("ROLLBACK")
+        store._fail(schema_changed(store.path, version, SCHEMA_VERSION))
 
 
 _UNKNOWN: Any = object()
