@@ -148,4 +148,4 @@ def test_the_synchronous_manager_is_left_as_jupyter_server_made_it(jp_serverapp,
     km = jp_serverapp.kernel_manager
     assert type(km).__name__ == "MappingKernelManager"
     assert "use_pending_kernels" not in km.__dict__ and not km._using_pending_kernels()
-    assert not gpupool_ext._may_answer_pending(km)
+    assert not gpupool_ext.kernel_hooks._may_answer_pending(km)
