@@ -210,6 +210,8 @@ def voila_server(request: pytest.FixtureRequest, voila_env: Environment, tmp_pat
     server = VoilaServer(voila_env, tmp_path_factory.mktemp(f"voila-{request.param}"), request.param)
     yield server
     server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, f"a page's wait, withdrawal or the server's stop logged a traceback:\n{log[-4000:]}"
 
 
 def lease_of_new_request(server: VoilaServer, known: set[str], timeout: float = 60) -> Lease:

@@ -40,7 +40,8 @@ from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelMana
 from tornado import web
 
 from jupyter_gpupool.core.models import LeaseState
-from jupyter_gpupool.provisioner.kernel_provisioner import PROVISIONER_NAME, GpuPoolProvisioner, in_thread
+from jupyter_gpupool.errors import GpuPoolError
+from jupyter_gpupool.provisioner.kernel_provisioner import PROVISIONER_NAME, GpuPoolProvisioner, in_thread, one_line
 
 __all__ = ["VOILA_PAGE", "PooledVoilaKernelManager", "WaitingPage", "mark_voila_pages", "start_for_voila_page"]
 
@@ -197,7 +198,8 @@ async def wait_on_page(
     try:
         result = task.result()
     except Exception as err:
-        page.failed(str(getattr(err, "log_message", "") or err).splitlines()[0] if str(err) else type(err).__name__)
+        reason = str(getattr(err, "log_message", None) or err or type(err).__name__).replace("%%", "%")
+        page.failed(reason.splitlines()[0])
         raise
     if page.left.is_set():
         with contextlib.suppress(Exception):
@@ -315,7 +317,7 @@ class PooledVoilaKernelManager(AsyncMappingKernelManager):
         try:
             started: str = await wait_on_page(
                 page,
-                super().start_kernel(*args, **kwargs),
+                pool_errors_as_http(super().start_kernel(*args, **kwargs)),
                 lambda: queue_text(self._page_starts.get(kernel_id)),
                 withdraw,
                 lambda started: self.shutdown_kernel(started),
@@ -323,6 +325,18 @@ class PooledVoilaKernelManager(AsyncMappingKernelManager):
             return started
         finally:
             self._page_starts.pop(kernel_id, None)
+            if kernel_id not in self._kernels:  # a failed start: jupyter_client would list it (and shut it down) for ever
+                self._pending_kernels.pop(kernel_id, None)
+
+
+async def pool_errors_as_http(start: Awaitable[Any]) -> Any:
+    """Await a start; a refusal by the pool (a GpuPoolError) becomes an HTTP error with its reason (a
+    line in the log, not a traceback)."""
+    try:
+        return await start
+    except GpuPoolError as err:
+        status = err.http_status if err.http_status != 500 else 503
+        raise web.HTTPError(status, one_line(err).replace("%", "%%")) from None
 
 
 def _provisioner_entry_point() -> Any:
