@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import secrets
@@ -119,7 +120,6 @@ class Host:
     minors: list[int]  # the simulated GPUs' minors, by index
     user: str  # the user-level cgroup (denied), absolute
     spawner_dirs: list[str]  # cgroups a user's process starts in (v2: under `user`; v1: user + a memory cgroup)
-    made: list[str] = field(default_factory=list)
     probes: list[Probe] = field(default_factory=list)
 
     def mechanism(self, name: str | None = None) -> DeviceCgroups:
@@ -185,7 +185,6 @@ def host(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Host]:
     folder = tmp_path / "dev"
     make_node_folder(str(folder), devices, caps_major=caps_major, uvm_major=uvm_major)
     nodes = NvidiaNodes.read(str(folder), str(folder / "proc"))
-    made: list[str] = []
     probes: list[Probe] = []
     try:
         if path == "v2":
@@ -193,25 +192,24 @@ def host(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Host]:
             user = os.path.join(UNIFIED, tag, "user")
             spawner = [os.path.join(user, "spawner")]
             os.makedirs(spawner[0])
-            made.append(os.path.join(UNIFIED, tag))
         else:
             assert DEVICES is not None
             user = os.path.join(DEVICES, tag, "user")
             os.makedirs(user)
-            made.append(os.path.join(DEVICES, tag))
             spawner = [user]
             if MEMORY is not None:
                 memory = os.path.join(MEMORY, tag, "spawner")
                 os.makedirs(memory)
-                made.append(os.path.join(MEMORY, tag))
                 spawner.append(memory)
-        yield Host(path, tag, folder, nodes, [d.minor or 0 for d in devices], user, spawner, made, probes)
+        yield Host(path, tag, folder, nodes, [d.minor or 0 for d in devices], user, spawner, probes)
     finally:
         for probe in probes:
             probe.process.kill()
             probe.process.wait()
-        for root in made:
-            _remove_tree(root)
+        # Its own trees, and any kernel cgroup made beside them (a process in a mount's root cgroup).
+        for mount in (UNIFIED, DEVICES, MEMORY):
+            for root in glob.glob(os.path.join(mount, f"{tag}*")) if mount else ():
+                _remove_tree(root)
 
 
 # --- the node folder --------------------------------------------------------------------------------
@@ -474,24 +472,33 @@ def test_a_kernel_started_through_device_join_runs_only_once_its_gpu_is_open_to_
     role = DeviceControlRole(control, lambda lease: lease_processes([lease], users, "here").get(lease.id, []))
 
     def launch(timeout: str) -> subprocess.Popen[str]:
-        command = [sys.executable, "-m", "jupyter_gpupool.enforcement.device_join", "--timeout", timeout, "--"]
-        env = {**os.environ, "GPUPOOL_LEASE_ID": lease.id}
-        process = subprocess.Popen(
+        # Born in its spawner's cgroups (join_cgroup), as a kernel a user's server starts is.
+        born = [arg for d in host.spawner_dirs for arg in (sys.executable, "-m", "jupyter_gpupool.enforcement.join_cgroup", d, "--")]
+        command = [*born, sys.executable, "-m", "jupyter_gpupool.enforcement.device_join", "--timeout", timeout, "--"]
+        env = {**os.environ, "GPUPOOL_LEASE_ID": lease.id, "GPUPOOL_SIMULATE_NODES": str(host.folder)}
+        return subprocess.Popen(
             [*command, sys.executable, "-c", FIRST_OPEN, str(host.gpu(index))], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        for directory in host.spawner_dirs:  # where its spawner started it
-            Path(directory, "cgroup.procs").write_text(str(process.pid))
-        return process
 
     late = launch("0.3")  # nobody sets up its access: it runs anyway, and says why its GPU refuses
     out, err = late.communicate(timeout=20)
     assert out.split() == ["EPERM"] and "did not set up this kernel's GPU access within 0.3 s" in err
 
+    # Where no device control holds it, it does not wait: a launcher may start every kernel through it.
+    free = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpupool.enforcement.device_join", "--timeout", "20", "--", sys.executable, "-c", FIRST_OPEN, str(host.gpu(index))],
+        env={**os.environ, "GPUPOOL_LEASE_ID": lease.id, "GPUPOOL_SIMULATE_NODES": str(host.folder)},
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    )
+    assert free.stdout.split() == ["ENXIO"] and free.stderr == ""
+
     kernel = launch("20")
-    deadline = time.monotonic() + 15
-    while role.apply([lease], pool.devices()).get(lease.id) != "allowed":  # the pool's next decision
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    # Once it is waiting (its launcher's own cgroup joins done), the pool's next pass lets it in.
+    assert _until(lambda: psutil.Process(kernel.pid).cmdline()[1:3] == ["-m", "jupyter_gpupool.enforcement.device_join"])
+    assert role.apply([lease], pool.devices()) == {lease.id: "allowed"}
     out, err = kernel.communicate(timeout=20)
     assert out.split() == ["ENXIO"] and err == ""  # its very first open: allowed (no driver behind it)
 

@@ -7,7 +7,10 @@ cannot move itself there: the pool (root) moves the kernel's processes it finds 
 rule. A kernel started through this waits for that move before it runs (``exec``), so its first
 CUDA call never meets ``EPERM``. Waiting ends at ``--timeout`` seconds (default 10): the kernel then
 runs anyway with one line on stderr saying its GPU may refuse to open until the pool catches up.
-Without ``$GPUPOOL_LEASE_ID`` there is nothing to wait for.
+
+It needs no word on whether device control runs: it waits only while every GPU node refuses it
+with ``EPERM`` (``/dev``, or a simulated pool's ``$GPUPOOL_SIMULATE_NODES``), so a launcher may start
+every kernel through it. Without ``$GPUPOOL_LEASE_ID`` there is nothing to wait for.
 """
 
 from __future__ import annotations
@@ -30,10 +33,30 @@ def in_kernel_cgroup(lease_id: str, cgroup_file: str = "/proc/self/cgroup") -> b
         return False
 
 
-def wait_for_cgroup(lease_id: str, timeout: float) -> bool:
-    """Wait until :func:`in_kernel_cgroup`; False when ``timeout`` seconds passed first."""
+def gpu_nodes_denied(node_dir: str) -> bool:
+    """Whether every GPU node (``nvidiaN``) in ``node_dir`` refuses this process with ``EPERM``,
+    as the users' deny of device control does; False where there are none, or one opens (or fails
+    for another reason: a node with no driver behind it gives ``ENXIO``)."""
+    try:
+        names = [n for n in os.listdir(node_dir) if n.startswith("nvidia") and n[6:].isdigit()]
+    except OSError:
+        return False
+    for name in names:
+        try:
+            os.close(os.open(os.path.join(node_dir, name), os.O_RDWR | os.O_CLOEXEC))
+        except PermissionError:
+            continue
+        except OSError:
+            return False
+        return False
+    return bool(names)
+
+
+def wait_for_access(lease_id: str, timeout: float, node_dir: str) -> bool:
+    """Wait until this process is in its kernel's cgroup, or no device control holds it (a GPU
+    node opens); False when ``timeout`` seconds passed first."""
     deadline = time.monotonic() + timeout
-    while not in_kernel_cgroup(lease_id):
+    while not in_kernel_cgroup(lease_id) and gpu_nodes_denied(node_dir):
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_SECONDS)
@@ -54,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("usage: python -m jupyter_gpupool.enforcement.device_join [--timeout SECONDS] -- COMMAND [ARGS...]\n")
         return 2
     lease_id = os.environ.get("GPUPOOL_LEASE_ID", "")
-    if lease_id and not wait_for_cgroup(lease_id, timeout):
+    node_dir = os.environ.get("GPUPOOL_SIMULATE_NODES") or "/dev"
+    if lease_id and not wait_for_access(lease_id, timeout, node_dir):
         sys.stderr.write(
             f"gpupool: the pool did not set up this kernel's GPU access within {timeout:g} s; "
             "its GPU may refuse to open (EPERM) until it does\n"
