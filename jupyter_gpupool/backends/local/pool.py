@@ -31,6 +31,7 @@ from jupyter_gpupool.backends.local.driver import (
     held_where_freed,
     still_held,
 )
+from jupyter_gpupool.backends.local.rescue import adopt_rescued
 from jupyter_gpupool.backends.local.store import SIMULATED_INVENTORY, Store
 from jupyter_gpupool.backends.waiting import GrantWaiting
 from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
@@ -105,6 +106,7 @@ class Pool(GrantWaiting):
         self.policy.validate_all()
         self.clock = clock
         self.engine = Engine(self.policy)
+        fresh = db_path != ":memory:" and not os.path.lexists(db_path)
         self.store = Store(db_path)
         self._remember_inventory()
         #: Wakes whoever waits on this pool when it changed (this process's commits at once, other
@@ -130,9 +132,11 @@ class Pool(GrantWaiting):
         #: only when one needs it.
         self.read_driver_first = bool(os.environ.get("GPUPOOL_LEASE_ID") or os.environ.get("GPUPOOL_KERNEL_ID"))
         self._read_first: list[ProcessUsage] | None = None
-        #: Rows of memory held but not granted that the last decision's load found let go of
-        #: (dropped) or lowered; its save writes them down. Set and read under the store's lock.
+        #: Reporter → its rows of memory held but not granted, where the last decision's load found
+        #: some let go of (dropped or lowered); its save writes them down. Under the store's lock.
         self._settle: dict[str, list[dict[str, Any]]] = {}
+        if fresh:  # a pool file lost under running kernels: adopt them from its rescued copy
+            adopt_rescued(self)
 
     def _remember_inventory(self) -> None:
         """Record a simulated inventory's spec in the pool file (once; again only if it changes)."""
