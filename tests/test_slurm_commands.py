@@ -181,8 +181,8 @@ def test_a_shutdown_is_not_mistaken_for_slurm_ending_the_job(tmp_path):
 
     pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
     lease = Lease(id="l-1", owner="alice", memory=8 * GIB, state=LeaseState.QUEUED, created_at=1.0, kernel_id="k-1")
-    pool._put(lease, {"job_id": "7", "gres": "shard:1"})
-    stale = pool._row("l-1")  # what the other thread read while the lease was live
+    pool.file.put(lease, {"job_id": "7", "gres": "shard:1"})
+    stale = pool.file.row("l-1")  # what the other thread read while the lease was live
 
     class ScriptedSlurm:
         cancelled: list[str] = []
@@ -190,7 +190,7 @@ def test_a_shutdown_is_not_mistaken_for_slurm_ending_the_job(tmp_path):
         def scancel(self, job_id: str) -> None:
             self.cancelled.append(job_id)
             # The other thread now follows its stale copy: squeue no longer lists job 7.
-            followed, _ = pool._follow(*stale, None)
+            followed, _ = pool.jobs.follow(*stale, None)
             assert followed.release_reason == "kernel shut down while queued"
 
         def show_job(self, job_id: str, detail: bool = False) -> tuple[dict[str, str], str]:
@@ -199,7 +199,7 @@ def test_a_shutdown_is_not_mistaken_for_slurm_ending_the_job(tmp_path):
     pool.commands = ScriptedSlurm()  # type: ignore[assignment]
     released = pool.release("l-1", reason="kernel shut down while queued")
     assert ScriptedSlurm.cancelled == ["7"]
-    assert released.release_reason == pool._row("l-1")[0].release_reason == "kernel shut down while queued"
+    assert released.release_reason == pool.file.row("l-1")[0].release_reason == "kernel shut down while queued"
     pool.close()
 
 
@@ -211,7 +211,7 @@ def test_a_release_whose_scancel_fails_keeps_the_lease_live(tmp_path):
 
     pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
     lease = Lease(id="l-1", owner="alice", memory=8 * GIB, state=LeaseState.GRANTED, created_at=1.0, kernel_id="k-1")
-    pool._put(lease, {"job_id": "7", "gres": "shard:1"})
+    pool.file.put(lease, {"job_id": "7", "gres": "shard:1"})
 
     class SilentController:
         def scancel(self, job_id: str) -> None:
@@ -220,7 +220,7 @@ def test_a_release_whose_scancel_fails_keeps_the_lease_live(tmp_path):
     pool.commands = SilentController()  # type: ignore[assignment]
     with pytest.raises(PoolUnavailable, match="Unable to contact"):
         pool.release("l-1", reason="kernel shut down")
-    kept, job = pool._row("l-1")
+    kept, job = pool.file.row("l-1")
     assert kept.state is LeaseState.GRANTED and kept.release_reason == "" and "end_state" not in job
     pool.close()
 

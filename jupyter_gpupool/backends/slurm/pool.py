@@ -13,17 +13,19 @@ preemption, node failure, ``scancel`` from outside) releases its lease with Slur
 
 The lease ↔ job mapping lives in a small SQLite file (``c.SlurmPool.state_path``), so it
 survives a server restart: the next server still sees, reports and cancels the jobs of the last.
+
+:class:`SlurmPool` keeps the configuration (``c.SlurmPool.*``), the requests and the contract, and
+composes its parts: :class:`~.leasefile.SlurmLeaseFile` (that file), :class:`~.jobs.SlurmJobs`
+(following the jobs through :mod:`.commands`), :class:`~.idle.SlurmIdleReclaim` (the policy's idle
+reclaim) and :class:`~.views.SlurmViews` (snapshot, lease details, usage reports).
 """
 
 from __future__ import annotations
 
 import contextlib
 import getpass
-import json
 import os
 import socket
-import sqlite3
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,20 +35,19 @@ from traitlets.config import Config, LoggingConfigurable
 
 from jupyter_gpupool.backends.contract import Capability
 from jupyter_gpupool.backends.local.pool import Pool, new_lease_id
-from jupyter_gpupool.backends.local.store import lease_from_json
 from jupyter_gpupool.backends.owner import default_owner
 from jupyter_gpupool.backends.slurm.commands import (
-    JobRecord,
     SlurmCommands,
-    end_sentence,
     node_gpu_model,
-    parse_detail_gres_indices,
     parse_node_gres,
     reason_sentence,
     shards_for,
 )
+from jupyter_gpupool.backends.slurm.idle import SlurmIdleReclaim
+from jupyter_gpupool.backends.slurm.jobs import SlurmJobs
+from jupyter_gpupool.backends.slurm.leasefile import SlurmLeaseFile
+from jupyter_gpupool.backends.slurm.views import SlurmViews
 from jupyter_gpupool.backends.waiting import GrantWaiting
-from jupyter_gpupool.core.metering import PERIODS, REPORT_KEYS, DeviceInfo, Interval, check_choice, report_rows
 from jupyter_gpupool.core.models import (
     Activity,
     Decision,
@@ -63,27 +64,12 @@ from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.base import process_alive
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, PoolUnavailable, RequestRefused
 from jupyter_gpupool.units import SIZE_FORMS, format_duration, format_size, parse_size
-from jupyter_gpupool.wording import count as counted
 
 BACKEND_NAME = "slurm"
 PROVISIONER_NAME = "gpupool-slurm-provisioner"
 #: Estimated starts further away than this are Slurm's "never, as far as I know" (e.g. +1 year).
 MAX_ESTIMATE = 30 * 86400.0
 HOSTNAME = socket.gethostname()
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS slurm_leases (
-    lease_id TEXT PRIMARY KEY,
-    job_id TEXT NOT NULL,
-    kernel_id TEXT,
-    owner TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    lease TEXT NOT NULL,
-    job TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS slurm_leases_kernel ON slurm_leases (kernel_id, created_at);
-CREATE INDEX IF NOT EXISTS slurm_leases_job ON slurm_leases (job_id);
-"""
 
 
 def default_state_path() -> str:
@@ -213,10 +199,10 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         self.clock = clock
         self.db_path = self.state_path
         self.backend = SlurmBackend(self)
-        self._lock = threading.RLock()
-        self._db = self._open(self.state_path)
-        self._jobs_cache: tuple[float, dict[str, JobRecord]] | None = None
-        self._pending_cache: tuple[float, str, list[JobRecord]] | None = None
+        self.file = SlurmLeaseFile(self.state_path)
+        self.jobs = SlurmJobs(self)
+        self.views = SlurmViews(self)
+        self.idle = SlurmIdleReclaim(self)
         self._nodes: tuple[float, list[dict[str, str]]] | None = None
 
     @classmethod
@@ -234,54 +220,6 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         if env.get("GPUPOOL_SLURM_STATE"):
             overrides["state_path"] = env["GPUPOOL_SLURM_STATE"]
         return cls(commands=SlurmCommands(env=env), policy=policy, config=config or Config(), **overrides)
-
-    # --- the state file ---------------------------------------------------------------------------
-    @staticmethod
-    def _open(path: str) -> sqlite3.Connection:
-        directory = os.path.dirname(os.path.abspath(path))
-        try:
-            os.makedirs(directory, exist_ok=True)
-            db = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
-            db.executescript(_SCHEMA)
-        except (OSError, sqlite3.Error) as err:
-            raise PoolUnavailable(f"cannot open the Slurm lease file {path}: {err}") from None
-        return db
-
-    def _rows(self, where: str = "", args: tuple[Any, ...] = ()) -> list[tuple[Lease, dict[str, Any]]]:
-        with self._lock:
-            rows = self._db.execute(f"SELECT lease, job FROM slurm_leases {where} ORDER BY created_at", args).fetchall()
-        return [(lease_from_json(json.loads(lease)), json.loads(job)) for lease, job in rows]
-
-    def _put(self, lease: Lease, job: dict[str, Any]) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO slurm_leases (lease_id, job_id, kernel_id, owner, created_at, lease, job) VALUES (?,?,?,?,?,?,?)",
-                (
-                    lease.id,
-                    str(job["job_id"]),
-                    lease.kernel_id,
-                    lease.owner,
-                    lease.created_at,
-                    json.dumps(lease.to_json()),
-                    json.dumps(job),
-                ),
-            )
-
-    def _put_unless_released(self, lease: Lease, job: dict[str, Any]) -> bool:
-        """Write what was seen of a lease's job, unless the lease was released meanwhile (by a
-        shutdown in another thread or process, whose reason stands): False then."""
-        with self._lock:
-            cursor = self._db.execute(
-                "UPDATE slurm_leases SET lease = ?, job = ? WHERE lease_id = ? AND json_extract(lease, '$.state') != 'released'",
-                (json.dumps(lease.to_json()), json.dumps(job), lease.id),
-            )
-        return cursor.rowcount == 1
-
-    def _row(self, lease_id: str) -> tuple[Lease, dict[str, Any]]:
-        rows = self._rows("WHERE lease_id = ?", (lease_id,))
-        if not rows:
-            raise LeaseNotFound(f"no lease {lease_id!r}; list them with `jupyter gpupool leases`")
-        return rows[0]
 
     # --- what the partition has -------------------------------------------------------------------
     def _node_records(self) -> list[dict[str, str]]:
@@ -430,133 +368,55 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
             "qos": qos,
             "time_limit": time_limit,
         }
-        self._put(lease, job)
-        self._jobs_cache = None
-        self._pending_cache = None
-        return self._refresh([(lease, job)])[0][0]
-
-    # --- following the jobs -----------------------------------------------------------------------
-    def _jobs(self, job_ids: list[str]) -> dict[str, JobRecord]:
-        now = time.monotonic()
-        cached = self._jobs_cache
-        if cached is not None and now - cached[0] <= self.cache_seconds and all(j in cached[1] for j in job_ids):
-            return cached[1]
-        records = {r.job_id: r for r in self.commands.squeue(job_ids)}
-        self._jobs_cache = (now, records)
-        return records
-
-    def _refresh(self, rows: list[tuple[Lease, dict[str, Any]]]) -> list[tuple[Lease, dict[str, Any]]]:
-        """Bring live leases up to date with their jobs (state, devices, end reason)."""
-        live = [(lease, job) for lease, job in rows if _followed(lease, job)]
-        if not live:
-            return rows
-        records = self._jobs([str(job["job_id"]) for _, job in live])
-        result = []
-        for lease, job in rows:
-            if _followed(lease, job):
-                lease, job = self._follow(lease, job, records.get(str(job["job_id"])))
-            result.append((lease, job))
-        return result
-
-    def _follow(self, lease: Lease, job: dict[str, Any], record: JobRecord | None) -> tuple[Lease, dict[str, Any]]:
-        job_id = str(job["job_id"])
-        before = (lease.state, lease.devices, job.get("reason"), job.get("start_time"), lease.release_reason)
-        if not lease.live:  # released while its job was still COMPLETING: say how it ended, once Slurm knows
-            state, reason = (record.state, record.reason) if record is not None else self._final_state(job_id)
-            if state != "COMPLETING":
-                lease.release_reason = end_sentence(job_id, state, reason if state != "CANCELLED" else "")
-                job.update(end_state=state)
-        elif record is not None and record.pending:
-            lease.state = LeaseState.QUEUED
-            job.update(
-                reason=record.reason, start_time=record.start_time, priority=record.priority, partition=record.partition
-            )
-        elif record is not None and record.running and record.state != "COMPLETING":
-            lease.state = LeaseState.SUSPENDED if record.state in ("SUSPENDED", "STOPPED") else LeaseState.GRANTED
-            job.update(node=record.nodes, reason="", partition=record.partition)
-            if lease.granted_at is None:
-                lease.granted_at = record.start_time or self.clock()
-            if not lease.devices:
-                _, text = self.commands.show_job(job_id, detail=True)
-                indices = parse_detail_gres_indices(text)
-                lease.devices = tuple(f"slurm:{node}:gpu{i}" for node, found in indices.items() for i in found)
-        else:
-            state, reason = (record.state, record.reason) if record is not None else self._final_state(job_id)
-            lease.state = LeaseState.RELEASED
-            lease.released_at = self.clock()
-            lease.release_reason = end_sentence(job_id, state, reason if state != "CANCELLED" else "")
-            job.update(end_state=state)
-        after = (lease.state, lease.devices, job.get("reason"), job.get("start_time"), lease.release_reason)
-        if after != before:
-            if before[0] is LeaseState.RELEASED:  # a released lease's job that was still ending
-                self._put(lease, job)
-            elif not self._put_unless_released(lease, job):  # released meanwhile: that record stands
-                return self._row(lease.id)
-        return lease, job
-
-    def _final_state(self, job_id: str) -> tuple[str, str]:
-        info, _ = self.commands.show_job(job_id)
-        if info.get("JobState"):
-            return info["JobState"], info.get("Reason", "")
-        with contextlib.suppress(GpuPoolError):
-            for end in self.commands.sacct([job_id]):
-                if end.job_id == job_id:
-                    return end.state, ""
-        return "GONE", "Slurm no longer knows the job"
+        self.file.put(lease, job)
+        self.jobs.forget()
+        return self.jobs.refresh([(lease, job)])[0][0]
 
     def job_of(self, lease_id: str) -> dict[str, Any]:
         """The Slurm side of a lease: ``job_id``, ``partition``, ``gres``, ``node``, ``reason``, ..."""
-        return dict(self._refresh([self._row(lease_id)])[0][1])
+        return dict(self.jobs.refresh([self.file.row(lease_id)])[0][1])
 
     # --- the Pool contract: leases --------------------------------------------------------------
     def get(self, lease_id: str) -> Lease:
-        return self._refresh([self._row(lease_id)])[0][0]
+        return self.jobs.refresh([self.file.row(lease_id)])[0][0]
 
     def lease_for_kernel(self, kernel_id: str) -> Lease | None:
         lease = self.last_lease_for_kernel(kernel_id)
         return lease if lease is not None and lease.live else None
 
     def last_lease_for_kernel(self, kernel_id: str) -> Lease | None:
-        rows = self._rows("WHERE kernel_id = ?", (kernel_id,))
+        rows = self.file.rows("WHERE kernel_id = ?", (kernel_id,))
         if not rows:
             return None
-        return self._refresh([rows[-1]])[0][0]
+        return self.jobs.refresh([rows[-1]])[0][0]
 
     def leases(self, owner: str | None = None, include_released: bool = False) -> list[Lease]:
-        rows = self._rows("WHERE owner = ?", (owner,)) if owner else self._rows()
-        leases = [lease for lease, _ in self._refresh(rows)]
+        rows = self.file.rows("WHERE owner = ?", (owner,)) if owner else self.file.rows()
+        leases = [lease for lease, _ in self.jobs.refresh(rows)]
         return [lease for lease in leases if include_released or lease.live]
 
     def _live_rows(self) -> list[tuple[Lease, dict[str, Any]]]:
-        rows = [row for row in self._rows() if row[0].live]
-        return [row for row in self._refresh(rows) if row[0].live]
+        rows = [row for row in self.file.rows() if row[0].live]
+        return [row for row in self.jobs.refresh(rows) if row[0].live]
 
-    def _pending_in(self, partition: str) -> list[JobRecord]:
-        now = time.monotonic()
-        cached = self._pending_cache
-        if cached is not None and cached[1] == partition and now - cached[0] <= self.cache_seconds:
-            return cached[2]
-        pending = self.commands.squeue(partition=partition, states="PENDING")
-        self._pending_cache = (now, partition, pending)
-        return pending
 
     def queue(self, now: float | None = None) -> list[Lease]:
         """Our queued leases in Slurm's order."""
         queued = [(lease, job) for lease, job in self._live_rows() if lease.state is LeaseState.QUEUED]
         order = {}
         for partition in {str(job.get("partition") or "") for _, job in queued}:
-            for i, record in enumerate(self._pending_in(partition)):
+            for i, record in enumerate(self.jobs.pending_in(partition)):
                 order[record.job_id] = i
         queued.sort(key=lambda row: order.get(str(row[1]["job_id"]), 1 << 30))
         return [lease for lease, _ in queued]
 
     def queue_info(self, lease_id: str, now: float | None = None) -> QueueInfo | None:
         """Position among the pending jobs of the job's partition, in Slurm's priority order."""
-        lease, job = self._refresh([self._row(lease_id)])[0]
+        lease, job = self.jobs.refresh([self.file.row(lease_id)])[0]
         if lease.state is not LeaseState.QUEUED:
             return None
         now = self.clock() if now is None else now
-        pending = self._pending_in(str(job.get("partition") or ""))
+        pending = self.jobs.pending_in(str(job.get("partition") or ""))
         ids = [r.job_id for r in pending]
         job_id = str(job["job_id"])
         position = ids.index(job_id) + 1 if job_id in ids else len(ids) + 1
@@ -571,48 +431,10 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
             reason=reason_sentence(job.get("reason", "")),
         )
 
-    def lease_details(self, lease: Lease) -> dict[str, Any]:
-        """What the views add for a Slurm lease: ``{"slurm": {job_id, partition, node, gres, state,
-        reason, position, estimated_start, fair_share}}``."""
-        try:
-            job = self.job_of(lease.id)
-        except LeaseNotFound:
-            return {}
-        info = self.queue_info(lease.id) if lease.state is LeaseState.QUEUED else None
-        start = job.get("start_time")
-        return {
-            "slurm": {
-                "job_id": job.get("job_id"),
-                "partition": job.get("partition") or None,
-                "node": job.get("node") or None,
-                "gres": job.get("gres"),
-                "account": job.get("account") or None,
-                "qos": job.get("qos") or None,
-                "time_limit": job.get("time_limit") or None,
-                "pending_reason": job.get("reason") or None,
-                "position": info.position if info else None,
-                "estimated_start": start if info and info.estimated_wait is not None else None,
-                "end_state": job.get("end_state"),
-                "fair_share": self.fair_share(str(job.get("job_id"))) if info else None,
-            }
-        }
-
-    def fair_share(self, job_id: str) -> float | None:
-        """The job's normalized fair-share factor (0..1) from ``sprio -n`` (None where priority/multifactor
-        is not in use; 0 for every job where no slurmdbd keeps the associations' usage)."""
-        try:
-            out = self.commands.run(["sprio", "-h", "-n", "-j", job_id, "-o", "%F"], check=False)
-        except GpuPoolError:
-            return None
-        text = out.strip().splitlines()
-        try:
-            return float(text[-1]) if text else None
-        except ValueError:
-            return None
 
     def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
         """``scancel`` the lease's job; the lease is released with ``reason``."""
-        lease, job = self._row(lease_id)
+        lease, job = self.file.row(lease_id)
         if not lease.live:
             return lease
         held = lease.copy(), dict(job)
@@ -623,15 +445,14 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         # The release is recorded before the job is cancelled: whoever sees the job gone from then
         # on (a tick, a status view in another thread) finds it released with this reason, and
         # does not say Slurm ended it.
-        self._put(lease, job)
+        self.file.put(lease, job)
         try:
             self.commands.scancel(str(job["job_id"]))
         except BaseException:
-            self._put(*held)  # the job still runs: so does its lease
+            self.file.put(*held)  # the job still runs: so does its lease
             raise
         finally:
-            self._jobs_cache = None
-            self._pending_cache = None
+            self.jobs.forget()
         return lease
 
     #: What a user who asks for a limit or a grow is told (Slurm has no Capability.GROW).
@@ -647,7 +468,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         """A Slurm lease's time can change (``duration``); its size and limit cannot while its job runs."""
         if limit:
             raise RequestRefused(f"no limit was set: {self.no_burst}")
-        lease, job = self._row(lease_id)
+        lease, job = self.file.row(lease_id)
         if memory is not None and memory != lease.memory:
             raise RequestRefused(
                 f"a Slurm kernel's slice is its job's GRES ({job.get('gres')}): it cannot change while the job runs; "
@@ -658,7 +479,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         return lease
 
     def keep(self, lease_id: str, seconds: float, now: float | None = None) -> Lease:
-        lease, job = self._row(lease_id)
+        lease, job = self.file.row(lease_id)
         if seconds > self.policy.max_keep:
             raise InvalidInput(
                 f"can keep a slice through idle for at most {format_duration(self.policy.max_keep)}; asked {format_duration(seconds)}"
@@ -666,7 +487,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         lease.keep_until = (self.clock() if now is None else now) + seconds
         lease.warned_at = lease.reclaim_at = None
         lease.reclaim_reason = ""
-        self._put(lease, job)
+        self.file.put(lease, job)
         return lease
 
     def set_priority(self, lease_id: str, priority: str, now: float | None = None) -> Lease:
@@ -682,14 +503,14 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         now = self.clock() if now is None else now
         for lease_id, activity in activities.items():
             with contextlib.suppress(LeaseNotFound):
-                lease, job = self._row(lease_id)
+                lease, job = self.file.row(lease_id)
                 if not lease.live:
                     continue
                 lease.busy = activity.busy
                 lease.last_activity = activity.last_activity or lease.last_activity
                 lease.connections = activity.connections
                 lease.heartbeat_at = now
-                self._put(lease, job)
+                self.file.put(lease, job)
 
     def heartbeat(self, lease_ids: list[str], now: float | None = None) -> None:
         """Nothing to do: a lease lives as long as its job."""
@@ -705,10 +526,10 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         if activities:
             self.report_activities(activities, now)
         decisions = []
-        for lease, job in self._rows():
+        for lease, job in self.file.rows():
             if not lease.live:
                 continue
-            ((lease, job),) = self._refresh([(lease, job)])
+            ((lease, job),) = self.jobs.refresh([(lease, job)])
             if not lease.live:
                 decisions.append(
                     Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, lease.release_reason, now)
@@ -726,65 +547,11 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
                     )
                 )
             elif lease.state is LeaseState.GRANTED:
-                decision = self._idle_step(lease, job, now)
+                decision = self.idle.step(lease, job, now)
                 if decision is not None:
                     decisions.append(decision)
         return decisions
 
-    def _still_idle(self, lease: Lease, now: float) -> bool:
-        if lease.busy or (lease.keep_until is not None and lease.keep_until > now):
-            return False
-        return not (
-            lease.warned_at is not None and lease.last_activity is not None and lease.last_activity > lease.warned_at
-        )
-
-    def _idle_step(self, lease: Lease, job: dict[str, Any], now: float) -> Decision | None:
-        """The policy's idle reclaim, in Slurm's terms: with ``idle_policy = "pressure"`` a kernel
-        idle for ``idle_timeout`` while jobs pend in its partition is warned, and after
-        ``warning_period`` (unless kept or active again) its job is cancelled; ``"always"``
-        without waiting for pressure; ``"never"`` not at all."""
-        policy = self.policy.idle_policy
-        waiting = 0
-        if policy == "pressure":
-            with contextlib.suppress(GpuPoolError):
-                waiting = len(self._pending_in(str(job.get("partition") or "")))
-        pressure = policy == "always" or waiting > 0
-        if lease.reclaim_at is not None:
-            if policy == "never" or not pressure or not self._still_idle(lease, now):
-                lease.warned_at = lease.reclaim_at = None
-                lease.reclaim_reason = ""
-                self._put(lease, job)
-                return None
-            if lease.reclaim_at > now:
-                return None
-            reason = lease.reclaim_reason
-            released = self.release(lease.id, reason, now)
-            return Decision(DecisionKind.RECLAIM_IDLE, released.id, released.kernel_id, released.owner, reason, now)
-        if (
-            policy == "never"
-            or not pressure
-            or not self._still_idle(lease, now)
-            or lease.idle_seconds(now) < self.policy.idle_timeout
-        ):
-            return None
-        idle_for = format_duration(lease.idle_seconds(now))
-        lease.warned_at = now
-        lease.reclaim_at = now + self.policy.warning_period
-        lease.reclaim_reason = (
-            f"reclaimed: idle for {idle_for} while {counted(waiting, 'job')} waited in partition {job.get('partition') or '(default)'}"
-            if policy == "pressure"
-            else f"reclaimed: idle for {idle_for}, over the {format_duration(self.policy.idle_timeout)} idle timeout"
-        )
-        self._put(lease, job)
-        return Decision(
-            DecisionKind.WARN_IDLE,
-            lease.id,
-            lease.kernel_id,
-            lease.owner,
-            f"idle for {idle_for}; its job is cancelled unless kept",
-            now,
-            lease.reclaim_at,
-        )
 
     def reconcile_kernels(
         self, holder_host: str, holder_pid: int, live_kernel_ids: set[str], now: float | None = None
@@ -843,83 +610,25 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
     def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:
         return Pool.view_lease(lease, viewer, admin, position)
 
+
+    def lease_details(self, lease: Lease) -> dict[str, Any]:
+        """See :meth:`SlurmViews.lease_details`."""
+        return self.views.lease_details(lease)
+
+    def fair_share(self, job_id: str) -> float | None:
+        """See :meth:`SlurmViews.fair_share`."""
+        return self.views.fair_share(job_id)
+
     def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:
-        """Our jobs' leases on the partition's GPUs (Slurm's other jobs are not ours to show)."""
-        now = self.clock() if now is None else now
-        rows = self._live_rows()
-        held: dict[str, int] = {}
-        for lease, _ in rows:
-            if lease.state is LeaseState.GRANTED:
-                for uuid_ in lease.devices:
-                    held[uuid_] = held.get(uuid_, 0) + lease.memory
-        devices = [
-            {**d.to_json(), "memory_leasable": d.leasable, "memory_leased": held.get(d.uuid, 0), "memory_used": 0}
-            for d in self.devices()
-        ]
-        order = self.queue(now)
-        positions = {lease.id: i + 1 for i, lease in enumerate(order)}
-        leases = [self.view_lease(lease, viewer, admin, positions.get(lease.id)) for lease, _ in rows]
-        queue = [self.view_lease(lease, viewer, admin, positions[lease.id]) for lease in order]
-        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota={})
+        """See :meth:`SlurmViews.snapshot`."""
+        return self.views.snapshot(viewer, admin, now)
 
     def report(
-        self,
-        since: float | None = None,
-        until: float | None = None,
-        by: str = "user",
-        now: float | None = None,
+        self, since: float | None = None, until: float | None = None, by: str = "user", now: float | None = None,
         period: str = "none",
     ) -> list[dict[str, Any]]:
-        """GPU-hours and GiB·hours per user, group or kernel (and period), from Slurm's own records
-        of our jobs: ``sacct`` for jobs that ended, ``squeue`` for those running. The user and group
-        are Slurm's (who the job ran as); the slice is the one the job's GRES stands for, recorded
-        with the lease (``sacct`` shows GRES only with slurmdbd: see docs/hpc.md). Each row also
-        lists its Slurm ``jobs``."""
-        check_choice(by, REPORT_KEYS, "by")
-        check_choice(period, PERIODS, "period")
-        now = self.clock() if now is None else now
-        until = now if until is None else until
-        by_job = {str(job["job_id"]): (lease, job) for lease, job in self._rows()}
-        ended = {end.job_id: end for end in self.commands.sacct(list(by_job))}
-        running = {r.job_id: r for r in self.commands.squeue(list(by_job))}
-        gpu_memory = self._gpu_memory()
-        intervals: list[Interval] = []
-        for job_id, (lease, _job) in by_job.items():
-            end_record = ended.get(job_id)
-            record = running.get(job_id)
-            start: float | None
-            if end_record is not None and end_record.start is not None and end_record.end is not None:
-                start, end, user, group = end_record.start, end_record.end, end_record.user, end_record.group
-            elif record is not None and record.running and record.start_time is not None:
-                start, end, user, group = record.start_time, now, record.user, ""
-            else:
-                continue  # never ran, or Slurm has no record of it
-            gpus = max(1, lease.num_gpus)
-            devices = tuple(
-                DeviceInfo(uuid=f"slurm:{job_id}:{i}", model="", memory_total=gpu_memory) for i in range(gpus)
-            )
-            intervals.append(
-                Interval(
-                    lease_id=job_id,
-                    owner=user or lease.owner,
-                    groups=(group,) if group else tuple(lease.groups),
-                    kernel_id=lease.kernel_id,
-                    memory=lease.memory * gpus,
-                    start=start,
-                    end=end,
-                    active_seconds=0.0,  # Slurm does not see kernel activity
-                    devices=devices,
-                )
-            )
-        rows = report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
-        for row in rows:
-            jobs = [
-                i.lease_id
-                for i in intervals
-                if row[by] in i.keys(by) and i.start < until and (since is None or i.end > since)
-            ]
-            row["jobs"] = ",".join(jobs)
-        return rows
+        """See :meth:`SlurmViews.report`."""
+        return self.views.report(since, until, by, now, period)
 
     # --- what the rest of the contract needs --------------------------------------------------
     def preference(self, owner: str | None = None) -> dict[str, Any]:
@@ -950,13 +659,7 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         return env
 
     def close(self) -> None:
-        with self._lock, contextlib.suppress(sqlite3.Error):
-            self._db.close()
-
-
-def _followed(lease: Lease, job: dict[str, Any]) -> bool:
-    """Leases whose job the pool still watches: live ones, and those whose job was still ending."""
-    return lease.live or job.get("end_state") == "COMPLETING"
+        self.file.close()
 
 
 def default_user() -> str:
