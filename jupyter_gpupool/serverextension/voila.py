@@ -7,7 +7,9 @@ once the kernel has its slice and has started. While it waits, the page is strea
 document that says where it stands (``Waiting for a GPU: position 1 of 2``), updated as the queue
 moves; once the kernel starts, that text is removed and Voilà's own page follows in the same
 response. A viewer whose page closes while it waits (its HTTP connection closed) has its request
-withdrawn at once; one that closes as its slice is granted has its kernel shut down.
+withdrawn at once; one that closes as its slice is granted has its kernel shut down. Voilà's
+pages also get the server's ``_xsrf`` cookie, which the page needs to have its kernel shut down as
+it unloads (Voilà 0.5 does not set it): a served viewer who leaves gives the slice back at once.
 
 Both ways of running Voilà use it:
 
@@ -230,7 +232,12 @@ def mark_voila_pages() -> bool:
     async def prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
         VOILA_PAGE.set(self)  # this request's task only
         result = original(self, *args, **kwargs)
-        return await result if inspect.isawaitable(result) else result
+        result = await result if inspect.isawaitable(result) else result
+        # The server's _xsrf cookie, which Voilà's page sends when it asks, as it unloads, for its
+        # kernel to be shut down: without it that request is refused and the slice stays taken.
+        with contextlib.suppress(Exception):
+            self.xsrf_token  # noqa: B018 - read for its effect: it sets the cookie
+        return result
 
     prepare._gpupool_voila_page = True  # type: ignore[attr-defined]
     VoilaHandler.prepare = prepare  # type: ignore[method-assign]
