@@ -999,7 +999,6 @@ def unpooled_nvml(workdir: Path) -> dict[str, Any]:
         pool = Pool(make_backend("nvml"), str(workdir / "nvml.sqlite"), PoolPolicy(heartbeat_ttl=10**9, parked_memory_limit="64GiB"),
                     clock=lambda: clock[0])
         pool.device_cache_seconds = 0
-        pool.confirm_wait = 0.2
         watchdog = Watchdog(backend=pool.backend, pool=pool)
         uuids = [d.uuid for d in pool.devices()]
         gpu_of = {d.uuid: fake.gpus[d.index] for d in pool.devices()}
