@@ -185,7 +185,8 @@ async def wait_on_page(
     withdrawn = False
     try:
         while not task.done():
-            await asyncio.wait([task, left], timeout=poll, return_when=asyncio.FIRST_COMPLETED)
+            # Once the viewer left, only the start is waited for (``left`` is done: no busy loop).
+            await asyncio.wait([task] if page.left.is_set() else [task, left], timeout=poll, return_when=asyncio.FIRST_COMPLETED)
             if page.check_left() and not withdrawn and not task.done():
                 withdrawn = await withdraw()
                 continue
