@@ -53,17 +53,11 @@ from jupyter_gpupool.quiet import ActivityClocks
 from jupyter_gpupool.serverextension.configguard import FailClosedConfig
 from jupyter_gpupool.serverextension.connection import PoolConnection
 from jupyter_gpupool.serverextension.gateway import GatewayKernels, gateway_url
-from jupyter_gpupool.serverextension.handlers import default_handlers
 from jupyter_gpupool.serverextension.lifecycle import KernelHooks, mark_rest_starts
 from jupyter_gpupool.serverextension.loops import WatchLoops
 from jupyter_gpupool.serverextension.transitions import TransitionDriver
 from jupyter_gpupool.serverextension.voila import mark_voila_pages
-from jupyter_gpupool.serverextension.wiring import (
-    LEASE_SCHEMA_ID,
-    LEASE_SCHEMA_PATH,
-    HttpWiring,
-    KernelActionWhileStartingHandler,
-)
+from jupyter_gpupool.serverextension.wiring import LEASE_SCHEMA_ID, LEASE_SCHEMA_PATH, HttpWiring, routes
 
 
 class GpuPoolExtension(FailClosedConfig, ExtensionApp):
@@ -302,9 +296,7 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
             self.watch_loops.ensure_started()  # initialized inside a running loop (embedded servers, tests)
 
     def initialize_handlers(self) -> None:
-        self.handlers.extend(default_handlers)
-        # Ahead of jupyter_server's own route (extension routes are matched first).
-        self.handlers.append((r"/api/kernels/(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)/(?P<action>restart|interrupt)", KernelActionWhileStartingHandler))
+        self.handlers.extend(routes())
 
     _metrics_collector: ClassVar[Any] = None  # the one collector this process registered
 

@@ -17,6 +17,7 @@ from tornado import web
 from jupyter_gpupool.core.models import Lease, QueueInfo
 from jupyter_gpupool.enforcement.plan import EnforcementPlan, plan_enforcement
 from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
+from jupyter_gpupool.serverextension.handlers import default_handlers
 from jupyter_gpupool.units import format_size
 
 if TYPE_CHECKING:
@@ -46,6 +47,13 @@ class KernelActionWhileStartingHandler(KernelActionHandler):  # type: ignore[mis
         answered = super().post(kernel_id, action)
         if answered is not None:
             await answered
+
+
+def routes() -> list[tuple[str, Any]]:
+    """The routes the extension adds: the REST API (see handlers.py) and, ahead of jupyter_server's
+    own route (extension routes are matched first), the 409 for acting on a kernel whose start waits."""
+    kernel_action = r"/api/kernels/(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)/(?P<action>restart|interrupt)"
+    return [*default_handlers, (kernel_action, KernelActionWhileStartingHandler)]
 
 
 class HttpWiring:
