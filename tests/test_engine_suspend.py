@@ -505,3 +505,16 @@ def test_a_lease_is_tied_to_its_process_from_its_suspend_until_its_restore_is_do
     restoring = pool.get(alice.id)
     assert restoring.transition is Transition.RESTORING and restoring.tied_to_its_process
     assert not pool.confirm_transition(alice.id, now=T0 + 8).tied_to_its_process  # running again
+
+
+def test_a_kernel_suspended_from_gpus_of_two_models_comes_back_onto_those_gpus(tmp_path):
+    """Its images restore only onto their own models: it goes back to the very GPUs it left, and
+    is never left queued for two GPUs of its first GPU's model that the host does not have."""
+    pool = make_pool(tmp_path, "1x8GiB,1x16GiB", overcommit=1.5)
+    lease = pool.request(req("ann", 1, num_gpus=2, suspendable=True), now=T0)
+    assert lease.state is LeaseState.GRANTED and len(lease.devices) == 2
+    pool.suspend(lease.id, now=T0 + 1)
+    pool.confirm_transition(lease.id, parked_bytes=0, now=T0 + 2)
+    back = pool.resume(lease.id, now=T0 + 3)
+    assert back.state is LeaseState.GRANTED and back.transition is Transition.RESTORING
+    assert back.devices == lease.devices

@@ -26,9 +26,14 @@ class Placer:
 
     def lease_candidates(self, state: PoolState, lease: Lease) -> list[Device]:
         """Devices ``lease`` may be placed on: its model constraint, and for a kernel resuming after
-        a suspend only GPUs of the exact model it ran on (its memory image restores onto no other)."""
+        a suspend only GPUs of the exact model it ran on (its memory image restores onto no other);
+        one that ran on GPUs of several models goes back only to those very GPUs (each image onto
+        its own model), so it is never left waiting for GPUs of one model it cannot all have."""
         devices = self.candidate_devices(state.devices, lease.model)
         if lease.resuming and lease.home_model:
+            home = set(lease.home_devices)
+            if len({d.model for d in state.devices if d.uuid in home}) > 1:
+                return [d for d in devices if d.uuid in home]
             devices = [d for d in devices if d.model == lease.home_model]
         return devices
 
