@@ -244,13 +244,15 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
     def _initialize_settings(self) -> None:
         assert self.serverapp is not None
         self._tasks = []
+        # The roles (see the module's docstring), each keeping its own state; what more than one of
+        # them reads, or that the handlers and tests look at, is the server's state, kept here.
         self.pool_connection = PoolConnection(self)
         self.kernel_hooks = KernelHooks(self)
         self.transition_driver = TransitionDriver(self)
         self.watch_loops = WatchLoops(self)
         self.http_wiring = HttpWiring(self)
-        self._culled: dict[str, str] = {}
-        self._failed: dict[str, str] = {}
+        self._culled: dict[str, str] = {}  # kernel id → why the pool shut it down (its status says so)
+        self._failed: dict[str, str] = {}  # kernel id → why its last start failed
         self._caps_sent: dict[str, int] = {}  # lease id → bytes per GPU its kernel's caps were last moved to
         self._transition_tasks: set[asyncio.Future[None]] = set()
         #: Lease id → the path that parked its kernel and what it parked (for its restore).
