@@ -32,7 +32,8 @@ from jupyter_gpupool.backends.local.driver import (
     still_held,
 )
 from jupyter_gpupool.backends.local.rescue import adopt_rescued
-from jupyter_gpupool.backends.local.store import SIMULATED_INVENTORY, Store
+from jupyter_gpupool.backends.local.schema import SIMULATED_INVENTORY
+from jupyter_gpupool.backends.local.store import Store
 from jupyter_gpupool.backends.waiting import GrantWaiting
 from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
 from jupyter_gpupool.core.index import LeaseIndex

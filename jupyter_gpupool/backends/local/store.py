@@ -7,18 +7,15 @@ memory twice. The schema is versioned; :data:`MIGRATIONS` brings an old file up 
 
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
 import json
 import os
 import sqlite3
 import stat
-import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from jupyter_gpupool.backends.local.file_guard import (
@@ -29,114 +26,11 @@ from jupyter_gpupool.backends.local.file_guard import (
     other_holders,
     schema_changed,
 )
-from jupyter_gpupool.core.metering import memory_segments
-from jupyter_gpupool.core.models import Decision, Lease, LeaseState, PriorityClass, Transition, split_json_text
+from jupyter_gpupool.backends.local.records import MeteringTables, PoolTables, locked
+from jupyter_gpupool.backends.local.schema import APPLICATION_ID, MIGRATIONS, POOL_TABLES, SCHEMA_VERSION
+from jupyter_gpupool.backends.local.usage_history import UsageHistory
+from jupyter_gpupool.core.models import Lease, LeaseState, PriorityClass, Transition, split_json_text
 from jupyter_gpupool.errors import InvalidInput, PoolUnavailable
-
-#: Each entry upgrades the schema from version ``i`` to ``i + 1``.
-MIGRATIONS: list[str] = [
-    """
-    CREATE TABLE leases (
-        id TEXT PRIMARY KEY,
-        state TEXT NOT NULL,
-        owner TEXT NOT NULL,
-        kernel_id TEXT,
-        created_at REAL NOT NULL,
-        data TEXT NOT NULL
-    );
-    CREATE INDEX leases_live ON leases(state) WHERE state != 'released';
-    CREATE INDEX leases_kernel ON leases(kernel_id);
-    CREATE TABLE ledger (
-        lease_id TEXT NOT NULL,
-        owner TEXT NOT NULL,
-        groups TEXT NOT NULL,
-        kernel_id TEXT,
-        devices TEXT NOT NULL,
-        memory INTEGER NOT NULL,
-        start REAL NOT NULL,
-        end REAL NOT NULL,
-        active_seconds REAL NOT NULL
-    );
-    CREATE INDEX ledger_end ON ledger(end);
-    CREATE TABLE usage (
-        owner TEXT PRIMARY KEY,
-        gib_hours REAL NOT NULL,
-        updated_at REAL NOT NULL
-    );
-    CREATE TABLE events (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        at REAL NOT NULL,
-        kind TEXT NOT NULL,
-        lease_id TEXT NOT NULL,
-        kernel_id TEXT,
-        owner TEXT NOT NULL,
-        reason TEXT NOT NULL,
-        deadline REAL
-    );
-    """,
-    """
-    CREATE TABLE reservations (
-        name TEXT PRIMARY KEY,
-        data TEXT NOT NULL
-    );
-    CREATE TABLE preferences (
-        owner TEXT PRIMARY KEY,
-        data TEXT NOT NULL
-    );
-    """,
-    # Metering: what each GPU of a closed interval was (model, memory, MIG), for GPU-hours and
-    # prices that stay right after the GPU leaves the inventory (NULL in older rows: see
-    # Pool.report), and the memory held before each resize ([[when, bytes of all GPUs], ...]).
-    """
-    ALTER TABLE ledger ADD COLUMN device_info TEXT;
-    ALTER TABLE ledger ADD COLUMN memory_history TEXT
-    """,
-    # Unpooled use: GPU memory NVML shows held by processes that belong to no granted lease, as
-    # the watcher that owns the host's GPUs (a server's watchdog, the broker's) last saw it. Rows
-    # expire, so a dead watcher's figures stop counting; every process deciding on the file plans
-    # around the live ones. ``reporter`` is the watcher ("host:pid"), which replaces its rows whole.
-    """
-    CREATE TABLE unpooled_use (
-        reporter TEXT NOT NULL,
-        host TEXT NOT NULL,
-        device TEXT NOT NULL,
-        pid INTEGER NOT NULL,
-        bytes INTEGER NOT NULL,
-        user TEXT,
-        command TEXT NOT NULL,
-        lease_id TEXT,
-        why TEXT NOT NULL,
-        since REAL NOT NULL,
-        expires_at REAL NOT NULL,
-        stoppable INTEGER NOT NULL,
-        PRIMARY KEY (reporter, host, device, pid)
-    );
-    CREATE INDEX unpooled_expiry ON unpooled_use(expires_at)
-    """,
-    # Elastic slices: what a closed interval was guaranteed (bytes, all GPUs), so the report bills
-    # the burst held above it apart (NULL in older rows: everything held was guaranteed).
-    """
-    ALTER TABLE ledger ADD COLUMN guarantee INTEGER
-    """,
-    # What the file is a pool of, by name: ``simulated_inventory`` is the spec of the simulated
-    # inventory it was opened with (e.g. ``2xA100-80GB``), so a command given only the file
-    # (``--db``) opens the same simulated pool instead of looking for an NVIDIA driver.
-    """
-    CREATE TABLE pool_facts (
-        name TEXT PRIMARY KEY,
-        value TEXT NOT NULL
-    )
-    """,
-]
-SCHEMA_VERSION = len(MIGRATIONS)
-#: The ``pool_facts`` name of a simulated pool's inventory spec.
-SIMULATED_INVENTORY = "simulated_inventory"
-
-#: ``PRAGMA application_id`` of a pool file ("JGPP"): what tells our file from another SQLite file.
-APPLICATION_ID = 0x4A475050
-#: The tables every pool file has (a file with none of them and no application id is not ours).
-POOL_TABLES = frozenset({"leases", "ledger", "usage", "events"})
-
 
 
 def _deleted_while_in_use(path: str, rescued: str | None) -> str:
@@ -154,21 +48,6 @@ def _replaced_while_in_use(path: str) -> str:
     )
 
 
-def _locked(method: Any) -> Any:
-    """Run a Store method under the store's lock, after checking the file is still ours; SQLite
-    errors become :class:`PoolUnavailable` with a one-line message."""
-
-    def wrapper(self: Store, *args: Any, **kwargs: Any) -> Any:
-        with self.lock:
-            self.check_file()
-            try:
-                return method(self, *args, **kwargs)
-            except sqlite3.Error as err:
-                raise self.unavailable(err) from None
-
-    wrapper.__name__ = method.__name__
-    wrapper.__doc__ = method.__doc__
-    return wrapper
 
 
 def lease_from_json(data: dict[str, Any]) -> Lease:
@@ -185,7 +64,7 @@ def lease_from_json(data: dict[str, Any]) -> Lease:
     return Lease(**{k: v for k, v in data.items() if k in known})
 
 
-class Store:
+class Store(MeteringTables, PoolTables):
     """One SQLite file. Not thread-safe: use one Store per thread (connections are cheap).
 
     The file must be ours: a path with no file gets a new pool (created whole under a temporary
@@ -223,9 +102,9 @@ class Store:
         #: ``PRAGMA data_version`` as the last :meth:`live_leases` read it.
         self._seen_version: int | None = None
         #: History statistics (see :meth:`history`), kept up to date with our own commits.
-        self._history: _History | None = None
+        self._history: UsageHistory | None = None
         #: Changes to ``_history`` by the open transaction, applied only once COMMIT succeeded.
-        self._history_pending: list[Callable[[_History], None]] = []
+        self._history_pending: list[Callable[[UsageHistory], None]] = []
         self._identity: tuple[int, int] | None = None
         self._failure: PoolUnavailable | None = None
         self._guard: PathGuard | None = None
@@ -655,7 +534,7 @@ class Store:
         if self._history is not None:
             committed = self._committed_ids
             if committed is None:
-                self._history_pending.append(_History.forget_recent)  # cannot tell new leases from old
+                self._history_pending.append(UsageHistory.forget_recent)  # cannot tell new leases from old
             else:
                 sizes = [(l.id, l.created_at, l.memory, l.id not in committed) for l in leases]
                 self._history_pending.append(lambda history: history.saw_sizes(sizes))
@@ -673,12 +552,12 @@ class Store:
         if parts is not None and text[len(parts[0]) : len(text) - len(parts[1])] == lease.liveness_json_text():
             self._texts_pending[lease.id] = (lease, parts[0], parts[1])
 
-    @_locked
+    @locked
     def lease(self, lease_id: str) -> Lease | None:
         row = self.conn.execute("SELECT data FROM leases WHERE id = ?", (lease_id,)).fetchone()
         return self._lease(row[0]) if row else None
 
-    @_locked
+    @locked
     def lease_owners(self, lease_ids: Iterable[str]) -> dict[str, str]:
         """``{lease id: owner}`` for those of ``lease_ids`` that exist (released or not): what an
         authorization check needs, looked up by id, never from a listing."""
@@ -690,7 +569,7 @@ class Store:
             owners.update(self.conn.execute(f"SELECT id, owner FROM leases WHERE id IN ({marks})", chunk).fetchall())
         return owners
 
-    @_locked
+    @locked
     def leases(
         self,
         owner: str | None = None,
@@ -725,273 +604,13 @@ class Store:
             args.append(max(0, int(limit)))
         return [self._lease(row[0]) for row in self.conn.execute(sql, args)]
 
-    @_locked
+    @locked
     def latest_for_kernel(self, kernel_id: str) -> Lease | None:
         row = self.conn.execute(
             "SELECT data FROM leases WHERE kernel_id = ? ORDER BY created_at DESC LIMIT 1", (kernel_id,)
         ).fetchone()
         return self._lease(row[0]) if row else None
 
-    # --- metering and fair share ------------------------------------------------------------------
-    def history(self, now: float, half_life: float, max_age: float) -> dict[str, Any]:
-        """What a decision needs of the history (inside a transaction, after :meth:`live_leases`):
-        ``usage`` (decayed GiB·hours per owner, as :meth:`usage`), ``typical_hold`` (as
-        :meth:`typical_hold`), ``recent`` (as :meth:`recent_request_sizes`) and the stored
-        ``reservations``. Kept up to date with this store's own commits, at O(what changed) a
-        decision; another process's commits are read again at most every ``max_age`` seconds."""
-        history = self._history
-        mono = time.monotonic()
-        if history is not None and history.version != self._seen_version and mono - history.read_at > max_age:
-            history = None
-        if history is None:
-            history = self._history = _History(self._seen_version, mono)
-        if history.usage_rows is None:
-            history.usage_rows = {owner: (value, at) for owner, value, at in self.conn.execute("SELECT owner, gib_hours, updated_at FROM usage")}
-        if history.typical_hold is _UNKNOWN:
-            rows = self.conn.execute("SELECT end, end - start FROM ledger ORDER BY end DESC LIMIT ?", (_History.SAMPLE,)).fetchall()
-            history.holds = collections.deque(reversed(rows), maxlen=_History.SAMPLE)
-            history.held_sorted = sorted(held for _, held in history.holds)
-            history.typical_hold = _median_hold(history.held_sorted)
-        if history.recent is None:
-            rows = self.conn.execute(
-                "SELECT id, created_at, json_extract(data, '$.memory') FROM leases ORDER BY created_at DESC LIMIT ?", (_History.SAMPLE,)
-            ).fetchall()
-            history.recent = {lease_id: (created_at, int(memory or 0)) for lease_id, created_at, memory in reversed(rows)}
-        if history.reservations is None:
-            history.reservations = [json.loads(row[0]) for row in self.conn.execute("SELECT data FROM reservations ORDER BY name")]
-        return {
-            "usage": DecayedUsage(history.usage_rows, now, half_life),
-            "typical_hold": history.typical_hold,
-            "recent": history.recent_sizes(),
-            "reservations": history.reservations,
-        }
-
-    def record_interval(self, lease: Lease, half_life: float, device_info: list[dict[str, Any]] | None = None) -> None:
-        """Close a granted interval into the ledger and the owner's decayed usage; ``device_info``
-        describes the lease's GPUs (see :class:`~jupyter_gpupool.core.metering.DeviceInfo`)."""
-        if lease.granted_at is None or lease.released_at is None:
-            return
-        start, end = lease.granted_at, lease.released_at
-        history = [(at, memory * lease.num_gpus) for at, memory in lease.memory_history]
-        self.conn.execute(
-            "INSERT INTO ledger(lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, "
-            "memory_history, guarantee) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                lease.id,
-                lease.owner,
-                json.dumps(list(lease.groups)),
-                lease.kernel_id,
-                json.dumps(list(lease.devices)),
-                lease.memory * lease.num_gpus,
-                start,
-                end,
-                lease.active_seconds,
-                json.dumps(device_info) if device_info is not None else None,
-                json.dumps(history) if history else None,
-                lease.guarantee_size * lease.num_gpus,
-            ),
-        )
-        segments = memory_segments(start, end, lease.memory * lease.num_gpus, history)
-        gib_hours = sum(memory / 1024**3 * (b - a) / 3600 for a, b, memory in segments)
-        row = self.conn.execute("SELECT gib_hours, updated_at FROM usage WHERE owner = ?", (lease.owner,)).fetchone()
-        previous = decay(row[0], end - row[1], half_life) if row else 0.0
-        self.conn.execute(
-            "INSERT INTO usage VALUES (?,?,?) ON CONFLICT(owner) DO UPDATE SET gib_hours=excluded.gib_hours, updated_at=excluded.updated_at",
-            (lease.owner, previous + gib_hours, end),
-        )
-        owner, row_now = lease.owner, (previous + gib_hours, end)
-        self._history_pending.append(lambda history: history.saw_interval(owner, row_now, end, end - start))
-
-    @_locked
-    def usage(self, now: float, half_life: float) -> dict[str, float]:
-        return {owner: decay(value, now - at, half_life) for owner, value, at in self.conn.execute("SELECT owner, gib_hours, updated_at FROM usage")}
-
-    @_locked
-    def typical_hold(self, sample: int = 200) -> float | None:
-        """Median seconds the last ``sample`` leases were held; None without history."""
-        return self._typical_hold(sample)
-
-    def _typical_hold(self, sample: int = 200) -> float | None:
-        rows = self.conn.execute("SELECT end - start FROM ledger ORDER BY end DESC LIMIT ?", (sample,)).fetchall()
-        return statistics.median(r[0] for r in rows) if len(rows) >= 3 else None
-
-    @_locked
-    def recent_request_sizes(self, sample: int = 200) -> list[int]:
-        rows = self.conn.execute("SELECT json_extract(data, '$.memory') FROM leases ORDER BY created_at DESC LIMIT ?", (sample,))
-        return [int(r[0]) for r in rows if r[0]][::-1]
-
-    @_locked
-    def ledger(self, since: float | None = None, until: float | None = None) -> list[dict[str, Any]]:
-        sql = (
-            "SELECT lease_id, owner, groups, kernel_id, devices, memory, start, end, active_seconds, device_info, memory_history, "
-            "guarantee FROM ledger WHERE 1=1"
-        )
-        args: list[Any] = []
-        if since is not None:
-            sql += " AND end > ?"
-            args.append(since)
-        if until is not None:
-            sql += " AND start < ?"
-            args.append(until)
-        keys = (
-            "lease_id", "owner", "groups", "kernel_id", "devices", "memory", "start", "end", "active_seconds", "device_info", "memory_history",
-            "guarantee",
-        )
-        rows = []
-        for row in self.conn.execute(sql, args):
-            item = dict(zip(keys, row))
-            item["groups"] = json.loads(item["groups"])
-            item["devices"] = json.loads(item["devices"])
-            item["device_info"] = json.loads(item["device_info"]) if item["device_info"] else None
-            item["memory_history"] = [(float(at), int(memory)) for at, memory in json.loads(item["memory_history"] or "[]")]
-            rows.append(item)
-        return rows
-
-    # --- unpooled use ---------------------------------------------------------------------------------
-    #: Columns of an ``unpooled_use`` row, in table order.
-    UNPOOLED_COLUMNS = ("reporter", "host", "device", "pid", "bytes", "user", "command", "lease_id", "why", "since",
-                        "expires_at", "stoppable")
-
-    def replace_unpooled(self, reporter: str, rows: Iterable[Mapping[str, Any]], now: float) -> None:
-        """Put ``reporter``'s latest sighting of unpooled use in place of its earlier one (and drop
-        everyone's expired rows). Call inside a transaction."""
-        self._unpooled_rows = None  # our own write: data_version does not move for it
-        self.conn.execute("DELETE FROM unpooled_use WHERE reporter = ? OR expires_at <= ?", (reporter, now))
-        self.conn.executemany(
-            f"INSERT OR REPLACE INTO unpooled_use VALUES ({','.join('?' * len(self.UNPOOLED_COLUMNS))})",
-            [tuple(bool(row[key]) if key == "stoppable" else row[key] if key != "reporter" else reporter
-                   for key in self.UNPOOLED_COLUMNS) for row in rows],
-        )
-
-    def unpooled_keys(self, reporter: str, now: float) -> set[tuple[str, str, int]]:
-        """(host, device, pid) of ``reporter``'s own unexpired sighting."""
-        rows = self.conn.execute(
-            "SELECT host, device, pid FROM unpooled_use WHERE reporter = ? AND expires_at > ?", (reporter, now)
-        )
-        return {(host, device, int(pid)) for host, device, pid in rows}
-
-    def unpooled_reporters(self) -> set[str]:
-        """Watchers with a sighting on file (expired or not: their next write clears it)."""
-        rows = self.conn.execute("SELECT DISTINCT reporter FROM unpooled_use")
-        return {reporter for (reporter,) in rows}
-
-    def unpooled(self, now: float) -> list[dict[str, Any]]:
-        """Unexpired unpooled use, one row per (host, device, pid): the largest figure when two
-        watchers saw the same process (a server's and the broker's)."""
-        # Read whenever another connection committed (PRAGMA data_version): every decision asks.
-        version = self.conn.execute("PRAGMA data_version").fetchone()[0]
-        if self._unpooled_rows is None or self._unpooled_rows[0] != version:
-            rows = self.conn.execute("SELECT * FROM unpooled_use ORDER BY host, device, pid, bytes DESC").fetchall()
-            self._unpooled_rows = (version, rows)
-        expires_at = self.UNPOOLED_COLUMNS.index("expires_at")
-        seen: dict[tuple[str, str, int], dict[str, Any]] = {}
-        for row in self._unpooled_rows[1]:
-            if row[expires_at] <= now:
-                continue
-            item = dict(zip(self.UNPOOLED_COLUMNS, row))
-            item["stoppable"] = bool(item["stoppable"])
-            seen.setdefault((item["host"], item["device"], item["pid"]), item)
-        return list(seen.values())
-
-    # --- events, reservations, preferences --------------------------------------------------------
-    def record_decisions(self, decisions: list[Decision]) -> None:
-        self.conn.executemany(
-            "INSERT INTO events(at, kind, lease_id, kernel_id, owner, reason, deadline) VALUES (?,?,?,?,?,?,?)",
-            [(d.at, d.kind.value, d.lease_id, d.kernel_id, d.owner, d.reason, d.deadline) for d in decisions],
-        )
-
-    @_locked
-    def record_event(self, at: float, kind: str, lease_id: str, kernel_id: str | None, owner: str, reason: str) -> None:
-        """One event of an adapter's own (a signal the watchdog sent), in a transaction of its own."""
-        with self.transaction():
-            self.conn.execute(
-                "INSERT INTO events(at, kind, lease_id, kernel_id, owner, reason, deadline) VALUES (?,?,?,?,?,?,NULL)",
-                (at, kind, lease_id, kernel_id, owner, reason),
-            )
-
-    @_locked
-    def events(self, after_seq: int = 0, limit: int = 500) -> list[dict[str, Any]]:
-        keys = ("seq", "at", "kind", "lease_id", "kernel_id", "owner", "reason", "deadline")
-        rows = self.conn.execute("SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))
-        return [dict(zip(keys, row)) for row in rows]
-
-    @_locked
-    def event_counts(self) -> dict[str, int]:
-        return dict(self.conn.execute("SELECT kind, COUNT(*) FROM events GROUP BY kind").fetchall())
-
-    @_locked
-    def fact(self, name: str) -> str | None:
-        """A fact the file keeps about its pool (see ``pool_facts``), or None."""
-        row = self.conn.execute("SELECT value FROM pool_facts WHERE name = ?", (name,)).fetchone()
-        return str(row[0]) if row else None
-
-    def remember(self, name: str, value: str) -> None:
-        """Keep a fact about the pool (inside :meth:`transaction`)."""
-        self.conn.execute(
-            "INSERT INTO pool_facts VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value=excluded.value", (name, value)
-        )
-
-    @staticmethod
-    def recorded_fact(path: str, name: str) -> str | None:
-        """A fact a pool file keeps, read without opening it for writing (no lock, no migration):
-        None when there is no such file, it is not a pool file, or it predates the fact."""
-        if not path or not os.path.isfile(path):
-            return None
-        try:
-            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
-        except sqlite3.Error:
-            return None
-        try:
-            if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
-                return None
-            row = conn.execute("SELECT value FROM pool_facts WHERE name = ?", (name,)).fetchone()
-            return str(row[0]) if row else None
-        except sqlite3.Error:
-            return None  # an older file (no pool_facts yet), or one being replaced: nothing recorded
-        finally:
-            conn.close()
-
-    @_locked
-    def reservations(self) -> list[dict[str, Any]]:
-        return [json.loads(row[0]) for row in self.conn.execute("SELECT data FROM reservations ORDER BY name")]
-
-    def put_reservation(self, name: str, data: dict[str, Any]) -> None:
-        self.conn.execute(
-            "INSERT INTO reservations VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET data=excluded.data", (name, json.dumps(data))
-        )
-        self._history_pending.append(_History.forget_reservations)
-
-    def delete_reservation(self, name: str) -> bool:
-        self._history_pending.append(_History.forget_reservations)
-        return self.conn.execute("DELETE FROM reservations WHERE name = ?", (name,)).rowcount > 0
-
-    @_locked
-    def preference(self, owner: str) -> dict[str, Any]:
-        row = self.conn.execute("SELECT data FROM preferences WHERE owner = ?", (owner,)).fetchone()
-        return json.loads(row[0]) if row else {}
-
-    def set_preference(self, owner: str, data: dict[str, Any]) -> None:
-        self.conn.execute(
-            "INSERT INTO preferences VALUES (?, ?) ON CONFLICT(owner) DO UPDATE SET data=excluded.data", (owner, json.dumps(data))
-        )
-
-    def prune(self, leases_before: float | None, ledger_before: float | None) -> dict[str, int]:
-        """Delete released leases and events older than ``leases_before`` and ledger rows older
-        than ``ledger_before`` (``None``: keep). Call inside a transaction."""
-        removed = {"leases": 0, "events": 0, "ledger": 0}
-        if leases_before is not None:
-            removed["leases"] = self.conn.execute(
-                "DELETE FROM leases WHERE state = 'released' AND CAST(json_extract(data, '$.released_at') AS REAL) < ?",
-                (leases_before,),
-            ).rowcount
-            removed["events"] = self.conn.execute("DELETE FROM events WHERE at < ?", (leases_before,)).rowcount
-        if ledger_before is not None:
-            removed["ledger"] = self.conn.execute("DELETE FROM ledger WHERE end < ?", (ledger_before,)).rowcount
-        if removed["leases"]:
-            self._history_pending.append(_History.forget_recent)
-        if removed["ledger"]:
-            self._history_pending.append(_History.forget_typical_hold)
-        return removed
 
     def close(self) -> None:
         conn = getattr(self, "conn", None)
@@ -1009,118 +628,3 @@ def _check_schema(store: Store) -> None:
         with contextlib.suppress(sqlite3.Error):
             store.conn.execute("ROLLBACK")
         store._fail(schema_changed(store.path, version, SCHEMA_VERSION))
-
-
-_UNKNOWN: Any = object()
-
-
-def _median_hold(held_sorted: list[float]) -> float | None:
-    """As :meth:`Store.typical_hold`: the median of the newest holds (sorted), None with fewer than three."""
-    count = len(held_sorted)
-    if count < 3:
-        return None
-    middle = count // 2
-    return held_sorted[middle] if count % 2 else (held_sorted[middle - 1] + held_sorted[middle]) / 2
-
-
-class DecayedUsage(Mapping[str, float]):
-    """Owners' usage rows decayed to ``now``, each when first asked for (a decision that orders
-    no queue asks for none). It reads the store's rows as they are, without copying them: valid
-    for the decision (the transaction) it was made for."""
-
-    def __init__(self, rows: dict[str, tuple[float, float]], now: float, half_life: float) -> None:
-        self._rows, self._now, self._half_life = rows, now, half_life
-        self._decayed: dict[str, float] = {}
-
-    def __getitem__(self, owner: str) -> float:
-        value = self._decayed.get(owner)
-        if value is None:
-            stored, at = self._rows[owner]
-            value = self._decayed[owner] = decay(stored, self._now - at, self._half_life)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._rows)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-
-class _History:
-    """The history statistics a decision needs, as last read (see :meth:`Store.history`); a part
-    set to None (``_UNKNOWN`` for the typical hold) is read again from SQLite when next needed."""
-
-    SAMPLE = 200  # leases in the recent request sizes, as Store.recent_request_sizes
-
-    def __init__(self, version: int | None, read_at: float) -> None:
-        self.version, self.read_at = version, read_at
-        self.usage_rows: dict[str, tuple[float, float]] | None = None
-        self.typical_hold: Any = _UNKNOWN
-        self.holds: collections.deque[tuple[float, float]] | None = None  # (end, seconds held) of the newest intervals, oldest first
-        self.held_sorted: list[float] = []  # the same seconds held, sorted (the median without a sort)
-        self.recent: dict[str, tuple[float, int]] | None = None  # lease id → (created at, memory), oldest first
-        self._recent_changes = 0
-        self._sizes: tuple[Any, int, list[int]] | None = None
-        self.reservations: list[dict[str, Any]] | None = None
-
-    def saw_interval(self, owner: str, row: tuple[float, float], end: float, held: float) -> None:
-        """A granted interval closed: the owner's usage row is ``row`` and the ledger grew by one
-        interval that ended at ``end`` after ``held`` seconds (the typical hold follows without a
-        query, unless the interval is older than the newest known: then it is read again)."""
-        if self.usage_rows is not None:
-            self.usage_rows[owner] = row
-        holds = self.holds
-        if self.typical_hold is _UNKNOWN or holds is None or (holds and end < holds[-1][0]):
-            self.forget_typical_hold()
-            return
-        if len(holds) == holds.maxlen:  # the oldest leaves the sample
-            del self.held_sorted[bisect.bisect_left(self.held_sorted, holds[0][1])]
-        holds.append((end, held))
-        bisect.insort(self.held_sorted, held)
-        self.typical_hold = _median_hold(self.held_sorted)
-
-    def recent_sizes(self) -> list[int]:
-        """The recent request sizes, oldest first (made again only after they changed)."""
-        recent = self.recent
-        if recent is None:
-            return []
-        if self._sizes is None or self._sizes[0] is not recent or self._sizes[1] != self._recent_changes:
-            self._sizes = (recent, self._recent_changes, [memory for _, memory in recent.values() if memory])
-        return self._sizes[2]
-
-    def saw_sizes(self, leases: list[tuple[str, float, int, bool]]) -> None:
-        """Leases saved: ``(id, created at, memory, new)``; a resize changes a recent size too."""
-        recent = self.recent
-        if recent is None:
-            return
-        for lease_id, created_at, memory, new in leases:
-            if lease_id in recent:
-                if recent[lease_id] != (created_at, memory):
-                    recent[lease_id] = (created_at, memory)
-                    self._recent_changes += 1
-            elif new:
-                newest = next(reversed(recent.values()))[0] if recent else float("-inf")
-                if created_at < newest:
-                    self.recent = None  # an older lease (explicit `now` in the past): read them again
-                    return
-                recent[lease_id] = (created_at, memory)
-                self._recent_changes += 1
-                if len(recent) > self.SAMPLE:
-                    del recent[next(iter(recent))]
-
-    def forget_recent(self) -> None:
-        self.recent = None
-
-    def forget_typical_hold(self) -> None:
-        self.typical_hold = _UNKNOWN
-        self.holds = None
-
-    def forget_reservations(self) -> None:
-        self.reservations = None
-
-
-def decay(value: float, elapsed: float, half_life: float) -> float:
-    """``value`` after ``elapsed`` seconds of exponential decay with ``half_life``."""
-    if half_life <= 0:
-        return value
-    return value * 0.5 ** (max(0.0, elapsed) / half_life)
