@@ -25,6 +25,7 @@ CONFIGURABLES: list[tuple[str, str]] = [
     ("jupyter_gpupool.enforcement.watchdog.Watchdog", "The NVML watchdog"),
     ("jupyter_gpupool.broker.app.Broker", "The multi-user broker (JupyterHub service or systemd)"),
     ("jupyter_gpupool.broker.auth.HubIdentity", "Broker identity from JupyterHub tokens"),
+    ("jupyter_gpupool.enforcement.device_control.DeviceControl", "The broker's device control: a GPU opens only for its granted kernel (docs/device-control.md)"),
     ("jupyter_gpupool.backends.factory.GpuPool", "Which backend kernels get their slices from (docs/hpc.md)"),
     ("jupyter_gpupool.backends.slurm.pool.SlurmPool", "The Slurm backend: each kernel a Slurm job on GPU shards (docs/hpc.md)"),
     ("jupyter_gpupool.provisioner.slurm.SlurmProvisioner", "The Slurm backend's provisioner, per kernelspec or globally"),

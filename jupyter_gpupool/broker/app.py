@@ -49,11 +49,14 @@ from jupyter_gpupool.broker.routes import routes
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.core.validate import MAX_BODY_BYTES
-from jupyter_gpupool.enforcement.claims import check_kernel_claim
+from jupyter_gpupool.enforcement.claims import UnixUsers, check_kernel_claim
+from jupyter_gpupool.enforcement.device_control import DeviceControl
+from jupyter_gpupool.enforcement.device_control_role import DeviceControlService
 from jupyter_gpupool.enforcement.plan import EnforcementSettings
 from jupyter_gpupool.enforcement.unpooled import find_kernel_roots, terminate_tree
 from jupyter_gpupool.enforcement.watchdog import Watchdog
 from jupyter_gpupool.errors import InvalidInput, NotAuthorized, RequestRefused
+from jupyter_gpupool.rest.anonymous import device_control_view
 from jupyter_gpupool.rest.metrics import PoolCollector, make_registry, render
 from jupyter_gpupool.rest.views import kernel_status
 from jupyter_gpupool.units import parse_duration
@@ -167,6 +170,7 @@ class Broker(LoggingConfigurable):
         hub: HubIdentity | None = None,
         peer: PeerCredIdentity | None = None,
         watchdog: Watchdog | None = None,
+        device_control: DeviceControlService | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -174,6 +178,7 @@ class Broker(LoggingConfigurable):
         self.hub = hub
         self.peer = peer
         self.watchdog = watchdog
+        self.device_control = device_control
         if self.watchdog is not None and self.watchdog.act is None:
             self.watchdog.act = self._act
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpupool-broker")
@@ -203,6 +208,8 @@ class Broker(LoggingConfigurable):
         The worker thread runs jobs in order, so this grace comes before any tick or request.
         """
         self.executor.submit(self.grace_after_restart)
+        if self.device_control is not None:  # after the grace: it reads the live leases through the worker
+            self.device_control.start()
         self._tasks.append(asyncio.ensure_future(self._loop(self.pool.tick, self.tick_interval, "scheduler")))
         if self.run_watchdog and self.watchdog is not None:
             self._tasks.append(
@@ -210,6 +217,8 @@ class Broker(LoggingConfigurable):
             )
 
     async def stop(self) -> None:
+        if self.device_control is not None:  # its rules stay in place, as after a crash
+            await asyncio.get_running_loop().run_in_executor(None, self.device_control.stop)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -307,7 +316,14 @@ class Broker(LoggingConfigurable):
             "policy": self.policy_json(),
             "identity": identity.to_json(),
             "watchdog": bool(self.run_watchdog and self.watchdog is not None),
+            "device_control": device_control_view(self.device_control_json(), identity.admin),
         }
+
+    def device_control_json(self) -> dict[str, Any]:
+        """Device control as it runs here: mode, what is denied, or why it is off (admins see all)."""
+        if self.device_control is None:
+            return {"mode": "off", "reason": "this broker was not given device control"}
+        return dict(self.device_control.describe())
 
     def lease_request(self, identity: Identity, body: Mapping[str, Any]) -> LeaseRequest:
         """A request from a JSON body; owner and groups are the caller's, whatever the body says."""
@@ -550,7 +566,7 @@ class BrokerApp(GpuPoolBaseApp):
         "Serve one GPU pool to every Jupyter server on this host: as a JupyterHub service (hub tokens) "
         "and/or on a Unix socket (peer credentials). Servers and kernels use it when GPUPOOL_URL points at it."
     )
-    classes = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings]
+    classes = [PoolPolicy, Broker, HubIdentity, PeerCredIdentity, Watchdog, EnforcementSettings, DeviceControl]
     discover_broker = False  # the broker is what others discover
     aliases = {
         **GpuPoolBaseApp.aliases,
@@ -611,7 +627,13 @@ class BrokerApp(GpuPoolBaseApp):
                 raise InvalidInput(str(err)) from None
         peer = PeerCredIdentity(parent=self) if self.socket else None
         watchdog = Watchdog(parent=self, backend=pool.backend, pool=pool)
-        return Broker(parent=self, pool=pool, hub=hub, peer=peer, watchdog=watchdog)
+        broker = Broker(parent=self, pool=pool, hub=hub, peer=peer, watchdog=watchdog)
+        # The pool's one claim rule finds each kernel's processes, by the watchdog's uid mapping.
+        users = UnixUsers(template=watchdog.unix_user_template, names=dict(watchdog.unix_users))
+        broker.device_control = DeviceControlService(
+            DeviceControl(parent=self), pool, users, host=HOSTNAME, call=lambda fn: broker.executor.submit(fn).result()
+        )
+        return broker
 
     def run(self) -> None:
         try:

@@ -118,4 +118,24 @@ def for_viewer(answer: Any, viewer: str | None) -> Any:
     return answer
 
 
-__all__ = ["ANOTHER_USER", "FREE_TEXT_FIELDS", "OTHERS_FIELDS", "for_viewer", "others_view", "rewrite_text", "view_lease"]
+#: What a non-admin sees of device control: whether it runs and how, or why not; never which
+#: cgroups hold users or how many kernels have one (what others run).
+DEVICE_CONTROL_FIELDS = frozenset({"mode", "reason"})
+
+
+def device_control_view(data: Mapping[str, Any], admin: bool) -> dict[str, Any]:
+    """Device control's status (``device_control`` of the broker's info) as the caller may see it."""
+    return dict(data) if admin else {key: value for key, value in data.items() if key in DEVICE_CONTROL_FIELDS}
+
+
+__all__ = [
+    "ANOTHER_USER",
+    "DEVICE_CONTROL_FIELDS",
+    "FREE_TEXT_FIELDS",
+    "OTHERS_FIELDS",
+    "device_control_view",
+    "for_viewer",
+    "others_view",
+    "rewrite_text",
+    "view_lease",
+]

@@ -1,0 +1,133 @@
+"""Device control as the broker runs it: a real broker process (root, a hub service and a Unix
+socket) on a simulated pool with a node folder, real Unix users' processes, real cgroups on both
+paths. A pooled user's process outside a kernel cannot open a GPU node; a granted lease's kernel
+opens its GPU only; a release denies it; a SIGKILLed broker leaves every rule in place, and its
+restart adopts the live kernels' cgroups and removes the ended ones. Needs root (see
+``tests/test_device_control.py`` for the node folder and the cgroup layout it reuses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from broker_harness import BrokerProcess, StandInHub
+from test_device_control import PATHS, Host, Probe, _until, host  # noqa: F401 - host is a fixture
+from test_ownership import ALICE, PROF, unix_users  # noqa: F401 - unix_users is a fixture
+
+from jupyter_gpupool.devices.simulated import NODE_DIR_ENV, SimulatedBackend, parse_inventory
+from jupyter_gpupool.enforcement.device_control import MODE_V1, MODE_V2
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups, mknod and other users' processes need root")
+
+# A user's process (a login shell, a terminal's job, a kernel): opens a node on each line it reads.
+# Plain sh, not Python: the test's Python may not be readable by other users.
+SHELL_PROBE = (
+    'echo ready; while read -r word path; do msg=$( { : <>"$path"; } 2>&1 ) && echo OK || case "$msg" in '
+    '*"not permitted"*) echo EPERM;; *"No such device or address"*) echo ENXIO;; *) echo "$msg";; esac; done'
+)
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """Replaces pytest's own (private to root): other users' processes open the nodes in it."""
+    folder = Path(tempfile.mkdtemp(prefix="gpo-devctl-", dir="/tmp"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def user_process(on: Host, lease_id: str = "") -> Probe:
+    """A process of ALICE born in the users' cgroup (a spawner's unit on v2), as a spawner starts
+    it; a kernel of ``lease_id`` when given. It joins its cgroups as root, then becomes ALICE's."""
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C", "LC_ALL": "C", **({"GPUPOOL_LEASE_ID": lease_id} if lease_id else {})}
+    joins = "".join(f"echo $$ > {directory}/cgroup.procs; " for directory in on.spawner_dirs)
+    become = f"exec setpriv --reuid={ALICE} --regid={ALICE} --init-groups /bin/bash -c {shlex.quote(SHELL_PROBE)}"
+    process = subprocess.Popen(["/bin/sh", "-c", joins + become], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    probe = Probe(process)
+    on.probes.append(probe)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    return probe
+
+
+def call(broker: BrokerProcess, method: str, path: str, token: str, body: Any = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{broker.url}/api/gpupool/{path}", data=data, method=method)
+    request.add_header("Authorization", f"token {token}")
+    request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=15) as answer:
+        return json.loads(answer.read() or b"null")
+
+
+def kernel_cgroups(on: Host) -> list[str]:
+    """The kernel cgroups this run's broker made, on either path."""
+    found = []
+    for root, dirs, _files in os.walk(os.path.dirname(on.user)):
+        found += [os.path.join(root, d) for d in dirs if d.startswith(f"{on.tag}-kernel-")]
+    return found
+
+
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_the_broker_denies_every_gpu_but_a_granted_kernels_and_a_killed_broker_leaves_it_so(
+    host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
+) -> None:
+    monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
+    hub = StandInHub().start()
+    alice, prof = hub.add_user("tok-alice", ALICE), hub.add_user("tok-prof", PROF, admin=True)
+    config = (
+        f"c.DeviceControl.mode = {host.path!r}\n"
+        f"c.DeviceControl.user_cgroups = [{host.user!r}]\n"
+        f"c.DeviceControl.name = {host.tag!r}\n"
+        f"c.DeviceControl.kernel_subtree = '{host.tag}/kernels'\n"
+    )
+    broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
+    uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
+    try:
+        broker.start()
+        mode = MODE_V2 if host.path == "v2" else MODE_V1
+        assert _until(lambda: f"device control: {mode}; GPU nodes (nvidia1, nvidia2, nvidia3 in {host.folder})" in broker.log(), 5)
+        seen = call(broker, "GET", "info", prof)["device_control"]
+        assert seen["mode"] == mode and seen["denied_in"] == [host.user] and len(seen["denied"]["gpu_nodes"]) == 3
+        assert call(broker, "GET", "info", alice)["device_control"] == {"mode": mode}  # not which cgroups, not how many kernels
+
+        outsider = user_process(host)  # a terminal's `python train.py`: no kernel, no lease
+        assert [outsider.open(host.gpu(i)) for i in range(3)] == ["EPERM"] * 3
+
+        kept, ended = (call(broker, "POST", "leases", alice, {"memory": "8GiB", "kernel_id": k}) for k in ("k1", "k2"))
+        kernel, other = user_process(host, kept["id"]), user_process(host, ended["id"])
+        index, other_index = uuids.index(kept["devices"][0]), uuids.index(ended["devices"][0])
+        assert _until(lambda: kernel.open(host.gpu(index)) == "ENXIO", 5)  # allowed (no driver behind it)
+        assert _until(lambda: other.open(host.gpu(other_index)) == "ENXIO", 5)
+        assert kernel.open(host.gpu((index + 1) % 3)) == "EPERM" and outsider.open(host.gpu(index)) == "EPERM"
+        assert kernel.fork_open(host.gpu(index)) == "ENXIO"  # what it forks inherits its access
+
+        call(broker, "POST", f"leases/{ended['id']}/release", alice, {})
+        assert _until(lambda: other.open(host.gpu(other_index)) == "EPERM", 5)  # released: denied within its pass
+
+        broker.kill()  # SIGKILL: the rules stay, as documented
+        assert kernel.open(host.gpu(index)) == "ENXIO" and outsider.open(host.gpu(index)) == "EPERM"
+        other.process.kill()
+        other.process.wait()
+        assert len(kernel_cgroups(host)) == 2  # the ended lease's, now empty, left by the killed broker
+
+        broker.start()
+        assert _until(lambda: "device control: kernel cgroups of an earlier run: 1 adopted, 1 removed" in broker.log(), 5), broker.log()
+        assert len(kernel_cgroups(host)) == 1 and kernel.open(host.gpu(index)) == "ENXIO"  # adopted, still open
+        assert call(broker, "GET", "info", prof)["device_control"]["kernels"] == 1
+        call(broker, "POST", f"leases/{kept['id']}/release", alice, {})
+        assert _until(lambda: kernel.open(host.gpu(index)) == "EPERM", 5)
+        kernel.process.kill()
+        kernel.process.wait()
+        assert _until(lambda: not kernel_cgroups(host), 5)  # removed once empty: no stale cgroup
+    finally:
+        broker.stop()
+        hub.stop()
