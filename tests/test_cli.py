@@ -23,6 +23,7 @@ def test_status_json_shows_one_16gib_device(tmp_path):
     data = json.loads(result.stdout)
     assert [d["memory_total"] for d in data["devices"]] == [16 * 1024**3]
     assert data["backend"] == "simulated 1x16GiB"
+    assert data["device_control"]["mode"] == "off" and "single-user" in data["device_control"]["reason"]
 
 
 def test_request_queue_release_report_round_trip(tmp_path):

@@ -98,12 +98,17 @@ def test_the_broker_denies_every_gpu_but_a_granted_kernels_and_a_killed_broker_l
         seen = call(broker, "GET", "info", prof)["device_control"]
         assert seen["mode"] == mode and seen["denied_in"] == [host.user] and len(seen["denied"]["gpu_nodes"]) == 3
         assert call(broker, "GET", "info", alice)["device_control"] == {"mode": mode}  # not which cgroups, not how many kernels
+        for token, shown in ((prof, seen), (alice, {"mode": mode})):  # `jupyter gpupool status --json` says the same
+            env = {**os.environ, "GPUPOOL_URL": broker.url, "GPUPOOL_TOKEN": token}
+            status = subprocess.run(["jupyter", "gpupool", "status", "--json"], env=env, capture_output=True, text=True, timeout=60, check=True)
+            assert json.loads(status.stdout)["device_control"] == shown
 
         outsider = user_process(host)  # a terminal's `python train.py`: no kernel, no lease
         assert [outsider.open(host.gpu(i)) for i in range(3)] == ["EPERM"] * 3
 
         kept, ended = (call(broker, "POST", "leases", alice, {"memory": "8GiB", "kernel_id": k}) for k in ("k1", "k2"))
         kernel, other = user_process(host, kept["id"]), user_process(host, ended["id"])
+        assert kept["id"] != ended["id"]
         index, other_index = uuids.index(kept["devices"][0]), uuids.index(ended["devices"][0])
         assert _until(lambda: kernel.open(host.gpu(index)) == "ENXIO", 5)  # allowed (no driver behind it)
         assert _until(lambda: other.open(host.gpu(other_index)) == "ENXIO", 5)
@@ -114,7 +119,7 @@ def test_the_broker_denies_every_gpu_but_a_granted_kernels_and_a_killed_broker_l
         assert _until(lambda: other.open(host.gpu(other_index)) == "EPERM", 5)  # released: denied within its pass
 
         broker.kill()  # SIGKILL: the rules stay, as documented
-        assert kernel.open(host.gpu(index)) == "ENXIO" and outsider.open(host.gpu(index)) == "EPERM"
+        assert kernel.open(host.gpu(index)) == "ENXIO" and outsider.open(host.gpu(index)) == "EPERM", broker.log()
         other.process.kill()
         other.process.wait()
         assert len(kernel_cgroups(host)) == 2  # the ended lease's, now empty, left by the killed broker

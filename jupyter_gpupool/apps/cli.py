@@ -22,7 +22,7 @@ from jupyter_gpupool.application import (
     current_user,
 )
 from jupyter_gpupool.backends.local.pool import LOCAL_ADMIN_GROUP, local_admin
-from jupyter_gpupool.backends.remote import remote_resume, remote_suspend
+from jupyter_gpupool.backends.remote import RemotePool, remote_resume, remote_suspend
 from jupyter_gpupool.core.metering import FORMATS, PERIODS, REPORT_KEYS, check_choice, columns
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, PriorityClass
 from jupyter_gpupool.core.policy import WEEKDAYS
@@ -193,6 +193,15 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def device_control_status(pool: Any) -> dict[str, Any]:
+    """``device_control`` of ``status --json``: as the broker runs it (all of it for admins, the mode
+    for others), or off without a broker (docs/device-control.md)."""
+    if isinstance(pool, RemotePool):
+        told = pool.info().get("device_control")
+        return dict(told) if isinstance(told, dict) else {"mode": "off", "reason": "the broker does not say (an earlier version)"}
+    return {"mode": "off", "reason": "no broker: a single-user pool, whose GPUs are all its user's"}
+
+
 class StatusApp(GpuPoolBaseApp):
     name = "jupyter-gpupool-status"
     description = "Show devices (total, leased, used, free), leases and the queue."
@@ -217,6 +226,7 @@ class StatusApp(GpuPoolBaseApp):
             "quota": snapshot.quota,
             "reservations": [reservation_json(r, snapshot.now) for r in reservations],
             "unpooled": snapshot.unpooled,
+            "device_control": device_control_status(pool),
         }
         text = "\n".join(
             [
