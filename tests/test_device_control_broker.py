@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broker_harness import BrokerProcess, StandInHub
+from broker_harness import BrokerProcess, JupyterServer, StandInHub
 from test_device_control import PATHS, Host, Probe, _until, host  # noqa: F401 - host is a fixture
 from test_ownership import ALICE, PROF, unix_users  # noqa: F401 - unix_users is a fixture
 
@@ -134,5 +135,63 @@ def test_the_broker_denies_every_gpu_but_a_granted_kernels_and_a_killed_broker_l
         kernel.process.wait()
         assert _until(lambda: not kernel_cgroups(host), 5)  # removed once empty: no stale cgroup
     finally:
+        broker.stop()
+        hub.stop()
+
+
+OPEN_IN_KERNEL = """
+import errno, os
+try:
+    os.close(os.open({path!r}, os.O_RDWR))
+    print("OK")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+
+
+@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+def test_a_kernel_a_server_starts_under_device_control_opens_its_gpu_from_its_first_instruction(
+    host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
+) -> None:
+    monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
+    hub = StandInHub().start()
+    alice = hub.add_user("tok-alice", ALICE)
+    config = f"c.DeviceControl.user_cgroups = [{host.user!r}]\nc.DeviceControl.name = {host.tag!r}\nc.DeviceControl.kernel_subtree = '{host.tag}/kernels'\n"
+    broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
+    uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
+    server = None
+    try:
+        broker.start()
+        # A kernel whose very first instruction opens its GPU's node, then runs as ipykernel.
+        first = tmp_path / "first-open"
+        spec = tmp_path / "share" / "kernels" / "first-open"
+        spec.mkdir(parents=True)
+        nodes = [str(host.gpu(i)) for i in range(3)]
+        starts = (
+            "import errno, os\nseen = []\n"
+            f"for node in {nodes!r}:\n"
+            "    try:\n        os.close(os.open(node, os.O_RDWR)); seen.append('OK')\n"
+            "    except OSError as exc:\n        seen.append(errno.errorcode[exc.errno])\n"
+            f"open({str(first)!r}, 'w').write(' '.join(seen))\nfrom ipykernel import kernelapp\nkernelapp.launch_new_instance()\n"
+        )
+        argv = [sys.executable, "-c", starts, "-f", "{connection_file}"]
+        (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "first open", "language": "python"}))
+        monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share"))
+        server = JupyterServer(tmp_path, "alice", broker.url, alice)
+        for directory in host.spawner_dirs:  # the user's server in the users' cgroup, as a spawner puts it
+            Path(directory, "cgroup.procs").write_text(str(server.proc.pid))
+        kernel_id = server.call("POST", "api/kernels", {"name": "first-open"}, timeout=60)["id"]
+        lease = broker.kernel_lease(kernel_id)
+        assert lease is not None and lease.live
+        index = uuids.index(lease.devices[0])
+        # Its very first instruction opened its GPU (allowed: no driver behind it); every other GPU refused.
+        assert _until(lambda: first.exists() and first.read_text() != "", 20), server.log_text()[-2000:]
+        assert first.read_text().split() == ["ENXIO" if i == index else "EPERM" for i in range(3)]
+        assert server.run_code(kernel_id, OPEN_IN_KERNEL.format(path=str(host.gpu(index)))).split() == ["ENXIO"]
+        assert server.run_code(kernel_id, OPEN_IN_KERNEL.format(path=str(host.gpu((index + 1) % 3)))).split() == ["EPERM"]
+        assert "did not set up this kernel's GPU access" not in server.log_text()  # it waited for its grant's cgroup
+    finally:
+        if server is not None:
+            server.stop()
         broker.stop()
         hub.stop()

@@ -63,6 +63,12 @@ def wait_for_access(lease_id: str, timeout: float, node_dir: str) -> bool:
     return True
 
 
+def join_command(cmd: list[str], python: str, timeout: float | None = None) -> list[str]:
+    """``cmd`` started through this launcher (with ``python``): it runs once its GPU opens to it."""
+    wait = ["--timeout", f"{timeout:g}"] if timeout is not None else []
+    return [python, "-m", "jupyter_gpupool.enforcement.device_join", *wait, "--", *cmd]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Wait, then exec the command (returns only on a usage error or a failed exec)."""
     args = sys.argv[1:] if argv is None else argv

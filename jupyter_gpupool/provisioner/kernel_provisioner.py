@@ -54,6 +54,7 @@ from jupyter_gpupool.backends.factory import pool_from_env
 from jupyter_gpupool.backends.owner import default_owner, holder_identity
 from jupyter_gpupool.core.models import Activity, Lease, LeaseRequest, LeaseState, PriorityClass, QueueInfo
 from jupyter_gpupool.core.validate import usable_preferences
+from jupyter_gpupool.enforcement import device_join
 from jupyter_gpupool.enforcement.partition import create_kernel_cgroup, join_command, load_nvml, remove_kernel_cgroup
 from jupyter_gpupool.enforcement.plan import (
     EnforcementConfig,
@@ -262,6 +263,18 @@ def shared_pool(config: Any = None) -> PoolBackend:
             pool = pool_from_env(config=config)
             _pools[key] = pool
         return pool
+
+
+def device_control_runs(pool: Any) -> bool:
+    """Whether the pool's broker denies GPU nodes outside granted kernels (its info says so)."""
+    info = getattr(pool, "info", None)
+    if not callable(info):
+        return False  # a pool of this server's own: no broker, no device control
+    try:
+        told = info().get("device_control")
+    except Exception:  # noqa: BLE001 - an unreachable broker fails the start elsewhere; here: no wait
+        return False
+    return isinstance(told, dict) and told.get("mode") not in (None, "", "off")
 
 
 def pool_env(pool: PoolBackend) -> dict[str, str]:
@@ -654,6 +667,11 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
         """Launch the kernel; a launch that fails (a missing program, a bad ``cwd``) gives its lease back at once."""
+        guarded: bool = bool(self.lease_id) and await in_thread(device_control_runs, self.pool)
+        if guarded:
+            # The broker opens the kernel's GPU once it finds the process: wait for that before it runs,
+            # inside the memory cgroup below (on cgroup v2 its device cgroup is a child of that one).
+            cmd = device_join.join_command(cmd, sys.executable)
         if self.cgroup:
             cmd = join_command(self.cgroup, cmd, sys.executable)
         try:
