@@ -365,7 +365,7 @@ def test_a_restore_that_failed_with_the_memory_still_parked_is_tried_once_more(t
 def test_suspend_idle_timeout_shortens_the_idle_time_before_a_suspend_only(tmp_path, suspendable):
     """With suspend_idle_timeout 120 s and idle_timeout 600 s, a kernel that can be suspended is
     warned after 120 s idle while someone waits; one that would be culled still waits 600 s."""
-    pool = make_pool(tmp_path, **{**IDLE, "suspend_idle_timeout": 120})
+    pool = make_pool(tmp_path, **{**IDLE, "suspend_idle_timeout": 120, "warn_within_idle_timeout": False})
     alice = pool.request(req("alice", suspendable=suspendable, kernel_id="ka"), now=T0)
     bob = pool.request(req("bob", kernel_id="kb"), now=T0)
     pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1)
@@ -383,6 +383,65 @@ def test_suspend_idle_timeout_shortens_the_idle_time_before_a_suspend_only(tmp_p
         pool.report_activity(bob.id, Activity(busy=True), now=T0 + 601)
         pool.tick(now=T0 + 601)
         assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 661)
+
+
+@pytest.mark.parametrize("within", [True, False])
+def test_while_someone_waits_the_warning_runs_within_the_suspend_idle_timeout(tmp_path, within):
+    """Suspend idle timeout 120 s, warning 60 s, carol waiting: alice (suspendable) is warned once
+    idle 60 s and parked once idle 120 s, a full warning before; with warn_within_idle_timeout off,
+    warned at 120 s and parked at 180 s. A cell in the warning calls it off either way."""
+    pool = make_pool(tmp_path, **{**IDLE, "suspend_idle_timeout": 120, "warn_within_idle_timeout": within})
+    alice = pool.request(req("alice", suspendable=True, kernel_id="ka"), now=T0)
+    bob = pool.request(req("bob", kernel_id="kb"), now=T0)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1)
+    pool.request(req("carol", kernel_id="kc"), now=T0 + 10)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 59)
+    pool.tick(now=T0 + 59)
+    assert pool.get(alice.id).reclaim_at is None  # idle 59 s: not yet
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 60)
+    pool.tick(now=T0 + 60)
+    warned_at, parked_at = (60, 120) if within else (120, 180)
+    if within:
+        assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 120)
+    else:
+        assert pool.get(alice.id).reclaim_at is None
+        pool.report_activity(bob.id, Activity(busy=True), now=T0 + 120)
+        pool.tick(now=T0 + 120)
+    warned = pool.get(alice.id)
+    assert warned.warned_at == pytest.approx(T0 + warned_at) and warned.reclaim_at == pytest.approx(T0 + parked_at)
+    assert warned.reclaim_reason.startswith("reclaimed: idle for 2 min while")  # within: the idle time it is parked at
+    assert DecisionKind.WARN_IDLE.value in kinds(pool, alice.id)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + parked_at - 1)
+    pool.tick(now=T0 + parked_at - 1)
+    assert pool.get(alice.id).transition is Transition.NONE  # the whole warning first
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + parked_at)
+    pool.tick(now=T0 + parked_at)
+    assert pool.get(alice.id).transition is Transition.SUSPENDING
+
+
+def test_the_warning_within_the_timeout_is_for_suspends_under_pressure_only(tmp_path):
+    """A kernel that would be culled waits its whole idle timeout before the warning; with nobody
+    waiting the warning starts after the timeout as before."""
+    from jupyter_gpupool.core.policy import PoolPolicy
+
+    policy = PoolPolicy(suspend_idle_timeout=120, warning_period=60, idle_timeout=600)
+    assert policy.warn_after(True, True) == 60 and policy.warn_after(True, False) == 120
+    assert policy.warn_after(False, True) == policy.warn_after(False, False) == 600
+    assert PoolPolicy(suspend_idle_timeout=30, warning_period=120).warn_after(True, True) == 0
+    assert PoolPolicy(suspend_idle_timeout=120, warning_period=60, warn_within_idle_timeout=False).warn_after(True, True) == 120
+
+    pool = make_pool(tmp_path, **{**IDLE, "suspend_idle_timeout": 120})
+    alice = pool.request(req("alice", suspendable=False, kernel_id="ka"), now=T0)
+    bob = pool.request(req("bob", kernel_id="kb"), now=T0)
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1)
+    pool.request(req("carol", kernel_id="kc"), now=T0 + 10)
+    for t in (70, 599):
+        pool.report_activity(bob.id, Activity(busy=True), now=T0 + t)
+        pool.tick(now=T0 + t)
+        assert pool.get(alice.id).reclaim_at is None  # culled only after its 600 s idle timeout
+    pool.report_activity(bob.id, Activity(busy=True), now=T0 + 600)
+    pool.tick(now=T0 + 600)
+    assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 660)
 
 
 def test_suspend_idle_timeout_unset_is_two_minutes_capped_at_idle_timeout_and_its_env_var_and_bad_values(tmp_path):

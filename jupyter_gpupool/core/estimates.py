@@ -112,5 +112,6 @@ class Estimates:
             return None
         idle_since = lease.last_activity or lease.granted_at or lease.created_at
         suspends = lease.suspendable and self.policy.reclaim_action == "suspend"
-        eligible = max(idle_since + self.policy.idle_timeout_for(suspends), lease.keep_until or 0.0, now)
+        pressure = self.policy.idle_policy == "pressure"  # someone waits: the estimate is for a waiting request
+        eligible = max(idle_since + self.policy.warn_after(suspends, pressure), lease.keep_until or 0.0, now)
         return eligible + self.policy.warning_period

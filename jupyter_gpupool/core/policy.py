@@ -292,6 +292,25 @@ class PoolPolicy(Configurable):
         "Env: GPUPOOL_WARNING_PERIOD.",
     ).tag(config=True)
 
+    warn_within_idle_timeout = Bool(
+        True,
+        help="While someone waits for GPU memory (idle_policy 'pressure'), a kernel that would be suspended gets its "
+        "warning_period during its suspend idle timeout rather than after it: warned once idle for "
+        "suspend_idle_timeout - warning_period (at once when that is 0 or less), parked once the warning runs out, "
+        "so it is parked after its suspend idle timeout (or its warning, if longer), not after both. The warning, "
+        "Keep, a cell that cancels it and the state a resume restores are unchanged; kernels that would be culled "
+        "wait for idle_timeout before their warning as before. False: the warning starts only after the timeout.",
+    ).tag(config=True)
+
+    def warn_after(self, suspends: bool, pressure: bool) -> float:
+        """Idle seconds before the idle warning: :meth:`idle_timeout_for`, less :attr:`warning_period`
+        where the reclaim would suspend the kernel while someone waits and
+        :attr:`warn_within_idle_timeout` is on (never below 0)."""
+        timeout = self.idle_timeout_for(suspends)
+        if suspends and pressure and self.warn_within_idle_timeout:
+            return max(0.0, timeout - float(self.warning_period))
+        return timeout
+
     max_keep = Float(
         8 * 3600.0,
         help="Longest a user may hold an idle slice with %gpupool keep / reserve --for. Env: GPUPOOL_MAX_KEEP.",

@@ -32,6 +32,21 @@ class Reclaims:
         self.transitions = transitions
         self.reservations = reservations
 
+    def warn_after(self, state: PoolState, lease: Lease, *, pressure: bool) -> float:
+        """Idle time before ``lease`` is warned: while someone waits (``pressure``) and the reclaim
+        would suspend it, the warning runs within its suspend idle timeout (the policy's
+        ``warn_within_idle_timeout``), else after its idle timeout."""
+        suspends = not self.transitions.suspend_refusal(state, lease)
+        return self.policy.warn_after(suspends, pressure)
+
+    def idle_when_due(self, state: PoolState, lease: Lease, now: float, *, pressure: bool) -> float:
+        """The idle time a warning's reclaim reason names: when warned within its idle timeout, the
+        time it will have been idle once its warning runs out (the reclaim happens only if it stays
+        idle); else the time it has been idle now, as before."""
+        if self.warn_after(state, lease, pressure=pressure) < self.transitions.idle_timeout(state, lease):
+            return lease.idle_seconds(now + self.policy.warning_period)
+        return lease.idle_seconds(now)
+
     def carry_out_due(self, state: PoolState, now: float) -> list[Decision]:
         if not state.derived().reclaiming:
             return []
@@ -80,7 +95,7 @@ class Reclaims:
             and lease.reclaim_at is None
             and lease.transition is Transition.NONE
             and self.accounting.still_idle(lease, now)
-            and lease.idle_seconds(now) >= self.transitions.idle_timeout(state, lease)
+            and lease.idle_seconds(now) >= self.warn_after(state, lease, pressure=policy == "pressure")
             and (policy == "always" or not protected(lease))
         ]
         idle.sort(key=lambda lease: -lease.idle_seconds(now))
@@ -103,7 +118,7 @@ class Reclaims:
         for lease in chosen:
             lease.warned_at = now
             lease.reclaim_at = now + self.policy.warning_period
-            idle_for = format_duration(lease.idle_seconds(now))
+            idle_for = format_duration(self.idle_when_due(state, lease, now, pressure=policy == "pressure"))
             lease.reclaim_reason = (
                 f"reclaimed: idle for {idle_for} while {counted(waiting, 'request')} waited for a GPU"
                 if policy == "pressure"
@@ -111,7 +126,7 @@ class Reclaims:
             )
             state.touch(lease)
             decisions.append(
-                decision(DecisionKind.WARN_IDLE, lease, f"idle for {idle_for}; its slice goes back unless kept", now, lease.reclaim_at)
+                decision(DecisionKind.WARN_IDLE, lease, f"idle for {format_duration(lease.idle_seconds(now))}; its slice goes back unless kept", now, lease.reclaim_at)
             )
         return decisions
 
@@ -134,7 +149,7 @@ class Reclaims:
             and lease.transition is Transition.NONE
             and lease.grow_since is None
             and self.accounting.still_idle(lease, now)
-            and lease.idle_seconds(now) >= self.transitions.idle_timeout(state, lease)
+            and lease.idle_seconds(now) >= self.warn_after(state, lease, pressure=True)
         ]
         if not idle:
             return []
@@ -163,11 +178,11 @@ class Reclaims:
             for lease in chosen:
                 lease.warned_at = now
                 lease.reclaim_at = now + self.policy.warning_period
-                idle_for = format_duration(lease.idle_seconds(now))
+                idle_for = format_duration(self.idle_when_due(state, lease, now, pressure=True))
                 lease.reclaim_reason = f"reclaimed: idle for {idle_for} while a kernel beside it waited for its slice to grow"
                 state.touch(lease)
                 decisions.append(
-                    decision(DecisionKind.WARN_IDLE, lease, f"idle for {idle_for}; its slice goes back unless kept", now, lease.reclaim_at)
+                    decision(DecisionKind.WARN_IDLE, lease, f"idle for {format_duration(lease.idle_seconds(now))}; its slice goes back unless kept", now, lease.reclaim_at)
                 )
             return decisions
         return []
