@@ -18,10 +18,7 @@ MAX_CLASS_LINES = 600
 MAX_FUNCTION_LINES = 80
 
 #: (kind, "path relative to the package[:qualified name]") → lines today: ceilings while a split is due.
-STILL_OVER: dict[tuple[str, str], int] = {
-    ("module", "backends/local/pool.py"): 1169,
-    ("class", "backends/local/pool.py:Pool"): 910,
-}
+STILL_OVER: dict[tuple[str, str], int] = {}
 
 LIMITS = {"module": MAX_MODULE_LINES, "class": MAX_CLASS_LINES, "function": MAX_FUNCTION_LINES}
 

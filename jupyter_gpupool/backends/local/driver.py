@@ -5,6 +5,7 @@ that has not let go yet) kept taken until the driver shows it free."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -16,6 +17,9 @@ from jupyter_gpupool.core.models import Lease, LeaseState, Transition
 from jupyter_gpupool.devices import ProcessUsage
 from jupyter_gpupool.devices.base import process_alive
 from jupyter_gpupool.enforcement.unpooled import UnpooledUse, _ancestry, _kernel_of, _Processes, holdings_of_lease
+
+#: This host's name, as leases' ``holder_host`` and unpooled rows' ``host`` give it.
+HOSTNAME = socket.gethostname()
 
 
 class DriverReading:

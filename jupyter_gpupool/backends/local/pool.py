@@ -9,14 +9,11 @@ share one pool without a daemon.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import functools
 import os
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,20 +21,23 @@ from traitlets.config import Config
 
 from jupyter_gpupool.backends.changes import PoolChanges
 from jupyter_gpupool.backends.contract import Capability
+from jupyter_gpupool.backends.local.bookings import PoolBookings
 from jupyter_gpupool.backends.local.driver import (
-    DriverReading,
+    HOSTNAME,
     freed_by_report,
-    held_rows,
     held_where_freed,
-    still_held,
 )
+from jupyter_gpupool.backends.local.loading import (
+    PoolLoading,
+    host_memory,  # noqa: F401 (rest/metrics.py reads it here)
+)
+from jupyter_gpupool.backends.local.opening import pool_arguments, remember_inventory
 from jupyter_gpupool.backends.local.rescue import adopt_rescued
-from jupyter_gpupool.backends.local.schema import SIMULATED_INVENTORY
 from jupyter_gpupool.backends.local.store import Store
+from jupyter_gpupool.backends.local.views import PoolViews
 from jupyter_gpupool.backends.waiting import GrantWaiting
-from jupyter_gpupool.core.engine import Engine, PoolState, held_by_device
+from jupyter_gpupool.core.engine import Engine, PoolState
 from jupyter_gpupool.core.index import LeaseIndex
-from jupyter_gpupool.core.metering import PERIODS, REPORT_KEYS, DeviceInfo, Interval, check_choice, report_rows
 from jupyter_gpupool.core.models import (
     Activity,
     Decision,
@@ -53,28 +53,14 @@ from jupyter_gpupool.core.models import (
 )
 from jupyter_gpupool.core.policy import PoolPolicy, Reservation, parse_reservation
 from jupyter_gpupool.core.validate import PID_MAX_LIMIT
-from jupyter_gpupool.core.validate import preferences as validate_preferences
-from jupyter_gpupool.devices import DeviceBackend, ProcessUsage, make_backend
-from jupyter_gpupool.devices.base import nvidia_driver_present, process_alive
-from jupyter_gpupool.devices.simulated import SimulatedBackend, usage_dir_for
+from jupyter_gpupool.devices import DeviceBackend, ProcessUsage
+from jupyter_gpupool.devices.base import process_alive
 from jupyter_gpupool.enforcement.unpooled import (
     UnpooledUse,
     unpooled_line,
 )
-from jupyter_gpupool.errors import GpuPoolError, InvalidInput, LeaseNotFound, RequestRefused
-from jupyter_gpupool.rest import anonymous
+from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, RequestRefused
 from jupyter_gpupool.units import parse_size
-
-HOSTNAME = socket.gethostname()
-
-
-def default_db_path() -> str:
-    """``$GPUPOOL_DB``, else a per-user file in Jupyter's data directory."""
-    if os.environ.get("GPUPOOL_DB"):
-        return os.environ["GPUPOOL_DB"]
-    from jupyter_core.paths import jupyter_data_dir
-
-    return os.path.join(jupyter_data_dir(), "gpupool", "pool.sqlite")
 
 
 class Pool(GrantWaiting):
@@ -109,7 +95,7 @@ class Pool(GrantWaiting):
         self.engine = Engine(self.policy)
         fresh = db_path != ":memory:" and not os.path.lexists(db_path)
         self.store = Store(db_path)
-        self._remember_inventory()
+        remember_inventory(self.backend, self.store)
         #: Wakes whoever waits on this pool when it changed (this process's commits at once, other
         #: processes' within ``PoolChanges.interval``): see :meth:`wait_for_change`.
         self.changes = PoolChanges(None if self.store.path == ":memory:" else self.store.path)
@@ -136,37 +122,18 @@ class Pool(GrantWaiting):
         #: Reporter → its rows of memory held but not granted, where the last decision's load found
         #: some let go of (dropped or lowered); its save writes them down. Under the store's lock.
         self._settle: dict[str, list[dict[str, Any]]] = {}
+        #: Loading and saving the state a decision or a view works on (loading.py), and the views (views.py).
+        self.loading = PoolLoading(self)
+        self.views = PoolViews(self)
+        self.bookings = PoolBookings(self)
         if fresh:  # a pool file lost under running kernels: adopt them from its rescued copy
             adopt_rescued(self)
-
-    def _remember_inventory(self) -> None:
-        """Record a simulated inventory's spec in the pool file (once; again only if it changes)."""
-        spec = getattr(self.backend, "spec", None) if getattr(self.backend, "name", "") == "simulated" else None
-        if not spec or self.store.fact(SIMULATED_INVENTORY) == spec:
-            return
-        with self.store.transaction():
-            self.store.remember(SIMULATED_INVENTORY, spec)
 
     @classmethod
     def from_env(cls, config: Config | None = None, environ: dict[str, str] | None = None, **overrides: Any) -> Pool:
         """A pool from ``GPUPOOL_SIMULATE`` (inventory; empty → NVML), ``GPUPOOL_DB`` and the
         policy variables (``GPUPOOL_DEFAULT_MEMORY``, ``GPUPOOL_IDLE_TIMEOUT``, ...)."""
-        env = dict(os.environ) if environ is None else environ
-        policy = overrides.pop("policy", None) or PoolPolicy(config=config)
-        policy.apply_env(env)
-        chosen_db = overrides.pop("db_path", None) or env.get("GPUPOOL_DB")
-        db_path = chosen_db or default_db_path()
-        backend = overrides.pop("backend", None)
-        if backend is None:
-            spec = (env.get("GPUPOOL_SIMULATE") or "").strip() or None
-            if spec is None and chosen_db and not nvidia_driver_present():
-                # A file named alone opens the pool it was: a simulated one stays simulated. Not on
-                # a host with an NVIDIA driver: there the real GPUs are pooled, and NVML watches them.
-                spec = Store.recorded_fact(chosen_db, SIMULATED_INVENTORY)
-            backend = make_backend(spec)
-        if isinstance(backend, SimulatedBackend) and backend.usage_dir is None:
-            backend.usage_dir = env.get("GPUPOOL_SIMULATE_USAGE_DIR") or usage_dir_for(db_path)
-        return cls(backend=backend, db_path=db_path, policy=policy, **overrides)
+        return cls(**pool_arguments(config, environ, overrides))
 
     # --- state loading ----------------------------------------------------------------------------
     def devices(self) -> list[Device]:
@@ -201,49 +168,15 @@ class Pool(GrantWaiting):
             yield
 
     def _load(self, now: float, store: Store | None = None, processes: list[ProcessUsage] | None = None) -> PoolState:
-        """The state a decision works on; or, read through the views' ``store``, a view.
-        ``processes``: the driver's per-process use, when already read (before the write lock)."""
-        store = store or self.store
-        viewing = store is not self.store
-        leases = store.live_leases()
-        # Kept up to date with this pool's own decisions; other processes' at most every
-        # history_cache_seconds (a view's, whenever the file changed: it never decides).
-        stats = store.history(now, self.policy.fair_share_half_life, 0.0 if viewing else self.history_cache_seconds)
-        parsed = self._parsed_reservations
-        if parsed is None or parsed[0] is not stats["reservations"]:
-            parsed = self._parsed_reservations = (stats["reservations"], [parse_reservation(r) for r in stats["reservations"]])
-        generation = store.cache_generation
-        index = self._view_index if viewing else self._index
-        if index is None or index[0] != generation:
-            # The leases are other objects than last time: derive again (O(leases), then O(changes)).
-            index = (generation, LeaseIndex(leases.values()))
-            if viewing:
-                self._view_index = index
-            else:
-                self._index = index
-        if processes is None and self.read_driver_first:
-            processes = self._read_first
-        driver = None if viewing else self._holdings_reader(leases, processes)
-        return PoolState(
-            devices=self._cached_devices(),
-            leases=leases,
-            usage=stats["usage"],
-            typical_hold=stats["typical_hold"],
-            reservations=self.policy.parsed_reservations() + list(parsed[1]),
-            recent_requests=stats["recent"],
-            now=now,
-            index=index[1],
-            host_memory=self._host_memory(),
-            unpooled=self._unpooled_by_device(self._still_held(store.unpooled(now), leases, driver, settle=not viewing)),
-            driver=driver,
-        )
+        """The state a decision works on, or a view's (see :meth:`PoolLoading.load`)."""
+        return self.loading.load(now, store, processes)
 
-    def _holdings_reader(self, leases: Mapping[str, Lease], processes: list[ProcessUsage] | None = None) -> DriverReading | None:
-        """What :attr:`PoolState.driver` reads: the driver at most once per decision (``processes``
-        when already read), where the backend lists processes (NVML, simulated; not Slurm)."""
-        if not self._sees_processes():
-            return None
-        return DriverReading(self.backend.process_usage, processes, self._owners_seen).bind(leases)
+    def _viewing(self, now: float) -> contextlib.AbstractContextManager[tuple[PoolState, Store]]:
+        """The state a view reads without the write lock, and its store (see :meth:`PoolLoading.viewing`)."""
+        return self.loading.viewing(now)
+
+    def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
+        self.loading.save(state, decisions)
 
     #: Why memory a released lease's process still holds is not free (an unpooled row's ``why``).
     RELEASED_BUT_HELD = "its lease was released; the process has not let go of its memory yet"
@@ -254,102 +187,9 @@ class Pool(GrantWaiting):
     #: that sees it meanwhile reports it as unpooled use of its own).
     released_hold_ttl = 600.0
 
-    def _write_released_holdings(self, state: PoolState, now: float) -> None:
-        """Write down what released leases' processes still held (and what suspended or moved
-        ones' still hold where their report freed a GPU), as unpooled use on this host: held, not
-        granted, until the driver shows it free."""
-        for lease, held in state.released_holdings:
-            released = lease.state is LeaseState.RELEASED
-            why = self.RELEASED_BUT_HELD if released else self.PARKED_BUT_HELD
-            for reporter, rows in held_rows(lease, held, why, HOSTNAME, now, now + self.released_hold_ttl, released):
-                self.store.replace_unpooled(reporter, rows, now)
-        state.released_holdings.clear()
-
-    def _still_held(self, rows: list[dict[str, Any]], leases: Mapping[str, Lease] | None = None,
-                    driver: DriverReading | None = None, settle: bool = False) -> list[dict[str, Any]]:
-        """Unpooled rows less memory held but not granted that its process let go of (see
-        :func:`~jupyter_gpupool.backends.local.driver.still_held`). ``settle``: the next save writes
-        that down (see :meth:`_save`), so memory once shown free is never taken again by these rows."""
-        kept, changed = still_held(rows, (self.RELEASED_BUT_HELD, self.PARKED_BUT_HELD), self.PARKED_BUT_HELD,
-                                   HOSTNAME, leases or {}, driver.processes if driver is not None else None)
-        if settle:
-            self._settle = changed
-        return kept
-
-    def _unpooled_by_device(self, rows: list[dict[str, Any]]) -> dict[str, int]:
-        """Bytes of unpooled use per device uuid, each device's at most its memory."""
-        totals: dict[str, int] = {}
-        for row in rows:
-            totals[row["device"]] = totals.get(row["device"], 0) + max(0, int(row["bytes"]))
-        capacity = {d.uuid: d.memory_total for d in self._cached_devices()}
-        return {uuid: min(total, capacity.get(uuid, total)) for uuid, total in totals.items() if total}
-
-    @contextmanager
-    def _viewing(self, now: float) -> Iterator[tuple[PoolState, Store]]:
-        """The state a view (status, queue, a queued kernel's place) reads, without the write
-        lock, and the store it was read from (for more reads in the same transaction).
-
-        Views read in a read transaction, which in WAL mode never waits for a writer; when this
-        process's connection is busy with a decision, through a second connection to the pool
-        file. So a decision stuck behind another process's write lock (a CLI stopped with Ctrl-Z
-        mid-decision, a frozen kernel) leaves every sidebar and status view answering. An
-        in-memory pool has one connection: its views wait for its decisions.
-        """
-        self.devices()
-        reader = self._reader()
-        # The writer's connection, whose lease cache is up to date with this process's decisions,
-        # unless a decision holds it now (it may be waiting for the write lock): then the reader's,
-        # which reads every live lease again whenever the file changed.
-        if reader is None or self.store.lock.acquire(blocking=False):
-            try:
-                with self.store.read_transaction():
-                    yield self._load(now), self.store
-            finally:
-                if reader is not None:
-                    self.store.lock.release()
-            return
-        with reader.read_transaction():
-            yield self._load(now, reader), reader
-
     def _reads(self) -> Store:
         """The store a plain read (a lease, a kernel's lease, a listing) goes to: the views' connection."""
-        return self._reader() or self.store
-
-    def _reader(self) -> Store | None:
-        """The views' connection to the pool file, opened on first use (None for ``:memory:``)."""
-        if self._view_store is not None or self.store.path == ":memory:":
-            return self._view_store
-        with self._view_store_lock:
-            if self._view_store is None:
-                self._view_store = Store(self.store.path, timeout=self.store.timeout, reader_of=self.store)
-            return self._view_store
-
-    def _host_memory(self) -> int | None:
-        """This host's RAM; a simulated pool stands for a GPU server, whose RAM is taken to be twice
-        its GPUs' memory (the usual build), so its parked-slice budget is that of such a server."""
-        if getattr(self.backend, "name", "") == "simulated":
-            if self._simulated_host_memory is None:
-                self._simulated_host_memory = 2 * sum(d.memory_total for d in self._cached_devices())
-            return self._simulated_host_memory
-        return host_memory()
-
-    def _save(self, state: PoolState, decisions: list[Decision] | None = None) -> None:
-        for reporter, rows in self._settle.items():  # held memory its load found let go of (see _still_held)
-            self.store.replace_unpooled(reporter, rows, state.now)
-        self._settle = {}
-        if state.released_holdings:
-            self._write_released_holdings(state, state.now)
-        changed = [state.leases[i] for i in state.changed if i in state.leases]
-        beats = [state.leases[i] for i in state.beats if i not in state.changed and i in state.leases]
-        self.store.save_leases(changed, beats)
-        if state.released or state.closed_intervals:
-            known = {d.uuid: d for d in state.devices}
-            for lease in (*state.released, *state.closed_intervals):
-                # What each GPU was, for GPU-hours and prices after it leaves (a GPU already gone is left out).
-                info = [DeviceInfo.of(known[u]).to_json() for u in lease.devices if u in known]
-                self.store.record_interval(lease, self.policy.fair_share_half_life, info)
-        if decisions:
-            self.store.record_decisions(decisions)
+        return self.loading.reader() or self.store
 
     @contextmanager
     def _decide(self, now: float) -> Iterator[PoolState]:
@@ -410,49 +250,22 @@ class Pool(GrantWaiting):
         return self._reads().leases(owner=owner, include_released=include_released, kernel_id=kernel_id)
 
     def live_leases_of(self, owners: Iterable[str]) -> dict[str, list[Lease]]:
-        """Each of ``owners``' live leases (copies; as :meth:`leases` lists them, in no order), from
-        the lease cache: nothing is read from the file unless another connection wrote to it since.
-        Many owners at once cost one pass over the live leases, not a query and a parse each."""
-        wanted = set(owners)
-        found: dict[str, list[Lease]] = {owner: [] for owner in wanted}
-        reader = self._reader()
-        # As a view: this process's connection when no decision holds it, else the second one.
-        store = self.store if reader is None or self.store.lock.acquire(blocking=False) else reader
-        try:
-            with store.read_transaction():
-                for lease in store.live_leases().values():
-                    if lease.owner in wanted:
-                        found[lease.owner].append(lease.copy())
-        finally:
-            if store is self.store and reader is not None:
-                self.store.lock.release()
-        return found
+        """Each of ``owners``' live leases (copies), from the lease cache (see :meth:`PoolViews.live_leases_of`)."""
+        return self.views.live_leases_of(owners)
 
     def lease_owners(self, lease_ids: list[str]) -> dict[str, str]:
         """``{lease id: owner}`` for the ids that exist: authorization by id, not by listing."""
         return self._reads().lease_owners(lease_ids)
 
     def queue(self, now: float | None = None) -> list[Lease]:
-        now = self._now(now)
-        with self._viewing(now) as (state, _):
-            return [lease.copy() for lease in self.engine.queue_order(state, now)]
+        return self.views.queue(now)
 
     def queue_info(self, lease_id: str, now: float | None = None) -> QueueInfo | None:
-        now = self._now(now)
-        with self._viewing(now) as (state, _):
-            if lease_id in state.leases:
-                return self.engine.queue_info(state, lease_id, now)
-        self.get(lease_id)  # 404 for unknown ids
-        return None
+        return self.views.queue_info(lease_id, now)
 
     def grow_place(self, lease_id: str, now: float | None = None) -> int | None:
         """1-based place in line of a kernel waiting for its slice to grow; None when it does not wait."""
-        now = self._now(now)
-        with self._viewing(now) as (state, _):
-            if lease_id in state.leases:
-                return self.engine.grow_place(state, lease_id, now)
-        self.get(lease_id)  # 404 for unknown ids
-        return None
+        return self.views.grow_place(lease_id, now)
 
     def release(self, lease_id: str, reason: str = "released by user", now: float | None = None) -> Lease:
         now = self._now(now)
@@ -461,7 +274,7 @@ class Pool(GrantWaiting):
             state = self._load(now)
             if lease_id not in state.leases:
                 return self._found(self.store.lease(lease_id), lease_id)  # already released: releasing twice is harmless
-            state.driver = self._holdings_reader(state.leases, processes)
+            state.driver = self.loading.holdings_reader(state.leases, processes)
             lease = self.engine.release(state, lease_id, reason, now)
             decisions = [Decision(DecisionKind.RELEASE, lease.id, lease.kernel_id, lease.owner, reason, now)]
             decisions += self.engine.schedule(state, now)
@@ -476,7 +289,7 @@ class Pool(GrantWaiting):
         processes = self._processes_seen()  # read once, before the write lock: judged and booked at it
         with self._locked():
             state = self._load(now)
-            state.driver = self._holdings_reader(state.leases, processes)
+            state.driver = self.loading.holdings_reader(state.leases, processes)
             decisions = [self.engine.suspend(state, lease_id, reason, now)]
             decisions += self.engine.schedule(state, now)
             self._save(state, decisions)
@@ -680,13 +493,7 @@ class Pool(GrantWaiting):
 
     def unpooled(self, now: float | None = None) -> list[dict[str, Any]]:
         """Unexpired unpooled use on this pool's hosts, one row per (host, GPU, pid)."""
-        now = self._now(now)
-        with self._viewing(now) as (state, store):
-            return self._unpooled_rows(state, store, now)
-
-    def _unpooled_rows(self, state: PoolState, store: Store, now: float) -> list[dict[str, Any]]:
-        """The unpooled rows a view of ``state`` (read through ``store``) shows."""
-        return self._still_held(store.unpooled(now), state.leases, state.driver if isinstance(state.driver, DriverReading) else None)
+        return self.views.unpooled(now)
 
     @staticmethod
     def _first_over(state: PoolState, decision: Decision) -> bool:
@@ -780,86 +587,21 @@ class Pool(GrantWaiting):
             info = self.engine.queue_info(state, lease_id, now) if lease.state is LeaseState.QUEUED else None
             return lease.copy(), info
 
-    # --- views ------------------------------------------------------------------------------------
+    # --- views and metering (see views.py) ------------------------------------------------------
     def snapshot(self, viewer: str | None = None, admin: bool = False, now: float | None = None) -> PoolSnapshot:
         """Devices, leases and queue as ``viewer`` may see them (others anonymous unless admin)."""
-        now = self._now(now)
-        with self._viewing(now) as (state, store):
-            order = self.engine.queue_order(state, now)
-            month_start = dt.datetime.fromtimestamp(now).replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
-            used_gib_hours = self._gib_hours(viewer, month_start, now, state, store) if viewer else 0.0
-            # The leases are the store's cached objects, changed in place by decisions of other
-            # threads once the lock is released: build the view from copies taken under it.
-            live = {lease_id: lease.copy() for lease_id, lease in state.leases.items()}
-            order = [live[lease.id] for lease in order]
-            held_bytes, count = self.engine.holdings(state, owner=viewer) if viewer else (0, 0)
-            outside = self._unpooled_rows(state, store, now)
-            unpooled_by_device = dict(state.unpooled)
-        held = held_by_device(live.values())
-        used_by_device: dict[str, int] = {}
-        for lease in live.values():
-            if lease.state is LeaseState.GRANTED and lease.used_memory and lease.devices:
-                share = lease.used_memory // len(lease.devices)
-                for uuid_ in lease.devices:
-                    used_by_device[uuid_] = used_by_device.get(uuid_, 0) + share
-        devices = []
-        for d in state.devices:
-            measured = d.memory_total - d.memory_free if d.memory_free is not None else None
-            devices.append(
-                {
-                    "index": d.index,
-                    "uuid": d.uuid,
-                    "name": d.name,
-                    "model": d.model,
-                    "memory_total": d.memory_total,
-                    "memory_leasable": d.leasable,
-                    "memory_leased": held.get(d.uuid, 0),
-                    "memory_used": max(measured or 0, used_by_device.get(d.uuid, 0) + unpooled_by_device.get(d.uuid, 0)),
-                    "memory_unpooled": unpooled_by_device.get(d.uuid, 0),
-                    "healthy": d.healthy,
-                    "health_reason": d.health_reason,
-                    "is_mig": d.is_mig,
-                }
-            )
-        positions = {lease.id: i + 1 for i, lease in enumerate(order)}
-        leases = [self.view_lease(lease, viewer, admin, positions.get(lease.id)) for lease in live.values()]
-        leases.sort(key=lambda item: (item["state"] != "granted", item.get("queue_position") or 0))
-        queue = [self.view_lease(lease, viewer, admin, positions[lease.id]) for lease in order]
-        quota: dict[str, Any] = {}
-        if viewer:
-            own = self.policy.quota_for_user(viewer)
-            quota = {**own.to_json(), "held": held_bytes, "leases": count, "gib_hours_this_month": round(used_gib_hours, 3)}
-        reservations = [{**r.to_json(), "active": r.active(now)} for r in state.reservations]
-        unpooled = [self.view_unpooled(row, viewer, admin) for row in outside]
-        return PoolSnapshot(devices=devices, leases=leases, queue=queue, now=now, quota=quota, reservations=reservations,
-                            unpooled=unpooled)
+        return self.views.snapshot(viewer, admin, now)
 
     @staticmethod
     def view_unpooled(row: dict[str, Any], viewer: str | None, admin: bool) -> dict[str, Any]:
-        """Unpooled use as ``viewer`` may see it: that memory is taken, and whose only for admins
-        and for the viewer's own processes."""
-        mine = viewer is not None and row.get("user") == viewer
-        keys = ("device", "bytes", "why", "since")
-        item = {key: row[key] for key in keys}
-        for key in ("pid", "user", "command", "host", "lease_id"):
-            item[key] = row.get(key) if admin or mine else None
-        item["stoppable"] = bool(row.get("stoppable"))
-        item["mine"] = mine
-        return item
+        """Unpooled use as ``viewer`` may see it (see :meth:`PoolViews.view_unpooled`)."""
+        return PoolViews.view_unpooled(row, viewer, admin)
 
     @staticmethod
     def view_lease(lease: Lease, viewer: str | None, admin: bool, position: int | None = None) -> dict[str, Any]:
-        """A lease as JSON for ``viewer``: another user's through an allow-list of fields (see
-        :func:`jupyter_gpupool.rest.anonymous.view_lease`)."""
-        return anonymous.view_lease(lease, viewer, admin, position)
+        """A lease as JSON for ``viewer`` (see :meth:`PoolViews.view_lease`)."""
+        return PoolViews.view_lease(lease, viewer, admin, position)
 
-    def _gib_hours(self, owner: str, since: float, now: float, state: PoolState, store: Store) -> float:
-        """``owner``'s GiB·hours held since ``since``: the ledger's closed intervals and the open
-        ones of ``state``, read in the same transaction of ``store`` (as :meth:`_viewing` hands them)."""
-        rows = self._report_rows(store.ledger(since, now), state.leases.values(), since, now, "user", "none", now)
-        return next((row["gib_hours_held"] for row in rows if row["user"] == owner), 0.0)
-
-    # --- metering ---------------------------------------------------------------------------------
     def report(
         self,
         since: float | None = None,
@@ -868,86 +610,16 @@ class Pool(GrantWaiting):
         now: float | None = None,
         period: str = "none",
     ) -> list[dict[str, Any]]:
-        """GPU-hours, GiB·hours held and active (and cost, with prices in the policy) per user,
-        group or kernel, per ``period`` (none, day, week, month), closed and still-open intervals;
-        see :mod:`jupyter_gpupool.core.metering`."""
-        check_choice(by, REPORT_KEYS, "by")
-        check_choice(period, PERIODS, "period")
-        now = self._now(now)
-        until = now if until is None else until
-        store = self._reads()
-        return self._report_rows(store.ledger(since, until), store.leases(), since, until, by, period, now)
+        """GPU-hours, GiB·hours held and active per user, group or kernel (see :meth:`PoolViews.report`)."""
+        return self.views.report(since, until, by, now, period)
 
-    def _report_rows(
-        self, rows: list[dict[str, Any]], leases: Iterable[Lease], since: float | None, until: float, by: str, period: str, now: float
-    ) -> list[dict[str, Any]]:
-        """:meth:`report` of ledger ``rows`` and the open intervals of the granted ones of ``leases``."""
-        live = [lease for lease in leases if lease.state is LeaseState.GRANTED and lease.granted_at is not None]
-        # Rows record their GPUs; older rows and open intervals take them from the inventory.
-        unrecorded = any(row.get("device_info") is None for row in rows)
-        inventory = self._inventory() if live or unrecorded else {}
-        intervals = [self._closed_interval(row, inventory) for row in rows]
-        for lease in live:
-            intervals.append(
-                Interval(
-                    lease_id=lease.id,
-                    owner=lease.owner,
-                    groups=tuple(lease.groups),
-                    kernel_id=lease.kernel_id,
-                    memory=lease.memory * lease.num_gpus,
-                    start=lease.granted_at,  # type: ignore[arg-type]
-                    end=now,
-                    active_seconds=lease.active_seconds,
-                    devices=tuple(inventory.get(u) for u in lease.devices),
-                    memory_history=tuple((at, memory * lease.num_gpus) for at, memory in lease.memory_history),
-                    guarantee=lease.guarantee_size * lease.num_gpus,
-                )
-            )
-        return report_rows(intervals, by=by, period=period, since=since, until=until, prices=self.policy.prices())
-
-    @staticmethod
-    def _closed_interval(row: dict[str, Any], inventory: dict[str, DeviceInfo]) -> Interval:
-        recorded = {d["uuid"]: DeviceInfo.from_json(d) for d in row.get("device_info") or ()}
-        return Interval(
-            lease_id=row["lease_id"],
-            owner=row["owner"],
-            groups=tuple(row["groups"]),
-            kernel_id=row["kernel_id"],
-            memory=int(row["memory"]),
-            start=float(row["start"]),
-            end=float(row["end"]),
-            active_seconds=float(row["active_seconds"]),
-            devices=tuple(recorded.get(u) or inventory.get(u) for u in row["devices"]),
-            memory_history=tuple(row.get("memory_history") or ()),
-            guarantee=int(row["guarantee"]) if row.get("guarantee") is not None else None,
-        )
-
-    def _inventory(self) -> dict[str, DeviceInfo]:
-        """The devices as metering needs them; empty when the backend cannot say (a report of the
-        ledger never fails on a missing driver)."""
-        try:
-            return {d.uuid: DeviceInfo.of(d) for d in self.devices()}
-        except GpuPoolError:
-            return {}
-
-    # --- reservations and preferences -------------------------------------------------------------
+    # --- reservations and preferences (see bookings.py) ------------------------------------------
     def book_reservation(self, spec: dict[str, Any], now: float | None = None) -> Reservation:
         """Hold capacity for users or groups (see :attr:`PoolPolicy.reservations` for the forms)."""
-        now = self._now(now)
-        reservation = parse_reservation(spec, now=now)
-        self.engine.check_reservation(self.devices(), reservation, now, self.reservations())  # never one the pool cannot honour
-        stored = dict(spec)
-        if reservation.start is not None:
-            stored.update(start=reservation.start, end=reservation.end)
-            stored.pop("duration", None)
-        with self.store.transaction():
-            self.store.put_reservation(reservation.name, stored)
-        return reservation
+        return self.bookings.book_reservation(spec, now)
 
     def cancel_reservation(self, name: str) -> None:
-        with self.store.transaction():
-            if not self.store.delete_reservation(name):
-                raise LeaseNotFound(f"no reservation named {name!r}")
+        self.bookings.cancel_reservation(name)
 
     def reservations(self) -> list[Reservation]:
         return self.policy.parsed_reservations() + [parse_reservation(r) for r in self._reads().reservations()]
@@ -957,11 +629,7 @@ class Pool(GrantWaiting):
 
     def set_preference(self, owner: str, **values: Any) -> None:
         """Save ``owner``'s defaults; a value not in its accepted form is an InvalidInput, saving nothing."""
-        values = validate_preferences(values, self.policy.max_gpus_per_lease)
-        with self.store.transaction():
-            current = self.store.preference(owner)
-            current.update(values)
-            self.store.set_preference(owner, current)
+        self.bookings.set_preference(owner, values)
 
     def events(self, after_seq: int = 0) -> list[dict[str, Any]]:
         return self._reads().events(after_seq)
@@ -1007,15 +675,6 @@ def local_admin(db_path: str, uid: int | None = None) -> bool:
     except KeyError:
         return False
     return entry.pw_name in group.gr_mem or entry.pw_gid == group.gr_gid
-
-
-@functools.lru_cache(maxsize=1)
-def host_memory() -> int | None:
-    """Bytes of RAM on this host (the parked-slice budget is a share of it), None if unknown."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def new_lease_id() -> str:
