@@ -519,3 +519,18 @@ def test_a_resumed_elastic_slice_is_placed_where_it_can_grow_back_to_its_last_pe
     pool.resume(kernel.id, now=T0 + 23)
     back = pool.get(kernel.id)
     assert back.transition is Transition.RESTORING and back.devices == pool.get(bob.id).devices
+
+
+def test_the_kernel_body_says_what_a_queued_reserve_waits_for(tmp_path):
+    """A ``%gpupool reserve`` waiting in line shows in the kernel's REST body (bytes per GPU and
+    since when); none waiting: both null."""
+    from jupyter_gpupool.enforcement.plan import EnforcementConfig
+    from jupyter_gpupool.rest.views import kernel_status
+
+    pool = make_pool(tmp_path, burst="16GiB")
+    lease = pool.request(req(gib=2), now=T0)
+    idle = kernel_status(pool, "k1", lease, EnforcementConfig(), "alice", T0)
+    assert (idle["reserve_wanted"], idle["reserve_since"]) == (None, None)
+    waiting = lease.copy(reserve_wanted=10 * GIB, reserve_since=T0 + 3)
+    body = kernel_status(pool, "k1", waiting, EnforcementConfig(), "alice", T0 + 5)
+    assert (body["reserve_wanted"], body["reserve_since"]) == (10 * GIB, T0 + 3)

@@ -107,7 +107,7 @@ def _no_slice(kernel_id: str, owner: str, now: float, state: str = "none") -> di
 #: The elastic-slice fields of a body with no lease (see :func:`elastic_fields`).
 _NO_BURST: dict[str, Any] = {
     "guarantee": 0, "limit": 0, "burst": 0, "burst_note": None, "burst_taken_at": None, "burst_fixed": None,
-    "grow_wanted": None, "grow_since": None, "grow_place": None,
+    "grow_wanted": None, "grow_since": None, "grow_place": None, "reserve_wanted": None, "reserve_since": None,
 }  # fmt: skip
 
 #: What fixes a kernel's size when it starts, by enforcement mechanism (the pool may grow its
@@ -136,8 +136,10 @@ def elastic_fields(lease: Lease) -> dict[str, Any]:
     guarantee now: ``memory`` is guarantee + burst), the last grow or give-back step and, while
     its burst is being given back, since when; while a grow waits for room, the size it waits
     for and since when (``grow_place``, its place in line, comes from the pool: see
-    :func:`kernel_status`)."""
+    :func:`kernel_status`); while a ``%gpupool reserve`` waits in line, the guarantee it waits
+    for and since when."""
     waiting = lease.grow_since is not None
+    reserving = lease.reserve_since is not None and lease.reserve_wanted > 0
     return {
         "guarantee": lease.guarantee_size,
         "limit": lease.limit_size,
@@ -146,6 +148,8 @@ def elastic_fields(lease: Lease) -> dict[str, Any]:
         "burst_taken_at": lease.burst_taken_at,
         "grow_wanted": lease.grow_wanted if waiting else None,
         "grow_since": lease.grow_since,
+        "reserve_wanted": lease.reserve_wanted if reserving else None,
+        "reserve_since": lease.reserve_since if reserving else None,
     }
 
 
