@@ -600,6 +600,7 @@ class EngineWithProcesses(RuleBasedStateMachine):
         self.count += 1
         lease_id = f"l{self.count}"
         earlier = self.kernels.get(kernel or "")
+        pid = None
         if earlier in self.state.leases and self.state.leases[earlier].owner == user:
             pid = self.driver.of_lease.pop(earlier, None)
             if pid is not None:
@@ -607,7 +608,13 @@ class EngineWithProcesses(RuleBasedStateMachine):
         request = LeaseRequest(owner=user, memory=gib * GIB, kernel_id=kernel, suspendable=suspendable)
 
         def admit() -> None:
-            lease = self.engine.admit(self.state, lease_id, request, self.now)
+            try:
+                lease = self.engine.admit(self.state, lease_id, request, self.now)
+            except (RequestRefused, InvalidInput, LeaseNotFound):
+                if pid is not None and earlier is not None:  # refused: no restart, the process is still its lease's
+                    self.driver.procs[pid][0] = earlier
+                    self.driver.of_lease[earlier] = pid
+                raise
             if kernel:
                 self.kernels[kernel] = lease.id
 
