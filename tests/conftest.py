@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -82,6 +83,12 @@ def ipython_dir_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A run started in the background by a shell without job control (``cmd &`` in a script, some
+    # CI runners) ignores SIGINT, and every process the tests start would inherit that: a server
+    # stopped with Ctrl-C, or a kernel the watchdog interrupts, would then only die of a later
+    # signal. The tests check what SIGINT does, so their processes get its default.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "gpupool_env(**vars): GPUPOOL_* variables for this test's pool")
     config.addinivalue_line("markers", "gpupool_config(dict): extra server config merged into gpupool_server_config")
 
