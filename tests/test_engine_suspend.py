@@ -424,10 +424,11 @@ def test_the_warning_within_the_timeout_is_for_suspends_under_pressure_only(tmp_
     waiting the warning starts after the timeout as before."""
     from jupyter_gpupool.core.policy import PoolPolicy
 
-    policy = PoolPolicy(suspend_idle_timeout=120, warning_period=60, idle_timeout=600)
+    policy = PoolPolicy(suspend_idle_timeout=120, warning_period=60, idle_timeout=600, warn_within_idle_timeout=True)
     assert policy.warn_after(True, True) == 60 and policy.warn_after(True, False) == 120
     assert policy.warn_after(False, True) == policy.warn_after(False, False) == 600
-    assert PoolPolicy(suspend_idle_timeout=30, warning_period=120).warn_after(True, True) == 0
+    assert PoolPolicy(suspend_idle_timeout=30, warning_period=120, warn_within_idle_timeout=True).warn_after(True, True) == 0
+    assert PoolPolicy(suspend_idle_timeout=120, warning_period=60).warn_after(True, True) == 120  # off by default
     assert PoolPolicy(suspend_idle_timeout=120, warning_period=60, warn_within_idle_timeout=False).warn_after(True, True) == 120
 
     pool = make_pool(tmp_path, **{**IDLE, "suspend_idle_timeout": 120})
