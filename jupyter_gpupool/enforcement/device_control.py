@@ -28,6 +28,7 @@ import os
 import re
 import stat
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -178,7 +179,7 @@ def _procs(cgroup_dir: str) -> list[int]:
         return []
 
 
-class DeviceCgroups:
+class DeviceCgroups(ABC):
     """One cgroup path's mechanism: the user-level deny and the kernels' allow cgroups.
 
     ``name`` tags every cgroup this instance makes (``{name}-kernel-{key}``), so a restart finds
@@ -205,6 +206,7 @@ class DeviceCgroups:
         return f"{self.name}-kernel-{check_key(key)}"
 
     # The three steps of a grant's life; each subclass writes its rules its own way.
+    @abstractmethod
     def deny_users(self, cgroup: str) -> None:
         """Deny every GPU node to the processes of ``cgroup`` and its descendants."""
         raise NotImplementedError
@@ -273,9 +275,11 @@ class DeviceCgroups:
             self.forget(key)
 
     # -- per path --------------------------------------------------------------------------------
+    @abstractmethod
     def _kernel_dir(self, key: str, pids: list[int]) -> str:
         raise NotImplementedError
 
+    @abstractmethod
     def _set_rules(self, directory: str, minors: frozenset[int]) -> None:
         raise NotImplementedError
 
