@@ -39,9 +39,9 @@ LOG_BOUND = 64 * 1024
 
 
 class Broker:
-    """``python -m jupyter_gpupool.broker --socket`` with a 1,024 descriptor limit, soft and hard."""
+    """``python -m jupyter_gpupool.broker --socket`` with a 1,024 descriptor limit (``nofile``), soft and hard."""
 
-    def __init__(self, tmp_path: Path, public: Path, config: str = "") -> None:
+    def __init__(self, tmp_path: Path, public: Path, config: str = "", nofile: int = 1024) -> None:
         self.socket_path = str(public / "broker.sock")
         self.log_path = tmp_path / "broker.log"
         config_file = tmp_path / "jupyter_gpupool_config.py"
@@ -58,7 +58,7 @@ class Broker:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [
-                    PRLIMIT, "--nofile=1024:1024", sys.executable, "-m", "jupyter_gpupool.broker",
+                    PRLIMIT, f"--nofile={nofile}:{nofile}", sys.executable, "-m", "jupyter_gpupool.broker",
                     f"--db={tmp_path / 'pool.sqlite'}", "--port=0", f"--socket={self.socket_path}", "--hub=off",
                     f"--config={config_file}",
                 ],
@@ -196,6 +196,32 @@ def test_idle_connections_cost_their_user_only(broker: Broker, public: Path) -> 
 def test_idle_connections_are_closed_after_the_idle_timeout(broker: Broker, public: Path) -> None:
     attack = result(client(public, "nobody", "idle", "--target", f"unix:{broker.socket_path}", "--count", "50", "--hold", "5"))
     assert attack["still_open"] == 0 and attack["answers"] == {"closed": 50}, attack
+
+
+def test_running_out_of_descriptors_is_one_log_line_per_interval_and_the_victim_is_served(tmp_path: Path, public: Path) -> None:
+    """A broker whose descriptor limit (96) is below the per-user bound, so one user's 300 idle
+    connections would use up every descriptor: the broker keeps a reserve for the work of the
+    open ones (a request's identity is read from files), closes the oldest idle connection of the
+    caller holding the most to accept another, says so in one log line per ``log_interval`` (not
+    a traceback per accept), and the victim's requests are all answered, none refused."""
+    interval = 1.0
+    broker = Broker(tmp_path, public, nofile=96, config=f"c.Broker.idle_connection_timeout = 1.0\nc.Broker.log_interval = {interval}\n")
+    try:
+        started = time.monotonic()
+        attack, victim, rss, log = under_attack(broker, public, ["idle", "--count", "300", "--hold", "3"], victim_seconds=4, settle=0.5)
+        elapsed = time.monotonic() - started
+        text = broker.log()
+        lines = text.count("the open-file limit leaves room for")
+        assert 1 <= lines <= 2 * (elapsed / interval + 1), (lines, elapsed, text[-3000:])  # it ran out, and said so per interval
+        assert "Traceback" not in text, text[-3000:]
+        assert log < LOG_BOUND and rss < 64 * MIB, (log, rss)
+        # its idle connections were closed (429) to make room for newer ones, or after their timeout
+        assert attack["opened"] == 300 and attack["answers"].get("HTTP/1.1 429 Too Many Requests", 0) >= 200, attack
+        assert victim["requests"] >= 4 and set(victim["statuses"]) <= {"200", "201"}, victim
+        assert victim["max"] < 5.0, victim  # at most a few idle timeouts in the backlog
+        assert broker.proc.poll() is None
+    finally:
+        broker.stop()
 
 
 def test_a_huge_declared_body_is_refused_before_it_is_read(broker: Broker, public: Path) -> None:

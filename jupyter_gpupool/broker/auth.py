@@ -14,6 +14,7 @@ The broker never trusts a user name sent in a request. Identity comes from
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import pwd
@@ -215,16 +216,33 @@ class PeerCredIdentity(LoggingConfigurable):
     ).tag(config=True)
 
     def identify_peer(self, pid: int, uid: int, gid: int) -> Identity:
+        """Who the peer is, from the user and group databases. Those are files: with no descriptor
+        left a lookup fails as if the user or a group did not exist, so then the caller is asked
+        to retry (503) instead of being refused or losing a group."""
         try:
             entry = pwd.getpwuid(uid)
         except KeyError:
+            _unless_out_of_descriptors()
             raise Forbidden(f"uid {uid} has no passwd entry; the pool serves only named Unix users") from None
         groups = tuple(sorted(_group_names(entry.pw_name, entry.pw_gid)))
+        _unless_out_of_descriptors()
         admin = entry.pw_name in self.admin_users or uid == 0 or any(g in self.admin_groups for g in groups)
         return Identity(name=entry.pw_name, groups=groups, admin=admin, kind="unix", uid=uid, pid=pid)
 
     def may_read_metrics(self, identity: Identity) -> bool:
         return identity.admin or any(g in self.metrics_groups for g in identity.groups)
+
+
+def _unless_out_of_descriptors() -> None:
+    """Raise a retryable :class:`PoolUnavailable` if this process has no descriptor left now (a
+    user or group lookup just made could not read its database)."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError as err:
+        if err.errno in (errno.EMFILE, errno.ENFILE):
+            raise PoolUnavailable(
+                "the GPU pool broker has no open files left to look up who you are; try again in a moment"
+            ) from None
 
 
 def _group_names(user: str, gid: int) -> set[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import resource
 import socket
 import struct
@@ -130,6 +131,24 @@ class ConnectionBook:
             f"(c.Broker.max_connections_per_user = {bound}); close some (or wait for idle ones to time out)"
         )
 
+    def make_room(self) -> bool:
+        """Close the oldest connection that is not serving a request of the holder with the most
+        connections (a ``429`` saying why): the process is out of room for connections, and one
+        user's idle ones must not keep everyone else's in the backlog. False if none could be."""
+        if not self._count:
+            return False
+        heaviest = max(self._count, key=lambda key: self._count[key])
+        for conn in self._open.values():
+            if conn.key == heaviest and not conn.busy:
+                self.closed(conn.stream)
+                LimitedHTTPServer.refuse(
+                    conn.stream,
+                    "closed to make room: the GPU pool broker holds as many connections as its open-file limit "
+                    "allows, the most of them this caller's, and this one was serving no request",
+                )
+                return True
+        return False
+
     def started(self, stream: Any) -> None:
         """A request arrived on this connection: never closed to make room while it is served."""
         conn = self._open.get(id(stream))
@@ -212,12 +231,30 @@ class LimitedHTTPServer(httpserver.HTTPServer):
     note: RateLimitedLog
     #: Seconds accepting pauses after running out of descriptors.
     accept_pause = 0.1
+    #: Descriptors kept free for the work of the connections already open (the pool file, the
+    #: user and group databases a request's identity is read from, the driver): accepting pauses
+    #: when only these are left, so no request fails for want of one.
+    descriptor_reserve = 32
 
     def initialize(self, *args: Any, book: ConnectionBook, note: RateLimitedLog, **kwargs: Any) -> None:  # type: ignore[override]
         super().initialize(*args, **kwargs)
         self.book = book
         self.note = note
         self._streams: dict[int, iostream.IOStream] = {}
+        self._most_connections: int | None = None
+
+    def most_connections(self) -> int:
+        """Connections this process may hold open: its soft descriptor limit less the descriptors it
+        held before its first connection and :attr:`descriptor_reserve` (at least 1)."""
+        if self._most_connections is None:
+            try:
+                held = len(os.listdir("/proc/self/fd"))
+            except OSError:
+                held = 64
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            room = soft - held - self.descriptor_reserve if soft != resource.RLIM_INFINITY else 1 << 30
+            self._most_connections = max(1, room)
+        return self._most_connections
 
     def add_sockets(self, sockets: Any) -> None:
         for sock in sockets:
@@ -235,10 +272,32 @@ class LimitedHTTPServer(httpserver.HTTPServer):
                 state["paused"] = False
                 loop.add_handler(sock, accept, IOLoop.READ)
 
+        def pause(why: str) -> None:
+            self.note(
+                "descriptors", logging.ERROR,
+                "gpupool broker: not accepting connections for now: %s (%d open); new ones wait in the "
+                "backlog; raise LimitNOFILE or lower c.Broker.max_connections_per_user",
+                why, len(self.book),
+            )  # fmt: skip
+            loop.remove_handler(sock)
+            state["paused"] = True
+            loop.call_later(self.accept_pause, resume)
+
         def accept(fd: Any, events: int) -> None:
             for _ in range(netutil._DEFAULT_BACKLOG):
                 if state["removed"]:
                     return
+                if len(self.book) >= self.most_connections():
+                    if not self.book.make_room():
+                        pause(f"the open-file limit leaves room for {self.most_connections()} connections, all serving requests")
+                        return
+                    self.note(
+                        "room", logging.WARNING,
+                        "gpupool broker: the open-file limit leaves room for %d connections; closed the oldest idle "
+                        "one of the caller holding the most to accept another; raise LimitNOFILE or lower "
+                        "c.Broker.max_connections_per_user",
+                        self.most_connections(),
+                    )  # fmt: skip
                 try:
                     connection, address = sock.accept()
                 except BlockingIOError:
@@ -248,15 +307,7 @@ class LimitedHTTPServer(httpserver.HTTPServer):
                 except OSError as err:
                     if err.errno not in _OUT_OF_DESCRIPTORS:
                         raise
-                    self.note(
-                        "descriptors", logging.ERROR,
-                        "gpupool broker: cannot accept connections: %s (%d open); pausing accepts; raise "
-                        "LimitNOFILE or lower c.Broker.max_connections_per_user",
-                        err.strerror or err, len(self.book),
-                    )  # fmt: skip
-                    loop.remove_handler(sock)
-                    state["paused"] = True
-                    loop.call_later(self.accept_pause, resume)
+                    pause(f"cannot accept: {err.strerror or err}")
                     return
                 self._handle_connection(connection, address)
 
