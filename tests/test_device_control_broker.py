@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub
 from test_device_control import PATHS, Host, Probe, _until, host  # noqa: F401 - host is a fixture
-from test_ownership import ALICE, PROF, unix_users  # noqa: F401 - unix_users is a fixture
+from test_ownership import ALICE, BOB, PROF, unix_users  # noqa: F401 - unix_users is a fixture
 
 from jupyter_gpupool.devices.simulated import NODE_DIR_ENV, SimulatedBackend, parse_inventory
 from jupyter_gpupool.enforcement.device_control import MODE_V1, MODE_V2
@@ -47,12 +47,14 @@ def tmp_path() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def user_process(on: Host, lease_id: str = "") -> Probe:
-    """A process of ALICE born in the users' cgroup (a spawner's unit on v2), as a spawner starts
-    it; a kernel of ``lease_id`` when given. It joins its cgroups as root, then becomes ALICE's."""
+def user_process(on: Host, lease_id: str = "", kernel_id: str = "", user: str = ALICE) -> Probe:
+    """A process of ``user`` born in the users' cgroup (a spawner's unit on v2), as a spawner starts
+    it; a kernel of ``lease_id`` when given, and of ``kernel_id`` (as the pool's provisioner starts
+    every kernel, with a lease or without). It joins its cgroups as root, then becomes the user's."""
     env = {"PATH": "/usr/bin:/bin", "LANG": "C", "LC_ALL": "C", **({"GPUPOOL_LEASE_ID": lease_id} if lease_id else {})}
+    env.update({"GPUPOOL_KERNEL_ID": kernel_id} if kernel_id else {})
     joins = "".join(f"echo $$ > {directory}/cgroup.procs; " for directory in on.spawner_dirs)
-    become = f"exec setpriv --reuid={ALICE} --regid={ALICE} --init-groups /bin/bash -c {shlex.quote(SHELL_PROBE)}"
+    become = f"exec setpriv --reuid={user} --regid={user} --init-groups /bin/bash -c {shlex.quote(SHELL_PROBE)}"
     process = subprocess.Popen(["/bin/sh", "-c", joins + become], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     probe = Probe(process)
     on.probes.append(probe)
@@ -134,6 +136,54 @@ def test_the_broker_denies_every_gpu_but_a_granted_kernels_and_a_killed_broker_l
         kernel.process.kill()
         kernel.process.wait()
         assert _until(lambda: not kernel_cgroups(host), 5)  # removed once empty: no stale cgroup
+    finally:
+        broker.stop()
+        hub.stop()
+
+
+@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+def test_a_kernel_that_leases_later_opens_its_gpu_on_that_decisions_pass_and_a_release_shuts_it(
+    host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
+) -> None:
+    """The environment a kernel started with cannot name a lease it takes later: it is found by its
+    kernel id, or by the earlier lease of its kernel its environment names."""
+    monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
+    hub = StandInHub().start()
+    alice = hub.add_user("tok-alice", ALICE)
+    config = f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\nc.DeviceControl.name = {host.tag!r}\n"
+    broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
+    uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
+
+    def lease(kernel_id: str) -> tuple[str, int]:
+        granted = call(broker, "POST", "leases", alice, {"memory": "8GiB", "kernel_id": kernel_id})
+        return granted["id"], uuids.index(granted["devices"][0])
+
+    try:
+        broker.start()
+        assert _until(lambda: f"device control: {MODE_V2}; GPU nodes" in broker.log(), 5), broker.log()
+        # Started by the pool's provisioner without a lease (CPU-only), then `%gpupool reserve`.
+        cpu_only = user_process(host, kernel_id="k-later")
+        bystander = user_process(host, kernel_id="k-other")  # alice's too, another kernel
+        stranger = user_process(host, kernel_id="k-later", user=BOB)  # copied the kernel id
+        assert cpu_only.open(host.gpu(0)) == "EPERM"
+        first, index = lease("k-later")
+        assert _until(lambda: cpu_only.open(host.gpu(index)) == "ENXIO", 5), broker.log()[-2000:]
+        assert bystander.open(host.gpu(index)) == "EPERM" and stranger.open(host.gpu(index)) == "EPERM"
+        call(broker, "POST", f"leases/{first}/release", alice, {})  # `%gpupool release`
+        assert _until(lambda: cpu_only.open(host.gpu(index)) == "EPERM", 5)
+        again, index = lease("k-later")  # `%gpupool reserve`: a new lease of the same kernel
+        assert again != first and _until(lambda: cpu_only.open(host.gpu(index)) == "ENXIO", 5)
+
+        # Started with a lease it named in its environment (and no kernel id), released, reserved again.
+        old, old_index = lease("k-named")
+        named = user_process(host, lease_id=old)
+        assert _until(lambda: named.open(host.gpu(old_index)) == "ENXIO", 5)
+        call(broker, "POST", f"leases/{old}/release", alice, {})
+        assert _until(lambda: named.open(host.gpu(old_index)) == "EPERM", 5)
+        new, new_index = lease("k-named")
+        assert _until(lambda: named.open(host.gpu(new_index)) == "ENXIO", 5), broker.log()[-2000:]
+        assert bystander.open(host.gpu(new_index)) == "EPERM"
+        assert call(broker, "GET", f"leases/{new}", alice)["state"] == "granted"
     finally:
         broker.stop()
         hub.stop()

@@ -19,8 +19,9 @@ from typing import Any
 import psutil
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
-from jupyter_gpupool.enforcement.claims import UnixUsers, may_claim
+from jupyter_gpupool.enforcement.claims import UnixUsers, holder_here, may_claim
 from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControl, DeviceControlError
+from jupyter_gpupool.errors import LeaseNotFound
 
 
 def allowed_devices(lease: Lease) -> tuple[str, ...] | None:
@@ -44,15 +45,37 @@ def minors_of(uuids: Iterable[str], devices: Mapping[str, Device]) -> frozenset[
     return frozenset(minors)
 
 
-def lease_processes(leases: Iterable[Lease], users: UnixUsers, host: str) -> dict[str, list[int]]:
-    """Each lease's processes by the pool's one claim rule: a process whose environment names the
-    lease (``GPUPOOL_LEASE_ID``) and that the lease may claim (it runs as the owner's uid, or is
-    root and the lease's holder or started by it). A process that only copied the variable is not."""
-    wanted = {lease.id: lease for lease in leases}
+def lease_processes(
+    leases: Iterable[Lease],
+    users: UnixUsers,
+    host: str,
+    earlier: Callable[[set[str]], Mapping[str, Lease]] | None = None,
+) -> dict[str, list[int]]:
+    """Each lease's processes by the pool's one claim rule: a process the lease may claim (it runs
+    as the owner's uid, or is root and the lease's holder or started by it) whose environment
+    names the lease, or names its kernel: the kernel id (``GPUPOOL_KERNEL_ID``, which the pool's
+    provisioner gives every kernel, with a lease or without), or an earlier lease of the same
+    owner and kernel (a kernel that released its lease and reserved again), or of the same
+    holder process when the process is that holder (a kernel that leased for itself). A kernel
+    that leases later is so found although the environment it started with, the one
+    ``/proc/PID/environ`` shows, cannot name its new lease. A process that only copied a
+    variable is not. ``earlier(ids)`` looks up leases no longer live that environments name."""
+    live = list(leases)
+    wanted = {lease.id: lease for lease in live}
+    by_kernel = {lease.kernel_id: lease for lease in live if lease.kernel_id}
+    by_holder = {(lease.owner, lease.holder_pid): lease for lease in live if lease.holder_pid and holder_here(lease, host) is not None}
+    named: list[tuple[psutil.Process, str, str]] = []
+    for process in psutil.process_iter(["environ"]):
+        environ = process.info.get("environ") or {}
+        lease_id, kernel_id = environ.get("GPUPOOL_LEASE_ID", ""), environ.get("GPUPOOL_KERNEL_ID", "")
+        if lease_id or (kernel_id and kernel_id in by_kernel):
+            named.append((process, lease_id, kernel_id))
+    gone = {lease_id for _p, lease_id, _k in named if lease_id and lease_id not in wanted}
+    older = dict(earlier(gone)) if earlier is not None and gone else {}
     found: dict[str, list[int]] = {}
     uids: dict[int, int | None] = {}
-    for process in psutil.process_iter(["environ"]):
-        lease = wanted.get((process.info.get("environ") or {}).get("GPUPOOL_LEASE_ID", ""))
+    for process, lease_id, kernel_id in named:
+        lease = _lease_of(process.pid, wanted.get(lease_id), by_kernel.get(kernel_id), older.get(lease_id), by_kernel, by_holder)
         if lease is None:
             continue
         try:
@@ -62,6 +85,24 @@ def lease_processes(leases: Iterable[Lease], users: UnixUsers, host: str) -> dic
         if may_claim(chain, 0, lease, users, host, uids):
             found.setdefault(lease.id, []).append(process.pid)
     return found
+
+
+def _lease_of(pid: int, named: Lease | None, of_kernel: Lease | None, earlier: Lease | None,
+              by_kernel: Mapping[str, Lease], by_holder: Mapping[tuple[str, int], Lease]) -> Lease | None:
+    """The live lease a process's environment leads to: its kernel's live lease first (a kernel has
+    one), else the live lease it names, else the live successor of the earlier lease it names."""
+    if of_kernel is not None:
+        return of_kernel
+    if named is not None:
+        return named
+    if earlier is None:
+        return None
+    if earlier.kernel_id and earlier.kernel_id in by_kernel:
+        successor = by_kernel[earlier.kernel_id]
+        return successor if successor.owner == earlier.owner else None
+    if earlier.holder_pid == pid:  # it held that lease itself, and holds a new one
+        return by_holder.get((earlier.owner, pid))
+    return None
 
 
 class DeviceControlRole:
@@ -157,6 +198,7 @@ class DeviceControlService:
         self.call = call or (lambda fn: fn())
         self.role: DeviceControlRole | None = None
         self._pids: dict[str, list[int]] = {}
+        self._ended: dict[str, Lease | None] = {}  # leases no longer live that environments name
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -189,8 +231,18 @@ class DeviceControlService:
         if self.role is None:
             return {}
         live, devices = self.call(lambda: (self.pool.leases(), self.pool.devices()))
-        self._pids = lease_processes(live, self.users, self.host)
+        self._pids = lease_processes(live, self.users, self.host, self._earlier)
         return self.role.apply(live, devices, all_live=True)
+
+    def _earlier(self, ids: set[str]) -> dict[str, Lease]:
+        """Leases no longer live that processes' environments name (read once: an ended lease's
+        owner, kernel and holder never change)."""
+        unknown = ids - self._ended.keys()
+        if unknown:
+            if len(self._ended) > _ENDED_KEPT:
+                self._ended.clear()
+            self._ended.update(self.call(lambda: {lease_id: _lease_or_none(self.pool, lease_id) for lease_id in unknown}))
+        return {lease_id: lease for lease_id in ids if (lease := self._ended.get(lease_id)) is not None}
 
     def _run(self) -> None:
         while not self._closed.is_set():
@@ -219,6 +271,18 @@ class DeviceControlService:
     def describe(self) -> dict[str, object]:
         """``device_control`` for status: mode, what is denied, or why it is off."""
         return self.config.describe()
+
+
+#: At most this many ended leases are remembered between passes (then read again when named).
+_ENDED_KEPT = 4096
+
+
+def _lease_or_none(pool: Any, lease_id: str) -> Lease | None:
+    try:
+        lease: Lease = pool.get(lease_id)
+    except LeaseNotFound:
+        return None
+    return lease
 
 
 def _counted(outcomes: Mapping[str, str]) -> str:
