@@ -428,7 +428,7 @@ def test_the_warning_within_the_timeout_is_for_suspends_under_pressure_only(tmp_
     assert policy.warn_after(True, True) == 60 and policy.warn_after(True, False) == 120
     assert policy.warn_after(False, True) == policy.warn_after(False, False) == 600
     assert PoolPolicy(suspend_idle_timeout=30, warning_period=120, warn_within_idle_timeout=True).warn_after(True, True) == 0
-    assert PoolPolicy(suspend_idle_timeout=120, warning_period=60).warn_after(True, True) == 120  # off by default
+    assert PoolPolicy(suspend_idle_timeout=120, warning_period=60).warn_after(True, True) == 60  # on by default
     assert PoolPolicy(suspend_idle_timeout=120, warning_period=60, warn_within_idle_timeout=False).warn_after(True, True) == 120
 
     pool = make_pool(tmp_path, **{**IDLE, "suspend_idle_timeout": 120})
@@ -443,6 +443,31 @@ def test_the_warning_within_the_timeout_is_for_suspends_under_pressure_only(tmp_
     pool.report_activity(bob.id, Activity(busy=True), now=T0 + 600)
     pool.tick(now=T0 + 600)
     assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 660)
+
+
+def test_a_preemption_cuts_an_idle_warning_under_way_short_to_its_grace(tmp_path):
+    """With the warning within the suspend idle timeout (the default), alice's idle kernel is warned
+    at once while bob (her class) waits, and keeps the whole 120 s warning for him; prof's
+    higher-priority request then cuts it short to the 10 s grace a preemption gives, as it would an
+    unwarned kernel, instead of waiting for the idle warning to run out."""
+    pool = make_pool(tmp_path, min_runtime=0, grace_period=10, warning_period=120, idle_timeout=600,
+                     group_priorities={"staff": "high"})
+    alice = pool.request(req("alice", gib=12, suspendable=True, kernel_id="ka"), now=T0)
+    pool.request(req("bob", gib=8, kernel_id="kb"), now=T0 + 1)
+    pool.tick(now=T0 + 2)
+    assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 122)  # warned within its 120 s idle timeout
+    pool.tick(now=T0 + 30)
+    assert pool.get(alice.id).reclaim_at == pytest.approx(T0 + 122)  # a request of her class: the whole warning
+    prof = pool.request(req("prof", gib=8, groups=("staff",), kernel_id="kp"), now=T0 + 40)
+    assert prof.state is LeaseState.QUEUED
+    pool.tick(now=T0 + 41)
+    cut = pool.get(alice.id)
+    assert cut.reclaim_at is not None and cut.reclaim_at <= T0 + 51, cut.reclaim_at
+    assert cut.reclaim_reason.startswith("preempted for a higher-priority request"), cut.reclaim_reason
+    assert DecisionKind.PREEMPT_WARN.value in kinds(pool, alice.id)
+    pool.tick(now=T0 + 51)
+    parked = pool.get(alice.id)
+    assert parked.transition is Transition.SUSPENDING and parked.suspend_reason.startswith("preempted"), parked
 
 
 def test_suspend_idle_timeout_unset_is_two_minutes_capped_at_idle_timeout_and_its_env_var_and_bad_values(tmp_path):

@@ -293,15 +293,14 @@ class PoolPolicy(Configurable):
     ).tag(config=True)
 
     warn_within_idle_timeout = Bool(
-        False,
+        True,
         help="While someone waits for GPU memory (idle_policy 'pressure'), a kernel that would be suspended gets its "
         "warning_period during its suspend idle timeout rather than after it: warned once idle for "
         "suspend_idle_timeout - warning_period (at once when that is 0 or less), parked once the warning runs out, "
         "so it is parked after its suspend idle timeout (or its warning, if longer), not after both. The warning, "
         "Keep, a cell that cancels it and the state a resume restores are unchanged; kernels that would be culled "
-        "wait for idle_timeout before their warning as before. False (the default): the warning starts only after the "
-        "timeout. Off by default because a kernel warned early is not preempted with the shorter grace_period for a "
-        "higher-priority request: that request waits for the warning to run out.",
+        "wait for idle_timeout before their warning as before; a preemption cuts a warning under way short to its "
+        "grace_period, as it would preempt an unwarned kernel. False: the warning starts only after the timeout.",
     ).tag(config=True)
 
     def warn_after(self, suspends: bool, pressure: bool) -> float:

@@ -187,14 +187,30 @@ class Reclaims:
             return decisions
         return []
 
+    def _idle_warning_past_grace(self, lease: Lease, now: float) -> bool:
+        """``lease`` is warned of an idle reclaim (not a preemption, not a reservation's) that runs
+        out after the grace period a preemption would give it: a preemption may cut it short, since
+        unwarned it would have been preempted with that grace."""
+        return (
+            lease.state in HELD_STATES
+            and lease.reclaim_at is not None
+            and lease.reclaim_at > now + self.policy.grace_period
+            and not lease.reclaim_reason.startswith(("preempt", RESERVATION_RECLAIM))
+        )
+
     def plan_preemption(self, state: PoolState, head: Lease, now: float) -> list[Decision]:
+        """Warn the fewest lower-class (or over-guarantee) holders that make room for ``head``,
+        each reclaimed after ``grace_period``; a holder already warned of an idle reclaim that runs
+        out later has its warning cut short to that grace."""
         if not self.policy.preemption:
             return []
         entitled = self.quotas.guarantee_for(state, head, extra=head.memory * head.num_gpus)
         protected = self.reservations.reserved_for_others(state, head, now)
         victims = []
         for lease in state.leases.values():
-            if lease.state not in HELD_STATES or lease.owner == head.owner or lease.reclaim_at is not None:
+            if lease.state not in HELD_STATES or lease.owner == head.owner:
+                continue
+            if lease.reclaim_at is not None and not self._idle_warning_past_grace(lease, now):
                 continue
             if lease.transition is not Transition.NONE:
                 continue
@@ -207,9 +223,15 @@ class Reclaims:
                 victims.append(lease)
         if not victims:
             return []
-        # Least cost first: idle before busy, over-quota before within, youngest before oldest.
-        victims.sort(key=lambda v: (v.busy, not self.quotas.over_guarantee(state, v), -(v.granted_at or 0.0)))
+        # Least cost first: already warned idle, then idle before busy, over-quota before within,
+        # youngest before oldest.
+        victims.sort(key=lambda v: (v.reclaim_at is None, v.busy, not self.quotas.over_guarantee(state, v), -(v.granted_at or 0.0)))
         free = free_with_room_on_its_way(state, head, now, self.policy.burst_settle)
+        for lease in victims:  # a victim warned idle frees its room too late for this request, unless chosen
+            if lease.reclaim_at is None:
+                continue
+            for uuid in lease.devices:
+                free[uuid] = free.get(uuid, 0) - lease.memory
         if self.placer.place(state, head, free) is not None:
             return []  # room is already on its way (warned, suspending or moving leases)
         chosen = []
@@ -226,7 +248,7 @@ class Reclaims:
             why = "a higher-priority request"
         else:
             why = "a request within its guaranteed quota" if entitled == "your" else f"a request within {entitled} guaranteed quota"
-        for lease in chosen:
+        for lease in chosen:  # an idle warning under way is cut short to the grace period
             lease.warned_at = now
             lease.reclaim_at = now + self.policy.grace_period
             lease.reclaim_reason = f"preempted for {why} ({format_size(head.memory)} for {head.owner})"
