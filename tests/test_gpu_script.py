@@ -69,7 +69,8 @@ def test_select_only_skip_groups_and_commas() -> None:
     assert select(["watchdog,inventory", "mps"], None) == ["inventory", "watchdog", "mps"]
     assert select(["slices"], ["slices-jax"]) == ["slices-torch", "slices-cupy"]
     assert select(None, ["slices", "settings"]) == [
-        "inventory", "watchdog", "unpooled", "released-held", "suspend", "fast-parking", "power", "overhead", "mps"
+        "inventory", "watchdog", "unpooled", "released-held", "elastic", "device-control", "suspend", "fast-parking",
+        "power", "overhead", "mps",
     ]
     assert select([" Inventory "], None) == ["inventory"]
 
@@ -181,6 +182,7 @@ def gpu_probe(**changes: object) -> Probe:
         mps_control="/usr/bin/nvidia-cuda-mps-control",
         checkpoint_api=True,
         libcuda=True,
+        root=True,
     )
     for key, value in changes.items():
         setattr(probe, key, value)
@@ -225,6 +227,16 @@ def test_without_gpu_every_check_skips_naming_why() -> None:
         ),
         ({"nvidia_smi": None}, "inventory", "nvidia-smi not on PATH"),
         ({"libcuda": False}, "watchdog", "libcuda.so.1 not loadable"),
+        ({"libcuda": False}, "device-control", "libcuda.so.1 not loadable"),
+        ({"root": False}, "device-control", "not root: only root may change device cgroups"),
+        ({"frameworks": {"torch": None, "jax": "0.11", "cupy": "14"}}, "elastic", "PyTorch not installed"),
+        ({"frameworks": {"torch": None, "jax": "0.11", "cupy": "14"}}, "device-control", "PyTorch not installed"),
+        ({"provisioner_registered": False}, "elastic", "'gpupool-provisioner' is not registered"),
+        (
+            {"modules_missing": {"jupyter_gpupool.enforcement.device_control": "ImportError: z"}},
+            "device-control",
+            "enforcement.device_control not importable",
+        ),
     ],
 )
 def test_each_missing_need_skips_only_the_checks_that_need_it(changes: dict, check: str, expected: str) -> None:

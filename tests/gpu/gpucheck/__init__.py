@@ -17,6 +17,8 @@ CHECK_NAMES: tuple[str, ...] = (
     "watchdog",
     "unpooled",
     "released-held",
+    "elastic",
+    "device-control",
     "suspend",
     "fast-parking",
     "power",

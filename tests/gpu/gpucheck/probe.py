@@ -77,6 +77,7 @@ class Probe:
     cuda_checkpoint: str | None = None
     checkpoint_api: bool = False
     libcuda: bool = False
+    root: bool = False  # device cgroups are root's to change
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -121,7 +122,7 @@ def probe_libcuda(probe: Probe) -> None:
 
 def probe_all() -> Probe:
     """Probe everything; cheap (no framework import, no CUDA context)."""
-    probe = Probe()
+    probe = Probe(root=os.geteuid() == 0)
     probe_gpu(probe)
     for key, (module, _) in FRAMEWORKS.items():
         probe.frameworks[key] = (
@@ -138,6 +139,8 @@ def probe_all() -> Probe:
         "jupyter_gpupool.devices.nvml",
         "jupyter_gpupool.enforcement.watchdog",
         "jupyter_gpupool.backends.local.pool",
+        "jupyter_gpupool.enforcement.unpooled",
+        "jupyter_gpupool.enforcement.device_control",
     ):
         reason = _module_error(module) if _has_module("jupyter_gpupool") else "jupyter_gpupool not importable"
         if reason:

@@ -93,7 +93,21 @@ def all_check_names() -> tuple[str, ...]:
 
 def registry() -> dict[str, CheckSpec]:
     """All checks by name (imports the check modules, which import no framework at load time)."""
-    from . import fastpark, inventory, mps, overhead, power, released, settings, slices, suspend, unpooled, watchdog
+    from . import (
+        devicectl,
+        elastic,
+        fastpark,
+        inventory,
+        mps,
+        overhead,
+        power,
+        released,
+        settings,
+        slices,
+        suspend,
+        unpooled,
+        watchdog,
+    )
 
     specs = [
         inventory.SPEC,
@@ -101,6 +115,8 @@ def registry() -> dict[str, CheckSpec]:
         watchdog.SPEC,
         unpooled.SPEC,
         released.SPEC,
+        elastic.SPEC,
+        devicectl.SPEC,
         suspend.SPEC,
         fastpark.SPEC,
         power.SPEC,

@@ -124,6 +124,17 @@ def nvml_device_used(index: int = 0) -> int:
         pynvml.nvmlShutdown()
 
 
+def gpu_total_memory(index: int = 0) -> int:
+    """GPU ``index``'s memory as NVML reports it (what the pool leases with no overcommit)."""
+    import pynvml  # type: ignore[import-not-found]
+
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total)
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def gpu_uuids() -> list[str]:
     import pynvml  # type: ignore[import-not-found]
 
@@ -169,8 +180,12 @@ def rest_slice(server: JupyterServer, kernel_id: str) -> tuple[dict[str, Any] | 
 def slice_server(
     ctx_workdir: Path, slice_bytes: int, name: str, log: Callable[[str], None], **kwargs: Any
 ) -> JupyterServer:
-    """A server whose pool (real NVML inventory, private DB) gives each kernel ``slice_bytes``."""
-    env = {"GPUPOOL_DEFAULT_MEMORY": str(slice_bytes)}
+    """A server whose pool (real NVML inventory, private DB) gives each kernel ``slice_bytes``.
+
+    Fixed slices (``GPUPOOL_BURST=0``) unless ``env`` says otherwise: the slice, watchdog, MPS and
+    overhead checks prove what a slice refuses, and the pool's default since 2026-12-01 is elastic
+    (burst 4x), which would grow the slice instead of refusing."""
+    env = {"GPUPOOL_DEFAULT_MEMORY": str(slice_bytes), "GPUPOOL_BURST": "0"}
     env.update(kwargs.pop("env", {}))
     return JupyterServer(ctx_workdir / name, env=env, log=log, **kwargs)
 

@@ -123,9 +123,38 @@ def _gbps(num_bytes: float, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
+def problems_of(data: dict[str, Any]) -> list[str]:
+    """What the child's events and NVML's readings say went wrong (pure; tests/test_gpu_checks.py
+    feeds it readings): each park freed the memory (NVML), each restore bit-identical at the same
+    addresses, the cap held inside the region, and both ways at least the goal on a reused backup."""
+    found: list[str] = []
+    for r in data.get("rounds", []):
+        gib, name = r["gib"], r["round"]
+        held = int(r.get("nvml_while_parked") or 0)
+        if (r.get("reply") or {}).get("status") == "error":
+            found.append(f"{gib} GiB {name} park failed: {r['reply'].get('message')}")
+        elif held > gib * GIB * 0.1 + 2 * GIB:  # the context and a little besides may stay
+            found.append(f"{gib} GiB parked but NVML still shows {held / GIB:.1f} GiB held by the process")
+        if "identical" in r and (not r["identical"] or not r["same_addresses"]):
+            found.append(f"{gib} GiB {name} restore: identical={r['identical']}, same addresses={r['same_addresses']}")
+    cap = data.get("cap_held")
+    if cap is None:
+        found.append("the cap inside the region was never tried")
+    elif not cap.get("held"):
+        found.append("PyTorch's per-process fraction did not hold inside the region: " + str(cap.get("detail")))
+    reused = [r for r in data.get("rounds", []) if r.get("round") == "again" and "resume_gbps" in r]
+    if sorted(r["gib"] for r in reused) != sorted(data.get("sizes_gib", SIZES_GIB)):
+        found.append("not every size was parked and restored twice")
+    for r in reused:
+        for way in ("park_gbps", "resume_gbps"):
+            if r[way] * 1e9 < GOAL_BYTES_PER_S:
+                found.append(f"{r['gib']} GiB reused-backup {way.split('_')[0]} at {r[way]:.1f} GB/s, "
+                             f"below the {GOAL_BYTES_PER_S / 1e9:.0f} GB/s goal")
+    return found
+
+
 def run(ctx: Context) -> Result:
     data: dict[str, Any] = {"sizes_gib": list(SIZES_GIB), "rounds": []}
-    problems: list[str] = []
     uuids = gpu_uuids()
     env = {
         **os.environ,
@@ -155,13 +184,9 @@ def run(ctx: Context) -> Result:
                 data["caps"] = event.get("record")
             elif kind == "parked":
                 gib = event["gib"]
-                held = nvml_process_memory({child.pid}).get(child.pid, 0)
-                event["nvml_while_parked"] = held
-                if event["reply"].get("status") == "error":
-                    problems.append(f"{gib} GiB {event['round']} park failed: {event['reply'].get('message')}")
-                elif held > gib * GIB * 0.1 + 2 * GIB:  # the context and a little besides may stay
-                    problems.append(f"{gib} GiB parked but NVML still shows {held / GIB:.1f} GiB held by the process")
+                event["nvml_while_parked"] = nvml_process_memory({child.pid}).get(child.pid, 0)
                 data["rounds"].append(event)
+                ctx.log(f"{gib} GiB {event['round']}: parked, NVML shows {event['nvml_while_parked'] / GIB:.2f} GiB held")
                 child.stdin.write("go\n")
                 child.stdin.flush()
             elif kind == "resumed":
@@ -169,15 +194,10 @@ def run(ctx: Context) -> Result:
                 parked.update(resume_s=event["resume_s"], same_addresses=event["same_addresses"], identical=event["identical"])
                 size = event["gib"] * GIB
                 parked["park_gbps"], parked["resume_gbps"] = _gbps(size, parked["park_s"]), _gbps(size, event["resume_s"])
-                if not event["identical"] or not event["same_addresses"]:
-                    problems.append(f"{event['gib']} GiB {event['round']} restore: identical={event['identical']}, "
-                                    f"same addresses={event['same_addresses']}")
                 ctx.log(f"{event['gib']} GiB {event['round']}: park {parked['park_gbps']:.1f} GB/s, "
                         f"restore {parked['resume_gbps']:.1f} GB/s")
             elif kind == "cap_held":
                 data["cap_held"] = event
-                if not event["held"]:
-                    problems.append("PyTorch's per-process fraction did not hold inside the region: " + event["detail"])
             elif kind == "done":
                 break
         child.wait(timeout=60)
@@ -188,13 +208,8 @@ def run(ctx: Context) -> Result:
     if child.returncode not in (0, None):
         tail = (child.stderr.read() if child.stderr else "")[-400:].strip().splitlines()
         return Result.fail(ctx.name, f"the child process failed ({child.returncode}): {tail[-1] if tail else 'no output'}", **data)
+    problems = problems_of(data)
     reused = [r for r in data["rounds"] if r.get("round") == "again" and "resume_gbps" in r]
-    if len(reused) != len(SIZES_GIB):
-        problems.append("not every size was parked and restored twice")
-    for r in reused:
-        for way in ("park_gbps", "resume_gbps"):
-            if r[way] * 1e9 < GOAL_BYTES_PER_S:
-                problems.append(f"{r['gib']} GiB reused-backup {way.split('_')[0]} at {r[way]:.1f} GB/s, below the 20 GB/s goal")
     pinned = f"pinned copy {data.get('pinned_d2h', 0) / 1e9:.0f}/{data.get('pinned_h2d', 0) / 1e9:.0f} GB/s d2h/h2d"
     number = ", ".join(f"{r['gib']} GiB {r['park_gbps']:.0f}/{r['resume_gbps']:.0f} GB/s" for r in reused) or "-"
     firsts = [r for r in data["rounds"] if r.get("round") == "first" and "resume_gbps" in r]
