@@ -42,3 +42,16 @@ count=$(ls "$DEST"/*.whl | wc -l)
 size=$(du -sh "$DEST" | cut -f1)
 echo "prepare.sh: $count wheels ($size) for Python $PYVER in $DEST"
 echo "prepare.sh: copy tests/gpu/.wheels (git-ignored) to the GPU machine along with the tree"
+
+# What a device call carries: the tree (tracked and untracked files git does not ignore) and the
+# wheels, 64 MiB at most together.
+LIMIT=$((64 * 1024 * 1024))
+wheels=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
+if tree=$(cd "$ROOT" && git ls-files -co --exclude-standard -z 2>/dev/null | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1) && [ -n "$tree" ]; then
+  total=$((tree + wheels))
+  echo "prepare.sh: the tree ($((tree / 1024 / 1024)) MiB) and the wheels ($((wheels / 1024 / 1024)) MiB) travel together: $((total / 1024 / 1024)) MiB of the 64 MiB a device call carries"
+  if [ "$total" -gt "$LIMIT" ]; then
+    echo "prepare.sh: error: $((total / 1024 / 1024)) MiB is more than a device call carries; leave out wheels the GPU machine has (its image's package list)" >&2
+    exit 1
+  fi
+fi
