@@ -12,9 +12,11 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,6 +189,79 @@ def test_a_kernel_that_leases_later_opens_its_gpu_on_that_decisions_pass_and_a_r
     finally:
         broker.stop()
         hub.stop()
+
+
+# A kernel no provisioner started (nbconvert's, papermill's): it leases for itself and re-executes
+# with its lease in its environment. Its first instruction after that says what it can open.
+SELF_LEASING = """
+import errno, json, os, sys
+if os.environ.get("GPUPOOL_AUTOLEASE_HELD"):
+    seen = {{"lease": os.environ.get("GPUPOOL_LEASE_ID"), "cgroup": open("/proc/self/cgroup").read(), "opens": []}}
+    for node in {nodes!r}:
+        try:
+            os.close(os.open(node, os.O_RDWR))
+            seen["opens"].append("OK")
+        except OSError as exc:
+            seen["opens"].append(errno.errorcode[exc.errno])
+    open({out!r}, "w").write(json.dumps(seen))
+    sys.exit(0)
+import signal
+from jupyter_gpupool.kernel import autolease
+reexec = os.execve
+def execve(*args):  # leased and about to run again: the broker's next pass cannot come before the test says
+    os.kill({broker_pid}, signal.SIGSTOP)
+    reexec(*args)
+os.execve = execve
+autolease.configure()
+print("it did not re-execute itself:", autolease.current().lines)
+"""
+
+
+@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+def test_a_kernel_that_leases_for_itself_runs_again_only_once_its_gpu_is_open_to_it(
+    host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
+) -> None:
+    monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
+    hub = StandInHub().start()
+    alice = hub.add_user("tok-alice", ALICE)
+    config = f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\nc.DeviceControl.name = {host.tag!r}\n"
+    broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
+    uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
+    out = tmp_path / "first-instruction.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUPOOL_", "JUPYTERHUB_"))}
+    env.update(GPUPOOL_URL=broker.url, GPUPOOL_TOKEN=alice, GPUPOOL_SIMULATE="3x16GiB", GPUPOOL_SIMULATE_NODES=str(host.folder))
+    try:
+        broker.start()
+        assert _until(lambda: f"device control: {MODE_V2}; GPU nodes" in broker.log(), 5), broker.log()
+        assert broker.proc is not None
+        broker_pid = broker.proc.pid
+        script = SELF_LEASING.format(nodes=[str(host.gpu(i)) for i in range(3)], out=str(out), broker_pid=broker_pid)
+        # Born in its spawner's cgroup (denied every GPU node), as a kernel nbconvert starts is.
+        born = [a for d in host.spawner_dirs for a in (sys.executable, "-m", "jupyter_gpupool.enforcement.join_cgroup", d, "--")]
+        kernel = subprocess.Popen([*born, sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The broker is held from the moment the kernel leased until well after a re-executed Python
+        # reaches its first instruction: only a kernel that waits for its GPU opens it.
+        assert _until(lambda: kernel.poll() is not None or _stopped(broker_pid), 30)
+        time.sleep(1.0)
+        os.kill(broker_pid, signal.SIGCONT)
+        stdout, stderr = kernel.communicate(timeout=30)
+        assert kernel.returncode == 0 and out.exists(), stdout + stderr
+        seen = json.loads(out.read_text())
+        lease = call(broker, "GET", f"leases/{seen['lease']}", alice)
+        index = uuids.index(lease["devices"][0])
+        # Its very first instruction runs in its kernel's cgroup and opens its GPU (no driver behind it), no other.
+        assert f"-kernel-{seen['lease']}" in seen["cgroup"], seen
+        assert seen["opens"] == ["ENXIO" if i == index else "EPERM" for i in range(3)], (seen, stderr)
+    finally:
+        if broker.proc is not None and broker.proc.poll() is None:
+            os.kill(broker.proc.pid, signal.SIGCONT)
+        broker.stop()
+        hub.stop()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 OPEN_IN_KERNEL = """

@@ -790,7 +790,8 @@ def _reexec_with_lease(auto: AutoLease) -> None:
     What ``/proc/<pid>/environ`` shows is the environment a process was started with, and that is
     where the pool's watcher finds which lease a GPU process belongs to: without it, this kernel's
     memory would count as used outside the pool. The kernel has bound no socket yet, and the
-    lease is held by this pid, which ``execve`` keeps."""
+    lease is held by this pid, which ``execve`` keeps. Where the broker runs device control, a
+    granted kernel re-executes through ``device_join``: it runs again once its GPU opens to it."""
     if os.name != "posix" or not getattr(sys, "orig_argv", None):
         return
     auto.environ[REEXEC_ENV] = f"{os.getpid()}:{auto.lease_id}:{'queued' if auto.queued else 'granted'}:{os.getppid()}"
@@ -799,11 +800,25 @@ def _reexec_with_lease(auto: AutoLease) -> None:
             stream.flush()
         except Exception:  # noqa: BLE001, S110 - nothing to flush
             pass
+    argv = list(sys.orig_argv)
+    if not auto.queued and _device_control_runs(auto.pool):
+        # The broker opens this kernel's GPU once it finds the process naming its lease: wait for
+        # that before the kernel runs again, so its first CUDA call never meets EPERM.
+        from jupyter_gpupool.enforcement.device_join import join_command
+
+        argv = join_command(argv, sys.executable)
     try:
-        os.execve(sys.executable, list(sys.orig_argv), dict(auto.environ))
+        os.execve(sys.executable, argv, dict(auto.environ))
     except OSError as err:
         auto.environ.pop(REEXEC_ENV, None)
         auto.say(f"could not restart this kernel with its lease in its environment ({err}); the pool may count its GPU memory as outside the pool")
+
+
+def _device_control_runs(pool: Any) -> bool:
+    """Whether the pool's broker denies GPU nodes outside granted kernels (its info says so)."""
+    from jupyter_gpupool.provisioner.kernel_provisioner import device_control_runs
+
+    return device_control_runs(pool)
 
 
 def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoLease | None:
