@@ -281,12 +281,13 @@ def test_a_kernel_a_server_starts_under_device_control_opens_its_gpu_from_its_fi
     monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
     hub = StandInHub().start()
     alice = hub.add_user("tok-alice", ALICE)
-    config = f"c.DeviceControl.user_cgroups = [{host.user!r}]\nc.DeviceControl.name = {host.tag!r}\nc.DeviceControl.kernel_subtree = '{host.tag}/kernels'\n"
+    config = f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\nc.DeviceControl.name = {host.tag!r}\nc.DeviceControl.kernel_subtree = '{host.tag}/kernels'\n"
     broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
     uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
     server = None
     try:
         broker.start()
+        assert _until(lambda: f"device control: {MODE_V2}; GPU nodes" in broker.log(), 5), broker.log()  # the users' deny in place
         # A kernel whose very first instruction opens its GPU's node, then runs as ipykernel.
         first = tmp_path / "first-open"
         spec = tmp_path / "share" / "kernels" / "first-open"
