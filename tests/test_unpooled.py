@@ -376,10 +376,16 @@ def test_a_server_opted_out_by_its_environment_says_so_and_its_kernels_gpu_use_i
         uuid = server.call("GET", "api/gpupool/pool")["devices"][0]["uuid"]
         kernel_id = server.call("POST", "api/kernels", {"name": "python3"})["id"]
         connection = tmp_path / "alice" / "runtime" / f"kernel-{kernel_id}.json"
-        wait_for(connection.exists, timeout=60, what="the kernel's connection file")
+        # The file is created first and written a moment later: wait until it is whole.
+        wait_for(lambda: connection.exists() and connection.stat().st_size > 0, timeout=60,
+                 what="the kernel's connection file")
         client = BlockingKernelClient(connection_file=str(connection))
         client.load_connection_file()
         client.start_channels(hb=False)  # no manager here: the heartbeat check is the server's
+        # A cell sent before the kernel's IOPub has our subscription loses its output (and its
+        # idle status): execute_interactive then waits out its timeout on a busy machine. The
+        # kernel_info round trip with an IOPub message back proves both channels are connected.
+        client.wait_for_ready(timeout=60)
         reply = client.execute_interactive(
             f"import os; assert 'GPUPOOL_LEASE_ID' not in os.environ; os.environ['CUDA_VISIBLE_DEVICES'] = {uuid!r}\n"
             "from jupyter_gpupool.devices.simulated import pretend_to_use; pretend_to_use('2GiB'); print(os.getpid())",
