@@ -20,7 +20,7 @@ from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.units import GIB
 
 #: The schema before ``ledger.guarantee`` (elastic slices) and ``pool_facts``.
-BEFORE_ELASTIC = SCHEMA_VERSION - 2
+BEFORE_ELASTIC = next(step for step, sql in enumerate(MIGRATIONS) if "ADD COLUMN guarantee" in sql)
 assert "guarantee" in MIGRATIONS[BEFORE_ELASTIC] and "pool_facts" in MIGRATIONS[BEFORE_ELASTIC + 1]
 
 
@@ -30,7 +30,7 @@ def open_pool(db: str) -> Pool:
 
 def file_of_the_schema_before_elastic_slices(tmp_path: Path) -> tuple[str, set[str]]:
     """A pool file as the version before elastic slices left it: two granted leases and a ledger
-    row of a released one (made with today's code, then the two newest migrations undone)."""
+    row of a released one (made with today's code, then those two migrations undone)."""
     db = str(tmp_path / "pool.sqlite")
     pool = open_pool(db)
     kept = {pool.request(LeaseRequest(owner=owner, memory=4 * GIB)).id for owner in ("alice", "bob")}

@@ -202,7 +202,7 @@ def test_a_recorded_simulated_inventory_is_not_used_on_a_host_with_an_nvidia_dri
 def test_a_pool_file_of_the_previous_version_is_taken_forward_and_then_remembers(tmp_path):
     """The file of the schema before ``pool_facts`` opens, keeps its leases, and learns its inventory."""
     path = tmp_path / "old.sqlite"
-    before = SCHEMA_VERSION - 1
+    before = next(step for step, sql in enumerate(MIGRATIONS) if "CREATE TABLE pool_facts" in sql)
     conn = sqlite3.connect(path)
     conn.executescript(";".join(MIGRATIONS[:before]) + f"; PRAGMA user_version={before}; PRAGMA application_id={0x4A475050};")
     conn.close()

@@ -97,6 +97,13 @@ MIGRATIONS: list[str] = [
         value TEXT NOT NULL
     )
     """,
+    # The limit a lease's user set (``limit_asked``): leases written before it existed keep the
+    # limit they had (``burst_limit``; 0, a fixed slice, where they predate elastic slices), so a
+    # later resize never changes a limit someone was given (None would recompute the pool's burst).
+    """
+    UPDATE leases SET data = json_set(data, '$.limit_asked', COALESCE(json_extract(data, '$.burst_limit'), 0))
+    WHERE json_type(data, '$.limit_asked') IS NULL
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 #: The ``pool_facts`` name of a simulated pool's inventory spec.
