@@ -104,7 +104,9 @@ def _link(path: str) -> str:
 def _command(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
+            # One line whatever the command holds (a `python -c` program, a name made to look like a log line).
+            text = handle.read().replace(b"\0", b" ").decode(errors="replace")
+            return " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())[:120] or "?"
     except OSError:
         return "?"
 
