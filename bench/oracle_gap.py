@@ -4,7 +4,7 @@ Each file is one run with ``--target-p95-wait`` (any modes; ``oracle`` among the
 The table gives, per run, the fewest GPUs of each mode and, recomputed from the run's own sessions,
 the oracle counted two more ways: its p95 over the cells the pool too would have to bring back (a
 session's first cell, and cells after an idle spell at least the pool's delay before parking:
-the run's suspend idle timeout plus the idle warning), and the GPUs no scheduler can go below
+the run's suspend idle timeout, the idle warning running within it as the pool's default has it), and the GPUs no scheduler can go below
 without ever delaying a cell (``oracle.no_wait_gpus``). Hours waited: Σ of every wait at that count. Where an
 ``elastic`` run is present it also splits the memory of its run on the configured inventory into
 what busy kernels need, what idle kernels hold, and what slices hold above their kernels' use.
@@ -66,7 +66,10 @@ def row(path: Path, traces: str | None) -> dict[str, Any]:
     settings = settings_of(data)
     _, memory, _ = inventory_model(settings.gpus)
     plans = make_plans(settings, load_workload(traces))
-    delay = data["settings"]["suspend_idle_timeout"] + PoolPolicy().warning_period
+    # The pool's delay before parking while someone waits: its default warns within the timeout.
+    timeout = data["settings"]["suspend_idle_timeout"]
+    policy = PoolPolicy()
+    delay = max(timeout, policy.warning_period) if policy.warn_within_idle_timeout else timeout + policy.warning_period
     target = next(iter(data["search"].values()))["target_p95_wait"]
     out: dict[str, Any] = {
         "file": path.name, "requests": settings.requests.text, "seed": settings.seed, "sessions": len(plans),

@@ -754,7 +754,7 @@ def test_lab_sim_prints_pooled_suspend_beside_the_other_modes() -> None:
     assert [row.split(" | ")[0] for row in rows] == ["| exclusive GPUs", "| pooled", "| pooled+reclaim", "| pooled+suspend",
                                                      "| elastic"]
     assert all(len(row.split(" | ")) == len(header.split(" | ")) for row in rows)
-    assert "--jobs 2" in proc.stdout and "pooled+suspend: idle timeout 5 min" in proc.stdout
+    assert "--jobs 2" in proc.stdout and "pooled+suspend: idle timeout 2 min" in proc.stdout
     assert "Requests exact: each session asks for its need rounded up to a GiB" in proc.stdout
 
 

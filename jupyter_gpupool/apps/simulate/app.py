@@ -108,7 +108,8 @@ class SimulateApp(GpuPoolBaseApp):
     idle_timeout = Unicode("30m", help="Idle time after which pooled+reclaim may take a slice back while others wait.").tag(config=True)
     suspend_idle_timeout = Unicode(
         f"{SUSPEND_IDLE_TIMEOUT / 60:g}m",
-        help="Idle time after which pooled+suspend may park a slice in host RAM while others wait (nothing is lost, so it can be short).",
+        help="Idle time after which pooled+suspend and elastic may park a slice in host RAM while others wait (nothing is lost, "
+        "so it can be short); the pool's own default suspend idle timeout unless given.",
     ).tag(config=True)
     parked_memory_limit = Unicode(
         "512GiB",
