@@ -29,6 +29,7 @@ from test_ownership import ALICE, BOB, PROF, unix_users  # noqa: F401 - unix_use
 
 from jupyter_gpupool.devices.simulated import NODE_DIR_ENV, SimulatedBackend, parse_inventory
 from jupyter_gpupool.enforcement.device_control import MODE_V1, MODE_V2
+from jupyter_gpupool.enforcement.device_control_role import DEVICE_ACCESS
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups, mknod and other users' processes need root")
 
@@ -316,6 +317,9 @@ def test_a_kernel_a_server_starts_under_device_control_opens_its_gpu_from_its_fi
         assert server.run_code(kernel_id, OPEN_IN_KERNEL.format(path=str(host.gpu(index)))).split() == ["ENXIO"]
         assert server.run_code(kernel_id, OPEN_IN_KERNEL.format(path=str(host.gpu((index + 1) % 3)))).split() == ["EPERM"]
         assert "did not set up this kernel's GPU access" not in server.log_text()  # it waited for its grant's cgroup
+        # The sidebar's enforcement line says so (the server's view of the kernel).
+        enforcement = server.call("GET", f"api/gpupool/kernels/{kernel_id}")["enforcement"]
+        assert enforcement["device_access"] == DEVICE_ACCESS == "this kernel's GPU only", enforcement
     finally:
         if server is not None:
             server.stop()

@@ -23,6 +23,9 @@ from jupyter_gpupool.enforcement.claims import UnixUsers, holder_here, may_claim
 from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControl, DeviceControlError
 from jupyter_gpupool.errors import LeaseNotFound
 
+#: What a granted kernel's status says under device control (``enforcement.device_access``).
+DEVICE_ACCESS = "this kernel's GPU only"
+
 
 def allowed_devices(lease: Lease) -> tuple[str, ...] | None:
     """The device uuids a lease's kernel may open now; None once the lease is over."""

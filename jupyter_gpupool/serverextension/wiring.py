@@ -14,8 +14,10 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.services.kernels.handlers import KernelActionHandler
 from tornado import web
 
-from jupyter_gpupool.core.models import Lease, QueueInfo
+from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo
+from jupyter_gpupool.enforcement.device_control_role import DEVICE_ACCESS
 from jupyter_gpupool.enforcement.plan import EnforcementPlan, plan_enforcement
+from jupyter_gpupool.provisioner.kernel_provisioner import device_control_runs
 from jupyter_gpupool.rest.views import kernel_status, kernel_status_without_pool, queued_status_while_unreachable
 from jupyter_gpupool.serverextension.handlers import default_handlers
 from jupyter_gpupool.units import format_size
@@ -110,6 +112,8 @@ class HttpWiring:
         if self.ext._pool is None or (lease is None and not self.ext.available):
             return kernel_status_without_pool(kernel_id, self.ext.owner, now, "unavailable", self.ext.availability()["reason"], None)
         status = kernel_status(self.ext.pool, kernel_id, lease, self.ext.enforcement, self.ext.owner, now)
+        if lease is not None and lease.state is LeaseState.GRANTED and device_control_runs(self.ext.pool):
+            status["enforcement"]["device_access"] = DEVICE_ACCESS  # the broker opens its GPUs, no other
         status["parking"] = self.ext.transition_driver.parking_of(lease)
         return status
 

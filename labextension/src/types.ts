@@ -146,6 +146,8 @@ export interface IEnforcement {
   level?: string;
   mechanisms?: string[];
   description?: string;
+  /** Where the broker runs device control, while the kernel holds its GPUs: "this kernel's GPU only". */
+  device_access?: string | null;
 }
 
 /** `GET /api/gpupool/kernels/{kernel_id}`. */

@@ -600,13 +600,15 @@ function enforcementView(status: IKernelStatus): IKernelView['enforcement'] {
     return null;
   }
   const level = status.enforcement.level ?? 'unknown';
+  const text =
+    status.enforcement.description ||
+    (status.enforcement.mechanisms ?? []).join(', ') ||
+    'no enforcement reported';
+  const device = status.enforcement.device_access;
   return {
     level,
     label: enforcementLabel(level),
-    text:
-      status.enforcement.description ||
-      (status.enforcement.mechanisms ?? []).join(', ') ||
-      'no enforcement reported'
+    text: device ? `${text}; device access: ${device}` : text
   };
 }
 

@@ -780,3 +780,15 @@ describe('elastic slices', () => {
     expect(slurm.burstFixed).toBe("No burst: Slurm set this job's GPU shards when it was submitted.");
   });
 });
+
+describe('the enforcement line under device control', () => {
+  it("names the kernel's device access where the broker runs device control, and only there", () => {
+    const enforcement = { level: 'soft', mechanisms: ['framework-caps', 'watchdog'], description: 'PyTorch cap and NVML watchdog' };
+    const guarded = view(status({ enforcement: { ...enforcement, device_access: "this kernel's GPU only" } }));
+    expect(guarded.enforcement!.text).toBe("PyTorch cap and NVML watchdog; device access: this kernel's GPU only");
+    expect(view(status({ enforcement })).enforcement!.text).toBe('PyTorch cap and NVML watchdog');
+    expect(view(status({ enforcement: { ...enforcement, device_access: null } })).enforcement!.text).toBe(
+      'PyTorch cap and NVML watchdog'
+    );
+  });
+});
