@@ -15,6 +15,7 @@ import errno
 import glob
 import json
 import os
+import pwd
 import secrets
 import signal
 import subprocess
@@ -561,3 +562,31 @@ def test_the_service_follows_the_pools_changes_and_a_restart_adopts_what_it_left
         assert _until(lambda: second.role is not None and not second.role.cgroups.kernels)  # removed once empty
     finally:
         second.stop()
+
+
+def test_a_pooled_user_added_after_start_is_found_within_the_retry_of_a_miss(tmp_path: Path) -> None:
+    """A hub's new user (TLJH makes ``jupyter-NAME`` at first login) may get its Unix account after
+    device control first looked its name up: a miss is looked up again, at most once per retry."""
+    name = f"gpo-late-{secrets.token_hex(3)}"  # per run: two runs may share the host
+    users = UnixUsers(miss_retry_seconds=1.0)
+    pool = make_pool(tmp_path, "1x16GiB")
+    lease = pool.request(req(name, 8, kernel_id="k1"))
+    assert users.uid(name) is None  # no such user yet
+    missed = time.monotonic()
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+    kernel = None
+    try:
+        if time.monotonic() - missed < 0.9:
+            assert users.uid(name) is None  # a miss is not looked up again at once
+        kernel = subprocess.Popen(
+            ["setpriv", f"--reuid={name}", f"--regid={name}", "--clear-groups", "/bin/sleep", "30"],
+            env={"PATH": "/usr/bin:/bin", "GPUPOOL_LEASE_ID": lease.id},
+        )
+        assert _until(lambda: psutil.Process(kernel.pid).uids().real != 0, 5)
+        assert _until(lambda: lease_processes([lease], users, "here") == {lease.id: [kernel.pid]}, 5)
+        assert users.uid(name) == pwd.getpwnam(name).pw_uid
+    finally:
+        if kernel is not None:
+            kernel.kill()
+            kernel.wait()
+        subprocess.run(["userdel", name], check=False)

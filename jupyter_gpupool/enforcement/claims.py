@@ -67,7 +67,12 @@ class UnixUsers:
     #: Whose processes a lease of a pool user no Unix user maps to may also claim (besides its
     #: own server's): the watcher's own uid on a single-user host; None on a multi-user one.
     fallback_uid: int | None = None
+    #: Seconds before a pool user no Unix user mapped to is looked up again: a user added after the
+    #: watcher started (a hub's new user, TLJH's ``jupyter-NAME`` made at first login) is found
+    #: within this long of its first use, and each unmapped user costs one lookup per interval.
+    miss_retry_seconds: float = 30.0
     _cache: dict[str, int | None] = field(default_factory=dict, repr=False)
+    _missed: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
 
     def unix_name(self, owner: str) -> str | None:
         """The Unix user name (or uid, as text) ``owner``'s processes run as, before the lookup."""
@@ -80,8 +85,12 @@ class UnixUsers:
 
     def uid(self, owner: str) -> int | None:
         """``owner``'s Unix uid, or None when no Unix user maps (a hub-only user)."""
-        if owner not in self._cache:
+        if owner not in self._cache or (
+            self._cache[owner] is None and time.monotonic() - self._missed.get(owner, 0.0) >= self.miss_retry_seconds
+        ):
             self._cache[owner] = self._lookup(owner)
+            if self._cache[owner] is None:
+                self._missed[owner] = time.monotonic()
         return self._cache[owner]
 
     def _lookup(self, owner: str) -> int | None:
