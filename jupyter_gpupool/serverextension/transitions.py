@@ -162,6 +162,8 @@ class TransitionDriver:
         pid = getattr(process, "pid", None)
         step = lease.transition
         try:
+            if not await self._still_due(lease):
+                return
             pending = self._unconfirmed.get(lease.id)
             if pending is not None and pending[0] is step:  # done already: only the pool's answer was lost
                 done = await asyncio.to_thread(self.ext.pool.confirm_transition, lease.id, pending[1])
@@ -186,6 +188,15 @@ class TransitionDriver:
             self.ext.log.exception("gpupool: %s of kernel %s failed", step.value, kernel_id)
         finally:
             self._moving.discard(lease.id)
+
+    async def _still_due(self, lease: Lease) -> bool:
+        """Whether the pool still asks for ``lease``'s step. The leases acted on were read before
+        the act lock was taken (by the tick, or the change follower): a read from before an
+        earlier task of ours confirmed the same step would do it twice (a second suspend of a
+        kernel already parked fails, and its failure, reported against the restore its next
+        cell asked for meanwhile, would shut the kernel down)."""
+        now = await asyncio.to_thread(self.ext.pool.get, lease.id)
+        return now.transition is lease.transition and now.transition_at == lease.transition_at
 
     async def _suspend(self, kernel_id: str, lease: Lease, pid: int) -> None:
         refusal = self.checkpointer.supports_devices([d for d in self.ext.pool.devices() if d.uuid in lease.devices])
