@@ -63,6 +63,7 @@ class SlurmCluster:
     partition = "gpu"
     shards = 16
     gpus = 2
+    message_timeout = 10
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -77,6 +78,19 @@ class SlurmCluster:
     def env(self) -> dict[str, str]:
         """Variables a client (sbatch, squeue, our backend) needs to reach this cluster."""
         return {"SLURM_CONF": str(self.conf)}
+
+    def outage_env(self, message_timeout: int = 4) -> dict[str, str]:
+        """Like :attr:`env`, for a client that meets a stopped controller: the same cluster, with
+        a shorter ``MessageTimeout`` (a client retries its connection for that long, less a
+        second), so a test of an outage does not wait :attr:`message_timeout` per command."""
+        client = self.etc / f"slurm-client-{message_timeout}.conf"
+        if not client.exists():
+            lines = self.conf.read_text().splitlines()
+            shorter = f"MessageTimeout={message_timeout}"
+            client.write_text(
+                "\n".join(shorter if line.startswith("MessageTimeout=") else line for line in lines) + "\n"
+            )
+        return {"SLURM_CONF": str(client)}
 
     def _write_config(self) -> None:
         for sub in ("etc", "munge", "state", "spool", "log", "run"):
@@ -123,7 +137,10 @@ class SlurmCluster:
                     "DefMemPerCPU=256",
                     "MinJobAge=600",
                     "KillWait=2",
-                    "MessageTimeout=2",  # a client facing a stopped controller gives up in seconds, not 18 s
+                    # Slurm's default: on a loaded 2-core host a daemon or client can wait seconds for
+                    # the CPU, and at 2 s slurmctld dropped messages ("Socket timed out on send/recv").
+                    # A client facing a stopped controller retries for as long: see outage_env().
+                    f"MessageTimeout={self.message_timeout}",
                     "InactiveLimit=0",
                     "AccountingStorageType=accounting_storage/none",
                     "JobAcctGatherType=jobacct_gather/none",
@@ -194,7 +211,8 @@ class SlurmCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
         out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False)
-        return out.strip().rstrip("*") in ("idle", "mixed", "allocated")
+        # Exactly: "idle*" (a "*" suffix) is a node slurmd has not answered for yet, not a ready one.
+        return out.strip() in ("idle", "mixed", "allocated")
 
     def _wait_for(self, check: object, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -445,7 +445,8 @@ def test_a_controller_outage_releases_nothing_and_a_pending_wait_rides_it_out(sl
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.errors import PoolUnavailable
 
-    env = {**os.environ, **slurm.env, "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
+    # A client of its own whose commands give up on the stopped controller in seconds.
+    env = {**os.environ, **slurm.outage_env(), "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
     pool = SlurmPool.from_env(environ=env)
     pool.cache_seconds = 0.0
     first, second, waiting = (
