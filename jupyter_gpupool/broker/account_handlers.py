@@ -98,6 +98,7 @@ class MetricsHandler(BrokerHandler):
     (hub), or an admin / metrics group (socket), unless ``Broker.metrics_require_auth`` is off."""
 
     async def prepare(self) -> None:
+        await self.pause_if_refused_often()
         self.begin()
         if not self.broker.metrics_require_auth:
             return

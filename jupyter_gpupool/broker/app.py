@@ -154,7 +154,21 @@ class Broker(LoggingConfigurable):
         "work on the broker's shared worker. 0: no bound.",
     ).tag(config=True)
     refused_reports_window = Float(
-        10.0, help="Seconds over which refused_reports_allowed and refused_reports_budget count a user's refused reports."
+        10.0,
+        help="Seconds over which refused_reports_allowed and refused_reports_budget count a user's refused "
+        "reports, and refused_requests_allowed a caller's refused requests.",
+    ).tag(config=True)
+    refused_requests_allowed = Integer(
+        50,
+        help="Requests one caller may have refused (400, 401, 403, 404, 413, 429) within refused_reports_window "
+        "before each of its next requests waits refused_requests_pause before it is looked at: a loop of "
+        "requests refused at once (bodies declared too large) then costs its own caller time instead of "
+        "everyone the broker's one event loop. A caller is a uid on the Unix socket and a user on TCP once a "
+        "request on the connection was identified; TCP connections not identified yet share their address "
+        "(every hub user's server may) and are not slowed. 0: no bound.",
+    ).tag(config=True)
+    refused_requests_pause = Float(
+        1.0, min=0.0, help="Seconds a request of a caller past refused_requests_allowed waits before it is looked at."
     ).tag(config=True)
     refused_reports_budget = Float(
         0.0,
@@ -189,6 +203,7 @@ class Broker(LoggingConfigurable):
         self.refused_reports = Throttle(
             lambda: self.refused_reports_allowed, lambda: self.refused_reports_window, lambda: self.refused_reports_budget
         )
+        self.refused_requests = Throttle(lambda: self.refused_requests_allowed, lambda: self.refused_reports_window)
         self.enforcement = EnforcementSettings(parent=self).to_config()
         self._roots: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []

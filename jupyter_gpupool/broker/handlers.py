@@ -46,6 +46,10 @@ def lease_json(lease: Lease, queue: Any = None) -> dict[str, Any]:
     return data
 
 
+#: Answers a caller can have again at once by asking again: what ``Broker.refused_requests_allowed`` counts.
+REFUSED_STATUSES = frozenset({400, 401, 403, 404, 413, 429})
+
+
 @web.stream_request_body
 class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
     """Base: identity in ``prepare``, JSON errors, pool calls on the broker's worker thread.
@@ -65,6 +69,7 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
         return self.settings["gpupool_broker"]
 
     async def prepare(self) -> None:
+        await self.pause_if_refused_often()
         self.begin()
         self.identity = await self.broker.identify(self)
         refusal = self.broker.connections.identified(self.request.connection.stream, self.identity.name)
@@ -72,6 +77,20 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
             self.close_after_answer()
             raise TooManyConnections(refusal)
         self.check_path_arguments()
+
+    def _caller(self) -> str | None:
+        """Whom this connection's refusals count for (``uid:1000``, ``user:alice``); None for a TCP
+        connection not identified yet (its address may be every hub user's)."""
+        key = self.broker.connections.holder(self.request.connection.stream)
+        return None if key is None or key[0] == "address" else f"{key[0]}:{key[1]}"
+
+    async def pause_if_refused_often(self) -> None:
+        """A caller past ``Broker.refused_requests_allowed`` refusals waits before its request is
+        looked at (its body is not read meanwhile): its loop slows, nobody else's requests do."""
+        caller = self._caller()
+        wait = self.broker.refused_requests.wait_left(caller) if caller is not None else 0.0
+        if wait > 0:
+            await asyncio.sleep(min(wait, self.broker.refused_requests_pause))
 
     def begin(self) -> None:
         """Before any work for a request: mark its connection busy, refuse a body declared too large."""
@@ -121,6 +140,10 @@ class BrokerHandler(JsonHandlerMixin, web.RequestHandler):
 
     def on_finish(self) -> None:
         self.broker.connections.finished(self.request.connection.stream)
+        if self.get_status() in REFUSED_STATUSES:
+            caller = self._caller()
+            if caller is not None:
+                self.broker.refused_requests.refused(caller)
 
     def query(self, name: str) -> str | None:
         """A query argument (the last one given), bounded in length; None when absent."""

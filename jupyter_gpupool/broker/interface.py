@@ -36,6 +36,10 @@ class BrokerInterface(Protocol):
     connections: ConnectionBook
     #: Each caller's refused reports of finished steps, bounded by ``Broker.refused_reports_allowed``.
     refused_reports: Throttle
+    #: Each caller's refused requests (uid on the socket, identified user on TCP), bounded by
+    #: ``Broker.refused_requests_allowed``; past it their requests wait ``refused_requests_pause``.
+    refused_requests: Throttle
+    refused_requests_pause: float
     #: Log lines about repeated refusals, one per kind and caller per ``Broker.log_interval``.
     note: RateLimitedLog
     metrics_require_auth: bool

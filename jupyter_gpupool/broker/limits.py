@@ -149,6 +149,11 @@ class ConnectionBook:
                 return True
         return False
 
+    def holder(self, stream: Any) -> tuple[str, str] | None:
+        """Whom this connection counts for now (see :meth:`count`), or None if it is not counted."""
+        conn = self._open.get(id(stream))
+        return conn.key if conn is not None else None
+
     def started(self, stream: Any) -> None:
         """A request arrived on this connection: never closed to make room while it is served."""
         conn = self._open.get(id(stream))
