@@ -320,6 +320,10 @@ class AutoLease:
         self.lines.append(text)
         say(text, self.stream)
 
+    def tell_terminal(self, text: str) -> None:
+        """One line on the terminal only (a waiting kernel's progress), not kept in :attr:`lines`."""
+        say(text, self.stream)
+
     # --- at kernel start --------------------------------------------------------------------
 
     def start(self, label: str) -> None:
@@ -445,6 +449,8 @@ class AutoLease:
         except Exception as err:  # noqa: BLE001
             self.say(f"could not load {KERNEL_EXTENSION} (%gpupool and the framework caps): {err}")
         if self.queued or self.first_cell_rejection:
+            from jupyter_gpupool.kernel.first_cell_wait import FirstCellWait
+
             self.waiter = FirstCellWait(self)
             self.waiter.start(shell)
 
@@ -486,6 +492,8 @@ class AutoLease:
         last = [""]
 
         def on_update(lease: Any, info: Any) -> None:
+            from jupyter_gpupool.kernel.first_cell_wait import waiting_line
+
             text = waiting_line(self.priority, info)
             if text != last[0]:
                 last[0] = text
@@ -526,143 +534,6 @@ class AutoLease:
         self.apply_grant(lease)
 
 
-def waiting_line(priority: str, info: Any) -> str:
-    """``waiting for a GPU slice (batch), position 2 of 3 (reason)``: what a waiting kernel says."""
-    text = f"waiting for a GPU slice ({priority})"
-    if info is not None:
-        text += f", position {info.position} of {info.length}"
-        if info.reason:
-            text += f" ({info.reason})"
-    return text
-
-
-#: Seconds a ``batch`` kernel whose first cell stopped waiting takes to send the cell its last line.
-END_AFTER_STOPPED_WAIT = 0.5
-
-
-class FirstCellWait:
-    """``pre_run_cell`` hook: while this kernel's lease is queued, a cell waits for the grant.
-
-    The wait shows as one progress line in the cell, cleared once it ends (a batch run's saved
-    notebook keeps only its own outputs), and as lines on the terminal. A request that is withdrawn
-    stops the cell with one line; ``%gpupool``-only cells never wait. A wait that is stopped (an
-    interrupt: a user's, or a per-cell timeout's) stops the cell, and no later cell runs as if it
-    had run: a ``batch`` kernel (no person at it: a grader, a script) gives its request back and
-    ends, so its client fails clearly instead of running the rest; any other kernel rejects every
-    later cell until it is restarted.
-    """
-
-    def __init__(self, owner: AutoLease, display: Callable[..., Any] | None = None, end: Callable[[str], None] | None = None) -> None:
-        from jupyter_gpupool.kernel.resume import _RejectCell
-
-        self.owner = owner
-        self._display = display
-        self._end = end or _end_kernel
-        self.rejection: str | None = None
-        #: Why every later cell is rejected (a cell stopped waiting and did not run), else None.
-        self.stopped: str | None = None
-        self.transformer = _RejectCell(self)  # type: ignore[arg-type]
-
-    def start(self, shell: Any) -> None:
-        shell.events.register("pre_run_cell", self.pre_run_cell)
-        shell.ast_transformers.append(self.transformer)
-
-    def stop(self, shell: Any) -> None:
-        try:
-            shell.events.unregister("pre_run_cell", self.pre_run_cell)
-        except ValueError:
-            pass
-        if self.transformer in shell.ast_transformers:
-            shell.ast_transformers.remove(self.transformer)
-
-    def pre_run_cell(self, info: Any = None) -> None:
-        from jupyter_gpupool.kernel.resume import only_gpupool_magics
-
-        self.rejection = None
-        if only_gpupool_magics(getattr(info, "raw_cell", "") or ""):
-            return
-        if self.owner.first_cell_rejection:
-            self.rejection, self.owner.first_cell_rejection = self.owner.first_cell_rejection, None
-            return
-        if self.stopped:
-            self.rejection = self.stopped
-            return
-        if self.owner.queued:
-            self.rejection = self.wait()
-
-    def wait(self) -> str | None:
-        """The one-line reason to reject the cell, or None to run it (granted, or CPU-only)."""
-        from jupyter_gpupool.errors import GpuPoolError
-        from jupyter_gpupool.kernel.resume import ProgressLine
-        from jupyter_gpupool.units import format_duration
-
-        progress = ProgressLine(self._display)
-        started = time.monotonic()
-        last: list[str] = []
-        position: list[str] = []
-
-        def on_update(lease: Any, info: Any) -> None:
-            text = "gpupool: " + waiting_line(self.owner.priority, info)
-            if info is not None:
-                position[:] = [f"position {info.position} of {info.length}"]
-            progress.show(text)
-            if text != (last[-1] if last else None):
-                last.append(text)
-                say(text.removeprefix("gpupool: "), self.owner.stream)
-
-        try:
-            on_update(None, None)
-            self.owner.wait_for_grant(on_update=on_update)
-        except KeyboardInterrupt:
-            self._clear(progress)
-            return self._stopped(format_duration(time.monotonic() - started), position[0] if position else "queued")
-        except GpuPoolError as err:
-            why = self.owner.release_reason() or str(err)
-            self.owner.cpu_only(f"its queued GPU request ended: {why}")
-            return f"no GPU slice for this kernel (its queued request ended: {why}); it runs CPU-only from now on"
-        except Exception as err:  # noqa: BLE001 - one line, never a traceback
-            self.owner.cpu_only(f"waiting for a GPU failed: {err}")
-            return f"waiting for a GPU failed: {err}; this kernel runs CPU-only from now on"
-        finally:
-            self._clear(progress)
-        devices = self.owner.environ.get("CUDA_VISIBLE_DEVICES", "")
-        self.owner.say(f"granted after {format_duration(time.monotonic() - started)}: CUDA_VISIBLE_DEVICES={devices}")
-        return None
-
-    def _stopped(self, waited: str, where: str) -> str:
-        """A wait stopped by an interrupt: the cell's one line; later cells never run as if it had run."""
-        lengthen = (
-            "let the wait finish: lengthen the client's cell timeout (nbgrader: Execute.timeout; nbconvert: "
-            "--ExecutePreprocessor.timeout), or run when the pool has room"
-        )
-        if self.owner.priority == "batch":
-            self.owner.release("its first cell stopped waiting for a GPU")
-            message = (
-                f"stopped waiting for a GPU after {waited} ({where}); this cell did not run, so this kernel ends "
-                f"rather than run the next cells without it; {lengthen}"
-            )
-            self.owner.say(message)
-            self.stopped = message
-            self._end(message)  # before any reply: its client sees a kernel that died, never a cell that ran
-            return message
-        self.stopped = (
-            f"an earlier cell stopped waiting for a GPU after {waited} ({where}) and did not run, so this cell does not "
-            "run either; restart the kernel to run from the top (it stays queued: %gpupool status shows its place)"
-        )
-        return f"stopped waiting for a GPU after {waited} ({where}); this cell did not run, nor will later cells: restart the kernel"
-
-    @staticmethod
-    def _clear(progress: Any) -> None:
-        if progress.handle is None:
-            return
-        try:
-            from IPython.display import clear_output
-
-            clear_output()
-        except Exception:  # noqa: BLE001, S110 - the line stays; the cell still runs
-            pass
-
-
 def _process_age() -> float:
     """Seconds since this process started (0 where it cannot be told); a re-executed kernel keeps its start."""
     try:
@@ -671,18 +542,6 @@ def _process_age() -> float:
         return max(0.0, time.time() - psutil.Process().create_time())
     except Exception:  # noqa: BLE001 - no psutil, or no /proc: count from now
         return 0.0
-
-
-def _end_kernel(message: str, delay: float = END_AFTER_STOPPED_WAIT) -> None:
-    """End this kernel now, without replying to the cell: its client fails the run (a dead kernel).
-    The cell gets ``message`` on its stderr first (sent within ``delay`` seconds)."""
-    try:
-        sys.stderr.write(f"gpupool: {message}\n")
-        sys.stderr.flush()
-        time.sleep(delay)
-    except Exception:  # noqa: BLE001, S110 - the terminal has the line already
-        pass
-    os._exit(1)
 
 
 def _starter_label(kernel_name: str) -> str:
@@ -899,7 +758,6 @@ def _load_extension_with_shell(auto: AutoLease, app: Any, config: Any) -> None:
 __all__ = [
     "AUTOLEASE_ENV",
     "AutoLease",
-    "FirstCellWait",
     "configure",
     "current",
     "gateway_of",
