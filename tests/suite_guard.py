@@ -101,9 +101,10 @@ GUARD_SITE = Path(__file__).resolve().parent / "guard_site"
 
 def real_homes() -> list[Path]:
     """This user's home as the password database and $HOME (when the run starts) name it, or
-    $SUITE_GUARD_REAL_HOME alone where it is set."""
+    $SUITE_GUARD_REAL_HOME's (folders separated by os.pathsep) alone where it is set: a run sets it
+    for the processes it starts, so pytest-xdist's workers know the real home from their private one."""
     if os.environ.get(REAL_HOME_ENV):
-        return [Path(os.environ[REAL_HOME_ENV]).resolve()]
+        return list(dict.fromkeys(Path(p).resolve() for p in os.environ[REAL_HOME_ENV].split(os.pathsep) if p))
     homes = [Path(pwd.getpwuid(os.geteuid()).pw_dir), Path(os.path.expanduser("~"))]
     return list(dict.fromkeys(home.resolve() for home in homes))
 
@@ -154,8 +155,10 @@ def make_private_home(homes: list[Path]) -> Path:
                 shutil.copyfile(real / name, home / name)
                 shutil.copymode(real / name, home / name)  # a 0600 .npmrc or .netrc stays 0600
                 break
+    # A worker of pytest-xdist starts with its controller's private home as $HOME: that one is left too.
+    repointed = [*homes, Path(os.environ.get("HOME") or homes[0]).resolve()]
     for variable, under in HOME_VARIABLES.items():
-        if variable in os.environ and _inside(os.environ[variable], homes):
+        if variable in os.environ and _inside(os.environ[variable], repointed):
             os.environ[variable] = str(home / under)
     os.environ["HOME"] = str(home)
     os.environ["TMPDIR"] = str(tmp)
@@ -278,14 +281,27 @@ def others_changes(listed: list[str], writes: list[dict[str, Any]]) -> list[str]
     return [line for line in listed if line.split(maxsplit=1)[1] not in written]
 
 
+def is_xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is one of pytest-xdist's workers (its controller lists and reports)."""
+    return hasattr(config, "workerinput")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     homes = real_homes()
+    os.environ[REAL_HOME_ENV] = os.pathsep.join(map(str, homes))
     private = make_private_home(homes)
     config.stash[_PRIVATE] = private
     if getattr(config.option, "basetemp", "") is None:  # tmp_path in the private TMPDIR, its paths no longer than pytest's own
         config.option.basetemp = str(private / "tmp" / "pytest")
     roots = watched_roots()
+    if is_xdist_worker(config):
+        # Writes go to the controller's log, which it reads at the end of the run; each worker's
+        # own private folder is left out of the watch as the controller's is.
+        log = Path(os.environ["SUITE_GUARD_WRITES_LOG"])
+        skipped = [Path(p) for p in os.environ.get("SUITE_GUARD_WRITES_SKIPPED", "").split(os.pathsep) if p]
+        watch_writes([*watched_home_folders(homes), *roots], [*skipped, private], log)
+        return
     watch_writes([*watched_home_folders(homes), *roots], [private], private / "writes.jsonl")
     config.stash[_ROOTS] = roots
     config.stash[_BEFORE] = snapshot(roots)
@@ -307,6 +323,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
+    if is_xdist_worker(config):  # its private folder is kept after a failure, as a run's is
+        config.stash[_PASSED] = session.exitstatus == pytest.ExitCode.OK
+        return
     if _BEFORE not in config.stash:
         return
     roots: list[Path] = config.stash[_ROOTS]

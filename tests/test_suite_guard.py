@@ -100,7 +100,7 @@ def test_ci_and_the_readme_install_what_the_guard_names() -> None:
 
 
 def run_guarded(tmp_path: Path, test_source: str, watched: Path, real_home: Path | None = None,
-                beside: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+                beside: list[str] | None = None, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     """A small suite with only this plugin, in a subprocess listing ``watched`` too (and taking
     ``real_home`` for the real home); ``beside``: a Python program run beside it meanwhile, not
     by the tests."""
@@ -118,7 +118,7 @@ def run_guarded(tmp_path: Path, test_source: str, watched: Path, real_home: Path
         clean["PYTHONPATH"] = ""
         other = subprocess.Popen([sys.executable, "-c", *beside], env=clean)
     try:
-        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", str(project)],
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args, str(project)],
                               capture_output=True, text=True, env=env, cwd=project, timeout=120, check=False)
     finally:
         if other is not None:
@@ -240,3 +240,32 @@ def test_a_listing_leaves_out_the_users_own_ipython_history(tmp_path: Path) -> N
     assert changes(before, snapshot([tmp_path / ".ipython"])) == []
     (profile / "startup").mkdir()
     assert changes(before, snapshot([tmp_path / ".ipython"])) == [f"created  {profile / 'startup'}"]
+
+
+def test_in_a_parallel_run_a_workers_write_fails_the_run_and_each_worker_has_a_home_of_its_own(tmp_path: Path) -> None:
+    """Under pytest-xdist each worker gets a private HOME of its own (not its controller's, not
+    another worker's), and a write outside the sandbox made in a worker fails the whole run."""
+    watched = tmp_path / "etc-jupyter"
+    watched.mkdir()
+    homes = tmp_path / "homes"
+    homes.mkdir()
+    result = run_guarded(tmp_path, f"""
+        import os, pathlib, pytest
+
+        @pytest.mark.parametrize("n", range(4))
+        def test_records_its_home(n):
+            pathlib.Path({str(homes)!r}, os.environ["PYTEST_XDIST_WORKER"] + "-" + str(n)).write_text(os.environ["HOME"])
+
+        def test_writes_a_system_file():
+            open({str(watched / 'gpupool-broker.json')!r}, "w").write("{{}}")
+        """, watched, args=("-n", "2"))
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert f"wrote    {watched / 'gpupool-broker.json'} (open, in test_sample.py::test_writes_a_system_file (call)" in out, out
+    seen: dict[str, set[str]] = {}
+    for record in homes.iterdir():
+        seen.setdefault(record.name.split("-")[0], set()).add(record.read_text())
+    assert all(len(worker_homes) == 1 for worker_homes in seen.values()), seen
+    every_home = [home for worker_homes in seen.values() for home in worker_homes]
+    assert len(set(every_home)) == len(every_home), seen  # no two workers share one
+    assert not any(home.startswith(str(Path.home())) for home in every_home), (seen, Path.home())
