@@ -55,6 +55,14 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "c
         time.sleep(0.05)
 
 
+def _has_account(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def unix_users() -> dict[str, int]:
     """alice, bob and TLJH-named erin as real Unix users (kept: made once per host)."""
@@ -63,7 +71,10 @@ def unix_users() -> dict[str, int]:
         try:
             pwd.getpwnam(name)
         except KeyError:
-            subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+            # A parallel run's other worker may make the same user at the same moment: its account does as well.
+            made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                                  capture_output=True, text=True)
+            assert made.returncode == 0 or _has_account(name), made.stderr
         uids[name] = pwd.getpwnam(name).pw_uid
     for name in (DAVE, ERIN):
         with pytest.raises(KeyError):
