@@ -10,7 +10,7 @@
 # stopped whatever happens.
 #
 #   bash labextension/ui-tests/run.sh                 # both suites
-#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | resume-ahead | elastic | unpooled | notebook7 | unavailable | contrast | slurm
+#   bash labextension/ui-tests/run.sh gpupool         # one suite: gpupool | idle | suspend | resume-ahead | elastic | unpooled | notebook7 | notebook7-where-possible | unavailable | contrast | slurm
 #   GPUPOOL_UI_SCREENSHOTS=/tmp/shots bash ...        # screenshots (default ui-tests/screenshots)
 #
 # Needs: jupyter_gpupool importable (pip install -e .) and `npm ci` done in labextension/.
@@ -301,17 +301,20 @@ start_slurm() {
 
 SUITES=("$@")
 if [ "${#SUITES[@]}" -eq 0 ]; then
-  SUITES=(gpupool idle suspend resume-ahead unpooled unavailable contrast)
-  if "$PYTHON" -c "import notebook.app" 2>/dev/null && [ "$USE_CHECKOUT_BUILD" = 0 ]; then
-    SUITES+=(notebook7)
-  elif [ "$USE_CHECKOUT_BUILD" = 1 ]; then
-    echo "ui-tests: the lab suites use this checkout's build, which Notebook 7 does not load: the notebook7 suite does not run"
-  else
-    echo "ui-tests: Notebook 7 is not installed (pip install notebook): the notebook7 suite does not run"
-  fi
+  SUITES=(gpupool idle suspend resume-ahead unpooled unavailable contrast notebook7-where-possible)
 fi
 for suite in "${SUITES[@]}"; do
   case "$suite" in
+    # Notebook 7 where it is installed and serves the installed extension; else one line why not.
+    notebook7-where-possible)
+      if "$PYTHON" -c "import notebook.app" 2>/dev/null && [ "$USE_CHECKOUT_BUILD" = 0 ]; then
+        run_suite notebook7 app=notebook
+      elif [ "$USE_CHECKOUT_BUILD" = 1 ]; then
+        echo "ui-tests: the lab suites use this checkout's build, which Notebook 7 does not load: the notebook7 suite does not run"
+      else
+        echo "ui-tests: Notebook 7 is not installed (pip install notebook): the notebook7 suite does not run"
+      fi
+      ;;
     gpupool) run_suite gpupool ;;
     idle)
       # Culled, not suspended: this suite shows a reclaim that shuts the kernel down (the suspend
@@ -348,7 +351,7 @@ for suite in "${SUITES[@]}"; do
         --GpuPoolExtension.tick_interval=0.5 --GpuPoolExtension.reconcile_interval=1 \
         --SlurmPool.cache_seconds=0.3 --SlurmPool.poll_interval=0.5
       ;;
-    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, resume-ahead, elastic, unpooled, notebook7, unavailable, contrast, slurm)" >&2; exit 2 ;;
+    *) echo "ui-tests: unknown suite '$suite' (gpupool, idle, suspend, resume-ahead, elastic, unpooled, notebook7, notebook7-where-possible, unavailable, contrast, slurm)" >&2; exit 2 ;;
   esac
 done
 echo "ui-tests: passed; screenshots in $GPUPOOL_UI_SCREENSHOTS"
