@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jupyter_gpupool.backends.contract import Capability, supports
@@ -37,6 +38,31 @@ if TYPE_CHECKING:
 
 #: Release reasons (set by the engine) after which the kernel must go: its slice was taken back.
 RECLAIM_PREFIXES = ("reclaimed", "preempted", "ended by Slurm", "stopped")
+
+
+@dataclass(frozen=True)
+class CapsMove:
+    """Where a running kernel's framework caps go now: ``limit`` bytes per GPU, after freeing its
+    frameworks' caches when ``free_cache``."""
+
+    limit: int
+    free_cache: bool
+
+
+def caps_move(lease: Lease, caps_were: int, take_back_followed: float | None) -> CapsMove | None:
+    """How a granted kernel's caps follow its slice; None when they stay.
+
+    ``caps_were``: the size this server last moved them to (its guarantee at first);
+    ``take_back_followed``: the ``burst_taken_at`` of the last take-back this server told the kernel
+    of. The kernel frees its caches whenever its slice goes below what its caps were, and on every
+    take-back of its burst it was not told of yet: the kernel may have grown its slice itself (a
+    framework's out-of-memory grow) past anything this server sent, and the pool's ``burst_from``
+    or its measured use, not the size this server last sent, is what it must come down from."""
+    if lease.burst_taken_at is not None and lease.burst_taken_at != take_back_followed:
+        return CapsMove(lease.memory, free_cache=True)
+    if lease.memory == caps_were:
+        return None
+    return CapsMove(lease.memory, free_cache=lease.memory < caps_were)
 
 
 class PoolPinnedBackups:
@@ -73,11 +99,14 @@ class TransitionDriver:
         self._parking: dict[str, dict[str, Any]] = {}
         self._no_quiet_answer: set[str] = set()  # kernels that never answered a quiet request: not asked again
         self._act_lock = asyncio.Lock()
+        #: Lease id → the ``burst_taken_at`` of the last take-back its kernel was told of.
+        self._take_backs_followed: dict[str, float] = {}
 
     async def act_on_changes(self) -> None:
         """Carry out at once what the pool now says about our kernels (a suspend, restore or move,
         a warning, a reclaim), whoever decided it: called whenever the pool changed."""
         leases = await asyncio.to_thread(self.ext.kernel_hooks.kernel_leases)
+        self.follow_sizes(leases)
         await self.act_on(leases, {})
         self.ext.change_count += 1
 
@@ -388,21 +417,26 @@ class TransitionDriver:
 
     def follow_sizes(self, leases: dict[str, tuple[GpuPoolProvisioner, Lease]]) -> None:
         """Move each running kernel's framework caps to its slice's current size when the pool
-        grew it or took its burst back (through the quiet channel: no activity), and tell the user."""
+        grew it or took its burst back (through the quiet channel: no activity), and tell the user.
+        Called by the tick, the watchdog and on every change of the pool (a burst taken back must
+        not wait for the tick: the kernel has ``burst_settle`` to come down)."""
         for kernel_id, (prov, lease) in leases.items():
             if lease.state is not LeaseState.GRANTED or prov.phase != "running" or not prov.pid:
                 self.ext._caps_sent.pop(lease.id, None)
+                self._take_backs_followed.pop(lease.id, None)
                 continue
             sent = self.ext._caps_sent.setdefault(lease.id, lease.guarantee_size)  # it started at its guarantee
-            if lease.memory == sent:
+            move = caps_move(lease, sent, self._take_backs_followed.get(lease.id))
+            if move is None:
                 continue
             self.ext._caps_sent[lease.id] = lease.memory
-            shrinking = lease.memory < sent
-            if shrinking or lease.burst_note.startswith("burst taken back"):
+            if lease.burst_taken_at is not None:
+                self._take_backs_followed[lease.id] = lease.burst_taken_at
+            if move.free_cache or lease.burst_note.startswith("burst taken back"):
                 self.ext.emit("burst_taken_back", lease, message=lease.burst_note or f"the slice is {format_size(lease.memory)} now")
             else:
                 self.ext.emit("grown", lease, message=lease.burst_note or f"the slice grew to {format_size(lease.memory)}")
-            self._spawn(self._move_caps(kernel_id, lease, free_cache=shrinking))
+            self._spawn(self._move_caps(kernel_id, lease, free_cache=move.free_cache))
 
     async def _move_caps(self, kernel_id: str, lease: Lease, free_cache: bool) -> dict[str, Any] | None:
         """Ask the kernel (a quiet control request: it is answered while a cell runs, and is no
