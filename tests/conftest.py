@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 # suite_guard: a private HOME and TMPDIR for the run, nothing written outside the sandbox; skips for
-# want of a system package are counted.
-pytest_plugins = ["pytest_jupyter.jupyter_server", "suite_guard"]
+# want of a system package are counted. parallel_order: how the tests spread over pytest-xdist's workers.
+pytest_plugins = ["pytest_jupyter.jupyter_server", "suite_guard", "parallel_order"]
 
 # --- make a source checkout behave like an installed package ------------------------------------
 # Kernels and `jupyter nbconvert` run in subprocesses: they need to import jupyter_gpupool and to
