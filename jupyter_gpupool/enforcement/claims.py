@@ -14,6 +14,10 @@
   down; never by its environment alone.
 - **Root counts only as the kernel's launcher**: a root process counts for a lease only when it is
   the lease's holder or a root process that holder started.
+- **A kernel keeps its GPU across a new lease.** The environment a kernel started with (what
+  ``/proc/PID/environ`` shows) cannot name a lease it took later: :class:`KernelLeases` leads it
+  to the live lease of the kernel it names (``GPUPOOL_KERNEL_ID``), or to the live successor of
+  the earlier lease it names, for device control and unpooled attribution alike.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import os
 import pwd
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +33,7 @@ import psutil
 
 from jupyter_gpupool.core.models import Lease
 from jupyter_gpupool.devices.base import process_alive
-from jupyter_gpupool.errors import RequestRefused
+from jupyter_gpupool.errors import GpuPoolError, LeaseNotFound, RequestRefused
 
 #: Seconds a released lease's kernel id stays its owner's when its holder cannot be seen running
 #: on this host (the kernel may outlive its server, or run on another host).
@@ -159,6 +163,96 @@ def may_claim(chain: Sequence[psutil.Process], index: int, lease: Lease, users: 
     return False
 
 
+# --- which live lease a process's start environment leads to ----------------------------------------------
+#: The variable the pool's provisioner puts in every kernel's environment (with a lease or without).
+KERNEL_ID_ENV = "GPUPOOL_KERNEL_ID"
+
+#: Looks up leases no longer live by id (those an environment names); ids it does not know are left out.
+EndedLookup = Callable[[set[str]], Mapping[str, Lease]]
+
+
+class KernelLeases:
+    """The live lease a process's start environment leads to, by the pool's one rule (device
+    control and unpooled attribution both ask it; whether the process may count for that lease is
+    :func:`may_claim`'s to say).
+
+    In order: the live lease of the kernel it names (``GPUPOOL_KERNEL_ID``: a kernel has one
+    lease); the live lease it names (``GPUPOOL_LEASE_ID``, or ``env_var``); else, for an earlier
+    lease it names (``ended`` looks those up), that lease's live successor: the live lease of the
+    same owner and kernel (a kernel that released its lease and reserved again), or of the same
+    owner held by this very process when it held the earlier one (a kernel that leased for itself)."""
+
+    def __init__(self, live: Iterable[Lease], host: str, ended: EndedLookup | None = None,
+                 env_var: str = "GPUPOOL_LEASE_ID") -> None:
+        self.live = {lease.id: lease for lease in live}
+        self.env_var = env_var
+        self._by_kernel = {lease.kernel_id: lease for lease in self.live.values() if lease.kernel_id}
+        self._by_holder = {(lease.owner, lease.holder_pid): lease for lease in self.live.values()
+                           if lease.holder_pid and holder_here(lease, host) is not None}
+        self._ended_lookup = ended
+        self._ended: dict[str, Lease | None] = {}
+
+    def may_lead(self, environ: Mapping[str, str]) -> bool:
+        """Whether ``environ`` may lead to a live lease (it names a lease, or a kernel that has one)."""
+        return bool(environ.get(self.env_var)) or environ.get(KERNEL_ID_ENV, "") in self._by_kernel
+
+    def look_up_ended(self, lease_ids: Iterable[str]) -> None:
+        """Read the leases no longer live among ``lease_ids`` in one lookup (many processes, one read)."""
+        unknown = {lease_id for lease_id in lease_ids if lease_id and lease_id not in self.live and lease_id not in self._ended}
+        if not unknown:
+            return
+        found = dict(self._ended_lookup(unknown)) if self._ended_lookup is not None else {}
+        for lease_id in unknown:
+            self._ended[lease_id] = found.get(lease_id)
+
+    def lease_of(self, pid: int, environ: Mapping[str, str]) -> Lease | None:
+        """The live lease process ``pid``, started with ``environ``, leads to; None for none."""
+        of_kernel = self._by_kernel.get(environ.get(KERNEL_ID_ENV, ""))
+        if of_kernel is not None:
+            return of_kernel
+        lease_id = environ.get(self.env_var, "")
+        if not lease_id:
+            return None
+        named = self.live.get(lease_id)
+        if named is not None:
+            return named
+        self.look_up_ended((lease_id,))
+        earlier = self._ended.get(lease_id)
+        return self._successor(pid, earlier) if earlier is not None else None
+
+    def _successor(self, pid: int, earlier: Lease) -> Lease | None:
+        if earlier.kernel_id and earlier.kernel_id in self._by_kernel:
+            successor = self._by_kernel[earlier.kernel_id]
+            return successor if successor.owner == earlier.owner else None
+        if earlier.holder_pid == pid:  # it held that lease itself, and holds a new one
+            return self._by_holder.get((earlier.owner, pid))
+        return None
+
+
+class EndedLeases:
+    """An :data:`EndedLookup` over a pool's ``get``, for a watcher that calls it on every pass: each
+    lease read once (an ended lease's owner, kernel and holder never change), at most ``kept``."""
+
+    def __init__(self, get: Callable[[str], Lease], kept: int = 4096) -> None:
+        self._get = get
+        self._kept = kept
+        self._read: dict[str, Lease | None] = {}
+
+    def __call__(self, lease_ids: set[str]) -> dict[str, Lease]:
+        unknown = lease_ids - self._read.keys()
+        if unknown and len(self._read) + len(unknown) > self._kept:
+            self._read.clear()
+            unknown = set(lease_ids)
+        for lease_id in unknown:
+            try:
+                self._read[lease_id] = self._get(lease_id)
+            except LeaseNotFound:
+                self._read[lease_id] = None  # a made-up id: nobody's
+            except GpuPoolError:
+                continue  # the pool did not answer: asked again on the next pass
+        return {lease_id: lease for lease_id in lease_ids if (lease := self._read.get(lease_id)) is not None}
+
+
 # --- kernel ids -------------------------------------------------------------------------------------------
 def claim_stands(lease: Lease, now: float, host: str, cleared_at: float | None = None,
                  released_seconds: float = RELEASED_CLAIM_SECONDS) -> bool:
@@ -222,7 +316,11 @@ def clear_kernel_claim(pool: Any, kernel_id: str, now: float | None = None, by: 
 
 __all__ = [
     "CLEARED_FACT",
+    "KERNEL_ID_ENV",
     "RELEASED_CLAIM_SECONDS",
+    "EndedLeases",
+    "EndedLookup",
+    "KernelLeases",
     "UnixUsers",
     "check_kernel_claim",
     "check_template",

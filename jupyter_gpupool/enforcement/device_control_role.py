@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
-from jupyter_gpupool.enforcement.claims import UnixUsers, holder_here, may_claim
+from jupyter_gpupool.enforcement.claims import KernelLeases, UnixUsers, may_claim
 from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControl, DeviceControlError
 from jupyter_gpupool.errors import LeaseNotFound
 
@@ -63,22 +63,17 @@ def lease_processes(
     that leases later is so found although the environment it started with, the one
     ``/proc/PID/environ`` shows, cannot name its new lease. A process that only copied a
     variable is not. ``earlier(ids)`` looks up leases no longer live that environments name."""
-    live = list(leases)
-    wanted = {lease.id: lease for lease in live}
-    by_kernel = {lease.kernel_id: lease for lease in live if lease.kernel_id}
-    by_holder = {(lease.owner, lease.holder_pid): lease for lease in live if lease.holder_pid and holder_here(lease, host) is not None}
-    named: list[tuple[psutil.Process, str, str]] = []
+    leads = KernelLeases(leases, host, earlier)
+    named: list[tuple[psutil.Process, dict[str, str]]] = []
     for process in psutil.process_iter(["environ"]):
         environ = process.info.get("environ") or {}
-        lease_id, kernel_id = environ.get("GPUPOOL_LEASE_ID", ""), environ.get("GPUPOOL_KERNEL_ID", "")
-        if lease_id or (kernel_id and kernel_id in by_kernel):
-            named.append((process, lease_id, kernel_id))
-    gone = {lease_id for _p, lease_id, _k in named if lease_id and lease_id not in wanted}
-    older = dict(earlier(gone)) if earlier is not None and gone else {}
+        if leads.may_lead(environ):
+            named.append((process, environ))
+    leads.look_up_ended(environ.get("GPUPOOL_LEASE_ID", "") for _p, environ in named)
     found: dict[str, list[int]] = {}
     uids: dict[int, int | None] = {}
-    for process, lease_id, kernel_id in named:
-        lease = _lease_of(process.pid, wanted.get(lease_id), by_kernel.get(kernel_id), older.get(lease_id), by_kernel, by_holder)
+    for process, environ in named:
+        lease = leads.lease_of(process.pid, environ)
         if lease is None:
             continue
         try:
@@ -88,24 +83,6 @@ def lease_processes(
         if may_claim(chain, 0, lease, users, host, uids):
             found.setdefault(lease.id, []).append(process.pid)
     return found
-
-
-def _lease_of(pid: int, named: Lease | None, of_kernel: Lease | None, earlier: Lease | None,
-              by_kernel: Mapping[str, Lease], by_holder: Mapping[tuple[str, int], Lease]) -> Lease | None:
-    """The live lease a process's environment leads to: its kernel's live lease first (a kernel has
-    one), else the live lease it names, else the live successor of the earlier lease it names."""
-    if of_kernel is not None:
-        return of_kernel
-    if named is not None:
-        return named
-    if earlier is None:
-        return None
-    if earlier.kernel_id and earlier.kernel_id in by_kernel:
-        successor = by_kernel[earlier.kernel_id]
-        return successor if successor.owner == earlier.owner else None
-    if earlier.holder_pid == pid:  # it held that lease itself, and holds a new one
-        return by_holder.get((earlier.owner, pid))
-    return None
 
 
 class DeviceControlRole:

@@ -12,8 +12,9 @@ and every live lease of the pool, and gets back:
   shows it; the admin's ``Watchdog.unpooled_action`` says what else happens.
 
 A process belongs to a lease when it, or an ancestor, is the lease's kernel: a root pid the
-watcher knows (its own kernels), or a process whose environment names the lease
-(``GPUPOOL_LEASE_ID``) and that the lease may claim by :func:`~jupyter_gpupool.enforcement.claims.may_claim`
+watcher knows (its own kernels), or a process whose environment leads to the lease (it names
+the lease, its kernel, or an earlier lease the same kernel gave back: the rule of
+:class:`~jupyter_gpupool.enforcement.claims.KernelLeases`, as under device control) and that the lease may claim by :func:`~jupyter_gpupool.enforcement.claims.may_claim`
 (it runs as the owner's Unix user as configured, or descends from the lease's own server), as
 must every process between it and the GPU process: the walk up the ancestors stops at the first
 process it may not claim, so nobody charges their use to another user's lease by copying the
@@ -33,7 +34,7 @@ import psutil
 
 from jupyter_gpupool.core.models import Lease, LeaseState
 from jupyter_gpupool.devices import ProcessUsage
-from jupyter_gpupool.enforcement.claims import UnixUsers, may_claim, process_alive
+from jupyter_gpupool.enforcement.claims import EndedLookup, KernelLeases, UnixUsers, may_claim, process_alive
 from jupyter_gpupool.units import format_size
 
 #: Process names whose GPU memory is the system's, not a user's (the admin extends the list with
@@ -108,25 +109,25 @@ class _Processes:
     rule of :mod:`~jupyter_gpupool.enforcement.claims` with the watcher's user mapping and host."""
 
     def __init__(self, env_var: str, leases: Mapping[str, Lease] | None = None, users: UnixUsers | None = None,
-                 host: str | None = None) -> None:
+                 host: str | None = None, ended: EndedLookup | None = None) -> None:
         self.env_var = env_var
         self.users = users if users is not None else UnixUsers.single_user()
         self.host = host or socket.gethostname()
-        #: kernel id → its live lease: a kernel whose environment names a lease it gave back
-        #: (``%gpupool release``, then ``reserve``) is its kernel's newer lease's.
-        self._kernel_leases = {lease.kernel_id: lease.id for lease in (leases or {}).values() if lease.kernel_id}
+        #: Which live lease an environment leads to: a kernel whose environment names a lease it
+        #: gave back (``%gpupool release``, then ``reserve``) is its newer lease's, as under device control.
+        self._leads = KernelLeases((leases or {}).values(), self.host, ended, env_var)
         self._lease_of: dict[int, str | None] = {}
         self._uid: dict[int, int | None] = {}
 
     def lease_named_by(self, proc: psutil.Process) -> str | None:
+        """The id of the live lease ``proc``'s start environment leads to (see :class:`KernelLeases`)."""
         if proc.pid not in self._lease_of:
             try:
                 environ = proc.environ()
             except (psutil.Error, OSError):
                 environ = {}
-            kernel_id = environ.get("GPUPOOL_KERNEL_ID")
-            self._lease_of[proc.pid] = self._kernel_leases.get(kernel_id) if kernel_id else None
-            self._lease_of[proc.pid] = self._lease_of[proc.pid] or environ.get(self.env_var)
+            lease = self._leads.lease_of(proc.pid, environ)
+            self._lease_of[proc.pid] = lease.id if lease is not None else None
         return self._lease_of[proc.pid]
 
     def uid(self, proc: psutil.Process) -> int | None:
@@ -261,6 +262,7 @@ def attribute(
     now: float = 0.0,
     first_seen: Mapping[tuple[str, int], float] | None = None,
     users: UnixUsers | None = None,
+    ended: EndedLookup | None = None,
 ) -> Attribution:
     """Split the backend's per-process GPU memory into granted leases' use and unpooled use.
 
@@ -269,9 +271,12 @@ def attribute(
     (0 when it uses nothing), so the pool can clear an over-limit mark. ``first_seen``: when each
     (device, pid) was first seen unpooled, carried from the previous pass. ``users``: the pool
     user → Unix uid mapping the claims are judged by (None: a single-user host's, see
-    :meth:`~jupyter_gpupool.enforcement.claims.UnixUsers.single_user`).
+    :meth:`~jupyter_gpupool.enforcement.claims.UnixUsers.single_user`). ``ended``: looks up the
+    leases no longer live that processes' environments name (see
+    :class:`~jupyter_gpupool.enforcement.claims.KernelLeases`): without it, a kernel that released
+    the lease it started with and reserved again counts for its new lease only by its kernel id.
     """
-    procs = _Processes(env_var, leases, users, host)
+    procs = _Processes(env_var, leases, users, host, ended)
     system = set(system_processes)
     result = Attribution()
     known = _live_known_roots(known_roots or {}, leases, result)

@@ -31,7 +31,7 @@ from traitlets.config import LoggingConfigurable
 
 from jupyter_gpupool.core.models import Decision, Lease
 from jupyter_gpupool.devices import DeviceBackend, ProcessUsage, process_alive
-from jupyter_gpupool.enforcement.claims import UnixUsers, check_template
+from jupyter_gpupool.enforcement.claims import EndedLeases, UnixUsers, check_template
 from jupyter_gpupool.enforcement.unpooled import (
     SYSTEM_PROCESSES,
     UnpooledUse,
@@ -258,6 +258,7 @@ class Watchdog(LoggingConfigurable):
         self.backend = backend
         self.pool = pool
         self.act = act
+        self._ended_leases: EndedLeases | None = None  # see ended_leases()
         #: How to act on an unpooled process (default: signal it); the server stops its own kernels its way.
         self.act_on_process: ProcessCallback = self._signal_process
         #: The action for unpooled use when ``unpooled_action`` is empty (the owner's default).
@@ -276,6 +277,16 @@ class Watchdog(LoggingConfigurable):
         if not self.multi_user:
             return None
         return UnixUsers(template=self.unix_user_template, names=dict(self.unix_users))
+
+    def ended_leases(self) -> EndedLeases | None:
+        """The pool's leases no longer live, each read once: a kernel whose environment names the
+        lease it gave back before it reserved again counts for its new lease (None without a pool)."""
+        get = getattr(self.pool, "get", None)
+        if not callable(get):
+            return None
+        if self._ended_leases is None:
+            self._ended_leases = EndedLeases(get)
+        return self._ended_leases
 
     # --- pure part ------------------------------------------------------------------------------
     def threshold(self, limit: int) -> int:
@@ -434,7 +445,7 @@ class Watchdog(LoggingConfigurable):
             usage = usage_by_root_pid(processes, roots)
         else:
             system = (*SYSTEM_PROCESSES, *self.system_processes)
-            seen = attribute(processes, leases, host, roots, env_var, system, now, self.first_seen(), self.users())
+            seen = attribute(processes, leases, host, roots, env_var, system, now, self.first_seen(), self.users(), self.ended_leases())
             usage, unpooled, found_roots = seen.usage, seen.unpooled, {**seen.roots, **roots}
         self.last_roots = found_roots  # what the action callbacks of this step look kernels up in
         decisions: list[Decision] = []
