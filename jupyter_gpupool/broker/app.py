@@ -77,6 +77,12 @@ PUBLIC_POLICY = (
 )
 
 
+#: Connections the kernel queues before the broker accepts them (tornado's default is 128; the
+#: kernel caps it at net.core.somaxconn). A burst of connections, an attacker's or a hub's servers
+#: starting at once, then waits a moment in the queue instead of having its new connections'
+#: SYNs dropped, which a client retries only a second later (every victim request then took 1 s).
+LISTEN_BACKLOG = socket.SOMAXCONN
+
 class Broker(LoggingConfigurable):
     """The pool served to many users: identity, authorization helpers, scheduler and watchdog loops."""
 
@@ -676,7 +682,7 @@ class BrokerApp(GpuPoolBaseApp):
         where = []
         if port:
             try:
-                server.listen(port, address=ip)
+                server.listen(port, address=ip, backlog=LISTEN_BACKLOG)
             except OSError as err:
                 raise InvalidInput(
                     f"cannot listen on {ip}:{port} ({err.strerror or err}); is another broker running there? "
@@ -695,7 +701,7 @@ class BrokerApp(GpuPoolBaseApp):
             if not os.path.isdir(folder):
                 os.makedirs(folder)
                 os.chmod(folder, 0o755)  # every user connects (the umask would make it the broker's alone)
-            server.add_socket(netutil.bind_unix_socket(path, mode=socket_mode))
+            server.add_socket(netutil.bind_unix_socket(path, mode=socket_mode, backlog=LISTEN_BACKLOG))
             where.append(f"unix:{path} (peer uid)")
         if not where:
             raise InvalidInput("nothing to listen on: give --port or --socket")
