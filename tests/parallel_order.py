@@ -11,6 +11,8 @@ pyproject.toml runs every ``python -m pytest`` with ``-n auto --dist loadgroup
 - **The longest first**: the modules of :data:`LONGEST_FIRST` (the top of the README's durations
   table) are handed out before the rest, then the other ``slow`` tests, so that no worker starts a
   four-minute test when the others are nearly done. Otherwise the collection's order is kept.
+- **The fast tier**: ``python -m pytest -m "not slow"`` leaves out every test marked ``slow``, and
+  every ``browser`` and ``hub`` test with them (they start JupyterLab, Chromium or JupyterHub).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def module_name(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     grouped = {module_name(item) for item in items if shares_a_fixture(item)}
     for item in items:
+        if not item.get_closest_marker("slow") and (item.get_closest_marker("browser") or item.get_closest_marker("hub")):
+            item.add_marker(pytest.mark.slow)
         if module_name(item) in grouped:
             item.add_marker(pytest.mark.xdist_group(module_name(item)))
 

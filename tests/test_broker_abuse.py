@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real brokers under attack from other users' processes
+
 HERE = Path(__file__).resolve().parent
 #: A Python every user may run (the suite's own may sit in root's home).
 SYSTEM_PYTHON = "/usr/bin/python3"

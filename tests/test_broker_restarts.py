@@ -24,6 +24,8 @@ from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.errors import PoolUnavailable
 from jupyter_gpupool.units import GIB
 
+pytestmark = pytest.mark.slow  # real brokers killed and restarted
+
 ALICE = "alice-hub-token"
 
 

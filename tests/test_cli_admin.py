@@ -414,6 +414,7 @@ def test_forbidden_names_the_service_scope_not_the_bare_one(tmp_path: Path) -> N
 # --- the help of every subcommand -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # one process per subcommand
 def test_help_of_every_subcommand_runs(tmp_path: Path) -> None:
     from jupyter_gpupool.apps.cli import SUBCOMMANDS
 

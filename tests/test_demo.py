@@ -13,6 +13,8 @@ import pytest
 
 from jupyter_gpupool.apps.demo import DEMO_NOTEBOOK, DemoApp
 
+pytestmark = pytest.mark.slow  # the demo's JupyterLab and its kernels
+
 
 def test_dry_run_writes_the_notebook_and_prints_the_lab_command(tmp_path):
     env = {**os.environ, "GPUPOOL_SIMULATE": ""}

@@ -31,7 +31,7 @@ from jupyter_gpupool.devices.simulated import NODE_DIR_ENV, SimulatedBackend, pa
 from jupyter_gpupool.enforcement.device_control import MODE_V1, MODE_V2
 from jupyter_gpupool.enforcement.device_control_role import DEVICE_ACCESS
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups, mknod and other users' processes need root")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups, mknod and other users' processes need root")]  # slow: a real broker and other users' processes
 
 # A user's process (a login shell, a terminal's job, a kernel): opens a node on each line it reads.
 # Plain sh, not Python: the test's Python may not be readable by other users.

@@ -536,7 +536,13 @@ def check_statically(argv: list[str], cwd: Path) -> bool:
         import importlib.util
 
         assert importlib.util.find_spec("pytest"), "pytest is not installed (the test extra)"
-        paths = [a for a in argv[1:] if not a.startswith("-") and a not in {"-m", "pytest"}]
+        paths, words = [], argv[argv.index("pytest") + 1 :]
+        while words:  # the paths, less the values of -m (a marker expression), -k and -n
+            word = words.pop(0)
+            if word in {"-m", "-k", "-n"}:
+                words = words[1:]
+            elif not word.startswith("-"):
+                paths.append(word)
         assert all((cwd / p.split("::")[0]).exists() for p in paths), paths
     elif argv[0] == "npm":
         package = json.loads((cwd / "package.json").read_text())

@@ -26,6 +26,8 @@ from jupyter_gpupool.kernel.client import InProcessPoolClient
 from jupyter_gpupool.kernel.resume import ResumeOnRun, needs_waiting, only_gpupool_magics, progress_text
 from jupyter_gpupool.units import GIB
 
+pytestmark = pytest.mark.slow  # real kernels suspended and resumed
+
 try:
     from test_kernel_extension import Kernel, PoolEnv, Result, kernel_factory, strip_ansi
 except ImportError:  # tests as a package

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from server_process import Server, free_port, wait_for
 from slurm_cluster import SlurmCluster, skip_reason
 
-pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]  # slow: a real Slurm cluster per test
 
 GIB = 1 << 30
 

@@ -10,11 +10,15 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.backends.local.store import SCHEMA_VERSION, Store
 from jupyter_gpupool.core.engine import held_by_device
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.devices.simulated import SimulatedBackend
+
+pytestmark = pytest.mark.slow  # processes hammering one file, killed with SIGKILL
 
 SPEC = "2x16GiB"
 

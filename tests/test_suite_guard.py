@@ -126,6 +126,7 @@ def run_guarded(tmp_path: Path, test_source: str, watched: Path, real_home: Path
             other.wait(timeout=30)
 
 
+@pytest.mark.slow  # a pytest run of its own
 def test_a_write_outside_the_sandbox_fails_the_run_naming_the_path_and_the_test(tmp_path: Path) -> None:
     """A test writes a system Jupyter folder: the run fails naming both. A broker someone else
     started records itself there meanwhile: shown, not counted."""
@@ -156,6 +157,7 @@ def test_a_write_outside_the_sandbox_fails_the_run_naming_the_path_and_the_test(
     assert "1 passed, 1 wrote outside the sandbox" in out.splitlines()[-1], out.splitlines()[-1]
 
 
+@pytest.mark.slow  # a pytest run of its own
 def test_a_write_to_the_real_home_fails_the_run_naming_the_test_but_another_process_writes_freely(tmp_path: Path) -> None:
     """The tests' HOME is private, so a test reaches the real home only through its absolute path
     (here, or in a process it starts); a process the tests did not start (a person's JupyterLab)
@@ -201,6 +203,7 @@ def test_a_write_to_the_real_home_fails_the_run_naming_the_test_but_another_proc
     assert (real / ".jupyter" / "lab" / "workspaces" / "default.jupyterlab-workspace").exists()
 
 
+@pytest.mark.slow  # a pytest run of its own
 def test_a_clean_run_passes_and_a_skip_for_want_of_a_package_is_in_the_last_line(tmp_path: Path) -> None:
     watched = tmp_path / "etc-jupyter"
     watched.mkdir()
@@ -242,6 +245,7 @@ def test_a_listing_leaves_out_the_users_own_ipython_history(tmp_path: Path) -> N
     assert changes(before, snapshot([tmp_path / ".ipython"])) == [f"created  {profile / 'startup'}"]
 
 
+@pytest.mark.slow  # a pytest run of its own
 def test_in_a_parallel_run_a_workers_write_fails_the_run_and_each_worker_has_a_home_of_its_own(tmp_path: Path) -> None:
     """Under pytest-xdist each worker gets a private HOME of its own (not its controller's, not
     another worker's), and a write outside the sandbox made in a worker fails the whole run."""

@@ -24,6 +24,8 @@ from jupyter_gpupool.enforcement.watchdog import Watchdog
 from jupyter_gpupool.errors import InvalidInput, RequestRefused
 from jupyter_gpupool.units import GIB
 
+pytestmark = pytest.mark.slow  # real servers, kernels and processes outside the pool
+
 HERE = Path(__file__).resolve().parent
 
 
