@@ -197,8 +197,12 @@ def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slu
         granted = [k for k, s in states().items() if s == "granted"]
         queued = next(k for k, s in states().items() if s == "queued")
         # Right after submission Slurm's reason is "None" until its scheduler has looked at the job.
+        # The reason in words comes from the pool's queue read, which may lag the job's own read by a cache.
         view = wait_for(
-            lambda: (v := slice_of(server, queued))["slurm"]["pending_reason"] != "None" and v, 30, "a pending reason"
+            lambda: (v := slice_of(server, queued))["slurm"]["pending_reason"] != "None"
+            and "has not looked at it yet" not in (v["queue_reason"] or "") and v,
+            30,
+            "a pending reason",
         )
         assert view["state"] == "queued" and view["queue_position"] == 1 and view["queue_length"] == 1
         assert "GPUs it needs are in use" in view["queue_reason"] and "Resources" in view["queue_reason"]
