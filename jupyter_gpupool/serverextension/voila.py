@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
+from jupyter_server._tz import utcnow
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from tornado import web
 
@@ -301,6 +302,11 @@ class PooledVoilaKernelManager(AsyncMappingKernelManager):
         manager, name, kernel_id = super().pre_start_kernel(kernel_name, kwargs)
         if kernel_id in self._page_starts:
             self._page_starts[kernel_id] = manager
+            # Listed while it waits for its GPU: the culler must find it starting, not without a last
+            # activity (jupyter_server's culler logged a traceback for such a kernel); waiting is not idleness.
+            listed: Any = manager  # a ServerKernelManager, whose traits these are
+            listed.execution_state = "starting"
+            listed.last_activity = utcnow()
         return manager, name, kernel_id
 
     async def start_kernel(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
