@@ -291,3 +291,20 @@ def test_a_voila_kernel_leases_as_a_person_watching_when_it_leases_for_itself() 
     as ``normal`` (Voilà puts ``VOILA_BASE_URL`` in their environment); other batch kernels stay ``batch``."""
     assert AutoLease(environ={"VOILA_BASE_URL": "/", "VOILA_PREHEAT": "False"}).priority == "normal"
     assert AutoLease(environ={}).priority == "batch"
+
+
+async def test_a_page_kernel_waiting_for_its_gpu_is_listed_starting_so_the_culler_passes_it_quietly(tmp_path: Path) -> None:
+    """While a page's kernel waits in its start it is already listed; jupyter_server's culler, which
+    may pass at that moment, must find it starting with a last activity (it logged a TraitError
+    traceback for a kernel without one), and must not cull it."""
+    from jupyter_gpupool.serverextension.voila import PooledVoilaKernelManager
+
+    manager = PooledVoilaKernelManager(cull_idle_timeout=1, cull_busy=False)
+    kernel_id = "0e8a1a8e-5c9e-4b7b-9d3c-0e8a1a8e5c9e"
+    manager._page_starts[kernel_id] = None
+    kernel, _, listed_id = manager.pre_start_kernel("python3", {"kernel_id": kernel_id})
+    manager._kernels[listed_id] = kernel  # as jupyter_client lists a pending kernel while it starts
+    assert manager._page_starts[kernel_id] is kernel
+    assert kernel.execution_state == "starting" and kernel.last_activity is not None
+    await manager.cull_kernel_if_idle(listed_id)  # raised TraitError before (last_activity unset)
+    assert listed_id in manager._kernels
