@@ -19,9 +19,8 @@ from typing import Any
 import psutil
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
-from jupyter_gpupool.enforcement.claims import KernelLeases, UnixUsers, may_claim
+from jupyter_gpupool.enforcement.claims import EndedLeases, KernelLeases, UnixUsers, may_claim
 from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControl, DeviceControlError
-from jupyter_gpupool.errors import LeaseNotFound
 
 #: What a granted kernel's status says under device control (``enforcement.device_access``).
 DEVICE_ACCESS = "this kernel's GPU only"
@@ -178,7 +177,8 @@ class DeviceControlService:
         self.call = call or (lambda fn: fn())
         self.role: DeviceControlRole | None = None
         self._pids: dict[str, list[int]] = {}
-        self._ended: dict[str, Lease | None] = {}  # leases no longer live that environments name
+        # Leases no longer live that environments name, each read once on the pool's thread.
+        self._ended = EndedLeases(lambda lease_id: self.call(lambda: self.pool.get(lease_id)))
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -211,18 +211,8 @@ class DeviceControlService:
         if self.role is None:
             return {}
         live, devices = self.call(lambda: (self.pool.leases(), self.pool.devices()))
-        self._pids = lease_processes(live, self.users, self.host, self._earlier)
+        self._pids = lease_processes(live, self.users, self.host, self._ended)
         return self.role.apply(live, devices, all_live=True)
-
-    def _earlier(self, ids: set[str]) -> dict[str, Lease]:
-        """Leases no longer live that processes' environments name (read once: an ended lease's
-        owner, kernel and holder never change)."""
-        unknown = ids - self._ended.keys()
-        if unknown:
-            if len(self._ended) > _ENDED_KEPT:
-                self._ended.clear()
-            self._ended.update(self.call(lambda: {lease_id: _lease_or_none(self.pool, lease_id) for lease_id in unknown}))
-        return {lease_id: lease for lease_id in ids if (lease := self._ended.get(lease_id)) is not None}
 
     def _run(self) -> None:
         while not self._closed.is_set():
@@ -251,18 +241,6 @@ class DeviceControlService:
     def describe(self) -> dict[str, object]:
         """``device_control`` for status: mode, what is denied, or why it is off."""
         return self.config.describe()
-
-
-#: At most this many ended leases are remembered between passes (then read again when named).
-_ENDED_KEPT = 4096
-
-
-def _lease_or_none(pool: Any, lease_id: str) -> Lease | None:
-    try:
-        lease: Lease = pool.get(lease_id)
-    except LeaseNotFound:
-        return None
-    return lease
 
 
 def _counted(outcomes: Mapping[str, str]) -> str:
