@@ -226,6 +226,19 @@ def lease_of_new_request(server: VoilaServer, known: set[str], timeout: float = 
     raise AssertionError(f"no new lease in {timeout:.0f} s:\n{server.log_path.read_text()[-3000:]}")
 
 
+def wait_until_page_connected(server: VoilaServer, lease: Lease, timeout: float = 30) -> None:
+    """Wait until the served page's own kernel websocket is open (the server logs "Connecting to
+    kernel"). A page closed while its websocket still waits for the kernel's first reply makes
+    jupyter_server log a traceback of its own (jupyter-server/jupyter_server#1265), whoever runs
+    the kernel; a viewer reading the page is long past that moment, so the test waits for it too."""
+    kernel_id = server.pool.get(lease.id).kernel_id
+    assert kernel_id, f"lease {lease.id} names no kernel"
+    deadline = time.monotonic() + timeout
+    while f"Connecting to kernel {kernel_id}." not in server.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"the page of kernel {kernel_id} opened no websocket in {timeout:.0f} s"
+        time.sleep(0.1)
+
+
 def test_five_viewers_on_two_slices_wait_in_view_of_their_place_and_are_served_in_queue_order(
     voila_server: VoilaServer, browser: Browser
 ) -> None:
@@ -264,6 +277,7 @@ def test_five_viewers_on_two_slices_wait_in_view_of_their_place_and_are_served_i
 
         freed_at: dict[str, float] = {}
         for served_one, waiting in ((viewers[0], viewers[2]), (viewers[1], viewers[3])):
+            wait_until_page_connected(server, leases[served_one])
             freed_at[waiting] = time.monotonic()
             browser.ask(op="close", name=served_one, unload=True)  # Voilà's page asks for its kernel's shutdown
             served[waiting] = browser.wait_for_text(waiting, SERVED, 60)
@@ -278,6 +292,8 @@ def test_five_viewers_on_two_slices_wait_in_view_of_their_place_and_are_served_i
               + ", ".join(f"{name[-2:]} {served[name] - opened[name]:.1f} s" for name in viewers[:4])
               + "; after its slice freed: " + ", ".join(f"{name[-2:]} {served[name] - freed_at[name]:.1f} s" for name in freed_at)
               + f"; waiting page closed → withdrawn in {withdrawn_after:.2f} s")  # fmt: skip
+        for name in viewers[2:4]:
+            wait_until_page_connected(server, leases[name])
     finally:
         for name in viewers:
             try:
