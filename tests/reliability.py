@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import itertools
 import json
 import logging
@@ -61,8 +62,10 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -78,8 +81,13 @@ from jupyter_gpupool.core.engine import held_by_device
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, PriorityClass, Transition
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.errors import InvalidInput, RequestRefused
+from jupyter_gpupool.errors import GpuPoolError, InvalidInput, RequestRefused
 from jupyter_gpupool.units import GIB
+
+if TYPE_CHECKING:
+    from broker_harness import BrokerProcess
+
+    from jupyter_gpupool.backends.remote import RemotePool
 
 
 def _child_env() -> dict[str, str]:
@@ -601,6 +609,67 @@ class _Processes:
     def close(self) -> None:
         for pid in list(self.procs):
             self.kill(pid)
+
+
+@dataclass
+class LostPoolFile:
+    """A running broker whose pool file is about to be lost: alice holds a granted 12 GiB lease for
+    her kernel ``k-alice``, a real process that holds 10 GiB of it on the simulated GPU (1x16GiB);
+    bob has asked for nothing yet. The broker's watchdog stops what holds GPU memory outside the
+    pool after 0.5 s, as a forgotten kernel would."""
+
+    broker: BrokerProcess
+    alice: RemotePool
+    bob: RemotePool
+    procs: _Processes
+    lease: Lease
+    kernel: int  # the kernel's pid
+
+    def remove_pool_file(self) -> None:
+        """``rm pool.sqlite*`` (the simulated driver's usage folder stays)."""
+        for path in glob.glob(self.broker.db + "*"):
+            if os.path.isfile(path):
+                os.unlink(path)
+
+    def bob_waits(self) -> Lease:
+        """Bob asks for 8 GiB, which only the kernel's memory could give him: past the watchdog's
+        grace his request still waits and the kernel still runs. Returns his queued lease."""
+        waiting = self.bob.request(LeaseRequest(owner="", memory=8 * GIB, kernel_id="k-bob"))
+        time.sleep(1.5)  # past the watchdog's grace, several ticks
+        assert self.bob.get(waiting.id).state is LeaseState.QUEUED, "the kernel's memory was granted again"
+        assert self.procs.procs[self.kernel].poll() is None, "the broker stopped the adopted kernel"
+        return waiting
+
+
+@contextlib.contextmanager
+def lost_pool_file_broker(workdir: Path, start_kernel: Callable[[_Processes, str], int]) -> Iterator[LostPoolFile]:
+    """A real broker process in ``workdir`` (stand-in hub with alice and bob) set up as
+    :class:`LostPoolFile` says; ``start_kernel(procs, lease_id)`` starts alice's kernel process and
+    returns its pid. A pool error in the block fails with the broker's log; everything stops after."""
+    from broker_harness import BrokerProcess, StandInHub
+
+    from jupyter_gpupool.backends.local.pool import HOSTNAME
+    from jupyter_gpupool.backends.remote import RemotePool
+
+    hub = StandInHub().start()
+    alice_token, bob_token = hub.add_user("tok-alice", "alice"), hub.add_user("tok-bob", "bob")
+    config = "c.Broker.run_watchdog = True\nc.Watchdog.interval = 0.2\nc.Watchdog.unpooled_action = 'stop'\nc.Watchdog.grace = 0.5\n"
+    broker = BrokerProcess(workdir, hub, simulate="1x16GiB", config=config)
+    procs = _Processes(f"{broker.db}.usage")
+    try:
+        broker.start()
+        alice, bob = RemotePool(broker.url, token=alice_token, timeout=15), RemotePool(broker.url, token=bob_token, timeout=15)
+        lease = alice.request(LeaseRequest(owner="", memory=12 * GIB, kernel_id="k-alice", holder_pid=os.getpid(), holder_host=HOSTNAME))
+        assert lease.state is LeaseState.GRANTED, lease
+        kernel = start_kernel(procs, lease.id)
+        procs.use(kernel, {lease.devices[0]: 10 * GIB})
+        yield LostPoolFile(broker, alice, bob, procs, lease, kernel)
+    except GpuPoolError as err:
+        raise AssertionError(f"{err}\n{broker.log()[-3000:]}") from None
+    finally:
+        procs.close()
+        broker.stop()
+        hub.stop()
 
 
 def _granted_pairs(leases: list[Any]) -> set[tuple[str, str]]:

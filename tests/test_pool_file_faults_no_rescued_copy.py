@@ -11,19 +11,15 @@ import glob
 import logging
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from broker_harness import BrokerProcess, StandInHub
-from reliability import _Processes
+from reliability import _Processes, lost_pool_file_broker
 
-from jupyter_gpupool.backends.local.pool import HOSTNAME, Pool
-from jupyter_gpupool.backends.remote import RemotePool
+from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
-from jupyter_gpupool.errors import GpuPoolError
 from jupyter_gpupool.units import GIB
 
 
@@ -37,43 +33,21 @@ def kernel(procs: _Processes, lease_id: str, user: str, kernel_id: str, run_as: 
 
 
 def test_a_broker_restarted_on_a_lost_file_with_no_rescued_copy_adopts_kernels_from_the_driver(tmp_path: Path) -> None:
-    hub = StandInHub().start()
-    alice_token, bob_token = hub.add_user("tok-alice", "alice"), hub.add_user("tok-bob", "bob")
-    # Its watchdog stops what holds GPU memory outside the pool after 0.5 s: a forgotten kernel would be.
-    config = "c.Broker.run_watchdog = True\nc.Watchdog.interval = 0.2\nc.Watchdog.unpooled_action = 'stop'\nc.Watchdog.grace = 0.5\n"
-    broker = BrokerProcess(tmp_path, hub, simulate="1x16GiB", config=config)
-    procs = _Processes(f"{broker.db}.usage")
-    try:
-        broker.start()
-        alice, bob = RemotePool(broker.url, token=alice_token, timeout=15), RemotePool(broker.url, token=bob_token, timeout=15)
-        lease = alice.request(LeaseRequest(owner="", memory=12 * GIB, kernel_id="k-alice", holder_pid=os.getpid(), holder_host=HOSTNAME))
-        assert lease.state is LeaseState.GRANTED
-        pid = kernel(procs, lease.id, "alice", "k-alice")
-        procs.use(pid, {lease.devices[0]: 10 * GIB})
+    with lost_pool_file_broker(tmp_path, lambda procs, lease_id: kernel(procs, lease_id, "alice", "k-alice")) as lost:
+        broker, alice, bob, lease = lost.broker, lost.alice, lost.bob, lost.lease
         broker.kill()  # SIGKILL: nobody is left to save the file's last state
-        for path in glob.glob(broker.db + "*"):
-            if os.path.isfile(path):
-                os.unlink(path)  # rm pool.sqlite* (the simulated driver's usage folder stays)
+        lost.remove_pool_file()
         broker.start()
         assert not glob.glob(broker.db + ".rescued-*")
         adopted = alice.get(lease.id)
         assert adopted.state is LeaseState.GRANTED and adopted.owner == "alice" and adopted.kernel_id == "k-alice", adopted
         assert adopted.devices == lease.devices and adopted.memory == 10 * GIB, adopted
-        waiting = bob.request(LeaseRequest(owner="", memory=8 * GIB, kernel_id="k-bob"))
-        time.sleep(1.5)  # past the watchdog's grace, several ticks
-        assert bob.get(waiting.id).state is LeaseState.QUEUED, "the kernel's memory was granted again"
-        assert procs.procs[pid].poll() is None, "the broker stopped the adopted kernel"
+        waiting = lost.bob_waits()
         lines = [line for line in broker.log().splitlines() if "no rescued copy of it was found" in line]
         assert len(lines) == 1 and "1 running kernel(s) the driver shows were adopted" in lines[0], lines
         assert "alice's k-alice (10 GiB on 1 GPU(s))" in lines[0] and "0 process(es) naming a lease" in lines[0], lines
-        procs.kill(pid)  # the kernel ends: its lease is reclaimed, and the memory goes to bob
+        lost.procs.kill(lost.kernel)  # the kernel ends: its lease is reclaimed, and the memory goes to bob
         assert bob.wait_for_grant(waiting.id, timeout=10).state is LeaseState.GRANTED
-    except GpuPoolError as err:
-        raise AssertionError(f"{err}\n{broker.log()[-3000:]}") from None
-    finally:
-        procs.close()
-        broker.stop()
-        hub.stop()
 
 
 def test_a_process_naming_a_lease_it_may_not_claim_stays_outside_the_pool(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
