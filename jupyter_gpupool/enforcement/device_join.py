@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from jupyter_gpupool.enforcement.join_cgroup import exec_command
+
 #: Seconds between two looks at ``/proc/self/cgroup`` (membership changes have no notification).
 POLL_SECONDS = 0.02
 
@@ -89,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpupool: the pool did not set up this kernel's GPU access within {timeout:g} s; "
             "its GPU may refuse to open (EPERM) until it does\n"
         )
-    cmd = args[1:]
-    try:
-        os.execvp(cmd[0], cmd)
-    except OSError as exc:
-        sys.stderr.write(f"gpupool: could not start {cmd[0]}: {exc.strerror or exc}\n")
-    return 127
+    return exec_command(args[1:])
 
 
 if __name__ == "__main__":

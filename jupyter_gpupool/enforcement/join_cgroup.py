@@ -23,6 +23,16 @@ def join(cgroup: str) -> str:
     return ""
 
 
+def exec_command(cmd: list[str]) -> int:
+    """Become ``cmd`` (``exec``, searched on ``$PATH``); returns 127, after one line on stderr, only
+    where it cannot be started. The launchers' last step (also :mod:`.device_join`'s)."""
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as exc:
+        sys.stderr.write(f"gpupool: could not start {cmd[0]}: {exc.strerror or exc}\n")
+    return 127
+
+
 def main(argv: list[str] | None = None) -> int:
     """Join the cgroup, then exec the command (returns only on a usage error or a failed exec)."""
     args = sys.argv[1:] if argv is None else argv
@@ -33,11 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = join(cgroup)
     if problem:
         sys.stderr.write(f"gpupool: {problem}; the kernel runs with its MPS hard limit only\n")
-    try:
-        os.execvp(cmd[0], cmd)
-    except OSError as exc:
-        sys.stderr.write(f"gpupool: could not start {cmd[0]}: {exc.strerror or exc}\n")
-    return 127
+    return exec_command(cmd)
 
 
 if __name__ == "__main__":
