@@ -22,6 +22,7 @@ from gpucheck.checks import Context, Options, devicectl, elastic, fastpark, regi
 from gpucheck.checks.common import emit, slice_server
 from gpucheck.cli import select
 from gpucheck.probe import Probe
+from gpucheck.report import Result, Status
 
 GIB, MIB = 1024**3, 1024**2
 
@@ -265,6 +266,23 @@ def test_device_control_check_skips_here_saying_why_and_leaves_no_cgroup(tmp_pat
     assert re.search(r"no /dev/nvidiactl|cgroups not writable|not root|no cgroup hierarchy", result.detail), result.detail
     for mount in filter(None, cgroup_mounts()):
         assert not [n for n in os.listdir(mount) if n.startswith(f"gpucheck{os.getpid()}")]
+
+
+# --- every check's end ---------------------------------------------------------------------------
+
+
+def test_a_checks_verdict_fails_naming_its_problems_and_passes_with_its_detail() -> None:
+    def unreadable() -> str:
+        raise AssertionError("a failing run's pass detail was written")
+
+    failed = Result.verdict("c", ["too slow", "x" * 500], number="1 GB/s", detail=unreadable, data={"a": 1}, noted="; note")
+    assert (failed.status, failed.number, failed.data) == (Status.FAIL, "1 GB/s", {"a": 1})
+    assert failed.detail.startswith("too slow; xxx") and len(failed.detail) == 400
+    whole = Result.verdict("c", ["too slow"], number="", detail="measured", data={}, noted="; measured", limit=None)
+    assert whole.detail == "too slow; measured"
+    passed = Result.verdict("c", [], number="2 GB/s", detail=lambda: "fast " * 100, data={})
+    assert passed.status is Status.PASS and passed.detail == ("fast " * 100)[:400]
+    assert Result.verdict("c", [], number="", detail="measured", data={}, noted="; n").detail == "measured"
 
 
 # --- the two device calls ----------------------------------------------------------------------------

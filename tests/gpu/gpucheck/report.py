@@ -6,7 +6,7 @@ import enum
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +18,10 @@ class Status(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+#: The most characters a check's detail keeps (the JSON's ``data`` keeps every reading).
+DETAIL_LIMIT = 400
 
 
 @dataclass
@@ -38,6 +42,20 @@ class Result:
     @classmethod
     def fail(cls, check: str, detail: str, **data: Any) -> Result:
         return cls(check=check, status=Status.FAIL, detail=detail, data=dict(data))
+
+    @classmethod
+    def verdict(
+        cls, check: str, problems: list[str], *, number: str, detail: str | Callable[[], str], data: dict[str, Any],
+        noted: str = "", limit: int | None = DETAIL_LIMIT,
+    ) -> Result:
+        """A check's end: FAIL when it found ``problems`` (its detail: them joined with ``; ``, then
+        ``noted``), else PASS with ``detail``, or what ``detail()`` writes (called only on a pass: it
+        may read what only a passing run records); either detail cut to ``limit`` characters (None: whole)."""
+        if problems:
+            status, text = Status.FAIL, "; ".join(problems) + noted
+        else:
+            status, text = Status.PASS, detail if isinstance(detail, str) else detail()
+        return cls(check=check, status=status, number=number, detail=text[:limit], data=data)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..harness import register_cleanup, register_pid
 from ..probe import Probe, first, need_framework, need_gpu, need_module
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context, Options
 from .common import MIB, RAWCUDA, nvml_process_memory, poll_until
 
@@ -250,12 +250,10 @@ def run(ctx: Context) -> Result:
         seen["left_cgroups"] = [d for d in made if os.path.isdir(d)]
     problems = problems_of(seen)
     number = f"{seen['mode']}: denied {'no' if seen['denied'].get('ok') else 'yes'}, granted sees {seen['granted'].get('count')} GPU"
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=seen)
-    detail = (f"raw cuMemAlloc outside: ok; in the denied cgroup: {seen['denied'].get('error')}; the granted PyTorch "
-              f"process saw exactly {uuid} and allocated {PROBE_BYTES // MIB} MiB; denied again after release "
-              f"({seen['after_release'].get('error')})")
-    return Result(ctx.name, Status.PASS, number=number, detail=detail[:400], data=seen)
+    return Result.verdict(ctx.name, problems, number=number, data=seen, detail=lambda: (
+        f"raw cuMemAlloc outside: ok; in the denied cgroup: {seen['denied'].get('error')}; the granted PyTorch "
+        f"process saw exactly {uuid} and allocated {PROBE_BYTES // MIB} MiB; denied again after release "
+        f"({seen['after_release'].get('error')})"))
 
 
 SPEC = CheckSpec(

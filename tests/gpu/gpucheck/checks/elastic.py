@@ -237,13 +237,11 @@ def measure(ctx: Context, cells: Cells = Cells(), host: Host = Host()) -> Result
         server.stop()
     problems = problems_of(seen, interval)
     number = summary(seen, interval)
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=seen)
-    detail = (f"A grew from {GUARANTEE / GIB:.0f} GiB in {seen.get('grow_tries')} cell run(s) and kept running; "
-              f"B ({big / GIB:.0f} GiB) granted {seen['b_granted_s']} s after it asked; A's cache emptied "
-              f"({seen.get('nvml_a_cached', 0) / GIB:.1f} -> {seen.get('nvml_a_last', 0) / GIB:.1f} GiB NVML), "
-              f"cap {int(seen['caps_after']) / GIB:.1f} GiB; {seen.get('burst_note') or ''}")
-    return Result(ctx.name, Status.PASS, number=number, detail=detail[:400], data=seen)
+    return Result.verdict(ctx.name, problems, number=number, data=seen, detail=lambda: (
+        f"A grew from {GUARANTEE / GIB:.0f} GiB in {seen.get('grow_tries')} cell run(s) and kept running; "
+        f"B ({big / GIB:.0f} GiB) granted {seen['b_granted_s']} s after it asked; A's cache emptied "
+        f"({seen.get('nvml_a_cached', 0) / GIB:.1f} -> {seen.get('nvml_a_last', 0) / GIB:.1f} GiB NVML), "
+        f"cap {int(seen['caps_after']) / GIB:.1f} GiB; {seen.get('burst_note') or ''}"))
 
 
 SPEC = CheckSpec(

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from ..probe import Probe, first, need_framework, need_gpu, need_module
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context, Options
 from .common import GIB, gpu_uuids, nvml_process_memory
 
@@ -215,9 +215,7 @@ def run(ctx: Context) -> Result:
     firsts = [r for r in data["rounds"] if r.get("round") == "first" and "resume_gbps" in r]
     first_parks = ", ".join(f"{r['park_gbps']:.1f}" for r in firsts)
     detail = f"park/restore on a reused pinned backup; first park {first_parks} GB/s; {pinned}"
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems) + "; " + detail, data=data)
-    return Result(ctx.name, Status.PASS, number=number, detail=detail, data=data)
+    return Result.verdict(ctx.name, problems, number=number, detail=detail, data=data, noted="; " + detail, limit=None)
 
 
 SPEC = CheckSpec(

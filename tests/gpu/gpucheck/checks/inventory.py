@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..probe import first, need_gpu, need_module, nvidia_smi_query
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context, Options
 
 MIB = 1024**2
@@ -76,15 +76,8 @@ def run(ctx: Context) -> Result:
         "backend": describe,
         "processes_seen": len(usage),
     }
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=f"{len(physical)} GPU", detail="; ".join(problems)[:400], data=data)
-    return Result(
-        ctx.name,
-        Status.PASS,
-        number=f"{len(physical)} GPU",
-        detail=f"matches nvidia-smi: {summary}; {len(mig_instances)} MIG instances",
-        data=data,
-    )
+    return Result.verdict(ctx.name, problems, number=f"{len(physical)} GPU", data=data,
+                          detail=lambda: f"matches nvidia-smi: {summary}; {len(mig_instances)} MIG instances")
 
 
 SPEC = CheckSpec(

@@ -171,14 +171,9 @@ def run(ctx: Context) -> Result:
         if not stopped:
             problems.append("MPS control daemon still running after quit")
     number = f"{slice_bytes / GIB:g} GiB slice: {0.6 * slice_bytes / GIB:.1f} ok, {1.2 * slice_bytes / GIB:.1f} refused"
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=data)
-    return Result(
-        ctx.name,
-        Status.PASS,
-        number=number,
-        detail=f"private pipe dir; {DIRECT_LIMIT_MIB} MiB pinned limit refused 3 GiB; provisioner set {expected}; daemon stopped",
-        data=data,
+    return Result.verdict(
+        ctx.name, problems, number=number, data=data,
+        detail=lambda: f"private pipe dir; {DIRECT_LIMIT_MIB} MiB pinned limit refused 3 GiB; provisioner set {expected}; daemon stopped",
     )
 
 

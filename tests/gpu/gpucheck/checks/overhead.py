@@ -9,7 +9,7 @@ import statistics
 
 from ..harness import HarnessError, bare_kernelspec
 from ..probe import Probe, first, need_framework, need_gpu, need_provisioner, need_server
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context, Options
 from .common import emit, grant_problems, slice_server
 
@@ -94,9 +94,7 @@ def run(ctx: Context) -> Result:
         f"medians of {repeats}, alternated: matmul {med['slice']['matmul']:.0f} vs {med['bare']['matmul']:.0f} TFLOP/s, "
         f"train {med['slice']['train']:.0f} vs {med['bare']['train']:.0f} steps/s (slice vs bare)"
     )
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems) + "; " + detail, data=data)
-    return Result(ctx.name, Status.PASS, number=number, detail=detail, data=data)
+    return Result.verdict(ctx.name, problems, number=number, detail=detail, data=data, noted="; " + detail, limit=None)
 
 
 SPEC = CheckSpec(

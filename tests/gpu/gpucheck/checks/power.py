@@ -30,7 +30,7 @@ from typing import Any
 
 from ..harness import register_pid
 from ..probe import Probe, first, need_checkpoint_api, need_framework, need_gpu
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context, Options
 from .common import GIB, gpu_uuids, nvml_process_memory, poll_until
 from .suspend import _Mover  # the suspend check's product-first checkpoint path, reused as it is
@@ -386,16 +386,11 @@ def measure(
     windows = ("baseline", "idle_context", "suspended")
     others = sorted({p for name in windows for p in data[name]["compute_pids"]} - {pid})
     noted = f"; other GPU processes {others}" if others else ""
-    if problems:
-        return Result(
-            ctx.name, Status.FAIL, number=verdict.number(), detail=("; ".join(problems) + noted)[:400], data=data
-        )
-    detail = (
+    return Result.verdict(ctx.name, problems, number=verdict.number(), data=data, noted=noted, detail=lambda: (
         f"{verdict.explain()}; {held / GIB:.2f} GiB freed while suspended and intact after the resume; "
         f"P-states {'/'.join(data[name]['pstate'] for name in windows)} (baseline/idle/suspended); "
         f"persistence {data['persistence_mode']}; via {mover.via}{noted}"
-    )
-    return Result(ctx.name, Status.PASS, number=verdict.number(), detail=detail[:400], data=data)
+    ))
 
 
 SPEC = CheckSpec(

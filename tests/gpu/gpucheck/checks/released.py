@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from ..probe import Probe, first, need_gpu, need_module
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context
 from .common import GIB, MIB, nvml_process_memory, poll_until, start_raw_holder
 
@@ -103,10 +103,8 @@ def run(ctx: Context) -> Result:
         pool.close()
     problems = problems_of(data)
     number = f"{data['listed_bytes'] / GIB:.2f} GiB kept taken; granted {data['granted_after_exit_s']} s after exit"
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=data)
-    return Result(ctx.name, Status.PASS, number=number,
-                  detail="the waiting request stayed queued while the released process held its memory (= NVML)", data=data)
+    return Result.verdict(ctx.name, problems, number=number, data=data,
+                          detail="the waiting request stayed queued while the released process held its memory (= NVML)")
 
 
 SPEC = CheckSpec(

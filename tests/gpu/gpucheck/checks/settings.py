@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..probe import Probe, first, need_gpu, nvidia_smi_query
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context, Options
 
 FIELDS = (
@@ -65,13 +65,8 @@ def run(ctx: Context) -> Result:
     if leaked:
         problems.append(f"GPU processes left behind: pids {leaked}")
     summary = ", ".join(f"{k}={v}" for k, v in next(iter(after["gpus"].values()), {}).items())
-    if problems:
-        return Result(
-            ctx.name, Status.FAIL, number=f"{len(changed)} changed", detail="; ".join(problems)[:400], data=data
-        )
-    return Result(
-        ctx.name, Status.PASS, number="0 changed", detail=f"unchanged ({summary}); no GPU process left", data=data
-    )
+    return Result.verdict(ctx.name, problems, number=f"{len(changed)} changed", data=data,
+                          detail=f"unchanged ({summary}); no GPU process left")
 
 
 SPEC = CheckSpec(

@@ -104,14 +104,9 @@ def run(key: str, ctx: Context) -> Result:
     finally:
         server.stop()
     number = f"{slice_bytes / GIB:g} GiB slice: {chunk / GIB:.1f} ok, {2 * chunk / GIB:.1f} refused"
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=data)
-    return Result(
-        ctx.name,
-        Status.PASS,
-        number=number,
-        detail=f"{beyond.ename} with gpupool's message naming the slice; kernel B allocated {chunk / GIB:.1f} GiB in its own slice",
-        data=data,
+    return Result.verdict(
+        ctx.name, problems, number=number, data=data,
+        detail=lambda: f"{beyond.ename} with gpupool's message naming the slice; kernel B allocated {chunk / GIB:.1f} GiB in its own slice",
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from ..harness import JupyterServer, KernelSession
 from ..probe import Probe, first, need_checkpoint_api, need_framework, need_gpu, need_provisioner, need_server
 from ..rawcuda import Driver
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context, Options
 from .common import GIB, emit, nvml_device_used, nvml_process_memory, poll_until, slice_server
 
@@ -354,18 +354,11 @@ def run(ctx: Context) -> Result:
     )
     fill = data["fill"]
     detail = (
-        f"{held_gib:.2f} GiB held; {data['suspend_x_floor']}x / {data['resume_x_floor']}x the floor's time; "
+        f"memory released, a cell waited for the resume, tensors bit-identical; {held_gib:.2f} GiB held; "
+        f"{data['suspend_x_floor']}x / {data['resume_x_floor']}x the floor's time; "
         f"pinned copies {fill['h2d'] / 1e9:.0f} GB/s up, {fill['d2h'] / 1e9:.0f} GB/s down; via {mover.via}"
     )
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=data)
-    return Result(
-        ctx.name,
-        Status.PASS,
-        number=number,
-        detail=f"memory released, a cell waited for the resume, tensors bit-identical; {detail}"[:400],
-        data=data,
-    )
+    return Result.verdict(ctx.name, problems, number=number, detail=detail, data=data)
 
 
 SPEC = CheckSpec(

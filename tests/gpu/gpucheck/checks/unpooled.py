@@ -10,7 +10,7 @@ from typing import Any
 
 from ..harness import HarnessError
 from ..probe import Probe, first, need_gpu, need_module, need_provisioner, need_server
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context
 from .common import GIB, MIB, emit, grant_problems, nvml_process_memory, poll_until, slice_server, start_raw_holder
 
@@ -98,11 +98,8 @@ def run(ctx: Context) -> Result:
         server.stop()
     problems += problems_of(data, interval)
     number = f"seen in {data.get('detect_seconds', '?')} s (interval {interval:g} s)"
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=data)
-    return Result(ctx.name, Status.PASS, number=number,
-                  detail=f"{data['reported'] / GIB:.2f} GiB outside the pool = NVML; the pooled kernel not counted",
-                  data=data)
+    return Result.verdict(ctx.name, problems, number=number, data=data,
+                          detail=lambda: f"{data['reported'] / GIB:.2f} GiB outside the pool = NVML; the pooled kernel not counted")
 
 
 SPEC = CheckSpec(

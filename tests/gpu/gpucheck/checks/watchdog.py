@@ -9,7 +9,7 @@ import time
 
 from ..harness import HarnessError
 from ..probe import Probe, first, need_gpu, need_module, need_provisioner, need_server
-from ..report import Result, Status
+from ..report import Result
 from . import CheckSpec, Context, Options
 from .common import GIB, MIB, emit, grant_problems, nvml_process_memory, poll_until, rest_slice, slice_server
 
@@ -164,18 +164,10 @@ def run(ctx: Context) -> Result:
         stop.touch()
         server.stop()
     number = f"seen in {data.get('detect_seconds', '?')} s (interval {interval:g} s)"
-    if problems:
-        return Result(ctx.name, Status.FAIL, number=number, detail="; ".join(problems)[:400], data=data)
-    return Result(
-        ctx.name,
-        Status.PASS,
-        number=number,
-        detail=(
-            f"{data['used_reported'] / GIB:.2f} GiB over the kernel tree = NVML; "  # type: ignore[operator]
-            f"interrupted {data['cell']['seconds_after_alloc']} s after the allocation (grace {GRACE:g} s)"  # type: ignore[index]
-        ),
-        data=data,
-    )
+    return Result.verdict(ctx.name, problems, number=number, data=data, detail=lambda: (
+        f"{data['used_reported'] / GIB:.2f} GiB over the kernel tree = NVML; "  # type: ignore[operator]
+        f"interrupted {data['cell']['seconds_after_alloc']} s after the allocation (grace {GRACE:g} s)"  # type: ignore[index]
+    ))
 
 
 SPEC = CheckSpec(
