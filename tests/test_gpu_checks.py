@@ -27,6 +27,14 @@ from gpucheck.report import Result, Status
 GIB, MIB = 1024**3, 1024**2
 
 
+def assert_verdict(problems: list[str], expected: str | None) -> None:
+    """No problem where ``expected`` is None; else exactly one, which says ``expected``."""
+    if expected is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and expected in problems[0], problems
+
+
 # --- fast-parking ---------------------------------------------------------------------------------
 
 
@@ -100,10 +108,7 @@ def unpooled_seen(**changes: Any) -> dict[str, Any]:
 )
 def test_unpooled_verdict(changes: dict[str, Any], expected: str | None) -> None:
     problems = unpooled.problems_of(unpooled_seen(**changes), interval=2.0)
-    if expected is None:
-        assert problems == []
-    else:
-        assert len(problems) == 1 and expected in problems[0], problems
+    assert_verdict(problems, expected)
 
 
 # --- elastic --------------------------------------------------------------------------------------
@@ -139,10 +144,7 @@ def elastic_seen(**changes: Any) -> dict[str, Any]:
 )
 def test_elastic_verdict_is_the_burst_back_rule(changes: dict[str, Any], expected: str | None) -> None:
     problems = elastic.problems_of(elastic_seen(**changes), interval=2.0)
-    if expected is None:
-        assert problems == []
-    else:
-        assert len(problems) == 1 and expected in problems[0], problems
+    assert_verdict(problems, expected)
     assert elastic.settle_limit(2.0) == 17.0 and elastic.settle_limit(0.5, settle=15) == 15.5
 
 
@@ -241,10 +243,7 @@ def devicectl_seen(**changes: Any) -> dict[str, Any]:
 )
 def test_device_control_verdict(changes: dict[str, Any], expected: str | None) -> None:
     problems = devicectl.problems_of(devicectl_seen(**changes))
-    if expected is None:
-        assert problems == []
-    else:
-        assert len(problems) == 1 and expected in problems[0], problems
+    assert_verdict(problems, expected)
 
 
 def test_device_control_reads_torch_and_nvml_uuids_alike() -> None:
