@@ -23,6 +23,15 @@ BURST_TAKEN = "burst taken back"
 GROW_WHEN_USED = 0.9
 
 
+def size_generation(lease: Lease) -> tuple[float, int, float, int]:
+    """Orders reads of one lease by the changes of its size: of two reads, the one with the smaller
+    generation was read before the other's change (a stale read), whatever size it says. A size
+    changes only in :meth:`Elastic.set_size`, which counts each change of a grant in
+    ``memory_history``; a new request of its kernel (``created_at``), a suspend (``suspensions``)
+    and each grant (``granted_at``) start that count again, later than all before."""
+    return (lease.created_at, lease.suspensions, lease.granted_at or 0.0, len(lease.memory_history))
+
+
 def grow_wanters(state: PoolState) -> list[Lease]:
     """Granted kernels waiting for their slice to grow, in line order."""
     wanters = [lease for lease in state.leases.values() if lease.grow_since is not None]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jupyter_gpupool.backends.contract import Capability, supports
+from jupyter_gpupool.core.elastic import size_generation
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, Transition
 from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
 from jupyter_gpupool.devices.nvml import NvmlBackend
@@ -101,6 +102,8 @@ class TransitionDriver:
         self._act_lock = asyncio.Lock()
         #: Lease id → the ``burst_taken_at`` of the last take-back its kernel was told of.
         self._take_backs_followed: dict[str, float] = {}
+        #: Lease id → the newest :func:`size_generation` its caps followed (older reads are stale).
+        self._sizes_followed: dict[str, tuple[float, int, float, int]] = {}
 
     async def act_on_changes(self) -> None:
         """Carry out at once what the pool now says about our kernels (a suspend, restore or move,
@@ -419,8 +422,17 @@ class TransitionDriver:
         """Move each running kernel's framework caps to its slice's current size when the pool
         grew it or took its burst back (through the quiet channel: no activity), and tell the user.
         Called by the tick, the watchdog and on every change of the pool (a burst taken back must
-        not wait for the tick: the kernel has ``burst_settle`` to come down)."""
+        not wait for the tick: the kernel has ``burst_settle`` to come down). Each caller read the
+        leases a moment before, and another may have followed a newer read since: a lease read
+        before the newest size this server followed (:func:`size_generation`) is stale and moves
+        nothing (a tick's read from before a take-back would set the caps back up)."""
+        newest = self._sizes_followed
+        self._sizes_followed = {lease.id: newest[lease.id] for _, lease in leases.values() if lease.id in newest}
         for kernel_id, (prov, lease) in leases.items():
+            generation = size_generation(lease)
+            if generation < self._sizes_followed.get(lease.id, generation):
+                continue
+            self._sizes_followed[lease.id] = generation
             if lease.state is not LeaseState.GRANTED or prov.phase != "running" or not prov.pid:
                 self.ext._caps_sent.pop(lease.id, None)
                 self._take_backs_followed.pop(lease.id, None)
