@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from jupyter_gpupool.backends.local.driver import (
     HOSTNAME,
     DriverReading,
+    ended_in,
     held_rows,
     still_held,
 )
@@ -82,7 +83,8 @@ class PoolLoading:
         when already read), where the backend lists processes (NVML, simulated; not Slurm)."""
         if not self.pool._sees_processes():
             return None
-        return DriverReading(self.pool.backend.process_usage, processes, self.pool._owners_seen).bind(leases)
+        return DriverReading(self.pool.backend.process_usage, processes, self.pool._owners_seen,
+                             ended=ended_in(self.pool.store)).bind(leases)
 
     def write_released_holdings(self, state: PoolState, now: float) -> None:
         """Write down what released leases' processes still held (and what suspended or moved
@@ -101,7 +103,8 @@ class PoolLoading:
         :func:`~jupyter_gpupool.backends.local.driver.still_held`). ``settle``: the next save writes
         that down (see :meth:`_save`), so memory once shown free is never taken again by these rows."""
         kept, changed = still_held(rows, (self.pool.RELEASED_BUT_HELD, self.pool.PARKED_BUT_HELD), self.pool.PARKED_BUT_HELD,
-                                   HOSTNAME, leases or {}, driver.processes if driver is not None else None)
+                                   HOSTNAME, leases or {}, driver.processes if driver is not None else None,
+                                   driver.lease_of if driver is not None else None)
         if settle:
             self.pool._settle = changed
         return kept

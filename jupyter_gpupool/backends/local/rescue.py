@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from jupyter_gpupool.backends.local.driver import same_process_alive
+from jupyter_gpupool.backends.local.driver import lease_claims, lease_holdings, same_process_alive
 from jupyter_gpupool.backends.local.store import lease_from_json
 from jupyter_gpupool.core.models import Lease, LeaseState
 from jupyter_gpupool.devices import ProcessUsage
-from jupyter_gpupool.enforcement.unpooled import find_kernel_roots, holdings_of_lease
+from jupyter_gpupool.enforcement.claims import EndedLookup
+from jupyter_gpupool.enforcement.unpooled import _Processes, find_kernel_roots
 from jupyter_gpupool.units import format_size
 
 if TYPE_CHECKING:
@@ -48,13 +49,36 @@ def live_leases_of(copy: str) -> list[Lease]:
     return [lease_from_json(json.loads(data)) for (data,) in rows]
 
 
-def still_running(lease: Lease, processes: list[ProcessUsage], host: str) -> bool:
+def released_leases_of(copy: str) -> EndedLookup:
+    """The released leases of a rescued copy, by id (read without changing it): those a kernel's
+    start environment may still name after it released its lease and reserved again."""
+
+    def lookup(lease_ids: set[str]) -> dict[str, Lease]:
+        ids = sorted(lease_ids)
+        conn = sqlite3.connect(f"file:{copy}?mode=ro", uri=True)
+        try:
+            rows = conn.execute(f"SELECT data FROM leases WHERE state = 'released' AND id IN ({','.join('?' * len(ids))})",
+                                ids).fetchall() if ids else []
+        except sqlite3.Error:
+            rows = []
+        finally:
+            conn.close()
+        found = [lease_from_json(json.loads(data)) for (data,) in rows]
+        return {lease.id: lease for lease in found}
+
+    return lookup
+
+
+def still_running(lease: Lease, processes: list[ProcessUsage], host: str, claims: _Processes | None = None) -> bool:
     """Whether ``lease``'s kernel still runs here: its holder process (the same one, started before
-    the lease), or a process the driver lists holding memory for it."""
+    the lease), or a process the driver lists holding memory for it, by the pool's claim rule
+    (``claims``: :func:`~jupyter_gpupool.backends.local.driver.lease_claims` over the copy's live
+    leases and its released ones; by default, over ``lease`` alone)."""
     if lease.holder_host == host and lease.holder_pid and same_process_alive(lease.holder_pid, lease.created_at):
         return True
     devices = (*lease.devices, *lease.home_devices, *lease.migrate_from)
-    return bool(devices) and bool(holdings_of_lease(processes, lease, devices))
+    claims = claims if claims is not None else lease_claims({lease.id: lease})
+    return bool(devices) and bool(lease_holdings(processes, lease, devices, claims))
 
 
 def adopt_rescued(pool: Pool) -> list[Lease]:
@@ -73,7 +97,8 @@ def adopt_rescued(pool: Pool) -> list[Lease]:
     processes = pool.backend.process_usage() if getattr(pool.backend, "name", "") in ("nvml", "simulated") else []
     inventory = {device.uuid for device in pool.devices()}
     host = socket.gethostname()
-    running = [lease for lease in leases if set(lease.devices) <= inventory and still_running(lease, processes, host)]
+    claims = lease_claims({lease.id: lease for lease in leases}, released_leases_of(copy))
+    running = [lease for lease in leases if set(lease.devices) <= inventory and still_running(lease, processes, host, claims)]
     with pool.store.transaction():
         adopted = [lease for lease in running if pool.store.lease(lease.id) is None]
         pool.store.save_leases(adopted)
@@ -157,7 +182,7 @@ def adopt_from_driver(pool: Pool, env_var: str = "GPUPOOL_LEASE_ID") -> list[Lea
     adopted: list[Lease] = []
     for lease in candidates:
         held: dict[str, int] = {}
-        rows = holdings_of_lease(processes, lease, order, env_var)  # only processes its user may claim
+        rows = lease_holdings(processes, lease, order, lease_claims({lease.id: lease}, env_var=env_var))  # only processes its user may claim
         for usage in rows:
             held[usage.device_uuid] = held.get(usage.device_uuid, 0) + int(usage.used_memory)
         if not held:
@@ -175,7 +200,8 @@ def adopt_from_driver(pool: Pool, env_var: str = "GPUPOOL_LEASE_ID") -> list[Lea
     with pool.store.transaction():
         adopted = [lease for lease in adopted if pool.store.lease(lease.id) is None]
         pool.store.save_leases(adopted)
-    claimed = {int(usage.pid) for lease in adopted for usage in holdings_of_lease(processes, lease, lease.devices, env_var)}
+    claimed = {int(usage.pid) for lease in adopted
+               for usage in lease_holdings(processes, lease, lease.devices, lease_claims({lease.id: lease}, env_var=env_var))}
     outside = sorted({int(usage.pid) for usage in processes} - claimed - unnamed_pids)
     kernels = ", ".join(
         f"{lease.owner}'s {lease.kernel_id or lease.id} ({format_size(lease.used_memory or 0)} on {len(lease.devices)} GPU(s))"
