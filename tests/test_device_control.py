@@ -30,7 +30,7 @@ import psutil
 import pytest
 from pool_helpers import make_pool, req
 
-from jupyter_gpupool.core.models import LeaseState, Transition
+from jupyter_gpupool.core.models import Device, LeaseState, Transition
 from jupyter_gpupool.devices.simulated import NODE_DIR_ENV, SimulatedBackend, make_node_folder, parse_inventory
 from jupyter_gpupool.enforcement import cgroup_bpf
 from jupyter_gpupool.enforcement.claims import UnixUsers
@@ -179,9 +179,14 @@ def _remove_tree(root: str) -> None:
 
 @pytest.fixture
 def host(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Host]:
-    path = request.param
+    with made_host(request.param, tmp_path, SimulatedBackend(parse_inventory("3x16GiB")).devices()) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def made_host(path: str, tmp_path: Path, devices: list[Device]) -> Iterator[Host]:
+    """A node folder for ``devices`` and this run's cgroups on ``path``, removed afterwards."""
     tag = f"gpupool-test-{os.getpid()}-{secrets.token_hex(3)}"
-    devices = SimulatedBackend(parse_inventory("3x16GiB")).devices()
     caps_major, uvm_major = _free_majors(2)
     folder = tmp_path / "dev"
     make_node_folder(str(folder), devices, caps_major=caps_major, uvm_major=uvm_major)
@@ -202,7 +207,7 @@ def host(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Host]:
                 memory = os.path.join(MEMORY, tag, "spawner")
                 os.makedirs(memory)
                 spawner.append(memory)
-        yield Host(path, tag, folder, nodes, [d.minor or 0 for d in devices], user, spawner, probes)
+        yield Host(path, tag, folder, nodes, [d.minor or 0 for d in devices if not d.is_mig], user, spawner, probes)
     finally:
         for probe in probes:
             probe.process.kill()
@@ -255,6 +260,19 @@ def test_a_rule_matches_only_the_access_it_names(tmp_path: Path) -> None:
         assert cgroup_bpf.detach(directory) and not cgroup_bpf.detach(directory)
     finally:
         _remove_tree(directory)
+
+
+def test_a_program_the_verifier_refuses_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    if UNIFIED is None:
+        pytest.skip("no cgroup2 hierarchy mounted")
+    # Loaded without the verifier's log first; a refusal is loaded again with it, to say why.
+    monkeypatch.setattr(cgroup_bpf, "assemble", lambda rules, default_allow: cgroup_bpf._insn(0xB4, 0, imm=1))  # no exit
+    with pytest.raises(OSError) as refused:
+        cgroup_bpf.load([], True)
+    assert not isinstance(refused.value, cgroup_bpf.BpfUnavailable)
+    assert refused.value.errno == errno.EINVAL
+    assert str(refused.value.strerror).startswith("the kernel refused the device program: Invalid argument; ")
+    assert "last insn is not an exit or jmp" in str(refused.value.strerror)  # the verifier's own words
 
 
 # --- both paths ---------------------------------------------------------------------------------------

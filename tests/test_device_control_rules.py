@@ -14,7 +14,14 @@ import pytest
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
 from jupyter_gpupool.enforcement.cgroup_bpf import DeviceRule, assemble
-from jupyter_gpupool.enforcement.device_control import NvidiaNodes, _proc_major, cgroup_mounts
+from jupyter_gpupool.enforcement.device_control import (
+    MigSlice,
+    NvidiaNodes,
+    _cap_tree,
+    _mig_minors,
+    _proc_major,
+    cgroup_mounts,
+)
 from jupyter_gpupool.enforcement.device_control_role import allowed_devices, minors_of
 
 CHAR, BLOCK = 2, 1
@@ -103,12 +110,15 @@ def test_what_a_kernel_may_open_follows_its_lease(made: Lease, allowed: tuple[st
     assert allowed_devices(made) == allowed
 
 
-def test_a_mig_instance_opens_its_gpus_node() -> None:
+def test_a_mig_instance_opens_its_gpus_node_and_its_own_instance() -> None:
     gpu = Device(index=0, uuid="GPU-a", name="A100", memory_total=1, minor=5)
-    mig = Device(index=0, uuid="MIG-a", name="A100 MIG 1g", memory_total=1, is_mig=True, parent_uuid="GPU-a", minor=5)
+    mig = Device(index=0, uuid="MIG-a", name="A100 MIG 1g", memory_total=1, is_mig=True, parent_uuid="GPU-a", minor=5, mig_gi=3, mig_ci=0)
+    unknown = Device(index=0, uuid="MIG-u", name="A100 MIG 1g", memory_total=1, is_mig=True, parent_uuid="GPU-a", minor=5)
     nameless = Device(index=1, uuid="GPU-b", name="A100", memory_total=1)  # no minor known: nothing to allow
-    devices = {d.uuid: d for d in (gpu, mig, nameless)}
-    assert minors_of(["MIG-a"], devices) == {5} and minors_of(["GPU-b", "GPU-gone"], devices) == frozenset()
+    devices = {d.uuid: d for d in (gpu, mig, unknown, nameless)}
+    assert minors_of(["MIG-a"], devices) == {MigSlice(5, 3, 0)} and minors_of(["GPU-a"], devices) == {5}
+    assert minors_of(["MIG-u"], devices) == {5}  # its instance unknown: its whole GPU, as before instances were told apart
+    assert minors_of(["GPU-b", "GPU-gone"], devices) == frozenset()
 
 
 def test_rules_deny_every_gpu_but_the_granted_ones_and_their_capability_nodes() -> None:
@@ -116,6 +126,31 @@ def test_rules_deny_every_gpu_but_the_granted_ones_and_their_capability_nodes() 
     assert [(r.major, r.minor) for r in nodes.rules()] == [(195, 0), (195, 1), (509, 3), (509, 4), (509, 5)]
     assert [(r.major, r.minor) for r in nodes.rules([1])] == [(195, 0), (509, 3)]
     assert not any(r.allow for r in nodes.rules())
+
+
+def test_a_mig_instance_is_allowed_its_own_gpu_and_compute_instance_capability_nodes_only() -> None:
+    instances = {(0, 1, None): (509, 12), (0, 1, 0): (509, 13), (0, 2, None): (509, 21), (0, 2, 0): (509, 22), (1, 1, None): (509, 147)}
+    nodes = NvidiaNodes(
+        "/dev", gpus={0: (195, 0), 1: (195, 1)}, caps={0: ((509, 12), (509, 13), (509, 21), (509, 22)), 1: ((509, 147),)}, instances=instances
+    )
+    denied = [(r.major, r.minor) for r in nodes.rules([MigSlice(0, 1, 0)])]
+    assert denied == [(195, 1), (509, 21), (509, 22), (509, 147)]  # its GPU's node and gi1, gi1/ci0 open
+    assert [(r.major, r.minor) for r in nodes.rules([MigSlice(0, 2, 0), MigSlice(0, 1, 0)])] == [(195, 1), (509, 147)]
+    assert [(r.major, r.minor) for r in nodes.rules([0])] == [(195, 1), (509, 147)]  # a whole GPU: all its capability nodes
+    # an instance the tables do not know: its GPU's node only
+    assert [(r.major, r.minor) for r in nodes.rules([MigSlice(1, 4, 0)])] == [(195, 0), (509, 12), (509, 13), (509, 21), (509, 22), (509, 147)]
+
+
+def test_the_drivers_mig_tables_are_read_instance_by_instance(tmp_path: Path) -> None:
+    table = tmp_path / "mig-minors"
+    table.write_text("config 1\nmonitor 2\ngpu0/gi0/access 3\ngpu0/gi0/ci0/access 4\ngpu1/gi1/access 147\ngpu1/gi1/ci7/access 155\nnonsense\n")
+    assert _mig_minors(str(table)) == {(0, 0, None): 3, (0, 0, 0): 4, (1, 1, None): 147, (1, 1, 7): 155}  # config, monitor: host-wide
+    assert _mig_minors(str(tmp_path / "none")) == {}
+    tree = tmp_path / "capabilities"
+    for parts, minor in (("gpu2/mig/gi1", 12), ("gpu2/mig/gi1/ci0", 13), ("mig", 1)):
+        (tree / parts).mkdir(parents=True, exist_ok=True)
+        (tree / parts / "access").write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\n")
+    assert _cap_tree(str(tree)) == {(2, 1, None): 12, (2, 1, 0): 13}
 
 
 def test_mounts_and_dynamic_majors_are_read_from_the_hosts_files(tmp_path: Path) -> None:

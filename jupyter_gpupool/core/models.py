@@ -30,6 +30,8 @@ class Device:
     nvlink_peers: frozenset[str] = frozenset()  # uuids this device has NVLink to
     overcommit: float = 1.0  # leasable = memory_total * overcommit
     minor: int | None = None  # the driver's minor number: /dev/nvidiaN's N, not the index (None: unknown)
+    mig_gi: int | None = None  # a MIG instance's GPU instance id (nvmlDeviceGetGpuInstanceId; None: unknown)
+    mig_ci: int | None = None  # a MIG instance's compute instance id (nvmlDeviceGetComputeInstanceId)
 
     @property
     def model(self) -> str:

@@ -181,33 +181,66 @@ def simulated_minor(index: int, count: int) -> int:
     return count - index
 
 
+#: The driver's MIG capability slots per GPU: GPU instances 0-14, compute instances 0-7 in each.
+MIG_GPU_INSTANCES, MIG_COMPUTE_INSTANCES = 15, 8
+
+
+def mig_cap_minor(gpu: int, gi: int, ci: int | None = None) -> int:
+    """The ``nvidia-caps`` minor of a MIG capability (``gpuN/giX/access`` or
+    ``gpuN/giX/ciY/access``), laid out as the driver's ``mig-minors`` lays them out: 1 and 2 are
+    the host-wide ``config`` and ``monitor``, then each GPU minor's slots in order."""
+    per_gi = 1 + MIG_COMPUTE_INSTANCES
+    return 3 + gpu * MIG_GPU_INSTANCES * per_gi + gi * per_gi + (0 if ci is None else 1 + ci)
+
+
 def make_node_folder(folder: str, devices: list[Device], caps_major: int, uvm_major: int) -> None:
     """Lay out a host's NVIDIA nodes in ``folder`` as the driver does in ``/dev`` and ``/proc``
     (needs root, for ``mknod``): ``nvidiaN`` (195:N) per GPU minor, ``nvidiactl``, ``nvidia-uvm``
-    and ``nvidia-uvm-tools``, one MIG capability node per GPU in ``nvidia-caps/``, and
-    ``proc/devices`` and ``proc/driver/nvidia/capabilities/gpuN/mig/gi0/access`` naming the
-    dynamic majors and which capability node is whose. Opening any of them fails with ``ENXIO``
+    and ``nvidia-uvm-tools``; ``proc/devices`` naming the dynamic majors;
+    ``proc/driver/nvidia-caps/mig-minors``, the minor of every MIG capability slot of each GPU;
+    and capability nodes in ``nvidia-caps/`` (with their ``proc/driver/nvidia/capabilities/gpuN/mig/``
+    entries) for GPU instance 0 of each whole GPU and for the GPU and compute instance of each MIG
+    device (``is_mig`` with ``mig_gi`` and ``mig_ci``). Opening any of them fails with ``ENXIO``
     (there is no driver), unless a device cgroup denies it first (``EPERM``)."""
     import stat
 
     def node(path: str, major: int, minor: int) -> None:
-        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
-        os.chmod(path, 0o666)
+        if not os.path.exists(path):
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            os.chmod(path, 0o666)
+
+    def capability(gpu: int, gi: int, ci: int | None = None) -> None:
+        minor = mig_cap_minor(gpu, gi, ci)
+        node(os.path.join(folder, "nvidia-caps", f"nvidia-cap{minor}"), caps_major, minor)
+        parts = [folder, "proc", "driver", "nvidia", "capabilities", f"gpu{gpu}", "mig", f"gi{gi}"]
+        access = os.path.join(*parts, *([f"ci{ci}"] if ci is not None else []))
+        os.makedirs(access, exist_ok=True)
+        with open(os.path.join(access, "access"), "w", encoding="ascii") as handle:
+            handle.write(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
 
     os.makedirs(os.path.join(folder, "nvidia-caps"), exist_ok=True)
-    os.makedirs(os.path.join(folder, "proc"), exist_ok=True)
+    os.makedirs(os.path.join(folder, "proc", "driver", "nvidia-caps"), exist_ok=True)
     node(os.path.join(folder, "nvidiactl"), NVIDIA_MAJOR, NVIDIACTL_MINOR)
     node(os.path.join(folder, "nvidia-uvm"), uvm_major, 0)
     node(os.path.join(folder, "nvidia-uvm-tools"), uvm_major, 1)
-    minors = [d.minor for d in devices if not d.is_mig and d.minor is not None]
-    for cap, minor in enumerate(minors):
+    minors = sorted({d.minor for d in devices if d.minor is not None})
+    for minor in minors:
         node(os.path.join(folder, f"nvidia{minor}"), NVIDIA_MAJOR, minor)
-        cap_minor = 3 + cap  # 1 and 2 are the host-wide mig/config and mig/monitor
-        node(os.path.join(folder, "nvidia-caps", f"nvidia-cap{cap_minor}"), caps_major, cap_minor)
-        access = os.path.join(folder, "proc", "driver", "nvidia", "capabilities", f"gpu{minor}", "mig", "gi0")
-        os.makedirs(access, exist_ok=True)
-        with open(os.path.join(access, "access"), "w", encoding="ascii") as handle:
-            handle.write(f"DeviceFileMinor: {cap_minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    for device in devices:
+        if device.minor is None:
+            continue
+        if not device.is_mig:
+            capability(device.minor, 0)
+        elif device.mig_gi is not None and device.mig_ci is not None:
+            capability(device.minor, device.mig_gi)
+            capability(device.minor, device.mig_gi, device.mig_ci)
+    lines = ["config 1", "monitor 2"]
+    for minor in minors:
+        for gi in range(MIG_GPU_INSTANCES):
+            lines.append(f"gpu{minor}/gi{gi}/access {mig_cap_minor(minor, gi)}")
+            lines.extend(f"gpu{minor}/gi{gi}/ci{ci}/access {mig_cap_minor(minor, gi, ci)}" for ci in range(MIG_COMPUTE_INSTANCES))
+    with open(os.path.join(folder, "proc", "driver", "nvidia-caps", "mig-minors"), "w", encoding="ascii") as handle:
+        handle.write("\n".join(lines) + "\n")
     with open(os.path.join(folder, "proc", "devices"), "w", encoding="ascii") as handle:
         handle.write(
             f"Character devices:\n  1 mem\n{NVIDIA_MAJOR} nvidia-frontend\n{caps_major} nvidia-caps\n{uvm_major} nvidia-uvm\n\n"

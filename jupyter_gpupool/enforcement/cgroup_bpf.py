@@ -143,20 +143,41 @@ def _bpf(command: int, attr: bytes) -> int:
 
 
 def load(rules: list[DeviceRule], default_allow: bool, name: str = "gpupool_dev") -> int:
-    """Load a device program; returns its file descriptor (close it once attached)."""
+    """Load a device program; returns its file descriptor (close it once attached).
+
+    Loaded without the verifier's log: a log of a program of many rules (a host with many MIG
+    capability nodes) overflows any buffer and fails the load with ``ENOSPC``. Only a refused
+    program is loaded again with the log on, to say why."""
     code = assemble(rules, default_allow)
+    try:
+        return _load(code, name, 0)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.ENOSYS):
+            raise BpfUnavailable(exc.errno, f"cannot load a device program ({exc.strerror})") from exc
+        first = exc
+    try:
+        return _load(code, name, 1)  # the same program again, for the verifier's reason
+    except OSError as exc:
+        verifier = str(exc.args[1]) if len(exc.args) > 1 and exc.errno == first.errno else ""
+        if first.errno == errno.EINVAL and not verifier.strip():
+            raise BpfUnavailable(first.errno, f"cannot load a device program ({first.strerror})") from first
+        raise OSError(first.errno, f"the kernel refused the device program: {first.strerror}; {verifier[-400:]}") from first
+
+
+def _load(code: bytes, name: str, log_level: int) -> int:
+    """``BPF_PROG_LOAD``; with ``log_level`` 1 a refusal's ``strerror`` is the verifier's log."""
     insns = ctypes.create_string_buffer(code, len(code))
     license_text = ctypes.create_string_buffer(b"GPL")
-    log = ctypes.create_string_buffer(65536)
+    log = ctypes.create_string_buffer(65536 if log_level else 1)
     attr = struct.pack(
         "<IIQQIIQII16sII",
         _BPF_PROG_TYPE_CGROUP_DEVICE,
         len(code) // 8,
         ctypes.addressof(insns),
         ctypes.addressof(license_text),
-        1,  # log level: the verifier says why it refused
-        len(log),
-        ctypes.addressof(log),
+        log_level,  # 1: the verifier says why it refused
+        len(log) if log_level else 0,
+        ctypes.addressof(log) if log_level else 0,
         0,
         0,
         name.encode()[:15],
@@ -166,10 +187,7 @@ def load(rules: list[DeviceRule], default_allow: bool, name: str = "gpupool_dev"
     try:
         return _bpf(_BPF_PROG_LOAD, attr.ljust(128, b"\0"))
     except OSError as exc:
-        verifier = log.value.decode(errors="replace").strip()
-        if exc.errno in (errno.EPERM, errno.ENOSYS, errno.EINVAL) and not verifier:
-            raise BpfUnavailable(exc.errno, f"cannot load a device program ({exc.strerror})") from exc
-        raise OSError(exc.errno, f"the kernel refused the device program: {exc.strerror}; {verifier[-400:]}") from exc
+        raise OSError(exc.errno, log.value.decode(errors="replace").strip() if log_level else exc.strerror) from None
 
 
 def attach(cgroup_dir: str, program_fd: int, flags: int) -> None:

@@ -6,10 +6,13 @@ The watchdog sees GPU memory used outside the pool after the fact; a device cgro
 
 - **The user-level deny**: the cgroups that hold every login and service process of pooled users
   (``c.DeviceControl.user_cgroups``) are denied every NVIDIA GPU node (``/dev/nvidiaN``) and the
-  MIG capability nodes of each GPU. The control nodes a CUDA program needs (``nvidiactl``,
+  MIG capability nodes of each GPU (every GPU and compute instance slot the driver's
+  ``mig-minors`` table lists, so an instance made later is covered). The control nodes a CUDA program needs (``nvidiactl``,
   ``nvidia-uvm``, ``nvidia-uvm-tools``) stay open, and so does every other device.
 - **A kernel's allow**: a granted kernel's processes sit in a root-owned cgroup of their own whose
-  rules deny every GPU node but those of the kernel's grant. On cgroup v2 it is a child of the
+  rules deny every GPU node but those of the kernel's grant: a whole GPU's node and all its
+  capability nodes, or, for a MIG instance, its GPU's node and the capability nodes of its own GPU
+  instance and compute instance (``gpuN/giX/access``, ``gpuN/giX/ciY/access``) only. On cgroup v2 it is a child of the
   kernel's own cgroup (memory, CPU and pids limits still apply), with a device program that
   overrides the user-level one (attached with ``BPF_F_ALLOW_OVERRIDE``); on cgroup v1 only the
   ``devices`` hierarchy changes: kernels sit in a broker-owned subtree beside the users' cgroups
@@ -39,6 +42,7 @@ from jupyter_gpupool.enforcement import cgroup_bpf
 from jupyter_gpupool.enforcement.cgroup_bpf import DeviceRule
 
 NodeNumber = tuple[int, int]  # (major, minor)
+InstanceKey = tuple[int, int, int | None]  # (GPU minor, GPU instance id, compute instance id or None: the GI's own)
 MODE_V2 = "cgroup v2 eBPF device program"
 MODE_V1 = "cgroup v1 devices controller"
 MODE_OFF = "off"
@@ -46,10 +50,31 @@ _CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset
 _GPU_NODE = re.compile(r"^nvidia(\d+)$")
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _CAP_MINOR = re.compile(r"^DeviceFileMinor:\s*(\d+)\s*$", re.MULTILINE)
+_MIG_MINOR = re.compile(r"^gpu(\d+)/gi(\d+)/(?:ci(\d+)/)?access\s+(\d+)\s*$")
+_CAP_PATH = re.compile(r"^gpu(\d+)/mig/gi(\d+)(?:/ci(\d+))?$")
 
 
 class DeviceControlError(OSError):
     """Device control could not do what was asked (the message says what and why)."""
+
+
+@dataclass(frozen=True, order=True)
+class MigSlice:
+    """One MIG instance a kernel may open: its GPU's minor (``/dev/nvidiaN``'s N), its GPU
+    instance id and its compute instance id, as NVML and the driver's ``mig-minors`` name them."""
+
+    gpu: int
+    gi: int
+    ci: int
+
+
+#: What a kernel is granted, item by item: a whole GPU (its minor) or one MIG instance.
+Grant = int | MigSlice
+
+
+def gpu_of(grant: Grant) -> int:
+    """The GPU minor whose ``/dev/nvidiaN`` a grant opens."""
+    return grant.gpu if isinstance(grant, MigSlice) else grant
 
 
 @dataclass(frozen=True)
@@ -60,11 +85,14 @@ class NvidiaNodes:
     gpus: Mapping[int, NodeNumber]  # GPU minor → /dev/nvidiaN's number
     caps: Mapping[int, tuple[NodeNumber, ...]] = field(default_factory=dict)  # GPU minor → its MIG capability nodes
     control: tuple[NodeNumber, ...] = ()
+    instances: Mapping[InstanceKey, NodeNumber] = field(default_factory=dict)  # which capability node is whose
 
     @classmethod
     def read(cls, node_dir: str = "/dev", proc_dir: str = "/proc") -> NvidiaNodes:
-        """Read the nodes in ``node_dir`` and the capability map under ``proc_dir``; ``nvidia-caps``
-        has a dynamic major, read from ``proc_dir/devices``."""
+        """Read the nodes in ``node_dir`` and the capability map under ``proc_dir``: the driver's
+        ``driver/nvidia-caps/mig-minors`` (every instance slot of every GPU), and the instances that
+        exist now (``driver/nvidia/capabilities/gpuN/mig/giX[/ciY]/access``) on drivers without it.
+        ``nvidia-caps`` has a dynamic major, read from ``proc_dir/devices``."""
         gpus: dict[int, NodeNumber] = {}
         control: list[NodeNumber] = []
         try:
@@ -81,24 +109,46 @@ class NvidiaNodes:
             elif name in _CONTROL_NODES:
                 control.append(number)
         caps_major = _proc_major(os.path.join(proc_dir, "devices"), "nvidia-caps")
-        caps: dict[int, tuple[NodeNumber, ...]] = {}
-        cap_root = os.path.join(proc_dir, "driver", "nvidia", "capabilities")
-        if caps_major is not None and os.path.isdir(cap_root):
-            for entry in os.listdir(cap_root):
-                match = re.match(r"^gpu(\d+)$", entry)
-                if match:
-                    minors = _cap_minors(os.path.join(cap_root, entry))
-                    caps[int(match.group(1))] = tuple((caps_major, m) for m in sorted(minors))
-        return cls(folder=node_dir, gpus=gpus, caps=caps, control=tuple(control))
+        minors: dict[InstanceKey, int] = {}
+        if caps_major is not None:
+            minors.update(_cap_tree(os.path.join(proc_dir, "driver", "nvidia", "capabilities")))
+            minors.update(_mig_minors(os.path.join(proc_dir, "driver", "nvidia-caps", "mig-minors")))
+        instances = {key: (caps_major, minor) for key, minor in sorted(minors.items(), key=_instance_order) if key[0] in gpus and caps_major is not None}
+        caps: dict[int, list[NodeNumber]] = {}
+        for (gpu, _gi, _ci), number in instances.items():
+            caps.setdefault(gpu, []).append(number)
+        return cls(
+            folder=node_dir,
+            gpus=gpus,
+            caps={gpu: tuple(sorted(set(numbers))) for gpu, numbers in sorted(caps.items())},
+            control=tuple(control),
+            instances=instances,
+        )
 
-    def rules(self, granted: Iterable[int] = ()) -> list[DeviceRule]:
-        """Deny rules for every GPU node and GPU capability node except those of ``granted``
-        GPU minors; everything else (control nodes, ``/dev/null``, ttys) stays open."""
-        allowed = set(granted)
-        rules = [DeviceRule(False, major, minor) for gpu, (major, minor) in sorted(self.gpus.items()) if gpu not in allowed]
-        for gpu, nodes in sorted(self.caps.items()):
-            if gpu not in allowed:
-                rules.extend(DeviceRule(False, major, minor) for major, minor in nodes)
+    def allowed(self, granted: Iterable[Grant] = ()) -> tuple[frozenset[int], frozenset[NodeNumber]]:
+        """The GPU minors and capability nodes a kernel of ``granted`` opens: a whole GPU's node
+        and every capability node of it; a MIG instance's GPU node and its own instance's
+        capability nodes (its GPU instance's and its compute instance's), no other of that GPU."""
+        gpus: set[int] = set()
+        caps: set[NodeNumber] = set()
+        for grant in granted:
+            if isinstance(grant, MigSlice):
+                gpus.add(grant.gpu)
+                for key in ((grant.gpu, grant.gi, None), (grant.gpu, grant.gi, grant.ci)):
+                    if key in self.instances:
+                        caps.add(self.instances[key])
+            else:
+                gpus.add(grant)
+                caps.update(self.caps.get(grant, ()))
+        return frozenset(gpus), frozenset(caps)
+
+    def rules(self, granted: Iterable[Grant] = ()) -> list[DeviceRule]:
+        """Deny rules for every GPU node and GPU capability node except those ``granted`` opens
+        (see :meth:`allowed`); everything else (control nodes, ``/dev/null``, ttys) stays open."""
+        gpus, caps = self.allowed(granted)
+        rules = [DeviceRule(False, major, minor) for gpu, (major, minor) in sorted(self.gpus.items()) if gpu not in gpus]
+        for _gpu, nodes in sorted(self.caps.items()):
+            rules.extend(DeviceRule(False, major, minor) for major, minor in nodes if (major, minor) not in caps)
         return rules
 
     def describe(self) -> dict[str, object]:
@@ -132,16 +182,40 @@ def _proc_major(devices_file: str, name: str) -> int | None:
     return None
 
 
-def _cap_minors(gpu_folder: str) -> set[int]:
-    """Capability node minors under one GPU's ``capabilities/gpuN`` tree (its MIG instances)."""
-    minors: set[int] = set()
-    for root, _dirs, files in os.walk(gpu_folder):
-        if "access" in files:
-            with contextlib.suppress(OSError), open(os.path.join(root, "access"), encoding="ascii") as handle:
-                match = _CAP_MINOR.search(handle.read())
-                if match:
-                    minors.add(int(match.group(1)))
-    return minors
+def _instance_order(item: tuple[InstanceKey, int]) -> tuple[int, int, int]:
+    (gpu, gi, ci), _minor = item
+    return (gpu, gi, -1 if ci is None else ci)
+
+
+def _mig_minors(path: str) -> dict[InstanceKey, int]:
+    """The driver's table of MIG capability minors (``gpu0/gi1/access 12``, ``gpu0/gi1/ci0/access
+    13``; ``config`` and ``monitor`` are host-wide, not a GPU's, and stay open); {} if absent."""
+    table: dict[InstanceKey, int] = {}
+    with contextlib.suppress(OSError), open(path, encoding="ascii", errors="replace") as handle:
+        for line in handle:
+            match = _MIG_MINOR.match(line.strip())
+            if match:
+                gpu, gi, ci, minor = match.groups()
+                table[(int(gpu), int(gi), None if ci is None else int(ci))] = int(minor)
+    return table
+
+
+def _cap_tree(cap_root: str) -> dict[InstanceKey, int]:
+    """The MIG instances that exist now, from ``capabilities/gpuN/mig/giX[/ciY]/access``
+    (``DeviceFileMinor:``): what a driver without ``mig-minors`` shows."""
+    table: dict[InstanceKey, int] = {}
+    if not os.path.isdir(cap_root):
+        return table
+    for root, _dirs, files in os.walk(cap_root):
+        match = _CAP_PATH.match(os.path.relpath(root, cap_root))
+        if match is None or "access" not in files:
+            continue
+        with contextlib.suppress(OSError), open(os.path.join(root, "access"), encoding="ascii") as handle:
+            minor = _CAP_MINOR.search(handle.read())
+            if minor:
+                gpu, gi, ci = match.groups()
+                table[(int(gpu), int(gi), None if ci is None else int(ci))] = int(minor.group(1))
+    return table
 
 
 def check_key(key: str) -> str:
@@ -194,7 +268,7 @@ class DeviceCgroups(ABC):
         self.name = check_key(name)
         self.kernels: dict[str, str] = {}  # key → the kernel's allow cgroup
         self._lock = threading.RLock()
-        self.granted: dict[str, frozenset[int]] = {}  # key → GPU minors it may open now
+        self.granted: dict[str, frozenset[Grant]] = {}  # key → the GPUs and MIG instances it may open now
 
     def path(self, cgroup: str) -> str:
         """A cgroup named relative to the mount (``user.slice``), or already absolute under it."""
@@ -211,9 +285,10 @@ class DeviceCgroups(ABC):
         """Deny every GPU node to the processes of ``cgroup`` and its descendants."""
         raise NotImplementedError
 
-    def grant(self, key: str, pids: Iterable[int], minors: Iterable[int]) -> str:
-        """Let kernel ``key``'s processes (``pids`` and what they fork) open the GPUs ``minors``
-        and no other; returns its cgroup. Done when this returns: the kernel may be told."""
+    def grant(self, key: str, pids: Iterable[int], minors: Iterable[Grant]) -> str:
+        """Let kernel ``key``'s processes (``pids`` and what they fork) open the GPUs and MIG
+        instances ``minors`` and no other; returns its cgroup. Done when this returns: the kernel
+        may be told."""
         wanted, processes = frozenset(minors), list(pids)
         with self._lock:
             directory = self.kernels.get(key) or self._kernel_dir(key, processes)
@@ -247,7 +322,7 @@ class DeviceCgroups(ABC):
             self.granted.pop(key, None)
             return True
 
-    def sweep(self, keep: Mapping[str, frozenset[int]]) -> dict[str, str]:
+    def sweep(self, keep: Mapping[str, frozenset[Grant]]) -> dict[str, str]:
         """After a restart: adopt this instance's kernel cgroups whose key is in ``keep`` (their
         rules set to ``keep[key]``), deny and remove the rest (kept denied while a process is
         still in one). Returns what was done per key (``adopted``, ``removed``, ``denied``)."""
@@ -280,7 +355,7 @@ class DeviceCgroups(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def _set_rules(self, directory: str, minors: frozenset[int]) -> None:
+    def _set_rules(self, directory: str, minors: frozenset[Grant]) -> None:
         raise NotImplementedError
 
     def _join(self, directory: str, pid: int) -> None:
@@ -324,7 +399,7 @@ class CgroupV2(DeviceCgroups):
             os.mkdir(directory, 0o755)  # root's: the user cannot move other processes into it
         return directory
 
-    def _set_rules(self, directory: str, minors: frozenset[int]) -> None:
+    def _set_rules(self, directory: str, minors: frozenset[Grant]) -> None:
         # The same flags as before: the kernel replaces the program atomically, no gap.
         cgroup_bpf.attach_rules(directory, self.nodes.rules(minors), True, 0)
 
@@ -358,11 +433,12 @@ class CgroupV1(DeviceCgroups):
             os.mkdir(directory, 0o755)
         return directory
 
-    def _set_rules(self, directory: str, minors: frozenset[int]) -> None:
+    def _set_rules(self, directory: str, minors: frozenset[Grant]) -> None:
         denied = self.nodes.rules(minors)
         self._rules(directory, denied)
+        held = set(denied)
         for rule in self.nodes.rules():  # a GPU granted now may have been denied before
-            if rule not in denied:
+            if rule not in held:
                 self._entry(directory, "devices.allow", rule)
 
     def _rules(self, directory: str, rules: list[DeviceRule]) -> None:

@@ -20,7 +20,7 @@ import psutil
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
 from jupyter_gpupool.enforcement.claims import EndedLeases, KernelLeases, UnixUsers, may_claim
-from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControl, DeviceControlError
+from jupyter_gpupool.enforcement.device_control import DeviceCgroups, DeviceControl, DeviceControlError, Grant, MigSlice
 
 #: What a granted kernel's status says under device control (``enforcement.device_access``).
 DEVICE_ACCESS = "this kernel's GPU only"
@@ -37,12 +37,18 @@ def allowed_devices(lease: Lease) -> tuple[str, ...] | None:
     return lease.devices
 
 
-def minors_of(uuids: Iterable[str], devices: Mapping[str, Device]) -> frozenset[int]:
-    """GPU minors (``/dev/nvidiaN``'s N) of device uuids; a MIG instance opens its GPU's node."""
-    minors = set()
+def minors_of(uuids: Iterable[str], devices: Mapping[str, Device]) -> frozenset[Grant]:
+    """What device uuids open: a whole GPU by its minor (``/dev/nvidiaN``'s N); a MIG instance as
+    its GPU's minor with its GPU and compute instance ids (its GPU's node and its own capability
+    nodes). A MIG instance whose ids are unknown opens its whole GPU, as the GPU itself would."""
+    minors: set[Grant] = set()
     for uuid in uuids:
         device = devices.get(uuid)
-        if device is not None and device.minor is not None:
+        if device is None or device.minor is None:
+            continue
+        if device.is_mig and device.mig_gi is not None and device.mig_ci is not None:
+            minors.add(MigSlice(device.minor, device.mig_gi, device.mig_ci))
+        else:
             minors.add(device.minor)
     return frozenset(minors)
 
