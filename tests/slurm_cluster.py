@@ -28,6 +28,9 @@ MISSING = (
     "Slurm is not installed (no {names} on PATH): apt-get install -y slurm-wlm munge "
     "(the Debian packages; .ci/run installs them)"
 )
+#: Seconds a Slurm command or daemon may wait for a CPU on a loaded 2-core host (a second suite beside
+#: this one: load 8-13), on top of what Slurm itself allows a message (MessageTimeout).
+LOAD_MARGIN = 5
 
 
 def missing_tools() -> list[str]:
@@ -63,6 +66,7 @@ class SlurmCluster:
     partition = "gpu"
     shards = 16
     gpus = 2
+    #: Slurm's MessageTimeout for this cluster: every wait on the controller below is derived from it.
     message_timeout = 10
 
     def __init__(self, root: Path) -> None:
@@ -72,6 +76,24 @@ class SlurmCluster:
         self.munge_socket = self.root / "munge" / "munge.socket.2"
         self.jobcomp = self.root / "jobcomp.txt"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    # --- how long Slurm may take ---------------------------------------------------------------------
+    @property
+    def round_trip(self) -> float:
+        """Seconds one Slurm command may take on a loaded host: a busy controller answers it, or the
+        client gives up, within MessageTimeout; plus :data:`LOAD_MARGIN` for the command's own CPU."""
+        return self.message_timeout + LOAD_MARGIN
+
+    def within(self, round_trips: int) -> float:
+        """Seconds for ``round_trips`` Slurm commands one after the other: the bound of a wait on
+        something that needs the controller (a server's answer, a job leaving the queue)."""
+        return round_trips * self.round_trip
+
+    @property
+    def command_timeout(self) -> float:
+        """Seconds before :meth:`run` gives up on one command: a client retries its connection for
+        MessageTimeout, then waits as long for the answer."""
+        return 2 * self.message_timeout + LOAD_MARGIN
 
     # --- configuration ----------------------------------------------------------------------------
     @property
@@ -170,8 +192,10 @@ class SlurmCluster:
         )
         log.close()
 
-    def start(self, timeout: float = 30.0) -> SlurmCluster:
-        """Write the configuration, start the three daemons, wait until the node is idle."""
+    def start(self, timeout: float | None = None) -> SlurmCluster:
+        """Write the configuration, start the three daemons, wait until the controller answers and
+        the node is idle (``timeout``: seconds for each; default :meth:`within` 4 round trips)."""
+        timeout = self.within(4) if timeout is None else timeout
         reap_stale_clusters()
         self._write_config()
         (self.root / "owner.pid").write_text(str(os.getpid()))
@@ -189,6 +213,7 @@ class SlurmCluster:
             self._wait_for(lambda: self.munge_socket.exists(), "munged to open its socket", 10)
             self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-i", "-f", str(self.conf)])
             self._spawn("slurmd", [_tool("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
+            self.wait_for_controller(timeout)
             self._wait_for(self._node_ready, "the node to register idle", timeout)
         except BaseException:
             self.stop()
@@ -196,20 +221,46 @@ class SlurmCluster:
         return self
 
     def stop_controller(self) -> None:
-        """Stop slurmctld only (an outage): jobs keep running on the node."""
+        """Stop slurmctld only (an outage): jobs keep running on the node. It saves its state
+        first, which a loaded host may make take a while (bounded by :attr:`command_timeout`)."""
         proc = self.processes.pop("slurmctld")
         proc.terminate()
-        proc.wait(timeout=20)
+        proc.wait(timeout=self.command_timeout)
 
-    def start_controller(self, timeout: float = 30.0) -> None:
-        """Start slurmctld again from its saved state (without ``-i``: it recovers its jobs)."""
+    def start_controller(self, timeout: float | None = None) -> None:
+        """Start slurmctld again from its saved state (without ``-i``: it recovers its jobs); return
+        once ``scontrol ping`` says it is up and it sees the node again (``timeout``: seconds for
+        each; default :meth:`within` 4 round trips)."""
+        timeout = self.within(4) if timeout is None else timeout
         self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-f", str(self.conf)])
-        self._wait_for(self._node_ready, "slurmctld to answer again", timeout)
+        self.wait_for_controller(timeout)
+        self._wait_for(self._node_ready, "slurmctld to see the node again", timeout)
 
-    def _node_ready(self) -> bool:
+    def controller_up(self) -> bool:
+        """Whether ``scontrol ping`` says slurmctld is up: it answers at once when it is, says DOWN
+        at once when it is not running, and after MessageTimeout when it is too busy to answer."""
+        try:
+            return " is UP" in self.run(["scontrol", "ping"], check=False)
+        except RuntimeError:  # scontrol itself did not finish (a host too loaded to run it)
+            return False
+
+    def wait_for_controller(self, timeout: float | None = None) -> None:
+        """Wait until slurmctld answers ``scontrol ping`` (default bound: :meth:`within` 4 round
+        trips); a RuntimeError with the daemons' logs if it does not."""
+        timeout = self.within(4) if timeout is None else timeout
+        self._wait_for(
+            lambda: self._daemons_running() and self.controller_up(), "slurmctld to answer scontrol ping", timeout
+        )
+
+    def _daemons_running(self) -> bool:
+        """True, or a RuntimeError naming a daemon that exited (no wait on it can succeed)."""
         for name, proc in self.processes.items():
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
+        return True
+
+    def _node_ready(self) -> bool:
+        self._daemons_running()
         out = self.run(["sinfo", "-h", "-N", "-o", "%T"], check=False)
         # Exactly: "idle*" (a "*" suffix) is a node slurmd has not answered for yet, not a ready one.
         return out.strip() in ("idle", "mixed", "allocated")
@@ -223,10 +274,22 @@ class SlurmCluster:
         raise RuntimeError(f"timed out waiting for {what}:\n{self.logs()}")
 
     def run(self, argv: list[str], check: bool = True) -> str:
-        """Run a Slurm client command against this cluster; its stdout."""
-        done = subprocess.run(
-            argv, capture_output=True, text=True, env={**os.environ, **self.env}, timeout=30, check=False
-        )
+        """Run a Slurm client command against this cluster; its stdout. A command that does not
+        finish within :attr:`command_timeout` is a RuntimeError saying so."""
+        try:
+            done = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                env={**os.environ, **self.env},
+                timeout=self.command_timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"{' '.join(argv)} did not finish within {self.command_timeout:g} s "
+                f"(MessageTimeout={self.message_timeout}):\n{self.logs()}"
+            ) from None
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
@@ -239,14 +302,29 @@ class SlurmCluster:
             parts.append(f"--- {path.name}\n" + "\n".join(text))
         return "\n".join(parts)
 
+    def jobs(self) -> list[str]:
+        """Ids of the jobs the controller still lists (pending, running or completing)."""
+        return self.run(["squeue", "-h", "-o", "%i"]).split()
+
     def cancel_all(self) -> None:
-        """Cancel every job (between tests) and wait until none runs."""
-        self.run(["scancel", "--full", "--state=PENDING"], check=False)
-        self.run(["scancel", "--full", "--state=RUNNING"], check=False)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if not self.run(["squeue", "-h", "-o", "%i"], check=False).strip():
+        """Cancel every job (between tests) and wait until none is left: first until the controller
+        answers (``scontrol ping``), then ``scancel`` of the jobs ``squeue`` lists, by id (one
+        request; a filtered ``scancel --state=...`` retries a job in transition for 5 s, 6 s, ...),
+        then until ``squeue`` lists none. Every wait is bounded by the cluster's MessageTimeout
+        (:meth:`within`); past it a RuntimeError names the jobs left, with the daemons' logs."""
+        self.wait_for_controller()
+        deadline = time.monotonic() + self.within(4)
+        cancelled: set[str] = set()
+        while True:
+            left = self.jobs()
+            if not left:
                 return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"jobs {', '.join(left)} are still listed after scancel:\n{self.logs()}")
+            new = [job for job in left if job not in cancelled]
+            if new:
+                self.run(["scancel", *new], check=False)  # a job that ended meanwhile is no error here
+                cancelled.update(new)
             time.sleep(0.3)
 
     def stop(self) -> None:
@@ -254,9 +332,8 @@ class SlurmCluster:
         what ``slurmstepd`` left), then the daemons (SIGTERM, then SIGKILL)."""
         ctld = self.processes.get("slurmctld")
         if ctld is not None and ctld.poll() is None:
-            with contextlib.suppress(Exception):
-                self.run(["scancel", "--full", "--state=RUNNING"], check=False)
-                self.run(["scancel", "--state=PENDING"], check=False)
+            with contextlib.suppress(RuntimeError):  # a controller that does not answer: SIGKILL below
+                self.cancel_all()
         for name in reversed(DAEMONS):
             proc = self.processes.get(name)
             if proc is None or proc.poll() is not None:

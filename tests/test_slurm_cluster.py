@@ -22,9 +22,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from server_process import Server, free_port, wait_for
 from slurm_cluster import SlurmCluster, skip_reason
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]  # slow: a real Slurm cluster per test
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or ""),
+]  # slow: a real Slurm cluster per test
 
 GIB = 1 << 30
+#: Slurm commands a server request may run one after the other: a queued kernel's status reads its
+#: job, the partition's pending jobs, its fair share and, for a running job, its GPUs.
+SERVER_ROUND_TRIPS = 5
+#: Seconds a jupyter server takes to start on a loaded host, before its first Slurm command.
+SERVER_START = 60
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +76,15 @@ def start_server(tmp: Path, cluster: SlurmCluster, name: str = "alice", **extra_
         "GPUPOOL_IDLE_POLICY": "never",
         **extra_env,
     }
-    return SlurmServer(tmp, name, env)
+    return SlurmServer(tmp, name, env, cluster)
 
 
 class SlurmServer(Server):
-    """A real ``jupyter server`` with only the extensions these tests need (it starts faster)."""
+    """A real ``jupyter server`` with only the extensions these tests need (it starts faster).
+    How long it may take to answer is the cluster's: see :meth:`call`."""
 
-    def __init__(self, tmp: Path, user: str, env: dict[str, str | None]) -> None:
+    def __init__(self, tmp: Path, user: str, env: dict[str, str | None], cluster: SlurmCluster) -> None:
+        self.cluster = cluster
         self.port = free_port()
         self.token = f"{user}-server-token"
         self.root = tmp / user
@@ -101,7 +111,14 @@ class SlurmServer(Server):
              f"--ServerApp.jpserver_extensions={ {**only, 'jupyter_gpupool': True} }"],
             env=environ, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        wait_for(self._up, 60, f"{user}'s server to start (log: {self.log_path})")
+        # The extension reads the partition's nodes (one Slurm command) as it loads.
+        wait_for(self._up, SERVER_START + cluster.round_trip, f"{user}'s server to start (log: {self.log_path})")
+
+    def call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        """As :meth:`Server.call`; by default the answer may take :data:`SERVER_ROUND_TRIPS` Slurm
+        commands in a row on this cluster (a busy controller takes up to MessageTimeout for each)."""
+        bound = self.cluster.within(SERVER_ROUND_TRIPS) if timeout is None else timeout
+        return super().call(method, path, body, timeout=bound)
 
     def _up(self) -> bool:
         try:
@@ -122,8 +139,10 @@ def squeue(cluster: SlurmCluster) -> dict[str, str]:
     return dict(line.split() for line in out.splitlines() if line.strip())
 
 
-def execute(server: Server, kernel_id: str, code: str, timeout: float = 60) -> str:
-    """Run ``code`` in the kernel through the server's websocket; its stdout (errors raise)."""
+def execute(server: SlurmServer, kernel_id: str, code: str, timeout: float | None = None) -> str:
+    """Run ``code`` in the kernel through the server's websocket; its stdout (errors raise).
+    ``timeout``: seconds for the reply; by default as long as a server request may take."""
+    timeout = server.cluster.within(SERVER_ROUND_TRIPS) if timeout is None else timeout
     from tornado.httpclient import HTTPRequest
     from tornado.websocket import websocket_connect
 
@@ -192,16 +211,21 @@ def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slu
             return {k: slice_of(server, k)["state"] for k in kernels}
 
         wait_for(
-            lambda: sorted(states().values()) == ["granted", "granted", "queued"], 60, "two granted and one queued"
+            lambda: sorted(states().values()) == ["granted", "granted", "queued"],
+            slurm.within(4),
+            "two granted and one queued",
         )
         granted = [k for k, s in states().items() if s == "granted"]
         queued = next(k for k, s in states().items() if s == "queued")
         # Right after submission Slurm's reason is "None" until its scheduler has looked at the job.
         # The reason in words comes from the pool's queue read, which may lag the job's own read by a cache.
         view = wait_for(
-            lambda: (v := slice_of(server, queued))["slurm"]["pending_reason"] != "None"
-            and "has not looked at it yet" not in (v["queue_reason"] or "") and v,
-            30,
+            lambda: (
+                (v := slice_of(server, queued))["slurm"]["pending_reason"] != "None"
+                and "has not looked at it yet" not in (v["queue_reason"] or "")
+                and v
+            ),
+            slurm.within(2),
             "a pending reason",
         )
         assert view["state"] == "queued" and view["queue_position"] == 1 and view["queue_length"] == 1
@@ -209,7 +233,9 @@ def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slu
         assert view["slurm"]["partition"] == "gpu" and view["slurm"]["position"] == 1
         assert isinstance(view["slurm"]["fair_share"], float)  # sprio's factor (0 here: no slurmdbd, no usage)
         # The backfill scheduler's expected start: when a running job reaches its 8 h time limit.
-        view = wait_for(lambda: (v := slice_of(server, queued))["estimated_wait"] and v, 20, "an expected start")
+        view = wait_for(
+            lambda: (v := slice_of(server, queued))["estimated_wait"] and v, slurm.within(2), "an expected start"
+        )
         assert 7.9 * 3600 < view["estimated_wait"] <= 8 * 3600 and view["slurm"]["estimated_start"] > time.time()
         jobs = squeue(slurm)
         assert jobs[view["slurm"]["job_id"]] == "PENDING"
@@ -239,8 +265,10 @@ def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slu
         # Shutting a running kernel down cancels its job; the pending one starts and runs code.
         first_job = running_views[0]["slurm"]["job_id"]
         server.call("DELETE", f"api/kernels/{first}")
-        wait_for(lambda: first_job not in squeue(slurm), 30, "the first kernel's job to be cancelled")
-        wait_for(lambda: slice_of(server, queued)["state"] == "granted", 60, "the third kernel's job to start")
+        wait_for(lambda: first_job not in squeue(slurm), slurm.within(2), "the first kernel's job to be cancelled")
+        wait_for(
+            lambda: slice_of(server, queued)["state"] == "granted", slurm.within(4), "the third kernel's job to start"
+        )
         assert execute(server, queued, "print(6 * 7)").strip() == "42"
 
         # scancel from outside: the kernel is gone, with the reason.
@@ -251,11 +279,13 @@ def test_three_kernels_on_a_16_shard_node_two_run_as_jobs_the_third_pends_in_slu
         def gone() -> bool:
             return second not in {k["id"] for k in server.call("GET", "api/kernels")}
 
-        wait_for(gone, 30, "the cancelled kernel to be gone")
+        wait_for(gone, slurm.within(2), "the cancelled kernel to be gone")
         assert slice_of(server, second)["state"] == "released"
         # While Slurm still kills the job's processes it says "is ending"; then how it ended.
         reason = f"ended by Slurm: job {second_job} was cancelled (scancel)"
-        wait_for(lambda: slice_of(server, second)["release_reason"] == reason, 20, "Slurm's reason for the end")
+        wait_for(
+            lambda: slice_of(server, second)["release_reason"] == reason, slurm.within(2), "Slurm's reason for the end"
+        )
     finally:
         server.stop()
 
@@ -264,7 +294,9 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
     server = start_server(tmp_path, slurm)
     try:
         first = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        wait_for(lambda: slice_of(server, first)["state"] == "granted", 60, "the first kernel's job to run")
+        wait_for(
+            lambda: slice_of(server, first)["state"] == "granted", slurm.within(4), "the first kernel's job to run"
+        )
         job = slice_of(server, first)["slurm"]["job_id"]
         execute(server, first, "x = 1")
         server.call("POST", f"api/kernels/{first}/restart")
@@ -286,19 +318,25 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
 
         cell = threading.Thread(target=long_cell)
         cell.start()
-        time.sleep(1.5)
+        # Interrupt once the cell runs (the server has seen the kernel busy): one sent before would find nothing to stop.
+        wait_for(
+            lambda: server.call("GET", f"api/kernels/{first}")["execution_state"] == "busy",
+            slurm.within(2),
+            "the cell to run",
+        )
         server.call("POST", f"api/kernels/{first}/interrupt")
-        cell.join(20)
+        cell.join(slurm.within(2))
         assert outcome and "KeyboardInterrupt" in outcome[0]
         assert len(slurm.run(["sacct", "--completion", "-a", "-n", "-X", "-j", job, "-o", "JobID"]).split()) == 0
 
         second = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        wait_for(lambda: slice_of(server, second)["state"] == "granted", 60, "the second kernel's job to run")
-        began = time.monotonic()
+        wait_for(
+            lambda: slice_of(server, second)["state"] == "granted", slurm.within(4), "the second kernel's job to run"
+        )
         third = server.call("POST", "api/kernels", {"name": "python3"})
-        assert time.monotonic() - began < 10 and third["execution_state"] == "starting"  # pending kernels: no blocking
+        assert third["execution_state"] == "starting"  # pending kernels: answered while its job pends, no blocking
         third_id = third["id"]
-        wait_for(lambda: slice_of(server, third_id)["state"] == "queued", 30, "the third kernel to pend")
+        wait_for(lambda: slice_of(server, third_id)["state"] == "queued", slurm.within(2), "the third kernel to pend")
         time.sleep(4)  # nothing times a waiting kernel out: it is still there, still a pending job
         assert slice_of(server, third_id)["state"] == "queued"
         assert third_id in {k["id"] for k in server.call("GET", "api/kernels")}
@@ -308,27 +346,29 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
         # and is not resubmitted; the pending kernel gets the GPU and runs.
         slurm.run(["scancel", "--batch", "--signal=KILL", job])
         wait_for(
-            lambda: first not in {k["id"] for k in server.call("GET", "api/kernels")}, 30, "the first kernel to be gone"
+            lambda: first not in {k["id"] for k in server.call("GET", "api/kernels")},
+            slurm.within(2),
+            "the first kernel to be gone",
         )
         wait_for(
             lambda: slice_of(server, first)["release_reason"].startswith(f"ended by Slurm: job {job} failed"),
-            20,
+            slurm.within(2),
             "Slurm's reason",
         )
-        wait_for(lambda: slice_of(server, third_id)["state"] == "granted", 60, "the third kernel's job to run")
+        wait_for(
+            lambda: slice_of(server, third_id)["state"] == "granted", slurm.within(4), "the third kernel's job to run"
+        )
         assert execute(server, third_id, "print(6 * 7)").strip() == "42"
         assert len([j for j, s in squeue(slurm).items() if s == "RUNNING"]) == 2  # nothing resubmitted for the first
 
         # Shutting down a kernel that still pends cancels its pending job at once.
         fourth = server.call("POST", "api/kernels", {"name": "python3"})["id"]
         pending_job = wait_for(
-            lambda: slice_of(server, fourth).get("slurm", {}).get("job_id"), 30, "the fourth kernel's job"
+            lambda: slice_of(server, fourth).get("slurm", {}).get("job_id"), slurm.within(2), "the fourth kernel's job"
         )
         assert squeue(slurm)[pending_job] == "PENDING"
-        began = time.monotonic()
-        server.call("DELETE", f"api/kernels/{fourth}")
-        assert time.monotonic() - began < 10
-        wait_for(lambda: pending_job not in squeue(slurm), 20, "the pending job to be cancelled")
+        server.call("DELETE", f"api/kernels/{fourth}")  # answered although the job never starts: no wait for it
+        wait_for(lambda: pending_job not in squeue(slurm), slurm.within(2), "the pending job to be cancelled")
         assert slice_of(server, fourth)["release_reason"] == "kernel shut down while queued"
     finally:
         server.stop()
@@ -345,11 +385,15 @@ def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_j
     try:
         kept, idle = (server.call("POST", "api/kernels", {"name": "python3"})["id"] for _ in range(2))
         wait_for(
-            lambda: {slice_of(server, k)["state"] for k in (kept, idle)} == {"granted"}, 60, "both kernels' jobs to run"
+            lambda: {slice_of(server, k)["state"] for k in (kept, idle)} == {"granted"},
+            slurm.within(4),
+            "both kernels' jobs to run",
         )
         server.call("POST", f"api/gpupool/kernels/{kept}/keepalive", {"duration": "1h"})
         waiting = server.call("POST", "api/kernels", {"name": "python3"})["id"]
-        warned = wait_for(lambda: (v := slice_of(server, idle))["reclaim_at"] and v, 30, "the idle kernel to be warned")
+        warned = wait_for(
+            lambda: (v := slice_of(server, idle))["reclaim_at"] and v, slurm.within(2), "the idle kernel to be warned"
+        )
         assert (
             warned["reclaim_reason"].startswith("reclaimed: idle for")
             and "waited in partition gpu" in warned["reclaim_reason"]
@@ -357,14 +401,16 @@ def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_j
         job = warned["slurm"]["job_id"]
         wait_for(
             lambda: idle not in {k["id"] for k in server.call("GET", "api/kernels")},
-            30,
+            slurm.within(2),
             "the idle kernel to be shut down",
         )
         assert slice_of(server, idle)["release_reason"].startswith("reclaimed: idle for")
         # Slurm lists a cancelled job as COMPLETING for a moment before it leaves the queue.
         assert squeue(slurm).get(job) in (None, "COMPLETING")
-        wait_for(lambda: job not in squeue(slurm), 20, "the idle kernel's job to leave the queue")
-        wait_for(lambda: slice_of(server, waiting)["state"] == "granted", 60, "the waiting kernel's job to run")
+        wait_for(lambda: job not in squeue(slurm), slurm.within(2), "the idle kernel's job to leave the queue")
+        wait_for(
+            lambda: slice_of(server, waiting)["state"] == "granted", slurm.within(4), "the waiting kernel's job to run"
+        )
         kept_view = slice_of(server, kept)
         assert kept_view["state"] == "granted" and kept_view["reclaim_at"] is None
     finally:
@@ -383,7 +429,7 @@ def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_j
     # The next server on the same lease file finds the jobs of the dead server's kernels and cancels them.
     again = start_server(tmp_path, slurm, name="alice-again")
     try:
-        wait_for(lambda: not squeue(slurm), 30, "the orphaned jobs to be cancelled")
+        wait_for(lambda: not squeue(slurm), slurm.within(2), "the orphaned jobs to be cancelled")
         released = pool.get(lease.id)
         assert released.state.value == "released" and "holder process" in released.release_reason
     finally:
@@ -406,18 +452,22 @@ def test_report_by_user_matches_sacct(slurm, tmp_path):
     # A kernelspec's Slurm placement (SlurmProvisioner.time_limit, partition, ...) reaches sbatch.
     small = pool.request(SlurmLeaseRequest(owner="alice", memory=20 * GIB, kernel_id="k-small", time_limit="0:30:00"))
     large = pool.request(LeaseRequest(owner="alice", memory=80 * GIB, kernel_id="k-large"))  # shard:8
-    wait_for(lambda: all(pool.get(x.id).state.value == "granted" for x in (small, large)), 30, "both jobs to run")
+    wait_for(
+        lambda: all(pool.get(x.id).state.value == "granted" for x in (small, large)),
+        slurm.within(2),
+        "both jobs to run",
+    )
     time.sleep(2.2)
     for lease in (small, large):
         pool.release(lease.id, "done")
     jobs = {lease.id: pool.job_of(lease.id)["job_id"] for lease in (small, large)}
     assert pool.job_of(small.id)["gres"] == "shard:2"
     assert "TimeLimit=00:30:00" in slurm.run(["scontrol", "show", "job", jobs[small.id]])
-    wait_for(lambda: not set(jobs.values()) & set(squeue(slurm)), 30, "both jobs to end")
+    wait_for(lambda: not set(jobs.values()) & set(squeue(slurm)), slurm.within(2), "both jobs to end")
 
     out = subprocess.run(
         [sys.executable, "-m", "jupyter_gpupool.apps.cli", "report", "--by", "user", "--format", "json"],
-        capture_output=True, text=True, env=env, timeout=60, check=True,
+        capture_output=True, text=True, env=env, timeout=slurm.within(4), check=True,
     ).stdout  # fmt: skip
     rows = json.loads(out)
 
@@ -449,8 +499,7 @@ def test_a_controller_outage_releases_nothing_and_a_pending_wait_rides_it_out(sl
     from jupyter_gpupool.core.models import LeaseRequest
     from jupyter_gpupool.errors import PoolUnavailable
 
-    # A client of its own whose commands give up on the stopped controller in seconds.
-    env = {**os.environ, **slurm.outage_env(), "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
+    env = {**os.environ, **slurm.env, "GPUPOOL_SLURM_STATE": str(tmp_path / "leases.sqlite")}
     pool = SlurmPool.from_env(environ=env)
     pool.cache_seconds = 0.0
     first, second, waiting = (
@@ -458,19 +507,24 @@ def test_a_controller_outage_releases_nothing_and_a_pending_wait_rides_it_out(sl
     )
     wait_for(
         lambda: pool.get(waiting.id).state.value == "queued" and pool.get(first.id).state.value == "granted",
-        30,
+        slurm.within(2),
         "two jobs running, one pending",
     )
     job = pool.job_of(first.id)["job_id"]
     outcome: list[str] = []
+    # How long the outage below may last: the stop, three commands that fail, the restart's two waits.
+    outage = slurm.command_timeout + slurm.within(3) + 2 * slurm.within(4)
 
     def wait() -> None:
         try:
-            outcome.append(pool.wait_for_grant(waiting.id, timeout=90).state.value)
+            outcome.append(pool.wait_for_grant(waiting.id, timeout=outage + slurm.within(2)).state.value)
         except Exception as err:  # noqa: BLE001 - what ended the wait is the test's finding
             outcome.append(f"{type(err).__name__}: {err}")
 
     waiter = threading.Thread(target=wait)
+    # During the outage the pool's commands give up on the stopped controller in seconds (a shorter
+    # MessageTimeout); before and after it they wait as long as any client of the cluster.
+    pool.commands.env = {**env, **slurm.outage_env()}
     slurm.stop_controller()
     try:
         waiter.start()
@@ -482,11 +536,12 @@ def test_a_controller_outage_releases_nothing_and_a_pending_wait_rides_it_out(sl
             pool.release(first.id, "shut down during the outage")
     finally:
         slurm.start_controller()
+        pool.commands.env = env
     assert pool.get(first.id).state.value == "granted" and squeue(slurm)[job] == "RUNNING"  # nothing released
     assert waiter.is_alive() and not outcome  # the pending wait did not fail with the controller ...
     assert pool.get(waiting.id).state.value == "queued"  # ... and its job still pends
     pool.release(waiting.id, "withdrawn")  # (Slurm takes its time to schedule after a restart: end it here)
-    waiter.join(30)
+    waiter.join(slurm.within(2))
     assert outcome == ["RequestRefused: the request was withdrawn before it was granted"]
     for lease in (first, second):
         pool.release(lease.id, "done")
