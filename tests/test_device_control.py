@@ -427,6 +427,46 @@ def test_a_broker_that_is_not_root_falls_back_and_says_so(tmp_path: Path) -> Non
     assert off and described == {"mode": "off", "reason": "the broker does not run as root, and only root may change device cgroups"}
 
 
+HYBRID = UNIFIED is not None and DEVICES is not None
+
+
+@pytest.mark.skipif(not HYBRID, reason="not a hybrid host (cgroup2 and the v1 devices controller both mounted)")
+@pytest.mark.parametrize("host", ["v2"], indirect=True)
+def test_auto_on_a_hybrid_host_takes_the_device_program_on_the_cgroup2_hierarchy_and_says_why(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = DeviceControl(mode="auto", user_cgroups=[host.user], name=host.tag, kernel_subtree=f"{host.tag}/kernels")
+    with caplog.at_level("INFO"):
+        cgroups = config.start(single_user=False, simulated=True, simulated_node_dir=str(host.folder))
+    assert cgroups is not None and cgroups.mode == MODE_V2 and cgroups.mount == UNIFIED
+    assert config.reason.startswith(f"{MODE_V2} on {UNIFIED} (hybrid host:") and str(DEVICES) in config.reason
+    described = json.loads(json.dumps(config.describe()))
+    assert described["mode"] == MODE_V2 and described["reason"] == config.reason
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("device control:")]
+    assert len(lines) == 1 and lines[0].startswith(f"device control: {config.reason}; GPU nodes (nvidia1, nvidia2, nvidia3")
+    assert host.start().open(host.gpu(0)) == "EPERM"  # denied by the program the users' cgroup2 cgroup got
+    assert not [p for p in glob.glob(os.path.join(str(UNIFIED), f"{host.tag}-probe-*"))]  # the probe left nothing
+
+
+@pytest.mark.skipif(not HYBRID, reason="not a hybrid host (cgroup2 and the v1 devices controller both mounted)")
+@pytest.mark.parametrize("host", ["v1"], indirect=True)
+def test_auto_falls_back_to_the_v1_devices_controller_where_no_device_program_can_be_attached(
+    host: Host, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jupyter_gpupool.enforcement import device_control
+
+    monkeypatch.setattr(device_control, "program_refused", lambda unified, name: "cannot load a device program (Operation not permitted)")
+    config = DeviceControl(mode="auto", user_cgroups=[host.user], name=host.tag, kernel_subtree=f"{host.tag}/kernels")
+    with caplog.at_level("INFO"):
+        cgroups = config.start(single_user=False, simulated=True, simulated_node_dir=str(host.folder))
+    assert cgroups is not None and cgroups.mode == MODE_V1
+    assert config.reason == f"{MODE_V1} on {DEVICES} (no device program can be attached on {UNIFIED}: cannot load a device program (Operation not permitted))"
+    assert json.loads(json.dumps(config.describe()))["reason"] == config.reason
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("device control:")]
+    assert len(lines) == 1 and lines[0].startswith(f"device control: {config.reason}; GPU nodes")
+    assert host.start().open(host.gpu(0)) == "EPERM"  # denied through devices.deny
+
+
 # --- the role on a real pool's transitions ------------------------------------------------------------
 @pytest.mark.parametrize("host", PATHS, indirect=True)
 def test_each_decision_of_the_pool_is_followed_by_the_kernels_device_access(host: Host, tmp_path: Path) -> None:

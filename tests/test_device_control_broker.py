@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub
-from test_device_control import PATHS, Host, Probe, _until, host  # noqa: F401 - host is a fixture
+from test_device_control import DEVICES, PATHS, UNIFIED, Host, Probe, _until, host  # noqa: F401 - host is a fixture
 from test_ownership import ALICE, BOB, PROF, unix_users  # noqa: F401 - unix_users is a fixture
 
 from jupyter_gpupool.devices.simulated import NODE_DIR_ENV, SimulatedBackend, parse_inventory
@@ -100,11 +100,14 @@ def test_the_broker_denies_every_gpu_but_a_granted_kernels_and_a_killed_broker_l
     try:
         broker.start()
         mode = MODE_V2 if host.path == "v2" else MODE_V1
-        assert _until(lambda: f"device control: {mode}; GPU nodes (nvidia1, nvidia2, nvidia3 in {host.folder})" in broker.log(), 5)
+        mount = UNIFIED if host.path == "v2" else DEVICES
+        reason = f"{mode} on {mount} (c.DeviceControl.mode is '{host.path}')"
+        assert _until(lambda: f"device control: {reason}; GPU nodes (nvidia1, nvidia2, nvidia3 in {host.folder})" in broker.log(), 5)
         seen = call(broker, "GET", "info", prof)["device_control"]
-        assert seen["mode"] == mode and seen["denied_in"] == [host.user] and len(seen["denied"]["gpu_nodes"]) == 3
-        assert call(broker, "GET", "info", alice)["device_control"] == {"mode": mode}  # not which cgroups, not how many kernels
-        for token, shown in ((prof, seen), (alice, {"mode": mode})):  # `jupyter gpupool status --json` says the same
+        assert seen["mode"] == mode and seen["reason"] == reason and seen["denied_in"] == [host.user] and len(seen["denied"]["gpu_nodes"]) == 3
+        plain = {"mode": mode, "reason": reason}  # not which cgroups, not how many kernels
+        assert call(broker, "GET", "info", alice)["device_control"] == plain
+        for token, shown in ((prof, seen), (alice, plain)):  # `jupyter gpupool status --json` says the same
             env = {**os.environ, "GPUPOOL_URL": broker.url, "GPUPOOL_TOKEN": token}
             status = subprocess.run(["jupyter", "gpupool", "status", "--json"], env=env, capture_output=True, text=True, timeout=60, check=True)
             assert json.loads(status.stdout)["device_control"] == shown
@@ -163,7 +166,7 @@ def test_a_kernel_that_leases_later_opens_its_gpu_on_that_decisions_pass_and_a_r
 
     try:
         broker.start()
-        assert _until(lambda: f"device control: {MODE_V2}; GPU nodes" in broker.log(), 5), broker.log()
+        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()
         # Started by the pool's provisioner without a lease (CPU-only), then `%gpupool reserve`.
         cpu_only = user_process(host, kernel_id="k-later")
         bystander = user_process(host, kernel_id="k-other")  # alice's too, another kernel
@@ -233,7 +236,7 @@ def test_a_kernel_that_leases_for_itself_runs_again_only_once_its_gpu_is_open_to
     env.update(GPUPOOL_URL=broker.url, GPUPOOL_TOKEN=alice, GPUPOOL_SIMULATE="3x16GiB", GPUPOOL_SIMULATE_NODES=str(host.folder))
     try:
         broker.start()
-        assert _until(lambda: f"device control: {MODE_V2}; GPU nodes" in broker.log(), 5), broker.log()
+        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()
         assert broker.proc is not None
         broker_pid = broker.proc.pid
         script = SELF_LEASING.format(nodes=[str(host.gpu(i)) for i in range(3)], out=str(out), broker_pid=broker_pid)
@@ -288,7 +291,7 @@ def test_a_kernel_a_server_starts_under_device_control_opens_its_gpu_from_its_fi
     server = None
     try:
         broker.start()
-        assert _until(lambda: f"device control: {MODE_V2}; GPU nodes" in broker.log(), 5), broker.log()  # the users' deny in place
+        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()  # the users' deny in place
         # A kernel whose very first instruction opens its GPU's node, then runs as ipykernel.
         first = tmp_path / "first-open"
         spec = tmp_path / "share" / "kernels" / "first-open"

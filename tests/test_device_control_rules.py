@@ -15,12 +15,15 @@ import pytest
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
 from jupyter_gpupool.enforcement.cgroup_bpf import DeviceRule, assemble
 from jupyter_gpupool.enforcement.device_control import (
+    MODE_V1,
+    MODE_V2,
     MigSlice,
     NvidiaNodes,
     _cap_tree,
     _mig_minors,
     _proc_major,
     cgroup_mounts,
+    choose_path,
 )
 from jupyter_gpupool.enforcement.device_control_role import allowed_devices, minors_of
 
@@ -151,6 +154,28 @@ def test_the_drivers_mig_tables_are_read_instance_by_instance(tmp_path: Path) ->
         (tree / parts).mkdir(parents=True, exist_ok=True)
         (tree / parts / "access").write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\n")
     assert _cap_tree(str(tree)) == {(2, 1, None): 12, (2, 1, 0): 13}
+
+
+@pytest.mark.parametrize(
+    ("requested", "unified", "devices", "refused", "path", "reason"),
+    [
+        ("auto", "/sys/fs/cgroup", None, None, "v2", f"{MODE_V2} on /sys/fs/cgroup (a cgroup v2 host)"),
+        ("auto", "/u", "/d", None, "v2", f"{MODE_V2} on /u (hybrid host: kernels keep their cgroups; the v1 'devices' controller at /d is left as it is)"),
+        ("auto", "/u", "/d", "no bpf", "v1", f"{MODE_V1} on /d (no device program can be attached on /u: no bpf)"),
+        ("auto", None, "/d", None, "v1", f"{MODE_V1} on /d (no cgroup2 hierarchy is mounted)"),
+        ("auto", "/u", None, "no bpf", None, "no device program can be attached on /u (no bpf) and no cgroup v1 'devices' controller is mounted"),
+        ("auto", None, None, None, None, "no cgroup v2 hierarchy and no cgroup v1 'devices' controller is mounted"),
+        ("v1", "/u", "/d", None, "v1", f"{MODE_V1} on /d (c.DeviceControl.mode is 'v1')"),
+        ("v1", "/u", None, None, None, "c.DeviceControl.mode is 'v1' but no cgroup v1 'devices' hierarchy is mounted"),
+        ("v2", "/u", "/d", None, "v2", f"{MODE_V2} on /u (c.DeviceControl.mode is 'v2')"),
+        ("v2", "/u", "/d", "no bpf", None, "c.DeviceControl.mode is 'v2' but no device program can be attached on /u (no bpf)"),
+        ("v2", None, "/d", None, None, "c.DeviceControl.mode is 'v2' but no cgroup2 hierarchy is mounted"),
+    ],
+)
+def test_the_path_is_a_rule_of_what_the_host_has(
+    requested: str, unified: str | None, devices: str | None, refused: str | None, path: str | None, reason: str
+) -> None:
+    assert choose_path(requested, unified, devices, refused) == (path, reason)
 
 
 def test_mounts_and_dynamic_majors_are_read_from_the_hosts_files(tmp_path: Path) -> None:

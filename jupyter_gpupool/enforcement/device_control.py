@@ -461,9 +461,10 @@ class DeviceControl(LoggingConfigurable):
         ["auto", "v2", "v1", "off"],
         default_value="auto",
         help=(
-            "'auto': on under a root broker on a host with /dev/nvidiactl (cgroup v1 'devices' where that "
-            "controller is mounted, else a cgroup v2 eBPF device program), off on a single-user server; "
-            "'v2' or 'v1' to choose the path; 'off' to turn device control off."
+            "'auto': on under a root broker on a host with /dev/nvidiactl (a cgroup v2 eBPF device program "
+            "where one can be attached on the cgroup2 hierarchy, hybrid hosts included, else the cgroup v1 "
+            "'devices' controller), off on a single-user server; 'v2' or 'v1' to choose the path; 'off' to "
+            "turn device control off."
         ),
     ).tag(config=True)
     user_cgroups = List(
@@ -488,7 +489,7 @@ class DeviceControl(LoggingConfigurable):
     )
     proc_dir = Unicode("/proc", help="Where /proc/devices and the driver's capability map are read from.").tag(config=True)
 
-    #: Why device control is off ("" while it runs).
+    #: Why device control runs on its path, or why it is off.
     reason = ""
     cgroups: DeviceCgroups | None = None
     denied_in: list[str]
@@ -520,7 +521,7 @@ class DeviceControl(LoggingConfigurable):
         where = ", ".join(self.denied_in) or "no cgroup yet"
         self.log.info(
             "device control: %s; GPU nodes (%s in %s) denied in %s outside granted kernels%s",
-            self.cgroups.mode,
+            self.reason,
             gpus,
             self.cgroups.nodes.folder,
             where,
@@ -548,19 +549,16 @@ class DeviceControl(LoggingConfigurable):
             return None
         nodes = NvidiaNodes.read(node_dir, proc_dir)
         unified, devices = cgroup_mounts()
-        use_v1 = self.mode == "v1" or (self.mode == "auto" and devices is not None)
-        if use_v1:
-            if devices is None:
-                self.reason = "c.DeviceControl.mode is 'v1' but no cgroup v1 'devices' hierarchy is mounted"
-                return None
+        refused = program_refused(unified, self.name) if unified is not None and self.mode in ("auto", "v2") else None
+        path, self.reason = choose_path(self.mode, unified, devices, refused)
+        if path is None and refused is not None:
+            self.reason += _container_hint()
+        if path == "v1" and devices is not None:
             _probe(devices, self.name)
             return CgroupV1(nodes, devices, self.name, self.kernel_subtree)
-        if unified is None:
-            self.reason = "no cgroup v2 hierarchy and no cgroup v1 'devices' controller is mounted"
-            return None
-        _probe(unified, self.name)
-        os.close(cgroup_bpf.load([], True))  # the kernel takes device programs from us
-        return CgroupV2(nodes, unified, self.name)
+        if path == "v2" and unified is not None:
+            return CgroupV2(nodes, unified, self.name)
+        return None
 
     def describe(self) -> dict[str, object]:
         """``device_control`` in ``jupyter gpupool status --json``: mode, what is denied, why off."""
@@ -568,11 +566,70 @@ class DeviceControl(LoggingConfigurable):
             return {"mode": MODE_OFF, "reason": self.reason}
         return {
             "mode": self.cgroups.mode,
+            "reason": self.reason,
             "denied": self.cgroups.nodes.describe(),
             "denied_in": list(self.denied_in),
             "not_found": list(self.missing),
             "kernels": len(self.cgroups.kernels),
         }
+
+
+def choose_path(requested: str, unified: str | None, devices: str | None, refused: str | None) -> tuple[str | None, str]:
+    """Which cgroup path device control takes, and why: ``("v2" | "v1" | None, reason)``.
+
+    ``requested`` is ``c.DeviceControl.mode`` (``auto``, ``v2`` or ``v1``); ``unified`` and
+    ``devices`` where the cgroup2 hierarchy and the v1 ``devices`` controller are mounted (None:
+    not mounted); ``refused`` why no device program can be attached on ``unified`` (None: it can).
+
+    ``auto`` prefers a device program on the cgroup2 hierarchy, also on a hybrid host that mounts
+    the v1 ``devices`` controller too (the kernel applies both): a kernel's allow is then a child
+    of its own cgroup, so it keeps every cgroup its spawner gave it, while on v1 it would move into
+    a broker-owned subtree of a hierarchy that systemd manages on such hosts (``DevicePolicy=``)
+    and may move it back from. v1 is the fallback where no program can be attached.
+    """
+    why_v2 = f"{MODE_V2} on {unified}"
+    if requested == "v1":
+        if devices is None:
+            return None, "c.DeviceControl.mode is 'v1' but no cgroup v1 'devices' hierarchy is mounted"
+        return "v1", f"{MODE_V1} on {devices} (c.DeviceControl.mode is 'v1')"
+    if requested == "v2":
+        if unified is None:
+            return None, "c.DeviceControl.mode is 'v2' but no cgroup2 hierarchy is mounted"
+        if refused is not None:
+            return None, f"c.DeviceControl.mode is 'v2' but no device program can be attached on {unified} ({refused})"
+        return "v2", f"{why_v2} (c.DeviceControl.mode is 'v2')"
+    if unified is not None and refused is None:
+        if devices is None:
+            return "v2", f"{why_v2} (a cgroup v2 host)"
+        return "v2", f"{why_v2} (hybrid host: kernels keep their cgroups; the v1 'devices' controller at {devices} is left as it is)"
+    if devices is not None:
+        if unified is None:
+            return "v1", f"{MODE_V1} on {devices} (no cgroup2 hierarchy is mounted)"
+        return "v1", f"{MODE_V1} on {devices} (no device program can be attached on {unified}: {refused})"
+    if unified is not None:
+        return None, f"no device program can be attached on {unified} ({refused}) and no cgroup v1 'devices' controller is mounted"
+    return None, "no cgroup v2 hierarchy and no cgroup v1 'devices' controller is mounted"
+
+
+def program_refused(unified: str, name: str) -> str | None:
+    """Why a device program cannot be attached on the cgroup2 hierarchy at ``unified`` (a cgroup
+    made, an allow-all program attached with ``BPF_F_ALLOW_OVERRIDE`` and removed), or None."""
+    directory = os.path.join(unified, f"{name}-probe-{os.getpid()}")
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot make a cgroup there: {exc.strerror}"
+    try:
+        cgroup_bpf.attach_rules(directory, [], True, cgroup_bpf.BPF_F_ALLOW_OVERRIDE)
+        cgroup_bpf.detach(directory)
+    except OSError as exc:  # BpfUnavailable included
+        return str(exc.strerror or exc)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+    return None
 
 
 def _probe(mount: str, name: str) -> None:
