@@ -11,10 +11,16 @@ Use::
     fake.install(monkeypatch)          # sys.modules["pynvml"] = fake.module
     backend = NvmlBackend()            # runs against the fake
     fake.gpus[0].lost = True           # script a failure mid-test
+
+A process that device control denies GPU nodes (a pooled user's process outside a granted
+kernel) is played by ``denied`` (or ``$FAKE_PYNVML_DENIED``: ``all`` or indices such as ``0,2``):
+NVML still counts every GPU and starts, but a denied GPU's handle lookup, and every query on it,
+raises ``NVML_ERROR_NO_PERMISSION``, as NVML answers when the open of ``/dev/nvidiaN`` fails.
 """
 
 from __future__ import annotations
 
+import os
 import string
 import sys
 import types
@@ -80,6 +86,8 @@ OTHER_CONSTANTS: dict[str, int] = {
     "NVML_TOPOLOGY_SYSTEM": 50,
 }
 C = {**ERROR_CODES, **OTHER_CONSTANTS}
+#: GPUs this process may not open (as a device cgroup denies their nodes): ``all``, or ``0,2``.
+DENIED_ENV = "FAKE_PYNVML_DENIED"
 _MESSAGES = {
     1: "Uninitialized",
     2: "Invalid Argument",
@@ -238,8 +246,11 @@ class FakeNvml:
         init_error: int | None = None,
         legacy_bytes: bool = False,
         driver_version: str = "550.54.15",
+        denied: set[int] | None = None,
     ) -> None:
         self.gpus = gpus
+        #: Indexes of GPUs this process may not open (default: from ``$FAKE_PYNVML_DENIED``).
+        self.denied: set[int] = set(denied) if denied is not None else denied_from_env(len(gpus))
         self.init_error = init_error
         self.legacy_bytes = legacy_bytes
         self.driver_version = driver_version
@@ -292,6 +303,8 @@ class FakeNvml:
         if not isinstance(handle, _Handle) or not 0 <= handle.gpu < len(self.gpus):
             self._raise(C["NVML_ERROR_INVALID_ARGUMENT"])
         gpu = self.gpus[handle.gpu]
+        if handle.gpu in self.denied:
+            self._raise(C["NVML_ERROR_NO_PERMISSION"])  # its /dev/nvidiaN refuses this process
         if gpu.lost:
             self._raise(C["NVML_ERROR_GPU_IS_LOST"])
         if fn in gpu.errors:
@@ -494,6 +507,14 @@ class FakeNvml:
     def nvmlDeviceSetMemoryLimits_v1(self, device, limits):
         self._limits_gpu("nvmlDeviceSetMemoryLimits_v1", device)
         self.memory_limits[(device.gpu, limits.nameSpace.decode())] = (int(limits.softLimit), int(limits.hardLimit))
+
+
+def denied_from_env(count: int, environ: Any = None) -> set[int]:
+    """The GPU indexes ``$FAKE_PYNVML_DENIED`` names (``all``: every one of ``count``)."""
+    text = ((os.environ if environ is None else environ).get(DENIED_ENV) or "").strip().lower()
+    if text == "all":
+        return set(range(count))
+    return {int(part) for part in text.split(",") if part.strip()}
 
 
 # --- inventories -------------------------------------------------------------------------------
