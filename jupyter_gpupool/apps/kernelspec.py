@@ -28,6 +28,7 @@ from jupyter_core.application import JupyterApp
 from traitlets import Bool, Unicode
 
 from jupyter_gpupool.application import GpuPoolBaseApp
+from jupyter_gpupool.backends.discovery import find_broker
 from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.core.engine import Engine
 from jupyter_gpupool.core.models import Device, LeaseRequest, PriorityClass, model_matches
@@ -162,13 +163,20 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
 
 
     def pool_devices(self) -> tuple[list[Device] | None, Any, str]:
-        """The devices and policy of the pool this host is configured for (the broker's with GPUPOOL_URL,
-        else the simulated or NVML inventory and the local policy), and where they come from; ``None``
-        and why when none can be read. Opens no pool file: installing a kernelspec must not create one."""
+        """The devices and policy of the pool this host is configured for (the broker's with GPUPOOL_URL
+        or this host's discovery file, else the simulated or NVML inventory and the local policy), and
+        where they come from; ``None`` and why when none can be read. Opens no pool file: installing a
+        kernelspec must not create one."""
         env = dict(os.environ)
         if self.simulate:
             env["GPUPOOL_SIMULATE"] = self.simulate
         try:
+            if self.discover_broker:  # this host's broker: its GPUs, never NVML here (device control may deny them)
+                found = find_broker(
+                    env, on_ignored=lambda why: print(f"jupyter gpupool kernelspec install: warning: {why}", file=sys.stderr)
+                )
+                if found is not None:
+                    env["GPUPOOL_URL"] = found.url
             if (env.get("GPUPOOL_URL") or "").strip():
                 env.setdefault("GPUPOOL_TIMEOUT", "10")
                 remote = RemotePool.from_env(env)
@@ -195,6 +203,9 @@ class KernelSpecInstallApp(GpuPoolBaseApp):
                   f"pool ({source}); installing it unchecked", file=sys.stderr)
             return
         candidates = [d for d in devices if d.healthy and (not self.model or model_matches(self.model, d))]
+        if not candidates and not self.model and devices:  # every GPU unhealthy, or not open to this process
+            reasons = "; ".join(f"GPU {d.index}: {d.health_reason}" for d in devices)
+            raise RequestRefused(f"no healthy GPU in {source} ({reasons})")
         if not candidates:
             models = ", ".join(sorted({d.model for d in devices})) or "none"
             raise RequestRefused(f"no GPU of model {self.model!r} in {source}; models here: {models}")

@@ -331,9 +331,14 @@ class Broker(LoggingConfigurable):
 
     def info(self, identity: Identity) -> dict[str, Any]:
         backend = self.pool.backend
+        about = {"name": backend.name, "spec": getattr(backend, "spec", ""), "describe": backend.describe()}
+        # What a user's process would otherwise ask NVML for, which device control denies it.
+        for key in ("driver_version", "cuda_driver_version"):
+            if getattr(backend, key, None):
+                about[key] = getattr(backend, key)
         return {
             "version": __version__,
-            "backend": {"name": backend.name, "spec": getattr(backend, "spec", ""), "describe": backend.describe()},
+            "backend": about,
             "policy": self.policy_json(),
             "identity": identity.to_json(),
             "watchdog": bool(self.run_watchdog and self.watchdog is not None),

@@ -462,7 +462,9 @@ class CudaCheckpointer(Checkpointer):
     """The CUDA driver's process checkpoint API through ``cuda.core.checkpoint`` (imported lazily).
 
     ``backend`` is the :class:`~.nvml.NvmlBackend` (its NVML module gives the driver version, its
-    ``process_usage`` the bytes a process holds, its ``devices`` the free memory of restore targets).
+    ``process_usage`` the bytes a process holds, its ``devices`` the free memory of restore targets),
+    or, in a user's server under a broker, a :class:`~jupyter_gpupool.backends.remote.BrokerGpus`,
+    whose ``driver_versions()`` gives the versions instead of NVML in this process.
     """
 
     name = "cuda"
@@ -490,10 +492,13 @@ class CudaCheckpointer(Checkpointer):
         return pynvml
 
     def _probe(self) -> CheckpointSupport:
-        nvml = self._nvml()
         driver: str | None = None
         cuda_api: int | None = None
-        if nvml is not None:
+        told = getattr(self.backend, "driver_versions", None)  # a broker's GPUs: it says, not NVML here
+        nvml = None if callable(told) else self._nvml()
+        if callable(told):
+            driver, cuda_api = told()
+        elif nvml is not None:
             with contextlib.suppress(Exception):
                 raw = nvml.nvmlSystemGetDriverVersion()
                 driver = raw.decode() if isinstance(raw, bytes) else str(raw)

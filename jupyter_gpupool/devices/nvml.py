@@ -9,7 +9,12 @@ What the pool gets from here:
   on the host reports NVLink, the GPUs behind the same PCIe switch;
 - health: an NVML error such as ``NVML_ERROR_GPU_IS_LOST`` on a device query marks that device
   unhealthy with a reason instead of raising;
-- GPU memory per process (compute, graphics and MPS clients) for the watchdog.
+- GPU memory per process (compute, graphics and MPS clients) for the watchdog;
+- in a process that may not open a GPU's node (device control denies it to a pooled user's
+  processes outside a granted kernel), NVML still counts that GPU but refuses its handle
+  (``NVML_ERROR_NO_PERMISSION``): it is listed as not open to this process, said at debug level
+  only, and skipped when reading memory per process. A user's process under a broker reads GPUs
+  through the broker instead (:class:`~jupyter_gpupool.backends.remote.BrokerGpus`).
 
 The module imports ``pynvml`` when a backend is made, so tests can put a scripted fake
 (``tests/fake_pynvml.py``) into ``sys.modules`` and run these same code paths.
@@ -83,6 +88,7 @@ class _Gpu:
     pci: tuple[int, int, int] | None = None
     minor: int | None = None  # /dev/nvidiaN's N (nvmlDeviceGetMinorNumber)
     error: str = ""  # health reason when a query failed
+    denied: bool = False  # this process may not open the GPU's node (NVML_ERROR_NO_PERMISSION)
 
 
 class NvmlBackend(DeviceBackend):
@@ -109,6 +115,7 @@ class NvmlBackend(DeviceBackend):
             self.driver_version = _text(self._nvml.nvmlSystemGetDriverVersion())
         except self._nvml.NVMLError as exc:  # cosmetic only
             log.debug("no driver version: %s", exc)
+        self._cuda_version: tuple[int | None] | None = None
 
     # --- set-up ---------------------------------------------------------------------------------
     @staticmethod
@@ -141,6 +148,22 @@ class NvmlBackend(DeviceBackend):
                 self._nvml.nvmlShutdown()
             except self._nvml.NVMLError as exc:
                 log.debug("nvmlShutdown failed: %s", exc)
+
+    @property
+    def cuda_driver_version(self) -> int | None:
+        """The CUDA API the driver offers (12080 for 12.8), None when NVML cannot say; asked once."""
+        if self._cuda_version is None:
+            version: int | None = None
+            getter = getattr(self._nvml, "nvmlSystemGetCudaDriverVersion_v2", None) or getattr(
+                self._nvml, "nvmlSystemGetCudaDriverVersion", None
+            )
+            if getter is not None:
+                try:
+                    version = int(getter())
+                except (self._nvml.NVMLError, TypeError, ValueError) as exc:
+                    log.debug("no CUDA driver version: %s", exc)
+            self._cuda_version = (version,)
+        return self._cuda_version[0]
 
     def describe(self) -> str:
         driver = f" (driver {self.driver_version})" if self.driver_version else ""
@@ -179,6 +202,10 @@ class NvmlBackend(DeviceBackend):
         gpu = _Gpu(index=index)
         try:
             gpu.handle = nv.nvmlDeviceGetHandleByIndex(index)
+        except nv.NVMLError as exc:
+            gpu.denied = self._error_names.get(getattr(exc, "value", None)) == "NVML_ERROR_NO_PERMISSION"
+            return self._lost(gpu, exc)
+        try:
             gpu.uuid = _text(nv.nvmlDeviceGetUUID(gpu.handle))
             gpu.name = _text(nv.nvmlDeviceGetName(gpu.handle))
             memory = nv.nvmlDeviceGetMemoryInfo(gpu.handle)
@@ -255,7 +282,11 @@ class NvmlBackend(DeviceBackend):
         gpu.memory_free = None
         gpu.mig_handles = []
         gpu.error = self._reason(exc)
-        log.warning("GPU %s (%s) is unhealthy: %s", gpu.index, gpu.uuid, gpu.error)
+        if gpu.denied:  # device control at work, not a failing GPU: nothing to warn about
+            gpu.error = f"this process may not open it ({gpu.error}); its pool's broker reads it"
+            log.debug("GPU %s is not open to this process: %s", gpu.index, gpu.error)
+        else:
+            log.warning("GPU %s (%s) is unhealthy: %s", gpu.index, gpu.uuid, gpu.error)
         return gpu
 
     def _peers(self, gpus: list[_Gpu]) -> dict[str, frozenset[str]]:

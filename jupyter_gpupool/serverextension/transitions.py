@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jupyter_gpupool.backends.contract import Capability, supports
+from jupyter_gpupool.backends.remote import BrokerGpus
 from jupyter_gpupool.core.elastic import size_generation
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, Transition
 from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
-from jupyter_gpupool.devices.nvml import NvmlBackend
 from jupyter_gpupool.devices.parking import (
     DriverCheckpointPath,
     FrameworkPath,
@@ -161,10 +161,12 @@ class TransitionDriver:
         return self._checkpointer
 
     def _local_backend_like(self, remote: Any) -> Any:
-        """A device backend of this host of the broker's kind, for checkpoints only."""
+        """A device backend of this host of the broker's kind, for checkpoints only. NVML: the
+        broker's GPUs and driver versions, read through the broker (device control denies this
+        process every GPU node, so NVML here would see none of them)."""
         kind = str(self.ext.pool.info().get("backend", {}).get("name", "")) if hasattr(self.ext.pool, "info") else ""
         if kind == "nvml":
-            return NvmlBackend()
+            return BrokerGpus(self.ext.pool)
         if kind == "simulated":
             local = SimulatedBackend.from_spec(getattr(remote, "spec", "") or "1x16GiB")
             runtime = getattr(self.ext.serverapp, "runtime_dir", None) or os.getcwd()
