@@ -1,8 +1,8 @@
 """The verdicts of tests/gpu's checks that have never met a GPU, decided here from readings that
-pass and readings that fail, before any device call: fast-parking, unpooled, elastic and
-device-control (released-held and power: tests/test_gpu_script.py and
-tests/test_checkpoint_backend.py). The elastic check also runs end to end on a simulated pool, and
-the device-control check on this machine, where it must skip saying why."""
+pass and readings that fail, before any device call: fast-parking, next-cell, unpooled, elastic
+and device-control (released-held and power: tests/test_gpu_script.py and
+tests/test_checkpoint_backend.py). The elastic and next-cell checks also run end to end on a
+simulated pool, and the device-control check on this machine, where it must skip saying why."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 GPU_DIR = Path(__file__).resolve().parent / "gpu"
 sys.path.insert(0, str(GPU_DIR))
 
-from gpucheck.checks import Context, Options, devicectl, elastic, fastpark, registry, unpooled
+from gpucheck.checks import Context, Options, devicectl, elastic, fastpark, nextcell, registry, unpooled
 from gpucheck.checks.common import emit, slice_server
 from gpucheck.cli import select
 from gpucheck.probe import Probe
@@ -84,6 +84,74 @@ def test_fast_parking_fails_naming_what_missed(rounds: list[dict[str, Any]], cap
         data["cap_held"] = {"held": cap, "detail": "allocated past the slice"}
     problems = fastpark.problems_of(data)
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+# --- next-cell ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "gib", "gbps", "output_ok", "suspended_ok", "expected"),
+    [
+        (0.4, 8, 50.0, True, True, None),
+        (1.17, 8, 50.0, True, True, None),  # 1 s + 8 GiB at 50 GB/s (0.172 s)
+        (2.7, 8, 5.0, True, True, None),  # a slow link gives the copy more time: 1 s + 1.718 s
+        (1.18, 8, 50.0, True, True,
+         "the next cell's output came 1.18 s after it was sent, past 1 s + the copy (0.17 s for 8 GiB at 50.0 GB/s) = 1.17 s"),
+        (6.5, 8, 53.0, True, True, "past 1 s + the copy (0.16 s for 8 GiB at 53.0 GB/s) = 1.16 s"),  # the server path's 6.5 s of 2026-11-30 (tick included)
+        (None, 8, 50.0, False, True, "the next cell printed no output"),
+        (0.4, 8, 50.0, False, True, "the next cell's output was wrong: the tensors changed across the suspend"),
+        (0.4, 8, 0.0, True, True, "no restore speed was measured"),
+        (None, 8, 50.0, False, False, "the kernel was not suspended with its GPU memory freed (NVML)"),
+    ],
+)
+def test_next_cell_verdict_is_one_second_plus_the_copy(
+    elapsed: float | None, gib: float, gbps: float, output_ok: bool, suspended_ok: bool, expected: str | None
+) -> None:
+    assert_verdict(nextcell.problems_of(elapsed, gib, gbps, output_ok, suspended_ok), expected)
+
+
+def test_next_cell_limit_and_kernel_code() -> None:
+    assert nextcell.OVERHEAD_S == 1.0
+    assert nextcell.copy_seconds(8, 8 * GIB / 1e9) == pytest.approx(1.0)
+    assert nextcell.limit_seconds(32, 32 * GIB / 2e9) == pytest.approx(3.0)
+    for name, code in {"fill": nextcell.fill_cell(8), "next": nextcell.NEXT_CELL, "verify": nextcell.VERIFY_CELL}.items():
+        compile(code, name, "exec")
+
+
+@pytest.mark.slow
+def test_next_cell_check_end_to_end_on_a_simulated_pool(tmp_path: Path) -> None:
+    """The check's own run on a real jupyter_server with a real kernel and a simulated 1x16GiB pool:
+    pretend_to_use stands for PyTorch's tensors (the simulated memory saver parks them, the fast
+    path's stand-in), the pool's usage files for NVML. The server suspends the kernel on
+    ``POST .../suspend``; the next cell's first use of the GPU needs the kernel resumed, so its output
+    comes only through the kernel's resume hook and the server's restore. Not timed here."""
+    db = tmp_path / "server-next-cell" / "pool.sqlite"
+
+    def usage(pids: set[int]) -> dict[int, int]:
+        found = {}
+        for pid in pids:
+            path = Path(f"{db}.usage") / f"{pid}.json"
+            if path.exists():
+                found[pid] = sum(v for v in json.loads(path.read_text()).values() if isinstance(v, int))
+        return found
+
+    use = "from jupyter_gpupool.devices.simulated import pretend_to_use\n"
+    cells = nextcell.Cells(
+        fill=lambda gib: use + f"pretend_to_use({int(gib * GIB)})\n_gc_sum = 123456789\n"
+        + emit('{"sum": _gc_sum, "h2d": 50e9, "d2h": 50e9}'),
+        next=use + f"pretend_to_use({GIB})\n" + emit('{"sum": _gc_sum}'),  # blocks while suspended, as CUDA would
+        verify=emit('{"identical": True}'),
+    )
+    host = nextcell.Host(process_memory=usage, server_env={"GPUPOOL_SIMULATE": "1x16GiB"})
+    ctx = Context(name="next-cell", options=Options(ckpt_gib=1), probe=Probe(), workdir=tmp_path)
+    result = nextcell.measure(ctx, cells, host)
+    seen = result.data
+    assert seen["held_before"] == GIB and seen["held_while_suspended"] == 0, seen
+    assert seen["parked_memory"] == GIB and seen["parked_by"] == "torch-memory-saver (simulated)", seen
+    assert seen["printed"] == {"sum": 123456789} and seen["identical"] and seen["state_after"] == "granted", seen
+    assert seen["next_cell_s"] is not None and seen["restore_gbps"] == 50.0
+    problems = nextcell.problems_of(seen["next_cell_s"], 1, 50.0, True, True)
+    assert result.status.value == ("fail" if problems else "pass"), (result.detail, seen)  # only the time may miss here
 
 
 # --- unpooled -------------------------------------------------------------------------------------
@@ -288,11 +356,19 @@ def test_a_checks_verdict_fails_naming_its_problems_and_passes_with_its_detail()
 
 
 def test_the_first_device_call_runs_the_never_run_checks_cheapest_first_within_its_budget() -> None:
-    first = select(["fast-parking,power,released-held,unpooled,elastic"], None)
-    assert first == ["unpooled", "released-held", "elastic", "fast-parking", "power"]
+    calls: dict[str, dict[str, tuple[str, str, int]]] = {}
+    for doc in ("README.md", "RESULTS.md"):
+        text = (GPU_DIR / doc).read_text()
+        found = re.findall(r"run_all\.sh --(only|skip) (\S+) --budget (\d+) --out \$OUT/(first|second)", text)
+        calls[doc] = {call: (flag, names, int(budget)) for flag, names, budget, call in found}
+    assert calls["README.md"] == calls["RESULTS.md"] and set(calls["README.md"]) == {"first", "second"}, calls
+    (flag, names, budget), (other_flag, other_names, _) = calls["README.md"]["first"], calls["README.md"]["second"]
+    assert (flag, other_flag, names) == ("only", "skip", other_names)
+    first = select([names], None)
+    assert first == ["unpooled", "released-held", "elastic", "fast-parking", "next-cell", "power"]
     specs = registry()
-    assert sum(specs[name].min_seconds for name in first) <= 300  # all can start when each takes its minimum
-    second = select(None, ["fast-parking,power,released-held,unpooled,elastic"])
+    assert sum(specs[name].min_seconds for name in first) <= budget  # all can start when each takes its minimum
+    second = select(None, [names])
     assert "device-control" in second and second[-1] == "settings"
 
 

@@ -70,7 +70,7 @@ def test_select_only_skip_groups_and_commas() -> None:
     assert select(["slices"], ["slices-jax"]) == ["slices-torch", "slices-cupy"]
     assert select(None, ["slices", "settings"]) == [
         "inventory", "watchdog", "unpooled", "released-held", "elastic", "device-control", "suspend", "fast-parking",
-        "power", "overhead", "mps",
+        "next-cell", "power", "overhead", "mps",
     ]
     assert select([" Inventory "], None) == ["inventory"]
 

@@ -21,6 +21,7 @@ CHECK_NAMES: tuple[str, ...] = (
     "device-control",
     "suspend",
     "fast-parking",
+    "next-cell",
     "power",
     "overhead",
     "mps",

@@ -154,6 +154,7 @@ class ExecResult:
     display: str = ""
     data: list[Any] = field(default_factory=list)
     seconds: float = 0.0
+    marked_at: float | None = None  # time.monotonic() when the first MARKER payload arrived
 
     @property
     def ok(self) -> bool:
@@ -231,6 +232,8 @@ class KernelSession:
             content = msg["content"]
             if kind == "stream":
                 (out if content.get("name") == "stdout" else err).append(content.get("text", ""))
+                if result.marked_at is None and MARKER in content.get("text", ""):
+                    result.marked_at = time.monotonic()
             elif kind in {"display_data", "execute_result", "update_display_data"}:
                 data = content.get("data", {})
                 disp.extend(str(data[mime]) for mime in ("text/plain", "text/markdown", "text/html") if mime in data)
