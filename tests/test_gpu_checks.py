@@ -150,6 +150,7 @@ def test_next_cell_check_end_to_end_on_a_simulated_pool(tmp_path: Path) -> None:
     assert seen["parked_memory"] == GIB and seen["parked_by"] == "torch-memory-saver (simulated)", seen
     assert seen["printed"] == {"sum": 123456789} and seen["identical"] and seen["state_after"] == "granted", seen
     assert seen["next_cell_s"] is not None and seen["restore_gbps"] == 50.0
+    assert seen["server_restore_s"] is not None and "the server's restore" in result.detail  # its /metrics counted one
     problems = nextcell.problems_of(seen["next_cell_s"], 1, 50.0, True, True)
     assert result.status.value == ("fail" if problems else "pass"), (result.detail, seen)  # only the time may miss here
 

@@ -187,6 +187,19 @@ def next_cell(server: Any, kernel: KernelSession, code: str, seen: dict[str, Any
     return result.data[-1] if result.ok and result.data else None
 
 
+def server_restore_seconds(server: Any) -> float | None:
+    """The server's own count of its restore (``gpupool_restore_seconds`` on its ``/metrics``: from
+    the resumed kernel's grant to the restore confirmed), when it counted exactly one."""
+    try:
+        status, text = server.api("GET", "/metrics", timeout=10)
+    except OSError:
+        return None
+    found = dict(line.split(" ", 1) for line in str(text).splitlines() if line.startswith("gpupool_restore_seconds_"))
+    if status != 200 or found.get("gpupool_restore_seconds_count", "").strip() not in ("1", "1.0"):
+        return None
+    return round(float(found["gpupool_restore_seconds_sum"]), 3)
+
+
 def describe(seen: dict[str, Any]) -> str:
     """The detail: what was parked, by which path, and how the output compared."""
     gbps = float(seen.get("restore_gbps") or 0.0)
@@ -201,7 +214,9 @@ def describe(seen: dict[str, Any]) -> str:
         parked += f" ({seen['path_note']})" if seen.get("path_note") else ""
     output = (f"sum {'equal to' if seen.get('summed') else 'not'} the one before, tensors bit-identical {seen.get('identical')}"
               if seen.get("printed") is not None else f"next cell: {seen.get('next_cell_status', 'not sent')}")
-    return f"{output}; copy {copy:.2f} s at the pinned {gbps:.1f} GB/s; {parked}"
+    restore = seen.get("server_restore_s")
+    restored = f", the server's restore {restore:.2f} s (its /metrics)" if restore is not None else ""
+    return f"{output}; copy {copy:.2f} s at the pinned {gbps:.1f} GB/s{restored}; {parked}"
 
 
 def measure(ctx: Context, cells: Cells = Cells(), host: Host = Host()) -> Result:  # frozen defaults: one shared instance is safe
@@ -233,6 +248,7 @@ def measure(ctx: Context, cells: Cells = Cells(), host: Host = Host()) -> Result
             if printed is not None:
                 seen["summed"] = printed.get("sum") == fill["sum"]
                 seen["state_after"] = _lease(server, kid).get("state")
+                seen["server_restore_s"] = server_restore_seconds(server)  # the restore's share of the wait
                 verify = kernel.run(cells.verify, timeout=60)
                 seen["identical"] = bool(verify.ok and verify.data and verify.last().get("identical"))
         seen["server_errors"] = server.log_errors()
