@@ -219,15 +219,15 @@ def cell_blocks_through_the_server(server: JupyterServer, kernel_id: str, kernel
     sent = time.time()
     waiting = kernel.submit(WHILE_SUSPENDED)
     states: list[str] = []
-    back, _ = poll_until(
-        lambda: (
-            (s := lease_state()) is not None
-            and (states.append(f"{s.get('state')}/{s.get('transition')}") or True)
-            and s.get("state") == "granted"
-            and not s.get("transition")
-        ),
-        timeout=60,
-    )
+
+    def restored() -> bool:
+        s = lease_state()
+        if s is None:
+            return False
+        states.append(f"{s.get('state')}/{s.get('transition')}")
+        return s.get("state") == "granted" and not s.get("transition")
+
+    back, _ = poll_until(restored, timeout=60)
     restored_at = time.time()
     result["states_seen"] = sorted(set(states))
     result["resume_s"] = round(restored_at - sent, 3)
