@@ -171,6 +171,7 @@ class FakeMig:
     uuid: str = ""
     processes: list[FakeProcess] = field(default_factory=list)
     gpu_instance_id: int = 0
+    compute_instance_id: int = 0
 
 
 @dataclass
@@ -417,6 +418,19 @@ class FakeNvml:
         if index >= len(gpu.mig_slots) or gpu.mig_slots[index] is None:
             self._raise(C["NVML_ERROR_NOT_FOUND"])
         return _Handle(device.gpu, index)
+
+    def _mig_of(self, fn: str, device: _Handle) -> FakeMig:
+        """The MIG instance behind a MIG device handle; INVALID_ARGUMENT for a whole GPU's (as NVML)."""
+        mig = self._mig(self._gpu(fn, device), device)
+        if mig is None:
+            self._raise(C["NVML_ERROR_INVALID_ARGUMENT"])
+        return mig
+
+    def nvmlDeviceGetGpuInstanceId(self, device):
+        return self._mig_of("nvmlDeviceGetGpuInstanceId", device).gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, device):
+        return self._mig_of("nvmlDeviceGetComputeInstanceId", device).compute_instance_id
 
     def nvmlDeviceIsMigDeviceHandle(self, device):
         self._gpu("nvmlDeviceIsMigDeviceHandle", device)

@@ -169,6 +169,20 @@ def test_mig_instances_are_poolable_and_the_parent_is_not(host, backends):
     assert all(fn.startswith(("nvmlDeviceGet", "nvmlSystemGet", "nvmlInit")) for fn in fake.calls), fake.calls
 
 
+def test_a_mig_instance_names_its_gpu_and_compute_instance_for_device_control(host, backends):
+    """Device control opens a MIG kernel only its own instance's capability nodes
+    (``gpuN/giX/ciY/access``): the ids come from NVML; a driver that does not give them leaves
+    them unknown (the kernel then opens its whole GPU), never a guess."""
+    gpus = fake_pynvml.a100_mig()
+    gpus[0].mig_slots[0].compute_instance_id = 2
+    host(gpus)
+    migs = sorted((d for d in open_backend(backends).devices() if d.is_mig), key=lambda d: d.uuid)
+    assert {(d.mig_gi, d.mig_ci) for d in migs} == {(1, 2), (7, 0), (8, 0)}
+    gpus[0].errors["nvmlDeviceGetGpuInstanceId"] = C["NVML_ERROR_NOT_SUPPORTED"]
+    again = [d for d in open_backend(backends).devices() if d.is_mig]
+    assert {(d.mig_gi, d.mig_ci) for d in again} == {(None, None)}
+
+
 def test_mig_layout_changes_show_up_on_the_next_enumeration(host, backends):
     gpus = fake_pynvml.a100_mig()
     host(gpus)

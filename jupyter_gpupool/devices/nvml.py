@@ -255,6 +255,7 @@ class NvmlBackend(DeviceBackend):
                     raise
                 name = f"{gpu.name} MIG {slot}"
             memory = nv.nvmlDeviceGetMemoryInfo(handle)
+            instance, compute = self._mig_ids(handle)
             gpu.mig_handles.append((uuid, handle))
             gpu.migs.append(
                 Device(
@@ -267,8 +268,24 @@ class NvmlBackend(DeviceBackend):
                     parent_uuid=gpu.uuid,
                     mig_mode=True,
                     minor=gpu.minor,  # a MIG instance opens its GPU's node (and its own capability nodes)
+                    mig_gi=instance,
+                    mig_ci=compute,
                 )
             )
+
+    def _mig_ids(self, handle: Any) -> tuple[int | None, int | None]:
+        """A MIG instance's GPU and compute instance ids, which name its capability nodes
+        (``gpuN/giX/ciY/access``); (None, None) where the driver does not say: device control then
+        opens the instance's whole GPU to its kernel, as for a whole-GPU grant."""
+        nv = self._nvml
+        try:
+            return int(nv.nvmlDeviceGetGpuInstanceId(handle)), int(nv.nvmlDeviceGetComputeInstanceId(handle))
+        except AttributeError:  # an nvidia-ml-py without these calls
+            return None, None
+        except nv.NVMLError as exc:
+            if not self._benign(exc):
+                raise
+            return None, None
 
     def _lost(self, gpu: _Gpu, exc: Exception) -> _Gpu:
         """Keep what we knew of the GPU and record why it is unhealthy."""
