@@ -246,3 +246,90 @@ def test_a_slurm_slice_does_not_burst_and_says_why_where_a_user_asks(tmp_path):
     with pytest.raises(RequestRefused, match=f"no limit was set: .*{why}"):
         kernel.reserve("8GiB", limit="32GiB")
     pool.close()
+
+
+def test_a_kernel_launch_asks_slurm_for_its_node_off_the_event_loop(tmp_path, monkeypatch):
+    """The launch reads the node's address (``scontrol show node``, when the pool's reading of the
+    nodes is older than its cache) in a worker thread: on the server's event loop a controller that
+    is slow to answer would stall every request of the server (GET /api/status too) meanwhile.
+    Slurm's answers are scripted: the node list comes only once the event loop has run on."""
+    import asyncio
+    import threading
+
+    from jupyter_client.kernelspec import KernelSpec
+
+    from jupyter_gpupool.backends.slurm.commands import JobRecord
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
+    from jupyter_gpupool.core.models import Lease, LeaseState
+    from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner
+    from jupyter_gpupool.provisioner.slurm import SlurmProvisioner
+
+    pool = SlurmPool(shards_per_gpu=8, gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    lease = Lease(
+        id="l-1", owner="alice", memory=80 * GIB, state=LeaseState.GRANTED, created_at=1.0, kernel_id="k-1",
+        devices=("slurm:node0:gpu0",),
+    )  # fmt: skip
+    pool.file.put(lease, {"job_id": "7", "gres": "shard:8", "node": "node0"})
+    asked, loop_ran = threading.Event(), threading.Event()
+
+    class SlowController:
+        def squeue(self, job_ids: object = None, partition: str = "", states: str = "") -> list[JobRecord]:
+            return [JobRecord("7", "gpupool-k-1", "RUNNING", "None", 1, "gpu", 1.0, "alice", "node0", "gres:shard:8")]
+
+        def show_nodes(self) -> list[dict[str, str]]:
+            asked.set()
+            loop_ran.wait(5)  # never set while this call holds the event loop
+            return [{"NodeName": "node0", "NodeAddr": "10.0.0.7", "Gres": "gpu:2,shard:16"}]
+
+    pool.commands = SlowController()  # type: ignore[assignment]
+
+    async def leased(self: GpuPoolProvisioner, **kwargs: object) -> dict[str, object]:
+        return dict(kwargs)  # the lease is granted already (above); only the Slurm launch is under test
+
+    monkeypatch.setattr(GpuPoolProvisioner, "pre_launch", leased)
+    spec = KernelSpec(argv=["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"], display_name="py")
+    prov = SlurmProvisioner(kernel_id="k-1", kernel_spec=spec)
+    prov._pool = pool
+    prov.lease_id = "l-1"
+
+    async def launch() -> dict[str, object]:
+        async def meanwhile() -> None:
+            while not asked.is_set():
+                await asyncio.sleep(0.01)
+            loop_ran.set()
+
+        other = asyncio.ensure_future(meanwhile())
+        kwargs = await prov.pre_launch(cmd=["python", "-m", "ipykernel_launcher", "-f", "conn.json"], env={})
+        other.cancel()
+        return kwargs
+
+    kwargs = asyncio.run(launch())
+    assert loop_ran.is_set(), "the event loop waited for scontrol show node"
+    assert "--ip=10.0.0.7" in kwargs["cmd"] and "--jobid=7" in kwargs["cmd"]
+    pool.close()
+
+
+def test_the_pool_view_describes_the_partition_without_asking_slurm_again(tmp_path):
+    """``GET /api/gpupool/pool`` describes the backend on the server's event loop, after its snapshot
+    (in a worker thread) read the nodes: once read, the description never runs ``scontrol`` again,
+    even when that reading is older than the cache (a snapshot that waited on a busy controller)."""
+    import time
+
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
+
+    pool = SlurmPool(gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    asked: list[str] = []
+
+    class Controller:
+        def show_nodes(self) -> list[dict[str, str]]:
+            asked.append("scontrol show node")
+            return [{"NodeName": "node0", "NodeAddr": "10.0.0.7", "Gres": "gpu:2,shard:16", "State": "IDLE"}]
+
+    pool.commands = Controller()  # type: ignore[assignment]
+    assert len(pool.devices()) == 2 and asked == ["scontrol show node"]  # the snapshot's reading
+    assert pool._nodes is not None
+    pool._nodes = (time.monotonic() - 3600, pool._nodes[1])  # an hour old
+    described = "Slurm partition (default), 80 GiB GPUs, 8 shards of 10 GiB per GPU"
+    assert pool.backend.describe() == described and asked == ["scontrol show node"]
+    assert len(pool.devices()) == 2 and len(asked) == 2  # what the snapshot uses is read again, as before
+    pool.close()

@@ -158,7 +158,8 @@ class SlurmProvisioner(GpuPoolProvisioner):
         server_file = getattr(km, "connection_file", "") if km is not None else ""
         cmd = [str(conn_file) if server_file and arg == server_file else arg for arg in kwargs["cmd"]]
         if self._is_ipython():
-            cmd.append(f"--ip={self._node_address(node)}")
+            # scontrol, when the nodes were read long ago: off the event loop, like every Slurm command
+            cmd.append(f"--ip={await asyncio.to_thread(self._node_address, node)}")
             if self.kernel_spec is not None:
                 self.kernel_spec.interrupt_mode = "message"  # a control message crosses nodes; a signal would not
         env = dict(kwargs.get("env") or {})

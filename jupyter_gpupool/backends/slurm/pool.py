@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import math
 import os
 import socket
 import time
@@ -101,7 +102,9 @@ class SlurmBackend:
         return []  # processes run on compute nodes: Slurm accounts for them
 
     def describe(self) -> str:
-        return f"Slurm partition {self._pool.partition or '(default)'}, {self._pool.shards_per_gpu_text()}"
+        """One line for logs and the pool view. It runs no Slurm command once the nodes were read
+        (the REST API calls it on the server's event loop, which must never wait on slurmctld)."""
+        return f"Slurm partition {self._pool.partition or '(default)'}, {self._pool.shards_per_gpu_text(read_once=True)}"
 
     def close(self) -> None:
         """Nothing to release."""
@@ -222,9 +225,10 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         return cls(commands=SlurmCommands(env=env), policy=policy, config=config or Config(), **overrides)
 
     # --- what the partition has -------------------------------------------------------------------
-    def _node_records(self) -> list[dict[str, str]]:
+    def _node_records(self, max_age: float = 10.0) -> list[dict[str, str]]:
+        """The partition's nodes (``scontrol show node``), read again once older than ``max_age`` seconds."""
         now = time.monotonic()
-        if self._nodes is None or now - self._nodes[0] > 10.0:
+        if self._nodes is None or now - self._nodes[0] > max_age:
             nodes = self.commands.show_nodes()
             if self.partition:
                 nodes = [n for n in nodes if self.partition in n.get("Partitions", "").split(",")]
@@ -237,18 +241,19 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         except InvalidInput as err:
             raise InvalidInput(f"c.SlurmPool.gpu_memory: {err}") from None
 
-    def _shards_per_gpu(self) -> int:
+    def _shards_per_gpu(self, max_age: float = 10.0) -> int:
         if self.shards_per_gpu > 0:
             return self.shards_per_gpu
-        for node in self._node_records():
+        for node in self._node_records(max_age):
             counts = parse_node_gres(node.get("Gres", ""))
             if counts.get("gpu") and counts.get("shard"):
                 return max(1, counts["shard"] // counts["gpu"])
         return 0
 
-    def shards_per_gpu_text(self) -> str:
+    def shards_per_gpu_text(self, read_once: bool = False) -> str:
+        """The GPUs' memory and shards in words; ``read_once``: from the nodes as last read, if ever."""
         try:
-            shards = self._shards_per_gpu()
+            shards = self._shards_per_gpu(math.inf if read_once else 10.0)
         except GpuPoolError:
             shards = 0
         per = (
