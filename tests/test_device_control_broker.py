@@ -74,6 +74,20 @@ def call(broker: BrokerProcess, method: str, path: str, token: str, body: Any = 
         return json.loads(answer.read() or b"null")
 
 
+def broker_config(on: Host) -> str:
+    """A broker's device control on ``on``'s path and cgroups, named after this run."""
+    return (
+        f"c.DeviceControl.mode = {on.path!r}\nc.DeviceControl.user_cgroups = [{on.user!r}]\n"
+        f"c.DeviceControl.name = {on.tag!r}\nc.DeviceControl.kernel_subtree = '{on.tag}/kernels'\n"
+    )
+
+
+def started_line(on: Host) -> str:
+    """The start of the broker's one line saying device control runs on ``on``'s path."""
+    mode, mount = (MODE_V2, UNIFIED) if on.path == "v2" else (MODE_V1, DEVICES)
+    return f"device control: {mode} on {mount} (c.DeviceControl.mode is '{on.path}'); GPU nodes"
+
+
 def kernel_cgroups(on: Host) -> list[str]:
     """The kernel cgroups this run's broker made, on either path."""
     found = []
@@ -147,7 +161,7 @@ def test_the_broker_denies_every_gpu_but_a_granted_kernels_and_a_killed_broker_l
         hub.stop()
 
 
-@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+@pytest.mark.parametrize("host", PATHS, indirect=True)
 def test_a_kernel_that_leases_later_opens_its_gpu_on_that_decisions_pass_and_a_release_shuts_it(
     host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
 ) -> None:
@@ -156,7 +170,7 @@ def test_a_kernel_that_leases_later_opens_its_gpu_on_that_decisions_pass_and_a_r
     monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
     hub = StandInHub().start()
     alice = hub.add_user("tok-alice", ALICE)
-    config = f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\nc.DeviceControl.name = {host.tag!r}\n"
+    config = broker_config(host)
     broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
     uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
 
@@ -166,7 +180,7 @@ def test_a_kernel_that_leases_later_opens_its_gpu_on_that_decisions_pass_and_a_r
 
     try:
         broker.start()
-        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()
+        assert _until(lambda: started_line(host) in broker.log(), 5), broker.log()
         # Started by the pool's provisioner without a lease (CPU-only), then `%gpupool reserve`.
         cpu_only = user_process(host, kernel_id="k-later")
         bystander = user_process(host, kernel_id="k-other")  # alice's too, another kernel
@@ -221,14 +235,14 @@ print("it did not re-execute itself:", autolease.current().lines)
 """
 
 
-@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+@pytest.mark.parametrize("host", PATHS, indirect=True)
 def test_a_kernel_that_leases_for_itself_runs_again_only_once_its_gpu_is_open_to_it(
     host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
 ) -> None:
     monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
     hub = StandInHub().start()
     alice = hub.add_user("tok-alice", ALICE)
-    config = f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\nc.DeviceControl.name = {host.tag!r}\n"
+    config = broker_config(host)
     broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
     uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
     out = tmp_path / "first-instruction.json"
@@ -236,7 +250,7 @@ def test_a_kernel_that_leases_for_itself_runs_again_only_once_its_gpu_is_open_to
     env.update(GPUPOOL_URL=broker.url, GPUPOOL_TOKEN=alice, GPUPOOL_SIMULATE="3x16GiB", GPUPOOL_SIMULATE_NODES=str(host.folder))
     try:
         broker.start()
-        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()
+        assert _until(lambda: started_line(host) in broker.log(), 5), broker.log()
         assert broker.proc is not None
         broker_pid = broker.proc.pid
         script = SELF_LEASING.format(nodes=[str(host.gpu(i)) for i in range(3)], out=str(out), broker_pid=broker_pid)
@@ -278,20 +292,20 @@ except OSError as exc:
 """
 
 
-@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+@pytest.mark.parametrize("host", PATHS, indirect=True)
 def test_a_kernel_a_server_starts_under_device_control_opens_its_gpu_from_its_first_instruction(
     host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
 ) -> None:
     monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
     hub = StandInHub().start()
     alice = hub.add_user("tok-alice", ALICE)
-    config = f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\nc.DeviceControl.name = {host.tag!r}\nc.DeviceControl.kernel_subtree = '{host.tag}/kernels'\n"
+    config = broker_config(host)
     broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
     uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
     server = None
     try:
         broker.start()
-        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()  # the users' deny in place
+        assert _until(lambda: started_line(host) in broker.log(), 5), broker.log()  # the users' deny in place
         # A kernel whose very first instruction opens its GPU's node, then runs as ipykernel.
         first = tmp_path / "first-open"
         spec = tmp_path / "share" / "kernels" / "first-open"
@@ -323,6 +337,18 @@ def test_a_kernel_a_server_starts_under_device_control_opens_its_gpu_from_its_fi
         # The sidebar's enforcement line says so (the server's view of the kernel).
         enforcement = server.call("GET", f"api/gpupool/kernels/{kernel_id}")["enforcement"]
         assert enforcement["device_access"] == DEVICE_ACCESS == "this kernel's GPU only", enforcement
+        # The sidebar's GPU list (the server's pool view, read where every GPU node refuses it): every GPU.
+        listed = server.call("GET", "api/gpupool/pool")["devices"]
+        assert sorted((d["uuid"], d["healthy"]) for d in listed) == sorted((uuid, True) for uuid in uuids), listed
+        # An opt-out route of docs/unpooled.md (a kernelspec naming another provisioner): denied every GPU.
+        opted = tmp_path / "share" / "kernels" / "opt-out"
+        opted.mkdir()
+        plain = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        metadata = {"kernel_provisioner": {"provisioner_name": "local-provisioner"}}
+        (opted / "kernel.json").write_text(json.dumps({"argv": plain, "display_name": "opt out", "language": "python", "metadata": metadata}))
+        outside = server.call("POST", "api/kernels", {"name": "opt-out"}, timeout=60)["id"]
+        assert broker.kernel_lease(outside) is None  # no lease: the pool does not know it
+        assert [server.run_code(outside, OPEN_IN_KERNEL.format(path=node)).split() for node in nodes] == [["EPERM"]] * 3
     finally:
         if server is not None:
             server.stop()
