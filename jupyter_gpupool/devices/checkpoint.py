@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from jupyter_gpupool.core.models import Device
 from jupyter_gpupool.devices.base import process_alive as _alive
 from jupyter_gpupool.devices.checkpoint_contract import (
@@ -83,6 +85,9 @@ class SimulatedCheckpointer(Checkpointer):
         super().__init__()
         self.usage_dir = usage_dir
         self.backend = backend
+        #: Probe without the driver's start (a process device control denies every GPU node: each
+        #: operation then runs where it may open its kernel's GPUs, see :mod:`.checkpoint_worker`).
+        self.defer_driver_start = False
         self._parked_in_process: dict[int, dict[str, int]] = {}
         self._lock = threading.Lock()
 
@@ -124,6 +129,10 @@ class SimulatedCheckpointer(Checkpointer):
             return CheckpointSupport(
                 False, "simulated", "this simulated pool has no usage folder (GPUPOOL_DB unset), so kernels cannot be suspended"
             )
+        if not self.defer_driver_start:
+            why = self._driver_cannot_start(self._all_gpus(), every=True)
+            if why:
+                return CheckpointSupport(False, "simulated", f"the CUDA driver cannot start here: {why}")
         return CheckpointSupport(
             True, "simulated", f"simulated suspend: kernels' scripted usage is parked in {self.usage_dir}"
         )
@@ -151,6 +160,9 @@ class SimulatedCheckpointer(Checkpointer):
         self._require_dir(pid, "suspend")
         if not _alive(pid):
             raise gone_error(pid, "suspend")
+        why = self._driver_cannot_start(self._gpus_of(pid))
+        if why:
+            raise CheckpointError(f"could not suspend process {pid}: the CUDA driver cannot start in this process: {why}; it keeps running", state="running")
         paths = self._paths(pid)
         with _file_lock(paths["lock"], timeout) as locked:  # per pid, across threads and processes
             if not locked:
@@ -207,6 +219,12 @@ class SimulatedCheckpointer(Checkpointer):
             if mapping and self.backend is not None:
                 mapping = complete_mapping(mapping, [d.uuid for d in self.backend.devices()])
             self._check_targets(pid, parked, in_process, mapping)
+            why = self._driver_cannot_start([mapping.get(u, u) for u in self._gpus_of(pid)])
+            if why:
+                raise CheckpointError(
+                    f"could not resume process {pid}: the CUDA driver cannot start in this process: {why}; it stays suspended",
+                    state="suspended",
+                )
             fault = self._take_fault("resume")
             if fault is not None:
                 if fault["state"] == "failed":
@@ -248,6 +266,49 @@ class SimulatedCheckpointer(Checkpointer):
         if marker is None:
             return "running"
         return "failed" if marker.get("state") == "failed" else "suspended"
+
+    # --- the driver's start, played on a node folder -------------------------------------------
+    def _all_gpus(self) -> list[str]:
+        return [d.uuid for d in self.backend.devices()] if self.backend is not None else []
+
+    def _gpus_of(self, pid: int) -> list[str]:
+        """The GPUs process ``pid`` works on now (its ``CUDA_VISIBLE_DEVICES`` through any move);
+        every GPU of the pool where its environment cannot be read."""
+        try:
+            environ = psutil.Process(pid).environ()
+        except psutil.Error:
+            return self._all_gpus()
+        found = [u for u in devices_now(self.usage_dir or "", pid, environ) if u.startswith("GPU-")]
+        return found or self._all_gpus()
+
+    def _driver_cannot_start(self, uuids: list[str], every: bool = False) -> str:
+        """On a pool with a simulated node folder (device control on a simulated pool), what a real
+        ``cuInit`` and checkpoint call meet: each GPU worked on must open in this process (``ENXIO``,
+        no driver behind the node, is an open that got through; ``EPERM`` is device control's
+        deny). ``""`` when they open, else one line why not. ``every``: fail only when every one
+        refuses (``cuInit`` needs one GPU)."""
+        node_dir = getattr(self.backend, "node_dir", None)
+        if not node_dir or not uuids:
+            return ""
+        minors = {d.uuid: d.minor for d in self.backend.devices()}
+        refused = []
+        for uuid in dict.fromkeys(uuids):
+            minor = minors.get(uuid)
+            if minor is None:
+                continue
+            path = os.path.join(node_dir, f"nvidia{minor}")
+            try:
+                os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+            except PermissionError:
+                refused.append(path)
+                continue
+            except OSError:
+                pass  # ENXIO: the open got through (no driver behind a simulated node)
+            if every:
+                return ""
+        if not refused:
+            return ""
+        return f"no CUDA device visible to this process ({', '.join(refused)}: EPERM, denied by device control)"
 
     # --- helpers -------------------------------------------------------------------------------
     def _forget(self, pid: int) -> None:
@@ -477,6 +538,9 @@ class CudaCheckpointer(Checkpointer):
         self._initialized = False
         self._parked: dict[int, dict[str, int]] = {}  # pid -> bytes per device uuid at suspend
         self._lock = threading.Lock()
+        #: Probe without ``cuInit`` (a process device control denies every GPU node finds no device):
+        #: each operation then runs in a worker inside its kernel's GPU access (:mod:`.checkpoint_worker`).
+        self.defer_driver_start = False
 
     # --- probing ---------------------------------------------------------------------------------
     def _nvml(self) -> Any:
@@ -542,7 +606,8 @@ class CudaCheckpointer(Checkpointer):
                 False, "cuda", f"cuda.core.checkpoint cannot be imported ({_first_line(exc)}); reinstall with {CUDA_EXTRA_HINT}", driver
             )
         try:
-            self._init_driver()
+            if not self.defer_driver_start:
+                self._init_driver()
         except Exception as exc:  # noqa: BLE001
             return CheckpointSupport(False, "cuda", f"the CUDA driver cannot start here: {_first_line(exc)}", driver)
         try:

@@ -19,6 +19,7 @@ from jupyter_gpupool.backends.remote import BrokerGpus
 from jupyter_gpupool.core.elastic import size_generation
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, Transition
 from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
+from jupyter_gpupool.devices.checkpoint_worker import WorkerCheckpointer
 from jupyter_gpupool.devices.parking import (
     DriverCheckpointPath,
     FrameworkPath,
@@ -29,7 +30,7 @@ from jupyter_gpupool.devices.parking import (
 )
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import GpuPoolError
-from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner
+from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner, device_control_runs
 from jupyter_gpupool.quiet import quiet_request
 from jupyter_gpupool.units import format_size
 
@@ -152,12 +153,17 @@ class TransitionDriver:
         """This host's way to park and restore a kernel's GPU memory (see devices/checkpoint.py).
 
         The server checkpoints its own kernels, whoever keeps the books: with a broker, the kind of
-        GPUs is the broker's (NVML: this host's driver; simulated: files beside the server)."""
+        GPUs is the broker's (NVML: this host's driver; simulated: files beside the server). Where
+        the broker's device control denies this server every GPU node, each driver call runs in a
+        worker the broker places in the kernel's own GPU access (devices/checkpoint_worker.py)."""
         if self._checkpointer is None:
             backend = self.ext.pool.backend
             if getattr(backend, "name", "") == "remote":
                 backend = self._local_backend_like(backend)
-            self._checkpointer = checkpointer_for(backend)
+            checkpointer = checkpointer_for(backend)
+            if checkpointer.name in ("cuda", "simulated") and device_control_runs(self.ext.pool):
+                checkpointer = WorkerCheckpointer(checkpointer, self.ext.log)
+            self._checkpointer = checkpointer
         return self._checkpointer
 
     def _local_backend_like(self, remote: Any) -> Any:

@@ -1,0 +1,156 @@
+"""Under device control a kernel is suspended and resumed, not culled: the user's server, denied
+every GPU node, runs each driver checkpoint call in a worker the broker places in the kernel's own
+GPU access. A worker of another user naming that kernel's lease is never placed and fails.
+
+The simulated checkpointer plays the driver's rule on the node folder: the process that suspends or
+restores must open the kernel's GPU node (``ENXIO`` here: allowed; ``EPERM``: no CUDA device, as
+``cuInit`` finds in a denied process). Real broker, real server, real kernel, real cgroups (v2), a
+real Unix user; needs root (see ``tests/test_device_control_broker.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from broker_harness import BrokerProcess, JupyterServer, StandInHub
+from test_device_control import PATHS, UNIFIED, Host, _until, host  # noqa: F401 - host is a fixture
+from test_device_control_broker import call
+from test_ownership import ALICE, BOB, unix_users  # noqa: F401 - unix_users is a fixture
+
+from jupyter_gpupool.core.models import LeaseState, Transition
+from jupyter_gpupool.devices.simulated import NODE_DIR_ENV
+from jupyter_gpupool.enforcement.device_control import MODE_V2
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups, mknod and other users' processes need root")]
+
+# bob's process running the server's checkpoint worker: Python and the package load as root (the
+# test's Python may not be readable by bob), then it becomes bob and serves the request on stdin.
+AS_BOB = (
+    "import os, sys\n"
+    "from jupyter_gpupool.devices import checkpoint_worker, simulated  # noqa: F401\n"
+    "for d in sys.argv[3:]:\n    open(os.path.join(d, 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
+    "os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[1]))\n"
+    "sys.exit(checkpoint_worker.main())\n"
+)
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """Replaces pytest's own (private to root): other users' processes open the nodes in it."""
+    folder = Path(tempfile.mkdtemp(prefix="gpo-ckpt-worker-", dir="/tmp"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+def test_a_kernel_under_device_control_is_suspended_and_resumed_through_a_worker_in_its_gpu_access(
+    host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
+) -> None:
+    monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
+    hub = StandInHub().start()
+    alice = hub.add_user("tok-alice", ALICE)
+    config = (
+        f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\n"
+        f"c.DeviceControl.name = {host.tag!r}\nc.Broker.tick_interval = 600\nc.PoolPolicy.idle_policy = 'never'\n"
+    )
+    broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
+    server = None
+    try:
+        broker.start()
+        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()
+        server = JupyterServer(tmp_path, "alice", broker.url, alice)
+        for directory in host.spawner_dirs:  # the user's server in the users' cgroup, as a spawner puts it
+            Path(directory, "cgroup.procs").write_text(str(server.proc.pid))
+        kernel_id = server.call("POST", "api/kernels", {"name": "python3"}, timeout=60)["id"]
+        assert _until(lambda: (lease := broker.kernel_lease(kernel_id)) is not None and lease.state is LeaseState.GRANTED, 30)
+        assert server.run_code(kernel_id, "z = 5\nprint('set')").strip() == "set"
+        lease = broker.kernel_lease(kernel_id)
+        assert lease is not None and lease.suspendable, server.log_text()[-3000:]  # the server can checkpoint here
+
+        server.call("POST", f"api/gpupool/kernels/{kernel_id}/suspend", {})
+        assert _until(lambda: broker.kernel_lease(kernel_id).state is LeaseState.SUSPENDED, 30), server.log_text()[-3000:]  # type: ignore[union-attr]
+        assert "ran in checkpoint worker" in server.log_text() and "suspend of process" in server.log_text()
+
+        # Its next cell brings it back (restored by a worker too), with its state intact.
+        assert server.run_code(kernel_id, "print(z)", timeout=60).strip().splitlines()[-1] == "5"
+        back = broker.kernel_lease(kernel_id)
+        assert back is not None and back.state is LeaseState.GRANTED and back.transition is Transition.NONE, back
+        assert "resume of process" in server.log_text(), server.log_text()[-3000:]
+        assert "culled" not in server.log_text() and "suspend_failed" not in server.log_text()
+
+        # bob's process naming alice's kernel lease is never placed in its GPU access: it fails closed.
+        kernel_pid = int(server.run_code(kernel_id, "import os; print(os.getpid())").strip().splitlines()[-1])
+        request = {"op": "suspend", "pid": kernel_pid, "lease_id": back.id, "join_timeout": 3,
+                   "checkpointer": {"kind": "simulated", "usage_dir": str(tmp_path / "bob-usage"), "spec": "3x16GiB",
+                                    "node_dir": str(host.folder)}}
+        bob = pwd.getpwnam(BOB)
+        env = {**os.environ, "GPUPOOL_LEASE_ID": back.id, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        done = subprocess.run(
+            [sys.executable, "-c", AS_BOB, str(bob.pw_uid), str(bob.pw_gid), *host.spawner_dirs],
+            input=json.dumps(request), capture_output=True, text=True, env=env, timeout=60, check=False,
+        )
+        answer = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
+        assert "did not place the checkpoint worker" in answer.get("error", ""), (done.stdout, done.stderr, broker.log()[-2000:])
+        assert answer.get("state") == "running"
+        assert server.run_code(kernel_id, "print(z + 1)").strip().splitlines()[-1] == "6"  # untouched
+    finally:
+        if server is not None:
+            server.stop()
+        broker.stop()
+        hub.stop()
+
+
+@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+def test_a_kernel_under_device_control_is_moved_onto_another_gpu_through_a_worker(
+    host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
+) -> None:
+    """A move parks the kernel and restores it onto the GPU the pool chose (a restore with a GPU
+    mapping): both by workers in its GPU access, which a move opens to the GPUs it leaves and goes to."""
+    monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
+    hub = StandInHub().start()
+    alice, bob = hub.add_user("tok-alice", ALICE), hub.add_user("tok-bob", BOB)
+    config = (
+        f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\n"
+        f"c.DeviceControl.name = {host.tag!r}\nc.Broker.tick_interval = 600\nc.PoolPolicy.idle_policy = 'never'\n"
+        "c.PoolPolicy.preemption = False\nc.PoolPolicy.defragment_min_idle = 1\n"
+    )
+    broker = BrokerProcess(tmp_path, hub, simulate="2x16GiB", config=config)
+    server = None
+    try:
+        broker.start()
+        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()
+        server = JupyterServer(tmp_path, "alice", broker.url, alice)
+        for directory in host.spawner_dirs:
+            Path(directory, "cgroup.procs").write_text(str(server.proc.pid))
+        kernel_id = server.call("POST", "api/kernels", {"name": "python3"}, timeout=60)["id"]
+        assert _until(lambda: (lease := broker.kernel_lease(kernel_id)) is not None and lease.state is LeaseState.GRANTED, 30)
+        assert server.run_code(kernel_id, "z = 5\nprint('set')").strip() == "set"
+        home = broker.kernel_lease(kernel_id).devices  # type: ignore[union-attr]
+        beside = call(broker, "POST", "leases", bob, {"memory": "8GiB"})
+        other = call(broker, "POST", "leases", bob, {"memory": "8GiB"})
+        assert beside["devices"] == list(home) and other["devices"] != list(home), (beside, other)
+        call(broker, "POST", f"leases/{beside['id']}/release", bob, {})  # 8 GiB free beside the kernel, none on the other GPU
+        time.sleep(1.5)  # the kernel idles past defragment_min_idle
+        big = call(broker, "POST", "leases", bob, {"memory": "16GiB"})  # a whole GPU: only a move makes one
+        assert _until(lambda: call(broker, "GET", f"leases/{big['id']}", bob)["state"] == "granted", 30), server.log_text()[-3000:]
+        moved = broker.kernel_lease(kernel_id)
+        assert moved is not None and moved.devices != home and moved.transition is Transition.NONE, moved
+        log = server.log_text()
+        assert "suspend of process" in log and "resume of process" in log and "ran in checkpoint worker" in log, log[-3000:]
+        assert server.run_code(kernel_id, "print(z)").strip().splitlines()[-1] == "5"
+    finally:
+        if server is not None:
+            server.stop()
+        broker.stop()
+        hub.stop()
