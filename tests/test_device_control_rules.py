@@ -199,3 +199,16 @@ def test_device_join_runs_the_kernel_at_once_without_a_lease_and_refuses_bad_usa
     assert ran.returncode == 0 and ran.stdout == "kernel\n" and ran.stderr == ""
     bad = subprocess.run([*module, "--timeout", "soon", "--", "true"], check=False, env=env, capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and bad.stderr.startswith("usage:")
+
+
+def test_the_unpooled_pages_table_says_every_opt_out_route_is_denied_where_device_control_runs() -> None:
+    """docs/unpooled.md lists every way a kernel can start without asking the pool; where device
+    control runs each is denied (a kernel of one is a process outside any granted kernel:
+    tests/test_device_control_broker.py starts one through a kernelspec naming local-provisioner)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "unpooled.md").read_text()
+    header = "| how | who sets it | how an admin locks it | where [device control](device-control.md) runs |"
+    assert header in page
+    separator, *routes = page.split(header, 1)[1].split("\n\n", 1)[0].strip().splitlines()
+    assert separator.startswith("| --- |") and len(routes) >= 8 and all(row.startswith("| ") for row in routes)
+    said = [row.rstrip(" |").rsplit(" | ", 1)[1] for row in routes]
+    assert all(cell.startswith("denied") for cell in said), said
