@@ -238,3 +238,23 @@ def test_a_host_whose_cgroups_cannot_be_written_says_so_once_and_the_pool_runs_o
     assert service.apply_now() == {}
     lease = pool.request(req("alice", 8, kernel_id="k1"), now=T0)  # the pool runs on as before
     assert lease.state is LeaseState.GRANTED
+
+
+# --- 8. a restart after a crash: the grants as they are now ---------------------------------------------
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_a_restart_sets_each_adopted_kernels_rules_to_its_grant_now(host: Host) -> None:
+    """While the broker was down the pool moved one kernel and parked another: the restart's sweep
+    opens each what its lease holds now, no more, and leaves no cgroup of an ended lease."""
+    crashed = host.mechanism()
+    crashed.deny_users(host.user)
+    moved, parked, ended = start(host), start(host), start(host)
+    for key, probe, gpu in (("moved", moved, 0), ("parked", parked, 1), ("ended", ended, 0)):
+        crashed.grant(key, [probe.pid], [host.minors[gpu]])
+    ended.process.kill()
+    ended.process.wait()
+    restarted = host.mechanism()  # a new broker: it knows its cgroups by name only
+    done = restarted.sweep({"moved": frozenset({host.minors[1]}), "parked": frozenset()})
+    assert done == {"moved": "adopted", "parked": "adopted", "ended": "removed"}
+    assert [moved.ask(f"open {host.gpu(i)}") for i in range(2)] == ["EPERM", "ENXIO"]
+    assert [parked.ask(f"open {host.gpu(i)}") for i in range(2)] == ["EPERM"] * 2
+    assert sorted(restarted.kernels) == ["moved", "parked"]
