@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub
-from test_device_control import PATHS, UNIFIED, Host, _until, host  # noqa: F401 - host is a fixture
+from test_device_control import DEVICES, PATHS, UNIFIED, Host, _until, host  # noqa: F401 - host is a fixture
 from test_device_control_broker import call
 from test_ownership import ALICE, BOB, unix_users  # noqa: F401 - unix_users is a fixture
 
 from jupyter_gpupool.core.models import LeaseState, Transition
 from jupyter_gpupool.devices.simulated import NODE_DIR_ENV
-from jupyter_gpupool.enforcement.device_control import MODE_V2
+from jupyter_gpupool.enforcement.device_control import MODE_V1, MODE_V2
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups, mknod and other users' processes need root")]
 
@@ -53,7 +53,7 @@ def tmp_path() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.mark.parametrize("host", PATHS[:1], indirect=True)
+@pytest.mark.parametrize("host", PATHS, indirect=True)
 def test_a_kernel_under_device_control_is_suspended_and_resumed_through_a_worker_in_its_gpu_access(
     host: Host, tmp_path: Path, unix_users: dict[str, int], monkeypatch: pytest.MonkeyPatch  # noqa: F811 - fixtures
 ) -> None:
@@ -62,13 +62,15 @@ def test_a_kernel_under_device_control_is_suspended_and_resumed_through_a_worker
     alice = hub.add_user("tok-alice", ALICE)
     config = (
         f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\n"
-        f"c.DeviceControl.name = {host.tag!r}\nc.Broker.tick_interval = 600\nc.PoolPolicy.idle_policy = 'never'\n"
+        f"c.DeviceControl.name = {host.tag!r}\nc.DeviceControl.kernel_subtree = '{host.tag}/kernels'\n"
+        "c.Broker.tick_interval = 600\nc.PoolPolicy.idle_policy = 'never'\n"
     )
     broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
     server = None
+    mode, mount = (MODE_V2, UNIFIED) if host.path == "v2" else (MODE_V1, DEVICES)
     try:
         broker.start()
-        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()
+        assert _until(lambda: f"device control: {mode} on {mount} (c.DeviceControl.mode is '{host.path}'); GPU nodes" in broker.log(), 5), broker.log()
         server = JupyterServer(tmp_path, "alice", broker.url, alice)
         for directory in host.spawner_dirs:  # the user's server in the users' cgroup, as a spawner puts it
             Path(directory, "cgroup.procs").write_text(str(server.proc.pid))
@@ -154,3 +156,62 @@ def test_a_kernel_under_device_control_is_moved_onto_another_gpu_through_a_worke
             server.stop()
         broker.stop()
         hub.stop()
+
+
+# The worker's side on the CUDA path, in a process the test places as the broker would (a cgroup
+# named as a kernel's): a fake driver and NVML (tests/fake_cuda_checkpoint.py) play the GPU. Each
+# request builds its checkpointer anew, as each worker does; the suspend's bytes go back with the resume.
+CUDA_WORKER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import pytest
+from fake_cuda_checkpoint import FakeCudaDriver
+from fake_pynvml import FakeNvml
+from test_checkpoint_backend import give_cuda_version, two_h100s
+from jupyter_gpupool.devices import checkpoint_worker
+from jupyter_gpupool.devices.nvml import NvmlBackend
+kernel_pid, lease_id = int(sys.argv[2]), sys.argv[3]
+nvml = FakeNvml(two_h100s(), driver_version="580.65.06")
+give_cuda_version(nvml, 12090)
+nvml.install(pytest.MonkeyPatch())
+driver = FakeCudaDriver(nvml=nvml)
+driver.install(pytest.MonkeyPatch())
+gpus = [d.to_json() for d in NvmlBackend().devices()]
+driver.add_process(kernel_pid, {gpus[0]["uuid"]: 4 << 30})
+spec = {"kind": "cuda", "devices": gpus, "driver": "580.65.06", "cuda_api": 12090}
+base = {"pid": kernel_pid, "lease_id": lease_id, "join_timeout": 30, "checkpointer": spec}
+suspended = checkpoint_worker.serve({**base, "op": "suspend", "timeout": 5})
+state = checkpoint_worker.serve({**base, "op": "state"})
+moved = checkpoint_worker.serve({**base, "op": "resume", "gpu_mapping": {gpus[0]["uuid"]: gpus[1]["uuid"]},
+                                 "parked": suspended.get("parked")})
+print(json.dumps({"answers": [suspended, state, moved], "calls": [c[0] for c in driver.calls], "gpus": [g["uuid"] for g in gpus]}))
+"""
+
+
+@pytest.mark.skipif(UNIFIED is None, reason="no cgroup2 hierarchy mounted")
+def test_the_cuda_path_runs_each_call_in_the_worker_once_it_is_placed_and_carries_the_parked_bytes(tmp_path: Path) -> None:
+    lease_id = f"l-ckptw{os.getpid()}"
+    assert UNIFIED is not None
+    kernel_dir = Path(UNIFIED, f"gpo-ckptw{os.getpid()}-kernel-{lease_id}")
+    kernel_dir.mkdir()
+    kernel = subprocess.Popen(["sleep", "60"])  # the kernel's process, as the fake driver knows it
+    tests = str(Path(__file__).resolve().parent)
+    worker = subprocess.Popen([sys.executable, "-c", CUDA_WORKER, tests, str(kernel.pid), lease_id],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        (kernel_dir / "cgroup.procs").write_text(str(worker.pid))  # what the broker's pass does
+        out, err = worker.communicate(timeout=60)
+        seen = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+        assert seen, err
+        suspended, state, moved = seen["answers"]
+        assert suspended["value"] == 4 << 30 and suspended["parked"] == {seen["gpus"][0]: 4 << 30}, seen
+        assert state["value"] == "suspended" and "error" not in moved, seen
+        assert seen["calls"].count("cuInit") >= 1 and seen["calls"][-2:] == ["restore", "unlock"], seen
+    finally:
+        kernel.kill()
+        kernel.wait()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        _until(lambda: not (kernel_dir / "cgroup.procs").read_text().strip(), 5)
+        kernel_dir.rmdir()
