@@ -73,7 +73,7 @@ class GpuPoolBaseApp(JupyterApp):
                 return self._discovered_pool(found, env)
         # With GPUPOOL_URL set this is the broker (which decides who is admin); never a silent local pool.
         try:
-            return pool_from_env(config=self.config, environ=env)
+            return pool_from_env(config=self.config, environ=env, discover=False)  # looked for above
         except PoolUnavailable as err:
             if not self.discover_broker or any((env.get(v) or "").strip() for v in ("GPUPOOL_URL", "GPUPOOL_SIMULATE")):
                 raise

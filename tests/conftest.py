@@ -60,10 +60,23 @@ def gpupool_importable(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def broker_file_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+def broker_file_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Brokers started by tests record themselves in a temporary file, never in /etc/jupyter (even
     where the shell running the tests names another file)."""
-    os.environ["GPUPOOL_BROKER_FILE"] = str(tmp_path_factory.mktemp("discovery") / "gpupool-broker.json")
+    folder = tmp_path_factory.mktemp("discovery")
+    os.environ["GPUPOOL_BROKER_FILE"] = str(folder / "gpupool-broker.json")
+    return folder
+
+
+_tests_seen = iter(range(1, 1 << 62))
+
+
+@pytest.fixture(autouse=True)
+def broker_file_of_this_test(broker_file_in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test has a discovery file of its own, absent until a broker of that test writes it: servers,
+    kernels and commands that choose no pool follow this host's discovery file, and one a broker of an
+    earlier test left behind must not make them use that (long stopped) broker."""
+    monkeypatch.setenv("GPUPOOL_BROKER_FILE", str(broker_file_in_tmp / f"test-{next(_tests_seen)}" / "gpupool-broker.json"))
 
 
 @pytest.fixture(scope="session", autouse=True)

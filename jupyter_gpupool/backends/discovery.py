@@ -6,8 +6,11 @@ A broker writes a small JSON file when it starts listening::
 
 to ``$GPUPOOL_BROKER_FILE`` if set, else ``/etc/jupyter/gpupool-broker.json`` (when it may
 write there, as a system service does), else ``{sys.prefix}/etc/jupyter/gpupool-broker.json``.
-``jupyter gpupool`` reads the same places (environment first, then system) when neither
-``GPUPOOL_URL`` nor ``GPUPOOL_DB`` / ``GPUPOOL_SIMULATE`` is set, and then talks to that broker.
+Every process that uses the pool reads the same places (environment first, then system) when none
+of :data:`EXPLICIT_VARS` is set, and then talks to that broker as if ``GPUPOOL_URL`` named it:
+``jupyter gpupool`` (application.py, apps/kernelspec.py), a server's pool and its provisioner's
+(:func:`~jupyter_gpupool.backends.factory.pool_from_env`), and a kernel's client
+(:func:`~jupyter_gpupool.kernel.client.connect`); the broker itself never does.
 The file stays when the broker stops: the host is still configured for it, and a command must
 say the broker is down rather than open a separate, empty pool. Delete it when the broker is
 gone for good. ``GPUPOOL_BROKER_FILE=none`` turns discovery (reading and writing) off.
@@ -235,10 +238,25 @@ def find_broker(
     return None
 
 
+def broker_pool(found: DiscoveredBroker, environ: Mapping[str, str] | None = None) -> Any:
+    """A :class:`~jupyter_gpupool.backends.remote.RemotePool` of the broker ``found`` names, as if
+    ``GPUPOOL_URL`` were set to its URL (the token and timeouts still come from ``environ``); while
+    it cannot be reached its message names the file it was found in."""
+    from jupyter_gpupool.backends.remote import RemotePool  # on first use: a kernel starts without it
+
+    env = os.environ if environ is None else environ
+    pool = RemotePool.from_env({**env, "GPUPOOL_URL": found.url})
+    pool.unreachable_hint = (
+        f"set GPUPOOL_URL to where it runs now, or delete {found.path} (this host's broker file) if the host no longer has one"
+    )
+    return pool
+
+
 __all__ = [
     "ENV_VAR",
     "FILE_NAME",
     "DiscoveredBroker",
+    "broker_pool",
     "candidate_paths",
     "distrust",
     "find_broker",

@@ -1,4 +1,5 @@
-"""Which pool backend this process uses: this host's GPUs (the default), a broker (``GPUPOOL_URL``) or Slurm.
+"""Which pool backend this process uses: this host's GPUs (the default), a broker (``GPUPOOL_URL``, else
+the one this host's discovery file names) or Slurm.
 
 ``c.GpuPool.backend = "slurm"`` (or ``GPUPOOL_BACKEND=slurm``) makes kernels run as Slurm jobs on
 GPU shards; see docs/hpc.md.
@@ -6,20 +7,36 @@ GPU shards; see docs/hpc.md.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from traitlets import Enum
 from traitlets.config import Configurable
 
 from jupyter_gpupool.backends.contract import PoolBackend
+from jupyter_gpupool.backends.discovery import broker_pool, find_broker
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.backends.slurm.pool import SlurmPool
 from jupyter_gpupool.errors import InvalidInput
 
 BACKENDS = ("local", "slurm")
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process meets it (a server retries its pool)."""
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    log.warning("%s", message)
 
 
 class GpuPool(Configurable):
@@ -61,17 +78,33 @@ def backend_provisioner(config: Any = None, environ: Mapping[str, str] | None = 
     return "gpupool-provisioner", "jupyter_gpupool.provisioner:GpuPoolProvisioner"
 
 
-def pool_from_env(config: Any = None, environ: Mapping[str, str] | None = None, check: bool = False) -> PoolBackend:
-    """:class:`RemotePool` when ``GPUPOOL_URL`` is set, else :meth:`Pool.from_env`. No fallback:
-    with ``GPUPOOL_URL`` set, an unreachable broker raises PoolUnavailable (at once with ``check``,
-    else on first use)."""
+def pool_from_env(
+    config: Any = None,
+    environ: Mapping[str, str] | None = None,
+    check: bool = False,
+    discover: bool = True,
+    on_ignored: Callable[[str], None] | None = None,
+) -> PoolBackend:
+    """:class:`RemotePool` when ``GPUPOOL_URL`` is set or (``discover``, and no ``GPUPOOL_*`` variable
+    chooses a pool) this host's discovery file names a broker, else :meth:`Pool.from_env`. No
+    fallback: with a broker chosen, an unreachable one raises PoolUnavailable (at once with
+    ``check``, else on first use); so does an unreadable discovery file."""
     env = os.environ if environ is None else environ
     if selected_backend(config, env) == "slurm":  # kernels as Slurm jobs (docs/hpc.md)
         return SlurmPool.from_env(config=config, environ=env)
-    if (env.get("GPUPOOL_URL") or "").strip():
-        remote = RemotePool.from_env(env)
+    # A host with a broker has one set of books: a process that chose no pool never opens a file beside it.
+    found = find_broker(env, on_ignored=on_ignored or warn_once) if discover else None
+    if found is not None or (env.get("GPUPOOL_URL") or "").strip():
+        remote: RemotePool = broker_pool(found, env) if found is not None else RemotePool.from_env(env)
         return remote.check() if check else remote
     return Pool.from_env(config=config, environ=dict(env))
 
 
-__all__ = ["BACKENDS", "GpuPool", "backend_provisioner", "pool_from_env", "selected_backend"]
+__all__ = [
+    "BACKENDS",
+    "GpuPool",
+    "backend_provisioner",
+    "pool_from_env",
+    "selected_backend",
+    "warn_once",
+]

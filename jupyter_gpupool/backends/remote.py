@@ -331,6 +331,9 @@ class RemotePool(GrantWaiting):
     #: Seconds a wait for a grant keeps retrying through an outage of the broker before it gives up
     #: (``GPUPOOL_RETRY_FOR``, e.g. ``15m``); a broker restarted by JupyterHub or systemd is back long before.
     outage_limit = 900.0
+    #: The way out an unreachable broker's message offers besides starting it (one that this host's
+    #: discovery file named says that file: see :func:`~jupyter_gpupool.backends.discovery.broker_pool`).
+    unreachable_hint = "or unset GPUPOOL_URL to use a pool of your own"
 
     def __init__(
         self, url: str, token: str | None = None, timeout: float = 30.0, clock: Callable[[], float] = time.time
@@ -460,7 +463,7 @@ class RemotePool(GrantWaiting):
             if not sent:
                 raise BrokerUnreachable(
                     f"the GPU pool broker at {self.url} is not reachable ({_reason(err)}); start the broker "
-                    "(or ask your admin), or unset GPUPOOL_URL to use a pool of your own",
+                    f"(or ask your admin), {self.unreachable_hint}",
                     request_sent=False,
                 ) from None
             raise BrokerUnreachable(

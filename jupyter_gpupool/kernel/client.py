@@ -4,7 +4,8 @@
 
 - :class:`InProcessPoolClient` (single-user mode, today): the pool engine in this process
   over the SQLite file ``GPUPOOL_DB``, the same file JupyterLab and nbconvert runs use.
-- :class:`HttpPoolClient` (multi-user hosts): the same logic over the broker at ``GPUPOOL_URL``,
+- :class:`HttpPoolClient` (multi-user hosts): the same logic over the broker at ``GPUPOOL_URL`` (or,
+  with no ``GPUPOOL_*`` variable choosing a pool, the one this host's discovery file names),
   through :class:`~jupyter_gpupool.backends.remote.RemotePool`; identity comes from the kernel's
   hub token (``JUPYTERHUB_API_TOKEN``, inherited from its single-user server) or its uid on the
   broker's socket.
@@ -19,6 +20,7 @@ import abc
 import getpass
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -470,13 +472,22 @@ class HttpPoolClient(InProcessPoolClient):
 
 
 def connect(env: MutableMapping[str, str] | None = None, caps: Any = None) -> PoolClient:
-    """The client for this kernel: the broker's when ``GPUPOOL_URL`` is set, else in-process."""
+    """The client for this kernel: the broker's when ``GPUPOOL_URL`` is set or, when no ``GPUPOOL_*``
+    variable chooses a pool, when this host's discovery file names one; else in-process.
+
+    Raises PoolUnavailable when the discovery file cannot be read; one that someone untrusted could
+    have written is skipped with one warning (see :mod:`jupyter_gpupool.backends.discovery`)."""
     source: MutableMapping[str, str] = os.environ if env is None else env
     if source.get("GPUPOOL_BACKEND", "").strip().lower() == "slurm":  # a kernel in its Slurm job
         from jupyter_gpupool.backends.slurm.pool import SlurmPool  # imported on first use, as Pool is
 
         return InProcessPoolClient(env=source, caps=caps, pool_factory=lambda: SlurmPool.from_env(environ=source))
-    url = source.get("GPUPOOL_URL", "").strip()
-    if not url:
+    if source.get("GPUPOOL_URL", "").strip():
+        return HttpPoolClient.from_env(source, caps=caps)
+    # Only the small discovery module here: the pool backends are imported on first use.
+    from jupyter_gpupool.backends.discovery import broker_pool, find_broker
+
+    found = find_broker(source, on_ignored=lambda why: print(f"gpupool: warning: {why}", file=sys.stderr))
+    if found is None:
         return InProcessPoolClient(env=source, caps=caps)
-    return HttpPoolClient.from_env(source, caps=caps)
+    return HttpPoolClient(env=source, pool_factory=lambda: broker_pool(found, source), caps=caps)
