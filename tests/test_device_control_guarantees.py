@@ -1,5 +1,5 @@
 """What device control promises beyond who opens which node, on both cgroup paths: a granted kernel
-stays under its spawner's memory limit; a pool's move opens the GPU it goes to and, once confirmed,
+stays under its spawner's memory and pids limits; a pool's move opens the GPU it goes to and, once confirmed,
 shuts the one it left, each within one decision; a descriptor opened before a release keeps working
 and its memory stays taken (only what the driver shows free is free); a host that cannot do it
 says so once and the pool runs on.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from pool_helpers import T0, make_pool, req
-from test_device_control import DEVICES, MEMORY, PATHS, UNIFIED, Host, Probe, made_host
+from test_device_control import DEVICES, MEMORY, PATHS, UNIFIED, Host, Probe, _remove_tree, made_host
 
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import LeaseState, Transition
@@ -34,6 +34,7 @@ from jupyter_gpupool.errors import RequestRefused
 from jupyter_gpupool.units import GIB
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups and mknod need root")
+PIDS = "/sys/fs/cgroup/pids" if os.path.isdir("/sys/fs/cgroup/pids/") else None
 
 # A kernel's process: opens a node, holds a descriptor and reads it, or fills memory, per line of stdin.
 PROBE = textwrap.dedent(
@@ -50,6 +51,11 @@ PROBE = textwrap.dedent(
                 held.append(os.open(words[1], os.O_RDONLY))
             elif words[0] == "read":
                 assert len(os.read(held[-1], 4)) == 4
+            elif words[0] == "fork":
+                child = os.fork()
+                if child == 0:
+                    os._exit(0)
+                os.waitpid(child, 0)
             elif words[0] == "fill":
                 block = bytearray(int(words[1]) << 20)
                 for at in range(0, len(block), 4096):
@@ -124,6 +130,36 @@ def test_a_granted_kernel_stays_under_its_spawners_memory_limit(host: Host) -> N
     assert kernel.ask("fill 16") == "OK"  # under the limit
     assert kernel.ask("fill 512") == ""  # over it: the spawner's limit stopped it
     assert kernel.process.wait(timeout=30) == -9
+
+
+def _limit_pids(on: Host, limit: int) -> tuple[str, ...]:
+    """Cap the number of processes of the cgroups a process of ``on`` is born in; the cgroups to add it to."""
+    if on.path == "v2" and UNIFIED is not None and "pids" in Path(UNIFIED, "cgroup.controllers").read_text().split():
+        spawner = on.spawner_dirs[0]
+        for directory in (os.path.dirname(os.path.dirname(spawner)), os.path.dirname(spawner)):
+            Path(directory, "cgroup.subtree_control").write_text("+pids")
+        Path(spawner, "pids.max").write_text(str(limit))
+        return ()
+    if PIDS is None:
+        pytest.skip("no pids controller on either hierarchy")
+    spawner = os.path.join(PIDS, on.tag, "spawner")
+    os.makedirs(spawner)
+    Path(spawner, "pids.max").write_text(str(limit))
+    return (spawner,)
+
+
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_a_granted_kernel_stays_under_its_spawners_pids_limit(host: Host) -> None:
+    control = host.mechanism()
+    control.deny_users(host.user)
+    try:
+        kernel = start(host, also=_limit_pids(host, 1))  # itself only
+        control.grant("lease-p", [kernel.pid], [host.minors[0]])
+        assert kernel.ask(f"open {host.gpu(0)}") == "ENXIO"  # in its kernel cgroup
+        assert kernel.ask("fork") == "EAGAIN"  # still its spawner's: a fork past the limit is refused
+    finally:
+        if PIDS is not None:
+            _remove_tree(os.path.join(PIDS, host.tag))
 
 
 # --- 5. a move, each step within one decision --------------------------------------------------------
