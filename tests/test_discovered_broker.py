@@ -255,3 +255,31 @@ def test_a_discovery_file_others_may_write_is_ignored_and_the_server_pools_on_it
         assert len(warnings) == 1 and str(discovery) in warnings[0] and "other users may write it" in warnings[0], warnings
     finally:
         server.stop()
+
+
+@pytest.mark.slow  # a broker process
+def test_a_kernel_that_leases_for_itself_leases_from_the_discovered_broker(
+    tmp_path: Path, broker: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that nbconvert or a kernel gateway started with the stock kernelspec (the hook's
+    :class:`AutoLease`), in a process that chose no pool: its lease is the broker's, and the
+    environment it hands to its cells names the broker."""
+    from jupyter_gpupool.kernel.autolease import AutoLease
+    from jupyter_gpupool.provisioner import kernel_provisioner
+
+    sock, discovery = broker
+    for name in CHOOSERS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPUPOOL_BROKER_FILE", str(discovery))
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(kernel_provisioner, "_pools", {})  # this process's pools, opened afresh
+    env = dict(os.environ)
+    auto = AutoLease(environ=env, kernel_id="k-self")
+    auto.start("a kernel of nbconvert")
+    try:
+        assert auto.cpu_only_reason is None and auto.lease_id, auto.lines
+        assert [lease.kernel_id for lease in leases_in(tmp_path / "broker.sqlite") if lease.live] == ["k-self"]
+        assert env["GPUPOOL_URL"] == f"unix://{sock}" and "GPUPOOL_DB" not in env
+        assert not (tmp_path / "data").exists(), "the kernel opened a pool file of its own beside the broker"
+    finally:
+        auto.release()
