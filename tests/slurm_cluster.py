@@ -313,7 +313,11 @@ class SlurmCluster:
         then until ``squeue`` lists none. Every wait is bounded by the cluster's MessageTimeout
         (:meth:`within`); past it a RuntimeError names the jobs left, with the daemons' logs."""
         self.wait_for_controller()
-        deadline = time.monotonic() + self.within(4)
+        self._cancel_jobs(self.within(4))
+
+    def _cancel_jobs(self, timeout: float) -> None:
+        """``scancel`` the listed jobs by id until ``squeue`` lists none, for at most ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         cancelled: set[str] = set()
         while True:
             left = self.jobs()
@@ -332,8 +336,10 @@ class SlurmCluster:
         what ``slurmstepd`` left), then the daemons (SIGTERM, then SIGKILL)."""
         ctld = self.processes.get("slurmctld")
         if ctld is not None and ctld.poll() is None:
-            with contextlib.suppress(RuntimeError):  # a controller that does not answer: SIGKILL below
-                self.cancel_all()
+            # Only a controller that answers scontrol ping is asked; what it leaves running is killed below.
+            with contextlib.suppress(RuntimeError):
+                if self.controller_up():
+                    self._cancel_jobs(self.within(2))
         for name in reversed(DAEMONS):
             proc = self.processes.get(name)
             if proc is None or proc.poll() is not None:
