@@ -12,6 +12,11 @@ Three checkpointers share one interface (:class:`Checkpointer`), picked by
   kernel's :func:`~jupyter_gpupool.devices.simulated.pretend_to_use` blocks until resumed.
 - :class:`NoCheckpointer` (anything else): says why suspending is not possible here.
 
+Under a broker's device control the user's server may open no GPU node, so it wraps the CUDA or
+simulated one in :class:`~.checkpoint_worker.WorkerCheckpointer`, which runs each call in a worker
+the broker places in the kernel's own GPU access. A simulated pool with a node folder plays that
+rule: its checkpointer opens the nodes of the GPUs it works on and fails on ``EPERM``.
+
 Every method blocks (the server calls them from a thread) and every failure is a
 :class:`CheckpointError` whose message is one line saying what happened and what to do. The
 interface, its error and :class:`NoCheckpointer` are in :mod:`.checkpoint_contract` (imported here).
