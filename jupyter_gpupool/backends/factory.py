@@ -46,7 +46,7 @@ class GpuPool(Configurable):
         ["", *BACKENDS],
         "",
         config=True,
-        help="Where kernels get their GPU slices: 'local' (this host's GPUs, or the broker at $GPUPOOL_URL) or 'slurm' "
+        help="Where kernels get their GPU slices: 'local' (this host's GPUs, or a broker: the one at $GPUPOOL_URL, else the one this host's trusted discovery file names) or 'slurm' "
         "(each kernel a Slurm job with a GRES shard/gpu request; c.SlurmPool.*). Empty: $GPUPOOL_BACKEND, else 'local'.",
     )
 
