@@ -20,7 +20,8 @@ import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub, wait_until
 from fake_pynvml import DENIED_ENV, GIB, FakeGpu, FakeNvml, FakeProcess
 
-from jupyter_gpupool.backends.remote import BrokerGpus, RemotePool
+from jupyter_gpupool.backends.broker_devices import BrokerGpus
+from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.devices.checkpoint import CudaCheckpointer, checkpointer_for
 from jupyter_gpupool.devices.nvml import NvmlBackend

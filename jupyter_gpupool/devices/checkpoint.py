@@ -529,7 +529,7 @@ class CudaCheckpointer(Checkpointer):
 
     ``backend`` is the :class:`~.nvml.NvmlBackend` (its NVML module gives the driver version, its
     ``process_usage`` the bytes a process holds, its ``devices`` the free memory of restore targets),
-    or, in a user's server under a broker, a :class:`~jupyter_gpupool.backends.remote.BrokerGpus`,
+    or, in a user's server under a broker, a :class:`~jupyter_gpupool.backends.broker_devices.BrokerGpus`,
     whose ``driver_versions()`` gives the versions instead of NVML in this process.
     """
 

@@ -14,7 +14,7 @@ What the pool gets from here:
   processes outside a granted kernel), NVML still counts that GPU but refuses its handle
   (``NVML_ERROR_NO_PERMISSION``): it is listed as not open to this process, said at debug level
   only, and skipped when reading memory per process. A user's process under a broker reads GPUs
-  through the broker instead (:class:`~jupyter_gpupool.backends.remote.BrokerGpus`).
+  through the broker instead (:class:`~jupyter_gpupool.backends.broker_devices.BrokerGpus`).
 
 The module imports ``pynvml`` when a backend is made, so tests can put a scripted fake
 (``tests/fake_pynvml.py``) into ``sys.modules`` and run these same code paths.

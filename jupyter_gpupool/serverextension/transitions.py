@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from jupyter_gpupool.backends.broker_devices import BrokerGpus
 from jupyter_gpupool.backends.contract import Capability, supports
-from jupyter_gpupool.backends.remote import BrokerGpus
 from jupyter_gpupool.core.elastic import size_generation
 from jupyter_gpupool.core.models import Activity, Lease, LeaseState, Transition
 from jupyter_gpupool.devices.checkpoint import CheckpointError, checkpointer_for
