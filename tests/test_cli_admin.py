@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.broker.auth import ADMIN_SCOPE
 from jupyter_gpupool.core.models import LeaseRequest
 from tests.broker_harness import BrokerHarness
+from tests.socket_broker import socket_broker
 
 GIB = 1024**3
 SELECTORS = ("GPUPOOL_URL", "GPUPOOL_DB", "GPUPOOL_SIMULATE", "GPUPOOL_TOKEN", "JUPYTERHUB_API_TOKEN")
@@ -63,32 +61,8 @@ def broker_process(tmp_path: Path):
     """`jupyter gpupool broker --socket` as systemd would run it, recording itself in a discovery file."""
     env = bare_env(tmp_path, GPUPOOL_SIMULATE="1x16GiB", GPUPOOL_DB=str(tmp_path / "broker.sqlite"))
     # Where every uid can reach it (pytest's tmp_path is root-only), as /run/jupyter-gpupool is.
-    run_dir = Path(tempfile.mkdtemp(prefix="gpupool-run-"))
-    run_dir.chmod(0o755)
-    sock = run_dir / "broker.sock"
-    log = open(tmp_path / "broker.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_gpupool.broker", f"--socket={sock}", "--hub=off"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    discovery = Path(env["GPUPOOL_BROKER_FILE"])
-    deadline = time.monotonic() + 60
-    while not (discovery.exists() and sock.exists()):
-        assert proc.poll() is None, (tmp_path / "broker.log").read_text()
-        assert time.monotonic() < deadline, (tmp_path / "broker.log").read_text()
-        time.sleep(0.1)
-    yield proc, sock, discovery
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    log.close()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    with socket_broker(env, tmp_path / "broker.log", open_to_all=True) as (proc, sock):
+        yield proc, sock, Path(env["GPUPOOL_BROKER_FILE"])
 
 
 def lease_as_nobody(sock: Path, memory: int) -> tuple[str, int]:

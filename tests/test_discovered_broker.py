@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import sqlite3
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +23,7 @@ import pytest
 from broker_harness import JupyterServer, wait_until
 from fake_pynvml import FakeGpu, FakeNvml
 from server_process import Server
+from socket_broker import socket_broker
 
 from jupyter_gpupool.backends.factory import pool_from_env
 from jupyter_gpupool.backends.local.pool import Pool
@@ -64,25 +60,8 @@ def broker(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     in a discovery file; (its socket, the discovery file)."""
     discovery = tmp_path / "etc" / "gpupool-broker.json"
     env = bare(discovery, GPUPOOL_SIMULATE="2x16GiB", GPUPOOL_DB=str(tmp_path / "broker.sqlite"), GPUPOOL_DEFAULT_MEMORY="4GiB")
-    run_dir = Path(tempfile.mkdtemp(prefix="gpupool-run-"))  # a short path: a socket's is at most 107 bytes
-    sock = run_dir / "broker.sock"
-    log = open(tmp_path / "broker.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "jupyter_gpupool.broker", f"--socket={sock}", "--hub=off"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        wait_until(lambda: proc.poll() is not None or (discovery.exists() and sock.exists()), 60, "the broker to listen")
-        assert proc.poll() is None, (tmp_path / "broker.log").read_text()
+    with socket_broker(env, tmp_path / "broker.log") as (_proc, sock):
         yield sock, discovery
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def leases_in(db: Path) -> list[Lease]:
