@@ -23,6 +23,41 @@ def emit(expr: str) -> str:
     return f"print({MARKER!r} + __import__('json').dumps({expr}))"
 
 
+def seeded_tensors(gib: float, seed: int) -> str:
+    """PyTorch kernel code: ``_gc_x``, ``gib`` GiB of int32 tensors drawn on the GPU from ``seed``
+    (1 GiB each, the last smaller), ``_gc_total`` elements in all."""
+    return f"""import time, torch
+_gc_gen = torch.Generator(device="cuda").manual_seed({seed})
+_gc_total = int({gib} * 2**30) // 4
+_gc_x = [torch.randint(0, 2**31 - 1, (min(2**28, _gc_total - i),), dtype=torch.int32, device="cuda", generator=_gc_gen)
+         for i in range(0, _gc_total, 2**28)]
+"""
+
+
+# PyTorch kernel code: the pinned host link as the kernel sees it, in bytes a second each way
+# (``_h2d``, ``_d2h``): a 1 GiB buffer copied 4 times, then freed with no pinned host blocks held
+# (none is carried across a checkpoint).
+PINNED_LINK_SPEED = """_gc_h = torch.empty(2**30, dtype=torch.uint8).pin_memory(); _gc_d = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+_gc_d.copy_(_gc_h); torch.cuda.synchronize()
+_t = time.perf_counter(); [_gc_d.copy_(_gc_h, non_blocking=True) for _ in range(4)]; torch.cuda.synchronize(); _h2d = 4 * 2**30 / (time.perf_counter() - _t)
+_t = time.perf_counter(); [_gc_h.copy_(_gc_d, non_blocking=True) for _ in range(4)]; torch.cuda.synchronize(); _d2h = 4 * 2**30 / (time.perf_counter() - _t)
+del _gc_d, _gc_h; torch.cuda.empty_cache()
+getattr(torch._C, "_host_emptyCache", lambda: None)()
+"""
+
+
+def regenerated_identical(seed: int) -> str:
+    """PyTorch kernel code: ``_gc_identical``, whether every tensor of :func:`seeded_tensors` is bit
+    for bit the one ``seed`` draws again (one at a time, so never a second copy of them all)."""
+    return f"""_gc_ref_gen = torch.Generator(device="cuda").manual_seed({seed})
+_gc_identical = True
+for _gc_i, _gc_t in zip(range(0, _gc_total, 2**28), _gc_x):
+    _gc_ref = torch.randint(0, 2**31 - 1, (min(2**28, _gc_total - _gc_i),), dtype=torch.int32, device="cuda", generator=_gc_ref_gen)
+    _gc_identical = _gc_identical and bool(torch.equal(_gc_ref, _gc_t))
+    del _gc_ref
+"""
+
+
 # Per framework: set-up code that defines _gc_alloc(nbytes) (keeps what it allocates in _gc_hold;
 # 4-byte elements, so no array needs 64-bit indexing)
 # and _gc_info() (a dict of what the framework sees), and proves the framework sees a GPU.

@@ -21,32 +21,31 @@ from ..harness import HarnessError, KernelSession
 from ..probe import Probe, first, need_checkpoint_api, need_framework, need_gpu, need_provisioner, need_server
 from ..report import Result
 from . import CheckSpec, Context, Options
-from .common import GIB, emit, nvml_process_memory, poll_until, slice_server
+from .common import (
+    GIB,
+    PINNED_LINK_SPEED,
+    emit,
+    nvml_process_memory,
+    poll_until,
+    regenerated_identical,
+    seeded_tensors,
+    slice_server,
+)
 
 OVERHEAD_S = 1.0  # what the next cell may take besides the copy
 HEADROOM = 4 * GIB  # the slice: the tensors plus this (the context, the pinned-copy buffer)
 SUSPEND_TIMEOUT_S = 60.0  # for the lease to say suspended (the first fast park pins its backup)
 FREED_TIMEOUT_S = 10.0  # then for NVML to show the kernel's memory gone
 NEXT_CELL_TIMEOUT_S = 30.0  # for the next cell to end (its output is due within seconds)
+SEED = 4321  # the tensors' (drawn again to compare them)
 
 
 def fill_cell(gib: float) -> str:
     """``gib`` GiB of seeded int32 tensors (1 GiB each, the last smaller) and their int64 sum; then
     the pinned host link as the kernel sees it (a 1 GiB buffer each way, freed again)."""
     return f"""
-import time, torch
-_gc_gen = torch.Generator(device="cuda").manual_seed(4321)
-_gc_total = int({gib} * 2**30) // 4
-_gc_x = [torch.randint(0, 2**31 - 1, (min(2**28, _gc_total - i),), dtype=torch.int32, device="cuda", generator=_gc_gen)
-         for i in range(0, _gc_total, 2**28)]
-_gc_sum = sum(int(t.sum(dtype=torch.int64)) for t in _gc_x)
-_gc_h = torch.empty(2**30, dtype=torch.uint8).pin_memory(); _gc_d = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-_gc_d.copy_(_gc_h); torch.cuda.synchronize()
-_t = time.perf_counter(); [_gc_d.copy_(_gc_h, non_blocking=True) for _ in range(4)]; torch.cuda.synchronize(); _h2d = 4 * 2**30 / (time.perf_counter() - _t)
-_t = time.perf_counter(); [_gc_h.copy_(_gc_d, non_blocking=True) for _ in range(4)]; torch.cuda.synchronize(); _d2h = 4 * 2**30 / (time.perf_counter() - _t)
-del _gc_d, _gc_h; torch.cuda.empty_cache()
-getattr(torch._C, "_host_emptyCache", lambda: None)()
-{emit('{"sum": _gc_sum, "tensors": len(_gc_x), "h2d": _h2d, "d2h": _d2h, "reserved": int(torch.cuda.memory_reserved())}')}
+{seeded_tensors(gib, SEED)}_gc_sum = sum(int(t.sum(dtype=torch.int64)) for t in _gc_x)
+{PINNED_LINK_SPEED}{emit('{"sum": _gc_sum, "tensors": len(_gc_x), "h2d": _h2d, "d2h": _d2h, "reserved": int(torch.cuda.memory_reserved())}')}
 """
 
 
@@ -58,13 +57,7 @@ import sys; sys.stdout.flush()
 
 # Bit for bit: regenerate every tensor from its seed and compare exactly (not timed).
 VERIFY_CELL = f"""
-_gc_ref_gen = torch.Generator(device="cuda").manual_seed(4321)
-_gc_identical = True
-for _gc_i, _gc_t in zip(range(0, _gc_total, 2**28), _gc_x):
-    _gc_ref = torch.randint(0, 2**31 - 1, (min(2**28, _gc_total - _gc_i),), dtype=torch.int32, device="cuda", generator=_gc_ref_gen)
-    _gc_identical = _gc_identical and bool(torch.equal(_gc_ref, _gc_t))
-    del _gc_ref
-torch.cuda.empty_cache()
+{regenerated_identical(SEED)}torch.cuda.empty_cache()
 {emit('{"identical": bool(_gc_identical)}')}
 """
 

@@ -22,11 +22,22 @@ from ..probe import Probe, first, need_checkpoint_api, need_framework, need_gpu,
 from ..rawcuda import Driver
 from ..report import Result
 from . import CheckSpec, Context, Options
-from .common import GIB, emit, nvml_device_used, nvml_process_memory, poll_until, slice_server
+from .common import (
+    GIB,
+    PINNED_LINK_SPEED,
+    emit,
+    nvml_device_used,
+    nvml_process_memory,
+    poll_until,
+    regenerated_identical,
+    seeded_tensors,
+    slice_server,
+)
 
 HOST_LINK_BYTES_PER_S = 63e9  # PCIe Gen5 x16, one direction (DESIGN.md)
 FLOOR_S_PER_GIB = GIB / HOST_LINK_BYTES_PER_S
 LOCK_TIMEOUT_S = 60.0
+SEED = 1234  # the tensors' (drawn again to compare them)
 
 
 def requires(probe: Probe, options: Options) -> str | None:
@@ -39,22 +50,11 @@ def _fill(gib: float) -> str:
     """Fill N GiB with seeded int32 tensors of 1 GiB (the last one smaller); keep per-chunk int64
     sums and host copies of both ends, then measure the pinned host link as this process sees it."""
     return f"""
-import time, torch
-_gc_gen = torch.Generator(device="cuda").manual_seed(1234)
-_gc_total = int({gib} * 2**30) // 4
-_gc_x = [torch.randint(0, 2**31 - 1, (min(2**28, _gc_total - i),), dtype=torch.int32, device="cuda", generator=_gc_gen)
-         for i in range(0, _gc_total, 2**28)]
-def _gc_sums():
+{seeded_tensors(gib, SEED)}def _gc_sums():
     return [int(c.to(torch.int64).sum()) for t in _gc_x for c in t.split(1 << 26)]
 _gc_before = _gc_sums()
 _gc_head, _gc_tail = _gc_x[0][: 1 << 22].cpu(), _gc_x[-1][-(1 << 22):].cpu()
-_gc_h = torch.empty(2**30, dtype=torch.uint8).pin_memory(); _gc_d = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-_gc_d.copy_(_gc_h); torch.cuda.synchronize()
-_t = time.perf_counter(); [_gc_d.copy_(_gc_h, non_blocking=True) for _ in range(4)]; torch.cuda.synchronize(); _h2d = 4 * 2**30 / (time.perf_counter() - _t)
-_t = time.perf_counter(); [_gc_h.copy_(_gc_d, non_blocking=True) for _ in range(4)]; torch.cuda.synchronize(); _d2h = 4 * 2**30 / (time.perf_counter() - _t)
-del _gc_d, _gc_h; torch.cuda.empty_cache()
-getattr(torch._C, "_host_emptyCache", lambda: None)()  # no pinned host blocks held across the checkpoint
-{emit('{"elements": _gc_total, "tensors": len(_gc_x), "chunks": len(_gc_before), "h2d": _h2d, "d2h": _d2h, "reserved": int(torch.cuda.memory_reserved())}')}
+{PINNED_LINK_SPEED}{emit('{"elements": _gc_total, "tensors": len(_gc_x), "chunks": len(_gc_before), "h2d": _h2d, "d2h": _d2h, "reserved": int(torch.cuda.memory_reserved())}')}
 """
 
 
@@ -69,13 +69,7 @@ _gc_probe = int(_gc_x[0][:1024].to(torch.int64).sum())
 # Bit for bit: regenerate every tensor from the same seed, chunk by chunk, and compare exactly.
 VERIFY = f"""
 _gc_after = _gc_sums()
-_gc_ref_gen = torch.Generator(device="cuda").manual_seed(1234)
-_gc_identical = True
-for _gc_i, _gc_t in zip(range(0, _gc_total, 2**28), _gc_x):
-    _gc_ref = torch.randint(0, 2**31 - 1, (min(2**28, _gc_total - _gc_i),), dtype=torch.int32, device="cuda", generator=_gc_ref_gen)
-    _gc_identical = _gc_identical and bool(torch.equal(_gc_ref, _gc_t))
-    del _gc_ref
-torch.cuda.empty_cache()
+{regenerated_identical(SEED)}torch.cuda.empty_cache()
 _gc_ok = _gc_identical and _gc_after == _gc_before and torch.equal(_gc_x[0][: 1 << 22].cpu(), _gc_head) and torch.equal(_gc_x[-1][-(1 << 22):].cpu(), _gc_tail)
 {emit('{"intact": bool(_gc_ok), "bit_identical": bool(_gc_identical), "chunks": len(_gc_after)}')}
 """
