@@ -13,23 +13,19 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub
-from test_device_control import DEVICES, PATHS, UNIFIED, Host, _until, host  # noqa: F401 - host is a fixture
-from test_device_control_broker import call
+from test_device_control import PATHS, UNIFIED, Host, _until, host  # noqa: F401 - host is a fixture
+from test_device_control_broker import broker_config, call, started_line, tmp_path, users_server  # noqa: F401 - tmp_path is a fixture
 from test_ownership import ALICE, BOB, unix_users  # noqa: F401 - unix_users is a fixture
 
 from jupyter_gpupool.core.models import LeaseState, Transition
 from jupyter_gpupool.devices.simulated import NODE_DIR_ENV
-from jupyter_gpupool.enforcement.device_control import MODE_V1, MODE_V2
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups, mknod and other users' processes need root")]
 
@@ -43,14 +39,16 @@ AS_BOB = (
     "sys.exit(checkpoint_worker.main())\n"
 )
 
+# The broker keeps every kernel as it is until the test suspends or moves it: no tick, no culling.
+STILL = "c.Broker.tick_interval = 600\nc.PoolPolicy.idle_policy = 'never'\n"
 
-@pytest.fixture
-def tmp_path() -> Iterator[Path]:
-    """Replaces pytest's own (private to root): other users' processes open the nodes in it."""
-    folder = Path(tempfile.mkdtemp(prefix="gpo-ckpt-worker-", dir="/tmp"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+
+def granted_kernel(broker: BrokerProcess, server: JupyterServer) -> str:
+    """A Python kernel of ``server``, its lease granted, with ``z = 5`` set in it: its id."""
+    kernel_id = server.call("POST", "api/kernels", {"name": "python3"}, timeout=60)["id"]
+    assert _until(lambda: (lease := broker.kernel_lease(kernel_id)) is not None and lease.state is LeaseState.GRANTED, 30)
+    assert server.run_code(kernel_id, "z = 5\nprint('set')").strip() == "set"
+    return kernel_id
 
 
 @pytest.mark.parametrize("host", PATHS, indirect=True)
@@ -60,23 +58,13 @@ def test_a_kernel_under_device_control_is_suspended_and_resumed_through_a_worker
     monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
     hub = StandInHub().start()
     alice = hub.add_user("tok-alice", ALICE)
-    config = (
-        f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\n"
-        f"c.DeviceControl.name = {host.tag!r}\nc.DeviceControl.kernel_subtree = '{host.tag}/kernels'\n"
-        "c.Broker.tick_interval = 600\nc.PoolPolicy.idle_policy = 'never'\n"
-    )
-    broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
+    broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=broker_config(host, STILL))
     server = None
-    mode, mount = (MODE_V2, UNIFIED) if host.path == "v2" else (MODE_V1, DEVICES)
     try:
         broker.start()
-        assert _until(lambda: f"device control: {mode} on {mount} (c.DeviceControl.mode is '{host.path}'); GPU nodes" in broker.log(), 5), broker.log()
-        server = JupyterServer(tmp_path, "alice", broker.url, alice)
-        for directory in host.spawner_dirs:  # the user's server in the users' cgroup, as a spawner puts it
-            Path(directory, "cgroup.procs").write_text(str(server.proc.pid))
-        kernel_id = server.call("POST", "api/kernels", {"name": "python3"}, timeout=60)["id"]
-        assert _until(lambda: (lease := broker.kernel_lease(kernel_id)) is not None and lease.state is LeaseState.GRANTED, 30)
-        assert server.run_code(kernel_id, "z = 5\nprint('set')").strip() == "set"
+        assert _until(lambda: started_line(host) in broker.log(), 5), broker.log()
+        server = users_server(tmp_path, broker, alice, host)
+        kernel_id = granted_kernel(broker, server)
         lease = broker.kernel_lease(kernel_id)
         assert lease is not None and lease.suspendable, server.log_text()[-3000:]  # the server can checkpoint here
 
@@ -122,22 +110,14 @@ def test_a_kernel_under_device_control_is_moved_onto_another_gpu_through_a_worke
     monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
     hub = StandInHub().start()
     alice, bob = hub.add_user("tok-alice", ALICE), hub.add_user("tok-bob", BOB)
-    config = (
-        f"c.DeviceControl.mode = {host.path!r}\nc.DeviceControl.user_cgroups = [{host.user!r}]\n"
-        f"c.DeviceControl.name = {host.tag!r}\nc.Broker.tick_interval = 600\nc.PoolPolicy.idle_policy = 'never'\n"
-        "c.PoolPolicy.preemption = False\nc.PoolPolicy.defragment_min_idle = 1\n"
-    )
+    config = broker_config(host, STILL + "c.PoolPolicy.preemption = False\nc.PoolPolicy.defragment_min_idle = 1\n")
     broker = BrokerProcess(tmp_path, hub, simulate="2x16GiB", config=config)
     server = None
     try:
         broker.start()
-        assert _until(lambda: f"device control: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'); GPU nodes" in broker.log(), 5), broker.log()
-        server = JupyterServer(tmp_path, "alice", broker.url, alice)
-        for directory in host.spawner_dirs:
-            Path(directory, "cgroup.procs").write_text(str(server.proc.pid))
-        kernel_id = server.call("POST", "api/kernels", {"name": "python3"}, timeout=60)["id"]
-        assert _until(lambda: (lease := broker.kernel_lease(kernel_id)) is not None and lease.state is LeaseState.GRANTED, 30)
-        assert server.run_code(kernel_id, "z = 5\nprint('set')").strip() == "set"
+        assert _until(lambda: started_line(host) in broker.log(), 5), broker.log()
+        server = users_server(tmp_path, broker, alice, host)
+        kernel_id = granted_kernel(broker, server)
         home = broker.kernel_lease(kernel_id).devices  # type: ignore[union-attr]
         beside = call(broker, "POST", "leases", bob, {"memory": "8GiB"})
         other = call(broker, "POST", "leases", bob, {"memory": "8GiB"})
@@ -189,7 +169,7 @@ print(json.dumps({"answers": [suspended, state, moved], "calls": [c[0] for c in 
 
 
 @pytest.mark.skipif(UNIFIED is None, reason="no cgroup2 hierarchy mounted")
-def test_the_cuda_path_runs_each_call_in_the_worker_once_it_is_placed_and_carries_the_parked_bytes(tmp_path: Path) -> None:
+def test_the_cuda_path_runs_each_call_in_the_worker_once_it_is_placed_and_carries_the_parked_bytes(tmp_path: Path) -> None:  # noqa: F811 - a fixture
     lease_id = f"l-ckptw{os.getpid()}"
     assert UNIFIED is not None
     kernel_dir = Path(UNIFIED, f"gpo-ckptw{os.getpid()}-kernel-{lease_id}")

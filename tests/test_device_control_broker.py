@@ -74,18 +74,26 @@ def call(broker: BrokerProcess, method: str, path: str, token: str, body: Any = 
         return json.loads(answer.read() or b"null")
 
 
-def broker_config(on: Host) -> str:
-    """A broker's device control on ``on``'s path and cgroups, named after this run."""
+def broker_config(on: Host, extra: str = "") -> str:
+    """A broker's device control on ``on``'s path and cgroups, named after this run; then ``extra``."""
     return (
         f"c.DeviceControl.mode = {on.path!r}\nc.DeviceControl.user_cgroups = [{on.user!r}]\n"
         f"c.DeviceControl.name = {on.tag!r}\nc.DeviceControl.kernel_subtree = '{on.tag}/kernels'\n"
-    )
+    ) + extra
 
 
 def started_line(on: Host) -> str:
     """The start of the broker's one line saying device control runs on ``on``'s path."""
     mode, mount = (MODE_V2, UNIFIED) if on.path == "v2" else (MODE_V1, DEVICES)
     return f"device control: {mode} on {mount} (c.DeviceControl.mode is '{on.path}'); GPU nodes"
+
+
+def users_server(tmp_path: Path, broker: BrokerProcess, token: str, on: Host) -> JupyterServer:
+    """alice's Jupyter server on ``broker``, in the users' cgroup as a spawner puts it."""
+    server = JupyterServer(tmp_path, "alice", broker.url, token)
+    for directory in on.spawner_dirs:
+        Path(directory, "cgroup.procs").write_text(str(server.proc.pid))
+    return server
 
 
 def kernel_cgroups(on: Host) -> list[str]:
@@ -103,12 +111,7 @@ def test_the_broker_denies_every_gpu_but_a_granted_kernels_and_a_killed_broker_l
     monkeypatch.setenv(NODE_DIR_ENV, str(host.folder))
     hub = StandInHub().start()
     alice, prof = hub.add_user("tok-alice", ALICE), hub.add_user("tok-prof", PROF, admin=True)
-    config = (
-        f"c.DeviceControl.mode = {host.path!r}\n"
-        f"c.DeviceControl.user_cgroups = [{host.user!r}]\n"
-        f"c.DeviceControl.name = {host.tag!r}\n"
-        f"c.DeviceControl.kernel_subtree = '{host.tag}/kernels'\n"
-    )
+    config = broker_config(host)
     broker = BrokerProcess(tmp_path, hub, simulate="3x16GiB", config=config)
     uuids = [d.uuid for d in SimulatedBackend(parse_inventory("3x16GiB"), spec="3x16GiB").devices()]
     try:
@@ -321,9 +324,7 @@ def test_a_kernel_a_server_starts_under_device_control_opens_its_gpu_from_its_fi
         argv = [sys.executable, "-c", starts, "-f", "{connection_file}"]
         (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "first open", "language": "python"}))
         monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share"))
-        server = JupyterServer(tmp_path, "alice", broker.url, alice)
-        for directory in host.spawner_dirs:  # the user's server in the users' cgroup, as a spawner puts it
-            Path(directory, "cgroup.procs").write_text(str(server.proc.pid))
+        server = users_server(tmp_path, broker, alice, host)
         kernel_id = server.call("POST", "api/kernels", {"name": "first-open"}, timeout=60)["id"]
         lease = broker.kernel_lease(kernel_id)
         assert lease is not None and lease.live
