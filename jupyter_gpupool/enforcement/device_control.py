@@ -614,11 +614,8 @@ def choose_path(requested: str, unified: str | None, devices: str | None, refuse
 def program_refused(unified: str, name: str) -> str | None:
     """Why a device program cannot be attached on the cgroup2 hierarchy at ``unified`` (a cgroup
     made, an allow-all program attached with ``BPF_F_ALLOW_OVERRIDE`` and removed), or None."""
-    directory = os.path.join(unified, f"{name}-probe-{os.getpid()}")
     try:
-        os.mkdir(directory)
-    except FileExistsError:
-        pass
+        directory = _probe_cgroup(unified, name)
     except OSError as exc:
         return f"cannot make a cgroup there: {exc.strerror}"
     try:
@@ -632,13 +629,19 @@ def program_refused(unified: str, name: str) -> str | None:
     return None
 
 
+def _probe_cgroup(mount: str, name: str) -> str:
+    """Make this process's probe cgroup under ``mount`` (one already there is taken as it is): its
+    path. Raises OSError when this host does not let us."""
+    directory = os.path.join(mount, f"{name}-probe-{os.getpid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory)
+    return directory
+
+
 def _probe(mount: str, name: str) -> None:
     """Make and remove a cgroup under ``mount``: raises when this host does not let us."""
-    directory = os.path.join(mount, f"{name}-probe-{os.getpid()}")
     try:
-        os.mkdir(directory)
-    except FileExistsError:
-        pass
+        directory = _probe_cgroup(mount, name)
     except OSError as exc:
         raise DeviceControlError(exc.errno or errno.EACCES, f"cannot make a cgroup under {mount} ({exc.strerror})") from None
     os.rmdir(directory)
