@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -199,18 +200,8 @@ class SlurmCluster:
         reap_stale_clusters()
         self._write_config()
         (self.root / "owner.pid").write_text(str(os.getpid()))
-        r = self.root
         try:
-            self._spawn(
-                "munged",
-                [
-                    _tool("munged"), "--foreground", "--force",
-                    f"--socket={self.munge_socket}", f"--key-file={self.etc / 'munge.key'}",
-                    f"--pid-file={r / 'munge' / 'munged.pid'}", f"--log-file={r / 'log' / 'munged.log'}",
-                    f"--seed-file={r / 'munge' / 'munged.seed'}",
-                ],
-            )  # fmt: skip
-            self._wait_for(lambda: self.munge_socket.exists(), "munged to open its socket", 10)
+            self.start_munged()
             self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-i", "-f", str(self.conf)])
             self._spawn("slurmd", [_tool("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
             self.wait_for_controller(timeout)
@@ -219,6 +210,20 @@ class SlurmCluster:
             self.stop()
             raise
         return self
+
+    def start_munged(self) -> None:
+        """Start this cluster's ``munged`` (its own socket and key under :attr:`root`)."""
+        r = self.root
+        self._spawn(
+            "munged",
+            [
+                _tool("munged"), "--foreground", "--force",
+                f"--socket={self.munge_socket}", f"--key-file={self.etc / 'munge.key'}",
+                f"--pid-file={r / 'munge' / 'munged.pid'}", f"--log-file={r / 'log' / 'munged.log'}",
+                f"--seed-file={r / 'munge' / 'munged.seed'}",
+            ],
+        )  # fmt: skip
+        self._wait_for(lambda: self.munge_socket.exists(), "munged to open its socket", 10)
 
     def stop_controller(self) -> None:
         """Stop slurmctld only (an outage): jobs keep running on the node. It saves its state
@@ -388,9 +393,15 @@ class SlurmCluster:
         return alive + [f"slurmstepd {pid}" for pid in self._stepd_pids()]
 
 
+#: A cluster's folder where a word names it: an absolute path (after ``--socket=`` or alone) to a
+#: ``gpupool-slurm-*`` folder.
+_CLUSTER_FOLDER = re.compile(r"(/[^\s=:]*?/gpupool-slurm-[^/\s]+)")
+
+
 def _cluster_root(proc: object) -> Path | None:
     """The ``gpupool-slurm-*`` folder a daemon or slurmstepd belongs to: named in its command line
-    or ``SLURM_CONF``, or among its open files."""
+    (``munged --socket=FOLDER/munge/…``, ``slurmctld -f FOLDER/etc/slurm.conf``) or ``SLURM_CONF``,
+    or among its open files."""
     import psutil
 
     words: list[str] = []
@@ -399,15 +410,31 @@ def _cluster_root(proc: object) -> Path | None:
         words.append(proc.environ().get("SLURM_CONF", ""))  # type: ignore[attr-defined]
         words += [f.path for f in proc.open_files()]  # type: ignore[attr-defined]
     for word in words:
-        marker = word.find("/gpupool-slurm-")
-        if marker >= 0:
-            return Path(word[:marker]) / word[marker + 1 :].split("/")[0]
+        found = _CLUSTER_FOLDER.search(word)
+        if found:
+            return Path(found.group(1))
     return None
+
+
+def is_stale(root: Path) -> bool:
+    """Whether a cluster's daemons may be killed: its folder is gone, or ``owner.pid`` names a
+    process no longer running. A folder whose owner cannot be read is left alone (another run may
+    be writing it): only a cluster known to be orphaned is killed."""
+    import psutil
+
+    if not root.is_dir():
+        return True
+    try:
+        owner = int((root / "owner.pid").read_text())
+    except (OSError, ValueError):
+        return False
+    return not psutil.pid_exists(owner)
 
 
 def reap_stale_clusters() -> list[int]:
     """SIGKILL the daemons and job processes of test clusters whose owner process is gone (a
-    test run killed with SIGKILL cannot clean up after itself); their pids."""
+    test run killed with SIGKILL cannot clean up after itself); their pids. Clusters of other
+    runs and workers on the host, alive, are never touched."""
     import psutil
 
     killed = []
@@ -415,13 +442,7 @@ def reap_stale_clusters() -> list[int]:
         if proc.info["name"] not in (*DAEMONS, "slurmstepd"):
             continue
         root = _cluster_root(proc)
-        if root is None:
-            continue
-        try:
-            alive = psutil.pid_exists(int((root / "owner.pid").read_text()))
-        except (OSError, ValueError):
-            alive = False
-        if alive:
+        if root is None or not is_stale(root):
             continue
         with contextlib.suppress(psutil.Error):
             for victim in [proc, *proc.children(recursive=True)]:

@@ -546,3 +546,28 @@ def test_a_controller_outage_releases_nothing_and_a_pending_wait_rides_it_out(sl
     for lease in (first, second):
         pool.release(lease.id, "done")
     pool.close()
+
+
+def test_starting_a_cluster_never_kills_another_live_cluster_only_an_orphaned_one(cluster):
+    """Every cluster start reaps the daemons of clusters whose test run died; a cluster of another
+    worker or run on the host, alive, must come through whole (its ``munged`` names its folder
+    after ``--socket=``, which once read as a folder of nobody's and was killed)."""
+    from slurm_cluster import reap_stale_clusters
+
+    alive_before = {name: proc.pid for name, proc in cluster.processes.items()}
+    orphan = SlurmCluster(Path(tempfile.mkdtemp(prefix="gpupool-slurm-")))
+    orphan._write_config()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    (orphan.root / "owner.pid").write_text(str(ended.pid))  # its run is gone
+    orphan.start_munged()
+    munged = orphan.processes["munged"]
+    try:
+        killed = reap_stale_clusters()
+        assert munged.wait(timeout=10) == -signal.SIGKILL, "an orphaned cluster's munged was left running"
+        assert munged.pid in killed
+        assert {name: proc.pid for name, proc in cluster.processes.items() if proc.poll() is None} == alive_before
+        assert set(killed).isdisjoint(alive_before.values())
+        assert cluster.controller_up()
+    finally:
+        orphan.stop()
