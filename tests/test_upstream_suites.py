@@ -94,3 +94,42 @@ def test_outcomes_are_compared_per_test(tmp_path: Path) -> None:
     assert active.messages[a] == "boom"
     teardown_error, _ = run("teardown", test(a, teardown="failed", message="leaked"))
     assert teardown_error.outcomes == {a: "error"} and teardown_error.messages[a] == "leaked"
+
+
+def test_an_sdist_comes_from_the_index_listing_checked_against_its_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner takes the sdist file the index's JSON listing names (seconds) instead of asking
+    pip, whose ``--no-binary`` download builds build tools from source (minutes on a busy machine,
+    past the runner's limit); a file whose sha256 differs from the listing's is refused."""
+    import functools
+    import hashlib
+    import http.server
+    import threading
+
+    from tests.upstream.run import download_from_index, fetch_sdist
+
+    served = tmp_path / "index"
+    (served / "demo-pkg").mkdir(parents=True)
+    body = b"an sdist's bytes"
+    (served / "demo_pkg-1.2.0.tar.gz").write_bytes(body)
+
+    def listing(sha256: str) -> None:
+        files = [{"filename": "demo_pkg-1.2.0.tar.gz", "url": "../demo_pkg-1.2.0.tar.gz", "hashes": {"sha256": sha256}},
+                 {"filename": "demo_pkg-1.2.0-py3-none-any.whl", "url": "../x.whl", "hashes": {"sha256": "0"}}]
+        (served / "demo-pkg" / "index.html").write_text(json.dumps({"meta": {"api-version": "1.0"}, "files": files}))
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_address[1]}/")
+        listing("0" * 64)
+        (tmp_path / "refused").mkdir()
+        assert download_from_index("demo_pkg", "1.2.0", tmp_path / "refused") is False
+        assert list((tmp_path / "refused").iterdir()) == []
+        listing(hashlib.sha256(body).hexdigest())
+        assert download_from_index("demo-pkg", "1.3.0", tmp_path / "cache") is False  # no such version
+        found = fetch_sdist("demo-pkg", "1.2.0", tmp_path / "cache")
+        assert found == tmp_path / "cache" / "demo_pkg-1.2.0.tar.gz"
+        assert found.read_bytes() == body
+    finally:
+        server.shutdown()
