@@ -306,3 +306,19 @@ def test_a_request_larger_than_any_gpu_fails_the_start_with_the_reason(envdump_s
         assert km.provisioner.phase == "failed" and "16 GiB" in km.provisioner.failure
 
     asyncio.run(scenario())
+
+
+def test_the_shared_pool_follows_every_variable_that_chooses_a_pool(gpupool_env, monkeypatch, tmp_path) -> None:
+    """A process whose environment changes to another backend or another broker file gets that
+    pool, not the one opened under the old settings."""
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
+
+    local = shared_pool()
+    assert shared_pool() is local
+    monkeypatch.setenv("GPUPOOL_BACKEND", "slurm")
+    monkeypatch.setenv("GPUPOOL_SLURM_STATE", str(tmp_path / "slurm.sqlite"))
+    assert isinstance(shared_pool(), SlurmPool)
+    monkeypatch.delenv("GPUPOOL_BACKEND")
+    assert shared_pool() is local
+    monkeypatch.setenv("GPUPOOL_BROKER_FILE", str(tmp_path / "none-here.json"))
+    assert shared_pool() is not local

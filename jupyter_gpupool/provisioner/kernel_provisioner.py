@@ -50,6 +50,8 @@ from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, Unicode
 
 from jupyter_gpupool.backends.contract import Capability, SuspendingBackend, supports
+from jupyter_gpupool.backends.discovery import ENV_VAR as BROKER_FILE_VAR
+from jupyter_gpupool.backends.discovery import EXPLICIT_VARS
 from jupyter_gpupool.backends.factory import pool_from_env
 from jupyter_gpupool.backends.owner import default_owner, holder_identity
 from jupyter_gpupool.core.models import Activity, Lease, LeaseRequest, LeaseState, PriorityClass, QueueInfo
@@ -158,7 +160,9 @@ class ServerBinding:
         return self.current_owner()
 
 
-_pools: dict[tuple[str, str, str], PoolBackend] = {}
+#: The variables that choose which pool :func:`shared_pool` opens.
+POOL_CHOOSING_VARS = (*EXPLICIT_VARS, BROKER_FILE_VAR)
+_pools: dict[tuple[str, ...], PoolBackend] = {}
 _pools_lock = threading.Lock()
 
 # --- kernel starts in forked processes -------------------------------------------------------------
@@ -253,9 +257,10 @@ def server_binding(provisioner: Any) -> ServerBinding | None:
 
 
 def shared_pool(config: Any = None) -> PoolBackend:
-    """One :class:`Pool` per (GPUPOOL_DB, GPUPOOL_SIMULATE) in this process, opened on first use."""
+    """One pool per set of the variables that choose it (``GPUPOOL_URL``, ``_DB``, ``_SIMULATE``,
+    ``_BACKEND``, ``_BROKER_FILE``) in this process, opened on first use."""
 
-    key = (os.environ.get("GPUPOOL_DB", ""), os.environ.get("GPUPOOL_SIMULATE", ""), os.environ.get("GPUPOOL_URL", ""))
+    key = tuple(os.environ.get(name, "") for name in POOL_CHOOSING_VARS)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
