@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
 from traitlets.config import Config
@@ -332,4 +333,109 @@ def test_the_pool_view_describes_the_partition_without_asking_slurm_again(tmp_pa
     described = "Slurm partition (default), 80 GiB GPUs, 8 shards of 10 GiB per GPU"
     assert pool.backend.describe() == described and asked == ["scontrol show node"]
     assert len(pool.devices()) == 2 and len(asked) == 2  # what the snapshot uses is read again, as before
+    pool.close()
+
+
+class ScriptedNodes:
+    """Slurm's answers, scripted: ``scontrol show node`` answers each of ``answers`` in turn (an
+    exception is raised: the controller timed out), ``sbatch`` records its arguments and the job pends."""
+
+    def __init__(self, *answers: object) -> None:
+        self.answers = list(answers)
+        self.asked = 0
+        self.submitted: list[list[str]] = []
+
+    def show_nodes(self) -> list[dict[str, str]]:
+        self.asked += 1
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        assert isinstance(answer, list)
+        return answer
+
+    def sbatch(self, args: list[str], script: str) -> str:
+        self.submitted.append(list(args))
+        return str(len(self.submitted))
+
+    def squeue(self, job_ids: object = None, partition: str = "", states: str = "") -> list[object]:
+        from jupyter_gpupool.backends.slurm.commands import JobRecord
+
+        return [JobRecord(str(i + 1), "gpupool", "PENDING", "Resources", 1, "gpu", None, "alice", "", "") for i in range(len(self.submitted))]
+
+
+TIMED_OUT = "scontrol did not answer within 30 s: is slurmctld up?"
+SHARDED = [{"NodeName": "node0", "NodeAddr": "10.0.0.7", "Gres": "gpu:2,shard:16", "State": "IDLE"}]
+
+
+def test_nodes_slurm_did_not_read_are_not_known_yet_never_whole_gpus(tmp_path, caplog):
+    """The controller times out while the server starts: the start-up line and the pool view say the
+    shards are not known yet and why, not "whole GPUs (no shard GRES)" (the partition has shards).
+    A failed read is not kept forever: once the nodes are read (the snapshot, in a worker thread,
+    or the description itself after UNREAD_RETRY seconds), the text is the real one, said in the log
+    too; within UNREAD_RETRY the description does not ask Slurm again (it runs on the event loop)."""
+    import logging
+    import time
+
+    from jupyter_gpupool.backends.slurm import pool as slurm_pool
+    from jupyter_gpupool.errors import PoolUnavailable
+
+    pool = slurm_pool.SlurmPool(gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    slurm = ScriptedNodes(PoolUnavailable(TIMED_OUT), PoolUnavailable(TIMED_OUT), SHARDED)
+    pool.commands = slurm  # type: ignore[assignment]
+    unknown = f"Slurm partition (default), 80 GiB GPUs, shards not known yet (the nodes could not be read: {TIMED_OUT})"
+    assert pool.backend.describe() == unknown and slurm.asked == 1  # the start-up line
+    UNREAD_RETRY = slurm_pool.UNREAD_RETRY
+    assert pool.backend.describe() == unknown and slurm.asked == 1  # a view within UNREAD_RETRY: no scontrol
+    assert pool._nodes_unread is not None
+    pool._nodes_unread = (time.monotonic() - UNREAD_RETRY - 1, pool._nodes_unread[1])
+    assert pool.backend.describe() == unknown and slurm.asked == 2  # read again: still silent
+    with caplog.at_level(logging.INFO):
+        assert len(pool.devices()) == 2 and slurm.asked == 3  # the snapshot's read: Slurm answers
+    real = "Slurm partition (default), 80 GiB GPUs, 8 shards of 10 GiB per GPU"
+    assert pool.backend.describe() == real and slurm.asked == 3
+    assert any(f"Slurm answered: {real}" in r.getMessage() for r in caplog.records)
+
+    later = slurm_pool.SlurmPool(gpu_memory="80GiB", state_path=str(tmp_path / "later.sqlite"))
+    later.commands = ScriptedNodes(PoolUnavailable(TIMED_OUT), SHARDED)  # type: ignore[assignment]
+    assert "not known yet" in later.backend.describe()
+    assert later._nodes_unread is not None
+    later._nodes_unread = (time.monotonic() - UNREAD_RETRY - 1, later._nodes_unread[1])
+    assert later.backend.describe() == real  # the description's own read, once the failure is old
+    pool.close()
+    later.close()
+
+
+def test_a_partition_without_shard_gres_is_said_to_have_whole_gpus(tmp_path):
+    """Slurm answers, and the partition's nodes have GPUs but no shard GRES: that, and only that, is
+    "whole GPUs (no shard GRES)", and a slice asks for a whole GPU."""
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
+    from jupyter_gpupool.core.models import LeaseRequest
+
+    pool = SlurmPool(gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    slurm = ScriptedNodes([{"NodeName": "node0", "Gres": "gpu:a100:4(S:0-1)", "State": "IDLE"}])
+    pool.commands = slurm  # type: ignore[assignment]
+    assert pool.backend.describe() == "Slurm partition (default), 80 GiB GPUs, whole GPUs (no shard GRES)"
+    pool.request(LeaseRequest(owner="alice", memory=8 * GIB))
+    assert "--gres=gpu:1" in slurm.submitted[0]
+    pool.close()
+
+
+def test_a_slice_is_not_asked_as_a_whole_gpu_while_the_shards_are_not_known(tmp_path):
+    """``scontrol show node`` fails while a kernel asks for 8 GiB: nothing is submitted (no
+    ``--gres=gpu:1`` in place of one shard), and the error says why; a slice of whole GPUs needs no
+    shards and is submitted. Once Slurm answers, the slice is asked for in shards."""
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
+    from jupyter_gpupool.core.models import LeaseRequest
+    from jupyter_gpupool.errors import PoolUnavailable
+
+    pool = SlurmPool(gpu_memory="80GiB", state_path=str(tmp_path / "leases.sqlite"))
+    slurm = ScriptedNodes(PoolUnavailable(TIMED_OUT), SHARDED)
+    pool.commands = slurm  # type: ignore[assignment]
+    why = f"nothing was submitted: the partition's GPU shards are not known yet, the nodes could not be read ({TIMED_OUT})"
+    with pytest.raises(PoolUnavailable, match=re.escape(why)):
+        pool.request(LeaseRequest(owner="alice", memory=8 * GIB))
+    assert slurm.submitted == [] and pool.leases(include_released=True) == []
+    pool.request(LeaseRequest(owner="alice", memory=8 * GIB, num_gpus=2))
+    pool.request(LeaseRequest(owner="alice", memory=8 * GIB))  # Slurm answers now
+    assert [a for args in slurm.submitted for a in args if a.startswith("--gres")] == ["--gres=gpu:2", "--gres=shard:1"]
     pool.close()

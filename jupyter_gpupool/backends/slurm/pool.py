@@ -70,6 +70,9 @@ BACKEND_NAME = "slurm"
 PROVISIONER_NAME = "gpupool-slurm-provisioner"
 #: Estimated starts further away than this are Slurm's "never, as far as I know" (e.g. +1 year).
 MAX_ESTIMATE = 30 * 86400.0
+#: Seconds before the description reads the nodes again after a read that failed (no read ever
+#: succeeded): a view on the event loop must not wait on a silent controller each time it is shown.
+UNREAD_RETRY = 10.0
 HOSTNAME = socket.gethostname()
 
 
@@ -103,7 +106,9 @@ class SlurmBackend:
 
     def describe(self) -> str:
         """One line for logs and the pool view. It runs no Slurm command once the nodes were read
-        (the REST API calls it on the server's event loop, which must never wait on slurmctld)."""
+        (the REST API calls it on the server's event loop, which must never wait on slurmctld); until
+        then it reads them at most once per :data:`UNREAD_RETRY` seconds, and says the shards are not
+        known yet while Slurm does not answer."""
         return f"Slurm partition {self._pool.partition or '(default)'}, {self._pool.shards_per_gpu_text(read_once=True)}"
 
     def close(self) -> None:
@@ -207,6 +212,8 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         self.views = SlurmViews(self)
         self.idle = SlurmIdleReclaim(self)
         self._nodes: tuple[float, list[dict[str, str]]] | None = None
+        #: When the last read of the nodes failed, and why (None once a read succeeds).
+        self._nodes_unread: tuple[float, str] | None = None
 
     @classmethod
     def from_env(cls, config: Config | None = None, environ: Mapping[str, str] | None = None) -> SlurmPool:
@@ -225,14 +232,26 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         return cls(commands=SlurmCommands(env=env), policy=policy, config=config or Config(), **overrides)
 
     # --- what the partition has -------------------------------------------------------------------
-    def _node_records(self, max_age: float = 10.0) -> list[dict[str, str]]:
-        """The partition's nodes (``scontrol show node``), read again once older than ``max_age`` seconds."""
+    def _node_records(self, max_age: float = 10.0, retry_after: float = 0.0) -> list[dict[str, str]]:
+        """The partition's nodes (``scontrol show node``), read again once older than ``max_age`` seconds.
+
+        A read that fails raises PoolUnavailable; while no read ever succeeded, a failure younger
+        than ``retry_after`` seconds is raised again without asking Slurm."""
         now = time.monotonic()
+        if self._nodes is None and self._nodes_unread is not None and now - self._nodes_unread[0] < retry_after:
+            raise PoolUnavailable(self._nodes_unread[1])
         if self._nodes is None or now - self._nodes[0] > max_age:
-            nodes = self.commands.show_nodes()
+            try:
+                nodes = self.commands.show_nodes()
+            except GpuPoolError as err:
+                self._nodes_unread = (time.monotonic(), short_reason(err))
+                raise
             if self.partition:
                 nodes = [n for n in nodes if self.partition in n.get("Partitions", "").split(",")]
-            self._nodes = (now, nodes)
+            answered_late = self._nodes is None and self._nodes_unread is not None
+            self._nodes, self._nodes_unread = (now, nodes), None
+            if answered_late:  # the start-up line said the shards were not known yet: say them now
+                self.log.info("gpupool: Slurm answered: %s", self.backend.describe())
         return self._nodes[1]
 
     def _gpu_memory(self) -> int:
@@ -241,27 +260,29 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         except InvalidInput as err:
             raise InvalidInput(f"c.SlurmPool.gpu_memory: {err}") from None
 
-    def _shards_per_gpu(self, max_age: float = 10.0) -> int:
+    def _shards_per_gpu(self, max_age: float = 10.0, retry_after: float = 0.0) -> int:
+        """Shards per GPU (configured, else from the nodes' Gres); 0 where the partition has no shard
+        GRES. Nodes that cannot be read raise PoolUnavailable, never 0: that would mean whole GPUs."""
         if self.shards_per_gpu > 0:
             return self.shards_per_gpu
-        for node in self._node_records(max_age):
+        for node in self._node_records(max_age, retry_after):
             counts = parse_node_gres(node.get("Gres", ""))
             if counts.get("gpu") and counts.get("shard"):
                 return max(1, counts["shard"] // counts["gpu"])
         return 0
 
     def shards_per_gpu_text(self, read_once: bool = False) -> str:
-        """The GPUs' memory and shards in words; ``read_once``: from the nodes as last read, if ever."""
+        """The GPUs' memory and shards in words; ``read_once``: from the nodes as last read, if ever
+        (else read, at most once per :data:`UNREAD_RETRY` seconds). Nodes that could not be read are
+        said as such ("shards not known yet"), never as whole GPUs."""
+        gpus = f"{format_size(self._gpu_memory())} GPUs"
         try:
-            shards = self._shards_per_gpu(math.inf if read_once else 10.0)
-        except GpuPoolError:
-            shards = 0
-        per = (
-            f"{shards} shards of {format_size(self._gpu_memory() // shards)} per GPU"
-            if shards
-            else "whole GPUs (no shard GRES)"
-        )
-        return f"{format_size(self._gpu_memory())} GPUs, {per}"
+            shards = self._shards_per_gpu(*((math.inf, UNREAD_RETRY) if read_once else (10.0, 0.0)))
+        except GpuPoolError as err:
+            return f"{gpus}, shards not known yet (the nodes could not be read: {short_reason(err)})"
+        if not shards:
+            return f"{gpus}, whole GPUs (no shard GRES)"
+        return f"{gpus}, {shards} shards of {format_size(self._gpu_memory() // shards)} per GPU"
 
     def devices(self) -> list[Device]:
         """One device per GPU of the partition's nodes (uuid ``slurm:NODE:gpuI``)."""
@@ -310,9 +331,17 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
             if fitting:
                 size, name = fitting[0]
                 return f"gpu:{name}:1", size
-        shards = self._shards_per_gpu()
-        if num_gpus > 1 or not shards:
-            return f"gpu:{max(1, num_gpus)}", gpu_memory
+        if num_gpus > 1:
+            return f"gpu:{num_gpus}", gpu_memory
+        try:
+            shards = self._shards_per_gpu()
+        except GpuPoolError as err:
+            # Not knowing the shards is not "no shards": a whole GPU is asked for only where the partition has none.
+            raise PoolUnavailable(
+                f"nothing was submitted: the partition's GPU shards are not known yet, the nodes could not be read ({short_reason(err)})"
+            ) from None
+        if not shards:
+            return "gpu:1", gpu_memory
         per_shard = gpu_memory // shards
         count = shards_for(memory, per_shard, shards)
         return f"shard:{count}", count * per_shard
@@ -665,6 +694,12 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
 
     def close(self) -> None:
         self.file.close()
+
+
+def short_reason(err: BaseException, limit: int = 200) -> str:
+    """The first line of an error, at most ``limit`` characters: what a one-line text can hold."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def default_user() -> str:
