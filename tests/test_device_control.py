@@ -427,6 +427,53 @@ def test_a_broker_that_is_not_root_falls_back_and_says_so(tmp_path: Path) -> Non
     assert off and described == {"mode": "off", "reason": "the broker does not run as root, and only root may change device cgroups"}
 
 
+@pytest.mark.parametrize("host", ["v2"], indirect=True)
+@pytest.mark.skipif(UNIFIED is None, reason="no cgroup2 hierarchy mounted")
+def test_a_users_deny_the_kernel_refuses_leaves_device_control_off_and_says_why(
+    host: Host, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that refuses the users' program (E2BIG: too many instructions) leaves nobody
+    denied: device control must say off, with why, never on with the cgroup as "not found"."""
+    real = cgroup_bpf.assemble
+
+    def over_any_limit(rules: list[cgroup_bpf.DeviceRule], default_allow: bool) -> bytes:
+        if not rules:
+            return real(rules, default_allow)  # the start's probe (allow-all) loads as before
+        return cgroup_bpf._insn(0xB4, 0, imm=1) * 1_000_001 + cgroup_bpf._insn(0x95)  # a million and one instructions
+
+    monkeypatch.setattr(cgroup_bpf, "assemble", over_any_limit)
+    other = os.path.join(str(UNIFIED), host.tag, "other")
+    os.makedirs(other)
+    cgroup_bpf.attach_rules(other, [], True, cgroup_bpf.BPF_F_ALLOW_OVERRIDE)  # stands in for a users' cgroup denied first
+    config = DeviceControl(mode="v2", user_cgroups=[host.user], name=host.tag)
+    with caplog.at_level("INFO"):
+        assert config.start(single_user=False, simulated=True, simulated_node_dir=str(host.folder)) is None
+    described = json.loads(json.dumps(config.describe()))
+    assert described == {"mode": "off", "reason": config.reason}
+    assert config.reason.startswith(f"cannot attach the device deny to {host.user}: ") and "Argument list too long" in config.reason
+    assert config.reason.endswith(f"; no GPU node is denied (the path chosen: {MODE_V2} on {UNIFIED} (c.DeviceControl.mode is 'v2'))")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("device control:")]
+    assert lines == [f"device control: off ({config.reason}); unpooled GPU use is policed by the watchdog"]
+    assert cgroup_bpf.attached_count(host.user)[0] == 0 and host.start().open(host.gpu(0)) == "ENXIO"  # nothing half-done is left
+    monkeypatch.setattr(cgroup_bpf, "assemble", real)
+    config = DeviceControl(mode="v2", user_cgroups=[other, host.user], name=host.tag)  # the first denied, the second refused
+    monkeypatch.setattr(CgroupV2, "deny_users", _refuse_second(CgroupV2.deny_users))
+    assert config.start(single_user=False, simulated=True, simulated_node_dir=str(host.folder)) is None
+    assert config.describe()["mode"] == "off" and cgroup_bpf.attached_count(other)[0] == 0  # the first deny taken back
+
+
+def _refuse_second(deny: Callable[[CgroupV2, str], None]) -> Callable[[CgroupV2, str], None]:
+    calls: list[str] = []
+
+    def refusing(self: CgroupV2, cgroup: str) -> None:
+        calls.append(cgroup)
+        if len(calls) > 1:
+            raise DeviceControlError(errno.E2BIG, f"cannot attach the device deny to {cgroup}: Argument list too long")
+        deny(self, cgroup)
+
+    return refusing
+
+
 HYBRID = UNIFIED is not None and DEVICES is not None
 
 
@@ -514,6 +561,41 @@ def test_each_decision_of_the_pool_is_followed_by_the_kernels_device_access(host
     kernel.process.kill()
     kernel.process.wait()
     assert decided() == {first.id: "removed"} and control.kernels == {}
+
+
+@pytest.mark.parametrize("host", PATHS, indirect=True)
+def test_a_process_that_joins_a_kernel_whose_grant_did_not_change_writes_no_rules(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint worker, or a kernel process found outside its cgroup, only joins: no program
+    loaded and attached again (v2), no devices.deny/devices.allow written again (v1)."""
+    from jupyter_gpupool.enforcement import device_control
+
+    writes: list[str] = []
+    real_write, real_attach = device_control._write, cgroup_bpf.attach_rules
+    monkeypatch.setattr(device_control, "_write", lambda path, text: (writes.append(os.path.basename(path)), real_write(path, text))[1])
+    monkeypatch.setattr(cgroup_bpf, "attach_rules", lambda *args: (writes.append("program"), real_attach(*args))[1])
+    control = host.mechanism()
+    control.deny_users(host.user)
+    pool = make_pool(tmp_path, "3x16GiB")
+    kernel, worker = host.start(), host.start()
+    kernels: dict[str, list[int]] = {}
+    role = DeviceControlRole(control, lambda lease: kernels.get(lease.id, []))
+    lease = pool.request(req("alice", 8, kernel_id="k1"))
+    index = [d.uuid for d in pool.devices()].index(lease.devices[0])
+    kernels[lease.id] = [kernel.pid]
+    assert role.apply(pool.leases(), pool.devices()) == {lease.id: "allowed"}
+    assert worker.open(host.gpu(index)) == "EPERM"
+    writes.clear()
+    kernels[lease.id] = [kernel.pid, worker.pid]  # a worker started after the grant: found on the next pass
+    assert role.apply(pool.leases(), pool.devices()) == {}
+    assert writes == ["cgroup.procs"]  # it joined; the rules stayed as they were
+    assert worker.open(host.gpu(index)) == "ENXIO" and kernel.open(host.gpu(index)) == "ENXIO"
+    assert [worker.open(host.gpu(i)) for i in range(3) if i != index] == ["EPERM"] * 2
+    writes.clear()
+    control.grant(lease.id, [worker.pid], [host.minors[(index + 1) % 3]])  # another GPU: new rules
+    assert writes.count("program" if host.path == "v2" else "devices.deny") >= 1
+    assert worker.open(host.gpu((index + 1) % 3)) == "ENXIO" and worker.open(host.gpu(index)) == "EPERM"
 
 
 FIRST_OPEN = "import errno, os, sys\ntry:\n    os.close(os.open(sys.argv[1], os.O_RDWR))\nexcept OSError as e:\n    print(errno.errorcode[e.errno])\n"

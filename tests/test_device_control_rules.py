@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from jupyter_gpupool.core.models import Device, Lease, LeaseState, Transition
-from jupyter_gpupool.enforcement.cgroup_bpf import DeviceRule, assemble
+from jupyter_gpupool.enforcement.cgroup_bpf import MAX_INSNS, DeviceRule, assemble
 from jupyter_gpupool.enforcement.device_control import (
     MODE_V1,
     MODE_V2,
@@ -57,6 +57,10 @@ def run_program(code: bytes, kind: int, access: int, major: int, minor: int) -> 
             pc += off if regs[dst] != regs[src] else 0
         elif op == 0x15:
             pc += off if regs[dst] == imm else 0
+        elif op == 0x25:  # unsigned >
+            pc += off if regs[dst] > imm & 0xFFFFFFFF else 0
+        elif op == 0xA5:  # unsigned <
+            pc += off if regs[dst] < imm & 0xFFFFFFFF else 0
         elif op == 0x95:
             return regs[0]
         else:
@@ -124,10 +128,15 @@ def test_a_mig_instance_opens_its_gpus_node_and_its_own_instance() -> None:
     assert minors_of(["GPU-b", "GPU-gone"], devices) == frozenset()
 
 
+def nodes_of(rules: list[DeviceRule]) -> list[tuple[int | None, int | None]]:
+    """The nodes rules name, one by one (a range's minors each)."""
+    return [(r.major, r.minor) for rule in rules for r in rule.expand()]
+
+
 def test_rules_deny_every_gpu_but_the_granted_ones_and_their_capability_nodes() -> None:
     nodes = NvidiaNodes("/dev", gpus={0: (195, 0), 1: (195, 1)}, caps={0: ((509, 3),), 1: ((509, 4), (509, 5))}, control=((195, 255),))
-    assert [(r.major, r.minor) for r in nodes.rules()] == [(195, 0), (195, 1), (509, 3), (509, 4), (509, 5)]
-    assert [(r.major, r.minor) for r in nodes.rules([1])] == [(195, 0), (509, 3)]
+    assert nodes_of(nodes.rules()) == [(195, 0), (195, 1), (509, 3), (509, 4), (509, 5)]
+    assert nodes_of(nodes.rules([1])) == [(195, 0), (509, 3)]
     assert not any(r.allow for r in nodes.rules())
 
 
@@ -136,12 +145,53 @@ def test_a_mig_instance_is_allowed_its_own_gpu_and_compute_instance_capability_n
     nodes = NvidiaNodes(
         "/dev", gpus={0: (195, 0), 1: (195, 1)}, caps={0: ((509, 12), (509, 13), (509, 21), (509, 22)), 1: ((509, 147),)}, instances=instances
     )
-    denied = [(r.major, r.minor) for r in nodes.rules([MigSlice(0, 1, 0)])]
+    denied = nodes_of(nodes.rules([MigSlice(0, 1, 0)]))
     assert denied == [(195, 1), (509, 21), (509, 22), (509, 147)]  # its GPU's node and gi1, gi1/ci0 open
-    assert [(r.major, r.minor) for r in nodes.rules([MigSlice(0, 2, 0), MigSlice(0, 1, 0)])] == [(195, 1), (509, 147)]
-    assert [(r.major, r.minor) for r in nodes.rules([0])] == [(195, 1), (509, 147)]  # a whole GPU: all its capability nodes
+    assert nodes_of(nodes.rules([MigSlice(0, 2, 0), MigSlice(0, 1, 0)])) == [(195, 1), (509, 147)]
+    assert nodes_of(nodes.rules([0])) == [(195, 1), (509, 147)]  # a whole GPU: all its capability nodes
     # an instance the tables do not know: its GPU's node only
-    assert [(r.major, r.minor) for r in nodes.rules([MigSlice(1, 4, 0)])] == [(195, 0), (509, 12), (509, 13), (509, 21), (509, 22), (509, 147)]
+    assert nodes_of(nodes.rules([MigSlice(1, 4, 0)])) == [(195, 0), (509, 12), (509, 13), (509, 21), (509, 22), (509, 147)]
+
+
+def test_a_range_rule_matches_every_minor_from_its_first_to_its_last_and_no_other() -> None:
+    code = assemble([DeviceRule(False, 509, 3, last=137), DeviceRule(False, 195, 0, last=0)], default_allow=True)
+    assert [run_program(code, CHAR, READ, 509, minor) for minor in (1, 2, 3, 70, 137, 138)] == [1, 1, 0, 0, 0, 1]
+    assert run_program(code, CHAR, READ, 195, 0) == 0 and run_program(code, CHAR, READ, 195, 1) == 1
+    assert DeviceRule(False, 509, 3, last=5).describe() == "deny c 509:3-5 rwm"
+    assert [r.minor for r in DeviceRule(False, 509, 3, last=5).expand()] == [3, 4, 5]
+
+
+def eight_gpus_with_every_mig_slot() -> NvidiaNodes:
+    """What ``NvidiaNodes.read`` makes of an 8-GPU host: ``mig-minors`` lists 15 GPU instances of
+    (1 + 8 compute instances) for every GPU, 135 capability nodes each, minors from 3 on."""
+    instances: dict[tuple[int, int, int | None], tuple[int, int]] = {}
+    minor = 3
+    for gpu in range(8):
+        for gi in range(15):
+            for ci in (None, *range(8)):
+                instances[(gpu, gi, ci)] = (509, minor)
+                minor += 1
+    caps = {gpu: tuple(sorted(n for (g, _gi, _ci), n in instances.items() if g == gpu)) for gpu in range(8)}
+    return NvidiaNodes("/dev", gpus={gpu: (195, gpu) for gpu in range(8)}, caps=caps, control=((195, 255),), instances=instances)
+
+
+@pytest.mark.parametrize(
+    "grant",
+    [(), (3,), (MigSlice(2, 4, 1),), (MigSlice(0, 0, 0), MigSlice(7, 14, 7), 5), tuple(MigSlice(g, gi, 0) for g in range(8) for gi in range(15))],
+    ids=["users", "a GPU", "a MIG instance", "three", "a slice of every instance"],
+)
+def test_the_program_of_eight_gpus_with_every_mig_slot_stays_small_and_denies_every_node_not_granted(grant: tuple[Any, ...]) -> None:
+    """1,088 nodes to deny one by one were ~5,400 instructions: more than a kernel before 5.2
+    loads (4,096, E2BIG even for root), and a refused users' deny denied nothing."""
+    nodes = eight_gpus_with_every_mig_slot()
+    code = assemble(nodes.rules(grant), default_allow=True)
+    assert len(code) // 8 < (100 if len(grant) < 10 else MAX_INSNS // 4)  # at most two rules more per instance granted
+    gpus, caps = nodes.allowed(grant)
+    for number in [*nodes.gpus.values(), *(n for numbers in nodes.caps.values() for n in numbers)]:
+        gpu_open = number[0] == 195 and number[1] in gpus
+        assert run_program(code, CHAR, READ | WRITE, *number) == int(gpu_open or number in caps), number
+    for other in ((195, 255), (509, 1), (509, 2), (509, 3 + 8 * 135), (1, 3)):  # nvidiactl, config, monitor, past the table, /dev/null
+        assert run_program(code, CHAR, READ | WRITE, *other) == 1
 
 
 def test_the_drivers_mig_tables_are_read_instance_by_instance(tmp_path: Path) -> None:

@@ -46,6 +46,8 @@ _ALU32_MOV_K = 0xB4
 _JMP_JNE_K = 0x55
 _JMP_JNE_X = 0x5D
 _JMP_JEQ_K = 0x15
+_JMP_JGT_K = 0x25  # unsigned
+_JMP_JLT_K = 0xA5  # unsigned (Linux 4.14, before device programs: 4.15)
 _JMP_EXIT = 0x95
 _R0, _R1, _R2, _R3, _R4, _R5 = range(6)
 
@@ -57,22 +59,37 @@ class BpfUnavailable(OSError):
 @dataclass(frozen=True)
 class DeviceRule:
     """One rule: ``allow`` or deny ``kind`` (``c``, ``b`` or ``a`` for both) ``major:minor``
-    (``None``: any) for the ``access`` letters of ``rwm``."""
+    (``None``: any) for the ``access`` letters of ``rwm``; with ``last``, every minor from
+    ``minor`` to ``last`` (one check in a program: a host's thousand MIG capability nodes stay a
+    few instructions; cgroup v1 writes one entry per minor, see :meth:`expand`)."""
 
     allow: bool
     major: int | None
     minor: int | None
     kind: str = "c"
     access: str = "rwm"
+    last: int | None = None
 
     def describe(self) -> str:
         major = "*" if self.major is None else str(self.major)
         minor = "*" if self.minor is None else str(self.minor)
+        if self.minor is not None and self.last is not None and self.last != self.minor:
+            minor += f"-{self.last}"
         return f"{'allow' if self.allow else 'deny'} {self.kind} {major}:{minor} {self.access}"
+
+    def expand(self) -> list[DeviceRule]:
+        """The rule minor by minor (what a cgroup v1 ``devices`` file takes)."""
+        if self.minor is None or self.last is None:
+            return [self]
+        return [DeviceRule(self.allow, self.major, minor, self.kind, self.access) for minor in range(self.minor, self.last + 1)]
 
 
 def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
     return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
+
+
+#: The most instructions a program may have before Linux 5.2 (``BPF_MAXINSNS``), even for root.
+MAX_INSNS = 4096
 
 
 def assemble(rules: list[DeviceRule], default_allow: bool) -> bytes:
@@ -112,7 +129,10 @@ def _rule_block(rule: DeviceRule) -> list[bytes]:
             jumps.append((setup, _JMP_JEQ_K, _R1, 0))
     if rule.major is not None:
         jumps.append(([], _JMP_JNE_K, _R4, rule.major))
-    if rule.minor is not None:
+    if rule.minor is not None and rule.last is not None and rule.last != rule.minor:
+        jumps.append(([], _JMP_JLT_K, _R5, rule.minor))
+        jumps.append(([], _JMP_JGT_K, _R5, rule.last))
+    elif rule.minor is not None:
         jumps.append(([], _JMP_JNE_K, _R5, rule.minor))
     verdict = [_insn(_ALU32_MOV_K, _R0, imm=1 if rule.allow else 0), _insn(_JMP_EXIT)]
     size = sum(len(setup) + 1 for setup, *_ in jumps) + len(verdict)
@@ -161,7 +181,8 @@ def load(rules: list[DeviceRule], default_allow: bool, name: str = "gpupool_dev"
         verifier = str(exc.args[1]) if len(exc.args) > 1 and exc.errno == first.errno else ""
         if first.errno == errno.EINVAL and not verifier.strip():
             raise BpfUnavailable(first.errno, f"cannot load a device program ({first.strerror})") from first
-        raise OSError(first.errno, f"the kernel refused the device program: {first.strerror}; {verifier[-400:]}") from first
+        why = f"; {verifier[-400:]}" if verifier.strip() else ""
+        raise OSError(first.errno, f"the kernel refused the device program: {first.strerror}{why}") from first
 
 
 def _load(code: bytes, name: str, log_level: int) -> int:

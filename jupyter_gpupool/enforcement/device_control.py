@@ -144,12 +144,15 @@ class NvidiaNodes:
 
     def rules(self, granted: Iterable[Grant] = ()) -> list[DeviceRule]:
         """Deny rules for every GPU node and GPU capability node except those ``granted`` opens
-        (see :meth:`allowed`); everything else (control nodes, ``/dev/null``, ttys) stays open."""
+        (see :meth:`allowed`); everything else (control nodes, ``/dev/null``, ttys) stays open.
+        Nodes of one major with consecutive minors are one rule (a range): the users' deny of an
+        8-GPU host, whose ``mig-minors`` lists 1,080 capability slots, is a handful of rules, and a
+        kernel's adds at most two per MIG instance granted, so its device program stays far under
+        the 4,096 instructions a kernel before Linux 5.2 loads. :meth:`DeviceRule.expand` gives
+        the nodes one by one (cgroup v1)."""
         gpus, caps = self.allowed(granted)
-        rules = [DeviceRule(False, major, minor) for gpu, (major, minor) in sorted(self.gpus.items()) if gpu not in gpus]
-        for _gpu, nodes in sorted(self.caps.items()):
-            rules.extend(DeviceRule(False, major, minor) for major, minor in nodes if (major, minor) not in caps)
-        return rules
+        rules = _ranges(number for gpu, number in self.gpus.items() if gpu not in gpus)
+        return rules + _ranges(number for nodes in self.caps.values() for number in nodes if number not in caps)
 
     def describe(self) -> dict[str, object]:
         """What is denied outside a granted kernel, for status."""
@@ -158,6 +161,18 @@ class NvidiaNodes:
             "capability_nodes": sum(len(nodes) for nodes in self.caps.values()),
             "open": [f"c {major}:{minor}" for major, minor in self.control],
         }
+
+
+def _ranges(numbers: Iterable[NodeNumber]) -> list[DeviceRule]:
+    """Deny rules for ``numbers``, one per run of consecutive minors of a major."""
+    rules: list[DeviceRule] = []
+    for major, minor in sorted(set(numbers)):
+        last = rules[-1] if rules else None
+        if last is not None and last.major == major and last.minor is not None and (last.minor if last.last is None else last.last) + 1 == minor:
+            rules[-1] = DeviceRule(False, major, last.minor, last=minor)
+        else:
+            rules.append(DeviceRule(False, major, minor))
+    return rules
 
 
 def _char_node(path: str) -> NodeNumber | None:
@@ -285,14 +300,22 @@ class DeviceCgroups(ABC):
         """Deny every GPU node to the processes of ``cgroup`` and its descendants."""
         raise NotImplementedError
 
+    @abstractmethod
+    def undeny_users(self, cgroup: str) -> None:
+        """Take back what :meth:`deny_users` put on ``cgroup`` (device control is turning off)."""
+        raise NotImplementedError
+
     def grant(self, key: str, pids: Iterable[int], minors: Iterable[Grant]) -> str:
         """Let kernel ``key``'s processes (``pids`` and what they fork) open the GPUs and MIG
         instances ``minors`` and no other; returns its cgroup. Done when this returns: the kernel
-        may be told."""
+        may be told. A kernel whose grant is already ``minors`` only takes ``pids`` in: its rules
+        are not written again (no program reloaded, no v1 entries rewritten)."""
         wanted, processes = frozenset(minors), list(pids)
         with self._lock:
-            directory = self.kernels.get(key) or self._kernel_dir(key, processes)
-            self._set_rules(directory, wanted)  # before any process is in it
+            directory = self.kernels.get(key)
+            if directory is None or self.granted.get(key) != wanted:  # the same rules: only processes join
+                directory = directory or self._kernel_dir(key, processes)
+                self._set_rules(directory, wanted)  # before any process is in it
             self.kernels[key], self.granted[key] = directory, wanted
             for pid in processes:
                 self._join(directory, pid)
@@ -388,6 +411,10 @@ class CgroupV2(DeviceCgroups):
         except OSError as exc:
             raise DeviceControlError(exc.errno or errno.EIO, f"cannot attach the device deny to {directory}: {exc.strerror}") from None
 
+    def undeny_users(self, cgroup: str) -> None:
+        with contextlib.suppress(OSError):
+            cgroup_bpf.detach(self.path(cgroup))
+
     def _kernel_dir(self, key: str, pids: list[int]) -> str:
         if not pids:
             raise DeviceControlError(errno.ESRCH, f"kernel {key} has no process to put in a device cgroup")
@@ -426,6 +453,12 @@ class CgroupV1(DeviceCgroups):
         directory = self.path(cgroup)
         self._rules(directory, self.nodes.rules())
 
+    def undeny_users(self, cgroup: str) -> None:
+        directory = self.path(cgroup)
+        for rule in _each(self.nodes.rules()):
+            with contextlib.suppress(DeviceControlError):
+                self._entry(directory, "devices.allow", rule)
+
     def _kernel_dir(self, key: str, pids: list[int]) -> str:
         os.makedirs(self.subtree, mode=0o755, exist_ok=True)
         directory = os.path.join(self.subtree, self.kernel_dir_name(key))
@@ -436,13 +469,13 @@ class CgroupV1(DeviceCgroups):
     def _set_rules(self, directory: str, minors: frozenset[Grant]) -> None:
         denied = self.nodes.rules(minors)
         self._rules(directory, denied)
-        held = set(denied)
-        for rule in self.nodes.rules():  # a GPU granted now may have been denied before
+        held = set(_each(denied))
+        for rule in _each(self.nodes.rules()):  # a GPU granted now may have been denied before
             if rule not in held:
                 self._entry(directory, "devices.allow", rule)
 
     def _rules(self, directory: str, rules: list[DeviceRule]) -> None:
-        for rule in rules:
+        for rule in _each(rules):  # v1 takes no range: one entry per node
             self._entry(directory, "devices.deny", rule)
 
     @staticmethod
@@ -452,6 +485,11 @@ class CgroupV1(DeviceCgroups):
             _write(os.path.join(directory, file), entry)
         except OSError as exc:
             raise DeviceControlError(exc.errno or errno.EIO, f"cannot write {entry.strip()!r} to {directory}/{file}: {exc.strerror}") from None
+
+
+def _each(rules: Iterable[DeviceRule]) -> list[DeviceRule]:
+    """``rules`` node by node (a range's minors one by one)."""
+    return [single for rule in rules for single in rule.expand()]
 
 
 class DeviceControl(LoggingConfigurable):
@@ -497,7 +535,9 @@ class DeviceControl(LoggingConfigurable):
 
     def start(self, *, single_user: bool, simulated: bool = False, simulated_node_dir: str | None = None) -> DeviceCgroups | None:
         """Choose the mode, put the user-level deny in place, and log one line saying which mode
-        runs (or why none does). Never raises: a host that cannot do it falls back to policing."""
+        runs (or why none does). Never raises: a host that cannot do it falls back to policing,
+        also when a users' cgroup that exists cannot be denied (its deny refused: off, and what
+        this start denied is taken back, never on while it denies nothing)."""
         self.denied_in, self.missing = [], []
         try:
             self.cgroups = self._choose(single_user, simulated, simulated_node_dir)
@@ -513,10 +553,15 @@ class DeviceControl(LoggingConfigurable):
             try:
                 self.cgroups.deny_users(cgroup)
             except DeviceControlError as exc:
-                self.log.warning("device control: %s", exc.strerror)
-                self.missing.append(cgroup)
-            else:
-                self.denied_in.append(cgroup)
+                # Fail closed: never report device control on while a users' cgroup is not denied.
+                # What this start denied is taken back: off, the watchdog polices every GPU.
+                for done in [*self.denied_in, cgroup]:
+                    self.cgroups.undeny_users(done)
+                self.cgroups, self.denied_in, self.missing = None, [], []
+                self.reason = f"{exc.strerror}; no GPU node is denied (the path chosen: {self.reason})"
+                self.log.warning("device control: off (%s); unpooled GPU use is policed by the watchdog", self.reason)
+                return None
+            self.denied_in.append(cgroup)
         gpus = ", ".join(f"nvidia{gpu}" for gpu in sorted(self.cgroups.nodes.gpus)) or "none"
         where = ", ".join(self.denied_in) or "no cgroup yet"
         self.log.info(
