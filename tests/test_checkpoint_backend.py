@@ -427,7 +427,7 @@ def test_probe_without_cuda_core_says_how_to_install_it(host, monkeypatch):
     with pytest.raises(CheckpointError) as error:
         checkpointer.suspend(os.getpid())
     assert "pip install jupyter-gpupool[cuda]" in one_line(error) and error.value.state == "running"
-    assert checkpointer.state(os.getpid()) == "running"
+    assert checkpointer.state(os.getpid()) == ""  # not known: no driver could be asked
 
 
 def test_probe_with_an_old_driver(host):
@@ -463,6 +463,23 @@ def test_probe_when_cuinit_fails(host):
     fake.init_error = "CUDA_ERROR_NOT_INITIALIZED"
     support = checkpointer.probe()
     assert not support.supported and support.reason == "the CUDA driver cannot start here: cuInit failed: CUDA_ERROR_NOT_INITIALIZED"
+
+
+def test_a_resume_whose_driver_cannot_start_leaves_the_process_suspended(host, sleepers):
+    """A failed ``cuInit`` means the driver never touched the process: a resume leaves it as it was
+    (suspended, its memory parked), a suspend leaves it running; its state is not guessed."""
+    _nvml, fake, checkpointer = host()
+    fake.init_error = "CUDA_ERROR_NOT_INITIALIZED"
+    pid = sleepers.new()
+    with pytest.raises(CheckpointError) as error:
+        checkpointer.resume(pid)
+    assert one_line(error) == f"cannot resume process {pid}: the CUDA driver cannot start here: cuInit failed: CUDA_ERROR_NOT_INITIALIZED"
+    assert error.value.state == "suspended"
+    with pytest.raises(CheckpointError) as error:
+        checkpointer.suspend(pid)
+    assert error.value.state == "running" and "cuInit failed" in one_line(error)
+    assert checkpointer.state(pid) == ""  # not "running": the driver could not be asked
+    assert [c[0] for c in fake.calls] == ["cuInit"]  # nothing but the failed start
 
 
 def test_mig_instances_cannot_be_suspended(host):

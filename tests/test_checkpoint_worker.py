@@ -10,13 +10,17 @@ real Unix user; needs root (see ``tests/test_device_control_broker.py``).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import pwd
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from broker_harness import BrokerProcess, JupyterServer, StandInHub
@@ -25,6 +29,7 @@ from test_device_control_broker import broker_config, call, started_line, tmp_pa
 from test_ownership import ALICE, BOB, unix_users  # noqa: F401 - unix_users is a fixture
 
 from jupyter_gpupool.core.models import LeaseState, Transition
+from jupyter_gpupool.devices.checkpoint import CheckpointError
 from jupyter_gpupool.devices.simulated import NODE_DIR_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="device cgroups, mknod and other users' processes need root")]
@@ -195,3 +200,139 @@ def test_the_cuda_path_runs_each_call_in_the_worker_once_it_is_placed_and_carrie
             worker.wait()
         _until(lambda: not (kernel_dir / "cgroup.procs").read_text().strip(), 5)
         kernel_dir.rmdir()
+
+
+# --- a worker that fails or never answers ----------------------------------------------------------
+# Stand-ins for the server's Python (WorkerCheckpointer's ``python``): each is started as
+# ``<it> -m jupyter_gpupool.devices.checkpoint_worker`` and reads the request on stdin.
+
+# The CUDA driver cannot start in the worker (cuInit fails, as with no CUDA device visible); the
+# worker places itself in the kernel's cgroup, as the broker's pass would, then serves the request.
+NO_DRIVER = """#!{python}
+import os, sys
+sys.path.insert(0, {tests!r})
+with open({procs!r}, "w") as procs:
+    procs.write(str(os.getpid()))
+import pytest
+from fake_cuda_checkpoint import FakeCudaDriver
+driver = FakeCudaDriver()
+driver.init_error = "CUDA_ERROR_NOT_INITIALIZED"
+driver.install(pytest.MonkeyPatch())
+from jupyter_gpupool.devices import checkpoint_worker
+sys.exit(checkpoint_worker.main())
+"""
+
+# Never answers a suspend or resume (it hangs, inside the driver for all the server knows); a state
+# request gets ``state`` from it, or, with none, it dies without an answer.
+HANGS = """#!{python}
+import json, sys, time
+request = json.loads(sys.stdin.read())
+if request["op"] == "state":
+    if {state!r}:
+        print(json.dumps({{"value": {state!r}}}))
+    sys.exit(0 if {state!r} else 3)
+time.sleep(60)
+"""
+
+
+def _python(folder: Path, name: str, text: str, **values: str) -> str:
+    path = folder / name
+    path.write_text(text.format(python=sys.executable, **values))
+    path.chmod(0o755)
+    return str(path)
+
+
+class KernelCgroup:
+    """A real process in a cgroup named as lease ``lease_id``'s kernel cgroup (as the broker names them)."""
+
+    def __init__(self, lease_id: str) -> None:
+        assert UNIFIED is not None
+        self.dir = Path(UNIFIED, f"gpo-ckptw{os.getpid()}-kernel-{lease_id}")
+        self.dir.mkdir()
+        self.kernel = subprocess.Popen(["sleep", "60"])
+        (self.dir / "cgroup.procs").write_text(str(self.kernel.pid))
+        self.pid = self.kernel.pid
+
+    def close(self) -> None:
+        self.kernel.kill()
+        self.kernel.wait()
+        _until(lambda: not (self.dir / "cgroup.procs").read_text().strip(), 5)
+        self.dir.rmdir()
+
+
+def _cuda_inner() -> Any:
+    from jupyter_gpupool.devices.checkpoint import CudaCheckpointer
+    from jupyter_gpupool.devices.checkpoint_worker import SnapshotGpus
+    from jupyter_gpupool.devices.simulated import SimulatedBackend
+
+    return CudaCheckpointer(SnapshotGpus(SimulatedBackend.from_spec("1x16GiB").devices(), "580.65.06", 12090))
+
+
+@pytest.mark.skipif(UNIFIED is None, reason="no cgroup2 hierarchy mounted")
+def test_a_resume_whose_driver_cannot_start_in_the_worker_leaves_the_kernel_suspended(tmp_path: Path) -> None:  # noqa: F811 - a fixture
+    """The worker's cuInit fails: the driver never touched the kernel, so its restore failed with
+    the memory still parked. The lease goes back to suspended (the next try restores it), saying
+    why; the kernel is not shut down."""
+    from pool_helpers import T0, make_pool, req
+
+    from jupyter_gpupool.devices.checkpoint_worker import WorkerCheckpointer
+    from jupyter_gpupool.serverextension.transitions import TransitionDriver
+
+    pool = make_pool(tmp_path)
+    lease = pool.request(req(kernel_id="k1", suspendable=True), now=T0)
+    pool.suspend(lease.id, now=T0 + 1)
+    pool.confirm_transition(lease.id, 4 << 30, now=T0 + 2)
+    restoring = pool.resume(lease.id, now=T0 + 3)
+    assert restoring.transition is Transition.RESTORING
+    emitted: list[str] = []
+    ext = SimpleNamespace(pool=pool, log=logging.getLogger("test"), _parked_by={},
+                          emit=lambda kind, _lease, message="": emitted.append(f"{kind}: {message}"))
+    driver = TransitionDriver(ext)  # type: ignore[arg-type]
+    stopped: list[str] = []
+
+    async def stop(kernel_id: str, _lease: Any) -> None:
+        stopped.append(kernel_id)
+
+    driver._stop_kernel = stop  # type: ignore[method-assign]
+    kernel = KernelCgroup(lease.id)
+    python = _python(tmp_path, "no-driver", NO_DRIVER, tests=str(Path(__file__).resolve().parent), procs=str(kernel.dir / "cgroup.procs"))
+    try:
+        driver._checkpointer = WorkerCheckpointer(_cuda_inner(), join_timeout=10, python=python)
+        with pytest.raises(CheckpointError) as error:
+            asyncio.run(driver._restore("k1", restoring, kernel.pid, {}))
+        assert error.value.state == "suspended", error.value
+        assert str(error.value) == (f"cannot resume process {kernel.pid}: the CUDA driver cannot start here: "
+                                    "cuInit failed: CUDA_ERROR_NOT_INITIALIZED")
+        after = pool.get(lease.id)
+        assert after.state is LeaseState.SUSPENDED and after.transition is Transition.NONE, after
+        assert after.parked_memory == 4 << 30 and after.devices == ()
+        assert "cuInit failed: CUDA_ERROR_NOT_INITIALIZED" in after.suspend_reason and "stays suspended" in after.suspend_reason
+        assert stopped == [] and emitted == [f"suspend_failed: {after.suspend_reason}"]
+        assert kernel.kernel.poll() is None
+    finally:
+        kernel.close()
+        pool.close()
+
+
+@pytest.mark.skipif(UNIFIED is None, reason="no cgroup2 hierarchy mounted")
+@pytest.mark.parametrize("shown", ["locked", ""])
+def test_a_worker_that_never_answers_is_killed_and_its_state_asked_of_a_fresh_one(tmp_path: Path, shown: str) -> None:  # noqa: F811 - a fixture
+    """Killed mid-operation, a worker may have left the kernel locked, checkpointed or restored:
+    the state is what a fresh worker finds the driver showing, or not known (``""``, which the pool
+    treats as a failed step whose memory is not free), never "running" by default."""
+    from jupyter_gpupool.devices.checkpoint import SimulatedCheckpointer
+    from jupyter_gpupool.devices.checkpoint_worker import WorkerCheckpointer
+
+    python = _python(tmp_path, "hangs", HANGS, state=shown)
+    worker = WorkerCheckpointer(SimulatedCheckpointer(str(tmp_path)), join_timeout=0.2, python=python, grace=0.5)
+    kernel = KernelCgroup(f"l-hang{os.getpid()}")
+    try:
+        with pytest.raises(CheckpointError) as error:
+            worker.suspend(kernel.pid, timeout=0.1)
+        assert error.value.state == shown and error.value.state != "running"
+        said = f"the driver shows it {shown}" if shown else "its state is not known"
+        assert str(error.value).startswith(f"the checkpoint worker to suspend process {kernel.pid} did not answer within ")
+        assert str(error.value).endswith(f" s and was killed; {said}")
+        assert worker.state(kernel.pid) == shown  # asked again: the same answer, never a guess
+    finally:
+        kernel.close()

@@ -481,6 +481,16 @@ _CUDA_ERROR = re.compile(r"\b(CUDA_ERROR_[A-Z_]+)\b")
 _DRIVER_STATES = {"running": "running", "locked": "locked", "checkpointed": "suspended", "failed": "failed"}
 
 
+def untouched_state(pid: int, action: str) -> str:
+    """The state process ``pid`` is in after an ``action`` the driver never started on it (the
+    driver could not start, the checkpoint API is missing, no worker reached it): the state it was
+    in before, ``running`` for a suspend and ``suspended`` for a resume, ``gone`` once it exited,
+    else ``""`` (not known). Never a guess from a driver that was not asked."""
+    if not _alive(pid):
+        return "gone"
+    return {"suspend": "running", "resume": "suspended"}.get(action, "")
+
+
 def _error_name(exc: BaseException) -> str:
     """``CUDA_ERROR_NOT_READY`` from cuda.core's ``CUDAError("CUDA_ERROR_NOT_READY: ...")``;
     ``NOT_SUPPORTED`` for its RuntimeError about an unsupported driver; else the class name."""
@@ -660,7 +670,7 @@ class CudaCheckpointer(Checkpointer):
     def _process(self, pid: int, action: str) -> Any:
         support = self.probe()
         if not support.supported or self._module is None:
-            raise CheckpointError(f"cannot {action} process {pid}: {support.reason}", state=self.state(pid))
+            raise CheckpointError(f"cannot {action} process {pid}: {support.reason}", state=untouched_state(pid, action))
         return self._module.Process(pid)
 
     # --- suspend / resume ------------------------------------------------------------------------
@@ -827,11 +837,12 @@ class CudaCheckpointer(Checkpointer):
                 )
 
     def state(self, pid: int) -> str:
+        """As :meth:`Checkpointer.state`; ``""`` (not known) where the driver cannot be asked here."""
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not _alive(pid):
             return "gone"
         support = self.probe()
         if not support.supported or self._module is None:
-            return "running"
+            return ""  # the driver was not asked: a suspended process would pass for a running one
         try:
             return _DRIVER_STATES.get(str(self._module.Process(pid).state), "running")
         except Exception:  # noqa: BLE001 - a process without CUDA runs normally
@@ -862,4 +873,5 @@ __all__ = [
     "NoCheckpointer",
     "SimulatedCheckpointer",
     "checkpointer_for",
+    "untouched_state",
 ]

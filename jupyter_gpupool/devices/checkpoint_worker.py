@@ -30,7 +30,7 @@ from typing import Any
 
 from jupyter_gpupool.core.models import Device
 from jupyter_gpupool.devices.base import process_alive
-from jupyter_gpupool.devices.checkpoint import CudaCheckpointer, SimulatedCheckpointer
+from jupyter_gpupool.devices.checkpoint import CudaCheckpointer, SimulatedCheckpointer, untouched_state
 from jupyter_gpupool.devices.checkpoint_contract import (
     Checkpointer,
     CheckpointError,
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a worker waits for the broker to place it (its passes come at least every second).
 JOIN_TIMEOUT = 10.0
+#: Seconds a worker may run past its join timeout and its operation's own before it is killed.
+GRACE = 60.0
 
 _KERNEL_CGROUP = "-kernel-"
 
@@ -146,7 +148,7 @@ class WorkerCheckpointer(Checkpointer):
     access (device control); its probe checks all but the driver's start, which each worker makes."""
 
     def __init__(self, inner: Checkpointer, log_to: logging.Logger | Any = None, join_timeout: float = JOIN_TIMEOUT,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, grace: float = GRACE) -> None:
         super().__init__()
         if not isinstance(inner, (SimulatedCheckpointer, CudaCheckpointer)):
             raise CheckpointError(f"the {inner.name} checkpointer cannot run in a worker")
@@ -156,6 +158,7 @@ class WorkerCheckpointer(Checkpointer):
         self.log = log_to or log
         self.join_timeout = join_timeout
         self.python = python
+        self.grace = grace
         self._parked: dict[int, dict[str, int]] = {}
 
     def _probe(self) -> CheckpointSupport:
@@ -185,45 +188,59 @@ class WorkerCheckpointer(Checkpointer):
         self._parked.pop(pid, None)
 
     def state(self, pid: int) -> str:
+        """As the driver says in a worker placed in the kernel's GPU access; ``""`` (not known)
+        where no worker could ask it. Also what a worker that was killed or died left behind."""
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not process_alive(pid):
             return "gone"
         try:
-            return str(self._run("state", pid, 30.0, {}).get("value") or "running")
-        except CheckpointError:
-            return "running"  # no worker could ask the driver: as a process the driver does not know
+            return str(self._run("state", pid, 30.0, {}).get("value") or "")
+        except CheckpointError as err:
+            self.log.warning("gpupool: the state of process %s is not known: %s", pid, err)
+            return "gone" if not process_alive(pid) else ""
 
     def _run(self, op: str, pid: int, op_seconds: float, args: dict[str, Any]) -> dict[str, Any]:
         """Run ``op`` on ``pid`` in a worker; its answer, or :class:`CheckpointError` as it said."""
-        stays = {"suspend": "running", "resume": "suspended"}.get(op, "")
         lease_id = kernel_lease_of(pid)
         if not lease_id:
             raise CheckpointError(
                 f"cannot {op} process {pid}: it is in no kernel device cgroup of the pool, so no process may open "
                 "its GPU for the driver's checkpoint (device control)",
-                state=stays if process_alive(pid) else "gone",
+                state=untouched_state(pid, op),
             )
         request = {"op": op, "pid": pid, "lease_id": lease_id, "join_timeout": self.join_timeout,
                    "checkpointer": spec_of(self.inner), **args}
         env = {k: v for k, v in os.environ.items() if k not in ("GPUPOOL_KERNEL_ID", "GPUPOOL_LEASE_ID")}
         env["GPUPOOL_LEASE_ID"] = lease_id  # what the broker places it by, for a process of the owner only
+        limit = self.join_timeout + op_seconds + self.grace
         try:
             done = subprocess.run(
                 [self.python, "-m", "jupyter_gpupool.devices.checkpoint_worker"],
-                input=json.dumps(request), capture_output=True, check=False, text=True, env=env,
-                timeout=self.join_timeout + op_seconds + 60.0,
+                input=json.dumps(request), capture_output=True, check=False, text=True, env=env, timeout=limit,
             )
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise CheckpointError(f"the checkpoint worker for process {pid} did not answer: {err}", state=stays) from None
+        except OSError as err:  # never started: the driver was not touched
+            raise CheckpointError(f"the checkpoint worker for process {pid} could not start: {err}",
+                                  state=untouched_state(pid, op)) from None
+        except subprocess.TimeoutExpired:
+            # Killed, perhaps inside the driver's lock, checkpoint or restore: only the driver knows now.
+            raise self._lost(op, pid, f"did not answer within {limit:g} s and was killed") from None
         answer = _last_json(done.stdout)
         if answer is None:
             said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-            raise CheckpointError(f"the checkpoint worker for process {pid} failed: {said}", state=stays)
+            raise self._lost(op, pid, f"failed without an answer ({said})")
         if "error" in answer:
             raise CheckpointError(str(answer["error"]), state=str(answer.get("state") or ""))
         if op != "state":
             self.log.info("gpupool: %s of process %s ran in checkpoint worker %s, placed in lease %s's GPU access",
                           op, pid, answer.get("worker"), lease_id)
         return answer
+
+
+    def _lost(self, op: str, pid: int, what: str) -> CheckpointError:
+        """The error for a worker that gave no answer: it may have stopped anywhere in ``op``, so
+        the state is asked of a fresh worker; ``""`` (not known) where none can tell, never a guess."""
+        after = "" if op == "state" else self.state(pid)
+        left = f"the driver shows it {after}" if after else "its state is not known"
+        return CheckpointError(f"the checkpoint worker to {op} process {pid} {what}; {left}", state=after)
 
 
 def _last_json(text: str) -> dict[str, Any] | None:
@@ -240,13 +257,12 @@ def _last_json(text: str) -> dict[str, Any] | None:
 def serve(request: dict[str, Any]) -> dict[str, Any]:
     """Wait to be placed in the kernel's GPU access, then run the request's operation there."""
     op, pid, lease_id = str(request.get("op")), int(request.get("pid") or 0), str(request.get("lease_id") or "")
-    stays = {"suspend": "running", "resume": "suspended"}.get(op, "")
     wait = float(request.get("join_timeout") or JOIN_TIMEOUT)
     deadline = time.monotonic() + wait
     while not (lease_id and in_kernel_cgroup(lease_id)):
         if time.monotonic() >= deadline:
             return {"error": f"cannot {op} process {pid}: the pool did not place the checkpoint worker in its kernel's "
-                             f"GPU access within {wait:g} s (it places only a process of the kernel's owner)", "state": stays}
+                             f"GPU access within {wait:g} s (it places only a process of the kernel's owner)", "state": untouched_state(pid, op)}
         time.sleep(POLL_SECONDS)
     try:
         inner = build(dict(request.get("checkpointer") or {}), request.get("parked"), pid)
@@ -261,7 +277,7 @@ def serve(request: dict[str, Any]) -> dict[str, Any]:
     except CheckpointError as err:
         return {"error": err.reason, "state": err.state}
     except Exception as err:  # noqa: BLE001 - one line back to the server, never a traceback
-        return {"error": f"the checkpoint worker failed to {op} process {pid}: {err}", "state": stays}
+        return {"error": f"the checkpoint worker failed to {op} process {pid}: {err}", "state": untouched_state(pid, op)}
     parked = getattr(inner, "_parked", {}).get(pid) if op == "suspend" and isinstance(getattr(inner, "_parked", None), dict) else None
     return {"value": value, "parked": parked, "worker": os.getpid()}
 
