@@ -11,6 +11,7 @@ viewer in the pool's queue order. Every lease is ``normal``: a person watches a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -152,13 +154,13 @@ class VoilaServer:
     server with the pool's extension and Voilà's) or ``standalone`` (``voila dash.ipynb`` with the
     pool's kernel manager)."""
 
-    def __init__(self, env: Environment, folder: Path, mode: str) -> None:
+    def __init__(self, env: Environment, folder: Path, mode: str, cull_idle: int = CULL_IDLE, simulate: str = "1x16GiB") -> None:
         self.mode = mode
         self.port = free_port()
         nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
         nb.cells = [nbformat.v4.new_code_cell("value = 6 * 7"), nbformat.v4.new_code_cell("print(f'dash value {value}')")]
         nbformat.write(nb, folder / "dash.ipynb")
-        self.pool_env = {"GPUPOOL_DB": str(folder / "pool.sqlite"), "GPUPOOL_SIMULATE": "1x16GiB",
+        self.pool_env = {"GPUPOOL_DB": str(folder / "pool.sqlite"), "GPUPOOL_SIMULATE": simulate,
                          "GPUPOOL_DEFAULT_MEMORY": "8GiB", "GPUPOOL_USER": "alice"}  # fmt: skip
         environ = env.variables()
         for name in [name for name in environ if name.startswith(("GPUPOOL_", "VOILA_"))]:
@@ -172,7 +174,7 @@ class VoilaServer:
         )
         environ.pop("JUPYTER_DEFAULT_PROVISIONER_NAME", None)
         # docs/voila.md's culling settings: the fallback for a browser that vanishes without unloading its page.
-        culling = [f"--MappingKernelManager.cull_idle_timeout={CULL_IDLE}", "--MappingKernelManager.cull_interval=1"]
+        culling = [f"--MappingKernelManager.cull_idle_timeout={cull_idle}", "--MappingKernelManager.cull_interval=1"]
         if mode == "extension":
             self.token = "voila-test-token"
             self.url = f"http://127.0.0.1:{self.port}/voila/render/dash.ipynb?token={self.token}"
@@ -302,6 +304,58 @@ def test_five_viewers_on_two_slices_wait_in_view_of_their_place_and_are_served_i
                 pass  # already closed
 
 
+@pytest.mark.parametrize("mode", ["extension", "standalone"])
+def test_a_page_waiting_for_its_gpu_longer_than_the_cull_timeout_is_not_culled_and_the_culler_goes_on(
+    voila_env: Environment, browser: Browser, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    """An 8 s cull_idle_timeout (a kernel's first reply may take seconds on a loaded machine, and
+    jupyter_server culls a kernel that has not said a word yet), 1 s rounds, one 8 GiB slice: v1 is served, v2's page waits in the
+    queue; v1's browser then vanishes without a word (no unload), so its granted kernel sits idle
+    with no connection. The culler culls it while v2 still waits (a pass stalled on v2's start never
+    would), v2 is granted the slice it freed and its page renders: its kernel, which waited past the
+    cull timeout, was never culled (neither while it waited nor as it was granted)."""
+    server = VoilaServer(voila_env, tmp_path_factory.mktemp(f"voila-cull-{mode}"), mode, cull_idle=8, simulate="1x8GiB")
+    v1, v2 = f"{mode}-cull-v1", f"{mode}-cull-v2"
+    known: set[str] = set()
+    try:
+        browser.ask(op="open", name=v1, url=server.url)
+        first = lease_of_new_request(server, known)
+        browser.wait_for_text(v1, SERVED, 60)
+        wait_until_page_connected(server, first)
+        browser.ask(op="open", name=v2, url=server.url)
+        second = lease_of_new_request(server, known)
+        browser.wait_for_text(v2, "Waiting for a GPU: position 1 of 1", 30)
+        second_kernel = server.pool.get(second.id).kernel_id
+        assert second_kernel, f"lease {second.id} names no kernel"
+        # Past the cull timeout and a few of the culler's rounds while v2 waits (the page says so all along).
+        deadline = time.monotonic() + 12
+        while time.monotonic() < deadline:
+            assert server.pool.get(second.id).state is LeaseState.QUEUED, server.log_path.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        assert "Waiting for a GPU" in browser.text(v2)
+        browser.ask(op="close", name=v1)  # the browser vanishes: no unload, no shutdown request
+        first_kernel = server.pool.get(first.id).kernel_id
+        deadline = time.monotonic() + 60
+        while f"({first_kernel}) with 0 connections" not in server.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the culler never culled v1's idle kernel:\n{server.log_path.read_text(errors='replace')[-3000:]}"
+            time.sleep(0.2)
+        browser.wait_for_text(v2, SERVED, 60)
+        assert "Waiting for a GPU" not in browser.text(v2)
+        log = server.log_path.read_text(errors="replace")
+        assert f"({second_kernel})" not in "".join(line for line in log.splitlines() if "Culling '" in line), log[-3000:]
+        assert server.pool.get(second.id).state is LeaseState.GRANTED
+        wait_until_page_connected(server, second)
+    finally:
+        for name in (v1, v2):
+            try:
+                browser.ask(op="close", name=name, unload=True)
+            except AssertionError:
+                pass  # already closed
+        server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, f"the wait, the cull or the render logged a traceback:\n{log[-4000:]}"
+
+
 def test_a_voila_kernel_leases_as_a_person_watching_when_it_leases_for_itself() -> None:
     """Standalone Voilà without the pool's kernel manager: its kernels lease through the kernel hook,
     as ``normal`` (Voilà puts ``VOILA_BASE_URL`` in their environment); other batch kernels stay ``batch``."""
@@ -324,3 +378,30 @@ async def test_a_page_kernel_waiting_for_its_gpu_is_listed_starting_so_the_culle
     assert kernel.execution_state == "starting" and kernel.last_activity is not None
     await manager.cull_kernel_if_idle(listed_id)  # raised TraitError before (last_activity unset)
     assert listed_id in manager._kernels
+
+
+async def test_the_culler_passes_by_a_page_kernel_whose_start_is_under_way_however_long_it_waited() -> None:
+    """A page's kernel listed while its start is still under way (jupyter_client lists it once
+    granted, before the start returns; or at once, as a pending kernel), its start begun 5 minutes
+    ago, well past ``cull_idle_timeout``: the culler's pass neither culls it nor waits on its start,
+    and its idle time starts over (it counts from the moment the start ends). Once the start ended,
+    the usual rule culls it: the test above, with a real server and pages."""
+    from jupyter_gpupool.serverextension.voila import PooledVoilaKernelManager
+
+    manager = PooledVoilaKernelManager(cull_idle_timeout=1, cull_busy=False)
+    kernel_id = "5d1c3e0a-7f4b-4c6e-9a2d-5d1c3e0a7f4b"
+    manager._page_starts[kernel_id] = None
+    kernel, _, listed_id = manager.pre_start_kernel("python3", {"kernel_id": kernel_id})
+    manager._kernels[listed_id] = kernel
+    manager._kernel_connections[listed_id] = 0
+    start: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the page's start, not ended
+    manager._pending_kernels[listed_id] = start
+    began = kernel.last_activity - timedelta(minutes=5)
+    kernel.last_activity = began
+    try:
+        await asyncio.wait_for(manager.cull_kernels(), 60)  # a pass that waited on the start would never end
+        assert listed_id in manager._kernels and not start.done(), "the culler culled a page's kernel still starting"
+        assert kernel.last_activity > began, "its idle time still counts from before its wait"
+    finally:
+        if not start.done():
+            start.cancel()

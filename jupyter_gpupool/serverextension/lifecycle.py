@@ -28,7 +28,7 @@ from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo
 from jupyter_gpupool.errors import GpuPoolError
 from jupyter_gpupool.kernel.autolease import mark_unpooled_kernelspecs
 from jupyter_gpupool.provisioner.kernel_provisioner import PROVISIONER_NAME, GpuPoolProvisioner, one_line
-from jupyter_gpupool.serverextension.voila import VOILA_PAGE, start_for_voila_page
+from jupyter_gpupool.serverextension.voila import VOILA_PAGE, spared_by_culler, start_for_voila_page
 
 if TYPE_CHECKING:
     from jupyter_gpupool.serverextension.app import GpuPoolExtension
@@ -189,9 +189,10 @@ class KernelHooks:
             return await self._restart(km, original_restart, kernel_id, now)
 
         async def cull_kernel_if_idle(kernel_id: str) -> Any:
-            kernel = km._kernels.get(kernel_id)
-            if kernel is not None and self.waits_for_gpu(kernel_id):
-                kernel.last_activity = utcnow()  # waiting is not idleness: the idle time starts when it stops
+            # A start still under way (a Voilà page's, listed once granted, before it returns) or one
+            # waiting in the queue: passed by, its idle time starting when it stops (see spared_by_culler).
+            starting = kernel_id in self.ext._queued_starts or self.waits_for_gpu(kernel_id)
+            if spared_by_culler(km._kernels.get(kernel_id), starting):
                 return None
             return await original_cull(kernel_id)
 

@@ -46,7 +46,7 @@ from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.errors import GpuPoolError
 from jupyter_gpupool.provisioner.kernel_provisioner import PROVISIONER_NAME, GpuPoolProvisioner, in_thread, one_line
 
-__all__ = ["VOILA_PAGE", "PooledVoilaKernelManager", "WaitingPage", "mark_voila_pages", "start_for_voila_page"]
+__all__ = ["VOILA_PAGE", "PooledVoilaKernelManager", "WaitingPage", "mark_voila_pages", "spared_by_culler", "start_for_voila_page"]
 
 #: The Voilà page handler whose request this task serves (set in its ``prepare``), else None.
 VOILA_PAGE: contextvars.ContextVar[Any | None] = contextvars.ContextVar("gpupool_voila_page", default=None)
@@ -302,12 +302,22 @@ class PooledVoilaKernelManager(AsyncMappingKernelManager):
         manager, name, kernel_id = super().pre_start_kernel(kernel_name, kwargs)
         if kernel_id in self._page_starts:
             self._page_starts[kernel_id] = manager
-            # Listed while it waits for its GPU: the culler must find it starting, not without a last
-            # activity (jupyter_server's culler logged a traceback for such a kernel); waiting is not idleness.
+            # Listed once granted, a moment before jupyter_server marks it: the culler, which passes
+            # it by (see cull_kernel_if_idle), must find it starting, not without a last activity.
             listed: Any = manager  # a ServerKernelManager, whose traits these are
             listed.execution_state = "starting"
             listed.last_activity = utcnow()
         return manager, name, kernel_id
+
+    async def cull_kernel_if_idle(self, kernel_id: str) -> None:
+        """jupyter_server's culler, which passes by a kernel whose start is under way (a page's
+        start, waiting for its GPU or granted and still starting; a start or restart waiting in the
+        queue): see :func:`spared_by_culler`."""
+        prov = getattr(self._kernels.get(kernel_id), "provisioner", None)
+        waiting = isinstance(prov, GpuPoolProvisioner) and prov.phase == "waiting"
+        if spared_by_culler(self._kernels.get(kernel_id), kernel_id in self._page_starts or waiting):
+            return
+        await super().cull_kernel_if_idle(kernel_id)
 
     async def start_kernel(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         page = VOILA_PAGE.get()
@@ -341,6 +351,17 @@ class PooledVoilaKernelManager(AsyncMappingKernelManager):
             self._page_starts.pop(kernel_id, None)
             if kernel_id not in self._kernels:  # a failed start: jupyter_client would list it (and shut it down) for ever
                 self._pending_kernels.pop(kernel_id, None)
+
+
+def spared_by_culler(kernel: Any, starting: bool) -> bool:
+    """The pool's rule for jupyter_server's culler: a listed ``kernel`` whose start is under way
+    (``starting``: waiting in the queue for its slice, or granted and not yet started) is never
+    culled, and the culler's pass never waits on its start; its idle time starts over, so it counts
+    from the moment the start ends. True when the culler must pass it by (its last activity is now)."""
+    if kernel is None or not starting:
+        return False
+    kernel.last_activity = utcnow()  # waiting is not idleness
+    return True
 
 
 async def pool_errors_as_http(start: Awaitable[Any]) -> Any:
