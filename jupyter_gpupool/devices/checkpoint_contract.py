@@ -99,7 +99,7 @@ class Checkpointer(abc.ABC):
 
     @abc.abstractmethod
     def state(self, pid: int) -> str:
-        """``running`` | ``suspended`` | ``locked`` | ``failed`` | ``gone``."""
+        """``running`` | ``suspended`` | ``locked`` | ``failed`` | ``gone``, or ``""`` when the driver cannot be asked (never a guess)."""
 
 
 def check_pid(pid: object) -> int:
