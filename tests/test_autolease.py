@@ -65,7 +65,9 @@ def kernel_prefix(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_env(kernel_prefix: Path, gpupool_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """The environment of a batch run: the simulated pool, a private IPython and Jupyter home."""
     env = dict(os.environ)
-    for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_KERNEL_ID", "GPUPOOL_UNAVAILABLE", autolease.AUTOLEASE_ENV):
+    # PYTEST_CURRENT_TEST: ipykernel sends the kernel's stderr (file descriptor 2) into the running
+    # cell, except under pytest; a user's run has no such variable.
+    for name in ("GPUPOOL_LEASE_ID", "GPUPOOL_KERNEL_ID", "GPUPOOL_UNAVAILABLE", autolease.AUTOLEASE_ENV, "PYTEST_CURRENT_TEST"):
         env.pop(name, None)
     env.update(
         IPYTHONDIR=str(tmp_path / "ipython"),
@@ -236,6 +238,66 @@ def test_a_queued_batch_kernel_waits_in_its_first_cell(kernel_prefix: Path, run_
     assert "waits for a GPU slice as batch (position 1 of 1" in output, output
     assert "granted after" in output, output
     assert [o.get("output_type") for o in cell] == ["stream"], cell
+
+
+def test_a_start_wait_that_runs_out_then_a_grant_in_the_first_cell_keeps_the_saved_cell_clean(
+    kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path
+):
+    """A start wait that runs out (``GPUPOOL_START_WAIT=3``), then the grant while the first cell waits:
+    the terminal says every line (the wait, "granted after"); the saved cell keeps only its own output
+    (the kernel's stderr reaches the cell, so a line for the terminal must not go through it)."""
+    pool = Pool.from_env()
+    holder = pool.request(LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), label="a live user"))
+    # The cell runs on a while after the grant: a line the kernel wrote to its stderr reaches the cell by then.
+    notebook = write_notebook(tmp_path / "late.ipynb", ENV_CELL + "\nimport time\ntime.sleep(2)")
+    proc = nbconvert(kernel_prefix, notebook, {**run_env, autolease.START_WAIT_ENV: "3"})
+    try:
+        out = watch(proc)
+        out.wait_for("still queued 3 s after the kernel started", proc)
+        deadline = time.monotonic() + 90
+        while not any("waiting for a GPU slice (batch)" in line for line in "".join(out.lines).split("still queued", 1)[1].splitlines()):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(out.lines)
+            time.sleep(0.1)  # the first cell waits
+        pool.release(holder.id, reason="the live user is done")
+    finally:
+        output = finish(proc)
+    cell = outputs(notebook)[0]
+    assert printed(cell)["CUDA_VISIBLE_DEVICES"]
+    assert "granted after" in output, output
+    assert [(o.get("output_type"), o.get("name")) for o in cell] == [("stream", "stdout")], cell
+
+
+def test_a_bad_start_wait_says_so_on_the_terminal_and_the_kernel_starts(
+    kernel_prefix: Path, run_env: dict[str, str], tmp_path: Path
+):
+    pool = Pool.from_env()
+    holder = pool.request(LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), label="a live user"))
+    notebook = write_notebook(tmp_path / "bad.ipynb", "print('ran')")
+    for bad in ("abc", "-5"):
+        proc = nbconvert(kernel_prefix, notebook, {**run_env, autolease.START_WAIT_ENV: bad})
+        try:
+            watch(proc).wait_for("waiting for a GPU slice (batch)", proc)
+            pool.release(holder.id, reason="the live user is done")  # granted: the kernel starts
+            holder = pool.request(LeaseRequest(owner="bob", memory=16 * GIB, holder_pid=os.getpid(), label="a live user"))
+        finally:
+            output = finish(proc)
+        lines = [line for line in output.splitlines() if autolease.START_WAIT_ENV in line and "ignored" in line]
+        assert len(lines) == 1, output
+        assert f"{autolease.START_WAIT_ENV}={bad!r}" in lines[0] and "seconds from 0 to" in lines[0], lines
+        assert "Traceback" not in output, output
+        assert outputs(notebook)[0][0]["text"] == "ran\n"
+    pool.release(holder.id, reason="done")
+
+
+def test_start_wait_parses_seconds_and_says_why_it_ignores_a_bad_value(monkeypatch: pytest.MonkeyPatch):
+    said: list[str] = []
+    monkeypatch.setattr(autolease, "say", lambda text, stream=None: said.append(text))
+    assert autolease.start_wait({}) == autolease.DEFAULT_START_WAIT
+    assert autolease.start_wait({autolease.START_WAIT_ENV: " 12.5 "}) == 12.5
+    assert autolease.start_wait({autolease.START_WAIT_ENV: "0"}) == 0
+    for bad in ("abc", "-5", "nan", "inf", "3600"):
+        assert autolease.start_wait({autolease.START_WAIT_ENV: bad}) == autolease.DEFAULT_START_WAIT
+    assert len(said) == 5 and all("ignored GPUPOOL_START_WAIT=" in line and "seconds from 0 to 3599" in line for line in said), said
 
 
 def test_a_withdrawn_request_stops_the_waiting_cell_and_leaves_the_kernel_cpu_only(

@@ -107,10 +107,26 @@ def start_wait(environ: Mapping[str, str]) -> float:
     return value
 
 
-def say(text: str, stream: Any = None) -> None:
-    """One line on the terminal of the program that started the kernel (never raises)."""
+#: The terminal of the program that started the kernel, kept before ipykernel takes its stderr.
+_terminal: list[Any] = []
+
+
+def keep_terminal() -> None:
+    """Keep this process's stderr as it is now, at kernel start: ipykernel later sends file
+    descriptor 2 into the running cell (it forwards extension libraries' output), and a line for
+    the terminal must never end up in a cell's saved output."""
+    if _terminal:
+        return
     try:
-        target = stream or sys.__stderr__ or sys.stderr
+        _terminal.append(os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace"))
+    except OSError:  # no stderr: say() falls back to sys.__stderr__
+        pass
+
+
+def say(text: str, stream: Any = None) -> None:
+    """One line on the terminal of the program that started the kernel, never in a cell (never raises)."""
+    try:
+        target = stream or (_terminal[0] if _terminal else None) or sys.__stderr__ or sys.stderr
         target.write(f"gpupool: {text}\n")
         target.flush()
     except Exception:  # noqa: BLE001, S110 - a closed stderr must not stop the kernel
@@ -602,6 +618,7 @@ def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, 
     env: MutableMapping[str, str] = os.environ if environ is None else environ
     if "lease" in _current:  # the config file is read once per process; a second call changes nothing
         return _current["lease"]
+    keep_terminal()  # before the kernel app takes stderr over
     try:
         if app is None:
             from ipykernel.kernelapp import IPKernelApp
