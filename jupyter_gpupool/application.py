@@ -202,9 +202,17 @@ class GpuPoolBaseApp(JupyterApp):
             raise
 
 
+#: Subcommands typed as one hyphenated word.
+_HYPHENATED = ("clear-claim",)
+
+
 def command_words(app_name: str) -> str:
-    """``jupyter-gpupool-reserve`` → ``jupyter gpupool reserve``."""
-    return app_name.replace("-", " ")
+    """The command as typed: ``jupyter-gpupool-reserve`` → ``jupyter gpupool reserve``,
+    ``jupyter-gpupool-clear-claim`` → ``jupyter gpupool clear-claim``."""
+    words = app_name.replace("-", " ")
+    for name in _HYPHENATED:
+        words = words.replace(f" {name.replace('-', ' ')}", f" {name}")
+    return words
 
 
 class _OneLineParser(_KVArgParser):

@@ -37,6 +37,10 @@ MAX_SIZE = PIB
 TOO_LARGE = "too large: no GPU pool holds more than 1 PiB; expected at most 1PiB"
 #: Longest size or duration text we read: anything longer is a mistake, not a size.
 MAX_TEXT = 64
+#: Smallest GPU slice a user may ask for (its guarantee, or an explicit limit): less cannot hold a
+#: CUDA context, so it is a typo (``8`` for 8GiB counts bytes) rather than a choice. The rule lives
+#: in :func:`jupyter_gpupool.core.validate.slice_floor`.
+MIN_SLICE = 64 * MIB
 
 
 def parse_size(text: str | float, *, gpu_memory: int | None = None) -> int:

@@ -29,7 +29,7 @@ from jupyter_gpupool.broker.handlers import NotFoundHandler
 from jupyter_gpupool.broker.routes import routes
 from jupyter_gpupool.core.models import LeaseRequest
 from jupyter_gpupool.serverextension.handlers import default_handlers
-from jupyter_gpupool.units import MIB
+from jupyter_gpupool.units import MIB, MIN_SLICE
 
 try:
     from broker_harness import BrokerHarness
@@ -91,12 +91,12 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("DevicesHandler", "GET"): ("devices", None, ALL),
     ("QueueHandler", "GET"): ("queue", None, ALL),
     ("LeasesHandler", "GET"): ("leases?owner=alice&kernel_id={kernel}", None, OWNER),
-    ("LeasesHandler", "POST"): ("leases", {"memory": "1MiB"}, ALL),
+    ("LeasesHandler", "POST"): ("leases", {"memory": "64MiB"}, ALL),
     ("LeaseHandler", "GET"): ("leases/{lease}", None, OWNER),
     ("LeaseHandler", "DELETE"): ("leases/{lease}", None, OWNER),
     ("LeaseReleaseHandler", "POST"): ("leases/{lease}/release", {}, OWNER),
-    ("LeaseResizeHandler", "POST"): ("leases/{lease}/resize", {"memory": "2MiB", "limit": "8MiB"}, OWNER),
-    ("LeaseGrowHandler", "POST"): ("leases/{lease}/grow", {"needed": "3MiB"}, OWNER),
+    ("LeaseResizeHandler", "POST"): ("leases/{lease}/resize", {"memory": "128MiB", "limit": "512MiB"}, OWNER),
+    ("LeaseGrowHandler", "POST"): ("leases/{lease}/grow", {"needed": "192MiB"}, OWNER),
     ("LeasePinnedBackupHandler", "POST"): ("leases/{lease}/pinned-backup", {"bytes": 0}, OWNER),
     ("LeaseKeepHandler", "POST"): ("leases/{lease}/keepalive", {"duration": "1h"}, OWNER),
     ("LeasePriorityHandler", "POST"): ("leases/{lease}/priority", {"priority": "batch"}, ADMIN),
@@ -115,7 +115,7 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("ReconcileHandler", "POST"): ("reconcile", {"holder_host": "h", "holder_pid": 1, "live_kernel_ids": []}, ALL),
     ("TickHandler", "POST"): ("tick", {}, ALL),
     ("KernelStatusHandler", "GET"): ("kernels/{kernel}", None, OWNER),
-    ("KernelReserveHandler", "POST"): ("kernels/{kernel}/reserve", {"memory": "2MiB", "limit": 0}, OWNER),
+    ("KernelReserveHandler", "POST"): ("kernels/{kernel}/reserve", {"memory": "128MiB", "limit": 0}, OWNER),
     ("KernelReleaseHandler", "POST"): ("kernels/{kernel}/release", {}, OWNER),
     ("KernelKeepaliveHandler", "POST"): ("kernels/{kernel}/keepalive", {}, OWNER),
     ("KernelSuspendHandler", "POST"): ("kernels/{kernel}/suspend", {}, OWNER),
@@ -124,12 +124,12 @@ BROKER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("ReservationsHandler", "GET"): ("reservations", None, ALL),
     ("ReservationsHandler", "POST"): (
         "reservations",
-        {"name": "r-{kernel}", "memory": "1MiB", "groups": ["g"], "duration": "1h"},
+        {"name": "r-{kernel}", "memory": "64MiB", "groups": ["g"], "duration": "1h"},
         ADMIN,
     ),
     ("ReservationHandler", "DELETE"): ("reservations/r-held", None, ADMIN),
     ("PreferencesHandler", "GET"): ("preferences", None, ALL),
-    ("PreferencesHandler", "PATCH"): ("preferences", {"memory": "1MiB"}, ALL),
+    ("PreferencesHandler", "PATCH"): ("preferences", {"memory": "64MiB"}, ALL),
     ("EventsHandler", "GET"): ("events", None, ALL),
     ("ClaimHandler", "DELETE"): ("claims/k-no-lease-named-it", None, ADMIN),
     ("MetricsHandler", "GET"): ("/metrics", None, ADMIN),
@@ -149,11 +149,11 @@ BROKER_ROW_TARGETS: dict[tuple[str, str], str] = {
 
 
 def fresh_target(harness: BrokerHarness, kind: str) -> Any:
-    """A new 1 MiB lease of A's in the state ``kind`` names (see :data:`BROKER_ROW_TARGETS`)."""
+    """A new smallest-slice (64 MiB) lease of A's in the state ``kind`` names (see :data:`BROKER_ROW_TARGETS`)."""
     fresh_target.made += 1  # type: ignore[attr-defined]
     kernel_id = f"k-a-suspendable-{fresh_target.made}"  # type: ignore[attr-defined]
     lease = harness.remote("tok-alice").request(
-        LeaseRequest(owner="", memory=MIB, kernel_id=kernel_id, suspendable=True)
+        LeaseRequest(owner="", memory=MIN_SLICE, kernel_id=kernel_id, suspendable=True)
     )
     if kind in ("suspending", "suspended"):
         harness.on_broker(harness.pool.suspend, lease.id)
@@ -194,7 +194,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     }
     alice = harness.remote("tok-alice")
     # A's leases first (the oldest), then thousands of newer ones of other users.
-    targets = [alice.request(LeaseRequest(owner="", memory=MIB, kernel_id=f"k-a-{i}")) for i in range(48)]
+    targets = [alice.request(LeaseRequest(owner="", memory=MIN_SLICE, kernel_id=f"k-a-{i}")) for i in range(48)]
     harness.on_broker(add_other_leases, harness.pool)
     try:
         yield {"harness": harness, "targets": targets}
@@ -233,7 +233,7 @@ def test_broker_matrix(broker: dict[str, Any], row: tuple[str, str]) -> None:
                 "POST",
                 "api/gpupool/reservations",
                 "tok-admin",
-                {"name": "r-held", "memory": "1MiB", "groups": ["g"], "duration": "1h"},
+                {"name": "r-held", "memory": "64MiB", "groups": ["g"], "duration": "1h"},
             )
         path = template.replace("{lease}", target.id).replace("{kernel}", target.kernel_id)
         body = (
@@ -267,7 +267,7 @@ def test_broker_matrix(broker: dict[str, Any], row: tuple[str, str]) -> None:
 SERVER_ROWS: dict[tuple[str, str], tuple[str, Any, frozenset[str]]] = {
     ("PoolHandler", "GET"): ("pool", None, ALL),
     ("KernelStatusHandler", "GET"): ("kernels/{kernel}", None, OWNER),
-    ("ReserveHandler", "POST"): ("kernels/{kernel}/reserve", {"memory": "2MiB"}, OWNER),
+    ("ReserveHandler", "POST"): ("kernels/{kernel}/reserve", {"memory": "128MiB"}, OWNER),
     ("ReleaseHandler", "POST"): ("kernels/{kernel}/release", {}, OWNER),
     ("KeepaliveHandler", "POST"): ("kernels/{kernel}/keepalive", {}, OWNER),
     ("SuspendHandler", "POST"): ("kernels/{kernel}/suspend", {}, OWNER),

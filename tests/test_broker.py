@@ -18,7 +18,7 @@ import pytest
 from broker_harness import ACCESS, BrokerHarness, unix_http, unix_http_json
 
 from jupyter_gpupool.core.models import Activity, LeaseRequest, LeaseState
-from jupyter_gpupool.errors import LeaseNotFound, NotAuthorized, RequestRefused
+from jupyter_gpupool.errors import InvalidInput, LeaseNotFound, NotAuthorized, RequestRefused
 from jupyter_gpupool.units import GIB
 
 ALICE, BOB, ADMIN, CAROL = "tok-alice", "tok-bob", "tok-admin", "tok-carol"
@@ -381,6 +381,28 @@ def test_activity_keepalive_and_heartbeat_reach_the_engine(harness: BrokerHarnes
     assert alice.keep(lease.id, 600).keep_until is not None
     with pytest.raises(Exception, match="."):
         alice.keep(lease.id, 10 * 24 * 3600)  # beyond max_keep
+
+
+def test_sizes_below_the_smallest_slice_and_backwards_report_ranges_are_refused(harness: BrokerHarness) -> None:
+    """A bare ``8`` counts bytes: the broker's API refuses it as a slice's guarantee, limit, resize or
+    reservation (it once queued an 8-byte request), and a report whose since is after its until is a 400
+    (it once answered no rows). Nothing changes."""
+    alice, admin = harness.remote(ALICE), harness.remote(ADMIN)
+    lease = alice.request(LeaseRequest(owner="", memory=4 * GIB))
+    before = state(harness)
+    floor = "below the smallest GPU slice of 64 MiB"
+    with pytest.raises(InvalidInput, match=f'memory 8 is 8 bytes.*{floor}; did you mean "8GiB"'):
+        alice.request(LeaseRequest(owner="", memory=8))
+    with pytest.raises(InvalidInput, match=f"limit 8 is 8 bytes.*{floor}"):
+        alice.request(LeaseRequest(owner="", memory=4 * GIB, burst_limit=8))
+    with pytest.raises(InvalidInput, match=f"memory 8 is 8 bytes.*{floor}"):
+        alice.resize(lease.id, memory=8)
+    with pytest.raises(InvalidInput, match=f"memory 1MiB is 1 MiB, {floor}"):
+        admin.book_reservation({"name": "lab", "memory": "1MiB", "groups": ["cs101"], "duration": "1h"})
+    with pytest.raises(InvalidInput, match="the date range is backwards"):
+        admin.report(since=2_000_000_000.0, until=1_900_000_000.0)
+    assert state(harness) == before
+    assert admin.report(since=1_900_000_000.0, until=2_000_000_000.0) == []
 
 
 def test_preferences_reports_events_and_reservations_are_per_user(harness: BrokerHarness) -> None:

@@ -212,3 +212,37 @@ def test_on_a_local_pool_only_an_admin_raises_priority(tmp_path):
     assert run(["priority", theirs["id"], "high"], tmp_path, USER="carol", **env).returncode == 0
     os.chown(shared, 0, 0)  # inside the namespace, alice's uid maps to the folder's owner now
     assert as_alice(mine["id"], "high").returncode == 0
+
+
+def test_a_size_below_the_smallest_slice_is_refused_and_changes_nothing(tmp_path):
+    """``request 8`` once queued an 8-byte slice; a reservation of 1MiB was booked. Both are typos."""
+    for args, expect in [
+        (["request", "8"], "8 is 8 bytes (a number without a unit counts bytes), below the smallest GPU slice of 64 MiB; "
+                           "did you mean jupyter gpupool request 8GiB?"),
+        (["request", "16MiB"], "16MiB is 16 MiB, below the smallest GPU slice of 64 MiB"),
+        (["reserve", "lab", "--memory", "8", "--groups", "cs101", "--for", "2h"],
+         "--memory 8 is 8 bytes (a number without a unit counts bytes), below the smallest GPU slice of 64 MiB; did you mean --memory 8GiB?"),
+    ]:
+        result = run(args, tmp_path)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and len(lines) == 1 and expect in lines[0], (args, result.stderr)
+        assert lines[0].startswith(f"jupyter gpupool {args[0]}: error: ")
+    assert json.loads(run(["leases", "--json"], tmp_path).stdout) == []
+    assert json.loads(run(["reserve", "--list", "--json"], tmp_path).stdout) == []
+
+
+def test_a_backwards_date_range_is_refused(tmp_path):
+    """``--since`` after ``--until`` once printed "(none)" and exited 0."""
+    assert run(["request", "1GiB", "--for", "1h"], tmp_path).returncode == 0
+    result = run(["report", "--since", "2026-12-05", "--until", "2026-12-01"], tmp_path)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and result.stdout == "" and len(lines) == 1, result
+    assert lines[0] == ("jupyter gpupool report: error: the date range is backwards: --since 2026-12-05 is after "
+                        "--until 2026-12-01; give the earlier date as since")
+    assert run(["report", "--since", "2026-12-01", "--until", "2026-12-01"], tmp_path).returncode == 0
+
+
+def test_the_error_prefix_is_the_command_as_typed(tmp_path):
+    result = run(["clear-claim"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("jupyter gpupool clear-claim: error: give exactly one kernel id"), result.stderr

@@ -124,6 +124,8 @@ def test_a_size_split_in_two_words_or_without_a_unit_is_refused(tmp_path):
         (["--memory", "8GiB", "extra", "words"], "unexpected arguments 'extra', 'words'"),
         (["--memory", "8"], "--memory 8 is 8 bytes (a number without a unit counts bytes), below the smallest GPU slice of 64 MiB; did you mean --memory 8GiB?"),
         (["--memory", "16MiB"], "--memory 16MiB is 16 MiB, below the smallest GPU slice of 64 MiB"),
+        (["--memory", "8GiB", "--limit", "8"],
+         "--limit 8 is 8 bytes (a number without a unit counts bytes), below the smallest GPU slice of 64 MiB; did you mean --limit 8GiB?"),
     ]:
         result = install(tmp_path, "--name", "k", *args)
         assert result.returncode == 2, (args, result.stdout, result.stderr)
@@ -132,6 +134,10 @@ def test_a_size_split_in_two_words_or_without_a_unit_is_refused(tmp_path):
     assert not (tmp_path / "share/jupyter/kernels/k").exists()
     assert install(tmp_path, "--name", "k", "--memory", "64MiB").returncode == 0
     assert install(tmp_path, "--name", "k2", "--memory", str(8 * 1024**3)).returncode == 0  # bytes, as documented
+    spec = tmp_path / "share/jupyter/kernels/k/kernel.json"
+    installed = spec.read_bytes()
+    assert install(tmp_path, "--name", "k", "--memory", "8").returncode == 2
+    assert spec.read_bytes() == installed  # a refused reinstall leaves the kernelspec as it was
 
 
 @pytest.mark.parametrize("command", [["report"], ["demo", "--no-browser"], ["simulate"], ["leases"], ["queue"]])

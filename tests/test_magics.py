@@ -160,6 +160,10 @@ def test_state_changed_elsewhere_shows_in_status(pool_env: PoolEnv, kernel_facto
         ("reserve 64GiB", "64 GiB"),  # more than any GPU has: refused, saying what fits
         ("reserve 8GiB --gpus -2", "invalid GPU count '-2'"),
         ("reserve 12 GB extra", "invalid size '12 GB extra'"),
+        # Below the smallest GPU slice: 8 counts bytes, so the 8GiB it likely meant is suggested.
+        ("reserve 8", "8 is 8 bytes (a number without a unit counts bytes), below the smallest GPU slice of 64 MiB; did you mean %gpupool reserve 8GiB?"),
+        ("reserve 16MiB", "16MiB is 16 MiB, below the smallest GPU slice of 64 MiB"),
+        ("reserve 8GiB --limit 8", "--limit 8 is 8 bytes (a number without a unit counts bytes), below the smallest GPU slice of 64 MiB"),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(

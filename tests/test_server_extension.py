@@ -201,6 +201,16 @@ def test_rest_auth_errors_restart_and_release(arun, jp_serverapp, gpupool_fetch,
         response = await gpupool_fetch(*base, "reserve", method="POST", body={"limit": "lots"})
         assert response.code == 400 and "limit" in json.loads(response.body)["message"], response.body
         assert (await kernel_state(gpupool_fetch, kernel_id))["limit"] == reserved["limit"]
+        # A bare 8 counts bytes: below the smallest GPU slice it is refused, naming the floor and the
+        # unit likely meant, and the slice stays as it was (it once became an 8-byte slice).
+        for body, said in (({"memory": 8}, 'memory 8 is 8 bytes'), ({"memory": "16MiB"}, "memory 16MiB is 16 MiB"),
+                           ({"limit": 8}, "limit 8 is 8 bytes")):
+            response = await gpupool_fetch(*base, "reserve", method="POST", body=body)
+            message = json.loads(response.body)["message"]
+            assert response.code == 400 and said in message and "smallest GPU slice of 64 MiB" in message, response.body
+            assert '8GiB' in message or "16MiB" in body.values()
+            after = await kernel_state(gpupool_fetch, kernel_id)
+            assert (after["memory"], after["guarantee"], after["limit"]) == (4 * GIB, 4 * GIB, reserved["limit"])
         response = await gpupool_fetch(*base, "reserve", method="POST", body={"limit": "8GiB"})
         assert response.code == 200 and json.loads(response.body)["limit"] == 8 * GIB, response.body
         response = await gpupool_fetch(*base, "reserve", method="POST", body={"limit": 0})

@@ -23,6 +23,7 @@ from jupyter_gpupool.application import (
 )
 from jupyter_gpupool.backends.local.pool import LOCAL_ADMIN_GROUP, local_admin
 from jupyter_gpupool.backends.remote import RemotePool, remote_resume, remote_suspend
+from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.metering import FORMATS, PERIODS, REPORT_KEYS, check_choice, columns
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState, PriorityClass
 from jupyter_gpupool.core.policy import WEEKDAYS
@@ -465,6 +466,7 @@ class ReportApp(GpuPoolBaseApp):
         fmt = "json" if self.json else check_choice(self.format, FORMATS, "--format")
         since = parse_day(self.since) if self.since else None
         until = parse_day(self.until) if self.until else None
+        validate.time_range(since, until, f"--since {self.since}", f"--until {self.until}")
         pool = self.make_pool()
         rows = pool.report(since=since, until=until, by=by, period=period)
         policy = getattr(pool, "policy", None)  # a broker's pool prices on its side
@@ -557,6 +559,7 @@ class ReserveApp(GpuPoolBaseApp):
         spec: dict[str, Any] = {"name": name, "memory": self.memory or None, "groups": self.groups, "users": self.users}
         if not self.memory:
             raise InvalidInput("give --memory, e.g. --memory 40GiB")
+        validate.slice_floor(validate.size(self.memory, "--memory"), "--memory {}")
         if self.weekdays:
             spec.update(weekdays=self.weekdays, start=self.window_start, end=self.window_end)
         else:
@@ -583,6 +586,7 @@ class RequestApp(GpuPoolBaseApp):
     def run(self) -> None:
         if len(self.extra_args) != 1:
             raise InvalidInput("give the size: jupyter gpupool request 8GiB")
+        validate.slice_floor(validate.size(self.extra_args[0], "size"), "{}", "jupyter gpupool request {}")
         pool = self.make_pool()
         memory = pool.parse_memory(self.extra_args[0])
         duration = parse_duration(self.duration) if self.duration else None

@@ -30,17 +30,15 @@ from traitlets import Bool, Unicode
 from jupyter_gpupool.application import GpuPoolBaseApp
 from jupyter_gpupool.backends.discovery import find_broker
 from jupyter_gpupool.backends.remote import RemotePool
+from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.engine import Engine
 from jupyter_gpupool.core.models import Device, LeaseRequest, PriorityClass, model_matches
 from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices import make_backend
 from jupyter_gpupool.errors import GpuPoolError, InvalidInput, RequestRefused
-from jupyter_gpupool.units import GIB, MIB, SIZE_FORMS, format_size, parse_size
+from jupyter_gpupool.units import GIB, SIZE_FORMS, format_size, parse_size
 
 PROVISIONER_NAME = "gpupool-provisioner"
-#: Smallest slice a kernelspec may fix: less cannot hold a CUDA context, so it is a typo (``--memory 8``
-#: for 8GiB) rather than a choice.
-MIN_SLICE = 64 * MIB
 _NAME_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
 
 
@@ -49,19 +47,14 @@ def gpu_kernelspec(base: dict[str, Any], memory: str, num_gpus: int = 1, priorit
     """A copy of ``base`` (a kernel.json dict) whose kernels are guaranteed a GPU slice of ``memory``
     and may grow to ``limit`` while the GPU has room (``0``: a fixed slice; empty: the pool's burst)."""
     size = parse_size(memory, gpu_memory=GIB)  # validate early: "25%" is fine, "8XB" is not
-    if size < MIN_SLICE and not memory.strip().endswith("%"):
-        bare = memory.strip().isdigit()
-        what = f"{size} byte{'s' if size != 1 else ''} (a number without a unit counts bytes)" if bare else format_size(size)
-        suggestion = f"; did you mean --memory {memory.strip()}GiB?" if bare else ""
-        raise InvalidInput(
-            f"--memory {memory.strip()} is {what}, below the smallest GPU slice of {format_size(MIN_SLICE)}{suggestion}"
-        )
+    validate.slice_floor(memory, "--memory {}")
     if num_gpus < 1:
         raise InvalidInput(f"--gpus must be at least 1, got {num_gpus}")
     if priority and priority not in {c.value for c in PriorityClass}:
         raise InvalidInput(f"--priority must be batch, normal or high, got {priority!r}")
     if limit and limit.strip() != "0":
         ceiling = parse_size(limit, gpu_memory=GIB)
+        validate.slice_floor(limit, "--limit {}")
         if not memory.strip().endswith("%") and not limit.strip().endswith("%") and ceiling < size:
             raise InvalidInput(f"--limit {limit.strip()} is below --memory {memory.strip()}; give a limit of at least the size, or 0 for a fixed slice")
     spec = json.loads(json.dumps(base))

@@ -22,6 +22,7 @@ class ReportHandler(BrokerHandler):
         raw_since, raw_until = self.query("since"), self.query("until")
         since = validate.timestamp(raw_since, "since (POSIX seconds)") if raw_since else None
         until = validate.timestamp(raw_until, "until (POSIX seconds)") if raw_until else None
+        validate.time_range(since, until, f"since={raw_since}", f"until={raw_until}")
         ident = self.identity
         if not ident.admin and by != "user":
             raise NotAuthorized("only pool admins may see reports by group or kernel; ask for by=user")

@@ -18,7 +18,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from jupyter_gpupool.errors import InvalidInput
-from jupyter_gpupool.units import DURATION_FORMS, MAX_SIZE, SIZE_FORMS, parse_duration, parse_size
+from jupyter_gpupool.units import (
+    DURATION_FORMS,
+    MAX_SIZE,
+    MIN_SLICE,
+    SIZE_FORMS,
+    format_size,
+    parse_duration,
+    parse_size,
+)
 from jupyter_gpupool.wording import plural
 
 # --- bounds -----------------------------------------------------------------------------------------
@@ -197,6 +205,16 @@ def timestamp(value: Any, field: str) -> float:
     return number(value, field, 0.0, MAX_TIME)
 
 
+def time_range(since: float | None, until: float | None, since_text: str = "", until_text: str = "") -> None:
+    """Refuse a range whose start is after its end (``--since 2026-12-05 --until 2026-12-01``): it
+    would select nothing, silently. ``*_text`` is how each end was written, for the message."""
+    if since is not None and until is not None and since > until:
+        raise InvalidInput(
+            f"the date range is backwards: {since_text or f'since {since:g}'} is after {until_text or f'until {until:g}'};"
+            " give the earlier date as since"
+        )
+
+
 def pid(value: Any, field: str = "holder_pid") -> int:
     """A process id in the OS's range (1 to :func:`pid_max`)."""
     return whole_number(value, field, 1, pid_max())
@@ -273,6 +291,31 @@ def _part_of_a_byte(value: float | str) -> bool:
     return False
 
 
+def slice_floor(value: float | str, typed: str = "memory {}", suggest: str = "") -> None:
+    """Refuse a slice's guarantee or explicit limit below :data:`~jupyter_gpupool.units.MIN_SLICE`
+    (the one rule every surface applies to a size a user asks a slice to have). ``typed`` is how the
+    user wrote it, ``{}`` standing for the value (``--memory {}``, ``%gpupool reserve {}``), so a bare
+    number is answered with the unit it most likely lacked (written as ``suggest``, else as
+    ``typed``). A percentage passes: it is of a GPU, resolved later."""
+    raw = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value).strip()
+    if raw.endswith("%"):
+        return
+    asked = parse_size(value, gpu_memory=MAX_SIZE)
+    if asked >= MIN_SLICE:
+        return
+    bare = re.fullmatch(r"[0-9]+", raw) is not None
+    what = f"{asked} byte{'s' if asked != 1 else ''} (a number without a unit counts bytes)" if bare else format_size(asked)
+    suggestion = f"; did you mean {(suggest or typed).format(raw + 'GiB')}?" if bare else ""
+    raise InvalidInput(f"{typed.format(raw)} is {what}, below the smallest GPU slice of {format_size(MIN_SLICE)}{suggestion}")
+
+
+def slice_size(value: Any, field: str = "memory", typed: str = "") -> int | str:
+    """A slice's size (see :func:`size`) at least the smallest GPU slice (see :func:`slice_floor`)."""
+    checked = size(value, field)
+    slice_floor(checked, typed or f"{field} {{}}", '"{}"')
+    return checked
+
+
 #: What a slice's ``limit`` accepts.
 LIMIT_FORMS = f"{SIZE_FORMS}, or 0 for a fixed slice"
 
@@ -283,7 +326,7 @@ def burst_limit(value: Any, field: str = "limit") -> int | str:
         return 0
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise InvalidInput(f"invalid {field} {_shown(value)}: expected {LIMIT_FORMS}")
-    return size(value, field)
+    return slice_size(value, field)
 
 
 def duration(value: Any, field: str = "duration") -> float:
@@ -330,7 +373,7 @@ def lease_request_body(body: Mapping[str, Any], max_gpus: int) -> dict[str, Any]
     (``owner`` and ``groups`` come from the caller's identity, never from the body)."""
     clean: dict[str, Any] = {}
     if (value := optional(body, "memory")) is not None:
-        clean["memory"] = size(value)
+        clean["memory"] = slice_size(value)
     if (value := optional(body, "num_gpus")) is not None:
         clean["num_gpus"] = whole_number(value, "num_gpus", 1, max_gpus)
     if (value := optional(body, "compute_share")) is not None and value != 0:
@@ -359,7 +402,7 @@ def resize_body(body: Mapping[str, Any]) -> tuple[int | str | None, float | None
     memory, seconds = optional(body, "memory"), optional(body, "duration")
     if memory is None and seconds is None:
         raise InvalidInput(f'give "memory" ({SIZE_FORMS}) and/or "duration" ({DURATION_FORMS})')
-    return (size(memory) if memory is not None else None), (duration(seconds) if seconds is not None else None)
+    return (slice_size(memory) if memory is not None else None), (duration(seconds) if seconds is not None else None)
 
 
 def resize_limit_body(body: Mapping[str, Any]) -> tuple[int | str | None, float | None, int | str | None]:
@@ -369,7 +412,7 @@ def resize_limit_body(body: Mapping[str, Any]) -> tuple[int | str | None, float 
     limit = burst_limit(raw_limit) if raw_limit is not None and raw_limit != "" else None
     if memory is None and seconds is None and limit is None:
         raise InvalidInput(f'give "memory" ({SIZE_FORMS}), "limit" ({LIMIT_FORMS}) and/or "duration" ({DURATION_FORMS})')
-    return (size(memory) if memory is not None else None), (duration(seconds) if seconds is not None else None), limit
+    return (slice_size(memory) if memory is not None else None), (duration(seconds) if seconds is not None else None), limit
 
 
 def grow_body(body: Mapping[str, Any]) -> int | str:
@@ -420,7 +463,7 @@ def reservation_body(body: Mapping[str, Any]) -> dict[str, Any]:
             if "/" in value:
                 raise InvalidInput("invalid name: a reservation name may not contain '/'")
         elif key == "memory":
-            clean[key] = size(value)
+            clean[key] = slice_size(value)
         elif key in ("users", "user", "groups", "group", "weekdays", "days"):
             clean[key] = text_list(value, key, 1000) if isinstance(value, list) else text(value, key, MAX_TEXT)
         elif key in ("start", "end"):
@@ -482,7 +525,7 @@ def preference_value(key: str, value: Any, max_gpus: int = 64) -> Any:
     if value is None:
         return None
     if key == "memory":
-        return size(value)
+        return slice_size(value)
     if key == "num_gpus":
         return whole_number(value, "num_gpus", 1, max_gpus)
     if key == "compute_share":
@@ -558,9 +601,12 @@ __all__ = [
     "resize_body",
     "resize_limit_body",
     "size",
+    "slice_floor",
+    "slice_size",
     "suspend_reason",
     "text",
     "text_list",
+    "time_range",
     "timestamp",
     "transition_body",
     "usable_preferences",

@@ -12,6 +12,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.display import display
 
+from jupyter_gpupool.core import validate
 from jupyter_gpupool.core.models import Lease, LeaseState, QueueInfo
 from jupyter_gpupool.enforcement.caps import free_framework_caches
 from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
@@ -232,6 +233,11 @@ class GpuPoolMagics(Magics):
         display(status_report(status))
 
     def _do_reserve(self, args: argparse.Namespace) -> None:
+        # The smallest-slice rule every surface applies, before the pool is asked anything.
+        if args.size is not None:
+            validate.slice_floor(args.size, "{}", "%gpupool reserve {}")
+        if args.limit is not None and args.limit.strip() != "0":
+            validate.slice_floor(args.limit, "--limit {}", "%gpupool reserve SIZE --limit {}")
         before = self.client.status().lease
         lease = self.client.reserve(args.size, duration=args.duration, num_gpus=args.gpus, limit=args.limit)
         status = self.client.status()
