@@ -92,8 +92,9 @@ DEFAULT_START_WAIT = 45.0
 CLIENT_LEFT_REASON = "the kernel's client left while it waited for a GPU"
 
 
-def start_wait(environ: Mapping[str, str]) -> float:
-    """``GPUPOOL_START_WAIT`` in seconds (the default where unset; a bad value says so once and uses the default)."""
+def start_wait(environ: Mapping[str, str], quiet: bool = False) -> float:
+    """``GPUPOOL_START_WAIT`` in seconds (the default where unset; a bad value says so, unless
+    ``quiet``, and uses the default)."""
     raw = environ.get(START_WAIT_ENV, "").strip()
     if not raw:
         return DEFAULT_START_WAIT
@@ -102,7 +103,8 @@ def start_wait(environ: Mapping[str, str]) -> float:
     except ValueError:
         value = -1.0
     if not 0 <= value < 3600:
-        say(f"ignored {START_WAIT_ENV}={raw!r}: give seconds from 0 to 3599 (e.g. {START_WAIT_ENV}=50); using {DEFAULT_START_WAIT:.0f}")
+        if not quiet:
+            say(f"ignored {START_WAIT_ENV}={raw!r}: give seconds from 0 to 3599 (e.g. {START_WAIT_ENV}=50); using {DEFAULT_START_WAIT:.0f}")
         return DEFAULT_START_WAIT
     return value
 
@@ -348,6 +350,8 @@ class AutoLease:
 
         self.container_devices = self.environ.get("NVIDIA_VISIBLE_DEVICES")
         self.environ.update(NO_GPU_ENV)  # fail closed first: nothing below may leave a GPU visible
+        if self.priority == "batch":
+            start_wait(self.environ)  # a bad value is said once, here, whether or not the pool is full
         try:
             self._lease(label)
         except Exception as err:  # noqa: BLE001 - never break a kernel: CPU-only, one line
@@ -730,7 +734,7 @@ def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoL
     if auto.queued:
         # A person's notebook behind a gateway shows the wait in its first cell (its client has no
         # per-cell deadline); a scripted client's start timeout bounds a wait before it is answered.
-        bound = 0.0 if auto.priority == "normal" else start_wait(env)
+        bound = 0.0 if auto.priority == "normal" else start_wait(env, quiet=True)
         try:
             auto.wait_before_answering(bound, int(parent) if parent.isdigit() else None)
         except Exception as err:  # noqa: BLE001 - the wait goes on in the first cell
