@@ -5,7 +5,9 @@ limit a systemd service gets by default (1,024) and no way to raise it. The atta
 process of another Unix user (``nobody``, no rights); the victim one of a third (``daemon``),
 timed beside it (``tests/abuse_clients.py``). For each attack: every refusal is a clear status
 line, the broker's memory stays within +64 MiB of its start, its log grows by a bounded amount,
-and the victim is answered (coarse guard: p99 under 1 s; ratios are in bench/broker_abuse.py).
+and the victim is answered: every request, at least one a second, half of them within 1 s (a
+broker the attack stalls answers each request only as idle connections time out, after 3 s). Its
+tail latency is load-dependent and measured in bench/broker_abuse.py, not here.
 """
 
 from __future__ import annotations
@@ -178,9 +180,12 @@ def refused_413(attack: dict[str, Any]) -> int:
 
 
 def assert_victim_served(victim: dict[str, Any]) -> None:
+    """Every request of the victim answered, at least 4 in its seconds, the median within 1 s: a
+    stalled broker answers none until an idle timeout (3 s) frees it. No bound on the tail (a busy
+    host stretches it; bench/broker_abuse.py measures it against a run without the attack)."""
     assert victim["requests"] >= 4, victim
     assert set(victim["statuses"]) <= {"200", "201"}, victim
-    assert victim["p99"] < 1.0, victim
+    assert victim["p50"] < 1.0, victim
 
 
 def test_idle_connections_cost_their_user_only(broker: Broker, public: Path) -> None:
