@@ -284,7 +284,7 @@ class BrokerProcess:
         self.starts = 0
         self.log_path = tmp_path / "broker.log"
 
-    def start(self, timeout: float = 60) -> BrokerProcess:
+    def start(self, timeout: float = 120) -> BrokerProcess:
         """Start it and wait until it serves its port and socket."""
         proc = self._launch()
         deadline = time.monotonic() + timeout

@@ -34,10 +34,10 @@ def wait_for(predicate: Any, timeout: float = 60, what: str = "") -> Any:
 class Server:
     """`jupyter server` in its own folder under ``tmp``, its environment overridden by ``env``
     (a value of None removes the variable), reached with its own token; ``start_timeout``: seconds
-    it may take to answer (a loaded machine takes tens of seconds)."""
+    it may take to answer (over a minute on a machine loaded ten times over its cores)."""
 
     def __init__(
-        self, tmp: Path, user: str, env: dict[str, str | None], args: tuple[str, ...] = (), start_timeout: float = 60
+        self, tmp: Path, user: str, env: dict[str, str | None], args: tuple[str, ...] = (), start_timeout: float = 180
     ) -> None:
         self.port = free_port()
         self.token = f"{user}-server-token"
