@@ -586,7 +586,7 @@ class RequestApp(GpuPoolBaseApp):
     def run(self) -> None:
         if len(self.extra_args) != 1:
             raise InvalidInput("give the size: jupyter gpupool request 8GiB")
-        validate.slice_floor(validate.size(self.extra_args[0], "size"), "{}", "jupyter gpupool request {}")
+        validate.slice_floor(self.extra_args[0], "{}", "jupyter gpupool request {}")
         pool = self.make_pool()
         memory = pool.parse_memory(self.extra_args[0])
         duration = parse_duration(self.duration) if self.duration else None

@@ -300,7 +300,10 @@ def slice_floor(value: float | str, typed: str = "memory {}", suggest: str = "")
     raw = str(int(value)) if isinstance(value, float) and value.is_integer() else str(value).strip()
     if raw.endswith("%"):
         return
-    asked = parse_size(value, gpu_memory=MAX_SIZE)
+    try:
+        asked = parse_size(value, gpu_memory=MAX_SIZE)
+    except InvalidInput:
+        return  # not a size at all, or too large: the caller's own check says which, as before
     if asked >= MIN_SLICE:
         return
     bare = re.fullmatch(r"[0-9]+", raw) is not None
