@@ -304,58 +304,6 @@ def test_five_viewers_on_two_slices_wait_in_view_of_their_place_and_are_served_i
                 pass  # already closed
 
 
-@pytest.mark.parametrize("mode", ["extension", "standalone"])
-def test_a_page_waiting_for_its_gpu_longer_than_the_cull_timeout_is_not_culled_and_the_culler_goes_on(
-    voila_env: Environment, browser: Browser, tmp_path_factory: pytest.TempPathFactory, mode: str
-) -> None:
-    """An 8 s cull_idle_timeout (a kernel's first reply may take seconds on a loaded machine, and
-    jupyter_server culls a kernel that has not said a word yet), 1 s rounds, one 8 GiB slice: v1 is served, v2's page waits in the
-    queue; v1's browser then vanishes without a word (no unload), so its granted kernel sits idle
-    with no connection. The culler culls it while v2 still waits (a pass stalled on v2's start never
-    would), v2 is granted the slice it freed and its page renders: its kernel, which waited past the
-    cull timeout, was never culled (neither while it waited nor as it was granted)."""
-    server = VoilaServer(voila_env, tmp_path_factory.mktemp(f"voila-cull-{mode}"), mode, cull_idle=8, simulate="1x8GiB")
-    v1, v2 = f"{mode}-cull-v1", f"{mode}-cull-v2"
-    known: set[str] = set()
-    try:
-        browser.ask(op="open", name=v1, url=server.url)
-        first = lease_of_new_request(server, known)
-        browser.wait_for_text(v1, SERVED, 60)
-        wait_until_page_connected(server, first)
-        browser.ask(op="open", name=v2, url=server.url)
-        second = lease_of_new_request(server, known)
-        browser.wait_for_text(v2, "Waiting for a GPU: position 1 of 1", 30)
-        second_kernel = server.pool.get(second.id).kernel_id
-        assert second_kernel, f"lease {second.id} names no kernel"
-        # Past the cull timeout and a few of the culler's rounds while v2 waits (the page says so all along).
-        deadline = time.monotonic() + 12
-        while time.monotonic() < deadline:
-            assert server.pool.get(second.id).state is LeaseState.QUEUED, server.log_path.read_text(errors="replace")[-3000:]
-            time.sleep(0.5)
-        assert "Waiting for a GPU" in browser.text(v2)
-        browser.ask(op="close", name=v1)  # the browser vanishes: no unload, no shutdown request
-        first_kernel = server.pool.get(first.id).kernel_id
-        deadline = time.monotonic() + 60
-        while f"({first_kernel}) with 0 connections" not in server.log_path.read_text(errors="replace"):
-            assert time.monotonic() < deadline, f"the culler never culled v1's idle kernel:\n{server.log_path.read_text(errors='replace')[-3000:]}"
-            time.sleep(0.2)
-        browser.wait_for_text(v2, SERVED, 60)
-        assert "Waiting for a GPU" not in browser.text(v2)
-        log = server.log_path.read_text(errors="replace")
-        assert f"({second_kernel})" not in "".join(line for line in log.splitlines() if "Culling '" in line), log[-3000:]
-        assert server.pool.get(second.id).state is LeaseState.GRANTED
-        wait_until_page_connected(server, second)
-    finally:
-        for name in (v1, v2):
-            try:
-                browser.ask(op="close", name=name, unload=True)
-            except AssertionError:
-                pass  # already closed
-        server.stop()
-    log = server.log_path.read_text(errors="replace")
-    assert "Traceback" not in log, f"the wait, the cull or the render logged a traceback:\n{log[-4000:]}"
-
-
 def test_a_voila_kernel_leases_as_a_person_watching_when_it_leases_for_itself() -> None:
     """Standalone Voilà without the pool's kernel manager: its kernels lease through the kernel hook,
     as ``normal`` (Voilà puts ``VOILA_BASE_URL`` in their environment); other batch kernels stay ``batch``."""
