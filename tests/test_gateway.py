@@ -179,7 +179,7 @@ def test_lab_behind_a_gateway_runs_kernels_as_without_the_extension_pooled_by_th
             # Pooled by the gateway's pool: the lease's GPU is the one the kernel sees.
             reply, shown = cell(server, kernel_id, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
             devices = {d.uuid: d for d in pool.devices()}
-            assert reply == "ok" and shown[-1].strip() in {str(devices[u].index) for u in lease.devices} | set(lease.devices)
+            assert reply == "ok" and printed(shown) in {str(devices[u].index) for u in lease.devices} | set(lease.devices)
             # The server's own pool never heard of the kernel, and says where it runs.
             lab_pool = Pool(SimulatedBackend.from_spec(SPEC), str(tmp_path / "lab-pool.sqlite"), PoolPolicy())
             assert lab_pool.leases(kernel_id=kernel_id, include_released=True) == []
@@ -213,7 +213,7 @@ def test_a_client_cannot_choose_the_pool_or_opt_out(gateway: KernelGateway, tmp_
         assert lease.priority is PriorityClass.BATCH  # no hint from a server: a scripted start
         assert not other.exists()
         reply, shown = asyncio.run(run_cell(gateway.port, "", kernel_id, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"))
-        assert reply == "ok" and shown[-1].strip() != "", shown  # a GPU of the gateway's pool, not none, not all
+        assert reply == "ok" and printed(shown) != "", shown  # a GPU of the gateway's pool, not none, not all
         gateway.call("DELETE", f"api/kernels/{kernel_id}")
         wait_for(lambda: not live_leases(pool, kernel_id), 15, "the lease released")
     finally:
