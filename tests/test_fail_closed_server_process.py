@@ -8,6 +8,7 @@ and the server then ignored SIGTERM and Ctrl-C; only SIGKILL stopped it.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -63,11 +64,15 @@ class ServerProcess:
         full_env.update(JUPYTER_RUNTIME_DIR=str(self.runtime), JUPYTER_CONFIG_DIR=str(config_dir), GPUPOOL_USER="alice")
         full_env.update(env)
         full_env.pop("JUPYTER_DEFAULT_PROVISIONER_NAME", None)
+        self.tmp, self.env = tmp, full_env
         self.log = self.log_path.open("w")
+        self._spawn()
+
+    def _spawn(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={self.port}",
-             "--ServerApp.port_retries=0", f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={tmp}"],
-            env=full_env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp,
+             "--ServerApp.port_retries=0", f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={self.tmp}"],
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.tmp,
         )  # fmt: skip
 
     def request(self, path: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
@@ -83,13 +88,19 @@ class ServerProcess:
 
     def wait_up(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
+        respawned = 0
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None and self.text().count("already in use") > respawned and respawned < 3:
+                respawned += 1
+                # Another test's process (a kernel's ZeroMQ socket) took the free port first: another port.
+                self.port = _free_port()
+                self._spawn()
             assert self.proc.poll() is None, self.text()
             try:
                 if self.request("/api/status")[0] == 200:
                     return
-            except OSError:
-                pass
+            except (OSError, http.client.HTTPException):
+                pass  # not listening yet, or the port answers for someone else (ZeroMQ's greeting)
             time.sleep(0.3)
         raise AssertionError(f"the server did not come up:\n{self.text()}")
 
