@@ -33,6 +33,8 @@ GIB = 1 << 30
 SERVER_ROUND_TRIPS = 5
 #: Seconds a jupyter server takes to start on a loaded host, before its first Slurm command.
 SERVER_START = 60
+#: Seconds jupyter_client may take to shut a kernel down on a loaded host (its request, then SIGTERM, then SIGKILL).
+KERNEL_SHUTDOWN = 30
 
 
 @pytest.fixture(scope="module")
@@ -401,7 +403,7 @@ def test_an_idle_kernel_gives_its_job_back_while_another_pends_unless_kept_and_j
         job = warned["slurm"]["job_id"]
         wait_for(
             lambda: idle not in {k["id"] for k in server.call("GET", "api/kernels")},
-            slurm.within(2),
+            slurm.within(2) + KERNEL_SHUTDOWN,  # its 2 s warning, a scancel, and jupyter_client's shutdown
             "the idle kernel to be shut down",
         )
         assert slice_of(server, idle)["release_reason"].startswith("reclaimed: idle for")
