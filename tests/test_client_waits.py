@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -33,6 +34,7 @@ from envs import environment_over_this_one
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import Lease, LeaseRequest, LeaseState
 from jupyter_gpupool.kernel import autolease
+from jupyter_gpupool.kernel.ports import kernel_ports
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -143,6 +145,22 @@ def queued_request(pool: Pool, run: Run, timeout: float = 90) -> Lease:
         time.sleep(0.1)
 
 
+def ports_free_to_others(runtime_dir: Path) -> list[int]:
+    """The ports of the waiting kernel's connection file that another process could bind now
+    (all of them while there is no connection file yet)."""
+    files = sorted(runtime_dir.glob("kernel-*.json"))
+    ip, ports = kernel_ports(str(files[0])) if files else ("", [0])
+    free = []
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind((ip, port))
+            except OSError:
+                continue
+            free.append(port)
+    return free
+
+
 def grade(kernel_prefix: Path, notebook: Path, env: dict[str, str]) -> Run:
     graded = notebook.with_name(notebook.stem + ".graded.ipynb")
     return Run([str(kernel_prefix / "bin" / "python"), "-c", GRADER, str(notebook), str(graded)], env, notebook.parent)
@@ -160,8 +178,16 @@ def test_jupyter_run_waits_fifteen_seconds_then_prints_the_scripts_output(kernel
     run = Run([str(kernel_prefix / "bin" / "jupyter-run"), str(script)], run_env, tmp_path)
     try:
         queued = queued_request(pool, run)
+        # The kernel keeps the ports its client chose bound while it waits: neither another process
+        # nor its client's reconnecting sockets take one before the kernel can bind it.
+        runtime = Path(run_env["JUPYTER_RUNTIME_DIR"])
+        deadline = time.monotonic() + 60
+        while ports_free_to_others(runtime) and run.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ports_free_to_others(runtime), f"the waiting kernel leaves ports free: {ports_free_to_others(runtime)}\n{run.text}"
         time.sleep(15)
         assert run.proc.poll() is None, run.text
+        assert not ports_free_to_others(runtime), run.text
         pool.release(holder.id, reason="the live user is done")
     finally:
         code = run.finish(timeout=120)

@@ -639,7 +639,7 @@ def configure(config: Any = None, app: Any = None, environ: MutableMapping[str, 
                     f"ignored {', '.join(dropped)} from the {gateway}'s client: a gateway kernel is pooled by the "
                     "settings of the gateway's host (its environment or this kernelspec), never by its client"
                 )
-        held = _held_before_exec(env, gateway or "")
+        held = _held_before_exec(env, gateway or "", connection_file)
         if held is not None:  # this process leased, then re-executed itself: carry on with that lease
             auto = _current["lease"] = held
             _load_extension_with_shell(auto, app, config)
@@ -701,15 +701,17 @@ def _device_control_runs(pool: Any) -> bool:
     return device_control_runs(pool)
 
 
-def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoLease | None:
+def _held_before_exec(env: MutableMapping[str, str], gateway: str = "", connection_file: str = "") -> AutoLease | None:
     """The lease this very process took before it re-executed itself, else None (a child kernel
-    inherits the variable with another pid, and stands aside: it shares its parent's slice)."""
+    inherits the variable with another pid, and stands aside: it shares its parent's slice). A
+    queued lease waits here, with the kernel's ports held (``connection_file``'s) until it binds them."""
     pid, _, rest = env.get(REEXEC_ENV, "").partition(":")
     lease_id, _, rest = rest.partition(":")
     was, _, parent = rest.partition(":")
     if pid != str(os.getpid()) or not lease_id or env.get("GPUPOOL_LEASE_ID") != lease_id:
         return None
     from jupyter_gpupool.core.models import LeaseState
+    from jupyter_gpupool.kernel.ports import ports_held
     from jupyter_gpupool.provisioner.kernel_provisioner import shared_pool
 
     auto = AutoLease(environ=env, lease_id=lease_id, gateway=gateway)
@@ -736,7 +738,8 @@ def _held_before_exec(env: MutableMapping[str, str], gateway: str = "") -> AutoL
         # per-cell deadline); a scripted client's start timeout bounds a wait before it is answered.
         bound = 0.0 if auto.priority == "normal" else start_wait(env, quiet=True)
         try:
-            auto.wait_before_answering(bound, int(parent) if parent.isdigit() else None)
+            with ports_held(connection_file):
+                auto.wait_before_answering(bound, int(parent) if parent.isdigit() else None)
         except Exception as err:  # noqa: BLE001 - the wait goes on in the first cell
             auto.say(f"could not wait for the GPU before the kernel started ({err}); its first cell waits")
     return auto
