@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -13,11 +14,33 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+#: Where test servers' ports are drawn from: below the kernel's ephemeral range, so no kernel
+#: (jupyter_client picks its ports by binding port 0) and no outgoing connection can take one
+#: between its choice and the server's bind; only another draw here could, one time in thousands.
+TEST_PORTS_FROM = 10000
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now on 127.0.0.1, drawn outside the ephemeral range (see ``TEST_PORTS_FROM``).
+    Drawn with the system's randomness: pytest-randomly seeds ``random`` alike in every worker."""
+    draw = random.SystemRandom()
+    top = _ephemeral_ports_start() - 1
+    for _ in range(200):
+        port = draw.randint(TEST_PORTS_FROM, top) if top > TEST_PORTS_FROM else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise AssertionError(f"no free TCP port from {TEST_PORTS_FROM} to {top} in 200 draws")
 
 
 def wait_for(predicate: Any, timeout: float = 60, what: str = "") -> Any:

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from server_process import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 MISSING = (
     "Slurm is not installed (no {names} on PATH): apt-get install -y slurm-wlm munge "
@@ -48,12 +50,6 @@ def skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "a test Slurm cluster runs slurmd as root; these tests need root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _tool(name: str) -> str:
@@ -122,7 +118,7 @@ class SlurmCluster:
         key = self.etc / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
-        ctld_port, slurmd_port = _free_port(), _free_port()
+        ctld_port, slurmd_port = free_port(), free_port()
         r = self.root
         self.conf.write_text(
             "\n".join(

@@ -12,7 +12,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
+from server_process import free_port
 
 pytestmark = [pytest.mark.slow]
 
@@ -42,17 +42,11 @@ def _nvml_works() -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class ServerProcess:
     """``python -m jupyter_server`` with the gpupool extension, its log in a file."""
 
     def __init__(self, tmp: Path, env: dict[str, str]) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.runtime = tmp / "runtime"
         self.log_path = tmp / "server.log"
         config_dir = tmp / "config"
@@ -93,7 +87,7 @@ class ServerProcess:
             if self.proc.poll() is not None and self.text().count("already in use") > respawned and respawned < 3:
                 respawned += 1
                 # Another test's process (a kernel's ZeroMQ socket) took the free port first: another port.
-                self.port = _free_port()
+                self.port = free_port()
                 self._spawn()
             assert self.proc.poll() is None, self.text()
             try:

@@ -15,7 +15,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from server_process import free_port
 
 from jupyter_gpupool.backends.remote import RemotePool
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
@@ -36,12 +36,6 @@ pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(240)]
 REPO = Path(__file__).resolve().parent.parent
 SERVICE_TOKEN = "e2e-test-admin-service-token-0123456789"
 OTHER_SERVICE_TOKEN = "e2e-other-service-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:

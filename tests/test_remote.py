@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from broker_harness import BrokerHarness
+from server_process import free_port
 
 from jupyter_gpupool.backends.factory import pool_from_env
 from jupyter_gpupool.backends.local.pool import Pool
@@ -60,9 +60,7 @@ def test_pool_from_env_picks_the_broker_and_never_falls_back(tmp_path: Path) -> 
 
 
 def test_refused_tcp_port_is_pool_unavailable() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # outside the ephemeral range: no other process's connection answers on it
     pool = RemotePool(f"http://127.0.0.1:{port}/services/gpupool", token="t", timeout=5)
     with pytest.raises(PoolUnavailable, match="connection refused"):
         pool.devices()
