@@ -46,6 +46,21 @@ def test_request_queue_release_report_round_trip(tmp_path):
     assert json.loads(run(["report", "--format", "json"], tmp_path).stdout)[0]["leases"] == 3
 
 
+def test_a_request_says_how_long_its_slice_is_held_once_the_command_exits(tmp_path):
+    """Without ``--for`` nothing sends a shell slice's heartbeats: the command says it lapses, and how
+    to hold it; with ``--for`` it says until when, queued or granted. ``--json`` stays pure JSON."""
+    bare = run(["request", "8GiB"], tmp_path, GPUPOOL_HEARTBEAT_TTL="120")
+    assert bare.returncode == 0 and " granted 8 GiB" in bare.stdout, bare.stderr
+    assert "nothing holds it once this command exits: it lapses within 2 min" in bare.stderr and "--for 2h" in bare.stderr
+    booked = [run(["request", "8GiB", "--for", "90m"], tmp_path) for _ in range(2)]
+    assert "queued" in booked[1].stdout
+    lease_id = booked[1].stdout.split()[0]
+    assert booked[0].stderr.startswith("held for 1 h 30 min (--for), then released; jupyter gpupool release l-"), booked[0].stderr
+    assert booked[1].stderr.startswith(f"once granted, held for 1 h 30 min (--for), then released; jupyter gpupool release {lease_id}")
+    as_json = run(["request", "1GiB", "--json"], tmp_path)
+    assert json.loads(as_json.stdout)["state"] == "queued" and as_json.stderr == ""
+
+
 @pytest.mark.parametrize("size", ["-1", "abc", "1e30", "0", "8XB"])
 def test_bad_sizes_are_one_line_errors(tmp_path, size):
     result = run(["request", f"--", size], tmp_path) if size.startswith("-") else run(["request", size], tmp_path)

@@ -604,6 +604,21 @@ class RequestApp(GpuPoolBaseApp):
             lease = pool.wait_for_grant(lease.id, on_update=show)
             print(file=sys.stderr)
         self.emit(lease.to_json(), f"{lease.id} {lease.state.value} {slice_size(lease.memory, lease.num_gpus)}")
+        if not self.json:
+            print(how_long_it_is_held(lease, pool.policy.heartbeat_ttl), file=sys.stderr)
+
+
+def how_long_it_is_held(lease: Lease, heartbeat_ttl: float) -> str:
+    """What keeps a slice booked from a shell once the command exits: its ``--for``, else nothing
+    (no process sends its heartbeats, so it lapses after ``heartbeat_ttl``)."""
+    release = f"jupyter gpupool release {lease.id} gives it back sooner"
+    if lease.duration is not None:
+        when = "once granted, " if lease.state is LeaseState.QUEUED else ""
+        return f"{when}held for {format_duration(lease.duration)} (--for), then released; {release}"
+    return (
+        f"nothing holds it once this command exits: it lapses within {format_duration(heartbeat_ttl)} (no process "
+        "sends its heartbeats); to hold it, book it for a time: --for 2h"
+    )
 
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
