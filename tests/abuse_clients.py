@@ -4,7 +4,8 @@ Run as a program (``python abuse_clients.py ATTACK --socket PATH ...``), usually
 user (``subprocess.Popen(..., user="nobody")``), by ``tests/test_broker_abuse.py`` and
 ``bench/broker_abuse.py``. Each attack holds what it took for ``--hold`` seconds, then prints one
 JSON line: how many connections were answered with which status line, and how many are still open.
-The victim makes requests one after another for ``--seconds`` and prints their latencies and statuses.
+The victim makes requests one after another for ``--seconds`` (and at least ``--min-requests``) and
+prints their latencies and statuses.
 """
 
 from __future__ import annotations
@@ -201,13 +202,14 @@ def attack_reports(target: str, lease_id: str, count: int, seconds: float) -> di
     return {"attack": "reports", "answers": tally([str(s) for s in statuses])}
 
 
-def victim(target: str, seconds: float, token: str | None = None, prefix: str = "") -> dict[str, Any]:
-    """``whoami`` and a lease request (released at once) one after another for ``seconds``."""
+def victim(target: str, seconds: float, token: str | None = None, prefix: str = "", min_requests: int = 0) -> dict[str, Any]:
+    """``whoami`` and a lease request (released at once) one after another for ``seconds``, and
+    until ``min_requests`` were made (one slow answer on a loaded host then leaves a median to read)."""
     latencies: list[float] = []
     statuses: list[int] = []
     deadline = time.monotonic() + seconds
     n = 0
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline or len(latencies) < min_requests:
         n += 1
         start = time.monotonic()
         status, _ = request(target, "GET", f"{prefix}/api/gpupool/whoami", token=token, timeout=30)
@@ -238,6 +240,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", type=int, default=99614720)
     parser.add_argument("--hold", type=float, default=5.0)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--min-requests", type=int, default=0, help="the victim goes on past --seconds until it made this many")
     parser.add_argument("--lease", default="")
     parser.add_argument("--token", default=None)
     parser.add_argument("--prefix", default="")
@@ -258,7 +261,7 @@ def main(argv: list[str]) -> int:
         status, body = request(args.target, "POST", f"/api/gpupool/leases/{args.lease}/suspend", {"reason": "bench"})
         result = {"status": status, "lease": body}
     else:
-        result = victim(args.target, args.seconds, args.token, args.prefix)
+        result = victim(args.target, args.seconds, args.token, args.prefix, args.min_requests)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -5,9 +5,10 @@ limit a systemd service gets by default (1,024) and no way to raise it. The atta
 process of another Unix user (``nobody``, no rights); the victim one of a third (``daemon``),
 timed beside it (``tests/abuse_clients.py``). For each attack: every refusal is a clear status
 line, the broker's memory stays within +64 MiB of its start, its log grows by a bounded amount,
-and the victim is answered: every request, at least one a second, half of them within 1 s (a
-broker the attack stalls answers each request only as idle connections time out, after 3 s). Its
-tail latency is load-dependent and measured in bench/broker_abuse.py, not here.
+and the victim is answered: every request, half of at least six within 1 s (a broker the attack
+stalls answers each request only as idle connections time out, after 3 s). Its tail latency is
+load-dependent (one request took 3.8 s on a host loaded 10 times over with nothing wrong) and is
+measured in bench/broker_abuse.py, not here.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def under_attack(broker: Broker, public: Path, attack: list[str], victim_seconds
     with peak_rss(broker) as peak:
         attacker = client(public, "nobody", attack[0], "--target", target, *attack[1:])
         time.sleep(settle)
-        victim = client(public, "daemon", "victim", "--target", target, "--seconds", str(victim_seconds))
+        victim = client(public, "daemon", "victim", "--target", target, "--seconds", str(victim_seconds), *VICTIM_MIN)
         seen_victim = result(victim)
         seen_attack = result(attacker)
     return seen_attack, seen_victim, peak[0] - start_rss, len(broker.log()) - start_log
@@ -179,11 +180,15 @@ def refused_413(attack: dict[str, Any]) -> int:
     return sum(n for line, n in attack["answers"].items() if line.startswith("HTTP/1.1 413 "))
 
 
+#: The victim's requests: at least six, so one slow answer on a loaded host leaves a median to read.
+VICTIM_MIN = ("--min-requests", "6")
+
+
 def assert_victim_served(victim: dict[str, Any]) -> None:
-    """Every request of the victim answered, at least 4 in its seconds, the median within 1 s: a
-    stalled broker answers none until an idle timeout (3 s) frees it. No bound on the tail (a busy
-    host stretches it; bench/broker_abuse.py measures it against a run without the attack)."""
-    assert victim["requests"] >= 4, victim
+    """Every request of the victim answered, the median of at least six within 1 s: a stalled
+    broker answers none until an idle timeout (3 s) frees it. No bound on the tail (a busy host
+    stretches it; bench/broker_abuse.py measures it against a run without the attack)."""
+    assert victim["requests"] >= int(VICTIM_MIN[1]), victim
     assert set(victim["statuses"]) <= {"200", "201"}, victim
     assert victim["p50"] < 1.0, victim
 
@@ -224,8 +229,7 @@ def test_running_out_of_descriptors_is_one_log_line_per_interval_and_the_victim_
         assert log < LOG_BOUND and rss < 64 * MIB, (log, rss)
         # its idle connections were closed (429) to make room for newer ones, or after their timeout
         assert attack["opened"] == 300 and attack["answers"].get("HTTP/1.1 429 Too Many Requests", 0) >= 200, attack
-        assert victim["requests"] >= 4 and set(victim["statuses"]) <= {"200", "201"}, victim
-        assert victim["max"] < 5.0, victim  # at most a few idle timeouts in the backlog
+        assert_victim_served(victim)
         assert broker.proc.poll() is None
     finally:
         broker.stop()
@@ -334,7 +338,7 @@ def test_idle_tcp_connections_without_credentials_leave_hub_users_served(tmp_pat
         start_rss = rss_of(broker.proc.pid)
         attacker = client(public, "nobody", "idle", "--target", target, "--count", "1100", "--hold", "6")
         time.sleep(1.0)
-        victim = result(client(public, "daemon", "victim", "--target", target, "--seconds", "4",
+        victim = result(client(public, "daemon", "victim", "--target", target, "--seconds", "4", *VICTIM_MIN,
                                "--token", "tok-victim", "--prefix", "/services/gpupool"))  # fmt: skip
         attack = result(attacker)
         assert_victim_served(victim)
