@@ -416,24 +416,23 @@ def test_stand_aside_reasons(tmp_path: Path):
     assert autolease.kernel_name_of(str(tmp_path / "missing.json")) == ""
 
 
-def test_standing_aside_on_a_host_without_gpu_costs_little(run_env: dict[str, str]):
-    """Import and decision in a fresh interpreter that already has ipykernel loaded, as a kernel has."""
+def test_standing_aside_on_a_host_without_gpu_imports_none_of_the_pool(run_env: dict[str, str]):
+    """Import and decision in a fresh interpreter that already has ipykernel loaded, as a kernel has.
+    What it costs in time is measured in bench/stand_aside.py (against ipykernel's own import)."""
     env = {k: v for k, v in run_env.items() if k != "GPUPOOL_SIMULATE"}
     code = (
-        "import time, ipykernel.kernelapp\n"
-        "t = time.perf_counter()\n"
+        "import ipykernel.kernelapp\n"
         "from jupyter_gpupool.kernel.autolease import configure\n"
         "result = configure()\n"
-        "print(result, round((time.perf_counter() - t) * 1000, 2), sorted(m for m in __import__('sys').modules if m.startswith('jupyter_gpupool')))"
+        "print(result, sorted(m for m in __import__('sys').modules if m.startswith('jupyter_gpupool')))"
     )
     if any(os.path.exists(p) for p in autolease.NVIDIA_MARKERS):
         pytest.skip("this host has an NVIDIA driver")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True).stdout
-    result, millis, modules = out.split(" ", 2)
+    result, modules = out.split(" ", 1)
     assert result == "None"
     # Standing aside imports none of the pool: only the package, its version and this module.
     assert eval(modules) == ["jupyter_gpupool", "jupyter_gpupool._version", "jupyter_gpupool.kernel", "jupyter_gpupool.kernel.autolease"]
-    assert float(millis) < 200, millis
 
 
 # --- a server's opt-out reaches its kernels ------------------------------------------------------
