@@ -64,7 +64,9 @@ def test_a_kernel_that_must_queue_is_pending_and_acting_on_it_is_a_409(
             response, _ = await post_kernel(gpupool_fetch)
             assert response.code == 201, response.body
         response, took = await post_kernel(gpupool_fetch)
-        assert response.code == 201 and took < 5.0, (response.body, took)
+        # Answered before any grant (none comes: the GPU is full), not after: a start that waited
+        # for its grant would never answer here.
+        assert response.code == 201 and took < 30.0, (response.body, took)
         model = json.loads(response.body)
         queued_id = model["id"]
         assert model["execution_state"] == "starting"

@@ -31,6 +31,12 @@ time.sleep(120)
 """
 
 
+#: Longest a view may take here. A view that waited for the write lock would take its connection's
+#: busy timeout (30 s) or the holder's whole hold; one that reads past it answers in milliseconds,
+#: seconds on a host loaded ten times over.
+VIEW_BOUND = 5.0
+
+
 class WriteLockHolder:
     """Another process holding the pool file's write lock until :meth:`stop`."""
 
@@ -65,13 +71,13 @@ def test_views_answer_while_another_process_holds_the_write_lock(tmp_path, pool_
     holder = WriteLockHolder(tmp_path / "pool.sqlite")
     try:
         snapshot, took = timed(pool.snapshot, viewer="bob", now=T0 + 2)
-        assert took < 0.5, f"the status view waited {took:.1f} s for the write lock"
+        assert took < VIEW_BOUND, f"the status view waited {took:.1f} s for the write lock"
         mine = [lease for lease in snapshot.leases if lease["mine"]]
         assert [(lease["state"], lease["queue_position"]) for lease in mine] == [("queued", 1)]
         assert [lease["owner"] for lease in snapshot.leases if not lease["mine"]] == [None]  # alice's stays anonymous
         assert snapshot.devices[0]["memory_leased"] == 12 * 1024**3
         info, took = timed(pool.queue_info, waiting.id, now=T0 + 2)
-        assert took < 0.5 and (info.position, info.length) == (1, 1)
+        assert took < VIEW_BOUND and (info.position, info.length) == (1, 1)
         assert [lease.id for lease in pool.queue(now=T0 + 2)] == [waiting.id]
         # Decisions still wait for the lock, and say so: nothing is decided beside the holder.
         with pytest.raises(PoolUnavailable, match="try again"):
@@ -95,7 +101,7 @@ def test_views_answer_while_a_thread_of_this_process_waits_for_the_write_lock(tm
         time.sleep(0.3)
         assert not ticked.is_set()  # the round waits for the lock
         snapshot, took = timed(pool.snapshot, viewer="alice", now=T0 + 5)
-        assert took < 0.5, f"the status view waited {took:.1f} s behind this process's own decision"
+        assert took < VIEW_BOUND, f"the status view waited {took:.1f} s behind this process's own decision"
         assert [lease["state"] for lease in snapshot.leases if lease["mine"]] == ["granted"]
     finally:
         holder.stop()
@@ -138,7 +144,7 @@ def test_the_rest_views_answer_while_the_write_lock_is_held(arun, gpupool_fetch,
         holder.stop()
     for name, (response, took) in answers.items():
         assert response.code == 200, (name, response.body)
-        assert took < 2.0, f"GET {name} waited {took:.1f} s for the write lock"
+        assert took < 2 * VIEW_BOUND, f"GET {name} waited {took:.1f} s for the write lock"
     pool = json.loads(answers["pool"][0].body)
     assert sorted(lease["state"] for lease in pool["leases"] if lease["mine"]) == ["granted", "queued"]
     queued = json.loads(answers["k-2"][0].body)
