@@ -352,6 +352,10 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     phase: str = "new"  # new, waiting, launching, running, restarting, stopping, stopped, failed
     #: Why the last start failed (the pool refused it, or was unavailable with ``refuse``); None if it did not.
     failure: str | None = None
+    #: Set when a restart found that the slice the running kernel held had ended under it (Slurm
+    #: ended its job as its step died): the server shuts the kernel down with this reason, as it
+    #: does a running kernel whose slice ended.
+    slice_ended: str = ""
     #: Why the kernel runs CPU-only (the pool was unavailable when it started); None if it has the pool.
     cpu_only_reason: str | None = None
     #: The last word from the queue while waiting: the lease and its place, whose ``reason`` says

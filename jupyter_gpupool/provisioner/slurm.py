@@ -116,6 +116,7 @@ class SlurmProvisioner(GpuPoolProvisioner):
                 if not lease.live and lease.release_reason.startswith(SLURM_END_PREFIX):
                     ended = lease.release_reason
         if ended:
+            self.slice_ended = ended  # the restarter raced the pool's notice of the job's end
             raise LeaseWaitAborted(f"kernel {self.kernel_id} is gone: its GPU slice {ended}")
         return await super().acquire()
 

@@ -130,7 +130,7 @@ class TransitionDriver:
             elif (
                 lease.state is LeaseState.RELEASED
                 and lease.release_reason.startswith(RECLAIM_PREFIXES)
-                and prov.phase == "running"
+                and (prov.phase == "running" or bool(prov.slice_ended))
                 and kernel_id not in self._acting
                 and kernel_id not in self.ext._culled
             ):
