@@ -420,6 +420,19 @@ def test_a_partition_without_shard_gres_is_said_to_have_whole_gpus(tmp_path):
     pool.close()
 
 
+def test_a_partition_slurm_lists_no_node_of_is_said_so_not_whole_gpus(tmp_path):
+    """Slurm answers, but no node is in the partition (a misspelt ``c.SlurmPool.partition``): the
+    pool says so, not "whole GPUs (no shard GRES)", which would send the admin looking at GRES."""
+    from jupyter_gpupool.backends.slurm.pool import SlurmPool
+
+    pool = SlurmPool(gpu_memory="80GiB", partition="gpuz", state_path=str(tmp_path / "leases.sqlite"))
+    pool.commands = ScriptedNodes([{**SHARDED[0], "Partitions": "gpu"}])  # type: ignore[assignment]
+    described = pool.backend.describe()
+    assert "no nodes in partition gpuz (Slurm lists none: check c.SlurmPool.partition" in described, described
+    assert "whole GPUs" not in described and pool.devices() == []
+    pool.close()
+
+
 def test_a_slice_is_not_asked_as_a_whole_gpu_while_the_shards_are_not_known(tmp_path):
     """``scontrol show node`` fails while a kernel asks for 8 GiB: nothing is submitted (no
     ``--gres=gpu:1`` in place of one shard), and the error says why; a slice of whole GPUs needs no

@@ -281,6 +281,9 @@ class SlurmPool(GrantWaiting, LoggingConfigurable):
         except GpuPoolError as err:
             return f"{gpus}, shards not known yet (the nodes could not be read: {short_reason(err)})"
         if not shards:
+            if self._nodes is not None and not self._nodes[1]:  # Slurm answered, and listed no node of the partition
+                where = f"partition {self.partition}" if self.partition else "the cluster"
+                return f"{gpus}, no nodes in {where} (Slurm lists none: check c.SlurmPool.partition and the nodes' Partitions)"
             return f"{gpus}, whole GPUs (no shard GRES)"
         return f"{gpus}, {shards} shards of {format_size(self._gpu_memory() // shards)} per GPU"
 
