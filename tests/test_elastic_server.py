@@ -68,9 +68,9 @@ def test_a_kernel_grows_past_its_default_and_gives_the_burst_back_for_a_request(
         asked = time.monotonic()
         b = await start_kernel(gpupool_fetch)
         lease_b = await gpupool_wait(lambda: (l := pool.lease_for_kernel(b)) and l.state is LeaseState.GRANTED and l,
-                                     timeout=15, what="kernel B's 12 GiB")
+                                     timeout=45, what="kernel B's 12 GiB")
         waited = time.monotonic() - asked
-        assert lease_b.memory == 12 * GIB and waited < 10
+        assert lease_b.memory == 12 * GIB and waited < 30  # the one-rule issue's bound: within 30 s
         back = pool.get(grown.id)
         assert back.state is LeaseState.GRANTED and back.guarantee == 2 * GIB and back.memory <= 4 * GIB
         # Taken back for B, or given back by A itself once its use had dropped (whichever came first).

@@ -69,8 +69,9 @@ def test_three_kernels_two_granted_one_queued_then_handover(
             kernel_id, seconds = await start_kernel(gpupool_fetch)
             ids.append(kernel_id)
             took.append(seconds)
-        # A kernel that waits for a GPU must not hold up the REST call (pending kernels).
-        assert max(took) < 3.0, took
+        # A kernel that waits for a GPU must not hold up the REST call (pending kernels): one that
+        # did would answer only at the handover below, never within the bound (load stretches the rest).
+        assert max(took) < 30.0, took
 
         async def all_requested() -> list[dict[str, Any]] | None:
             states = [await kernel_state(gpupool_fetch, k) for k in ids]
@@ -307,13 +308,12 @@ def test_sigkill_of_a_kernel_frees_its_lease(arun, jp_serverapp, gpupool_fetch, 
         pid = json.loads(await kernel_exec(kernel_id, ENV_CODE))["pid"]
         lease_id = (await kernel_state(gpupool_fetch, kernel_id))["lease_id"]
         os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
+        # Reconciliation runs every 0.25 s here; without it only the heartbeat's lapse (minutes)
+        # would free the slice. The bound leaves room for a host loaded ten times over.
+        assert gpupool_ext.pool.policy.heartbeat_ttl > 60
         await gpupool_wait(
-            lambda: gpupool_ext.pool.get(lease_id).state.value == "released", timeout=10, interval=0.05, what="release"
+            lambda: gpupool_ext.pool.get(lease_id).state.value == "released", timeout=30, interval=0.05, what="release"
         )
-        elapsed = time.monotonic() - killed
-        # Reconciliation runs every 0.25 s here; allow for reaping the process and a slow CI machine.
-        assert elapsed < gpupool_ext.reconcile_interval + 2.0, elapsed
         lease = gpupool_ext.pool.get(lease_id)
         assert "kernel is gone" in lease.release_reason
         pool = json.loads((await gpupool_fetch("api", "gpupool", "pool")).body)
