@@ -452,3 +452,38 @@ def test_a_lease_is_stored_as_the_same_json_however_it_is_encoded():
     assert lease_from_json(json.loads(lease.to_json_text())) == lease
     lease.extra = "not a field"  # type: ignore[attr-defined]
     assert json.loads(lease.to_json_text()) == lease.to_json()  # never written to the row
+
+
+class _WatchedBackup:
+    """The store's connection, seen through: what ``.rescued-*`` files exist while it copies."""
+
+    def __init__(self, conn: sqlite3.Connection, pattern: str) -> None:
+        self._conn, self._pattern = conn, pattern
+        self.seen_while_copying: list[str] = []
+
+    def backup(self, target: sqlite3.Connection) -> None:
+        self.seen_while_copying = glob.glob(self._pattern)
+        self._conn.backup(target)
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+
+def test_a_rescued_copy_appears_only_once_it_is_whole(tmp_path):
+    """A broker killed while it saves a lost file must leave no empty ``.rescued-*`` behind: the
+    next broker would read it, find no leases, and stop the kernels that still run."""
+    db = tmp_path / "pool.sqlite"
+    pool = open_pool(db)
+    lease = pool.request(req("alice", 4))
+    watched = _WatchedBackup(pool.store.conn, str(db) + ".rescued-*")
+    pool.store.conn = watched  # type: ignore[assignment]
+    for path in glob.glob(str(db) + "*"):
+        os.unlink(path)
+    with pytest.raises(PoolUnavailable, match="deleted or moved while in use"):
+        pool.store.check_file()
+    assert watched.seen_while_copying == [], "a half-written rescued copy was visible while it was copied"
+    [rescued] = glob.glob(str(db) + ".rescued-*")
+    assert not glob.glob(str(db) + ".rescuing-*")  # the partial name is gone once linked into place
+    conn = sqlite3.connect(rescued)
+    assert conn.execute("SELECT id, state FROM leases").fetchall() == [(lease.id, "granted")]
+    conn.close()

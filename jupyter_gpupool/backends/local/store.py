@@ -347,19 +347,25 @@ class Store(MeteringTables, PoolTables):
 
     def _rescue(self) -> str | None:
         """Save what this connection still sees of a deleted file next to its old path."""
-        target = f"{self.path}.rescued-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        target = f"{self.path}.rescued-{stamp}"
+        # Written under another name and linked into place whole: a process killed mid-copy leaves
+        # no half-written ``.rescued-*`` for the next broker to find empty.
+        partial = f"{self.path}.rescuing-{stamp}"
         try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             os.close(fd)
-            copy = sqlite3.connect(target)
+            copy = sqlite3.connect(partial)
             try:
                 self.conn.backup(copy)
             finally:
                 copy.close()
+            os.link(partial, target)  # fails rather than replace a copy of the same name
         except (OSError, sqlite3.Error):
-            with contextlib.suppress(OSError):
-                os.unlink(target)
             return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
         return target
 
     _hint = staticmethod(hint)
