@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import psutil
+
 
 async def start_kernel(fetch: Any, name: str = "python3") -> str:
     """``POST /api/kernels`` through ``gpupool_fetch``; the new kernel's id."""
@@ -20,15 +22,31 @@ def kernel_pid(serverapp: Any, kernel_id: str) -> int | None:
     return getattr(getattr(kernel.provisioner, "process", None), "pid", None)
 
 
+def listening_kernel_pid(serverapp: Any, kernel_id: str) -> int | None:
+    """The kernel's process id once that process listens on every port of its connection info
+    (None before). A kernel whose port another process took between its choice and its bind dies
+    and is restarted on new ports: this is the pid of the one that bound them, not of the dead one."""
+    kernel = serverapp.kernel_manager.get_kernel(kernel_id)
+    pid = kernel_pid(serverapp, kernel_id)
+    ports = {kernel.shell_port, kernel.iopub_port, kernel.stdin_port, kernel.control_port, kernel.hb_port}
+    if pid is None or 0 in ports:
+        return None
+    try:
+        listening = {conn.laddr.port for conn in psutil.Process(pid).net_connections("tcp") if conn.status == psutil.CONN_LISTEN}
+    except psutil.Error:  # gone (its restart comes next) or not yet readable
+        return None
+    return pid if ports <= listening else None
+
+
 #: Seconds a kernel may take to start on a loaded machine (a 2-core CI runner starts several at once).
 KERNEL_START_TIMEOUT = 120.0
 
 
 async def start_running_kernel(fetch: Any, serverapp: Any, wait: Any, name: str = "python3", what: str = "the kernel") -> str:
-    """:func:`start_kernel`, then wait (``gpupool_wait``) until its provisioner launched its
-    process; the kernel's id."""
+    """:func:`start_kernel`, then wait (``gpupool_wait``) until its process listens on its ports
+    (:func:`listening_kernel_pid`); the kernel's id."""
     kernel = await start_kernel(fetch, name)
-    await wait(lambda: kernel_pid(serverapp, kernel), timeout=KERNEL_START_TIMEOUT, what=f"{what}'s process")
+    await wait(lambda: listening_kernel_pid(serverapp, kernel), timeout=KERNEL_START_TIMEOUT, what=f"{what}'s process to listen")
     return kernel
 
 

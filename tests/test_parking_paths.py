@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from pool_helpers import make_pool, req
-from server_kernels import kernel_pid, release_flag, start_kernel
+from server_kernels import KERNEL_START_TIMEOUT, listening_kernel_pid, release_flag, start_kernel
 
 from jupyter_gpupool.core.models import LeaseState
 from jupyter_gpupool.devices.parking import DRIVER_CHECKPOINT, FrameworkPath
@@ -60,7 +60,7 @@ async def _status(gpupool_fetch: Any, kernel_id: str) -> dict[str, Any]:
 
 async def _kernel_holding(gpupool_fetch: Any, gpupool_wait: Any, jp_serverapp: Any, kernel_exec: Any, size: str) -> tuple[str, int]:
     kernel = await start_kernel(gpupool_fetch)
-    pid = await gpupool_wait(lambda: kernel_pid(jp_serverapp, kernel), what="the kernel's process")
+    pid = await gpupool_wait(lambda: listening_kernel_pid(jp_serverapp, kernel), timeout=KERNEL_START_TIMEOUT, what="the kernel to listen")
     await kernel_exec(kernel, f"x = 42\nfrom jupyter_gpupool.devices.simulated import pretend_to_use\npretend_to_use('{size}')")
     return kernel, pid
 

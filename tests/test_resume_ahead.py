@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import pytest
+from server_kernels import start_running_kernel
 
 from jupyter_gpupool.core.models import LeaseState, Transition
 
@@ -18,12 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.gpupool_env(GPUPOOL_DEFAULT_MEMORY="
 
 
 async def _suspended_kernel(gpupool_fetch: Any, gpupool_wait: Any, jp_serverapp: Any, pool: Any) -> str:
-    response = await gpupool_fetch("api", "kernels", method="POST", body={"name": "python3"})
-    kernel = json.loads(response.body)["id"]
-    await gpupool_wait(
-        lambda: getattr(getattr(jp_serverapp.kernel_manager.get_kernel(kernel).provisioner, "process", None), "pid", None),
-        what="the kernel's process",
-    )
+    kernel = await start_running_kernel(gpupool_fetch, jp_serverapp, gpupool_wait)
     response = await gpupool_fetch("api", "gpupool", "kernels", kernel, "suspend", method="POST", body={})
     assert response.code == 200, response.body
     await gpupool_wait(lambda: pool.lease_for_kernel(kernel).state is LeaseState.SUSPENDED, what="the suspend")

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+from server_kernels import KERNEL_START_TIMEOUT, listening_kernel_pid
 
 from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.provisioner.kernel_provisioner import holder_identity
@@ -42,8 +43,10 @@ async def _holding_kernel(jp_serverapp: Any, gpupool_fetch: Any, gpupool_wait: A
     await gpupool_wait(
         lambda: (lease := pool.lease_for_kernel(kernel_id)) and lease.state is LeaseState.GRANTED, what="the kernel's grant"
     )
-    km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-    pid = await gpupool_wait(lambda: getattr(getattr(km.provisioner, "process", None), "pid", None), what="the kernel process")
+    # The pid of the process that bound the kernel's ports: one whose port was taken dies and is restarted.
+    pid = await gpupool_wait(lambda: listening_kernel_pid(jp_serverapp, kernel_id), timeout=KERNEL_START_TIMEOUT, what="the kernel to listen")
+    lease = pool.lease_for_kernel(kernel_id)
+    assert lease.state is LeaseState.GRANTED, lease
     return kernel_id, pid
 
 
