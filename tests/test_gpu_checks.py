@@ -269,11 +269,14 @@ def test_elastic_check_end_to_end_on_a_simulated_pool(tmp_path: Path) -> None:
     result = elastic.measure(ctx, cells, host)
     assert result.status.value == "pass", (result.detail, result.data)
     seen = result.data
-    assert seen["grown_memory"] == keep + elastic.BURST_USE and seen["b_memory"] == 8 * GIB
+    # Grown to what the cell holds; with A's use then at its slice and room free, the watchdog may grow
+    # it one burst step (1 GiB) further, ahead of need, before the reading: either is right.
+    assert seen["grown_memory"] in (keep + elastic.BURST_USE, keep + elastic.BURST_USE + GIB), seen["grown_memory"]
+    assert seen["b_memory"] == 8 * GIB
     assert seen["nvml_a_cached"] == keep + elastic.BURST_USE and seen["nvml_a_last"] == keep
     assert seen["nvml_back_s"] <= 15.5 and seen["b_granted_s"] <= 15.5
     assert seen["after"]["cache_frees"] >= 1 and seen["caps_after"] <= seen["memory_after"] < seen["grown_memory"]
-    assert result.number.startswith("grown to 13.0 GiB; burst back in ") and "(limit 15.5 s)" in result.number
+    assert result.number.startswith(f"grown to {seen['grown_memory'] / GIB:.1f} GiB; burst back in ") and "(limit 15.5 s)" in result.number
 
 
 # --- device-control --------------------------------------------------------------------------------
