@@ -16,9 +16,10 @@
   folders are also listed (names, sizes, modification times) when the run starts and again when
   it ends: a change no hooked process made is shown, not counted (it may be a program of the
   tests' that is not Python, which a listing cannot tell from another's).
-- **System packages**: the browser, Slurm, Prometheus and JupyterHub tests need programs pip does
-  not install. The header says which are missing; a test skipped for want of one is counted in
-  the run's last line, with the command that installs them just above it.
+- **Packages the test extra leaves out**: the browser, Slurm, Prometheus and JupyterHub tests need
+  programs pip does not install, and one kernel test needs PyTorch (left out of ``[test]``: PyPI's
+  build brings gigabytes of CUDA libraries). The header says which are missing; a test skipped for
+  want of one is counted in the run's last line, with the command that installs them just above it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ import pytest
 #: The Debian/Ubuntu packages the suite's browser, Slurm and alert-rule tests need (.ci/run installs them).
 APT_PACKAGES = ("chromium", "prometheus", "slurm-wlm", "munge")
 APT_LINE = "apt-get install -y --no-install-recommends " + " ".join(APT_PACKAGES)
-#: The last line's label for tests skipped for want of one of them.
-SUMMARY_KEY = "for want of system packages (see above)"
+#: The last line's label for tests skipped for want of one of them (or of PyTorch).
+SUMMARY_KEY = "for want of packages (see above)"
+#: PyTorch's CPU build (a few hundred MB, where PyPI's default brings the CUDA libraries).
+TORCH_LINE = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,17 @@ class SystemNeed:
             return Path("/usr/bin/chromium").exists()
         if self.name == "slurm-wlm":
             return all(shutil.which(tool) or Path("/usr/sbin", tool).exists() for tool in ("slurmctld", "slurmd", "munged", "sbatch"))
+        if self.name == "torch":
+            return importlib.util.find_spec("torch") is not None
         return shutil.which(self.name) is not None
 
 
 NEEDS = (
-    SystemNeed("chromium", APT_LINE, ("chromium",)),
-    SystemNeed("slurm-wlm", APT_LINE, ("slurm is not installed",)),
-    SystemNeed("promtool", APT_LINE, ("promtool",)),
+    SystemNeed("chromium", f"as root: {APT_LINE}", ("chromium",)),
+    SystemNeed("slurm-wlm", f"as root: {APT_LINE}", ("slurm is not installed",)),
+    SystemNeed("promtool", f"as root: {APT_LINE}", ("promtool",)),
     SystemNeed("configurable-http-proxy", "npm install -g configurable-http-proxy@5", ("configurable-http-proxy",)),
+    SystemNeed("torch", TORCH_LINE, ("torch not installed",)),
 )
 
 
@@ -318,7 +324,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if not missing:
         return []
     commands = " && ".join(dict.fromkeys(need.install for need in missing))
-    return [f"gpupool: not on this machine: {', '.join(n.name for n in missing)} (their tests will skip; as root: {commands})"]
+    return [f"gpupool: not on this machine: {', '.join(n.name for n in missing)} (their tests will skip; to install: {commands})"]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -364,9 +370,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         counts = Counter(need.name for _, need in skipped)
         commands = " && ".join(dict.fromkeys(need.install for _, need in skipped))
         what = ", ".join(f"{name}: {count}" for name, count in counts.items())
-        terminalreporter.write_sep("=", "skipped for want of system packages", yellow=True)
+        terminalreporter.write_sep("=", "skipped for want of packages the test extra leaves out", yellow=True)
         terminalreporter.write_line(f"{len(skipped)} tests skipped because this machine lacks them ({what}).")
-        terminalreporter.write_line(f"Install them (as root) and run again: {commands}")
+        terminalreporter.write_line(f"Install them and run again: {commands}")
         terminalreporter.stats[SUMMARY_KEY] = [report for report, _ in skipped]
 
 

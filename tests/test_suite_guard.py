@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import suite_guard
-from suite_guard import APT_LINE, APT_PACKAGES, SUMMARY_KEY, changes, need_of, snapshot, watched_roots
+from suite_guard import APT_LINE, APT_PACKAGES, SUMMARY_KEY, TORCH_LINE, changes, need_of, snapshot, watched_roots
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -81,14 +81,18 @@ def test_a_failed_runs_folder_is_kept_three_days(tmp_path: Path) -> None:
 
 def test_every_skip_for_a_missing_package_in_the_suite_is_recognised() -> None:
     from slurm_cluster import MISSING
+    from test_kernel_extension import test_real_torch_without_cuda_is_left_alone
     from test_labextension import needs_chromium
     from test_metrics import needs_promtool
+
+    [torch_skip] = [m for m in test_real_torch_without_cuda_is_left_alone.pytestmark if m.name == "skipif"]
 
     assert need_of(needs_chromium.kwargs["reason"]).name == "chromium"
     assert need_of(needs_promtool.kwargs["reason"]).name == "promtool"
     assert need_of(MISSING.format(names="slurmctld, sbatch")).name == "slurm-wlm"
     assert need_of("configurable-http-proxy is not installed (npm install -g configurable-http-proxy@5)") is not None
     assert need_of("needs root to connect as another Unix user") is None
+    assert need_of(torch_skip.kwargs["reason"]).name == "torch"
 
 
 def test_ci_and_the_readme_install_what_the_guard_names() -> None:
@@ -97,6 +101,8 @@ def test_ci_and_the_readme_install_what_the_guard_names() -> None:
     assert installed, ".ci/run installs no apt packages"
     assert set(APT_PACKAGES) <= set(shlex.split(installed.group(1))), installed.group(1)
     assert APT_LINE in (REPO / "README.md").read_text(), "the README's Set-up must give the line the guard prints"
+    assert TORCH_LINE in (REPO / "README.md").read_text(), "the README's Set-up must say how to get PyTorch's CPU build"
+    assert re.search(r"pip install .*\btorch\b", ci), ".ci/run must install PyTorch for the real-torch test"
 
 
 def run_guarded(tmp_path: Path, test_source: str, watched: Path, real_home: Path | None = None,
@@ -221,7 +227,7 @@ def test_a_clean_run_passes_and_a_skip_for_want_of_a_package_is_in_the_last_line
     last = result.stdout.splitlines()[-1]
     assert f"2 skipped, 1 {SUMMARY_KEY}" in last, last
     assert "1 tests skipped because this machine lacks them (chromium: 1)" in result.stdout
-    assert f"Install them (as root) and run again: {APT_LINE}" in result.stdout
+    assert f"Install them and run again: as root: {APT_LINE}" in result.stdout
 
 
 @pytest.mark.parametrize("present", [True, False])
@@ -231,7 +237,7 @@ def test_the_header_names_what_is_missing(present: bool, monkeypatch: pytest.Mon
     if present:
         assert header == []
     else:
-        assert header == [f"gpupool: not on this machine: promtool (their tests will skip; as root: {APT_LINE})"]
+        assert header == [f"gpupool: not on this machine: promtool (their tests will skip; to install: as root: {APT_LINE})"]
 
 
 def test_a_listing_leaves_out_the_users_own_ipython_history(tmp_path: Path) -> None:
