@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -176,6 +177,40 @@ def test_non_ipython_kernel_gets_its_grant_keeps_it_on_restart_and_releases_it(e
             await km.shutdown_kernel(now=True)
         released = pool.get(lease.id)
         assert released.state is LeaseState.RELEASED and released.release_reason == "kernel shut down"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "reason, taken_back",
+    [("reclaimed: idle for 3 s while 1 job waited in partition gpu", True), ("kernel k is gone: its process ended", False)],
+)
+def test_a_restart_after_the_slice_was_taken_back_shuts_down_instead_of_asking_again(envdump_spec, reason, taken_back) -> None:
+    """The pool took the slice back (an idle reclaim) and the kernel's process died before the server
+    shut it down (a Slurm step is cancelled with its job): the restarter's restart must not queue a
+    new request behind the user's back, as it does when the kernel merely died."""
+    ksm, _ = envdump_spec
+
+    async def scenario() -> None:
+        km = AsyncKernelManager(kernel_name="envdump", kernel_spec_manager=ksm)
+        await km.start_kernel()
+        try:
+            prov = km.provisioner
+            assert isinstance(prov, GpuPoolProvisioner)
+            pool, first = prov.pool, prov.lease_id
+            pool.release(first, reason=reason)
+            if taken_back:
+                with pytest.raises(LeaseWaitAborted, match=r"its GPU slice was taken back \(reclaimed: idle for 3 s"):
+                    await km.restart_kernel(now=True)
+                assert prov.slice_ended == reason  # the server shuts the kernel down with this reason
+                assert [lease.id for lease in pool.leases(include_released=True, kernel_id=km.kernel_id)] == [first]
+            else:
+                await km.restart_kernel(now=True)
+                again = pool.lease_for_kernel(km.kernel_id)
+                assert again.id != first and again.state is LeaseState.GRANTED and not prov.slice_ended
+        finally:
+            with contextlib.suppress(Exception):
+                await km.shutdown_kernel(now=True)
 
     asyncio.run(scenario())
 

@@ -65,6 +65,10 @@ _SIZE_TOKEN = re.compile(r"^(\d+(?:\.\d+)?)(?:GB|G|GIB)$")
 _BRAND_TOKENS = frozenset({"RTX", "GTX", "TITAN"})
 #: How far a device's memory may be from a size in a request (``T4-16GB`` on a T4 with 15.4 GiB).
 _SIZE_TOLERANCE = 0.06
+#: How the release reasons of slices taken from a running kernel begin: by an idle reclaim, a
+#: preemption, a failed suspend or restore ("stopped: …"), or Slurm ending the kernel's job.
+TAKEN_BACK_PREFIXES = ("reclaimed", "preempted", "ended by Slurm", "stopped")
+
 MODEL_FORMS = (
     "an exact name as the pool lists it (A100-SXM4-80GB, RTX-A4000), its family (A100: every A100), "
     "or the family with a size or variant (A100-80GB, H100-PCIE)"
@@ -351,6 +355,12 @@ class Lease:
     @property
     def live(self) -> bool:
         return self.state is not LeaseState.RELEASED
+
+    @property
+    def taken_back(self) -> bool:
+        """Released because the pool (or Slurm) took the slice from its kernel, not because the kernel
+        ended or gave it back: that kernel is shut down, never restarted into a new request."""
+        return not self.live and self.release_reason.startswith(TAKEN_BACK_PREFIXES)
 
     @property
     def tied_to_its_process(self) -> bool:

@@ -352,9 +352,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     phase: str = "new"  # new, waiting, launching, running, restarting, stopping, stopped, failed
     #: Why the last start failed (the pool refused it, or was unavailable with ``refuse``); None if it did not.
     failure: str | None = None
-    #: Set when a restart found that the slice the running kernel held had ended under it (Slurm
-    #: ended its job as its step died): the server shuts the kernel down with this reason, as it
-    #: does a running kernel whose slice ended.
+    #: Set when a restart found that the slice the running kernel held was taken back under it
+    #: (:attr:`Lease.taken_back`: reclaimed, preempted, its Slurm job ended) as its process died:
+    #: the server shuts the kernel down with this reason, as it does a running kernel's.
     slice_ended: str = ""
     #: Why the kernel runs CPU-only (the pool was unavailable when it started); None if it has the pool.
     cpu_only_reason: str | None = None
@@ -481,7 +481,12 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
                 return kept
             if kept is not None and kept.state is LeaseState.QUEUED:
                 return await self._wait(kept)
-            self.lease_id = None  # released while the kernel was down: queue again
+            if kept is not None and kept.taken_back:
+                # Taken back while the kernel was down (its process died before the server shut it
+                # down: a cancelled Slurm step, an OOM kill): the server shuts it down, with the reason.
+                self.slice_ended = kept.release_reason
+                raise LeaseWaitAborted(f"kernel {self.kernel_id} is gone: its GPU slice was taken back ({kept.release_reason})")
+            self.lease_id = None  # released while the kernel was down (it ended, or gave it back): queue again
         request = await asyncio.to_thread(self.build_request)
         lease = await asyncio.to_thread(pool.request, request)
         self.lease_id = lease.id

@@ -38,11 +38,10 @@ from jupyter_client.connect import KernelConnectionInfo
 from traitlets import Float, Unicode
 
 from jupyter_gpupool.backends.slurm.pool import PROVISIONER_NAME, SlurmPool
-from jupyter_gpupool.core.models import Lease, LeaseRequest
+from jupyter_gpupool.core.models import LeaseRequest
 from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner, LeaseWaitAborted, server_binding
 
 STEP_NAME = "gpupool-kernel"
-SLURM_END_PREFIX = "ended by Slurm"
 
 
 @dataclass(frozen=True)
@@ -105,20 +104,6 @@ class SlurmProvisioner(GpuPoolProvisioner):
         return SlurmLeaseRequest(
             **values, partition=self.partition, account=self.account, qos=self.qos, time_limit=self.time_limit
         )
-
-    async def acquire(self) -> Lease:
-        """As on one host, except that a job Slurm ended is not resubmitted behind the user's back."""
-        pool = self.slurm_pool
-        ended = ""
-        if self.lease_id:
-            with contextlib.suppress(Exception):
-                lease = await asyncio.to_thread(pool.get, self.lease_id)
-                if not lease.live and lease.release_reason.startswith(SLURM_END_PREFIX):
-                    ended = lease.release_reason
-        if ended:
-            self.slice_ended = ended  # the restarter raced the pool's notice of the job's end
-            raise LeaseWaitAborted(f"kernel {self.kernel_id} is gone: its GPU slice {ended}")
-        return await super().acquire()
 
     # --- launch ---------------------------------------------------------------------------------
     def _connection_dir(self) -> Path:
@@ -228,14 +213,15 @@ class SlurmProvisioner(GpuPoolProvisioner):
 
     async def poll(self) -> int | None:
         """The ``srun`` step's exit code, except while the server is about to shut the kernel down
-        because Slurm ended its job: then the restarter must not restart it into a job that is gone."""
+        because its slice was taken back (Slurm ended its job; the pool reclaimed or preempted it and
+        cancelled the job, which ends the step first): the restarter must not restart it."""
         code = await super().poll()
         if code is None or self.phase != "running" or not self.lease_id or server_binding(self) is None:
             return code
         with contextlib.suppress(Exception):
             lease = await asyncio.to_thread(self.slurm_pool.get, self.lease_id)
-            if not lease.live and lease.release_reason.startswith(SLURM_END_PREFIX):
-                return None  # the server extension's tick shuts it down, with Slurm's reason
+            if lease.taken_back:
+                return None  # the server extension's tick shuts it down, with the reason
         return code
 
     # --- signals and stopping -------------------------------------------------------------------

@@ -39,9 +39,6 @@ if TYPE_CHECKING:
 
 
 #: Release reasons (set by the engine) after which the kernel must go: its slice was taken back.
-RECLAIM_PREFIXES = ("reclaimed", "preempted", "ended by Slurm", "stopped")
-
-
 @dataclass(frozen=True)
 class CapsMove:
     """Where a running kernel's framework caps go now: ``limit`` bytes per GPU, after freeing its
@@ -128,8 +125,7 @@ class TransitionDriver:
                     self._warned[lease.id] = lease.reclaim_at
                     self.ext.emit("warned", lease, message=lease.reclaim_reason, deadline=lease.reclaim_at)
             elif (
-                lease.state is LeaseState.RELEASED
-                and lease.release_reason.startswith(RECLAIM_PREFIXES)
+                lease.taken_back
                 and (prov.phase == "running" or bool(prov.slice_ended))
                 and kernel_id not in self._acting
                 and kernel_id not in self.ext._culled
