@@ -107,18 +107,22 @@ def test_by_default_a_preempted_kernel_is_suspended_not_shut_down(arun, jp_serve
     arun(scenario())
 
 
-def test_a_kernel_whose_restart_found_its_slice_ended_is_shut_down(arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext):
+@pytest.mark.parametrize("restart_learned_the_end", [True, False], ids=["restart-found-the-end", "restart-got-no-answer"])
+def test_a_kernel_whose_restart_failed_is_shut_down_once_its_slice_ended(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, restart_learned_the_end
+):
     """Slurm ends a kernel's job; its step dies first, and the restarter restarts the kernel before
-    the pool has heard of the job's end. The restart then finds the slice ended and fails, which
+    the pool has heard of the job's end. The restart then finds the slice ended and fails (or, with
+    slurmctld too busy to answer, gives up waiting for it: ``SlurmProvisioner.acquire``), which
     left the kernel listed, dead, for ever. Here the provisioner is left as that failed restart
-    leaves it (``SlurmProvisioner.acquire``): the server shuts the kernel down with the reason."""
+    leaves it: the server shuts the kernel down with the reason once the pool has it."""
     pool = gpupool_ext.pool
 
     async def scenario() -> None:
         kernel_id, pid = await _holding_kernel(jp_serverapp, gpupool_fetch, gpupool_wait, pool)
         prov = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner
         ended = "ended by Slurm: job 7 failed (Slurm: JobLaunchFailure)"
-        prov.phase, prov.slice_ended = "failed", ended
+        prov.phase, prov.slice_ended = "failed", ended if restart_learned_the_end else ""
         prov.failure = f"no GPU slice: kernel {kernel_id} is gone: its GPU slice {ended}"
         pool.release(prov.lease_id, reason=ended)
         await _shut_down(jp_serverapp, gpupool_fetch, gpupool_wait, kernel_id, pid)

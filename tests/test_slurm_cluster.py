@@ -4,8 +4,10 @@ kernels started through a real ``jupyter server`` run as Slurm jobs on GRES shar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -373,6 +375,54 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
         wait_for(lambda: pending_job not in squeue(slurm), slurm.within(2), "the pending job to be cancelled")
         assert slice_of(server, fourth)["release_reason"] == "kernel shut down while queued"
     finally:
+        server.stop()
+
+
+def silenceable_slurm_commands(folder: Path, silence: Path) -> Path:
+    """A folder of ``squeue`` and ``sacct`` that fail as a busy slurmctld makes them fail while the
+    file ``silence`` exists, and run the real commands otherwise; put it first on a server's PATH."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("squeue", "sacct"):
+        real = shutil.which(name)
+        assert real, name
+        script = folder / name
+        script.write_text(
+            f"#!/bin/sh\nif [ -e '{silence}' ]; then\n"
+            "  echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1\nfi\n"
+            f'exec {real} "$@"\n'
+        )
+        script.chmod(0o755)
+    return folder
+
+
+def test_a_restart_while_slurm_does_not_answer_waits_for_it_and_never_leaves_the_job(slurm, tmp_path):
+    """The kernel's job is killed while slurmctld is too busy to answer (squeue and sacct time out):
+    the restarter restarts the kernel, and the restart cannot learn whether the job still runs. It
+    waits for Slurm's answer instead of starting the kernel CPU-only on the server's host, outside
+    any job (as a first start with the pool unavailable would); once Slurm answers the kernel is
+    gone with Slurm's reason."""
+    silence = tmp_path / "slurmctld-busy"
+    commands = silenceable_slurm_commands(tmp_path / "bin", silence)
+    server = start_server(tmp_path, slurm, PATH=f"{commands}:{os.environ['PATH']}")
+    try:
+        kernel = server.call("POST", "api/kernels", {"name": "python3"})["id"]
+        wait_for(lambda: slice_of(server, kernel)["state"] == "granted", slurm.within(4), "the kernel's job to run")
+        job = slice_of(server, kernel)["slurm"]["job_id"]
+        assert execute(server, kernel, "print(6 * 7)").strip() == "42"
+        silence.write_text("")
+        slurm.run(["scancel", "--batch", "--signal=KILL", job])
+        wait_for(lambda: "restarts once Slurm answers" in server.log_path.read_text(), 30, "the restart to wait for Slurm")
+        silence.unlink()
+        wait_for(
+            lambda: kernel not in {k["id"] for k in server.call("GET", "api/kernels")},
+            slurm.within(2) + KERNEL_SHUTDOWN,
+            "the kernel to be gone",
+        )
+        assert slice_of(server, kernel)["release_reason"].startswith(f"ended by Slurm: job {job}")
+        assert "starts CPU-only" not in server.log_path.read_text()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            silence.unlink()
         server.stop()
 
 

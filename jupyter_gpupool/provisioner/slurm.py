@@ -19,7 +19,9 @@ provisioners do); see docs/hpc.md.
 
 A restart kills the step only and starts a new one in the same job: the slice is kept. A shutdown
 cancels the job. A job that ends on its own (time limit, preemption, node failure, ``scancel``
-from outside) leaves the kernel gone with Slurm's reason; it is not resubmitted.
+from outside) leaves the kernel gone with Slurm's reason; it is not resubmitted. A restart never
+leaves its job: while Slurm does not answer (a busy slurmctld) it waits for the answer, and if none
+comes it fails, rather than run the kernel CPU-only on the server's host as a first start would.
 """
 
 from __future__ import annotations
@@ -38,8 +40,14 @@ from jupyter_client.connect import KernelConnectionInfo
 from traitlets import Float, Unicode
 
 from jupyter_gpupool.backends.slurm.pool import PROVISIONER_NAME, SlurmPool
-from jupyter_gpupool.core.models import LeaseRequest
-from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner, LeaseWaitAborted, server_binding
+from jupyter_gpupool.core.models import Lease, LeaseRequest
+from jupyter_gpupool.errors import PoolUnavailable
+from jupyter_gpupool.provisioner.kernel_provisioner import (
+    GpuPoolProvisioner,
+    LeaseWaitAborted,
+    one_line,
+    server_binding,
+)
 
 STEP_NAME = "gpupool-kernel"
 
@@ -84,6 +92,12 @@ class SlurmProvisioner(GpuPoolProvisioner):
     kernel_ip = Unicode(
         "", config=True, help="Address the kernel binds on its node. Empty: the node's NodeAddr in Slurm."
     )
+    restart_answer_timeout = Float(
+        60.0,
+        config=True,
+        help="Seconds a restart waits for Slurm to answer about the kernel's job (slurmctld busy or down). "
+        "Past them the restart fails, saying so; the kernel is never restarted outside its job.",
+    )
 
     job_id: str | None = None
     step_id: str | None = None
@@ -104,6 +118,30 @@ class SlurmProvisioner(GpuPoolProvisioner):
         return SlurmLeaseRequest(
             **values, partition=self.partition, account=self.account, qos=self.qos, time_limit=self.time_limit
         )
+
+    async def acquire(self) -> Lease:
+        """As on one host; a restart (the job's lease is known) waits for Slurm to answer about the
+        job, retrying with backoff for :attr:`restart_answer_timeout`, then fails: its job may have
+        ended, and a CPU-only kernel on the server's host would have left it."""
+        if not self.lease_id:
+            return await super().acquire()
+        deadline = time.monotonic() + self.restart_answer_timeout
+        delay = 0.5
+        while True:
+            try:
+                return await super().acquire()
+            except PoolUnavailable as err:
+                if time.monotonic() + delay > deadline:
+                    raise LeaseWaitAborted(
+                        f"kernel {self.kernel_id} did not restart: Slurm did not answer about its job "
+                        f"{self.job_id or ''} within {self.restart_answer_timeout:g} s ({one_line(err)}); "
+                        "restart it once Slurm answers"
+                    ) from None
+                self.log.info(
+                    "gpupool: kernel %s restarts once Slurm answers about its job: %s", self.kernel_id, one_line(err)
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     # --- launch ---------------------------------------------------------------------------------
     def _connection_dir(self) -> Path:

@@ -126,7 +126,8 @@ class TransitionDriver:
                     self.ext.emit("warned", lease, message=lease.reclaim_reason, deadline=lease.reclaim_at)
             elif (
                 lease.taken_back
-                and (prov.phase == "running" or bool(prov.slice_ended))
+                # "failed": a restart that could not learn in time that the slice was taken back.
+                and (prov.phase in ("running", "failed") or bool(prov.slice_ended))
                 and kernel_id not in self._acting
                 and kernel_id not in self.ext._culled
             ):
