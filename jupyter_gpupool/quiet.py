@@ -198,6 +198,8 @@ class ActivityClock:
         self.follows = getattr(kernel, "_activity_stream", None)
         self.last_activity: datetime.datetime = getattr(kernel, "last_activity", None) or _utcnow()
         self.execution_state: str = getattr(kernel, "execution_state", None) or "starting"
+        #: While busy: the type of the request it is busy with (``execute_request``, ``comm_msg``...), else "".
+        self.busy_with = ""
         self.quiet_messages = 0
         self._session = Session(config=kernel.session.config, key=kernel.session.key)
         self._stream = kernel.connect_iopub()
@@ -227,6 +229,7 @@ class ActivityClock:
                 state = self._session.unpack(msg["content"])["execution_state"]
                 if self._tracked(parent_type):
                     self.execution_state = state
+                    self.busy_with = str(parent_type) if state == "busy" else ""
                 elif self.execution_state == "starting" and state != "starting":
                     self.execution_state = "idle"
 

@@ -461,6 +461,10 @@ class Activity:
     busy: bool
     last_activity: float | None = None
     connections: int = 0
+    #: While busy, the Jupyter message type of the request it is busy with (``execute_request``: a cell;
+    #: ``comm_msg``: a widget's message; ``comm_open``: a front end connecting its widget manager);
+    #: "" where it is not known.
+    busy_with: str = ""
 
 
 class DecisionKind(str, enum.Enum):

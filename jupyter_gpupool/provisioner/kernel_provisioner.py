@@ -356,6 +356,9 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
     #: (:attr:`Lease.taken_back`: reclaimed, preempted, its Slurm job ended) as its process died:
     #: the server shuts the kernel down with this reason, as it does a running kernel's.
     slice_ended: str = ""
+    #: Whether the kernel runs with the pool's kernel extension (an IPython kernel): its cells then
+    #: wait for a resume themselves, and a cell of only ``%gpupool`` lines does not resume it.
+    kernel_extension: bool = False
     #: Why the kernel runs CPU-only (the pool was unavailable when it started); None if it has the pool.
     cpu_only_reason: str | None = None
     #: The last word from the queue while waiting: the lease and its place, whose ``reason`` says
@@ -631,7 +634,10 @@ class GpuPoolProvisioner(LocalProvisioner):  # type: ignore[misc]
         env["GPUPOOL_USER"] = lease.owner
         env["GPUPOOL_SUSPENDABLE"] = "1" if lease.suspendable else "0"  # a slice the kernel asks for again is so too
         kwargs["env"] = self.plan.apply(env)
-        if self.load_kernel_extension and self._is_ipython() and importlib.util.find_spec(KERNEL_EXTENSION) is not None:
+        self.kernel_extension = (
+            self.load_kernel_extension and self._is_ipython() and importlib.util.find_spec(KERNEL_EXTENSION) is not None
+        )
+        if self.kernel_extension:
             extra = list(kwargs.get("extra_arguments") or [])
             flag = f"--ext={KERNEL_EXTENSION}"
             if flag not in extra:

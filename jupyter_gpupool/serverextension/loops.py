@@ -132,6 +132,7 @@ class WatchLoops:
                 busy=state == "busy",
                 last_activity=last.timestamp() if last is not None else None,
                 connections=connections,
+                busy_with=clock.busy_with if clock is not None and state == "busy" else "",
             )
 
         stale = [p for k in km.list_kernel_ids() if (p := self.ext.provisioner_of(k)) is not None and p.stale_lease_id]

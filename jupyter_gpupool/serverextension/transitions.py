@@ -83,6 +83,23 @@ class PoolPinnedBackups:
             self.pool.reserve_pinned_backup(lease_id, 0)
 
 
+#: What a suspended kernel may be busy with that needs its GPU memory back: a cell, and a widget's
+#: message (its callback runs the user's code). A front end that connects (``kernel_info``,
+#: ``comm_info``, a widget manager's ``comm_open``) or asks for completions only looks.
+WORK_REQUESTS = ("execute_request", "comm_msg")
+
+
+def got_work(activity: Activity | None, kernel_extension: bool) -> bool:
+    """Whether a suspended kernel got work that needs its GPU, by what it is busy with. A kernel with
+    the pool's kernel extension decides for its cells itself (a cell of only ``%gpupool`` lines only
+    looks, any other waits for the resume it asks for), so only a widget's message counts here."""
+    if activity is None or not activity.busy:
+        return False
+    if activity.busy_with in ("", "execute_request"):  # a cell, or not known
+        return not kernel_extension
+    return activity.busy_with in WORK_REQUESTS
+
+
 class TransitionDriver:
     """Carries out suspends, restores, moves and reclaims of this server's kernels."""
 
@@ -140,8 +157,7 @@ class TransitionDriver:
             elif lease.transition is not Transition.NONE and lease.id not in self._moving and prov.phase == "running":
                 self._moving.add(lease.id)
                 self._spawn(self._carry_out_transition(kernel_id, prov, lease))
-            elif lease.state is LeaseState.SUSPENDED and activities.get(lease.id, Activity(busy=False)).busy:
-                # Work arrived (a cell, from a client without our kernel extension): bring it back.
+            elif lease.state is LeaseState.SUSPENDED and got_work(activities.get(lease.id), prov.kernel_extension):
                 resumed = await asyncio.to_thread(self.ext.pool.resume, lease.id)
                 self.ext.emit("resuming", resumed, message="resuming: the kernel got work")
 
