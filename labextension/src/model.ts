@@ -153,9 +153,16 @@ export class GpuPoolModel implements IDisposable {
     return poolView(this._pool, this._kernelId);
   }
 
-  /** Ask the server now (coalesced with a tick already under way). */
+  /**
+   * Ask the server now. While a tick is under way its answers may predate what prompted this
+   * refresh (an event, another kernel followed): one more tick runs as soon as it ends.
+   */
   refresh(): Promise<void> {
     if (this._poll.isDisposed) {
+      return Promise.resolve();
+    }
+    if (this._ticking) {
+      this._askAgain = true;
       return Promise.resolve();
     }
     return this._poll.refresh();
@@ -259,7 +266,8 @@ export class GpuPoolModel implements IDisposable {
 
   private _apply(kernelId: string, reply: IKernelStatus | null): void {
     if (reply && typeof reply === 'object' && 'state' in reply) {
-      this._store(kernelId, { status: reply, missing: false, error: null });
+      // An action's answer is newer than any request already under way.
+      this._storeAnswer(kernelId, ++this._asked, { status: reply, missing: false, error: null });
       this._changed.emit();
     }
     void this.refresh();
@@ -277,6 +285,21 @@ export class GpuPoolModel implements IDisposable {
   }
 
   private async _tick(): Promise<void> {
+    this._ticking = true;
+    try {
+      await this._ask();
+    } finally {
+      this._ticking = false;
+      if (this._askAgain) {
+        this._askAgain = false;
+        // Once the poll has scheduled its next tick: a refresh now would be folded into this one.
+        void this._poll.tick.then(() => this.refresh());
+      }
+    }
+  }
+
+  /** One round of requests: the followed kernel, and the pool when it is wanted. */
+  private async _ask(): Promise<void> {
     const kernelId = this._kernelId;
     const jobs: Promise<boolean>[] = [];
     if (kernelId) {
@@ -303,20 +326,33 @@ export class GpuPoolModel implements IDisposable {
   }
 
   private async _fetchKernel(kernelId: string): Promise<boolean> {
+    const asked = ++this._asked;
     try {
       const reply = await this.client.kernel(kernelId);
       const precise = typeof reply.data?.now === 'number';
       this._updateClock(precise ? reply.data.now! : reply.serverTime, precise);
-      this._store(kernelId, { status: reply.data, missing: false, error: null });
+      this._storeAnswer(kernelId, asked, { status: reply.data, missing: false, error: null });
       return true;
     } catch (error) {
       if (error instanceof GpuPoolRequestError && error.status === 404) {
-        this._store(kernelId, { missing: true, error: null });
+        this._storeAnswer(kernelId, asked, { missing: true, error: null });
         return true;
       }
-      this._store(kernelId, { error: (error as Error).message });
+      this._storeAnswer(kernelId, asked, { error: (error as Error).message });
       return false;
     }
+  }
+
+  /**
+   * Keep an answer about a kernel unless one asked for later is already kept: on a loaded server
+   * an older request (asked before a suspend) can answer after a newer one.
+   */
+  private _storeAnswer(kernelId: string, asked: number, record: Partial<IKernelRecord>): void {
+    if (asked < (this._answered.get(kernelId) ?? 0)) {
+      return;
+    }
+    this._answered.set(kernelId, asked);
+    this._store(kernelId, record);
   }
 
   private async _fetchPool(): Promise<boolean> {
@@ -385,6 +421,9 @@ export class GpuPoolModel implements IDisposable {
     }
   }
 
+  private _answered = new Map<string, number>();
+  private _askAgain = false;
+  private _asked = 0;
   private _changed = new Signal<this, void>(this);
   private _clockOffset = 0;
   private _eventInterval: number;
@@ -402,4 +441,5 @@ export class GpuPoolModel implements IDisposable {
   private _resumedAhead = new Set<string>();
   private _aheadChecked = new Map<string, number>();
   private _ticker: ReturnType<typeof setInterval> | null = null;
+  private _ticking = false;
 }

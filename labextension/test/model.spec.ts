@@ -29,9 +29,25 @@ class FakeClient {
     return { data: this.pool_, serverTime: null };
   }
 
+  /** While set, each kernel request answers what the server held when it was asked, once released. */
+  held: Array<() => void> | null = null;
+
+  /** Let the held requests answer, in the order given (indices into the held list). */
+  answerHeld(order?: number[]): void {
+    const held = this.held ?? [];
+    this.held = null;
+    for (const index of order ?? held.map((_, i) => i)) {
+      held[index]();
+    }
+  }
+
   async kernel(id: string): Promise<ITimed<IKernelStatus>> {
     this.calls.push(`kernel:${id}`);
     const answer = this.kernels.get(id);
+    if (this.held) {
+      const held = this.held;
+      await new Promise<void>(resolve => held.push(resolve));
+    }
     if (answer === 'down') {
       throw new GpuPoolRequestError('cannot reach the Jupyter server: down', 0);
     }
@@ -343,5 +359,45 @@ describe('GpuPoolModel', () => {
     await s.model.resume('k');
     expect(s.model.view.statusText).toBe('Resuming #1');
     expect(s.client.calls.filter(c => /^(suspend|resume):/.test(c))).toEqual(['suspend:k', 'suspend:k', 'resume:k']);
+  });
+
+  it('asks again once a request under way ends when an event arrives during it: its answer may predate the event', async () => {
+    const s = setup(60 * 1000); // the poll alone would not ask again within the test
+    model = s.model;
+    s.client.kernels.set('a', granted('a'));
+    s.model.setKernel('a', 'a.ipynb');
+    await until(() => s.model.view.phase === 'granted');
+    s.client.held = [];
+    void s.model.refresh(); // asked while A is granted; the answer is slow (a loaded server)
+    await until(() => s.client.held!.length === 1);
+    s.client.kernels.set('a', { ...granted('a'), state: 'suspended', devices: [], parked_memory: 0 });
+    s.events.stream.emit({
+      schema_id: 'https://events.jupyter.org/jupyter_gpupool/lease/v2',
+      action: 'suspended',
+      lease_id: 'lease-a',
+      kernel_id: 'a',
+      state: 'suspended'
+    });
+    s.client.answerHeld();
+    await until(() => s.model.view.phase === 'suspended', 1000);
+  });
+
+  it('keeps the newest answer when an older request answers last', async () => {
+    const s = setup(60 * 1000);
+    model = s.model;
+    s.client.kernels.set('a', granted('a'));
+    s.model.setKernel('a', 'a.ipynb');
+    await until(() => s.model.view.phase === 'granted');
+    s.client.held = [];
+    const resumed = s.model.resumeAhead('a', true); // a cell edited: asks about A at once; answer held: granted
+    await until(() => s.client.held!.length === 1);
+    s.client.kernels.set('a', { ...granted('a'), state: 'suspended', suspended_at: 100, devices: [], parked_memory: 0 });
+    void s.model.refresh(); // asked after the suspend: suspended
+    await until(() => s.client.held!.length === 2);
+    s.client.answerHeld([1, 0]); // the newer answer first, the older one last
+    // The model goes by the newer answer: A is suspended, so the edit asks for its resume.
+    expect(await resumed).toBe(true);
+    expect(s.client.calls).toContain('resume-ahead:a');
+    expect(s.model.view.phase).not.toBe('granted');
   });
 });
