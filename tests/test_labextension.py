@@ -82,12 +82,27 @@ def test_sidebar_and_status_bar_in_headless_chromium(tmp_path, suite):
     shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
     env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
     returncode, output = run_suites([suite], env, timeout=600)
-    print(output[-6000:])
-    assert returncode == 0, output[-6000:]
+    print(output)
+    assert returncode == 0, failure_report(output)
     not_run = [line for line in output.splitlines() if "the notebook7 suite does not run" in line]
     if not_run:
         pytest.skip(not_run[0])
     assert any(shots.glob("*.png")), "the browser test saves a screenshot of each step"
+
+
+SERVER_LOG_MARK = "---- last lines of the server log"
+
+
+def failure_report(output: str, limit: int = 6000) -> str:
+    """What a failed run.sh said, shortest first: Playwright's report (what it waited for, what it
+    got, the page's state), then the tail of the server log run.sh prints after it. A plain tail
+    of the output would be the server log alone, and the failed expectation would be cut off."""
+    report, _, server_log = output.partition(SERVER_LOG_MARK)
+    failures = report.find("\n  1) ")
+    report = report[failures:] if failures >= 0 else report
+    head = report[: limit * 2 // 3] + ("\n[…]\n" if len(report) > limit * 2 // 3 else "")
+    tail = (SERVER_LOG_MARK + server_log)[-(limit - len(head)) :] if server_log else ""
+    return head + tail
 
 
 def run_suites(suites: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
@@ -110,7 +125,7 @@ def run_suites(suites: list[str], env: dict[str, str], timeout: float) -> tuple[
         if "slurm" in suites:  # a cluster whose owner was killed too: stop its daemons
             reap = [sys.executable, str(EXT / "ui-tests" / "slurm_cluster_steps.py"), "reap"]
             subprocess.run(reap, timeout=60, check=False)
-        pytest.fail(f"the browser suites {suites or 'default'} ran past {timeout:.0f} s:\n" + output[-6000:])
+        pytest.fail(f"the browser suites {suites or 'default'} ran past {timeout:.0f} s:\n" + failure_report(output))
     return run.returncode, output
 
 
@@ -133,8 +148,8 @@ def test_sidebar_shows_slurm_job_partition_and_queue_position_in_headless_chromi
     shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
     env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
     returncode, output = run_suites(["slurm"], env, timeout=900)
-    print(output[-6000:])
-    assert returncode == 0, output[-6000:]
+    print(output)
+    assert returncode == 0, failure_report(output)
     for name in SLURM_SHOTS:
         assert (shots / f"{name}.png").is_file(), f"no screenshot {name}.png"
 
@@ -154,7 +169,7 @@ def test_sidebar_shows_an_elastic_slice_grow_and_give_its_burst_back_in_headless
     shots = Path(os.environ.get("GPUPOOL_UI_SCREENSHOTS", tmp_path / "screenshots"))
     env = {**os.environ, "GPUPOOL_UI_SCREENSHOTS": str(shots), "PYTHON": sys.executable}
     returncode, output = run_suites(["elastic"], env, timeout=600)
-    print(output[-6000:])
-    assert returncode == 0, output[-6000:]
+    print(output)
+    assert returncode == 0, failure_report(output)
     for name in ELASTIC_SHOTS:
         assert (shots / f"{name}.png").is_file(), f"no screenshot {name}.png"

@@ -8,7 +8,7 @@
  *
  * Run by `ui-tests/run.sh resume-ahead` (GPUPOOL_RECLAIM_ACTION=suspend).
  */
-import { APIRequestContext, expect, test } from '@playwright/test';
+import { APIRequestContext, expect, Locator, test } from '@playwright/test';
 
 import { api, kernelOf, openLab, openNotebook, screenshot, TOKEN } from './helpers';
 
@@ -23,6 +23,18 @@ async function suspend(request: APIRequestContext, kernelId: string): Promise<vo
   });
   expect(answer.status(), await answer.text()).toBe(200);
   await expect.poll(async () => (await kernelStatus(request, kernelId)).state, { timeout: 20 * 1000 }).toBe('suspended');
+}
+
+/**
+ * Type `text` key by key into cell `index` once its editor has the focus: on a loaded host the
+ * cell made by `b` or Shift+Enter gets its editor later than the key that made it, and keys
+ * typed before would be lost.
+ */
+async function typeInCell(notebook: Locator, index: number, text: string): Promise<void> {
+  const editor = notebook.locator('.jp-Cell').nth(index).locator('.cm-content');
+  await expect(editor).toBeFocused();
+  await editor.page().keyboard.type(text, { delay: 30 });
+  await expect(editor).toHaveText(text);
 }
 
 test("looking at a suspended kernel's notebook never resumes it; editing a cell of work does", async ({ page, request }) => {
@@ -73,7 +85,7 @@ test("looking at a suspended kernel's notebook never resumes it; editing a cell 
   await page.keyboard.press('Escape');
   await page.keyboard.press('b'); // a new cell below
   await page.keyboard.press('Enter');
-  await page.keyboard.type('%gpupool status', { delay: 30 });
+  await typeInCell(notebook, 1, '%gpupool status');
   await page.keyboard.press('Shift+Enter');
   await expect(notebook.locator('.jp-Cell').nth(1).locator('.jp-OutputArea-output')).toContainText('suspended', {
     timeout: 30 * 1000
@@ -83,7 +95,7 @@ test("looking at a suspended kernel's notebook never resumes it; editing a cell 
   await screenshot(page, 'resume-ahead-03-status-looks-without-resuming');
 
   // 4. `x = 1` typed in the next cell is work: the resume starts with the edit, and the cell runs on a granted kernel.
-  await page.keyboard.type('x = 1', { delay: 30 });
+  await typeInCell(notebook, 2, 'x = 1'); // Shift+Enter made this cell and put it in edit mode
   await expect
     .poll(async () => (await kernelStatus(request, kernelA)).state, { timeout: 15 * 1000 })
     .not.toBe('suspended');

@@ -260,7 +260,7 @@ PY
   # The pool file and a Python that imports this checkout, for specs that act on the pool directly.
   (cd "$EXT" && GPUPOOL_UI_URL="$url" GPUPOOL_UI_TOKEN="$token" GPUPOOL_UI_DB="$WORK/pool.sqlite" \
     GPUPOOL_UI_PYTHON="$PYTHON" GPUPOOL_UI_REPO="$REPO" GPUPOOL_UI_SLURM_CONF="$slurm_conf" \
-    npx playwright test -c ui-tests/playwright.config.ts "ui-tests/$spec.spec.ts")
+    npx playwright test -c ui-tests/playwright.config.ts --output "$WORK/test-results" "ui-tests/$spec.spec.ts")
   stop_server
   stop_slurm
   if [ "$SLURM_FAILED" = 1 ]; then
