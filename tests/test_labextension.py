@@ -101,9 +101,23 @@ def failure_report(output: str, limit: int = 6000) -> str:
     failures = report.find("\n  1) ")
     report = report[failures:] if failures >= 0 else report
     head = report[: limit * 2 // 3] + ("\n[…]\n" if len(report) > limit * 2 // 3 else "")
-    tail = (SERVER_LOG_MARK + server_log)[-(limit - len(head)) :] if server_log else ""
-    return head + tail
+    if not server_log:
+        return head
+    title, _, lines = server_log.partition("\n")  # "(path) ----", then the log's last lines
+    title = SERVER_LOG_MARK + title + "\n"
+    return head + title + lines[-max(0, limit - len(head) - len(title)) :]
 
+
+
+def test_a_failed_browser_run_reports_playwrights_error_before_the_server_log() -> None:
+    """However long the server log, the report keeps the expectation that failed and the log's end."""
+    playwright = "  ✘  1 suite.spec.ts:3:1 › a test (20.0s)\n\n  1) suite.spec.ts:3:1 › a test\n\n    Error: expected 'suspended'\n"
+    log = "".join(f"[I server] line {i}\n" for i in range(2000))
+    report = failure_report(f"Running 1 test\n{playwright}  1 failed\n{SERVER_LOG_MARK} (server.log) ----\n{log}")
+    assert "Error: expected 'suspended'" in report
+    assert report.index("Error: expected") < report.index(SERVER_LOG_MARK)
+    assert report.rstrip().endswith("line 1999") and len(report) <= 6100
+    assert failure_report("no report at all") == "no report at all"
 
 def run_suites(suites: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
     """``ui-tests/run.sh`` with ``suites`` in a process group of its own: past ``timeout`` the whole
