@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -138,16 +139,25 @@ async def read_dump(dump: Path, pid: int, timeout: float = 20.0) -> dict[str, An
     raise AssertionError(f"the kernel process {pid} wrote no environment")
 
 
+@contextlib.asynccontextmanager
+async def envdump_kernel(ksm: Any) -> AsyncIterator[tuple[AsyncKernelManager, GpuPoolProvisioner]]:
+    """The ``envdump`` kernel started under the pool's provisioner; shut down on the way out."""
+    km = AsyncKernelManager(kernel_name="envdump", kernel_spec_manager=ksm)
+    await km.start_kernel()
+    try:
+        prov = km.provisioner
+        assert isinstance(prov, GpuPoolProvisioner)
+        yield km, prov
+    finally:
+        await km.shutdown_kernel(now=True)
+
+
 @pytest.mark.gpupool_env(GPUPOOL_HEARTBEAT_TTL="2")
 def test_non_ipython_kernel_gets_its_grant_keeps_it_on_restart_and_releases_it(envdump_spec) -> None:
     ksm, dump = envdump_spec
 
     async def scenario() -> None:
-        km = AsyncKernelManager(kernel_name="envdump", kernel_spec_manager=ksm)
-        await km.start_kernel()
-        try:
-            prov = km.provisioner
-            assert isinstance(prov, GpuPoolProvisioner)
+        async with envdump_kernel(ksm) as (km, prov):
             pool = prov.pool
             seen = await read_dump(dump, prov.pid)
             lease = pool.get(prov.lease_id)
@@ -173,8 +183,6 @@ def test_non_ipython_kernel_gets_its_grant_keeps_it_on_restart_and_releases_it(e
             again = await read_dump(dump, km.provisioner.pid)
             assert again["env"]["GPUPOOL_LEASE_ID"] == lease.id
             assert pool.get(lease.id).state is LeaseState.GRANTED
-        finally:
-            await km.shutdown_kernel(now=True)
         released = pool.get(lease.id)
         assert released.state is LeaseState.RELEASED and released.release_reason == "kernel shut down"
 
@@ -192,11 +200,7 @@ def test_a_restart_after_the_slice_was_taken_back_shuts_down_instead_of_asking_a
     ksm, _ = envdump_spec
 
     async def scenario() -> None:
-        km = AsyncKernelManager(kernel_name="envdump", kernel_spec_manager=ksm)
-        await km.start_kernel()
-        try:
-            prov = km.provisioner
-            assert isinstance(prov, GpuPoolProvisioner)
+        async with envdump_kernel(ksm) as (km, prov):
             pool, first = prov.pool, prov.lease_id
             pool.release(first, reason=reason)
             if taken_back:
@@ -208,9 +212,6 @@ def test_a_restart_after_the_slice_was_taken_back_shuts_down_instead_of_asking_a
                 await km.restart_kernel(now=True)
                 again = pool.lease_for_kernel(km.kernel_id)
                 assert again.id != first and again.state is LeaseState.GRANTED and not prov.slice_ended
-        finally:
-            with contextlib.suppress(Exception):
-                await km.shutdown_kernel(now=True)
 
     asyncio.run(scenario())
 
