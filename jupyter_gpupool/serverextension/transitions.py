@@ -119,6 +119,8 @@ class TransitionDriver:
         self._take_backs_followed: dict[str, float] = {}
         #: Lease id → the newest :func:`size_generation` its caps followed (older reads are stale).
         self._sizes_followed: dict[str, tuple[float, int, float, int]] = {}
+        #: Lease id → the lock that sends its caps moves one at a time.
+        self._caps_locks: dict[str, asyncio.Lock] = {}
 
     async def act_on_changes(self) -> None:
         """Carry out at once what the pool now says about our kernels (a suspend, restore or move,
@@ -457,6 +459,7 @@ class TransitionDriver:
             if lease.state is not LeaseState.GRANTED or prov.phase != "running" or not prov.pid:
                 self.ext._caps_sent.pop(lease.id, None)
                 self._take_backs_followed.pop(lease.id, None)
+                self._caps_locks.pop(lease.id, None)
                 continue
             sent = self.ext._caps_sent.setdefault(lease.id, lease.guarantee_size)  # it started at its guarantee
             move = caps_move(lease, sent, self._take_backs_followed.get(lease.id))
@@ -478,16 +481,20 @@ class TransitionDriver:
         km = self.ext.serverapp.kernel_manager
         if kernel_id not in km:
             return None
-        gpu_memory = min((d.memory_total for d in self.ext.pool.devices() if d.uuid in lease.devices), default=None)
-        try:
-            reply = await quiet_request(
-                km.get_kernel(kernel_id), "set_caps", self.ext.caps_timeout,
-                limit=int(lease.memory), free_cache=free_cache, gpu_memory=gpu_memory,
-            )
-        except Exception as err:  # noqa: BLE001 - a kernel without the extension, or busy in C code: the watchdog still holds it
-            self.ext.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(lease.memory), err)
-            return None
+        # One move at a time per slice, each sending the newest size followed: a grow and the take-back
+        # after it, sent at once, could reach the kernel in the other order and leave its caps above its slice.
+        async with self._caps_locks.setdefault(lease.id, asyncio.Lock()):
+            limit = int(self.ext._caps_sent.get(lease.id, lease.memory))
+            gpu_memory = min((d.memory_total for d in self.ext.pool.devices() if d.uuid in lease.devices), default=None)
+            try:
+                reply = await quiet_request(
+                    km.get_kernel(kernel_id), "set_caps", self.ext.caps_timeout,
+                    limit=limit, free_cache=free_cache, gpu_memory=gpu_memory,
+                )
+            except Exception as err:  # noqa: BLE001 - a kernel without the extension, or busy in C code: the watchdog still holds it
+                self.ext.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(limit), err)
+                return None
         if reply is None or reply.get("status") != "ok":
             why = "no answer" if reply is None else reply.get("message", "an error")
-            self.ext.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(lease.memory), why)
+            self.ext.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(limit), why)
         return reply
