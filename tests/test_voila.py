@@ -226,9 +226,19 @@ CLOSED_SOCKET_WRITE = re.compile(
 )
 
 
+#: The same write made at once, from the kernel's message callback: logged by pyzmq's stream (and
+#: tornado's callback runner) with the WebSocketClosedError that tornado's write_message raised.
+CLOSED_SOCKET_CALLBACK_WRITE = re.compile(
+    r"[^\n]*(?:exception in zmqstream callback|exception in callback functools\.partial\(<function ZMQStream\.)[^\n]*\n"
+    r"Traceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*?[ \t]+raise WebSocketClosedError\(\)\n"
+    r"tornado\.websocket\.WebSocketClosedError\n",
+    re.IGNORECASE,
+)
+
+
 def without_closed_socket_writes(log: str) -> str:
     """The server's log less the upstream lines above: a viewer that leaves mid-write is no fault of the pool's."""
-    return CLOSED_SOCKET_WRITE.sub("", log)
+    return CLOSED_SOCKET_CALLBACK_WRITE.sub("", CLOSED_SOCKET_WRITE.sub("", log))
 
 
 def lease_of_new_request(server: VoilaServer, known: set[str], timeout: float = 60) -> Lease:
