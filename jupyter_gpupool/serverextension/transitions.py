@@ -485,7 +485,8 @@ class TransitionDriver:
         # after it, sent at once, could reach the kernel in the other order and leave its caps above its slice.
         async with self._caps_locks.setdefault(lease.id, asyncio.Lock()):
             limit = int(self.ext._caps_sent.get(lease.id, lease.memory))
-            gpu_memory = min((d.memory_total for d in self.ext.pool.devices() if d.uuid in lease.devices), default=None)
+            devices = await asyncio.to_thread(self.ext.pool.devices)  # a pool read: never on the event loop
+            gpu_memory = min((d.memory_total for d in devices if d.uuid in lease.devices), default=None)
             try:
                 reply = await quiet_request(
                     km.get_kernel(kernel_id), "set_caps", self.ext.caps_timeout,
