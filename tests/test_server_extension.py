@@ -322,6 +322,47 @@ def test_sigkill_of_a_kernel_frees_its_lease(arun, jp_serverapp, gpupool_fetch, 
     arun(scenario())
 
 
+@pytest.mark.gpupool_config({"KernelRestarter": {"time_to_dead": 5.0}})
+def test_a_kernel_that_died_keeps_its_slice_until_its_restarter_restarts_it(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    """A kernel whose process died is restarted by the server's auto-restarter, which polls every
+    ``time_to_dead`` (5 s here): until it does, reconciliation (every 0.25 s here) keeps the slice, so
+    the kernel comes back on the same lease and GPU instead of queueing again."""
+    events = record_events(jp_serverapp)
+
+    async def scenario() -> None:
+        kernel_id, _ = await start_kernel(gpupool_fetch)
+        before = json.loads(await kernel_exec(kernel_id, ENV_CODE))
+        lease_id = (await kernel_state(gpupool_fetch, kernel_id))["lease_id"]
+        manager = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+        manager.stop_restarter()
+        manager.start_restarter()  # its first poll is one time_to_dead from now: the window is known
+        reconciled = gpupool_ext.reconcile_count
+        os.kill(before["pid"], signal.SIGKILL)
+        await gpupool_wait(lambda: manager.provisioner.process.poll() is not None, timeout=5, interval=0.02, what="the kernel to die")
+        # Whole reconciliations run while the kernel is dead and not yet restarted: each keeps the slice.
+        await gpupool_wait(lambda: gpupool_ext.reconcile_count >= reconciled + 3, timeout=30, what="reconciliations while dead")
+        assert manager.provisioner.process.poll() is not None, "restarted before reconciliation ran: no window tested"
+
+        async def restarted() -> dict[str, Any] | None:
+            try:
+                after = json.loads(await kernel_exec(kernel_id, ENV_CODE, timeout=10))
+            except Exception:  # noqa: BLE001 - not back yet: the restart is under way
+                return None
+            return after if after["pid"] != before["pid"] else None
+
+        after = await gpupool_wait(restarted, timeout=60, interval=0.5, what="the restarter to restart the kernel")
+        lease = gpupool_ext.pool.get(lease_id)
+        assert lease.state.value == "granted", (lease.state, lease.release_reason)
+        assert (await kernel_state(gpupool_fetch, kernel_id))["lease_id"] == lease_id
+        assert after["env"]["CUDA_VISIBLE_DEVICES"] == before["env"]["CUDA_VISIBLE_DEVICES"]
+
+    arun(scenario())
+    released = [e for e in events if e["action"] == "released"]
+    assert not released, released
+
+
 def test_provisioner_is_default_and_can_be_opted_out(jp_serverapp, gpupool_ext):
     """The extension made gpupool-provisioner the default; every start is not made pending (only a queued one is)."""
     spec = jp_serverapp.kernel_spec_manager.get_kernel_spec("python3")

@@ -63,6 +63,17 @@ def mark_rest_starts() -> None:
         cls.prepare = prepare  # type: ignore[method-assign]
 
 
+def restarter_watches(kernel_manager: Any, kernel_id: str) -> bool:
+    """Whether the kernel's auto-restarter is polling it: a kernel whose process died is then restarted
+    within the restarter's ``time_to_dead`` or, past its ``restart_limit``, dropped by the server."""
+    try:
+        manager = kernel_manager.get_kernel(kernel_id)
+    except KeyError:  # removed meanwhile
+        return False
+    restarter = getattr(manager, "_restarter", None)  # jupyter_client's IOLoopKernelManager keeps it here
+    return bool(getattr(manager, "autorestart", False)) and getattr(restarter, "_pcallback", None) is not None
+
+
 class KernelHooks:
     """The server's kernel manager, taught about starts that wait for the pool."""
 
@@ -465,5 +476,9 @@ class KernelHooks:
                 continue
             process = getattr(prov, "process", None)
             if process is not None and process.poll() is None:
+                live.add(kernel_id)
+            elif restarter_watches(km, kernel_id):
+                # Its process died and its restarter restarts it within ``time_to_dead`` (on the slice it
+                # holds), or gives up and the server drops the kernel: then it is gone and released.
                 live.add(kernel_id)
         return live
