@@ -170,3 +170,46 @@ def test_the_bench_table_of_the_gap_reads_runs_of_the_simulator(tmp_path: Path, 
     assert row["fewest"]["oracle"] <= row["fewest"]["pooled"]
     proc = subprocess.run([sys.executable, str(BENCH / "oracle_gap.py"), str(run)], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and "| oracle, no cell ever waits |" in proc.stdout
+
+
+# --- the same population of waits in every mode ------------------------------------------------------------
+def test_every_mode_counts_each_cell_once_over_cells(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--p95-over cells``: each mode's p95 is over every cell its users ran, the oracle's own population
+    (every cell asks for its memory there); a cell that ran at once on its kernel's slice waited 0."""
+    taking_turns = [
+        plan(0, 0.0, 0.6, (True, 600.0), (False, 600.0), (True, 600.0)),
+        plan(1, 600.0, 0.6, (True, 600.0), (False, 600.0), (True, 600.0)),
+    ]
+    s = settings(patience=None)
+    oracle = run_mode(s, taking_turns, "oracle", uniform_backend("24GiB", GPU, 1))
+    assert (oracle.cells, oracle.requests, oracle.cell_wait_p95) == (4, 4, oracle.wait_p95)
+    roomy = run_mode(s, taking_turns, "pooled", uniform_backend("24GiB", GPU, 2))
+    # Two requests (each session's first cell) and four cells: the second cells ran at once.
+    assert (roomy.requests, roomy.cells, roomy.cell_wait_p95) == (2, 4, 0.0)
+    crowded = run_mode(s, taking_turns, "pooled", uniform_backend("24GiB", GPU, 1))
+    assert crowded.cells == 4 and crowded.wait_max >= 600.0  # session 1's first cell waits for session 0 to go
+    assert crowded.p95_wait("cells") == crowded.cell_wait_p95 and crowded.p95_wait("requests") == crowded.wait_p95
+    with pytest.raises(InvalidInput, match="p95 wait is over one of requests, cells"):
+        crowded.p95_wait("sessions")
+
+    lab = ["--users", "6", "--rate", "6", "--shape", "flat", "--days", "0.1", "--memory-need", "8GiB-20GiB", "--session-length", "30m",
+           "--modes", "elastic,oracle", "--json"]
+    argv = ["--gpus", "1x24GiB", *lab, "--target-p95-wait", "1m", "--max-gpus", "8"]
+    code, out, err = run_app([*argv, "--p95-over", "cells"], capsys)
+    assert code == 0, err
+    over_cells = json.loads(out)
+    code, out, err = run_app(argv, capsys)
+    over_requests = json.loads(out)
+    for mode in ("elastic", "oracle"):
+        assert over_cells["search"][mode]["p95_over"] == "cells" and over_requests["search"][mode]["p95_over"] == "requests"
+        result = over_cells["results"][mode]
+        assert result["cells"] >= result["requests"] and result["cell_wait_p95"] <= result["wait_p95"]
+    assert over_cells["search"]["elastic"]["gpus"] <= over_requests["search"]["elastic"]["gpus"]
+    assert over_cells["search"]["oracle"]["gpus"] == over_requests["search"]["oracle"]["gpus"]  # the same population
+    # The same sessions on GPUs enough for all: the elastic pool runs each cell the oracle runs, each counted once.
+    code, out, err = run_app(["--gpus", "8x24GiB", *lab], capsys)
+    roomy_runs = json.loads(out)["results"]
+    assert roomy_runs["elastic"]["abandoned"] == roomy_runs["elastic"]["still_waiting"] == 0
+    assert roomy_runs["elastic"]["cells"] == roomy_runs["oracle"]["cells"] > roomy_runs["elastic"]["requests"]
+    with pytest.raises(InvalidInput, match=r"--p95-over expected any of \['requests', 'cells'\]"):
+        run_app([*argv, "--p95-over", "sessions"], capsys)

@@ -246,4 +246,6 @@ class OracleRun:
             days=self.settings.days,
             pool_calls=0,
             elapsed=elapsed,
+            cells=len(self.waits),  # every cell asks for its memory: each is a request
+            cell_wait_p95=percentile(self.waits, 95),
         )

@@ -6,10 +6,10 @@ import math
 import sys
 import time
 
-from traitlets import Float, Integer, Unicode
+from traitlets import CaselessStrEnum, Float, Integer, Unicode
 
 from jupyter_gpupool.application import GpuPoolBaseApp
-from jupyter_gpupool.apps.simulate.modes import ModeResult, inventory_model, run_mode
+from jupyter_gpupool.apps.simulate.modes import WAIT_POPULATIONS, ModeResult, inventory_model, run_mode
 from jupyter_gpupool.apps.simulate.plans import (
     ALL_MODES,
     CHECKPOINT_BYTES_PER_SECOND,
@@ -83,6 +83,7 @@ class SimulateApp(GpuPoolBaseApp):
         "max-leases": "SimulateApp.max_leases",
         "modes": "SimulateApp.modes",
         "target-p95-wait": "SimulateApp.target_p95_wait",
+        "p95-over": "SimulateApp.p95_over",
         "max-gpus": "SimulateApp.max_gpus",
         "jobs": "SimulateApp.jobs",
         "store": "SimulateApp.store",
@@ -133,6 +134,13 @@ class SimulateApp(GpuPoolBaseApp):
                     "elastic (guaranteed what was asked, grown on demand, with suspend), oracle (the physical limit: "
                     "each cell holds its use only while it computes, packed per GPU; not in the default).").tag(config=True)
     target_p95_wait = Unicode("", help="Also find, per mode, the fewest GPUs of the model that keep p95 wait within this, e.g. 5m.").tag(config=True)
+    p95_over = CaselessStrEnum(
+        list(WAIT_POPULATIONS),
+        "requests",
+        help="What --target-p95-wait's p95 is over: 'requests' (every request for the GPU: first cells, cells after a "
+        "reclaim or suspend, cells waiting for a slice to grow) or 'cells' (every cell run, 0 for one that ran at once "
+        "on its kernel's slice: the population of the oracle, where every cell is a request).",
+    ).tag(config=True)
     max_gpus = Integer(32, help="Largest GPU count the --target-p95-wait search tries.").tag(config=True)
     jobs = Integer(1, help="Processes running the modes and the GPU-count search in parallel (same tables as 1).").tag(config=True)
     store = Unicode("memory", help="SQLite store of the simulated pool: 'memory' or 'file' (a temporary file, WAL).").tag(config=True)
@@ -219,7 +227,7 @@ class SimulateApp(GpuPoolBaseApp):
         results: dict[str, ModeResult] = {}
         searches: dict[str, SearchResult] = {}
         if self.jobs > 1:
-            results, searches = run_parallel(settings, plans, modes, target, self.max_gpus, self.jobs, self.config)
+            results, searches = run_parallel(settings, plans, modes, target, self.max_gpus, self.jobs, self.config, self.p95_over)
         else:
             for mode in modes:
                 results[mode] = run_mode(settings, plans, mode, SimulatedBackend.from_spec(settings.gpus), self.config)
@@ -227,7 +235,7 @@ class SimulateApp(GpuPoolBaseApp):
             for mode in modes:
                 if not self.json:
                     print(f"searching GPU counts for {MODE_LABELS[mode]} ...", file=sys.stderr)
-                searches[mode] = fewest_gpus(settings, mode, target, self.max_gpus, workload, self.config, plans)
+                searches[mode] = fewest_gpus(settings, mode, target, self.max_gpus, workload, self.config, plans, self.p95_over)
         elapsed = time.perf_counter() - started
         backend = SimulatedBackend.from_spec(settings.gpus)
         capacity = sum(d.memory_total for d in backend.devices())
@@ -275,7 +283,8 @@ class SimulateApp(GpuPoolBaseApp):
             requests_note(settings.requests, default_slice, results),
         ]
         if searches:
-            lines += ["", f"Fewest {next(iter(searches.values())).model} GPUs keeping p95 wait within {format_duration(target)}:", search_table(searches)]
+            over = "every cell run" if self.p95_over == "cells" else "every request for the GPU"
+            lines += ["", f"Fewest {next(iter(searches.values())).model} GPUs keeping p95 wait ({over}) within {format_duration(target)}:", search_table(searches)]
         lines.append(f"\n({elapsed:.1f} s, {data['cpu_s']:.1f} s of CPU)")
         self.emit(data, "\n".join(lines))
 

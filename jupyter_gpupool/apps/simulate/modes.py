@@ -37,8 +37,13 @@ from jupyter_gpupool.units import (
     format_duration,
 )
 
-
 # --- results ----------------------------------------------------------------------------------------
+#: What a p95 wait is taken over: every request for the GPU (a first cell, a cell after a reclaim or
+#: a suspend, a cell waiting for its slice to grow), or every cell the users ran (0 for a cell that
+#: ran at once on its kernel's slice): the oracle's population, where every cell is a request.
+WAIT_POPULATIONS = ("requests", "cells")
+
+
 @dataclass
 class ModeResult:
     """What one mode achieved on one inventory."""
@@ -90,10 +95,20 @@ class ModeResult:
     #: elastic: share of the GPU time (open hours) in which every kernel on a GPU waited for its slice to
     #: grow: the GPU held slices, and none of its kernels could compute
     grow_stalled_pct: float = 0.0
+    #: every cell the users ran or gave up waiting to run (``requests`` are the cells that may wait:
+    #: the rest ran at once on a slice their kernel held), and the p95 wait over them (0 for those)
+    cells: int = 0
+    cell_wait_p95: float = 0.0
 
     @property
     def served_per_day(self) -> float:
         return self.served / self.days
+
+    def p95_wait(self, over: str) -> float:
+        """p95 wait over ``requests`` (every request for the GPU) or over ``cells`` (every cell run)."""
+        if over not in WAIT_POPULATIONS:
+            raise InvalidInput(f"p95 wait is over one of {', '.join(WAIT_POPULATIONS)}, not {over!r}")
+        return self.wait_p95 if over == "requests" else self.cell_wait_p95
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -102,7 +117,7 @@ class ModeResult:
         for key in (
             "leased_pct", "used_pct", "busy_pct", "jain", "wait_p50", "wait_p95", "wait_max", "wait_mean", "elapsed",
             "resume_wait_p50", "resume_wait_p95", "resume_wait_max", "work_lost", "guaranteed_pct", "grow_wait_p95",
-            "grow_stalled_pct",
+            "grow_stalled_pct", "cell_wait_p95",
         ):
             data[key] = round(data[key], 4)
         return data
@@ -131,6 +146,7 @@ class _Session:
         "phase",
         "phase_end",
         "plan",
+        "ran_at_once",
         "remaining",
         "request",
         "request_at",
@@ -177,6 +193,7 @@ class _Session:
         # on as a grow wait: one wait for the user, from then until the slice has grown
         self.wait_from: float | None = None
         self.wait_resume = False
+        self.ran_at_once = False  # its current cell started on its slice with no wait (counted so)
 
 
 class LabRun:
@@ -241,6 +258,7 @@ class LabRun:
         self.seq = 0
         self.event_seq = 0
         self.waits: list[float] = []
+        self.cells_at_once = 0  # cells that ran when their user ran them, on their kernel's slice
         self.resume_waits: list[float] = []
         self.work_lost = 0.0
         self.parked_total = 0  # bytes of host RAM held by parked slices now
@@ -447,6 +465,11 @@ class LabRun:
         self._count_wait(session, t - (since if since is not None else t), resume=session.wait_resume)
         session.wait_from, session.wait_resume = None, False
 
+    def _uncount_at_once(self, session: _Session) -> None:
+        """A running cell is paused (a suspend or move) or lost: its wait from now is its one count."""
+        self.cells_at_once -= session.ran_at_once
+        session.ran_at_once = False
+
     def _count_wait(self, session: _Session, wait: float, resume: bool = False) -> None:
         self.waits.append(wait)
         if resume:
@@ -454,11 +477,14 @@ class LabRun:
         user = session.plan.user
         self.user_wait[user] = self.user_wait.get(user, 0.0) + wait
 
-    def _start_phase(self, session: _Session, t: float, length: float | None = None) -> None:
-        """Start the session's current phase (``length``: what is left of a paused one)."""
+    def _start_phase(self, session: _Session, t: float, length: float | None = None, at_once: bool = False) -> None:
+        """Start the session's current phase (``length``: what is left of a paused one; ``at_once``: a
+        cell that starts when its user ran it, on the slice its kernel holds: a cell that waited 0)."""
         busy, planned = session.plan.phases[session.phase]
         length = planned if length is None else length
         session.busy = busy
+        session.ran_at_once = busy and at_once
+        self.cells_at_once += session.ran_at_once
         if busy:
             session.busy_since = t
         session.phase_end = t + length
@@ -494,7 +520,7 @@ class LabRun:
         elif session.transition is not None:
             session.blocked_since = t  # the next cell waits until the suspend or move is done
         else:
-            self._start_phase(session, t)
+            self._start_phase(session, t, at_once=True)
 
     def _finish(self, session: _Session, t: float) -> None:
         """The session's work is done: it leaves and its lease goes back (parked memory too)."""
@@ -523,6 +549,7 @@ class LabRun:
         if session.state != "running" or session.transition is not None:
             return
         if session.busy:  # a cell ran when the engine decided (ticks are 30 s apart): it waits
+            self._uncount_at_once(session)
             session.work_done += t - session.busy_since
             session.remaining = max(0.0, session.phase_end - t)
             session.busy = False
@@ -634,6 +661,8 @@ class LabRun:
         session.transition = None
         session.tgen += 1
         needs_gpu = session.busy or session.blocked_since is not None or session.state == "resuming"
+        if session.busy:
+            self._uncount_at_once(session)
         session.busy, session.blocked_since, session.remaining = False, None, None
         if needs_gpu:  # the user notices at once and asks again (the work of this phase starts over)
             session.gen += 1
@@ -771,6 +800,8 @@ class LabRun:
             grow_wait_p95=percentile(self.grow_waits, 95),
             gave_up_growing=self.counts["gave_up_growing"],
             grow_stalled_pct=100 * self.stalled_gpu_ticks / self.gpu_ticks if self.gpu_ticks else 0.0,
+            cells=len(self.waits) + self.cells_at_once,
+            cell_wait_p95=percentile([*self.waits, *[0.0] * self.cells_at_once], 95),
         )
 
 

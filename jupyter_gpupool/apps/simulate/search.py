@@ -32,12 +32,14 @@ class SearchResult:
     gpus: int | None  # None: not reached within max_gpus
     tried: dict[int, float] = field(default_factory=dict)  # GPU count → p95 wait
     result: ModeResult | None = None
+    over: str = "requests"  # the waits the p95 is over (:data:`WAIT_POPULATIONS`)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "model": self.model,
             "target_p95_wait": self.target,
+            "p95_over": self.over,
             "gpus": self.gpus,
             "p95_wait_by_gpus": {str(k): round(v, 1) for k, v in sorted(self.tried.items())},
             "result": self.result.to_json() if self.result else None,
@@ -52,19 +54,21 @@ def fewest_gpus(
     workload: Workload | None = None,
     config: Config | None = None,
     plans: list[SessionPlan] | None = None,
+    over: str = "requests",
 ) -> SearchResult:
     """Try 1, 2, ... GPUs of the inventory's model (same sessions each time) until p95 wait ≤ target.
 
     Counting up (not bisecting) makes the answer monotone in the target by construction: a looser
-    target never needs more GPUs, even where p95 wait is not monotone in the GPU count.
+    target never needs more GPUs, even where p95 wait is not monotone in the GPU count. ``over``:
+    the waits the p95 is taken over (:data:`WAIT_POPULATIONS`).
     """
     name, memory, _ = inventory_model(settings.gpus)
     plans = plans if plans is not None else make_plans(settings, workload or load_workload())
-    search = SearchResult(mode, name, target, None)
+    search = SearchResult(mode, name, target, None, over=over)
     for count in range(1, max_gpus + 1):
         result = run_mode(settings, plans, mode, uniform_backend(name, memory, count), config)
-        search.tried[count] = result.wait_p95
-        if result.wait_p95 <= target:
+        search.tried[count] = result.p95_wait(over)
+        if search.tried[count] <= target:
             search.gpus, search.result = count, result
             break
     return search
@@ -92,6 +96,7 @@ def run_parallel(
     max_gpus: int = 32,
     jobs: int = 1,
     config: Config | None = None,
+    over: str = "requests",
 ) -> tuple[dict[str, ModeResult], dict[str, SearchResult]]:
     """Every mode, and (with ``target``) each mode's GPU-count search, in ``jobs`` processes.
 
@@ -103,7 +108,7 @@ def run_parallel(
     import concurrent.futures
 
     name, memory = (inventory_model(settings.gpus)[:2]) if target is not None else ("", 0)
-    searches = {mode: SearchResult(mode, name, target, None) for mode in modes} if target is not None else {}
+    searches = {mode: SearchResult(mode, name, target, None, over=over) for mode in modes} if target is not None else {}
     done_runs: dict[tuple[str, int], ModeResult] = {}  # (mode, GPU count) -> result, until the search uses it
     next_count = dict.fromkeys(searches, 1)
 
@@ -118,8 +123,8 @@ def run_parallel(
         count = len(search.tried) + 1
         while (mode, count) in done_runs:
             result = done_runs.pop((mode, count))
-            search.tried[count] = result.wait_p95
-            if result.wait_p95 <= search.target:
+            search.tried[count] = result.p95_wait(over)
+            if search.tried[count] <= search.target:
                 search.gpus, search.result = count, result
                 break
             count += 1
