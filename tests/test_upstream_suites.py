@@ -5,11 +5,13 @@ active) must show no difference, and the runner must see a difference where ther
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,3 +135,35 @@ def test_an_sdist_comes_from_the_index_listing_checked_against_its_hash(tmp_path
         assert found.read_bytes() == body
     finally:
         server.shutdown()
+
+
+def test_a_difference_is_dropped_once_both_modes_agree_and_kept_if_it_holds_every_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``confirm`` runs the differing tests again (each time both modes) up to CONFIRM_RUNS times: a
+    test flaky upstream under load is dropped the first time both modes agree; a real difference,
+    which holds every time, is kept with the active run's message; a whole-run finding is never rerun."""
+    from tests.upstream import run as upstream
+
+    flaky, ours = "tests/a.py::test_flaky", "tests/b.py::test_ours"
+    rounds: list[tuple[str, ...]] = []
+    active_flaky = iter(["failed", "passed"])  # fails the first rerun too, passes the second
+
+    def fake_run_modes(suite: Any, modes: Any, sdist: Any, paths: tuple[str, ...], workdir: Any, args: Any, extra: Any) -> dict[str, RunResult]:
+        rounds.append(paths)
+        bare, active = RunResult(suite.name, "bare"), RunResult(suite.name, "active", leases=1)
+        for test_id in paths:
+            bare.outcomes[test_id] = "passed"
+            active.outcomes[test_id] = next(active_flaky) if test_id == flaky else "failed"
+            if active.outcomes[test_id] == "failed":
+                active.messages[test_id] = f"AssertionError in {test_id}"
+        return {"bare": bare, "active": active}
+
+    monkeypatch.setattr(upstream, "run_modes", fake_run_modes)
+    runs = {"bare": RunResult("nbclient", "bare"), "active": RunResult("nbclient", "active")}
+    diff = [(flaky, "passed", "failed"), (ours, "passed", "failed"), ("(whole run)", "-", "no lease")]
+    held = upstream.confirm(SUITES["nbclient"], tmp_path / "sdist", diff, runs, tmp_path, argparse.Namespace())
+    assert held == [(ours, "passed", "failed"), ("(whole run)", "-", "no lease")]
+    assert rounds == [(flaky, ours), (flaky, ours), (ours,)]  # the flaky one stops at its agreeing run
+    assert runs["active"].messages[ours] == f"AssertionError in {ours}"
+    assert "(the 1 differing tests again, 3/3)" in capsys.readouterr().out

@@ -422,7 +422,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None, help="where the runs' trees, logs and pools go (default: a temporary folder, removed when nothing differs)")
     parser.add_argument("--timeout", type=float, default=120, help="seconds one test may take (default: 120)")
     parser.add_argument("--run-timeout", type=float, default=1800, help="seconds one pytest run may take before it is killed (default: 1800)")
-    parser.add_argument("--no-confirm", action="store_true", help="report differences without re-running the differing tests once in both modes")
+    parser.add_argument("--no-confirm", action="store_true", help=f"report differences without running the differing tests again in both modes (up to {CONFIRM_RUNS} times)")
     parser.add_argument("--jobs", type=int, default=1, choices=(1, 2), help="run the bare and the active run side by side (2) or one after the other (1, the default)")
     parser.add_argument("--strict", action="store_true", help="count the inherent differences (INHERENT_DIFFERENCES) too")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k, for every run")
@@ -504,24 +504,33 @@ def run_modes(suite: Suite, modes: tuple[str, ...], sdist: Path, paths: tuple[st
         return dict(zip(modes, pool.map(one, modes)))
 
 
+#: How many times :func:`confirm` runs the differing tests again before it calls a difference real.
+CONFIRM_RUNS = 3
+
+
 def confirm(suite: Suite, sdist: Path, diff: list[tuple[str, str, str]], runs: dict[str, RunResult], workdir: Path,
-            args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """Run the differing tests once more in both modes; keep the differences that hold again
-    (a test that is flaky upstream on a loaded machine is not ours)."""
-    node_ids = sorted({test_id for test_id, *_ in diff if "::" in test_id})
-    if not node_ids:
-        return diff
-    again = run_modes(suite, MODES, sdist, tuple(node_ids), workdir, args, ())
-    for mode, result in again.items():
-        print(f"{suite.name} {mode:6} (the {len(node_ids)} differing tests again): {_summary(result)}  [{result.log}]", flush=True)
-    held = []
-    for test_id, bare_outcome, active_outcome in diff:
-        bare_again, active_again = again["bare"].outcomes.get(test_id), again["active"].outcomes.get(test_id)
-        if bare_again is not None and bare_again == active_again:
-            continue  # the same outcome in both modes this time
-        held.append((test_id, bare_outcome, active_outcome))
-        if test_id in again["active"].messages and test_id not in runs["active"].messages:
-            runs["active"].messages[test_id] = again["active"].messages[test_id]
+            args: argparse.Namespace, attempts: int = CONFIRM_RUNS) -> list[tuple[str, str, str]]:
+    """Run the differing tests again in both modes, up to ``attempts`` times; a difference is dropped
+    as soon as one run shows the same outcome in both modes (a test flaky upstream on a loaded machine,
+    whose timing the active run's extra work may tip, is not ours), and kept if it holds every time."""
+    held = list(diff)
+    for attempt in range(1, attempts + 1):
+        node_ids = sorted({test_id for test_id, *_ in held if "::" in test_id})
+        if not node_ids:
+            break
+        again = run_modes(suite, MODES, sdist, tuple(node_ids), workdir, args, ())
+        for mode, result in again.items():
+            print(f"{suite.name} {mode:6} (the {len(node_ids)} differing tests again, {attempt}/{attempts}): "
+                  f"{_summary(result)}  [{result.log}]", flush=True)
+        still = []
+        for test_id, bare_outcome, active_outcome in held:
+            bare_again, active_again = again["bare"].outcomes.get(test_id), again["active"].outcomes.get(test_id)
+            if "::" in test_id and bare_again is not None and bare_again == active_again:
+                continue  # the same outcome in both modes this time
+            still.append((test_id, bare_outcome, active_outcome))
+            if test_id in again["active"].messages and test_id not in runs["active"].messages:
+                runs["active"].messages[test_id] = again["active"].messages[test_id]
+        held = still
     return held
 
 
