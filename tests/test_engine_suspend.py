@@ -112,10 +112,32 @@ def test_a_suspend_its_user_asks_for_reads_the_driver_once_and_is_booked_at_it(t
         suspending = pool.suspend(alice.id, now=T0 + 10)
         assert reads == [False]
         assert suspending.transition is Transition.SUSPENDING
-        assert suspending.used_at_suspend == suspending.used_memory == 5 * GIB  # its park is booked at no less
+        assert suspending.used_at_suspend == suspending.used_memory == 5 * GIB, attribution_report(pool, kernel.pid)  # its park is booked at no less
     finally:
         kernel.kill()
         kernel.wait()
+
+
+def attribution_report(pool: Pool, pid: int) -> str:
+    """Why the pool's read of the driver did or did not count ``pid`` for a lease: what it saw of the
+    process, its ancestry and the user mapping (for a failure seen once under load, not reproduced)."""
+    import os
+
+    import psutil
+
+    from jupyter_gpupool.enforcement.claims import UnixUsers
+
+    lines = [f"driver rows: {pool.backend.process_usage()}", f"leases: {[(l.id, l.owner, l.devices) for l in pool.leases()]}"]
+    try:
+        proc = psutil.Process(pid)
+        lines.append(f"process {pid}: status {proc.status()}, uids {proc.uids()}, environ {proc.environ()}")
+        lines += [f"  ancestor {a.pid}: uids {a.uids()}, created {a.create_time()}" for a in proc.parents()[:3]]
+    except psutil.Error as err:
+        lines.append(f"process {pid}: {err!r}")
+    users = UnixUsers.single_user()
+    lines.append(f"users: template {users.template!r}, fallback uid {users.fallback_uid}, alice -> {users.uid('alice')}, "
+                 f"$GPUPOOL_UNIX_USER_TEMPLATE {os.environ.get('GPUPOOL_UNIX_USER_TEMPLATE')!r}")
+    return "\n".join(lines)
 
 
 def test_resume_queues_then_restores_on_its_own_gpu_and_confirms(tmp_path):
