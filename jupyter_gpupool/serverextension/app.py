@@ -113,7 +113,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
     reconcile_interval = Float(
         10.0,
         config=True,
-        help="Seconds between two reconciliations of leases against live kernels (a dead kernel frees its slice within this).",
+        help="Seconds between two reconciliations of leases against live kernels: a kernel gone from the server frees its "
+        "slice within this; one whose process died keeps it while the server's auto-restarter restarts it.",
     )
     watchdog_enabled = Bool(True, config=True, help="Run the NVML watchdog (interval and action: c.Watchdog.*).")
     reclaim_action = Enum(
