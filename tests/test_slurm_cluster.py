@@ -336,6 +336,22 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
         assert outcome and "KeyboardInterrupt" in outcome[0]
         assert len(slurm.run(["sacct", "--completion", "-a", "-n", "-X", "-j", job, "-o", "JobID"]).split()) == 0
 
+        # The kernel's process dies on its node: jupyter_server's restarter starts it again within its
+        # time_to_dead (3 s), and the server's reconciliations meanwhile (every 1 s here) keep its job.
+        died = int(execute(server, first, "import os; print(os.getpid())").strip())
+        os.kill(died, signal.SIGKILL)
+
+        def restarted() -> int | None:
+            try:
+                pid = int(execute(server, first, "import os; print(os.getpid())", timeout=slurm.within(1)).strip())
+            except Exception:  # noqa: BLE001 - not back yet: the restart is under way
+                return None
+            return pid if pid != died else None
+
+        wait_for(restarted, slurm.within(4), "the restarter to start the kernel again")
+        assert slice_of(server, first)["slurm"]["job_id"] == job  # the same job, never given back
+        assert squeue(slurm)[job] == "RUNNING"
+
         second = server.call("POST", "api/kernels", {"name": "python3"})["id"]
         wait_for(
             lambda: slice_of(server, second)["state"] == "granted", slurm.within(4), "the second kernel's job to run"
