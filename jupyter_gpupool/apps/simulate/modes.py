@@ -195,6 +195,20 @@ class _Session:
         self.wait_resume = False
         self.ran_at_once = False  # its current cell started on its slice with no wait (counted so)
 
+    def distinct(self, t: float) -> float:
+        """``t`` plus a microsecond per session index: two users coming back at the same instant
+        would otherwise tie on arrival time, which the queue breaks by (random) lease id."""
+        return t + 1e-6 * (1 + self.plan.index)
+
+
+def limit_asked(policy: PoolPolicy, guarantee: int, used: int, largest: int) -> int:
+    """Elastic: the limit a session asks for, 0 for the pool's ``burst`` — unless its need is above
+    that, when it is taken to have asked for a limit of its need rounded up to a GiB."""
+    need = min(largest, math.ceil(used / GIB) * GIB)
+    if need <= guarantee or need <= (policy.burst_limit_bytes(guarantee, largest) or guarantee):
+        return 0
+    return need
+
 
 class LabRun:
     """One mode on one inventory: feeds the sessions' plans through a real :class:`Pool`."""
@@ -250,7 +264,7 @@ class LabRun:
             self.raised += request > asked and mode != "exclusive"
             session = _Session(plan, request, used, asked)
             if self.elastic:
-                session.limit = self._limit(policy, asked, used, largest)
+                session.limit = limit_asked(policy, asked, used, largest)
                 self.raised += session.limit > 0
             self.sessions.append(session)
         self.by_lease: dict[str, _Session] = {}
@@ -276,15 +290,6 @@ class LabRun:
         self.samples = [0.0, 0.0, 0.0, 0, 0.0]  # Σ leased, Σ used, Σ busy bytes over ticks in open hours; tick count; Σ guaranteed
         self.calls = 0
         self._draining = False
-
-    @staticmethod
-    def _limit(policy: PoolPolicy, guarantee: int, used: int, largest: int) -> int:
-        """Elastic: the limit a session asks for, 0 for the pool's ``burst`` — unless its need is above
-        that, when it is taken to have asked for a limit of its need rounded up to a GiB."""
-        need = min(largest, math.ceil(used / GIB) * GIB)
-        if need <= guarantee or need <= (policy.burst_limit_bytes(guarantee, largest) or guarantee):
-            return 0
-        return need
 
     def _request_size(self, used: int, asked: int) -> int:
         """The slice a session's lease asks for: a whole GPU (exclusive), else what the user asked for
@@ -498,7 +503,7 @@ class LabRun:
                 session.state = "done"
                 self.counts["served"] += 1
             else:
-                self._push(self._distinct(t, session), _ARRIVE, session.plan.index)
+                self._push(session.distinct(t), _ARRIVE, session.plan.index)
             return
         if session.state == "suspended":  # parked during this idle spell: the user's next cell resumes it
             session.phase += 1
@@ -623,12 +628,6 @@ class LabRun:
         """How long copying the session's parked memory back onto a GPU takes."""
         return session.used / (self.settings.restore_rate or self.settings.checkpoint_rate)
 
-    @staticmethod
-    def _distinct(t: float, session: _Session) -> float:
-        """``t`` plus a microsecond per session index: two users coming back at the same instant
-        would otherwise tie on arrival time, which the queue breaks by (random) lease id."""
-        return t + 1e-6 * (1 + session.plan.index)
-
     def _give_up(self, session: _Session, t: float) -> None:
         if self._short(session):
             self.counts["gave_up_growing"] += 1
@@ -666,7 +665,7 @@ class LabRun:
         session.busy, session.blocked_since, session.remaining = False, None, None
         if needs_gpu:  # the user notices at once and asks again (the work of this phase starts over)
             session.gen += 1
-            self._push(self._distinct(t, session), _ARRIVE, session.plan.index)
+            self._push(session.distinct(t), _ARRIVE, session.plan.index)
         else:
             session.state = "away"  # back when this idle spell ends (its phase event still stands)
 
