@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from jupyter_gpupool.backends.local.pool import Pool
@@ -22,3 +26,25 @@ def req(owner: str = "alice", gib: float = 8, **kw: Any) -> LeaseRequest:
     if "priority" in kw and isinstance(kw["priority"], str):
         kw["priority"] = PriorityClass(kw["priority"])
     return LeaseRequest(owner=owner, memory=int(gib * GIB), **kw)
+
+
+def start_kernel_process(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A live process started with ``env`` (and a ``PATH``), as the pool's provisioner starts a kernel;
+    returned once it runs its own program. ``Popen`` returns when the exec closes the parent's pipe,
+    before the new program's environment is in place: until then ``/proc`` shows it empty, and the
+    pool could not tell whose the process is (a test's scripted GPU memory would be nobody's)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"],
+                            env={**env, "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+@contextmanager
+def kernel_process(env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """:func:`start_kernel_process`, killed and reaped on the way out."""
+    proc = start_kernel_process(env)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from broker_harness import BrokerHarness, BrokerProcess, StandInHub, read_http_message
+from pool_helpers import start_kernel_process
 from prometheus_client.parser import text_string_to_metric_families
 
 from jupyter_gpupool.backends.remote import RemotePool
@@ -432,13 +433,10 @@ def test_a_forged_suspend_done_is_taken_at_once_and_frees_nothing_the_kernel_sti
     process still holds 12 GiB: the report is taken at once (no wait on the driver), but the broker
     sees that memory through the driver and keeps it taken, so Bob's 16 GiB request waits until
     her process lets go; a parked figure no GPU could hold is a 400."""
-    import subprocess
-    import sys
 
     alice, bob = harness.remote(ALICE), harness.remote(BOB)
     lease = suspendable_lease(alice, "k-alice", memory=12 * GIB)
-    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                              env={"GPUPOOL_LEASE_ID": lease.id, "PATH": "/usr/bin:/bin"})
+    kernel = start_kernel_process({"GPUPOOL_LEASE_ID": lease.id})
     try:
         harness.pool.backend.set_usage(kernel.pid, lease.devices[0], 12 * GIB)
         alice.suspend(lease.id, reason="suspended by its user")
@@ -464,15 +462,12 @@ def test_a_suspend_is_booked_at_what_the_gpu_shows_when_it_begins_not_at_an_olde
     """Alice's kernel allocates 12 GiB right after the watchdog's last look and she suspends at once,
     then reports 1 GiB parked: the broker reads the driver as the suspend begins, so the host RAM
     it books for her park is the 12 GiB her kernel held, not the watchdog's older reading of none."""
-    import subprocess
-    import sys
 
     h = BrokerHarness(tmp_path, simulate="1x16GiB", watchdog={"interval": 3600.0}).start()  # no look during the test
     h.add_user(ALICE, "alice")
     alice = h.remote(ALICE)
     lease = suspendable_lease(alice, "k-alice", memory=12 * GIB)
-    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                              env={"GPUPOOL_LEASE_ID": lease.id, "PATH": "/usr/bin:/bin"})
+    kernel = start_kernel_process({"GPUPOOL_LEASE_ID": lease.id})
     try:
         assert alice.get(lease.id).used_memory is None, "the watchdog looked before the kernel allocated"
         h.pool.backend.set_usage(kernel.pid, lease.devices[0], 12 * GIB)
@@ -492,16 +487,13 @@ def test_a_restore_reported_failed_with_its_memory_parked_keeps_what_the_gpu_sho
     memory still parked (which gives the GPU back): the report is taken at once, but the broker sees
     her process holding the memory there and keeps it taken, so it is not granted to Bob as well
     until the driver shows it gone."""
-    import subprocess
-    import sys
 
     h = BrokerHarness(tmp_path, simulate="1x16GiB", watchdog={"interval": 3600.0}).start()  # the driver reading alone decides
     h.add_user(ALICE, "alice")
     h.add_user(BOB, "bob")
     alice, bob = h.remote(ALICE), h.remote(BOB)
     lease = suspendable_lease(alice, "k-alice", memory=8 * GIB)
-    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                              env={"GPUPOOL_LEASE_ID": lease.id, "PATH": "/usr/bin:/bin"})
+    kernel = start_kernel_process({"GPUPOOL_LEASE_ID": lease.id})
     try:
         route = f"api/gpupool/leases/{lease.id}/transition"
         h.pool.backend.set_usage(kernel.pid, lease.devices[0], 8 * GIB)

@@ -4,7 +4,7 @@ with explicit time (the engine decides; these tests play the server that carries
 from __future__ import annotations
 
 import pytest
-from pool_helpers import T0, make_pool, req
+from pool_helpers import T0, make_pool, req, start_kernel_process
 
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.backends.local.store import lease_from_json
@@ -52,17 +52,13 @@ def test_a_reclaim_suspend_is_booked_at_what_the_gpu_shows_as_it_begins(tmp_path
     """Alice's idle kernel allocates 8 GiB after the watchdog's last look, just before its reclaim is
     due: the suspend the pool decides is booked at the 8 GiB the driver shows as it begins, whatever
     her server reports parked."""
-    import subprocess
-    import sys
-
     pool = make_pool(tmp_path, **IDLE)
     alice = pool.request(req("alice", suspendable=True, kernel_id="ka"), now=T0)
     bob = pool.request(req("bob", kernel_id="kb"), now=T0)
     pool.report_activity(bob.id, Activity(busy=True), now=T0 + 1)
     pool.request(req("carol", kernel_id="kc"), now=T0 + 700)
     pool.tick(now=T0 + 701)  # warned
-    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                              env={"GPUPOOL_LEASE_ID": alice.id, "PATH": "/usr/bin:/bin"})
+    kernel = start_kernel_process({"GPUPOOL_LEASE_ID": alice.id})
     try:
         pool.backend.set_usage(kernel.pid, alice.devices[0], 8 * GIB)
         pool.report_activity(bob.id, Activity(busy=True), now=T0 + 770)
@@ -79,13 +75,9 @@ def test_a_reclaim_suspend_is_booked_at_what_the_gpu_shows_as_it_begins(tmp_path
 def test_a_suspend_its_user_asks_for_reads_the_driver_once_and_is_booked_at_it(tmp_path, monkeypatch):
     """The driver is read once per suspend (walking /proc for each GPU process is not free), before
     the write lock, and that one reading both judges the park and floors its booking."""
-    import subprocess
-    import sys
-
     pool = make_pool(tmp_path, **IDLE)
     alice = pool.request(req("alice", suspendable=True, kernel_id="ka"), now=T0)
-    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                              env={"GPUPOOL_LEASE_ID": alice.id, "PATH": "/usr/bin:/bin"})
+    kernel = start_kernel_process({"GPUPOOL_LEASE_ID": alice.id})
     from contextlib import contextmanager
 
     reads: list[bool] = []  # one entry per driver reading: whether it was taken under the write lock

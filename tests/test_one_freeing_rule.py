@@ -7,12 +7,10 @@ simulated driver lists the memory they hold."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import pytest
-from pool_helpers import T0, make_pool, req
+from pool_helpers import T0, kernel_process, make_pool, req
 
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import DecisionKind, LeaseState, Transition
@@ -20,16 +18,9 @@ from jupyter_gpupool.errors import InvalidInput
 from jupyter_gpupool.units import GIB
 
 
-@contextmanager
-def holder(env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def holder(env: dict[str, str] | None = None) -> AbstractContextManager[subprocess.Popen[bytes]]:
     """A live process that memory can be scripted against (a kernel, when ``env`` names its lease)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                            env={**(env or {}), "PATH": "/usr/bin:/bin"})
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
+    return kernel_process(env or {})
 
 
 def kernel_of(lease_id: str) -> dict[str, str]:

@@ -5,30 +5,11 @@ freed, whoever released the lease. Real SQLite, real processes; the simulated dr
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from pool_helpers import T0, make_pool, req
+from pool_helpers import T0, kernel_process, make_pool, req
 
 from jupyter_gpupool.backends.local.pool import Pool
 from jupyter_gpupool.core.models import Activity, LeaseState
 from jupyter_gpupool.units import GIB
-
-
-@contextmanager
-def kernel_process(lease_id: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A process started with the lease in its environment, as a kernel is."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(120)"],
-                            env={"GPUPOOL_LEASE_ID": lease_id, "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE)
-    try:
-        # Running, its environment its own: between fork and exec it still has this test's.
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def unpooled_of(pool: Pool) -> list[tuple[int, int, str]]:
@@ -40,7 +21,7 @@ def test_memory_a_released_kernel_still_holds_goes_to_nobody_until_its_process_l
     alice = pool.request(req("alice", 12, kernel_id="ka"), now=T0)
     bob = pool.request(req("bob", 12, kernel_id="kb"), now=T0 + 1)
     assert bob.state is LeaseState.QUEUED
-    with kernel_process(alice.id) as kernel:
+    with kernel_process({"GPUPOOL_LEASE_ID": alice.id}) as kernel:
         pool.backend.set_usage(kernel.pid, alice.devices[0], 10 * GIB)
         pool.release(alice.id, reason="kernel shut down", now=T0 + 10)
         # Bob's 12 GiB do not fit beside the 10 GiB alice's process still holds.
@@ -59,7 +40,7 @@ def test_a_release_that_finds_nothing_held_frees_the_slice_at_once(tmp_path) -> 
     pool = make_pool(tmp_path)
     alice = pool.request(req("alice", 12, kernel_id="ka"), now=T0)
     bob = pool.request(req("bob", 12, kernel_id="kb"), now=T0 + 1)
-    with kernel_process(alice.id) as kernel:
+    with kernel_process({"GPUPOOL_LEASE_ID": alice.id}) as kernel:
         pool.backend.set_usage(kernel.pid, alice.devices[0], 0)  # alive, but holds nothing on the GPU
         pool.release(alice.id, now=T0 + 10)
         assert pool.get(bob.id).state is LeaseState.GRANTED
@@ -71,7 +52,7 @@ def test_an_idle_kernel_culled_for_a_waiting_request_keeps_its_memory_taken_unti
     request it was culled for is granted once the culled kernel's process has let go."""
     pool = make_pool(tmp_path, idle_timeout=600, warning_period=60, preemption=False, reclaim_action="cull")
     alice = pool.request(req("alice", 12, kernel_id="ka"), now=T0)
-    with kernel_process(alice.id) as kernel:
+    with kernel_process({"GPUPOOL_LEASE_ID": alice.id}) as kernel:
         pool.backend.set_usage(kernel.pid, alice.devices[0], 9 * GIB)
         bob = pool.request(req("bob", 12, kernel_id="kb"), now=T0 + 700)
         pool.tick(now=T0 + 701)  # alice warned: idle while bob waits
