@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import Server, free_port, wait_for
-from slurm_cluster import SlurmCluster, skip_reason
+from slurm_cluster import LOAD_MARGIN, SlurmCluster, skip_reason
 
 pytestmark = [
     pytest.mark.slow,
@@ -343,7 +343,8 @@ def test_restart_keeps_the_job_a_pending_kernel_just_waits_and_a_job_that_dies_t
 
         def restarted() -> int | None:
             try:
-                pid = int(execute(server, first, "import os; print(os.getpid())", timeout=slurm.within(1)).strip())
+                # A short wait per try: the first ones go to the dead process and are never answered.
+                pid = int(execute(server, first, "import os; print(os.getpid())", timeout=LOAD_MARGIN).strip())
             except Exception:  # noqa: BLE001 - not back yet: the restart is under way
                 return None
             return pid if pid != died else None
