@@ -363,6 +363,36 @@ def test_a_kernel_that_died_keeps_its_slice_until_its_restarter_restarts_it(
     assert not released, released
 
 
+@pytest.mark.gpupool_config({"KernelRestarter": {"time_to_dead": 0.5, "restart_limit": 2}})
+def test_a_dead_kernel_whose_restarts_keep_failing_gives_its_slice_back_after_the_restarters_window(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    """jupyter_client's restarter counts no restart that raised, so one that keeps failing is tried for
+    ever: the dead kernel's slice is kept only for the restarter's own window (time_to_dead ×
+    (restart_limit + 1), 1.5 s here), then reconciliation releases it."""
+
+    async def scenario() -> None:
+        kernel_id, _ = await start_kernel(gpupool_fetch)
+        pid = json.loads(await kernel_exec(kernel_id, ENV_CODE))["pid"]
+        lease_id = (await kernel_state(gpupool_fetch, kernel_id))["lease_id"]
+        manager = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+        attempts: list[float] = []
+
+        async def failing_restart(*args: Any, **kwargs: Any) -> None:
+            attempts.append(time.monotonic())
+            raise RuntimeError("the kernel's environment is gone")
+
+        manager.restart_kernel = failing_restart
+        died = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        await gpupool_wait(lambda: gpupool_ext.pool.get(lease_id).state.value == "released", timeout=30, what="release")
+        assert time.monotonic() - died >= 1.5  # not before the window
+        assert len(attempts) >= 2  # the restarter kept trying meanwhile
+        assert "kernel is gone" in gpupool_ext.pool.get(lease_id).release_reason
+
+    arun(scenario())
+
+
 def test_provisioner_is_default_and_can_be_opted_out(jp_serverapp, gpupool_ext):
     """The extension made gpupool-provisioner the default; every start is not made pending (only a queued one is)."""
     spec = jp_serverapp.kernel_spec_manager.get_kernel_spec("python3")

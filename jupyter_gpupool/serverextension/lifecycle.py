@@ -63,15 +63,18 @@ def mark_rest_starts() -> None:
         cls.prepare = prepare  # type: ignore[method-assign]
 
 
-def restarter_watches(kernel_manager: Any, kernel_id: str) -> bool:
-    """Whether the kernel's auto-restarter is polling it: a kernel whose process died is then restarted
-    within the restarter's ``time_to_dead`` or, past its ``restart_limit``, dropped by the server."""
+def restart_window(kernel_manager: Any, kernel_id: str) -> float | None:
+    """Seconds the kernel's auto-restarter takes at most to bring a dead process back or to give up
+    (the server then drops the kernel): ``time_to_dead`` × (``restart_limit`` + 1) while it polls the
+    kernel; None when none does."""
     try:
         manager = kernel_manager.get_kernel(kernel_id)
     except KeyError:  # removed meanwhile
-        return False
-    restarter = getattr(manager, "_restarter", None)  # jupyter_client's IOLoopKernelManager keeps it here
-    return bool(getattr(manager, "autorestart", False)) and getattr(restarter, "_pcallback", None) is not None
+        return None
+    restarter: Any = getattr(manager, "_restarter", None)  # jupyter_client's IOLoopKernelManager keeps it here
+    if not getattr(manager, "autorestart", False) or getattr(restarter, "_pcallback", None) is None:
+        return None
+    return float(restarter.time_to_dead) * (int(restarter.restart_limit) + 1)
 
 
 class KernelHooks:
@@ -80,6 +83,8 @@ class KernelHooks:
     def __init__(self, ext: GpuPoolExtension) -> None:
         self.ext = ext
         self._restarts: dict[str, asyncio.Future[Any]] = {}
+        #: Kernel id → when reconciliation first found its process dead (until it is seen running again).
+        self._dead_since: dict[str, float] = {}
 
     def install_provisioner_default(self) -> None:
         """Kernelspecs of this server that name no provisioner get gpupool-provisioner.
@@ -469,16 +474,23 @@ class KernelHooks:
         live: set[str] = set()
         # A start under way is not in the map until it has started (no pending kernels): it is live.
         live.update(kernel_id for kernel_id, task in list(km._pending_kernels.items()) if not task.done())
+        dead_since, self._dead_since = self._dead_since, {}
         for kernel_id in list(km.list_kernel_ids()):
             prov = self.provisioner_of(kernel_id)
             if prov is None or prov.phase in ("new", "waiting", "launching", "restarting", "stopping"):
                 live.add(kernel_id)
+                if kernel_id in dead_since:  # a restart under way: the window still runs from the death
+                    self._dead_since[kernel_id] = dead_since[kernel_id]
                 continue
             process = getattr(prov, "process", None)
             if process is not None and process.poll() is None:
                 live.add(kernel_id)
-            elif restarter_watches(km, kernel_id):
-                # Its process died and its restarter restarts it within ``time_to_dead`` (on the slice it
-                # holds), or gives up and the server drops the kernel: then it is gone and released.
+                continue
+            # Its process died: its restarter brings it back on the slice it holds, or gives up and the
+            # server drops the kernel. A restart that keeps failing (the restarter counts none of those)
+            # keeps the slice no longer than the restarter's own window from the death.
+            died = self._dead_since[kernel_id] = dead_since.get(kernel_id, time.monotonic())
+            window = restart_window(km, kernel_id)
+            if window is not None and time.monotonic() - died <= window:
                 live.add(kernel_id)
         return live
