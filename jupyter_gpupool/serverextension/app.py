@@ -114,7 +114,8 @@ class GpuPoolExtension(FailClosedConfig, ExtensionApp):
         10.0,
         config=True,
         help="Seconds between two reconciliations of leases against live kernels: a kernel gone from the server frees its "
-        "slice within this; one whose process died keeps it while the server's auto-restarter restarts it.",
+        "slice within this; one whose process died keeps it while the server's auto-restarter restarts it, "
+        "for at most KernelRestarter.time_to_dead x (restart_limit + 1).",
     )
     watchdog_enabled = Bool(True, config=True, help="Run the NVML watchdog (interval and action: c.Watchdog.*).")
     reclaim_action = Enum(
