@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from jupyter_gpupool.apps.simulate import (
     Settings,
     SimulateApp,
     fewest_gpus,
+    parse_requests,
     parse_shape,
     run_mode,
     uniform_backend,
@@ -213,3 +215,70 @@ def test_every_mode_counts_each_cell_once_over_cells(capsys: pytest.CaptureFixtu
     assert roomy_runs["elastic"]["cells"] == roomy_runs["oracle"]["cells"] > roomy_runs["elastic"]["requests"]
     with pytest.raises(InvalidInput, match=r"--p95-over expected any of \['requests', 'cells'\]"):
         run_app([*argv, "--p95-over", "sessions"], capsys)
+
+
+# --- the oracle keeping the pool's promises (--oracle-keeps) -------------------------------------------------
+def a_short_pause_and_a_newcomer(pause: float) -> list[SessionPlan]:
+    """Session 0 computes 10 min, pauses ``pause`` s, computes 10 min; session 1 (its own 10 min) arrives in the pause.
+    Both use 60% of a GPU, so on one GPU they take turns."""
+    return [
+        plan(0, 0.0, 0.6, (True, 600.0), (False, pause), (True, 600.0)),
+        plan(1, 610.0, 0.6, (True, 600.0)),
+    ]
+
+
+def test_the_oracle_keeping_idle_holds_an_idle_kernels_memory_as_long_as_the_pool_does() -> None:
+    """``idle``: a session keeps its memory through the first suspend idle timeout of an idle spell (its
+    next cell runs at once), and only ``burst_settle`` when it uses more than it asked for."""
+    one_gpu = uniform_backend("24GiB", GPU, 1)
+    short = a_short_pause_and_a_newcomer(60.0)
+    free = run_mode(settings(patience=None), short, "oracle", one_gpu)
+    # The physical limit: session 0 lets go at 600 s, session 1 starts on arrival, session 0's second cell waits.
+    assert (free.requests, free.cells, free.wait_max) == (3, 3, 550.0)
+    kept = run_mode(settings(patience=None, oracle_keeps=("idle",), suspend_idle_timeout=120.0), short, "oracle", one_gpu)
+    # Kept through its 60 s pause: its second cell runs at once (a cell, not a request); the newcomer waits it out.
+    assert (kept.requests, kept.cells, kept.wait_max) == (2, 3, 650.0)
+    long_pause = run_mode(settings(patience=None, oracle_keeps=("idle",), suspend_idle_timeout=120.0), a_short_pause_and_a_newcomer(300.0), "oracle", one_gpu)
+    # Parked 120 s into its 300 s pause: the newcomer (10 s in) waits 110 s, then session 0's second cell waits for it.
+    assert long_pause.requests == 3 and long_pause.wait_mean == (0.0 + 110.0 + (1320.0 - 900.0)) / 3
+    # Asking for the default slice (6 GiB) and using 60% of 24 GiB: the rest is burst, taken back after burst_settle (15 s).
+    bursting = run_mode(
+        settings(patience=None, oracle_keeps=("idle",), suspend_idle_timeout=120.0, requests=parse_requests("default")), short, "oracle", one_gpu
+    )
+    assert bursting.requests == 3 and bursting.wait_max == 1215.0 - 660.0  # the newcomer waited 5 s; session 0 waits for it
+
+
+def test_the_oracle_keeping_asked_holds_a_guarantee_whole() -> None:
+    """``asked``: three sessions using 30% of a GPU each fit one GPU, but each asked for a whole GPU, so held whole they need three."""
+    together = [plan(i, float(i), 0.3, (True, 3600.0)) for i in range(3)]
+    whole = settings(gpus="4x24GiB", patience=None, requests=parse_requests("24GiB:1"))
+    assert fewest_gpus(whole, "oracle", 0.0, 4, plans=together).gpus == 1
+    assert fewest_gpus(replace(whole, oracle_keeps=("asked",)), "oracle", 0.0, 4, plans=together).gpus == 3
+
+
+@pytest.mark.parametrize("requests", ["exact", "default", "12GiB:1"])
+def test_the_oracle_keeping_the_pools_promises_is_still_no_more_than_elastic(requests: str) -> None:
+    """Keeping the promises elastic keeps, the oracle needs no more GPUs than elastic, and waits no longer on as many."""
+    s = settings(gpus="4x24GiB", patience=600.0, oracle_keeps=("idle", "asked"), suspend_idle_timeout=120.0, requests=parse_requests(requests))
+    sessions = [*a_short_pause_and_a_newcomer(60.0), plan(2, 900.0, 0.3, (True, 300.0), (False, 600.0), (True, 300.0))]
+    oracle = fewest_gpus(s, "oracle", 60.0, 4, plans=sessions, over="cells")
+    elastic = fewest_gpus(s, "elastic", 60.0, 4, plans=sessions, over="cells")
+    assert oracle.gpus is not None and elastic.gpus is not None and oracle.gpus <= elastic.gpus
+    for count in range(1, 4):
+        on = uniform_backend("24GiB", GPU, count), uniform_backend("24GiB", GPU, count)
+        assert run_mode(s, sessions, "oracle", on[0]).cell_wait_p95 <= run_mode(s, sessions, "elastic", on[1]).cell_wait_p95
+
+
+def test_oracle_keeps_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1", "--memory-need", "30%",
+            "--session-length", "30m", "--modes", "oracle"]
+    code, out, err = run_app([*argv, "--oracle-keeps", "asked,idle"], capsys)
+    assert code == 0, err
+    assert "oracle keeping idle,asked: the physical limit for a scheduler that keeps these promises" in out
+    code, out, err = run_app([*argv, "--oracle-keeps", "idle", "--json"], capsys)
+    assert json.loads(out)["settings"]["oracle_keeps"] == ["idle"]
+    code, out, err = run_app([*argv, "--oracle-keeps", "none", "--json"], capsys)
+    assert json.loads(out)["settings"]["oracle_keeps"] == []
+    code, out, err = run_app([*argv, "--oracle-keeps", "idle,forever"], capsys)
+    assert code != 0 and "invalid --oracle-keeps 'idle,forever': 'forever' is no promise; give none, or some of idle: " in err
+    assert "Traceback" not in err and not out

@@ -16,6 +16,17 @@ Every cell that starts after an idle spell asks for its memory again (it held no
 each busy phase is a request: its wait is from when the cell wanted to run until it starts. Waiting
 cells start first come, first served, and a later one that fits starts ahead of an earlier one that
 does not (backfill). A user whose cell waits longer than ``--patience`` gives up, as in every mode.
+
+``--oracle-keeps`` gives the oracle promises the pool keeps (:data:`ORACLE_PROMISES`), one at a time
+or together, so the gap between the pool and the physical limit can be split by what it is made
+of. Each keeps the oracle a lower bound on every scheduler that keeps the same promise:
+
+- ``idle``: an idle kernel is parked no sooner than the pool parks it: a session keeps what it
+  holds through the first ``--suspend-idle-timeout`` of each idle spell (a cell in that time runs
+  at once), or ``PoolPolicy.burst_settle`` for a session using more than it asked for (its burst is
+  taken back that soon).
+- ``asked``: a guarantee is held whole: a session holds at least what it asked for while it holds
+  anything, so a cell starts only when its whole guarantee could be packed.
 """
 
 from __future__ import annotations
@@ -28,13 +39,33 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from jupyter_gpupool.apps.simstats import jain_index, percentile
+from jupyter_gpupool.core.policy import PoolPolicy
 from jupyter_gpupool.devices.simulated import SimulatedBackend
 from jupyter_gpupool.errors import InvalidInput
 
 if TYPE_CHECKING:  # the simulator runs the oracle: its types only, so no import cycle
     from jupyter_gpupool.apps.simulate import ModeResult, SessionPlan, Settings
 
-_ARRIVE, _PHASE_END, _GIVEUP, _TICK = 0, 1, 2, 3
+_ARRIVE, _PHASE_END, _GIVEUP, _TICK, _PARK = 0, 1, 2, 3, 4
+
+#: Promises of the pool the oracle may keep too (``--oracle-keeps``): none by default, the physical limit.
+ORACLE_PROMISES = {
+    "idle": "an idle kernel keeps its memory for the suspend idle timeout (its burst for burst_settle)",
+    "asked": "a session holds at least what it asked for while it holds anything",
+}
+
+
+def parse_oracle_keeps(text: str) -> tuple[str, ...]:
+    """``idle,asked`` → the promises, in :data:`ORACLE_PROMISES`' order; '' or ``none``: none."""
+    value = (text or "").strip().lower()
+    if value in ("", "none"):
+        return ()
+    given = [part.strip() for part in value.split(",")]
+    unknown = [part for part in given if part not in ORACLE_PROMISES]
+    if unknown:
+        forms = "; ".join(f"{name}: {what}" for name, what in ORACLE_PROMISES.items())
+        raise InvalidInput(f"invalid --oracle-keeps {text[:60]!r}: {unknown[0][:20]!r} is no promise; give none, or some of {forms}")
+    return tuple(name for name in ORACLE_PROMISES if name in given)
 
 
 def gpus_needed(uses: Iterable[int], gpu_size: int) -> int:
@@ -77,7 +108,7 @@ def no_wait_gpus(plans: Iterable[SessionPlan], gpu_size: int, largest: int, hori
 class OracleRun:
     """The oracle on one inventory of one GPU model: the same sessions, the fewest constraints."""
 
-    def __init__(self, settings: Settings, plans: list[SessionPlan], backend: SimulatedBackend) -> None:
+    def __init__(self, settings: Settings, plans: list[SessionPlan], backend: SimulatedBackend, policy: PoolPolicy | None = None) -> None:
         devices = backend.devices()
         totals = {d.memory_total for d in devices}
         if len(totals) != 1:
@@ -87,13 +118,27 @@ class OracleRun:
         self.gpu_count = len(devices)
         # Each session's use is what the other modes' kernels use (their need on the largest leasable GPU).
         largest = max(d.leasable for d in devices)
-        self.uses = [min(self.gpu_size, plan.need_bytes(largest)) for plan in plans]
+        needs = [min(self.gpu_size, plan.need_bytes(largest)) for plan in plans]
+        policy = policy or PoolPolicy()
+        default_slice = policy.default_memory_bytes(largest)
+        asked = [settings.requests.size(plan.asks, need, default_slice, largest) for plan, need in zip(plans, needs, strict=True)]
+        keeps = settings.oracle_keeps
+        #: what a session holds while it holds anything: its use, or its guarantee if larger (``asked``)
+        self.uses = [max(need, ask) if "asked" in keeps else need for need, ask in zip(needs, asked, strict=True)]
+        #: how long into an idle spell a session keeps what it holds (``idle``; 0: it lets go at once)
+        self.keep_idle = [
+            (settings.suspend_idle_timeout if need <= ask else policy.burst_settle) if "idle" in keeps else 0.0
+            for need, ask in zip(needs, asked, strict=True)
+        ]
+        self.holding = [False] * len(plans)  # whether the session's memory is in ``total``
+        self.held_since = [0.0] * len(plans)
+        self.park_gen = [0] * len(plans)  # a park event is stale once a cell took the memory on
+        self.requested: list[float] = []  # waits of the cells that asked for memory (not held through an idle spell)
         self.total = 0  # bytes the running cells hold
         self.big = 0  # running cells that use over half a GPU
         self.phase = [0] * len(plans)
         self.state = ["pending"] * len(plans)  # pending | busy | idle | waiting | done | abandoned
         self.asked_at = [0.0] * len(plans)  # when a waiting cell wanted to run
-        self.started = [0.0] * len(plans)  # when the running cell started
         self.gen = [0] * len(plans)
         self.waiting: list[int] = []  # sessions whose cell waits, in the order they asked
         self.heap: list[tuple[float, int, int, int, int]] = []
@@ -137,6 +182,8 @@ class OracleRun:
                 self._phase_end(index, t)
             elif kind == _GIVEUP and gen == self.gen[index] and self.state[index] == "waiting":
                 self._give_up(index, t)
+            elif kind == _PARK and gen == self.park_gen[index] and self.holding[index] and self.state[index] == "idle":
+                self._free(index, t)
         return self._result(result_type, horizon, time.perf_counter() - started)
 
     def _enter_phase(self, index: int, t: float) -> None:
@@ -149,6 +196,10 @@ class OracleRun:
             return
         self.state[index], self.asked_at[index] = "waiting", t
         self.gen[index] += 1
+        if self.holding[index]:  # still held from its last cell (``idle``): it runs at once
+            self.park_gen[index] += 1
+            self._start(index, t)
+            return
         if self.fits(self.uses[index]):
             self._start(index, t)
             return
@@ -157,22 +208,27 @@ class OracleRun:
             self._push(t + self.settings.patience, _GIVEUP, index, self.gen[index])
 
     def _start(self, index: int, t: float) -> None:
-        """A waiting cell gets its memory and computes for its whole phase."""
-        use = self.uses[index]
-        self.total += use
-        self.big += 2 * use > self.gpu_size
-        self._count_wait(index, t - self.asked_at[index])
-        self.state[index], self.started[index] = "busy", t
+        """A waiting cell gets its memory (or keeps what its session holds) and computes for its whole phase."""
+        if self.holding[index]:
+            self._count_wait(index, 0.0, requested=False)
+        else:
+            use = self.uses[index]
+            self.total += use
+            self.big += 2 * use > self.gpu_size
+            self.holding[index], self.held_since[index] = True, t
+            self._count_wait(index, t - self.asked_at[index])
+        self.state[index] = "busy"
         self.gen[index] += 1
         self._push(t + self.plans[index].phases[self.phase[index]][1], _PHASE_END, index, self.gen[index])
 
     def _free(self, index: int, t: float) -> None:
-        """A running cell ends: its memory goes back at once, and waiting cells that now fit start."""
+        """A session lets its memory go (its cell ended, or its idle keep ran out): waiting cells that now fit start."""
         use = self.uses[index]
         self.total -= use
         self.big -= 2 * use > self.gpu_size
+        self.holding[index] = False
         user = self.plans[index].user
-        self.user_held[user] = self.user_held.get(user, 0.0) + (t - self.started[index])
+        self.user_held[user] = self.user_held.get(user, 0.0) + (t - self.held_since[index])
         still: list[int] = []
         for other in self.waiting:
             if self.fits(self.uses[other]):
@@ -184,9 +240,16 @@ class OracleRun:
     def _phase_end(self, index: int, t: float) -> None:
         if self.state[index] == "busy":
             self.state[index] = "idle"
-            self._free(index, t)
+            last = self.phase[index] + 1 >= len(self.plans[index].phases)
+            if self.keep_idle[index] > 0 and not last:
+                self.park_gen[index] += 1
+                self._push(t + self.keep_idle[index], _PARK, index, self.park_gen[index])
+            else:
+                self._free(index, t)
         self.phase[index] += 1
         if self.phase[index] >= len(self.plans[index].phases):
+            if self.holding[index]:
+                self._free(index, t)
             self.state[index] = "done"
             self.served += 1
             return
@@ -198,9 +261,12 @@ class OracleRun:
         self.state[index] = "abandoned"
         self.abandoned += 1
 
-    def _count_wait(self, index: int, wait: float) -> None:
+    def _count_wait(self, index: int, wait: float, requested: bool = True) -> None:
+        """A cell's wait; ``requested``: it asked for memory (it was not held from its session's last cell)."""
         phase = self.phase[index]
         self.waits.append(wait)
+        if requested:
+            self.requested.append(wait)
         self.idle_before.append(self.plans[index].phases[phase - 1][1] if phase else math.inf)
         user = self.plans[index].user
         self.user_wait[user] = self.user_wait.get(user, 0.0) + wait
@@ -211,9 +277,9 @@ class OracleRun:
             if state == "waiting":
                 still += 1
                 self._count_wait(index, horizon - self.asked_at[index])
-            elif state == "busy":
+            if self.holding[index]:
                 user = self.plans[index].user
-                self.user_held[user] = self.user_held.get(user, 0.0) + (horizon - self.started[index])
+                self.user_held[user] = self.user_held.get(user, 0.0) + (horizon - self.held_since[index])
         shares = []
         for user in sorted(set(self.user_wait) | set(self.user_held)):
             held, waited = self.user_held.get(user, 0.0), self.user_wait.get(user, 0.0)
@@ -230,14 +296,14 @@ class OracleRun:
             abandoned=self.abandoned,
             refused=0,
             still_waiting=still,
-            requests=len(self.waits),
-            leased_pct=held_pct,  # a cell holds exactly its use, and only while it computes
+            requests=len(self.requested),
+            leased_pct=held_pct,  # without promises, a cell holds exactly its use, and only while it computes
             used_pct=held_pct,
             busy_pct=held_pct,
-            wait_p50=percentile(self.waits, 50),
-            wait_p95=percentile(self.waits, 95),
-            wait_max=max(self.waits, default=0.0),
-            wait_mean=statistics.fmean(self.waits) if self.waits else 0.0,
+            wait_p50=percentile(self.requested, 50),
+            wait_p95=percentile(self.requested, 95),
+            wait_max=max(self.requested, default=0.0),
+            wait_mean=statistics.fmean(self.requested) if self.requested else 0.0,
             reclaims=0,
             idle_warnings=0,
             preemptions=0,
@@ -246,6 +312,6 @@ class OracleRun:
             days=self.settings.days,
             pool_calls=0,
             elapsed=elapsed,
-            cells=len(self.waits),  # every cell asks for its memory: each is a request
+            cells=len(self.waits),  # without ``idle`` every cell asks for its memory: each is a request
             cell_wait_p95=percentile(self.waits, 95),
         )

@@ -37,6 +37,8 @@ Five modes are compared on the same arrivals (common random numbers):
                 session holds exactly its use while a cell computes and nothing while idle, parked
                 and moved for free; a cell starts when the running cells pass a proven per-GPU
                 packing bound. Only with ``--modes``; every cell after an idle spell is a request.
+                ``--oracle-keeps idle,asked`` has it keep the pool's promises as well (an idle
+                kernel parked no sooner than the pool parks it, a guarantee held whole).
 
 The inverse question (``--target-p95-wait 5m``) searches GPU counts of the inventory's model
 upwards from one and reports, per mode, the fewest that keep the p95 wait within the target.

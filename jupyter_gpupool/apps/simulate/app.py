@@ -9,6 +9,7 @@ import time
 from traitlets import CaselessStrEnum, Float, Integer, Unicode
 
 from jupyter_gpupool.application import GpuPoolBaseApp
+from jupyter_gpupool.apps.oracle import parse_oracle_keeps
 from jupyter_gpupool.apps.simulate.modes import WAIT_POPULATIONS, ModeResult, inventory_model, run_mode
 from jupyter_gpupool.apps.simulate.plans import (
     ALL_MODES,
@@ -84,6 +85,7 @@ class SimulateApp(GpuPoolBaseApp):
         "modes": "SimulateApp.modes",
         "target-p95-wait": "SimulateApp.target_p95_wait",
         "p95-over": "SimulateApp.p95_over",
+        "oracle-keeps": "SimulateApp.oracle_keeps",
         "max-gpus": "SimulateApp.max_gpus",
         "jobs": "SimulateApp.jobs",
         "store": "SimulateApp.store",
@@ -140,6 +142,13 @@ class SimulateApp(GpuPoolBaseApp):
         help="What --target-p95-wait's p95 is over: 'requests' (every request for the GPU: first cells, cells after a "
         "reclaim or suspend, cells waiting for a slice to grow) or 'cells' (every cell run, 0 for one that ran at once "
         "on its kernel's slice: the population of the oracle, where every cell is a request).",
+    ).tag(config=True)
+    oracle_keeps = Unicode(
+        "",
+        help="Promises of the pool the oracle keeps too, to split the gap to the physical limit: 'idle' (an idle kernel "
+        "keeps its memory for --suspend-idle-timeout, or PoolPolicy.burst_settle if it uses more than it asked for), "
+        "'asked' (a session holds at least what it asked for while it holds anything), both as idle,asked, or '' (none: "
+        "the physical limit). The oracle stays a lower bound on every scheduler that keeps them.",
     ).tag(config=True)
     max_gpus = Integer(32, help="Largest GPU count the --target-p95-wait search tries.").tag(config=True)
     jobs = Integer(1, help="Processes running the modes and the GPU-count search in parallel (same tables as 1).").tag(config=True)
@@ -212,6 +221,7 @@ class SimulateApp(GpuPoolBaseApp):
             quota_max=parse_size(self.quota) if self.quota else None,
             max_leases=self.max_leases or None,
             store=self.store,
+            oracle_keeps=parse_oracle_keeps(self.oracle_keeps),
         )
         target = parse_duration(self.target_p95_wait) if self.target_p95_wait else None
         if target is not None:
@@ -280,7 +290,7 @@ class SimulateApp(GpuPoolBaseApp):
                 "leased/used/busy: GPU memory held by leases / needed by their kernels / needed by kernels computing, "
                 "as a share of all GPU memory, averaged over the day's open hours."
             ),
-            requests_note(settings.requests, default_slice, results),
+            requests_note(settings.requests, default_slice, results, settings.oracle_keeps),
         ]
         if searches:
             over = "every cell run" if self.p95_over == "cells" else "every request for the GPU"

@@ -831,5 +831,5 @@ def simulate(settings: Settings, modes: Iterable[str] = MODES, workload: Workloa
 def run_mode(settings: Settings, plans: list[SessionPlan], mode: str, backend: SimulatedBackend, config: Config | None = None) -> ModeResult:
     """One mode on one inventory: the pool's modes through :class:`LabRun`, the oracle without the pool."""
     if mode == "oracle":
-        return OracleRun(settings, plans, backend).run(ModeResult)
+        return OracleRun(settings, plans, backend, PoolPolicy(config=config)).run(ModeResult)
     return LabRun(settings, plans, mode, backend, config).run()

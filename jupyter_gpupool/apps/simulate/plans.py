@@ -222,6 +222,7 @@ class Settings:
     quota_max: int | None = None  # bytes a user may hold
     max_leases: int | None = None  # concurrent leases per user
     store: str = "memory"  # "memory" or "file"
+    oracle_keeps: tuple[str, ...] = ()  # promises of the pool the oracle keeps too (none: the physical limit)
 
     def describe(self) -> dict[str, Any]:
         data = asdict(self)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jupyter_gpupool.apps.cli import table
+from jupyter_gpupool.apps.oracle import ORACLE_PROMISES
 from jupyter_gpupool.apps.simulate.modes import ModeResult
 from jupyter_gpupool.apps.simulate.plans import MODE_LABELS, SUSPENDING, RequestSizes
 from jupyter_gpupool.apps.simulate.search import SearchResult
@@ -59,7 +60,7 @@ def copy_rates(checkpoint_rate: float, restore_rate: float | None) -> str:
     return f"suspend at {checkpoint_rate / 1e9:g} GB/s, restore at {restore_rate / 1e9:g} GB/s"
 
 
-def requests_note(requests: RequestSizes, default_slice: int, results: dict[str, ModeResult]) -> str:
+def requests_note(requests: RequestSizes, default_slice: int, results: dict[str, ModeResult], keeps: tuple[str, ...] = ()) -> str:
     """What sessions asked for, and the rule for those that needed more (a note under the table)."""
     if requests.kind == "exact":
         asked = "exact: each session asks for its need rounded up to a GiB"
@@ -87,14 +88,25 @@ def requests_note(requests: RequestSizes, default_slice: int, results: dict[str,
                 f"every kernel on a GPU waited to grow {r.grow_stalled_pct:.1f}% of the GPU time."
             )
     if "oracle" in results:
-        r = results["oracle"]
-        note += (
+        note += oracle_note(results["oracle"], keeps)
+    return note
+
+
+def oracle_note(r: ModeResult, keeps: tuple[str, ...] = ()) -> str:
+    """What the oracle plays: the physical limit, or that limit keeping some of the pool's promises."""
+    if not keeps:
+        return (
             f" oracle: the physical limit for these sessions, whatever they ask for: a cell holds exactly its use while it "
             f"computes and nothing while idle (parked and moved for free), and starts when the running cells pass a per-GPU "
             f"packing bound (the larger of total use over GPU size and the uses over half a GPU); every cell after an idle "
             f"spell is a request ({r.requests} here)."
         )
-    return note
+    kept = "; ".join(ORACLE_PROMISES[name] for name in keeps)
+    return (
+        f" oracle keeping {','.join(keeps)}: the physical limit for a scheduler that keeps these promises of the pool "
+        f"({kept}); otherwise moved and parked for free and packed by the same per-GPU bound; {r.requests} of its "
+        f"{r.cells} cells asked for memory."
+    )
 
 
 def elastic_columns(r: ModeResult) -> list[str]:
