@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpupool.core.models import LeaseRequest, LeaseState
 from jupyter_gpupool.serverextension.app import LEASE_SCHEMA_ID
 from jupyter_gpupool.units import GIB, SIZE_FORMS
 
@@ -328,13 +329,17 @@ def test_a_kernel_that_died_keeps_its_slice_until_its_restarter_restarts_it(
 ):
     """A kernel whose process died is restarted by the server's auto-restarter, which polls every
     ``time_to_dead`` (5 s here): until it does, reconciliation (every 0.25 s here) keeps the slice, so
-    the kernel comes back on the same lease and GPU instead of queueing again."""
+    the kernel comes back on the same lease and GPU instead of queueing again. The pool is full: a
+    request queued behind the slice is never granted it while the kernel is dead."""
     events = record_events(jp_serverapp)
 
     async def scenario() -> None:
         kernel_id, _ = await start_kernel(gpupool_fetch)
         before = json.loads(await kernel_exec(kernel_id, ENV_CODE))
         lease_id = (await kernel_state(gpupool_fetch, kernel_id))["lease_id"]
+        # Bob asks for the whole GPU: it fits only if the kernel's slice went back.
+        waiting = gpupool_ext.pool.request(LeaseRequest(owner="bob", memory=16 * GIB))
+        assert waiting.state is LeaseState.QUEUED
         manager = jp_serverapp.kernel_manager.get_kernel(kernel_id)
         manager.stop_restarter()
         manager.start_restarter()  # its first poll is one time_to_dead from now: the window is known
