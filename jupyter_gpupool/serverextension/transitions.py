@@ -492,10 +492,9 @@ class TransitionDriver:
                     km.get_kernel(kernel_id), "set_caps", self.ext.caps_timeout,
                     limit=limit, free_cache=free_cache, gpu_memory=gpu_memory,
                 )
+                why = "no answer" if reply is None else reply.get("message", "an error")
             except Exception as err:  # noqa: BLE001 - a kernel without the extension, or busy in C code: the watchdog still holds it
-                self.ext.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(limit), err)
-                return None
+                reply, why = None, str(err)
         if reply is None or reply.get("status") != "ok":
-            why = "no answer" if reply is None else reply.get("message", "an error")
             self.ext.log.warning("gpupool: could not move the caps of kernel %s to %s: %s", kernel_id, format_size(limit), why)
         return reply
