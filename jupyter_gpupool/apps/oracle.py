@@ -50,7 +50,7 @@ _ARRIVE, _PHASE_END, _GIVEUP, _TICK, _PARK = 0, 1, 2, 3, 4
 
 #: Promises of the pool the oracle may keep too (``--oracle-keeps``): none by default, the physical limit.
 ORACLE_PROMISES = {
-    "idle": "an idle kernel keeps its memory for the suspend idle timeout (its burst for burst_settle)",
+    "idle": "an idle kernel keeps its memory for the suspend idle timeout (for burst_settle if it uses more than it asked for)",
     "asked": "a session holds at least what it asked for while it holds anything",
 }
 
