@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -86,3 +87,45 @@ def test_a_kernel_grows_past_its_default_and_gives_the_burst_back_for_a_request(
         await gpupool_wait(caps_of_a_followed, timeout=10, what="A's caps lowered to its slice")
 
     arun(scenario())
+
+
+def test_a_caps_move_the_kernel_refuses_is_one_warning_with_its_reason(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext, kernel_exec
+):
+    """A kernel that answers the server's caps move with an error (a framework that cannot change its
+    cap, a kernel of another version) keeps its slice: the server logs one warning per move, saying why."""
+    pool = gpupool_ext.pool
+    refuse = (
+        "from jupyter_gpupool.quiet import install_quiet_requests\n"
+        "def refuse(content):\n    raise RuntimeError('this framework cannot move its cap')\n"
+        "install_quiet_requests(get_ipython().kernel, {'set_caps': refuse})\n"
+    )
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "could not move the caps" in record.getMessage():
+                lines.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    gpupool_ext.log.addHandler(handler)
+
+    async def scenario() -> None:
+        a = await start_kernel(gpupool_fetch)
+        await gpupool_wait(lambda: (l := pool.lease_for_kernel(a)) and l.state is LeaseState.GRANTED, what="kernel A's slice")
+        await kernel_exec(a, refuse)
+        await kernel_exec(a, USE + "pretend_to_use('6GiB')")
+        grown = pool.lease_for_kernel(a)
+        assert grown.memory >= 6 * GIB and grown.state is LeaseState.GRANTED
+        await gpupool_wait(lambda: lines, timeout=30, what="the server's warning")
+        await asyncio.sleep(1.0)  # a second copy of a line would be logged by now
+        assert len(lines) == len(set(lines)), lines  # one line per move (each to its own size)
+        for line in lines:
+            assert line.startswith(f"gpupool: could not move the caps of kernel {a} to ")
+            assert line.endswith(" GiB: RuntimeError: this framework cannot move its cap"), line
+        assert pool.get(grown.id).state is LeaseState.GRANTED
+
+    try:
+        arun(scenario())
+    finally:
+        gpupool_ext.log.removeHandler(handler)
