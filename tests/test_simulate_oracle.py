@@ -238,6 +238,8 @@ def test_the_oracle_keeping_idle_holds_an_idle_kernels_memory_as_long_as_the_poo
     kept = run_mode(settings(patience=None, oracle_keeps=("idle",), suspend_idle_timeout=120.0), short, "oracle", one_gpu)
     # Kept through its 60 s pause: its second cell runs at once (a cell, not a request); the newcomer waits it out.
     assert (kept.requests, kept.cells, kept.wait_max) == (2, 3, 650.0)
+    assert free.leased_pct == free.used_pct == free.busy_pct > 0  # only computing cells hold memory
+    assert kept.leased_pct == kept.used_pct > kept.busy_pct  # memory held through the pause, needed by no computing cell
     long_pause = run_mode(settings(patience=None, oracle_keeps=("idle",), suspend_idle_timeout=120.0), a_short_pause_and_a_newcomer(300.0), "oracle", one_gpu)
     # Parked 120 s into its 300 s pause: the newcomer (10 s in) waits 110 s, then session 0's second cell waits for it.
     assert long_pause.requests == 3 and long_pause.wait_mean == (0.0 + 110.0 + (1320.0 - 900.0)) / 3
@@ -254,6 +256,8 @@ def test_the_oracle_keeping_asked_holds_a_guarantee_whole() -> None:
     whole = settings(gpus="4x24GiB", patience=None, requests=parse_requests("24GiB:1"))
     assert fewest_gpus(whole, "oracle", 0.0, 4, plans=together).gpus == 1
     assert fewest_gpus(replace(whole, oracle_keeps=("asked",)), "oracle", 0.0, 4, plans=together).gpus == 3
+    held_whole = run_mode(replace(whole, oracle_keeps=("asked",)), together, "oracle", uniform_backend("24GiB", GPU, 3))
+    assert held_whole.leased_pct > held_whole.used_pct == held_whole.busy_pct  # a whole GPU held each, 30% of it needed
 
 
 @pytest.mark.parametrize("requests", ["exact", "default", "12GiB:1"])

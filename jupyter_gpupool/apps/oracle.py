@@ -124,6 +124,7 @@ class OracleRun:
         asked = [settings.requests.size(plan.asks, need, default_slice, largest) for plan, need in zip(plans, needs, strict=True)]
         keeps = settings.oracle_keeps
         #: what a session holds while it holds anything: its use, or its guarantee if larger (``asked``)
+        self.needs = needs
         self.uses = [max(need, ask) if "asked" in keeps else need for need, ask in zip(needs, asked, strict=True)]
         #: how long into an idle spell a session keeps what it holds (``idle``; 0: it lets go at once)
         self.keep_idle = [
@@ -150,6 +151,10 @@ class OracleRun:
         self.user_held: dict[str, float] = {}
         self.served = self.abandoned = 0
         self.held_sum = 0.0  # Σ bytes held over the ticks of the open hours
+        self.used = 0  # what the sessions holding memory need (below ``total`` where ``asked`` holds more)
+        self.used_sum = 0.0
+        self.busy = 0  # what the computing cells need (below ``used`` where ``idle`` keeps idle sessions' memory)
+        self.busy_sum = 0.0
         self.ticks = 0
 
     def fits(self, use: int) -> bool:
@@ -174,6 +179,8 @@ class OracleRun:
             if kind == _TICK:
                 if self.settings.shape.weight(t) > 0:
                     self.held_sum += self.total
+                    self.used_sum += self.used
+                    self.busy_sum += self.busy
                     self.ticks += 1
                 self._push(t + self.settings.tick, _TICK, -1)
             elif kind == _ARRIVE:
@@ -215,8 +222,10 @@ class OracleRun:
             use = self.uses[index]
             self.total += use
             self.big += 2 * use > self.gpu_size
+            self.used += self.needs[index]
             self.holding[index], self.held_since[index] = True, t
             self._count_wait(index, t - self.asked_at[index])
+        self.busy += self.needs[index]
         self.state[index] = "busy"
         self.gen[index] += 1
         self._push(t + self.plans[index].phases[self.phase[index]][1], _PHASE_END, index, self.gen[index])
@@ -226,6 +235,7 @@ class OracleRun:
         use = self.uses[index]
         self.total -= use
         self.big -= 2 * use > self.gpu_size
+        self.used -= self.needs[index]
         self.holding[index] = False
         user = self.plans[index].user
         self.user_held[user] = self.user_held.get(user, 0.0) + (t - self.held_since[index])
@@ -240,6 +250,7 @@ class OracleRun:
     def _phase_end(self, index: int, t: float) -> None:
         if self.state[index] == "busy":
             self.state[index] = "idle"
+            self.busy -= self.needs[index]
             last = self.phase[index] + 1 >= len(self.plans[index].phases)
             if self.keep_idle[index] > 0 and not last:
                 self.park_gen[index] += 1
@@ -285,7 +296,8 @@ class OracleRun:
             held, waited = self.user_held.get(user, 0.0), self.user_wait.get(user, 0.0)
             shares.append(held / (held + waited) if held + waited > 0 else 1.0)
         capacity = self.gpu_count * self.gpu_size
-        held_pct = 100 * self.held_sum / (capacity * max(1, self.ticks))
+        ticks = capacity * max(1, self.ticks)
+        held_pct, used_pct, busy_pct = (100 * total / ticks for total in (self.held_sum, self.used_sum, self.busy_sum))
         return result_type(
             mode="oracle",
             inventory=self.backend.describe().removeprefix("simulated "),
@@ -297,9 +309,9 @@ class OracleRun:
             refused=0,
             still_waiting=still,
             requests=len(self.requested),
-            leased_pct=held_pct,  # without promises, a cell holds exactly its use, and only while it computes
-            used_pct=held_pct,
-            busy_pct=held_pct,
+            leased_pct=held_pct,  # without promises, a cell holds exactly its use, and only while it computes: all three equal
+            used_pct=used_pct,
+            busy_pct=busy_pct,
             wait_p50=percentile(self.requested, 50),
             wait_p95=percentile(self.requested, 95),
             wait_max=max(self.requested, default=0.0),
