@@ -73,6 +73,8 @@ def row(path: Path, traces: str | None) -> dict[str, Any]:
     target = next(iter(data["search"].values()))["target_p95_wait"]
     out: dict[str, Any] = {
         "file": path.name, "requests": settings.requests.text, "seed": settings.seed, "sessions": len(plans),
+        # the oracle column's promises (--oracle-keeps); the two oracle counts recomputed here keep none
+        "oracle_keeps": ",".join(data["settings"].get("oracle_keeps") or []),
         "no_wait": no_wait_gpus(plans, memory, memory, settings.days * 86400),
         "park_delay": delay,
         "oracle_long_spells": oracle_on_long_spells(settings, plans, delay, target),
@@ -107,7 +109,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             if r["fewest"].get(m)
         )
         long_spells = r["oracle_long_spells"] or "> 64"
-        lines.append(f"| {r['requests']} | {r['seed']} | " + " | ".join(counts) + f" | {long_spells} | {r['no_wait']} | {at} |")
+        requests = r["requests"] + (f" (oracle keeping {r['oracle_keeps']})" if r["oracle_keeps"] else "")
+        lines.append(f"| {requests} | {r['seed']} | " + " | ".join(counts) + f" | {long_spells} | {r['no_wait']} | {at} |")
     return "\n".join(lines)
 
 

@@ -172,6 +172,17 @@ def test_the_bench_table_of_the_gap_reads_runs_of_the_simulator(tmp_path: Path, 
     assert row["fewest"]["oracle"] <= row["fewest"]["pooled"]
     proc = subprocess.run([sys.executable, str(BENCH / "oracle_gap.py"), str(run)], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and "| oracle, no cell ever waits |" in proc.stdout
+    # A run whose oracle kept promises says so in its row; the two counts recomputed from the sessions keep none.
+    code, out, err = run_app([*argv, "--oracle-keeps", "idle"], capsys)
+    kept = tmp_path / "kept.json"
+    kept.write_text(out)
+    proc = subprocess.run([sys.executable, str(BENCH / "oracle_gap.py"), "--json", str(run), str(kept)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    plain_row, kept_row = json.loads(proc.stdout)
+    assert (plain_row["oracle_keeps"], kept_row["oracle_keeps"]) == ("", "idle")
+    assert kept_row["no_wait"] == plain_row["no_wait"] and kept_row["fewest"]["oracle"] >= plain_row["fewest"]["oracle"]
+    proc = subprocess.run([sys.executable, str(BENCH / "oracle_gap.py"), str(kept)], capture_output=True, text=True, timeout=300, check=False)
+    assert "(oracle keeping idle) |" in proc.stdout
 
 
 # --- the same population of waits in every mode ------------------------------------------------------------
