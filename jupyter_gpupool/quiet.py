@@ -184,6 +184,18 @@ def _utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+def recorded_activity(kernel: Any) -> datetime.datetime | None:
+    """jupyter_server's ``last_activity`` of a kernel manager, or None before it recorded one: the
+    server sets it once the kernel has started, and reading the trait before that raises TraitError."""
+    from traitlets import TraitError
+
+    try:
+        value: datetime.datetime | None = getattr(kernel, "last_activity", None)
+    except TraitError:
+        return None
+    return value
+
+
 class ActivityClock:
     """One kernel's ``last_activity`` and ``execution_state`` as jupyter_server records them, less
     the quiet channel: its own IOPub subscription, read by jupyter_server's rules."""
@@ -196,7 +208,7 @@ class ActivityClock:
         self.kernel_id = kernel_id
         #: jupyter_server's own subscription this clock follows (a restart replaces it, and so this clock).
         self.follows = getattr(kernel, "_activity_stream", None)
-        self.last_activity: datetime.datetime = getattr(kernel, "last_activity", None) or _utcnow()
+        self.last_activity: datetime.datetime = recorded_activity(kernel) or _utcnow()
         self.execution_state: str = getattr(kernel, "execution_state", None) or "starting"
         #: While busy: the type of the request it is busy with (``execute_request``, ``comm_msg``...), else "".
         self.busy_with = ""

@@ -477,3 +477,34 @@ def test_the_pool_view_lists_reservations_with_whether_they_are_active(arun, gpu
     assert by_name["exam"]["active"] is True and by_name["later"]["active"] is False
     assert by_name["exam"]["memory"] == 4 * 1024**3 and by_name["exam"]["groups"] == ["cs101"]
     assert by_name["later"]["users"] == ["bob"] and abs(by_name["later"]["start"] - (now + 7200)) < 1
+
+
+def test_a_tick_while_the_server_has_not_recorded_a_kernels_activity_yet_reports_none(
+    arun, jp_serverapp, gpupool_fetch, gpupool_wait, gpupool_ext
+):
+    """jupyter_server sets a kernel's ``last_activity`` (and its activity stream) only once the kernel
+    started: a tick in between read the unset trait, which raises TraitError, and the whole tick step
+    failed with a traceback (seen with Voilà starting kernels). It reports no activity for it instead."""
+    from jupyter_server.services.kernels.kernelmanager import ServerKernelManager
+
+    from jupyter_gpupool.quiet import recorded_activity
+
+    assert recorded_activity(ServerKernelManager()) is None
+
+    async def scenario() -> None:
+        kernel_id, _ = await start_kernel(gpupool_fetch)
+        lease_id = (await kernel_state(gpupool_fetch, kernel_id))["lease_id"]
+        kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+        assert recorded_activity(kernel) is not None
+        stream, recorded = kernel._activity_stream, kernel._trait_values.pop("last_activity")
+        kernel._activity_stream = None  # the state between the kernel's launch and the server's watching it
+        gpupool_ext._activity_clocks.forget_others(())
+        try:
+            ticks = gpupool_ext.tick_count
+            await gpupool_ext.watch_loops.tick_once()
+            assert gpupool_ext.tick_count == ticks + 1
+        finally:
+            kernel._activity_stream, kernel.last_activity = stream, recorded
+        assert gpupool_ext.pool.get(lease_id).state.value == "granted"
+
+    arun(scenario())

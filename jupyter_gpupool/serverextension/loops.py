@@ -16,7 +16,7 @@ from jupyter_gpupool.core.models import Activity, Decision, DecisionKind, Lease,
 from jupyter_gpupool.enforcement.watchdog import Watchdog
 from jupyter_gpupool.errors import GpuPoolError, PoolUnavailable
 from jupyter_gpupool.provisioner.kernel_provisioner import GpuPoolProvisioner, holder_identity
-from jupyter_gpupool.quiet import ActivityClocks
+from jupyter_gpupool.quiet import ActivityClocks, recorded_activity
 
 if TYPE_CHECKING:
     from jupyter_gpupool.serverextension.app import GpuPoolExtension
@@ -123,7 +123,7 @@ class WatchLoops:
                 continue
             kernel = km.get_kernel(kernel_id)
             clock = clocks.clock(kernel_id)
-            last = clock.last_activity if clock is not None else getattr(kernel, "last_activity", None)
+            last = clock.last_activity if clock is not None else recorded_activity(kernel)
             state = clock.execution_state if clock is not None else getattr(kernel, "execution_state", None)
             connections = 0
             with contextlib.suppress(Exception):
