@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from simulate_cli import run_app
 
 from jupyter_gpupool.apps import workload as workload_module
 from jupyter_gpupool.apps.simulate import (
@@ -20,7 +21,6 @@ from jupyter_gpupool.apps.simulate import (
     LabRun,
     RequestSizes,
     Settings,
-    SimulateApp,
     fewest_gpus,
     jain_index,
     make_plans,
@@ -649,18 +649,6 @@ def test_arrivals_follow_the_day_shape() -> None:
 
 
 # --- the command line ---------------------------------------------------------------------------------
-def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    app = SimulateApp()
-    code = 0
-    try:
-        app.initialize(argv)
-        app.start()
-    except SystemExit as exit_:
-        code = int(exit_.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

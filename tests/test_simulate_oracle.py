@@ -9,13 +9,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from simulate_cli import SMALL_LAB, run_app
 
 from jupyter_gpupool.apps.oracle import OracleRun, gpus_needed, no_wait_gpus
 from jupyter_gpupool.apps.simulate import (
     MODES,
     SessionPlan,
     Settings,
-    SimulateApp,
     fewest_gpus,
     parse_requests,
     parse_shape,
@@ -114,21 +114,8 @@ def test_the_oracle_packs_gpus_of_one_size_only() -> None:
 
 
 # --- on the command line --------------------------------------------------------------------------------
-def run_app(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    app = SimulateApp()
-    try:
-        app.initialize(argv)
-        app.start()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_oracle_is_accepted_on_the_command_line_and_left_out_of_the_default(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1",
-            "--memory-need", "30%", "--session-length", "30m"]
+    argv = SMALL_LAB
     code, out, err = run_app([*argv, "--modes", "pooled,oracle", "--target-p95-wait", "10m", "--max-gpus", "4"], capsys)
     assert code == 0, err
     assert "oracle: the physical limit for these sessions" in out
@@ -285,8 +272,7 @@ def test_the_oracle_keeping_the_pools_promises_is_still_no_more_than_elastic(req
 
 
 def test_oracle_keeps_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--gpus", "1x24GiB", "--users", "6", "--rate", "4", "--shape", "flat", "--days", "0.1", "--memory-need", "30%",
-            "--session-length", "30m", "--modes", "oracle"]
+    argv = [*SMALL_LAB, "--modes", "oracle"]
     code, out, err = run_app([*argv, "--oracle-keeps", "asked,idle"], capsys)
     assert code == 0, err
     assert "oracle keeping idle,asked: the physical limit for a scheduler that keeps these promises" in out
